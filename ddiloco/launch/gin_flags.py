@@ -54,6 +54,12 @@ def parse_gin(workdir: str | None = None) -> str:
   """
   for path in _GIN_SEARCH_PATHS.value:
     gin.add_config_file_search_path(path)
+  # Includes are written relative to the config folder ("models/tiny.gin"), so a file and its parent
+  # folder are searched too: gin_configs/runs/x.gin can include "models/tiny.gin".
+  for path in _GIN_FILE.value:
+    folder = os.path.dirname(os.path.abspath(path))
+    gin.add_config_file_search_path(folder)
+    gin.add_config_file_search_path(os.path.dirname(folder))
   if not _GIN_FILE.value:
     raise ValueError("At least one --gin_file is required.")
   gin.parse_config_files_and_bindings(_GIN_FILE.value, _GIN_BINDINGS.value, finalize_config=False)

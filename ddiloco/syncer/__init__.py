@@ -1,1 +1,27 @@
-"""ddiloco.syncer."""
+"""ddiloco.syncer: the pure, clock-injected syncer core (SPEC §4) and its merge and timing pieces."""
+
+from ddiloco.syncer.core import (
+  FragmentState,
+  MergeEvent,
+  Report,
+  ReportResult,
+  SyncerConfig,
+  SyncerCore,
+)
+from ddiloco.syncer.grace import Ema, GraceModel
+from ddiloco.syncer.merge import merge_outer_gradients, rda, token_weight, weighted_mean
+
+__all__ = [
+  "Ema",
+  "FragmentState",
+  "GraceModel",
+  "MergeEvent",
+  "Report",
+  "ReportResult",
+  "SyncerConfig",
+  "SyncerCore",
+  "merge_outer_gradients",
+  "rda",
+  "token_weight",
+  "weighted_mean",
+]

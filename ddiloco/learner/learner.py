@@ -1,0 +1,260 @@
+"""One learner's state and its side of the fragment protocol (SPEC §3), free of transports and clocks.
+
+The simulated cluster and the learner process both drive this object:
+
+  learner.train_step(batch)                 # inner AdamW step; counters[p] += tokens, steps  ∀p
+  for p in learner.due():                   # fragments due after this step
+    result = send(learner.make_report(p))   # host copy of θ_p + counters + anchor version
+    learner.on_report_result(p, result)
+  learner.receive(fragment_state)           # whenever a merged fragment arrives
+  learner.apply_ready()                     # applies Θ_p once step >= send step + τ
+
+Decisions (SPEC §3 and docs/algorithm.md):
+- A merged fragment is applied at the first step >= (the learner's last send of p) + τ, using the newest
+  version received by then. A version that arrives while the learner has no outstanding send of p is
+  held until its next send + τ, so a learner's own progress on p is overwritten only after it was sent.
+- Counters of p reset to zero when a fragment is applied *and* the learner's last report of p was
+  accepted; a dropped (late) report keeps them growing so its next report weighs more (SPEC §4).
+- α = 0 overwrites θ_p with Θ_p (Decoupled DiLoCo); α = 0.5 mixes as Streaming DiLoCo.
+"""
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import gin
+import jax
+import numpy as np
+
+from ddiloco.fragments import tree
+from ddiloco.fragments.digest import values_digest
+from ddiloco.fragments.layout import FragmentLayout
+from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner.train_step import CompiledSteps
+from ddiloco.syncer.core import FragmentState, Report, ReportResult
+from ddiloco.types import PyTree
+
+_ACCEPTED = ("accepted", "superseded")
+
+
+@gin.configurable(module="ddiloco")
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+  """Learner-side protocol knobs.
+
+  Attributes:
+    mixing_alpha: θ_p ← (1 − α)·Θ_p + α·θ_p on apply (SPEC §3); 0 overwrites.
+    blocking: wait at the apply step until a newer version of p has arrived. True only for the
+      synchronous baselines (DiLoCo, Streaming DiLoCo); Decoupled DiLoCo never waits.
+  """
+
+  mixing_alpha: float = 0.0
+  blocking: bool = False
+
+  def __post_init__(self):
+    if not 0.0 <= self.mixing_alpha < 1.0:
+      raise ValueError(f"mixing_alpha must be in [0, 1), got {self.mixing_alpha}.")
+
+
+@dataclasses.dataclass
+class _Outstanding:
+  send_step: int
+  apply_step: int
+  accepted: bool | None = None  # None until the syncer answered.
+
+
+class Learner:
+  """Parameters, inner optimizer state and per-fragment bookkeeping of one learner.
+
+  Args:
+    learner_id: this learner's id at the syncer.
+    steps: the compiled train/eval steps for this learner's mesh.
+    params: initial parameters, placed with `steps.param_shardings`.
+    layout: the fragment layout (identical on every learner and the syncer).
+    schedule: when each fragment is due and τ.
+    config: protocol knobs.
+  """
+
+  def __init__(
+    self,
+    *,
+    learner_id: int,
+    steps: CompiledSteps,
+    params: PyTree,
+    layout: FragmentLayout,
+    schedule: FragmentSchedule,
+    config: LearnerConfig | None = None,
+  ):
+    if schedule.num_fragments != layout.num_fragments:
+      raise ValueError(
+        f"schedule has {schedule.num_fragments} fragments but the layout has {layout.num_fragments}."
+      )
+    self.learner_id = learner_id
+    self.steps = steps
+    self.layout = layout
+    self.schedule = schedule
+    self.config = config or LearnerConfig()
+    self.params = params
+    self.opt_state = steps.init_opt_state(params)
+    self.step = 0
+    self.phase = 0  # Schedule offset: fragments are due at step + phase (see align_phase).
+    num = layout.num_fragments
+    self.tokens = np.zeros(num, np.int64)  # SPEC §3 counters[p].tokens
+    self.step_counts = np.zeros(num, np.int64)  # SPEC §3 counters[p].steps
+    self.anchor = np.full(num, -1, np.int64)  # Version of p last applied; -1 = never received.
+    self.applied_digest: dict[int, str] = {}
+    self._inbox: dict[int, FragmentState] = {}
+    self._outstanding: dict[int, _Outstanding] = {}
+    leaves, self._treedef = jax.tree_util.tree_flatten_with_path(params)
+    self._index = {tree.path_str(path): i for i, (path, _) in enumerate(leaves)}
+    self._shardings = jax.tree_util.tree_leaves(
+      steps.param_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+    )
+    self._keys = [tuple(self._leaf_key(k) for k in keys) for keys in layout.fragments]
+
+  def _leaf_key(self, key: str) -> str:
+    # Split tensors are keyed "path@start:stop"; the leaf is "path".
+    return key.split("@", 1)[0]
+
+  # -- training -------------------------------------------------------------------------------
+
+  def train_step(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
+    """One inner step on `batch`; metrics stay on device (read them lazily)."""
+    self.params, self.opt_state, metrics = self.steps.train(
+      self.params, self.opt_state, self.steps.put_batch(batch)
+    )
+    self.step += 1
+    ntok = int(np.prod(batch["targets"].shape))
+    self.tokens += ntok
+    self.step_counts += 1
+    return metrics
+
+  # -- sending --------------------------------------------------------------------------------
+
+  @property
+  def schedule_step(self) -> int:
+    """The step on the fleet's schedule: this learner's step plus its phase offset."""
+    return self.step + self.phase
+
+  def align_phase(self, fleet_step: int) -> None:
+    """Shifts the schedule so that this learner's next step is the fleet's next one.
+
+    Called at (re)join with the syncer's `fleet_step`: SPEC §2's due steps are a fleet-wide cadence,
+    and a learner that rejoined with its old step count would send every fragment out of phase. Only
+    the schedule moves; the step count (and the inner learning-rate schedule) are the learner's own.
+    """
+    self.phase = max(fleet_step, 0) - self.step
+
+  def due(self) -> tuple[int, ...]:
+    """Fragments due after the current step (SPEC §2 schedule)."""
+    return self.schedule.due(self.schedule_step) if self.schedule_step >= 1 else ()
+
+  def fragment_values(self, p: int) -> dict[str, np.ndarray]:
+    """A host copy of this learner's θ_p, keyed as the layout keys it."""
+    leaves = jax.tree_util.tree_leaves(self.params)
+    full = {k: np.asarray(jax.device_get(leaves[self._index[k]])) for k in set(self._keys[p])}
+    return self.layout.select({k: full[self._leaf_key(k)] for k in self.layout.fragments[p]}, p)
+
+  def make_report(self, p: int, *, step_time_s: float = 0.0) -> Report:
+    """The report of fragment p (SPEC §3 send), recording it as outstanding."""
+    now = self.schedule_step
+    self._outstanding[p] = _Outstanding(now, self.schedule.apply_step(now))
+    return Report(
+      learner_id=self.learner_id,
+      fragment=p,
+      values=self.fragment_values(p),
+      tokens=int(self.tokens[p]),
+      steps=int(self.step_counts[p]),
+      anchor_version=int(self.anchor[p]),
+      step=now,  # On the fleet's schedule (== self.step unless realigned at a rejoin).
+      step_time_s=step_time_s,
+    )
+
+  def on_report_result(self, p: int, result: ReportResult) -> None:
+    """Records whether the syncer took the last report of p (decides the counter reset)."""
+    if p in self._outstanding:
+      self._outstanding[p].accepted = result.status in _ACCEPTED and result.weight > 0
+
+  def forget_outstanding(self) -> None:
+    """Drops outstanding sends (e.g. they were lost in a crash of the syncer or the network)."""
+    self._outstanding.clear()
+
+  # -- receiving ------------------------------------------------------------------------------
+
+  def receive(self, state: FragmentState) -> None:
+    """Stores a merged fragment; the newest version of each fragment wins."""
+    held = self._inbox.get(state.fragment)
+    if state.version > self.anchor[state.fragment] and (
+      held is None or state.version > held.version
+    ):
+      self._inbox[state.fragment] = state
+
+  def blocked(self) -> bool:
+    """True if `blocking` and some fragment's apply step has come without a newer version."""
+    if not self.config.blocking:
+      return False
+    return any(
+      self.schedule_step >= out.apply_step and p not in self._inbox
+      for p, out in self._outstanding.items()
+    )
+
+  def apply_ready(self) -> list[tuple[int, int]]:
+    """Applies every held fragment whose apply step has come; returns (fragment, version) pairs."""
+    applied = []
+    for p in sorted(self._inbox):
+      out = self._outstanding.get(p)
+      if out is None or self.schedule_step < out.apply_step:
+        continue
+      state = self._inbox.pop(p)
+      self._write_fragment(p, state.values)
+      self.anchor[p] = state.version
+      self.applied_digest[p] = state.digest
+      if out.accepted:
+        self.tokens[p] = 0
+        self.step_counts[p] = 0
+      del self._outstanding[p]
+      applied.append((p, state.version))
+    return applied
+
+  def load_global(self, states: Iterable[FragmentState]) -> None:
+    """Overwrites fragments with the syncer's global values (start, rejoin): SPEC §6.
+
+    Counters restart, nothing is outstanding, and each fragment's anchor becomes the given version.
+    """
+    for state in states:
+      self._write_fragment(state.fragment, state.values, mix=False)
+      self.anchor[state.fragment] = state.version
+      self.applied_digest[state.fragment] = state.digest
+      self.tokens[state.fragment] = 0
+      self.step_counts[state.fragment] = 0
+      self._inbox.pop(state.fragment, None)
+    self._outstanding.clear()
+
+  def _write_fragment(self, p: int, values: dict[str, np.ndarray], *, mix: bool = True) -> None:
+    alpha = self.config.mixing_alpha if mix else 0.0
+    if alpha > 0:
+      mine = self.fragment_values(p)
+      values = {
+        k: ((1 - alpha) * values[k] + alpha * mine[k]).astype(mine[k].dtype) for k in values
+      }
+    leaves = jax.tree_util.tree_leaves(self.params)
+    pieces: dict[str, list[tuple[int, int, np.ndarray]]] = {}
+    for key, value in values.items():
+      leaf_key, _, rows = key.partition("@")
+      if rows:  # A piece of a tensor split along axis 0 (SPEC §2 decision, off by default).
+        start, stop = (int(x) for x in rows.split(":"))
+        pieces.setdefault(leaf_key, []).append((start, stop, value))
+        continue
+      i = self._index[leaf_key]
+      leaves[i] = jax.device_put(np.asarray(value, dtype=leaves[i].dtype), self._shardings[i])
+    for leaf_key, parts in pieces.items():
+      i = self._index[leaf_key]
+      full = np.array(jax.device_get(leaves[i]))
+      for start, stop, value in parts:
+        full[start:stop] = value
+      leaves[i] = jax.device_put(full, self._shardings[i])
+    self.params = jax.tree_util.tree_unflatten(self._treedef, leaves)
+
+  def digest_of(self, p: int) -> str:
+    """Digest of this learner's current θ_p (equals the syncer's after an α = 0 apply)."""
+    return values_digest(self.fragment_values(p))

@@ -1,0 +1,70 @@
+"""Time accounting: goodput and global downtime from per-learner state changes.
+
+Definitions (docs/algorithm.md):
+- A learner slot is *provisioned* from its start (or join) to the end of the run (or its leave).
+- It is *busy* while it computes inner steps that complete; *blocked* while a synchronous learner waits
+  for a merged fragment; *down* between a crash and its rejoin.
+- goodput = Σ busy / Σ provisioned.
+- global downtime = total time during which no provisioned learner was busy (the whole job made no
+  progress): a crashed data-parallel job, or a synchronous quorum waiting for a dead learner.
+"""
+
+import dataclasses
+
+BUSY, BLOCKED, DOWN, GONE = "busy", "blocked", "down", "gone"
+
+
+@dataclasses.dataclass
+class _Slot:
+  state: str
+  since: float
+  totals: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class TimeLedger:
+  """Tracks each learner's state over time (virtual or wall clock)."""
+
+  def __init__(self):
+    self._slots: dict[int, _Slot] = {}
+    self._busy_count = 0
+    self._idle_since: float | None = 0.0
+    self.global_downtime_s = 0.0
+
+  def set_state(self, learner: int, state: str, now: float) -> None:
+    """Moves `learner` to `state` at time `now` (first call provisions the slot)."""
+    if state not in (BUSY, BLOCKED, DOWN, GONE):
+      raise ValueError(f"Unknown state {state!r}.")
+    slot = self._slots.get(learner)
+    if slot is not None:
+      if slot.state == state:
+        return
+      slot.totals[slot.state] = slot.totals.get(slot.state, 0.0) + (now - slot.since)
+      was_busy = slot.state == BUSY
+      slot.state, slot.since = state, now
+    else:
+      was_busy = False
+      self._slots[learner] = _Slot(state, now)
+    self._busy_count += (state == BUSY) - was_busy
+    if self._busy_count == 0 and self._idle_since is None:
+      self._idle_since = now
+    elif self._busy_count > 0 and self._idle_since is not None:
+      self.global_downtime_s += now - self._idle_since
+      self._idle_since = None
+
+  def close(self, now: float) -> None:
+    """Ends the run at `now`: every slot's current state is accounted up to it."""
+    for learner, slot in self._slots.items():
+      if slot.state != GONE:
+        self.set_state(learner, GONE, now)
+
+  def totals(self, learner: int) -> dict[str, float]:
+    """Seconds spent per state by one learner (after `close`, or up to its last change)."""
+    return dict(self._slots[learner].totals)
+
+  def goodput(self) -> float:
+    """Σ busy / Σ provisioned over all slots (provisioned = busy + blocked + down)."""
+    busy = provisioned = 0.0
+    for slot in self._slots.values():
+      busy += slot.totals.get(BUSY, 0.0)
+      provisioned += sum(v for k, v in slot.totals.items() if k != GONE)
+    return busy / provisioned if provisioned > 0 else 0.0

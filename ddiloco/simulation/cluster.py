@@ -1,0 +1,415 @@
+"""A simulated cluster: M learners and the syncer core in one process, on a virtual clock.
+
+ARCHITECTURE.md "two ways to run": the gradient steps are real (each learner is a real `Learner` with
+its own mesh over a slice of the local devices), so model quality is real; time is virtual, so quorum,
+grace window, stragglers, crashes and joins are reproducible on any machine. Only the transport
+(in-process events with latency) and the clock differ from the distributed runtime.
+
+Event loop (a heap ordered by virtual time):
+  step_done(m)      learner m finished an inner step: train, send due fragments, apply ready ones,
+                    start the next step (or block, for synchronous baselines)
+  arrive(report)    a report reaches the syncer core           -> core.report(), schedule a merge check
+  merge_check       the core's next deadline                    -> core.poll(), deliver merges
+  deliver(m, frag)  a merged fragment reaches learner m         -> learner.receive(), maybe unblock
+  fault             crash / rejoin / join / leave / slow (ddiloco.simulation.faults)
+  eval              evaluate the global model on the held-out split
+"""
+
+import dataclasses
+import heapq
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from ddiloco.fragments import tree
+from ddiloco.fragments.layout import FragmentLayout
+from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner.learner import Learner, LearnerConfig
+from ddiloco.metrics.accounting import BLOCKED, BUSY, DOWN, GONE, TimeLedger
+from ddiloco.metrics.writer import MetricsWriter
+from ddiloco.simulation.config import ClusterConfig, LearnerSpec
+from ddiloco.simulation.faults import Fault, parse_faults
+from ddiloco.simulation.runtime import LearnerFactory
+from ddiloco.syncer.core import FragmentState, MergeEvent, SyncerCore
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Slot:
+  """The simulator's view of one learner slot."""
+
+  index: int
+  spec: LearnerSpec
+  learner: Learner | None = None
+  data: Any = None
+  alive: bool = False
+  gen: int = 0  # Bumped on crash/rejoin: cancels that slot's pending events.
+  blocked: bool = False
+  slow_factor: float = 1.0
+  step_time_ema: float = 0.0
+  last_metrics: Any = None
+  losses: list[float] = dataclasses.field(default_factory=list)
+  steps_done: int = 0
+  tokens_done: int = 0
+
+
+class SimulatedCluster:
+  """Runs Decoupled DiLoCo (or a baseline) with real steps on a virtual clock.
+
+  Args:
+    factory: builds learners, the global initial parameters, the layout and the eval function.
+    cluster: fleet shape, faults, latencies and the run's length.
+    schedule: the fragment schedule (P, H, τ).
+    learner_config: learner protocol knobs (α, blocking).
+    syncer_core_fn: builds the `SyncerCore` given (layout keys, init values, clock, embedding keys);
+      None runs without a syncer (the data-parallel baseline).
+    writer: where events go.
+  """
+
+  def __init__(
+    self,
+    *,
+    factory: LearnerFactory,
+    cluster: ClusterConfig,
+    schedule: FragmentSchedule,
+    learner_config: LearnerConfig,
+    syncer_core_fn: Callable[..., SyncerCore] | None,
+    writer: MetricsWriter | None = None,
+  ):
+    self.factory = factory
+    self.cfg = cluster
+    self.schedule = schedule
+    self.learner_config = learner_config
+    self.writer = writer
+    self.now = 0.0
+    self._heap: list[tuple[float, int, str, tuple]] = []
+    self._seq = itertools.count()
+    self._rng = np.random.default_rng(cluster.seed)
+    self.layout: FragmentLayout = factory.layout
+    self.core: SyncerCore | None = None
+    if syncer_core_fn is not None:
+      self.core = syncer_core_fn(
+        fragment_keys=self.layout.fragments,
+        init_values=factory.global_init_values(),
+        clock=lambda: self.now,
+        embedding_keys=factory.embedding_keys(),
+      )
+    self.ledger = TimeLedger()
+    self.slots: dict[int, _Slot] = {}
+    self.token_budget = cluster.token_budget(factory.tokens_per_step)
+    self.tokens_trained = 0
+    self.bytes_up = 0
+    self.bytes_down = 0
+    self.lost_reports = 0
+    self.merge_events: list[MergeEvent] = []
+    self.evals: list[tuple[float, float]] = []
+    self._merge_check_at: float | None = None
+    self._finished = False
+
+  # -- event plumbing -------------------------------------------------------------------------
+
+  def _push(self, t: float, kind: str, *payload: Any) -> None:
+    heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
+
+  def _event(self, kind: str, **fields: Any) -> None:
+    if self.writer is not None:
+      self.writer.event(kind, time=round(self.now, 6), **fields)
+
+  def _step_duration(self, slot: _Slot) -> float:
+    base = slot.spec.step_time_s * slot.slow_factor
+    if slot.spec.jitter > 0:
+      base *= float(np.exp(self._rng.normal(0.0, slot.spec.jitter)))
+    return base
+
+  def _transfer_s(self, nbytes: int, latency: float) -> float:
+    bw = self.cfg.bandwidth_gbps
+    return latency + (nbytes * 8 / (bw * 1e9) if bw > 0 else 0.0)
+
+  # -- learner lifecycle ----------------------------------------------------------------------
+
+  def _start(self, index: int, *, rejoin: bool) -> None:
+    slot = self.slots.get(index)
+    if slot is None:
+      slot = _Slot(index=index, spec=self.cfg.spec_for(index))
+      self.slots[index] = slot
+    if slot.learner is None:
+      slot.learner = self.factory.make_learner(
+        index, spec=slot.spec, schedule=self.schedule, config=self.learner_config
+      )
+      slot.data = self.factory.make_data(index, spec=slot.spec)
+    slot.alive, slot.blocked = True, False
+    slot.gen += 1
+    if self.core is not None:
+      # Register, then restore every fragment from the global copy (SPEC §6 rejoin). The inner
+      # optimizer state is kept, as if restored from the learner's own per-step checkpoint.
+      self.core.register(index)
+      slot.learner.load_global(
+        [self.core.fetch(index, p) for p in range(self.layout.num_fragments)]
+      )
+      if rejoin or self.now > 0:
+        slot.learner.align_phase(self.core.fleet_step())
+    self.ledger.set_state(index, BUSY, self.now)
+    self._event(
+      "fault" if rejoin else "start", learner=index, action="rejoin" if rejoin else "start"
+    )
+    self._push(self.now + self._step_duration(slot), "step_done", index, slot.gen)
+
+  def _stop(self, index: int, *, permanent: bool) -> None:
+    slot = self.slots.get(index)
+    if slot is None or not slot.alive:
+      return
+    slot.alive, slot.blocked = False, False
+    slot.gen += 1
+    if self.core is not None:
+      self.core.leave(index)
+    self.ledger.set_state(index, GONE if permanent else DOWN, self.now)
+
+  # -- handlers -------------------------------------------------------------------------------
+
+  def _on_step_done(self, index: int, gen: int) -> None:
+    slot = self.slots[index]
+    if not slot.alive or gen != slot.gen:
+      return  # The step was lost in a crash.
+    learner = slot.learner
+    batch = next(slot.data)
+    slot.last_metrics = learner.train_step(batch)
+    ntok = int(np.prod(batch["targets"].shape))
+    slot.steps_done += 1
+    slot.tokens_done += ntok
+    self.tokens_trained += ntok
+    step_time = slot.spec.step_time_s * slot.slow_factor
+    slot.step_time_ema = (
+      step_time if slot.step_time_ema == 0 else 0.8 * slot.step_time_ema + 0.2 * step_time
+    )
+    if learner.step % self.cfg.log_every == 0:
+      loss = float(slot.last_metrics["loss"])
+      slot.losses.append(loss)
+      self._event("train", learner=index, step=learner.step, loss=loss, tokens=slot.tokens_done)
+      if self.writer is not None:
+        self.writer.scalars(learner.step, {f"learner_{index}/loss": loss})
+    if self.core is not None:
+      for p in learner.due():
+        report = learner.make_report(p, step_time_s=slot.step_time_ema)
+        nbytes = sum(v.nbytes for v in report.values.values())
+        self.bytes_up += nbytes
+        self._push(
+          self.now + self._transfer_s(nbytes, self.cfg.uplink_latency_s), "arrive", report, gen
+        )
+      learner.apply_ready()
+    if self.tokens_trained >= self.token_budget:
+      self._finished = True
+      self.ledger.close(self.now)
+      return
+    self._continue(slot)
+
+  def _continue(self, slot: _Slot) -> None:
+    if slot.learner.blocked():
+      if not slot.blocked:
+        slot.blocked = True
+        self.ledger.set_state(slot.index, BLOCKED, self.now)
+      return
+    if slot.blocked:
+      slot.blocked = False
+      self.ledger.set_state(slot.index, BUSY, self.now)
+    self._push(self.now + self._step_duration(slot), "step_done", slot.index, slot.gen)
+
+  def _on_arrive(self, report: Any, gen: int) -> None:
+    slot = self.slots[report.learner_id]
+    if not slot.alive or gen != slot.gen:
+      self.lost_reports += 1  # Sent by a learner that crashed before the report landed.
+      return
+    result = self.core.report(report)
+    slot.learner.on_report_result(report.fragment, result)
+    if result.status in ("late", "duplicate", "rejected"):
+      self._event(
+        "report", learner=report.learner_id, fragment=report.fragment, status=result.status
+      )
+    self._schedule_merge_check()
+
+  def _schedule_merge_check(self) -> None:
+    deadline = self.core.next_deadline()
+    if deadline is None:
+      return
+    deadline = max(deadline, self.now)
+    if self._merge_check_at is None or deadline < self._merge_check_at:
+      self._merge_check_at = deadline
+      self._push(deadline, "merge_check")
+
+  def _on_merge_check(self) -> None:
+    if self._merge_check_at is not None and self.now < self._merge_check_at:
+      return
+    self._merge_check_at = None
+    for ev in self.core.poll():
+      self.merge_events.append(ev)
+      self._event(
+        "merge",
+        fragment=ev.fragment,
+        version=ev.version,
+        contributors=list(ev.contributors),
+        weights=[round(w, 6) for w in ev.weights],
+        tokens=ev.tokens,
+        grace_s=round(ev.grace_s, 6),
+      )
+      state = self.core.state(ev.fragment)
+      nbytes = sum(v.nbytes for v in state.values.values())
+      for slot in self.slots.values():
+        if slot.alive:
+          self.bytes_down += nbytes
+          t = self.now + self._transfer_s(nbytes, self.cfg.downlink_latency_s)
+          self._push(t, "deliver", slot.index, slot.gen, state)
+    self._schedule_merge_check()
+
+  def _on_deliver(self, index: int, gen: int, state: FragmentState) -> None:
+    slot = self.slots[index]
+    if not slot.alive or gen != slot.gen:
+      return
+    self.core.mark_delivered(index, state.fragment, state.version)
+    slot.learner.receive(state)
+    if slot.blocked and not self._finished:
+      slot.learner.apply_ready()
+      self._continue(slot)
+
+  def _on_fault(self, fault: Fault) -> None:
+    self._event("fault", learner=fault.learner, action=fault.kind, duration_s=fault.duration_s)
+    slot = self.slots.get(fault.learner)
+    if fault.kind == "crash":
+      self._stop(fault.learner, permanent=math.isinf(fault.duration_s))
+      if not math.isinf(fault.duration_s):
+        self._push(self.now + fault.duration_s, "rejoin", fault.learner)
+    elif fault.kind == "leave":
+      self._stop(fault.learner, permanent=True)
+    elif fault.kind == "join":
+      if slot is not None and slot.alive:
+        raise ValueError(f"join:{fault.learner} but that learner is already running.")
+      self._start(fault.learner, rejoin=False)
+    elif fault.kind == "slow" and slot is not None:
+      slot.slow_factor = fault.factor
+      self._push(self.now + fault.duration_s, "unslow", fault.learner)
+
+  def _on_eval(self) -> None:
+    loss = self.evaluate_global()
+    self.evals.append((self.now, loss))
+    self._event("eval", loss=loss, tokens=self.tokens_trained)
+    if self.writer is not None:
+      self.writer.scalars(self.tokens_trained, {"eval/loss": loss})
+    if not self._finished:
+      self._push(self.now + self.cfg.eval_every_s, "eval")
+
+  # -- public ---------------------------------------------------------------------------------
+
+  def global_params_flat(self) -> dict[str, np.ndarray]:
+    """The model the system has produced: the syncer's global copy, or learner 0 without one."""
+    if self.core is not None:
+      return self.layout.join([self.core.state(p).values for p in range(self.layout.num_fragments)])
+    learner = self.slots[0].learner
+    return {k: np.asarray(jax.device_get(v)) for k, v in tree.flatten(learner.params).items()}
+
+  def evaluate_global(self) -> float:
+    return self.factory.evaluate_flat(self.global_params_flat())
+
+  def run(self, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Runs until the token budget is trained (or `max_time_s` of virtual time); returns the summary."""
+    wall0 = time.perf_counter()
+    for index in range(self.cfg.num_learners):
+      self._start(index, rejoin=False)
+    for fault in parse_faults(self.cfg.faults):
+      self._push(fault.time_s, "fault", fault)
+    if self.cfg.eval_every_s > 0:
+      self._push(self.cfg.eval_every_s, "eval")
+    handlers = {
+      "step_done": self._on_step_done,
+      "arrive": self._on_arrive,
+      "merge_check": self._on_merge_check,
+      "deliver": self._on_deliver,
+      "fault": self._on_fault,
+      "rejoin": lambda i: self._start(i, rejoin=True),
+      "unslow": lambda i: setattr(self.slots[i], "slow_factor", 1.0),
+      "eval": self._on_eval,
+    }
+    last_progress = wall0
+    # Once the token budget is trained no step starts, but reports already sent still land, merge
+    # and reach the learners (the drain), so the final global model includes the last steps' work.
+    drain_kinds = ("arrive", "merge_check", "deliver")
+    while self._heap:
+      t, _, kind, payload = heapq.heappop(self._heap)
+      if t > self.cfg.max_time_s:
+        break
+      if self._finished and kind not in drain_kinds:
+        continue
+      self.now = t
+      handlers[kind](*payload)
+      if progress is not None and time.perf_counter() - last_progress > 2.0:
+        last_progress = time.perf_counter()
+        progress(self.progress_line())
+    self.ledger.close(self.now)  # No-op for slots already closed when the budget was reached.
+    final = self.evaluate_global()
+    self.evals.append((self.now, final))
+    self._event("eval", loss=final, tokens=self.tokens_trained, final=True)
+    return self.summary(final, time.perf_counter() - wall0)
+
+  def progress_line(self) -> str:
+    versions = (
+      sum(self.core.version(p) for p in range(self.layout.num_fragments)) if self.core else 0
+    )
+    parts = []
+    for slot in self.slots.values():
+      loss = slot.losses[-1] if slot.losses else float("nan")
+      state = "up" if slot.alive else "down"
+      parts.append(
+        f"L{slot.index}:{state} step {slot.learner.step if slot.learner else 0} loss {loss:.3f}"
+      )
+    pct = 100.0 * self.tokens_trained / self.token_budget
+    return (
+      f"t={self.now:8.1f}s tokens {pct:5.1f}% merges {len(self.merge_events)} v_sum {versions} | "
+      + " ".join(parts)
+    )
+
+  def digests_agree(self) -> bool:
+    """Every alive learner holds, for each fragment at its anchor == current version, the same bits."""
+    if self.core is None or self.learner_config.mixing_alpha != 0:
+      return True
+    for slot in self.slots.values():
+      if not slot.alive:
+        continue
+      for p in range(self.layout.num_fragments):
+        state = self.core.state(p)
+        if (
+          slot.learner.anchor[p] == state.version and slot.learner.applied_digest[p] != state.digest
+        ):
+          return False
+    return True
+
+  def summary(self, final_loss: float, wall_s: float) -> dict[str, Any]:
+    stats = self.core.stats() if self.core is not None else {}
+    quorums = [len(ev.contributors) for ev in self.merge_events]
+    return {
+      "final_eval_loss": final_loss,
+      "tokens_trained": self.tokens_trained,
+      "goodput": self.ledger.goodput(),
+      "global_downtime_s": self.ledger.global_downtime_s,
+      "merges": len(self.merge_events),
+      "mean_quorum_size": float(np.mean(quorums)) if quorums else 0.0,
+      "dropped_reports": int(stats.get("late", 0)) + self.lost_reports,
+      "bytes_up": self.bytes_up,
+      "bytes_down": self.bytes_down,
+      "wall_time_s": wall_s,
+      "virtual_time_s": self.now,
+      "digests_agree": self.digests_agree(),
+      "learners": {
+        str(s.index): {
+          "steps": s.steps_done,
+          "tokens": s.tokens_done,
+          "time": self.ledger.totals(s.index),
+        }
+        for s in self.slots.values()
+      },
+      "syncer": stats,
+      "evals": [[round(t, 4), loss] for t, loss in self.evals],
+    }

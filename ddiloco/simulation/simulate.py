@@ -1,0 +1,114 @@
+"""`simulate()`: one simulated run from configs to summary, importable from a notebook.
+
+Everything an experiment varies is an argument; gin binds them from .gin files (gin_configs/), and the
+`ddiloco-simulate` entry point is a thin shell around this function.
+"""
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import gin
+
+from ddiloco.data import text as text_data
+from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner.learner import LearnerConfig
+from ddiloco.learner.train_step import InnerOptConfig
+from ddiloco.metrics.writer import MetricsWriter, write_summary
+from ddiloco.models import transformer
+from ddiloco.simulation.cluster import SimulatedCluster
+from ddiloco.simulation.config import ClusterConfig
+from ddiloco.simulation.runtime import LearnerFactory
+from ddiloco.syncer.core import SyncerConfig, SyncerCore
+
+log = logging.getLogger(__name__)
+
+
+@gin.configurable(module="ddiloco", denylist=["workdir", "progress"])
+def simulate(
+  *,
+  workdir: str,
+  model: transformer.TransformerConfig = gin.REQUIRED,
+  data: text_data.TextDataConfig = gin.REQUIRED,
+  cluster: ClusterConfig = gin.REQUIRED,
+  schedule: FragmentSchedule | None = None,
+  syncer: SyncerConfig | None = None,
+  learner: LearnerConfig | None = None,
+  inner_opt: InnerOptConfig | None = None,
+  layout_strategy: str = "balanced",
+  split_large: bool = False,
+  sync: bool = True,
+  seed: int = 0,
+  eval_batches: int = 8,
+  tensorboard: bool = True,
+  progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+  """Runs one simulated Decoupled DiLoCo (or baseline) training and writes its outputs.
+
+  Args:
+    workdir: output folder: metrics.jsonl, tb/, summary.json.
+    model: the transformer (vocab is set from the tokenizer).
+    data: the text pipeline.
+    cluster: fleet, faults, network, token budget.
+    schedule: fragments P, period H, overlap τ (default: SPEC §2's 24/24/2).
+    syncer: quorum, grace, merge and outer optimizer (default: SyncerConfig()).
+    learner: α and blocking (default: LearnerConfig()).
+    inner_opt: inner AdamW (default: InnerOptConfig()).
+    layout_strategy: "balanced" (default), "layer" or "tensor".
+    split_large: allow splitting tensors larger than total/P.
+    sync: False runs the data-parallel baseline: no syncer, learner 0's params are the model.
+    seed: parameter initialisation seed.
+    eval_batches: held-out batches per evaluation.
+    tensorboard: write TensorBoard events too.
+    progress: called with a one-line status every couple of seconds.
+
+  Returns:
+    The summary (also written to workdir/summary.json).
+  """
+  schedule = schedule or FragmentSchedule(num_fragments=24, period=24, overlap=2)
+  syncer = syncer or SyncerConfig()
+  if syncer.overlap != schedule.overlap:
+    raise ValueError(
+      f"SyncerConfig.overlap ({syncer.overlap}) must equal FragmentSchedule.overlap "
+      f"({schedule.overlap}): the grace window spends the slack that τ hides (SPEC §4.2)."
+    )
+  if not sync and cluster.num_learners != 1:
+    raise ValueError("The data-parallel baseline (sync=False) runs exactly one learner.")
+  factory = LearnerFactory(
+    model_config=model,
+    data_config=data,
+    inner_opt=inner_opt or InnerOptConfig(),
+    num_fragments=schedule.num_fragments,
+    layout_strategy=layout_strategy,
+    split_large=split_large,
+    num_shards=cluster.num_shards(),
+    seed=seed,
+    eval_batches=eval_batches,
+    batch_size=cluster.batch_size,
+  )
+
+  def core_fn(**kwargs):
+    return SyncerCore(config=syncer, **kwargs)
+
+  os.makedirs(workdir, exist_ok=True)
+  with MetricsWriter(workdir, tensorboard=tensorboard) as writer:
+    writer.event(
+      "config",
+      time=0.0,
+      params=factory.num_params,
+      layout_digest=factory.layout.digest,
+      fragment_bytes=[factory.layout.fragment_bytes(p) for p in range(schedule.num_fragments)],
+    )
+    sim = SimulatedCluster(
+      factory=factory,
+      cluster=cluster,
+      schedule=schedule,
+      learner_config=learner or LearnerConfig(),
+      syncer_core_fn=core_fn if sync else None,
+      writer=writer,
+    )
+    summary = sim.run(progress=progress)
+  summary["num_params"] = factory.num_params
+  write_summary(workdir, summary)
+  return summary

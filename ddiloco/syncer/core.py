@@ -1,0 +1,748 @@
+"""The syncer's core: per-fragment rounds, quorum, grace window, token-weighted merge, outer step (SPEC §4).
+
+Pure and clock-injected: no threads, no sleeping, no I/O, no wall clock. Time comes only from `clock`, so
+the same object runs under a virtual clock (simulated cluster) and a wall clock (the gRPC service, which
+wraps it with a lock). The team's decisions, each cited where it is implemented:
+
+- Versions start at 0 (the initial values); each merge of fragment p publishes version + 1 and the
+  `values_digest` of the new values (SPEC §4.7).
+- Each fragment has one open *round* collecting contributions for version cur + 1. A report's staleness
+  is cur − anchor_version; above `max_staleness` it is "late": dropped and counted (SPEC §4, "late
+  reports"). 0 is SPEC §4 literally: only reports anchored at the current version join. The default
+  (2) re-anchors reports that missed one or two merges instead of dropping them (SPEC §4.3): without
+  it, one learner out of phase (a rejoined or slow one) opens every round alone and the in-phase
+  learners' reports, one version behind, are all dropped (measured: half of all reports in
+  gin_configs/sim_tiny.gin; docs/algorithm.md).
+- A learner weighs 0 for p until p was delivered to it since its last registration (SPEC §3); such
+  reports are accepted but neither count toward the quorum nor touch the merge.
+- Quorum: ≥ K weight>0 reports (SPEC §4.1). Then the round stays open for the grace window (SPEC §4.2),
+  or closes at once when every alive learner that has received p has reported. It never merges with
+  fewer than K: K = M with a dead learner stalls, which is the synchronous baselines' cost, made visible.
+- Merge: v_m = Θ^(a_m) − θ_m with a_m the report's anchor version, i.e. θ_m re-anchored at the current
+  Θ_p (SPEC §4.3: θ_m' = Θ_cur − (Θ^(a_m) − θ_m), so Θ_cur − θ_m' = Θ^(a_m) − θ_m). For an on-time
+  report a_m = cur and this is SPEC §4.3's Θ_cur − θ_m exactly; a stale one adds its own progress on top
+  of the merges it missed instead of pulling Θ back to its old anchor. w_m = tokens²/steps, RDA or mean
+  (SPEC §4.3–4.5), then one optax state per fragment (SPEC §4.6), float32 math, results cast back to
+  each tensor's dtype.
+"""
+
+import dataclasses
+import functools
+import hashlib
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ddiloco.fragments.digest import values_digest
+from ddiloco.syncer import merge as merge_lib
+from ddiloco.syncer.grace import GraceModel
+
+_COUNTERS = (
+  "fleet_step",  # Largest step of an accepted weight>0 report: the fleet's schedule phase.
+  "merges",
+  "accepted",
+  "superseded",
+  "late",
+  "duplicate",
+  "rejected",
+  "dropped_tokens",
+  "merged_tokens",
+  "zero_weight_reports",
+  "zero_weight_tokens",
+)
+_REPORT_SCALARS = ("tokens", "steps", "anchor_version", "step", "step_time_s")
+
+
+@gin.configurable(module="ddiloco")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncerConfig:
+  """Syncer settings (SPEC §4). Bound from gin as `ddiloco.SyncerConfig.<field>`.
+
+  Attributes:
+    min_quorum: K, weight>0 reports needed before a round may merge (SPEC §4.1).
+    use_grace: whether to keep a round open for the adaptive grace window after quorum (SPEC §4.2).
+    grace_gamma: γ, the fraction of slack the window spends (decision 0.8).
+    grace_max_s: upper bound of the window, seconds.
+    overlap: τ in steps; only the grace model uses it here.
+    ema_decay: decay of the ξ EMAs.
+    merge_method: "rda" (default) or "mean" for non-embedding tensors (SPEC §4.5).
+    max_staleness: largest cur − anchor_version a report may have to join a round; 0 = SPEC §4 literal.
+    outer_lr: outer SGD learning rate (DiLoCo 0.7, SPEC §4.6).
+    outer_momentum: outer momentum; 0 disables it.
+    nesterov: Nesterov momentum.
+    keep_versions: recent versions kept per fragment, current included (for re-anchoring, SPEC §4.3).
+  """
+
+  min_quorum: int = 1
+  use_grace: bool = True
+  grace_gamma: float = 0.8
+  grace_max_s: float = 10.0
+  overlap: int = 2
+  ema_decay: float = 0.8
+  merge_method: str = "rda"
+  max_staleness: int = 2
+  outer_lr: float = 0.7
+  outer_momentum: float = 0.9
+  nesterov: bool = True
+  keep_versions: int = 4
+
+  def __post_init__(self):
+    if self.min_quorum < 1:
+      raise ValueError(f"min_quorum must be >= 1, got {self.min_quorum}.")
+    if not 0.0 <= self.grace_gamma <= 1.0:
+      raise ValueError(f"grace_gamma must be in [0, 1], got {self.grace_gamma}.")
+    if not math.isfinite(self.grace_max_s) or self.grace_max_s < 0:
+      raise ValueError(f"grace_max_s must be finite and >= 0, got {self.grace_max_s}.")
+    if self.overlap < 0:
+      raise ValueError(f"overlap must be >= 0, got {self.overlap}.")
+    if not 0.0 <= self.ema_decay < 1.0:
+      raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}.")
+    if self.merge_method not in merge_lib.MERGE_METHODS:
+      raise ValueError(
+        f"merge_method must be one of {merge_lib.MERGE_METHODS}, got {self.merge_method!r}."
+      )
+    if self.max_staleness < 0:
+      raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}.")
+    if not self.outer_lr > 0:
+      raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}.")
+    if not 0.0 <= self.outer_momentum < 1.0:
+      raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}.")
+    if self.keep_versions < self.max_staleness + 1:
+      raise ValueError(
+        f"keep_versions ({self.keep_versions}) must be >= max_staleness + 1 "
+        f"({self.max_staleness + 1}): re-anchoring needs every anchor a report may have."
+      )
+
+  def outer_optimizer(self) -> optax.GradientTransformation:
+    """optax.sgd(outer_lr, momentum or None, nesterov): DiLoCo's outer step (SPEC §4.6)."""
+    return optax.sgd(self.outer_lr, momentum=self.outer_momentum or None, nesterov=self.nesterov)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Report:
+  """One learner's report of one fragment (learner → syncer, SPEC §3).
+
+  Attributes:
+    learner_id: the reporting learner.
+    fragment: fragment index p.
+    values: θ_{m,p}, the learner's current parameters of p, {key: array}.
+    tokens: tokens since the learner last had p merged/received (learner resets them, SPEC §3).
+    steps: inner steps over the same period.
+    anchor_version: version of p the learner last applied; -1 if it never received p.
+    step: the learner's inner step when it sent the report (orders re-sends).
+    step_time_s: the learner's step-time EMA, feeds ξ_step; 0 = unknown.
+  """
+
+  learner_id: int
+  fragment: int
+  values: Mapping[str, np.ndarray]
+  tokens: int
+  steps: int
+  anchor_version: int
+  step: int
+  step_time_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportResult:
+  """What `SyncerCore.report` did: status is accepted | superseded | late | duplicate | rejected."""
+
+  status: str
+  reason: str
+  weight: float
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeEvent:
+  """One published merge: fragment p went to `version` at `time` (SPEC §4.7)."""
+
+  fragment: int
+  version: int
+  time: float
+  contributors: tuple[int, ...]
+  weights: tuple[float, ...]
+  tokens: int
+  open_time: float
+  quorum_time: float
+  grace_s: float
+  digest: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FragmentState:
+  """A version of a fragment's global values Θ_p; the arrays are read-only and shared."""
+
+  fragment: int
+  version: int
+  values: dict[str, np.ndarray]
+  digest: str
+
+
+@dataclasses.dataclass
+class _Entry:
+  report: Report  # values are the syncer's own copies.
+  weight: float
+  epoch: int  # the learner's registration epoch when the report arrived.
+
+
+@dataclasses.dataclass
+class _Round:
+  entries: dict[int, _Entry] = dataclasses.field(default_factory=dict)  # only weight > 0
+  open_time: float | None = None
+  quorum_time: float | None = None
+  deadline: float | None = None
+  grace_s: float = 0.0
+
+
+@dataclasses.dataclass
+class _Learner:
+  alive: bool = True
+  epoch: int = 0
+  delivered: dict[int, int] = dataclasses.field(default_factory=dict)  # fragment -> newest version
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+  a.flags.writeable = False
+  return a
+
+
+def _outer_step(opt, params, grads, opt_state):
+  updates, opt_state = opt.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
+
+
+class SyncerCore:
+  """Global fragments, their rounds and outer optimizer states, driven by reports and an injected clock.
+
+  Not thread-safe: the service wraps it with a lock.
+  """
+
+  def __init__(
+    self,
+    *,
+    fragment_keys: Sequence[Sequence[str]],
+    init_values: Mapping[str, np.ndarray],
+    config: SyncerConfig,
+    clock: Callable[[], float],
+    embedding_keys: Collection[str] = (),
+    outer_optimizer: optax.GradientTransformation | None = None,
+  ):
+    """Creates the syncer at version 0 of every fragment.
+
+    Args:
+      fragment_keys: per fragment, the parameter keys it holds (e.g. `FragmentLayout.fragments`).
+      init_values: initial value of every key (floating dtypes); copied.
+      config: syncer settings.
+      clock: returns the current time in seconds (wall or virtual).
+      embedding_keys: keys merged with the weighted mean (SPEC §4.5); others may be absent.
+      outer_optimizer: overrides `config.outer_optimizer()`.
+
+    Raises:
+      ValueError: if fragments are empty or overlap, keys and init_values disagree, or a value is not
+        a floating array.
+    """
+    self._keys = tuple(tuple(ks) for ks in fragment_keys)
+    if not self._keys or any(not ks for ks in self._keys):
+      raise ValueError("Need at least one fragment, and every fragment needs at least one key.")
+    all_keys = [k for ks in self._keys for k in ks]
+    if len(set(all_keys)) != len(all_keys):
+      raise ValueError("A key appears in more than one fragment (or twice in one).")
+    if set(all_keys) != set(init_values):
+      missing = sorted(set(all_keys) - set(init_values))[:3]
+      extra = sorted(set(init_values) - set(all_keys))[:3]
+      raise ValueError(f"fragment_keys and init_values disagree: missing {missing}, extra {extra}.")
+    self._config = config
+    self._clock = clock
+    self._embedding_keys = frozenset(embedding_keys)
+    self._opt = outer_optimizer if outer_optimizer is not None else config.outer_optimizer()
+    self._step_fn = jax.jit(functools.partial(_outer_step, self._opt))
+    self._grace = GraceModel(
+      gamma=config.grace_gamma,
+      grace_max_s=config.grace_max_s,
+      overlap=config.overlap,
+      decay=config.ema_decay,
+    )
+    self._global: list[dict[str, np.ndarray]] = []
+    for ks in self._keys:
+      vals = {}
+      for k in ks:
+        a = np.array(init_values[k], copy=True)
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+          raise ValueError(f"{k!r} has dtype {a.dtype}; only floating parameters can be synced.")
+        vals[k] = _readonly(a)
+      self._global.append(vals)
+    num = len(self._keys)
+    self._version = [0] * num
+    self._digest = [values_digest(v) for v in self._global]
+    self._history: list[dict[int, dict[str, np.ndarray]]] = [{0: v} for v in self._global]
+    self._opt_state = [self._opt.init(self._params32(p)) for p in range(num)]
+    self._rounds = [_Round() for _ in range(num)]
+    self._learners: dict[int, _Learner] = {}
+    self._counters = dict.fromkeys(_COUNTERS, 0)
+    # Merges per quorum size (index = number of weight>0 contributors): bounded, unlike a list.
+    self._quorum_hist = np.zeros(1, np.int64)
+
+  # -- membership and delivery (SPEC §3, §6) -------------------------------------------------------
+
+  @property
+  def num_fragments(self) -> int:
+    return len(self._keys)
+
+  @property
+  def config(self) -> SyncerConfig:
+    return self._config
+
+  def register(self, learner_id: int) -> dict[int, int]:
+    """Marks a learner alive and returns {fragment: current version} (its "vector clock", SPEC §6).
+
+    Re-registering (after a crash) forgets what was delivered to it: until it fetches p again its
+    reports of p weigh 0 (SPEC §3). Its reports already in open rounds stay there.
+
+    Raises:
+      ValueError: if learner_id is negative.
+    """
+    if learner_id < 0:
+      raise ValueError(f"learner_id must be >= 0, got {learner_id}.")
+    learner = self._learners.get(learner_id)
+    if learner is None:
+      self._learners[learner_id] = _Learner()
+    else:
+      learner.alive, learner.epoch, learner.delivered = True, learner.epoch + 1, {}
+    return dict(enumerate(self._version))
+
+  def fleet_step(self) -> int:
+    """The largest step of any accepted report: a (re)joining learner aligns its schedule to it.
+
+    SPEC §2's due steps are a fleet-wide cadence; a learner that rejoins with its old step count would
+    otherwise send every fragment out of phase and open a round alone for each (docs/algorithm.md).
+    """
+    return self._counters["fleet_step"]
+
+  def leave(self, learner_id: int) -> None:
+    """Marks a learner not alive (crash detected or scale-down); idempotent.
+
+    Its reports already in open rounds stay there; it no longer holds up an early close.
+
+    Raises:
+      ValueError: if the learner never registered.
+    """
+    self._learner(learner_id).alive = False
+
+  def alive(self) -> frozenset[int]:
+    """Ids of the learners currently alive."""
+    return frozenset(i for i, lr in self._learners.items() if lr.alive)
+
+  def fetch(self, learner_id: int, fragment: int) -> FragmentState:
+    """Returns the current Θ_p and records that `learner_id` has received this version.
+
+    Raises:
+      ValueError: if the learner is not alive or the fragment is unknown.
+    """
+    state = self.state(fragment)
+    self.mark_delivered(learner_id, fragment, state.version)
+    return state
+
+  def mark_delivered(self, learner_id: int, fragment: int, version: int) -> None:
+    """Records that a transport delivered `version` of `fragment` to `learner_id` (a push).
+
+    Raises:
+      ValueError: if the learner is not alive, the fragment is unknown or the version never existed.
+    """
+    self._check_fragment(fragment)
+    learner = self._learner(learner_id)
+    if not learner.alive:
+      raise ValueError(f"Learner {learner_id} is not alive; it must register again.")
+    if not 0 <= version <= self._version[fragment]:
+      raise ValueError(
+        f"Version {version} of fragment {fragment} does not exist (current {self._version[fragment]})."
+      )
+    learner.delivered[fragment] = max(version, learner.delivered.get(fragment, -1))
+
+  # -- reports ------------------------------------------------------------------------------------
+
+  def report(self, r: Report) -> ReportResult:
+    """Validates a report and files it into its fragment's open round (see module docstring).
+
+    Args:
+      r: the report; its arrays are copied if it joins a round.
+
+    Returns:
+      "rejected" (invalid; the state is untouched), "accepted" (weight may be 0, SPEC §3),
+      "superseded" (replaced this learner's older report in the round), "late" (staleness above
+      max_staleness: dropped and counted, SPEC §4) or "duplicate" (not newer than the one in the round).
+    """
+    reason = self._invalid_reason(r)
+    if reason is not None:
+      self._counters["rejected"] += 1
+      return ReportResult("rejected", reason, 0.0)
+    if r.step_time_s > 0:
+      self._grace.observe_step_time(r.step_time_s)
+    p, learner = r.fragment, self._learners[r.learner_id]
+    if p not in learner.delivered or r.anchor_version < 0:
+      return self._zero_weight(
+        r, f"learner has not received fragment {p} since registering (SPEC §3)"
+      )
+    staleness = self._version[p] - r.anchor_version
+    if staleness > self._config.max_staleness:
+      self._counters["late"] += 1
+      self._counters["dropped_tokens"] += r.tokens
+      return ReportResult(
+        "late", f"staleness {staleness} > max_staleness {self._config.max_staleness}", 0.0
+      )
+    weight = merge_lib.token_weight(r.tokens, r.steps)
+    if weight == 0:
+      return self._zero_weight(r, "no tokens or steps since the last receipt (SPEC §4.4)")
+    rnd = self._rounds[p]
+    prev = rnd.entries.get(r.learner_id)
+    status = "accepted"
+    if prev is not None:
+      # Counters are cumulative on the learner, so a newer report carries the older one's tokens. A
+      # report from a newer registration also wins: a restarted learner's step may be lower.
+      if prev.epoch == learner.epoch and r.step <= prev.report.step:
+        self._counters["duplicate"] += 1
+        return ReportResult(
+          "duplicate", f"step {r.step} <= step {prev.report.step} already in the round", 0.0
+        )
+      status = "superseded"
+    values = {k: np.array(v, copy=True) for k, v in r.values.items()}
+    rnd.entries[r.learner_id] = _Entry(dataclasses.replace(r, values=values), weight, learner.epoch)
+    self._counters[status] += 1
+    self._counters["fleet_step"] = max(self._counters["fleet_step"], r.step)
+    now = self._clock()
+    if rnd.open_time is None:
+      rnd.open_time = now
+    if rnd.quorum_time is None and len(rnd.entries) >= self._config.min_quorum:
+      # SPEC §4.1-4.2: the grace window starts at the quorum and is fixed then.
+      rnd.quorum_time = now
+      self._grace.observe_quorum_wait(now - rnd.open_time)
+      rnd.grace_s = self._grace.window() if self._config.use_grace else 0.0
+      rnd.deadline = now + rnd.grace_s
+    return ReportResult(status, "", weight)
+
+  def _zero_weight(self, r: Report, reason: str) -> ReportResult:
+    self._counters["accepted"] += 1
+    self._counters["zero_weight_reports"] += 1
+    self._counters["zero_weight_tokens"] += r.tokens
+    return ReportResult("accepted", f"weight 0: {reason}", 0.0)
+
+  def _invalid_reason(self, r: Report) -> str | None:
+    """Why a report must be rejected at the door (ARCHITECTURE "payload validation"), or None."""
+    if not isinstance(r.fragment, int | np.integer) or not 0 <= r.fragment < self.num_fragments:
+      return f"unknown fragment {r.fragment!r}; this syncer holds 0..{self.num_fragments - 1}"
+    learner = self._learners.get(r.learner_id)
+    if learner is None:
+      return f"learner {r.learner_id} is not registered"
+    if not learner.alive:
+      return f"learner {r.learner_id} is not alive; it must register again"
+    for name in ("tokens", "steps", "step", "anchor_version"):
+      value = getattr(r, name)
+      if not isinstance(value, int | np.integer):
+        return f"{name} must be an integer, got {value!r}"
+    if r.tokens < 0 or r.steps < 0 or r.step < 0:
+      return f"negative counter: tokens={r.tokens}, steps={r.steps}, step={r.step}"
+    if not math.isfinite(r.step_time_s) or r.step_time_s < 0:
+      return f"step_time_s must be finite and >= 0, got {r.step_time_s}"
+    cur = self._version[r.fragment]
+    if r.anchor_version < -1 or r.anchor_version > cur:
+      return (
+        f"anchor_version {r.anchor_version} outside [-1, {cur}] (current version of {r.fragment})"
+      )
+    expected = self._global[r.fragment]
+    missing = sorted(set(expected) - set(r.values))
+    extra = sorted(set(r.values) - set(expected))
+    if missing or extra:
+      return f"keys differ from fragment {r.fragment}: missing {missing[:3]}, extra {extra[:3]}"
+    for k, ref in expected.items():
+      v = np.asarray(r.values[k])
+      if v.shape != ref.shape or v.dtype != ref.dtype:
+        return f"{k!r} is {v.dtype}{list(v.shape)}, expected {ref.dtype}{list(ref.shape)}"
+      if not np.all(np.isfinite(v)):
+        return f"{k!r} has non-finite values"
+    return None
+
+  # -- merging ------------------------------------------------------------------------------------
+
+  def poll(self) -> list[MergeEvent]:
+    """Performs every merge whose time has come at clock(), earliest due first, and returns them."""
+    now = self._clock()
+    due = []
+    for p in range(self.num_fragments):
+      t = self._due_time(p, now)
+      if t is not None and t <= now:
+        due.append((t, p))
+    return [self._merge(p) for _, p in sorted(due)]
+
+  def next_deadline(self) -> float | None:
+    """Earliest clock time at which poll() would merge something; None if no round has its quorum.
+
+    A round that may close early (everyone has reported) is due now, i.e. at clock().
+    """
+    now = self._clock()
+    times = [t for p in range(self.num_fragments) if (t := self._due_time(p, now)) is not None]
+    return min(times) if times else None
+
+  def _due_time(self, p: int, now: float) -> float | None:
+    rnd = self._rounds[p]
+    if rnd.quorum_time is None or len(rnd.entries) < self._config.min_quorum:
+      return None
+    if self._everyone_reported(p):
+      return min(rnd.deadline, now)
+    return rnd.deadline
+
+  def _everyone_reported(self, p: int) -> bool:
+    """Whether every alive learner that has received p has a weight>0 report in p's round.
+
+    Learners that never received p weigh 0 (SPEC §3), so waiting for them gains nothing.
+    """
+    entries = self._rounds[p].entries
+    return all(i in entries for i, lr in self._learners.items() if lr.alive and p in lr.delivered)
+
+  def _merge(self, p: int) -> MergeEvent:
+    """Merges p's round into Θ_p (SPEC §4.3-4.6), publishes version + 1 and opens a new round."""
+    t0 = self._clock()
+    rnd = self._rounds[p]
+    contributors = tuple(sorted(rnd.entries))
+    entries = [rnd.entries[i] for i in contributors]
+    theta = self._global[p]
+    # SPEC §4.3, re-anchored: v_m = Θ^(anchor) − θ_m in float32 (== Θ_cur − θ_m when on time). Anchors
+    # are kept: staleness <= max_staleness < keep_versions, and the version only moves at a merge.
+    grads = []
+    for e in entries:
+      anchor = self._history[p][e.report.anchor_version]
+      grads.append(
+        {k: anchor[k].astype(np.float32) - e.report.values[k].astype(np.float32) for k in theta}
+      )
+    weights = tuple(e.weight for e in entries)
+    merged = merge_lib.merge_outer_gradients(
+      grads, weights, method=self._config.merge_method, embedding_keys=self._embedding_keys
+    )
+    new32, self._opt_state[p] = self._step_fn(self._params32(p), merged, self._opt_state[p])
+    new = {k: _readonly(np.asarray(new32[k]).astype(theta[k].dtype)) for k in theta}
+    self._global[p] = new
+    self._version[p] += 1
+    self._digest[p] = values_digest(new)
+    self._history[p][self._version[p]] = new
+    for v in sorted(self._history[p])[: -self._config.keep_versions]:
+      del self._history[p][v]
+    tokens = sum(e.report.tokens for e in entries)
+    self._counters["merges"] += 1
+    self._counters["merged_tokens"] += tokens
+    if len(entries) >= len(self._quorum_hist):
+      self._quorum_hist = np.pad(self._quorum_hist, (0, len(entries) + 1 - len(self._quorum_hist)))
+    self._quorum_hist[len(entries)] += 1
+    self._rounds[p] = _Round()
+    t1 = self._clock()
+    self._grace.observe_sync_time(max(t1 - t0, 0.0))
+    return MergeEvent(
+      fragment=p,
+      version=self._version[p],
+      time=t1,
+      contributors=contributors,
+      weights=weights,
+      tokens=tokens,
+      open_time=rnd.open_time,
+      quorum_time=rnd.quorum_time,
+      grace_s=rnd.grace_s,
+      digest=self._digest[p],
+    )
+
+  def observe_sync_time(self, seconds: float) -> None:
+    """A transport reports how long delivering a merge took (feeds ξ_sync, SPEC §4.2)."""
+    self._grace.observe_sync_time(seconds)
+
+  # -- reading state ------------------------------------------------------------------------------
+
+  def version(self, p: int) -> int:
+    """Current version of fragment p."""
+    self._check_fragment(p)
+    return self._version[p]
+
+  def state(self, p: int) -> FragmentState:
+    """Current Θ_p with its version and digest (read-only arrays)."""
+    self._check_fragment(p)
+    return FragmentState(p, self._version[p], dict(self._global[p]), self._digest[p])
+
+  def state_at(self, p: int, version: int) -> FragmentState:
+    """A recent version of Θ_p (the last `keep_versions`), for re-anchoring deltas (SPEC §4.3).
+
+    Raises:
+      KeyError: if that version is no longer (or not yet) kept.
+    """
+    self._check_fragment(p)
+    if version not in self._history[p]:
+      raise KeyError(f"Version {version} of fragment {p} is not kept ({sorted(self._history[p])}).")
+    values = self._history[p][version]
+    return FragmentState(p, version, dict(values), values_digest(values))
+
+  def global_values(self) -> dict[str, np.ndarray]:
+    """All fragments' current values, {key: read-only array}."""
+    return {k: v for vals in self._global for k, v in vals.items()}
+
+  def grace_window(self) -> float:
+    """The grace window a round reaching its quorum now would get (SPEC §4.2)."""
+    return self._grace.window() if self._config.use_grace else 0.0
+
+  def stats(self) -> dict:
+    """Counters (see `_COUNTERS`), merges per quorum size and their mean, open rounds, versions."""
+    out: dict = dict(self._counters)
+    hist = self._quorum_hist
+    out["quorum_size_counts"] = {n: int(c) for n, c in enumerate(hist) if c}
+    merges = int(hist.sum())
+    out["mean_quorum_size"] = float(np.arange(len(hist)) @ hist / merges) if merges else 0.0
+    out["open_rounds"] = sum(1 for r in self._rounds if r.entries)
+    out["versions"] = list(self._version)
+    return out
+
+  # -- checkpointing (SPEC §6) ---------------------------------------------------------------------
+
+  def state_dict(self) -> dict[str, Any]:
+    """The whole state as a flat {name: numpy array | python scalar} dict, for a checkpoint.
+
+    Holds kept versions of every fragment (current included), versions, the flattened optax states,
+    open rounds (with the syncer's copies of the reports), membership and deliveries, counters and the
+    grace EMAs. Unset times are stored as NaN. `load_state_dict` restores it bit for bit.
+    """
+    d: dict[str, Any] = {
+      "layout_fingerprint": self.layout_fingerprint(),
+      "num_fragments": self.num_fragments,
+    }
+    for p in range(self.num_fragments):
+      pre = f"fragment/{p}/"
+      d[pre + "version"] = self._version[p]
+      d[pre + "kept_versions"] = np.array(sorted(self._history[p]), np.int64)
+      for v, vals in self._history[p].items():
+        for k, a in vals.items():
+          d[f"{pre}v{v}/{k}"] = np.array(a)
+      leaves = jax.tree_util.tree_leaves(self._opt_state[p])
+      d[pre + "opt/num_leaves"] = len(leaves)
+      for i, leaf in enumerate(leaves):
+        d[f"{pre}opt/{i}"] = np.array(leaf)
+      rnd = self._rounds[p]
+      d[pre + "round/learners"] = np.array(sorted(rnd.entries), np.int64)
+      for name in ("open_time", "quorum_time", "deadline"):
+        t = getattr(rnd, name)
+        d[f"{pre}round/{name}"] = math.nan if t is None else float(t)
+      d[pre + "round/grace_s"] = rnd.grace_s
+      for i, e in rnd.entries.items():
+        q = f"{pre}round/{i}/"
+        d[q + "weight"], d[q + "epoch"] = e.weight, e.epoch
+        for name in _REPORT_SCALARS:
+          d[q + name] = getattr(e.report, name)
+        for k, a in e.report.values.items():
+          d[f"{q}value/{k}"] = np.array(a)
+    ids = sorted(self._learners)
+    d["learners/ids"] = np.array(ids, np.int64)
+    d["learners/alive"] = np.array([self._learners[i].alive for i in ids], bool)
+    d["learners/epoch"] = np.array([self._learners[i].epoch for i in ids], np.int64)
+    delivered = np.full((len(ids), self.num_fragments), -1, np.int64)
+    for row, i in enumerate(ids):
+      for p, v in self._learners[i].delivered.items():
+        delivered[row, p] = v
+    d["learners/delivered"] = delivered
+    for name, value in self._counters.items():
+      d["stats/" + name] = value
+    d["stats/quorum_size_hist"] = self._quorum_hist.copy()
+    for name, value in self._grace.state_dict().items():
+      d["grace/" + name] = value
+    return d
+
+  def load_state_dict(self, d: Mapping[str, Any]) -> None:
+    """Replaces the whole state with one from `state_dict` (same layout; the config may differ).
+
+    Raises:
+      ValueError: if the checkpoint was made for another layout or its arrays do not fit.
+      KeyError: if an entry is missing.
+    """
+    if d["layout_fingerprint"] != self.layout_fingerprint():
+      raise ValueError("Checkpoint was written for a different fragment layout.")
+    history, opt_state, rounds = [], [], []
+    for p in range(self.num_fragments):
+      pre = f"fragment/{p}/"
+      kept = {}
+      for v in (int(x) for x in d[pre + "kept_versions"]):
+        kept[v] = {k: _readonly(self._fitting(d[f"{pre}v{v}/{k}"], k, p)) for k in self._keys[p]}
+      if int(d[pre + "version"]) not in kept:
+        raise ValueError(f"Checkpoint lacks the current version of fragment {p}.")
+      history.append(kept)
+      template, treedef = jax.tree_util.tree_flatten(self._opt.init(self._params32(p)))
+      if int(d[pre + "opt/num_leaves"]) != len(template):
+        raise ValueError(f"Optimizer state of fragment {p} does not match the outer optimizer.")
+      leaves = []
+      for i, t in enumerate(template):
+        leaf = np.asarray(d[f"{pre}opt/{i}"])
+        if leaf.shape != t.shape or leaf.dtype != t.dtype:
+          raise ValueError(f"Optimizer leaf {i} of fragment {p} is {leaf.dtype}{leaf.shape}.")
+        leaves.append(jnp.asarray(leaf))
+      opt_state.append(jax.tree_util.tree_unflatten(treedef, leaves))
+      rounds.append(self._load_round(d, p))
+    learners = {}
+    for row, i in enumerate(int(x) for x in d["learners/ids"]):
+      delivered = {p: int(v) for p, v in enumerate(d["learners/delivered"][row]) if v >= 0}
+      alive, epoch = bool(d["learners/alive"][row]), int(d["learners/epoch"][row])
+      learners[i] = _Learner(alive=alive, epoch=epoch, delivered=delivered)
+    # Everything parsed: only now mutate, so a bad checkpoint leaves the core as it was.
+    self._history = history
+    self._version = [int(d[f"fragment/{p}/version"]) for p in range(self.num_fragments)]
+    self._global = [history[p][v] for p, v in enumerate(self._version)]
+    self._digest = [values_digest(v) for v in self._global]
+    self._opt_state, self._rounds, self._learners = opt_state, rounds, learners
+    self._counters = {name: int(d["stats/" + name]) for name in _COUNTERS}
+    self._quorum_hist = np.array(d["stats/quorum_size_hist"], np.int64)
+    self._grace.load_state_dict(
+      {k[len("grace/") :]: v for k, v in d.items() if k.startswith("grace/")}
+    )
+
+  def _load_round(self, d: Mapping[str, Any], p: int) -> _Round:
+    pre = f"fragment/{p}/round/"
+    times = {}
+    for name in ("open_time", "quorum_time", "deadline"):
+      t = float(d[pre + name])
+      times[name] = None if math.isnan(t) else t
+    rnd = _Round(grace_s=float(d[pre + "grace_s"]), **times)
+    for i in (int(x) for x in d[pre + "learners"]):
+      q = f"{pre}{i}/"
+      values = {k: self._fitting(d[f"{q}value/{k}"], k, p) for k in self._keys[p]}
+      scalars = {name: int(d[q + name]) for name in _REPORT_SCALARS if name != "step_time_s"}
+      scalars["step_time_s"] = float(d[q + "step_time_s"])
+      report = Report(learner_id=i, fragment=p, values=values, **scalars)
+      rnd.entries[i] = _Entry(report, float(d[q + "weight"]), int(d[q + "epoch"]))
+    return rnd
+
+  def _fitting(self, a: Any, key: str, p: int) -> np.ndarray:
+    """A copy of `a`, checked against the shape and dtype of key in fragment p."""
+    ref = self._global[p][key]
+    a = np.array(a, copy=True)
+    if a.shape != ref.shape or a.dtype != ref.dtype:
+      raise ValueError(
+        f"Checkpoint has {key!r} as {a.dtype}{a.shape}, expected {ref.dtype}{ref.shape}."
+      )
+    return a
+
+  # -- helpers ------------------------------------------------------------------------------------
+
+  def _params32(self, p: int) -> dict[str, jax.Array]:
+    return {k: jnp.asarray(v, jnp.float32) for k, v in self._global[p].items()}
+
+  def _check_fragment(self, p: int) -> None:
+    if not 0 <= p < self.num_fragments:
+      raise ValueError(f"Unknown fragment {p}; this syncer holds 0..{self.num_fragments - 1}.")
+
+  def _learner(self, learner_id: int) -> _Learner:
+    learner = self._learners.get(learner_id)
+    if learner is None:
+      raise ValueError(f"Learner {learner_id} never registered.")
+    return learner
+
+  def layout_fingerprint(self) -> str:
+    """Hash of fragment keys, shapes and dtypes; guards `load_state_dict` against another layout."""
+    h = hashlib.sha256()
+    for p, vals in enumerate(self._global):
+      for k in self._keys[p]:
+        h.update(f"{p}|{k}|{vals[k].dtype}|{vals[k].shape};".encode())
+    return h.hexdigest()[:32]

@@ -1,0 +1,151 @@
+"""Benchmark: the learner's step rate against a bare `jax.jit` optax loop on the same model and mesh.
+
+Three loops are measured side by side, interleaved in rounds so machine noise hits them equally:
+  bare      jax.jit(value_and_grad + optax.adamw) with no sharding annotations, params not donated
+  learner   ddiloco's Learner.train_step (pinned shardings, donation, counters), no syncing
+  syncing   learner + every due fragment copied to host and reported to an in-process SyncerCore,
+            merges polled and applied τ steps later (SPEC §3, P = H = 24: one fragment per step)
+It prints steps/s per loop and the ratios learner/bare and syncing/bare.
+
+  python scripts/bench_learner_step.py --size=tiny --devices=2 --steps=40 --rounds=3
+"""
+
+import os
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import time
+
+import jax
+import numpy as np
+import optax
+from absl import app, flags
+
+from ddiloco.data import text as text_data
+from ddiloco.fragments import layout as layout_lib
+from ddiloco.fragments import tree
+from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner import train_step
+from ddiloco.learner.learner import Learner
+from ddiloco.models import configs, transformer
+from ddiloco.parallel import mesh as mesh_lib
+from ddiloco.parallel import partitioning
+from ddiloco.syncer.core import SyncerConfig, SyncerCore
+
+_SIZE = flags.DEFINE_string("size", "tiny", "model size")
+_DEVICES = flags.DEFINE_integer("devices", 2, "devices in the learner's mesh")
+_BATCH = flags.DEFINE_integer("batch", 8, "sequences per step")
+_SEQ = flags.DEFINE_integer("seq_len", 128, "tokens per sequence")
+_STEPS = flags.DEFINE_integer("steps", 40, "timed steps per loop per round")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "interleaved rounds")
+
+
+def _batches(n: int) -> list[dict[str, np.ndarray]]:
+  data = text_data.TextDataConfig(seq_len=_SEQ.value, batch_size=_BATCH.value)
+  it = text_data.make_train_iterator(data, shard_index=0, num_shards=1)
+  return [next(it) for _ in range(n)]
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  cfg = configs.transformer_config(_SIZE.value, max_len=_SEQ.value)
+  model = transformer.Transformer(cfg)
+  mesh = mesh_lib.make_mesh(devices=jax.devices()[: _DEVICES.value])
+  params, shardings = partitioning.init_params(model, mesh, jax.random.key(0), seq_len=_SEQ.value)
+  host = jax.device_get(params)
+  opt_cfg = train_step.InnerOptConfig(warmup_steps=10, decay_steps=10_000)
+  optimizer = train_step.make_inner_optimizer(opt_cfg)
+  batches = _batches(_STEPS.value)
+
+  # -- bare loop ---------------------------------------------------------------------------
+  @jax.jit
+  def bare_step(p, s, batch):
+    grads = jax.grad(lambda q: train_step.loss_fn(model, q, batch)[0])(p)
+    updates, s = optimizer.update(grads, s, p)
+    return optax.apply_updates(p, updates), s
+
+  bare = {"p": jax.device_put(host, shardings)}
+  bare["s"] = optimizer.init(bare["p"])
+
+  def run_bare():
+    p, s = bare["p"], bare["s"]
+    for b in batches:
+      p, s = bare_step(p, s, b)
+    jax.block_until_ready(p)
+    bare["p"], bare["s"] = p, s
+
+  # -- learner loop (no syncing) ------------------------------------------------------------
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host)
+  steps = train_step.CompiledSteps(model, optimizer, mesh, abstract, shardings)
+  flat = {k: np.asarray(v) for k, v in tree.flatten(host).items()}
+  layout = layout_lib.make_layout(flat, num_fragments=24)
+  schedule = FragmentSchedule(num_fragments=24, period=24, overlap=2)
+
+  def make_learner():
+    return Learner(
+      learner_id=0,
+      steps=steps,
+      params=jax.device_put(host, shardings),
+      layout=layout,
+      schedule=schedule,
+    )
+
+  plain = make_learner()
+
+  def run_learner():
+    for b in batches:
+      plain.train_step(b)
+    jax.block_until_ready(plain.params)
+
+  # -- learner + syncing through an in-process core -------------------------------------------
+  clock = {"t": 0.0}
+  core = SyncerCore(
+    fragment_keys=layout.fragments,
+    init_values={k: v for frag in layout.split(flat) for k, v in frag.items()},
+    config=SyncerConfig(use_grace=False),
+    clock=lambda: clock["t"],
+  )
+  syncing = make_learner()
+  core.register(0)
+  syncing.load_global([core.fetch(0, p) for p in range(layout.num_fragments)])
+
+  def run_syncing():
+    for b in batches:
+      syncing.train_step(b)
+      clock["t"] += 1.0
+      for p in syncing.due():
+        syncing.on_report_result(p, core.report(syncing.make_report(p)))
+      for event in core.poll():
+        state = core.state(event.fragment)
+        core.mark_delivered(0, state.fragment, state.version)
+        syncing.receive(state)
+      syncing.apply_ready()
+    jax.block_until_ready(syncing.params)
+
+  loops = {"bare": run_bare, "learner": run_learner, "syncing": run_syncing}
+  for fn in loops.values():  # Warm-up: compile everything.
+    fn()
+  times = {name: [] for name in loops}
+  for _ in range(_ROUNDS.value):
+    for name, fn in loops.items():
+      t0 = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - t0)
+  rate = {name: _STEPS.value / float(np.median(ts)) for name, ts in times.items()}
+  n_params = sum(v.size for v in flat.values())
+  print(
+    f"model {_SIZE.value} ({n_params:,} params), mesh {dict(mesh.shape)}, batch "
+    f"{_BATCH.value}x{_SEQ.value}, {_STEPS.value} steps x {_ROUNDS.value} rounds (median)"
+  )
+  for name in loops:
+    print(f"  {name:8s} {rate[name]:8.2f} steps/s")
+  print(f"  learner/bare  = {rate['learner'] / rate['bare']:.3f}")
+  print(
+    f"  syncing/bare  = {rate['syncing'] / rate['bare']:.3f}   (merges: {core.stats()['merges']})"
+  )
+  sys.stdout.flush()
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,149 @@
+"""Tests for the learner's side of the fragment protocol (SPEC §3), with hand-built merges."""
+
+import jax
+import numpy as np
+
+from ddiloco.fragments import layout as layout_lib
+from ddiloco.fragments import tree
+from ddiloco.fragments.digest import values_digest
+from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner import train_step
+from ddiloco.learner.learner import Learner, LearnerConfig
+from ddiloco.models import configs, transformer
+from ddiloco.parallel import mesh as mesh_lib
+from ddiloco.parallel import partitioning
+from ddiloco.syncer.core import FragmentState, ReportResult
+
+B, L, V = 2, 8, 32
+
+
+def _learner(*, num_fragments=2, period=4, overlap=1, config=None):
+  cfg = configs.transformer_config("tiny", vocab_size=V, max_len=L)
+  model = transformer.Transformer(cfg)
+  mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
+  params, shardings = partitioning.init_params(model, mesh, jax.random.key(0), seq_len=L)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  opt = train_step.make_inner_optimizer(train_step.InnerOptConfig(warmup_steps=1, decay_steps=20))
+  steps = train_step.CompiledSteps(model, opt, mesh, abstract, shardings)
+  flat = {k: np.asarray(v) for k, v in tree.flatten(jax.device_get(params)).items()}
+  layout = layout_lib.make_layout(flat, num_fragments=num_fragments)
+  schedule = FragmentSchedule(num_fragments=num_fragments, period=period, overlap=overlap)
+  learner = Learner(
+    learner_id=0, steps=steps, params=params, layout=layout, schedule=schedule, config=config
+  )
+  states = [_state(layout.select(flat, p), p, 0) for p in range(num_fragments)]
+  learner.load_global(states)
+  return learner, layout
+
+
+def _state(values, p, version):
+  return FragmentState(fragment=p, version=version, values=values, digest=values_digest(values))
+
+
+def _batch(seed):
+  x = np.random.default_rng(seed).integers(0, V, size=(B, L + 1), dtype=np.int32)
+  return {"inputs": x[:, :-1], "targets": x[:, 1:]}
+
+
+def _ok():
+  return ReportResult(status="accepted", reason="", weight=1.0)
+
+
+def test_counters_and_due_schedule():
+  learner, _ = _learner()  # P=2, H=4: offsets 0, 2 -> fragment 1 due at t=2, 6; fragment 0 at t=4.
+  due = {}
+  for t in range(1, 7):
+    learner.train_step(_batch(t))
+    due[t] = learner.due()
+  assert due == {1: (), 2: (1,), 3: (), 4: (0,), 5: (), 6: (1,)}
+  assert list(learner.tokens) == [6 * B * L, 6 * B * L]
+  assert list(learner.step_counts) == [6, 6]
+
+
+def test_report_carries_host_copy_counters_and_anchor():
+  learner, layout = _learner()
+  for t in range(2):
+    learner.train_step(_batch(t))
+  report = learner.make_report(1, step_time_s=0.5)
+  assert (report.fragment, report.tokens, report.steps, report.anchor_version, report.step) == (
+    1,
+    2 * B * L,
+    2,
+    0,
+    2,
+  )
+  assert set(report.values) == set(layout.fragments[1])
+  host = learner.fragment_values(1)
+  for k, v in report.values.items():
+    np.testing.assert_array_equal(v, host[k])
+
+
+def test_apply_waits_for_overlap_then_resets_counters():
+  learner, _ = _learner(overlap=1)
+  for t in range(2):
+    learner.train_step(_batch(t))
+  report = learner.make_report(1)  # Sent at step 2 -> apply step 3.
+  learner.on_report_result(1, _ok())
+  merged = {k: np.full_like(v, 0.25) for k, v in report.values.items()}
+  learner.receive(_state(merged, 1, 1))
+  assert learner.apply_ready() == []  # Step 2 < apply step 3.
+  learner.train_step(_batch(3))
+  assert learner.apply_ready() == [(1, 1)]
+  assert learner.anchor[1] == 1
+  assert learner.digest_of(1) == values_digest(merged)  # Bit-identical to what was published.
+  assert (learner.tokens[1], learner.step_counts[1]) == (0, 0)
+  assert learner.step_counts[0] == 3  # The other fragment's counters keep running.
+
+
+def test_late_report_keeps_counters_growing():
+  learner, _ = _learner(overlap=1)
+  for t in range(2):
+    learner.train_step(_batch(t))
+  report = learner.make_report(1)
+  learner.on_report_result(1, ReportResult(status="late", reason="merged already", weight=0.0))
+  learner.receive(_state({k: v * 0 for k, v in report.values.items()}, 1, 1))
+  learner.train_step(_batch(3))
+  assert learner.apply_ready() == [(1, 1)]
+  assert learner.step_counts[1] == 3
+
+
+def test_version_without_outstanding_send_is_held():
+  learner, layout = _learner()
+  learner.train_step(_batch(0))
+  values = {k: np.zeros(layout.shapes[k], layout.dtypes[k]) for k in layout.fragments[0]}
+  learner.receive(_state(values, 0, 3))
+  learner.train_step(_batch(1))
+  assert learner.apply_ready() == []  # Fragment 0 not sent yet: held until its send + τ.
+  assert learner.anchor[0] == 0
+
+
+def test_blocking_learner_waits_for_newer_version():
+  learner, _ = _learner(overlap=1, config=LearnerConfig(blocking=True))
+  for t in range(2):
+    learner.train_step(_batch(t))
+  report = learner.make_report(1)
+  learner.on_report_result(1, _ok())
+  assert not learner.blocked()
+  learner.train_step(_batch(2))
+  assert learner.blocked()
+  learner.receive(_state(dict(report.values), 1, 1))
+  assert not learner.blocked()
+  assert learner.apply_ready() == [(1, 1)]
+
+
+def test_mixing_alpha():
+  learner, _ = _learner(overlap=1, config=LearnerConfig(mixing_alpha=0.5))
+  for t in range(2):
+    learner.train_step(_batch(t))
+  report = learner.make_report(1)
+  learner.on_report_result(1, _ok())
+  mine = learner.fragment_values(1)
+  zeros = {k: np.zeros_like(v) for k, v in report.values.items()}
+  learner.receive(_state(zeros, 1, 1))
+  learner.train_step(_batch(2))
+  after_step = learner.fragment_values(1)
+  learner.apply_ready()
+  got = learner.fragment_values(1)
+  for k in got:  # θ ← 0.5·0 + 0.5·θ
+    np.testing.assert_allclose(got[k], 0.5 * after_step[k], rtol=1e-6)
+  assert mine  # The fragment is not empty.
