@@ -1,7 +1,8 @@
 """Benchmark: the learner's step rate against a bare `jax.jit` optax loop on the same model and mesh.
 
 Three loops are measured side by side, interleaved in rounds so machine noise hits them equally:
-  bare      jax.jit(value_and_grad + optax.adamw) with no sharding annotations, params not donated
+  bare      jax.jit(grad + optax.adamw): params placed with the model's shardings and the batch split
+            over "data" (the same mesh), but no pinned in/out shardings, no donation, no context
   learner   ddiloco's Learner.train_step (pinned shardings, donation, counters), no syncing
   syncing   learner + every due fragment copied to host and reported to an in-process SyncerCore,
             merges polled and applied τ steps later (SPEC §3, P = H = 24: one fragment per step)
@@ -68,10 +69,12 @@ def main(argv: list[str]) -> None:
   bare = {"p": jax.device_put(host, shardings)}
   bare["s"] = optimizer.init(bare["p"])
 
+  batch_sharding = partitioning.batch_sharding(mesh)
+
   def run_bare():
     p, s = bare["p"], bare["s"]
-    for b in batches:
-      p, s = bare_step(p, s, b)
+    for b in batches:  # Same mesh: the batch is split over "data" as the learner's is.
+      p, s = bare_step(p, s, jax.device_put(b, batch_sharding))
     jax.block_until_ready(p)
     bare["p"], bare["s"] = p, s
 

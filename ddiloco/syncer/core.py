@@ -285,6 +285,7 @@ class SyncerCore:
     self._rounds = [_Round() for _ in range(num)]
     self._learners: dict[int, _Learner] = {}
     self._counters = dict.fromkeys(_COUNTERS, 0)
+    self._fleet_step_time: float | None = None  # When the report that set fleet_step arrived.
     # Merges per quorum size (index = number of weight>0 contributors): bounded, unlike a list.
     self._quorum_hist = np.zeros(1, np.int64)
 
@@ -317,12 +318,18 @@ class SyncerCore:
     return dict(enumerate(self._version))
 
   def fleet_step(self) -> int:
-    """The largest step of any accepted report: a (re)joining learner aligns its schedule to it.
+    """The fleet's current step on the schedule: a (re)joining learner aligns its phase to it.
 
-    SPEC §2's due steps are a fleet-wide cadence; a learner that rejoins with its old step count would
-    otherwise send every fragment out of phase and open a round alone for each (docs/algorithm.md).
+    The largest step of any accepted report, extrapolated by the time since it arrived over the
+    learners' step time (ξ_step): that report is up to a step plus a latency old. SPEC §2's due steps
+    are a fleet-wide cadence; a learner that rejoins out of phase would send every fragment alone and
+    open a round alone for each (docs/algorithm.md).
     """
-    return self._counters["fleet_step"]
+    step = self._counters["fleet_step"]
+    xi_step = self._grace.step.value
+    if self._fleet_step_time is None or not xi_step:
+      return step
+    return step + max(0, round((self._clock() - self._fleet_step_time) / xi_step))
 
   def leave(self, learner_id: int) -> None:
     """Marks a learner not alive (crash detected or scale-down); idempotent.
@@ -413,7 +420,8 @@ class SyncerCore:
     values = {k: np.array(v, copy=True) for k, v in r.values.items()}
     rnd.entries[r.learner_id] = _Entry(dataclasses.replace(r, values=values), weight, learner.epoch)
     self._counters[status] += 1
-    self._counters["fleet_step"] = max(self._counters["fleet_step"], r.step)
+    if r.step >= self._counters["fleet_step"]:
+      self._counters["fleet_step"], self._fleet_step_time = r.step, self._clock()
     now = self._clock()
     if rnd.open_time is None:
       rnd.open_time = now
@@ -650,6 +658,7 @@ class SyncerCore:
     d["stats/quorum_size_hist"] = self._quorum_hist.copy()
     for name, value in self._grace.state_dict().items():
       d["grace/" + name] = value
+    d["fleet/step_time"] = math.nan if self._fleet_step_time is None else self._fleet_step_time
     return d
 
   def load_state_dict(self, d: Mapping[str, Any]) -> None:
@@ -693,6 +702,8 @@ class SyncerCore:
     self._digest = [values_digest(v) for v in self._global]
     self._opt_state, self._rounds, self._learners = opt_state, rounds, learners
     self._counters = {name: int(d["stats/" + name]) for name in _COUNTERS}
+    t = float(d["fleet/step_time"])
+    self._fleet_step_time = None if math.isnan(t) else t
     self._quorum_hist = np.array(d["stats/quorum_size_hist"], np.int64)
     self._grace.load_state_dict(
       {k[len("grace/") :]: v for k, v in d.items() if k.startswith("grace/")}

@@ -147,3 +147,13 @@ def test_mixing_alpha():
   for k in got:  # θ ← 0.5·0 + 0.5·θ
     np.testing.assert_allclose(got[k], 0.5 * after_step[k], rtol=1e-6)
   assert mine  # The fragment is not empty.
+
+
+def test_align_phase_moves_the_schedule_not_the_step():
+  learner, _ = _learner()  # P=2, H=4: fragment 1 due at schedule steps 2, 6, ...; fragment 0 at 4.
+  learner.train_step(_batch(0))
+  learner.align_phase(5)  # The fleet is at step 5: the next step is the fleet's 6th.
+  learner.train_step(_batch(1))
+  assert (learner.step, learner.schedule_step, learner.due()) == (2, 6, (1,))
+  report = learner.make_report(1)
+  assert report.step == 6

@@ -87,6 +87,11 @@ def test_crashed_learner_does_not_stop_the_global_model(tmp_path):
   assert summary["digests_agree"]
   assert summary["learners"]["1"]["time"]["down"] == pytest.approx(8.0)
   assert np.isfinite(summary["final_eval_loss"])
+  # Rejoined at t = 13 with its step count 8 behind, learner 1 aligns to the fleet's schedule phase:
+  # it lands in the same rounds as the others, so no report is dropped and no round is a solo one.
+  after = [m for m in merges if m["time"] > 15.0]
+  assert after and all(1 in m["contributors"] for m in after)
+  assert summary["dropped_reports"] == 0
 
 
 def test_synchronous_quorum_stalls_on_a_dead_learner(tmp_path):

@@ -586,3 +586,22 @@ def test_config_validation_and_gin():
   finally:
     gin.clear_config()
   assert SyncerConfig().min_quorum == 1
+
+
+def test_fleet_step_extrapolates_from_the_latest_report():
+  """Latest accepted report: step 12, arrived at t = 12.05, step time 1.0 s.
+
+  At t = 13.0 the fleet has done round(0.95 / 1.0) = 1 more step: 13. A stale report with a lower
+  step never moves it back; a checkpoint round trip keeps it.
+  """
+  clock = FakeClock(12.05)
+  core = make_core(clock, learners=(0, 1), max_staleness=1)
+  core.report(rep(0, step=12, step_time_s=1.0))
+  assert core.fleet_step() == 12
+  clock.t = 13.0
+  assert core.fleet_step() == 13
+  core.report(rep(1, step=7, step_time_s=1.0))
+  assert core.fleet_step() == 13
+  other = make_core(FakeClock(13.0))
+  other.load_state_dict(core.state_dict())
+  assert other.fleet_step() == 13
