@@ -1,0 +1,76 @@
+r"""`ddiloco-goodput`: fleet-scale goodput simulator and bandwidth model (SPEC.md §7).
+
+  ddiloco-goodput --workdir=/tmp/goodput --gin_file=gin_configs/goodput/paper_table.gin
+  ddiloco-goodput --workdir=/tmp/bandwidth --gin_file=gin_configs/goodput/bandwidth.gin
+  ddiloco-goodput --workdir=/tmp/goodput --gin_file=gin_configs/goodput/paper_table.gin \
+      --gin.goodput.Fleet.chip_mtbi_hours=4380
+
+Writes config.gin, goodput.json / goodput.png (one record per system and chip count) and
+bandwidth.json / bandwidth.png to --workdir. The simulator and the models are plain Python in
+ddiloco.simulation; gin binds them here only.
+"""
+
+from collections.abc import Sequence
+
+import gin
+from absl import app, flags
+
+from ddiloco.launch import gin_flags
+from ddiloco.simulation import bandwidth, goodput_model, goodput_report
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder.", required=True)
+
+for _cls in (
+  goodput_model.RecoveryDelay,
+  goodput_model.Fleet,
+  goodput_model.Costs,
+  goodput_model.DataParallel,
+  goodput_model.DecoupledDiLoCo,
+  goodput_model.Scavenging,
+  goodput_report.GoodputStudy,
+):
+  gin.external_configurable(_cls, module="goodput")
+for _cls in (
+  bandwidth.Wire,
+  bandwidth.DataParallelLink,
+  bandwidth.DiLoCoLink,
+  goodput_report.BandwidthStudy,
+):
+  gin.external_configurable(_cls, module="bandwidth")
+
+
+@gin.configurable(module="goodput")
+def experiment(
+  *,
+  goodput: goodput_report.GoodputStudy | None = None,
+  bandwidth: goodput_report.BandwidthStudy | None = None,
+) -> tuple[goodput_report.GoodputStudy | None, goodput_report.BandwidthStudy | None]:
+  """What to run: a goodput study, a bandwidth study, or both (bound in .gin files).
+
+  Raises:
+    ValueError: if neither is configured.
+  """
+  if goodput is None and bandwidth is None:
+    raise ValueError("Configure goodput.experiment.goodput and/or goodput.experiment.bandwidth.")
+  return goodput, bandwidth
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  workdir = _WORKDIR.value
+  gin_flags.parse_gin(workdir)
+  goodput_study, bandwidth_study = experiment()
+  if goodput_study is not None:
+    goodput_report.run_goodput_study(goodput_study, workdir)
+  if bandwidth_study is not None:
+    goodput_report.run_bandwidth_study(bandwidth_study, workdir)
+
+
+def run() -> None:
+  """Console-script entry point (`ddiloco-goodput`)."""
+  app.run(main, flags_parser=gin_flags.flags_parser)
+
+
+if __name__ == "__main__":
+  run()
