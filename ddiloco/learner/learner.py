@@ -102,7 +102,7 @@ class Learner:
     self.tokens = np.zeros(num, np.int64)  # SPEC §3 counters[p].tokens
     self.step_counts = np.zeros(num, np.int64)  # SPEC §3 counters[p].steps
     self.anchor = np.full(num, -1, np.int64)  # Version of p last applied; -1 = never received.
-    self.applied_digest: dict[int, str] = {}
+    self.applied_digest: dict[int, str] = {}  # p -> digest of θ_p read back after an α = 0 apply.
     self._inbox: dict[int, FragmentState] = {}
     self._outstanding: dict[int, _Outstanding] = {}
     leaves, self._treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -172,8 +172,9 @@ class Learner:
 
   def on_report_result(self, p: int, result: ReportResult) -> None:
     """Records whether the syncer took the last report of p (decides the counter reset)."""
-    if p in self._outstanding:
-      self._outstanding[p].accepted = result.status in _ACCEPTED and result.weight > 0
+    out = self._outstanding.get(p)
+    if out is not None:
+      out.accepted = result.status in _ACCEPTED and result.weight > 0
 
   def forget_outstanding(self) -> None:
     """Drops outstanding sends (e.g. they were lost in a crash of the syncer or the network)."""
@@ -208,7 +209,7 @@ class Learner:
       state = self._inbox.pop(p)
       self._write_fragment(p, state.values)
       self.anchor[p] = state.version
-      self.applied_digest[p] = state.digest
+      self._record_digest(p)
       if out.accepted:
         self.tokens[p] = 0
         self.step_counts[p] = 0
@@ -224,7 +225,7 @@ class Learner:
     for state in states:
       self._write_fragment(state.fragment, state.values, mix=False)
       self.anchor[state.fragment] = state.version
-      self.applied_digest[state.fragment] = state.digest
+      self._record_digest(state.fragment, mixed=False)
       self.tokens[state.fragment] = 0
       self.step_counts[state.fragment] = 0
       self._inbox.pop(state.fragment, None)
@@ -254,6 +255,17 @@ class Learner:
         full[start:stop] = value
       leaves[i] = jax.device_put(full, self._shardings[i])
     self.params = jax.tree_util.tree_unflatten(self._treedef, leaves)
+
+  def _record_digest(self, p: int, *, mixed: bool = True) -> None:
+    """Digest of what this learner now holds for p, read back from its devices (SPEC §4.7).
+
+    Comparing it with the syncer's digest proves the bits arrived intact (pieces, dtypes, shardings).
+    After an α > 0 mix the learner holds its own blend, so there is nothing to compare.
+    """
+    if mixed and self.config.mixing_alpha > 0:
+      self.applied_digest.pop(p, None)
+    else:
+      self.applied_digest[p] = self.digest_of(p)
 
   def digest_of(self, p: int) -> str:
     """Digest of this learner's current θ_p (equals the syncer's after an α = 0 apply)."""

@@ -52,10 +52,14 @@ class TimeLedger:
       self._idle_since = None
 
   def close(self, now: float) -> None:
-    """Ends the run at `now`: every slot's current state is accounted up to it."""
+    """Ends the run at `now`: every slot's state, and any trailing idle time, is accounted up to it."""
+    if self._idle_since is not None and self._busy_count == 0 and self._slots:
+      self.global_downtime_s += max(now - self._idle_since, 0.0)
+      self._idle_since = None
     for learner, slot in self._slots.items():
       if slot.state != GONE:
         self.set_state(learner, GONE, now)
+    self._idle_since = None
 
   def totals(self, learner: int) -> dict[str, float]:
     """Seconds spent per state by one learner (after `close`, or up to its last change)."""

@@ -52,6 +52,7 @@ class _Slot:
   alive: bool = False
   gen: int = 0  # Bumped on crash/rejoin: cancels that slot's pending events.
   blocked: bool = False
+  left: bool = False  # Removed for good (leave, or a crash without return).
   slow_factor: float = 1.0
   step_time_ema: float = 0.0
   last_metrics: Any = None
@@ -153,7 +154,10 @@ class SimulatedCluster:
       slot.learner.load_global(
         [self.core.fetch(index, p) for p in range(self.layout.num_fragments)]
       )
-      if rejoin or self.now > 0:
+      # A (re)joining learner adopts the fleet's schedule phase (docs/algorithm.md). Not in the
+      # synchronous baselines: there the fleet is blocked on this learner's next report, which its
+      # own step count already schedules; skipping ahead would deadlock the round.
+      if (rejoin or self.now > 0) and not self.learner_config.blocking:
         slot.learner.align_phase(self.core.fleet_step())
     self.ledger.set_state(index, BUSY, self.now)
     self._event(
@@ -161,7 +165,8 @@ class SimulatedCluster:
     )
     self._push(self.now + self._step_duration(slot), "step_done", index, slot.gen)
 
-  def _stop(self, index: int, *, permanent: bool) -> None:
+  def _stop(self, index: int, *, left: bool) -> None:
+    """Takes a learner out: a crash (its slot stays provisioned, DOWN) or a leave (GONE)."""
     slot = self.slots.get(index)
     if slot is None or not slot.alive:
       return
@@ -169,7 +174,8 @@ class SimulatedCluster:
     slot.gen += 1
     if self.core is not None:
       self.core.leave(index)
-    self.ledger.set_state(index, GONE if permanent else DOWN, self.now)
+      self._schedule_merge_check()  # Its departure may let a round close early.
+    self.ledger.set_state(index, GONE if left else DOWN, self.now)
 
   # -- handlers -------------------------------------------------------------------------------
 
@@ -259,6 +265,8 @@ class SimulatedCluster:
       )
       state = self.core.state(ev.fragment)
       nbytes = sum(v.nbytes for v in state.values.values())
+      # ξ_sync includes delivering the merge (SPEC §4.2), which the core's clock cannot see here.
+      self.core.observe_sync_time(self._transfer_s(nbytes, self.cfg.downlink_latency_s))
       for slot in self.slots.values():
         if slot.alive:
           self.bytes_down += nbytes
@@ -280,11 +288,15 @@ class SimulatedCluster:
     self._event("fault", learner=fault.learner, action=fault.kind, duration_s=fault.duration_s)
     slot = self.slots.get(fault.learner)
     if fault.kind == "crash":
-      self._stop(fault.learner, permanent=math.isinf(fault.duration_s))
+      if slot is None or not slot.alive:
+        return  # Not running (not joined yet, already down, or gone): nothing to crash.
+      self._stop(fault.learner, left=False)
       if not math.isinf(fault.duration_s):
-        self._push(self.now + fault.duration_s, "rejoin", fault.learner)
+        self._push(self.now + fault.duration_s, "rejoin", fault.learner, slot.gen)
     elif fault.kind == "leave":
-      self._stop(fault.learner, permanent=True)
+      self._stop(fault.learner, left=True)
+      if slot is not None:
+        slot.left = True
     elif fault.kind == "join":
       if slot is not None and slot.alive:
         raise ValueError(f"join:{fault.learner} but that learner is already running.")
@@ -292,6 +304,12 @@ class SimulatedCluster:
     elif fault.kind == "slow" and slot is not None:
       slot.slow_factor = fault.factor
       self._push(self.now + fault.duration_s, "unslow", fault.learner)
+
+  def _on_rejoin(self, index: int, gen: int) -> None:
+    slot = self.slots[index]
+    if slot.alive or slot.left or gen != slot.gen:
+      return  # Restarted already, removed for good since, or crashed again: not this rejoin's turn.
+    self._start(index, rejoin=True)
 
   def _on_eval(self) -> None:
     loss = self.evaluate_global()
@@ -329,7 +347,7 @@ class SimulatedCluster:
       "merge_check": self._on_merge_check,
       "deliver": self._on_deliver,
       "fault": self._on_fault,
-      "rejoin": lambda i: self._start(i, rejoin=True),
+      "rejoin": self._on_rejoin,
       "unslow": lambda i: setattr(self.slots[i], "slow_factor", 1.0),
       "eval": self._on_eval,
     }
@@ -337,7 +355,16 @@ class SimulatedCluster:
     # Once the token budget is trained no step starts, but reports already sent still land, merge
     # and reach the learners (the drain), so the final global model includes the last steps' work.
     drain_kinds = ("arrive", "merge_check", "deliver")
+    self.stalled = False
     while self._heap:
+      if not self._finished and all(kind in ("eval", "unslow") for _, _, kind, _ in self._heap):
+        # Every learner is blocked or down and nothing can change that: a synchronous quorum
+        # waiting for a learner that will not come back. Stop rather than evaluate forever; the
+        # stall counts as downtime up to the run's horizon when it has one.
+        self.stalled = True
+        if math.isfinite(self.cfg.max_time_s):
+          self.now = self.cfg.max_time_s
+        break
       t, _, kind, payload = heapq.heappop(self._heap)
       if t > self.cfg.max_time_s:
         break
@@ -402,6 +429,9 @@ class SimulatedCluster:
       "wall_time_s": wall_s,
       "virtual_time_s": self.now,
       "digests_agree": self.digests_agree(),
+      "token_budget": self.token_budget,
+      "budget_reached": self.tokens_trained >= self.token_budget,
+      "stalled": self.stalled,
       "learners": {
         str(s.index): {
           "steps": s.steps_done,

@@ -151,11 +151,16 @@ class Report:
 
 @dataclasses.dataclass(frozen=True)
 class ReportResult:
-  """What `SyncerCore.report` did: status is accepted | superseded | late | duplicate | rejected."""
+  """What `SyncerCore.report` did: status is accepted | superseded | late | duplicate | rejected.
+
+  `fleet_step` is the syncer's estimate of the fleet's schedule step when the report arrived (see
+  `SyncerCore.fleet_step`); learners use it to keep their schedule in phase with the fleet.
+  """
 
   status: str
   reason: str
   weight: float
+  fleet_step: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,6 +381,8 @@ class SyncerCore:
   def report(self, r: Report) -> ReportResult:
     """Validates a report and files it into its fragment's open round (see module docstring).
 
+    The answer carries the fleet's current step (`fleet_step`), whatever the status.
+
     Args:
       r: the report; its arrays are copied if it joins a round.
 
@@ -384,6 +391,9 @@ class SyncerCore:
       "superseded" (replaced this learner's older report in the round), "late" (staleness above
       max_staleness: dropped and counted, SPEC §4) or "duplicate" (not newer than the one in the round).
     """
+    return dataclasses.replace(self._file_report(r), fleet_step=self.fleet_step())
+
+  def _file_report(self, r: Report) -> ReportResult:
     reason = self._invalid_reason(r)
     if reason is not None:
       self._counters["rejected"] += 1
@@ -396,11 +406,17 @@ class SyncerCore:
         r, f"learner has not received fragment {p} since registering (SPEC §3)"
       )
     staleness = self._version[p] - r.anchor_version
-    if staleness > self._config.max_staleness:
+    if staleness > self._config.max_staleness or r.anchor_version not in self._history[p]:
+      # Too stale, or its anchor is no longer kept (e.g. a checkpoint from a smaller keep_versions):
+      # it cannot be re-anchored, so it is late (SPEC §4).
       self._counters["late"] += 1
       self._counters["dropped_tokens"] += r.tokens
       return ReportResult(
-        "late", f"staleness {staleness} > max_staleness {self._config.max_staleness}", 0.0
+        "late",
+        f"staleness {staleness} > max_staleness {self._config.max_staleness}"
+        if staleness > self._config.max_staleness
+        else f"anchor version {r.anchor_version} of fragment {p} is no longer kept",
+        0.0,
       )
     weight = merge_lib.token_weight(r.tokens, r.steps)
     if weight == 0:

@@ -33,3 +33,12 @@ def test_no_downtime_while_someone_busy():
 def test_unknown_state_rejected():
   with pytest.raises(ValueError):
     TimeLedger().set_state(0, "sleeping", 0.0)
+
+
+def test_trailing_idle_time_is_downtime():
+  ledger = TimeLedger()
+  ledger.set_state(0, BUSY, 0.0)
+  ledger.set_state(0, BLOCKED, 2.0)  # Blocked until the run is closed at t = 9.
+  ledger.close(9.0)
+  assert ledger.global_downtime_s == pytest.approx(7.0)
+  assert ledger.goodput() == pytest.approx(2 / 9)

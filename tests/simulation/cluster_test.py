@@ -124,3 +124,73 @@ def test_summary_keys_and_training_progress(tmp_path):
   train = read_events(str(tmp_path / "plain"), "train")
   assert train[-1]["loss"] < train[0]["loss"]
   assert evals[-1]["loss"] < np.log(256)
+
+
+def test_join_leave_and_straggler(tmp_path):
+  """Scavenging and scale-down: learner 3 joins at t = 4, learner 0 leaves at t = 10.5, learner 1 is 2x
+  slower from t = 2 to t = 8. The joiner trains on its own (4th) shard and contributes to merges; the
+  leaver contributes nothing after leaving; the fleet keeps merging throughout.
+  """
+  workdir = tmp_path / "elastic"
+  summary = simulate(
+    workdir=str(workdir),
+    model=_model(),
+    data=DATA,
+    cluster=ClusterConfig(
+      num_learners=3,
+      steps_per_learner=16,
+      faults=("join:3@4", "leave:0@10.5", "slow:1@2+6x2.0"),
+      log_every=4,
+    ),
+    schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
+    syncer=SyncerConfig(min_quorum=1, overlap=1),
+    inner_opt=INNER,
+    tensorboard=False,
+  )
+  merges = read_events(str(workdir), "merge")
+  assert summary["learners"]["3"]["steps"] > 0
+  assert any(3 in m["contributors"] for m in merges)
+  # Its last report (sent at t = 10) may still merge after the grace window (a report already in a
+  # round stays there; window <= γ·τ·ξ_step <= 0.8 x 1 x 2 s while learner 1 reports 2 s steps).
+  assert not any(0 in m["contributors"] for m in merges if m["time"] > 10.05 + 1.6)
+  assert summary["learners"]["0"]["steps"] == 10
+  # Learner 1 ran 2x slower for 6 s: 3 steps in that window instead of 6.
+  assert summary["learners"]["1"]["steps"] < summary["learners"]["2"]["steps"]
+  assert summary["digests_agree"] is True
+  assert summary["global_downtime_s"] == 0.0
+  assert summary["learners"]["0"]["time"] == pytest.approx({"busy": 10.5})
+
+
+def test_synchronous_stall_on_a_permanent_crash_is_reported(tmp_path):
+  """K = M, blocking, learner 1 never returns: the run cannot finish. It must stop (not evaluate
+  forever), say so, and count the whole stall as global downtime.
+  """
+  summary = simulate(
+    workdir=str(tmp_path / "stall"),
+    model=_model(),
+    data=DATA,
+    cluster=ClusterConfig(
+      num_learners=2,
+      steps_per_learner=12,
+      faults=("crash:1@5",),
+      eval_every_s=3.0,
+      max_time_s=30.0,
+      log_every=4,
+    ),
+    schedule=FragmentSchedule(num_fragments=2, period=4, overlap=1),
+    syncer=SyncerConfig(min_quorum=2, overlap=1, use_grace=False),
+    learner=LearnerConfig(blocking=True),
+    inner_opt=INNER,
+    tensorboard=False,
+  )
+  assert summary["stalled"] is True
+  assert summary["budget_reached"] is False
+  assert summary["tokens_trained"] < summary["token_budget"]
+  # Learner 0 blocks within a period of the crash; from then on nobody is busy until the horizon.
+  assert summary["virtual_time_s"] == 30.0
+  assert summary["global_downtime_s"] > 20.0
+  assert summary["global_downtime_s"] == pytest.approx(
+    summary["virtual_time_s"] - summary["learners"]["0"]["time"]["busy"]
+  )
+  # The crashed learner's slot stays provisioned (down), so it costs goodput.
+  assert summary["learners"]["1"]["time"]["down"] > 0
