@@ -26,6 +26,7 @@ import gin
 import jax
 import numpy as np
 
+from ddiloco.fragments import layout as layout_lib
 from ddiloco.fragments import tree
 from ddiloco.fragments.digest import values_digest
 from ddiloco.fragments.layout import FragmentLayout
@@ -110,11 +111,10 @@ class Learner:
     self._shardings = jax.tree_util.tree_leaves(
       steps.param_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
     )
-    self._keys = [tuple(self._leaf_key(k) for k in keys) for keys in layout.fragments]
-
-  def _leaf_key(self, key: str) -> str:
-    # Split tensors are keyed "path@start:stop"; the leaf is "path".
-    return key.split("@", 1)[0]
+    # The leaves each fragment touches (split tensors are keyed "path@start:stop"; SPEC §2).
+    self._leaf_names = [
+      sorted({layout_lib.parse_key(k)[0] for k in keys}) for keys in layout.fragments
+    ]
 
   # -- training -------------------------------------------------------------------------------
 
@@ -152,8 +152,9 @@ class Learner:
   def fragment_values(self, p: int) -> dict[str, np.ndarray]:
     """A host copy of this learner's θ_p, keyed as the layout keys it."""
     leaves = jax.tree_util.tree_leaves(self.params)
-    full = {k: np.asarray(jax.device_get(leaves[self._index[k]])) for k in set(self._keys[p])}
-    return self.layout.select({k: full[self._leaf_key(k)] for k in self.layout.fragments[p]}, p)
+    names = self._leaf_names[p]
+    host = jax.device_get([leaves[self._index[k]] for k in names])  # One batched transfer.
+    return self.layout.select({k: np.asarray(v) for k, v in zip(names, host)}, p)
 
   def make_report(self, p: int, *, step_time_s: float = 0.0) -> Report:
     """The report of fragment p (SPEC §3 send), recording it as outstanding."""
@@ -241,9 +242,8 @@ class Learner:
     leaves = jax.tree_util.tree_leaves(self.params)
     pieces: dict[str, list[tuple[int, int, np.ndarray]]] = {}
     for key, value in values.items():
-      leaf_key, _, rows = key.partition("@")
-      if rows:  # A piece of a tensor split along axis 0 (SPEC §2 decision, off by default).
-        start, stop = (int(x) for x in rows.split(":"))
+      leaf_key, start, stop = layout_lib.parse_key(key)
+      if start is not None:  # A piece of a tensor split along axis 0 (SPEC §2, off by default).
         pieces.setdefault(leaf_key, []).append((start, stop, value))
         continue
       i = self._index[leaf_key]
