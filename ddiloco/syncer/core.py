@@ -24,16 +24,16 @@ wraps it with a lock). The team's decisions, each cited where it is implemented:
   of the merges it missed instead of pulling Θ back to its old anchor. w_m = tokens²/steps, RDA or mean
   (SPEC §4.3–4.5), then one optax state per fragment (SPEC §4.6), float32 math, results cast back to
   each tensor's dtype.
+
+The value types live in `types.py` (re-exported here) and `state_dict` / `load_state_dict` in
+`checkpoint.py` (inherited).
 """
 
 import dataclasses
 import functools
-import hashlib
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,180 +41,29 @@ import optax
 
 from ddiloco.fragments.digest import values_digest
 from ddiloco.syncer import merge as merge_lib
+from ddiloco.syncer.checkpoint import CheckpointMixin
 from ddiloco.syncer.grace import GraceModel
-
-_COUNTERS = (
-  "fleet_step",  # Largest step of an accepted weight>0 report: the fleet's schedule phase.
-  "merges",
-  "accepted",
-  "superseded",
-  "late",
-  "duplicate",
-  "rejected",
-  "dropped_tokens",
-  "merged_tokens",
-  "zero_weight_reports",
-  "zero_weight_tokens",
+from ddiloco.syncer.types import (
+  COUNTERS,
+  FragmentState,
+  LearnerRecord,
+  MergeEvent,
+  Report,
+  ReportResult,
+  Round,
+  RoundEntry,
+  SyncerConfig,
+  readonly,
 )
-_REPORT_SCALARS = ("tokens", "steps", "anchor_version", "step", "step_time_s")
 
-
-@gin.configurable(module="ddiloco")
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SyncerConfig:
-  """Syncer settings (SPEC §4). Bound from gin as `ddiloco.SyncerConfig.<field>`.
-
-  Attributes:
-    min_quorum: K, weight>0 reports needed before a round may merge (SPEC §4.1).
-    use_grace: whether to keep a round open for the adaptive grace window after quorum (SPEC §4.2).
-    grace_gamma: γ, the fraction of slack the window spends (decision 0.8).
-    grace_max_s: upper bound of the window, seconds.
-    overlap: τ in steps; only the grace model uses it here.
-    ema_decay: decay of the ξ EMAs.
-    merge_method: "rda" (default) or "mean" for non-embedding tensors (SPEC §4.5).
-    max_staleness: largest cur − anchor_version a report may have to join a round; 0 = SPEC §4 literal.
-    outer_lr: outer SGD learning rate (DiLoCo 0.7, SPEC §4.6).
-    outer_momentum: outer momentum; 0 disables it.
-    nesterov: Nesterov momentum.
-    keep_versions: recent versions kept per fragment, current included (for re-anchoring, SPEC §4.3).
-  """
-
-  min_quorum: int = 1
-  use_grace: bool = True
-  grace_gamma: float = 0.8
-  grace_max_s: float = 10.0
-  overlap: int = 2
-  ema_decay: float = 0.8
-  merge_method: str = "rda"
-  max_staleness: int = 2
-  outer_lr: float = 0.7
-  outer_momentum: float = 0.9
-  nesterov: bool = True
-  keep_versions: int = 4
-
-  def __post_init__(self):
-    if self.min_quorum < 1:
-      raise ValueError(f"min_quorum must be >= 1, got {self.min_quorum}.")
-    if not 0.0 <= self.grace_gamma <= 1.0:
-      raise ValueError(f"grace_gamma must be in [0, 1], got {self.grace_gamma}.")
-    if not math.isfinite(self.grace_max_s) or self.grace_max_s < 0:
-      raise ValueError(f"grace_max_s must be finite and >= 0, got {self.grace_max_s}.")
-    if self.overlap < 0:
-      raise ValueError(f"overlap must be >= 0, got {self.overlap}.")
-    if not 0.0 <= self.ema_decay < 1.0:
-      raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}.")
-    if self.merge_method not in merge_lib.MERGE_METHODS:
-      raise ValueError(
-        f"merge_method must be one of {merge_lib.MERGE_METHODS}, got {self.merge_method!r}."
-      )
-    if self.max_staleness < 0:
-      raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}.")
-    if not self.outer_lr > 0:
-      raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}.")
-    if not 0.0 <= self.outer_momentum < 1.0:
-      raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}.")
-    if self.keep_versions < self.max_staleness + 1:
-      raise ValueError(
-        f"keep_versions ({self.keep_versions}) must be >= max_staleness + 1 "
-        f"({self.max_staleness + 1}): re-anchoring needs every anchor a report may have."
-      )
-
-  def outer_optimizer(self) -> optax.GradientTransformation:
-    """optax.sgd(outer_lr, momentum or None, nesterov): DiLoCo's outer step (SPEC §4.6)."""
-    return optax.sgd(self.outer_lr, momentum=self.outer_momentum or None, nesterov=self.nesterov)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Report:
-  """One learner's report of one fragment (learner → syncer, SPEC §3).
-
-  Attributes:
-    learner_id: the reporting learner.
-    fragment: fragment index p.
-    values: θ_{m,p}, the learner's current parameters of p, {key: array}.
-    tokens: tokens since the learner last had p merged/received (learner resets them, SPEC §3).
-    steps: inner steps over the same period.
-    anchor_version: version of p the learner last applied; -1 if it never received p.
-    step: the learner's inner step when it sent the report (orders re-sends).
-    step_time_s: the learner's step-time EMA, feeds ξ_step; 0 = unknown.
-  """
-
-  learner_id: int
-  fragment: int
-  values: Mapping[str, np.ndarray]
-  tokens: int
-  steps: int
-  anchor_version: int
-  step: int
-  step_time_s: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class ReportResult:
-  """What `SyncerCore.report` did: status is accepted | superseded | late | duplicate | rejected.
-
-  `fleet_step` is the syncer's estimate of the fleet's schedule step when the report arrived (see
-  `SyncerCore.fleet_step`); learners use it to keep their schedule in phase with the fleet.
-  """
-
-  status: str
-  reason: str
-  weight: float
-  fleet_step: int = -1
-
-
-@dataclasses.dataclass(frozen=True)
-class MergeEvent:
-  """One published merge: fragment p went to `version` at `time` (SPEC §4.7)."""
-
-  fragment: int
-  version: int
-  time: float
-  contributors: tuple[int, ...]
-  weights: tuple[float, ...]
-  tokens: int
-  open_time: float
-  quorum_time: float
-  grace_s: float
-  digest: str
-
-
-@dataclasses.dataclass(frozen=True)
-class FragmentState:
-  """A version of a fragment's global values Θ_p; the arrays are read-only and shared."""
-
-  fragment: int
-  version: int
-  values: dict[str, np.ndarray]
-  digest: str
-
-
-@dataclasses.dataclass
-class _Entry:
-  report: Report  # values are the syncer's own copies.
-  weight: float
-  epoch: int  # the learner's registration epoch when the report arrived.
-
-
-@dataclasses.dataclass
-class _Round:
-  entries: dict[int, _Entry] = dataclasses.field(default_factory=dict)  # only weight > 0
-  open_time: float | None = None
-  quorum_time: float | None = None
-  deadline: float | None = None
-  grace_s: float = 0.0
-
-
-@dataclasses.dataclass
-class _Learner:
-  alive: bool = True
-  epoch: int = 0
-  delivered: dict[int, int] = dataclasses.field(default_factory=dict)  # fragment -> newest version
-
-
-def _readonly(a: np.ndarray) -> np.ndarray:
-  a.flags.writeable = False
-  return a
+__all__ = [
+  "FragmentState",
+  "MergeEvent",
+  "Report",
+  "ReportResult",
+  "SyncerConfig",
+  "SyncerCore",
+]
 
 
 def _outer_step(opt, params, grads, opt_state):
@@ -222,7 +71,7 @@ def _outer_step(opt, params, grads, opt_state):
   return optax.apply_updates(params, updates), opt_state
 
 
-class SyncerCore:
+class SyncerCore(CheckpointMixin):
   """Global fragments, their rounds and outer optimizer states, driven by reports and an injected clock.
 
   Not thread-safe: the service wraps it with a lock.
@@ -280,16 +129,16 @@ class SyncerCore:
         a = np.array(init_values[k], copy=True)
         if not jnp.issubdtype(a.dtype, jnp.floating):
           raise ValueError(f"{k!r} has dtype {a.dtype}; only floating parameters can be synced.")
-        vals[k] = _readonly(a)
+        vals[k] = readonly(a)
       self._global.append(vals)
     num = len(self._keys)
     self._version = [0] * num
     self._digest = [values_digest(v) for v in self._global]
     self._history: list[dict[int, dict[str, np.ndarray]]] = [{0: v} for v in self._global]
     self._opt_state = [self._opt.init(self._params32(p)) for p in range(num)]
-    self._rounds = [_Round() for _ in range(num)]
-    self._learners: dict[int, _Learner] = {}
-    self._counters = dict.fromkeys(_COUNTERS, 0)
+    self._rounds = [Round() for _ in range(num)]
+    self._learners: dict[int, LearnerRecord] = {}
+    self._counters = dict.fromkeys(COUNTERS, 0)
     self._fleet_step_time: float | None = None  # When the report that set fleet_step arrived.
     # Merges per quorum size (index = number of weight>0 contributors): bounded, unlike a list.
     self._quorum_hist = np.zeros(1, np.int64)
@@ -317,7 +166,7 @@ class SyncerCore:
       raise ValueError(f"learner_id must be >= 0, got {learner_id}.")
     learner = self._learners.get(learner_id)
     if learner is None:
-      self._learners[learner_id] = _Learner()
+      self._learners[learner_id] = LearnerRecord()
     else:
       learner.alive, learner.epoch, learner.delivered = True, learner.epoch + 1, {}
     return dict(enumerate(self._version))
@@ -434,7 +283,9 @@ class SyncerCore:
         )
       status = "superseded"
     values = {k: np.array(v, copy=True) for k, v in r.values.items()}
-    rnd.entries[r.learner_id] = _Entry(dataclasses.replace(r, values=values), weight, learner.epoch)
+    rnd.entries[r.learner_id] = RoundEntry(
+      dataclasses.replace(r, values=values), weight, learner.epoch
+    )
     self._counters[status] += 1
     if r.step >= self._counters["fleet_step"]:
       self._counters["fleet_step"], self._fleet_step_time = r.step, self._clock()
@@ -547,7 +398,7 @@ class SyncerCore:
       grads, weights, method=self._config.merge_method, embedding_keys=self._embedding_keys
     )
     new32, self._opt_state[p] = self._step_fn(self._params32(p), merged, self._opt_state[p])
-    new = {k: _readonly(np.asarray(new32[k]).astype(theta[k].dtype)) for k in theta}
+    new = {k: readonly(np.asarray(new32[k]).astype(theta[k].dtype)) for k in theta}
     self._global[p] = new
     self._version[p] += 1
     self._digest[p] = values_digest(new)
@@ -560,7 +411,7 @@ class SyncerCore:
     if len(entries) >= len(self._quorum_hist):
       self._quorum_hist = np.pad(self._quorum_hist, (0, len(entries) + 1 - len(self._quorum_hist)))
     self._quorum_hist[len(entries)] += 1
-    self._rounds[p] = _Round()
+    self._rounds[p] = Round()
     t1 = self._clock()
     self._grace.observe_sync_time(max(t1 - t0, 0.0))
     return MergeEvent(
@@ -613,7 +464,7 @@ class SyncerCore:
     return self._grace.window() if self._config.use_grace else 0.0
 
   def stats(self) -> dict:
-    """Counters (see `_COUNTERS`), merges per quorum size and their mean, open rounds, versions."""
+    """Counters (see `COUNTERS`), merges per quorum size and their mean, open rounds, versions."""
     out: dict = dict(self._counters)
     hist = self._quorum_hist
     out["quorum_size_counts"] = {n: int(c) for n, c in enumerate(hist) if c}
@@ -622,134 +473,6 @@ class SyncerCore:
     out["open_rounds"] = sum(1 for r in self._rounds if r.entries)
     out["versions"] = list(self._version)
     return out
-
-  # -- checkpointing (SPEC §6) ---------------------------------------------------------------------
-
-  def state_dict(self) -> dict[str, Any]:
-    """The whole state as a flat {name: numpy array | python scalar} dict, for a checkpoint.
-
-    Holds kept versions of every fragment (current included), versions, the flattened optax states,
-    open rounds (with the syncer's copies of the reports), membership and deliveries, counters and the
-    grace EMAs. Unset times are stored as NaN. `load_state_dict` restores it bit for bit.
-    """
-    d: dict[str, Any] = {
-      "layout_fingerprint": self.layout_fingerprint(),
-      "num_fragments": self.num_fragments,
-    }
-    for p in range(self.num_fragments):
-      pre = f"fragment/{p}/"
-      d[pre + "version"] = self._version[p]
-      d[pre + "kept_versions"] = np.array(sorted(self._history[p]), np.int64)
-      for v, vals in self._history[p].items():
-        for k, a in vals.items():
-          d[f"{pre}v{v}/{k}"] = np.array(a)
-      leaves = jax.tree_util.tree_leaves(self._opt_state[p])
-      d[pre + "opt/num_leaves"] = len(leaves)
-      for i, leaf in enumerate(leaves):
-        d[f"{pre}opt/{i}"] = np.array(leaf)
-      rnd = self._rounds[p]
-      d[pre + "round/learners"] = np.array(sorted(rnd.entries), np.int64)
-      for name in ("open_time", "quorum_time", "deadline"):
-        t = getattr(rnd, name)
-        d[f"{pre}round/{name}"] = math.nan if t is None else float(t)
-      d[pre + "round/grace_s"] = rnd.grace_s
-      for i, e in rnd.entries.items():
-        q = f"{pre}round/{i}/"
-        d[q + "weight"], d[q + "epoch"] = e.weight, e.epoch
-        for name in _REPORT_SCALARS:
-          d[q + name] = getattr(e.report, name)
-        for k, a in e.report.values.items():
-          d[f"{q}value/{k}"] = np.array(a)
-    ids = sorted(self._learners)
-    d["learners/ids"] = np.array(ids, np.int64)
-    d["learners/alive"] = np.array([self._learners[i].alive for i in ids], bool)
-    d["learners/epoch"] = np.array([self._learners[i].epoch for i in ids], np.int64)
-    delivered = np.full((len(ids), self.num_fragments), -1, np.int64)
-    for row, i in enumerate(ids):
-      for p, v in self._learners[i].delivered.items():
-        delivered[row, p] = v
-    d["learners/delivered"] = delivered
-    for name, value in self._counters.items():
-      d["stats/" + name] = value
-    d["stats/quorum_size_hist"] = self._quorum_hist.copy()
-    for name, value in self._grace.state_dict().items():
-      d["grace/" + name] = value
-    d["fleet/step_time"] = math.nan if self._fleet_step_time is None else self._fleet_step_time
-    return d
-
-  def load_state_dict(self, d: Mapping[str, Any]) -> None:
-    """Replaces the whole state with one from `state_dict` (same layout; the config may differ).
-
-    Raises:
-      ValueError: if the checkpoint was made for another layout or its arrays do not fit.
-      KeyError: if an entry is missing.
-    """
-    if d["layout_fingerprint"] != self.layout_fingerprint():
-      raise ValueError("Checkpoint was written for a different fragment layout.")
-    history, opt_state, rounds = [], [], []
-    for p in range(self.num_fragments):
-      pre = f"fragment/{p}/"
-      kept = {}
-      for v in (int(x) for x in d[pre + "kept_versions"]):
-        kept[v] = {k: _readonly(self._fitting(d[f"{pre}v{v}/{k}"], k, p)) for k in self._keys[p]}
-      if int(d[pre + "version"]) not in kept:
-        raise ValueError(f"Checkpoint lacks the current version of fragment {p}.")
-      history.append(kept)
-      template, treedef = jax.tree_util.tree_flatten(self._opt.init(self._params32(p)))
-      if int(d[pre + "opt/num_leaves"]) != len(template):
-        raise ValueError(f"Optimizer state of fragment {p} does not match the outer optimizer.")
-      leaves = []
-      for i, t in enumerate(template):
-        leaf = np.asarray(d[f"{pre}opt/{i}"])
-        if leaf.shape != t.shape or leaf.dtype != t.dtype:
-          raise ValueError(f"Optimizer leaf {i} of fragment {p} is {leaf.dtype}{leaf.shape}.")
-        leaves.append(jnp.asarray(leaf))
-      opt_state.append(jax.tree_util.tree_unflatten(treedef, leaves))
-      rounds.append(self._load_round(d, p))
-    learners = {}
-    for row, i in enumerate(int(x) for x in d["learners/ids"]):
-      delivered = {p: int(v) for p, v in enumerate(d["learners/delivered"][row]) if v >= 0}
-      alive, epoch = bool(d["learners/alive"][row]), int(d["learners/epoch"][row])
-      learners[i] = _Learner(alive=alive, epoch=epoch, delivered=delivered)
-    # Everything parsed: only now mutate, so a bad checkpoint leaves the core as it was.
-    self._history = history
-    self._version = [int(d[f"fragment/{p}/version"]) for p in range(self.num_fragments)]
-    self._global = [history[p][v] for p, v in enumerate(self._version)]
-    self._digest = [values_digest(v) for v in self._global]
-    self._opt_state, self._rounds, self._learners = opt_state, rounds, learners
-    self._counters = {name: int(d["stats/" + name]) for name in _COUNTERS}
-    t = float(d["fleet/step_time"])
-    self._fleet_step_time = None if math.isnan(t) else t
-    self._quorum_hist = np.array(d["stats/quorum_size_hist"], np.int64)
-    self._grace.load_state_dict(
-      {k[len("grace/") :]: v for k, v in d.items() if k.startswith("grace/")}
-    )
-
-  def _load_round(self, d: Mapping[str, Any], p: int) -> _Round:
-    pre = f"fragment/{p}/round/"
-    times = {}
-    for name in ("open_time", "quorum_time", "deadline"):
-      t = float(d[pre + name])
-      times[name] = None if math.isnan(t) else t
-    rnd = _Round(grace_s=float(d[pre + "grace_s"]), **times)
-    for i in (int(x) for x in d[pre + "learners"]):
-      q = f"{pre}{i}/"
-      values = {k: self._fitting(d[f"{q}value/{k}"], k, p) for k in self._keys[p]}
-      scalars = {name: int(d[q + name]) for name in _REPORT_SCALARS if name != "step_time_s"}
-      scalars["step_time_s"] = float(d[q + "step_time_s"])
-      report = Report(learner_id=i, fragment=p, values=values, **scalars)
-      rnd.entries[i] = _Entry(report, float(d[q + "weight"]), int(d[q + "epoch"]))
-    return rnd
-
-  def _fitting(self, a: Any, key: str, p: int) -> np.ndarray:
-    """A copy of `a`, checked against the shape and dtype of key in fragment p."""
-    ref = self._global[p][key]
-    a = np.array(a, copy=True)
-    if a.shape != ref.shape or a.dtype != ref.dtype:
-      raise ValueError(
-        f"Checkpoint has {key!r} as {a.dtype}{a.shape}, expected {ref.dtype}{ref.shape}."
-      )
-    return a
 
   # -- helpers ------------------------------------------------------------------------------------
 
@@ -760,16 +483,8 @@ class SyncerCore:
     if not 0 <= p < self.num_fragments:
       raise ValueError(f"Unknown fragment {p}; this syncer holds 0..{self.num_fragments - 1}.")
 
-  def _learner(self, learner_id: int) -> _Learner:
+  def _learner(self, learner_id: int) -> LearnerRecord:
     learner = self._learners.get(learner_id)
     if learner is None:
       raise ValueError(f"Learner {learner_id} never registered.")
     return learner
-
-  def layout_fingerprint(self) -> str:
-    """Hash of fragment keys, shapes and dtypes; guards `load_state_dict` against another layout."""
-    h = hashlib.sha256()
-    for p, vals in enumerate(self._global):
-      for k in self._keys[p]:
-        h.update(f"{p}|{k}|{vals[k].dtype}|{vals[k].shape};".encode())
-    return h.hexdigest()[:32]
