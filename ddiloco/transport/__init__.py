@@ -1,1 +1,45 @@
-"""ddiloco.transport."""
+"""ddiloco.transport: the wire format, chunking and the gRPC protocol (ARCHITECTURE.md)."""
+
+from ddiloco.transport.chunks import (
+  DEFAULT_CHUNK_SIZE,
+  ChunkAssembler,
+  chunk,
+  num_chunks_for,
+  reassemble,
+)
+from ddiloco.transport.errors import WireError
+from ddiloco.transport.messages import (
+  chunks_to_report,
+  chunks_to_state,
+  report_to_chunks,
+  state_to_chunks,
+)
+from ddiloco.transport.wire import (
+  FORMAT_VERSION,
+  MAGIC,
+  deserialize_fragment,
+  make_layout,
+  max_wire_bytes,
+  received_values,
+  serialize_fragment,
+)
+
+__all__ = [
+  "DEFAULT_CHUNK_SIZE",
+  "FORMAT_VERSION",
+  "MAGIC",
+  "ChunkAssembler",
+  "WireError",
+  "chunk",
+  "chunks_to_report",
+  "chunks_to_state",
+  "deserialize_fragment",
+  "make_layout",
+  "max_wire_bytes",
+  "num_chunks_for",
+  "reassemble",
+  "received_values",
+  "report_to_chunks",
+  "serialize_fragment",
+  "state_to_chunks",
+]

@@ -1,0 +1,266 @@
+"""Reports and fragment versions as gRPC chunk streams (Push / Pull of syncer.proto).
+
+Builds on `wire` (payload format) and `chunks` (cutting and reassembly). The first chunk carries the
+header; the receiver checks the header's sizes against its limits before buffering the rest, so a
+service can reject a bad stream at the door (ARCHITECTURE.md). A service that needs the fragment id
+to pick the layout reads the first chunk itself and passes `itertools.chain([first], rest)`.
+"""
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ddiloco.fragments import compression
+from ddiloco.fragments.digest import values_digest
+from ddiloco.syncer.core import FragmentState, Report
+from ddiloco.transport import wire
+from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ChunkAssembler, chunk
+from ddiloco.transport.errors import WireError
+from ddiloco.transport.proto import syncer_pb2
+
+BaseLookup = Callable[[int], Mapping[str, np.ndarray]]
+
+
+def _check_scalars(**fields: float) -> None:
+  for name, value in fields.items():
+    if not math.isfinite(value) or value < 0:
+      raise WireError(f"Header field {name} must be finite and >= 0, got {value}.")
+
+
+def _assemble(
+  chunks: Iterable,
+  header_field: str,
+  layout: wire.Layout,
+  max_bytes: int | None,
+  max_chunk_bytes: int,
+) -> tuple[object, bytes]:
+  """Reads a chunk stream: (header of chunk 0, payload). Rejects bad streams before buffering."""
+  it = iter(chunks)
+  first = next(it, None)
+  if first is None:
+    raise WireError("Empty chunk stream: expected at least one chunk with a header.")
+  if first.index != 0 or not first.HasField(header_field):
+    raise WireError(f"The first chunk must be index 0 with a header, got index {first.index}.")
+  header = getattr(first, header_field)
+  if header.codec not in compression.CODECS:
+    raise WireError(f"Unknown codec {header.codec!r}; expected one of {compression.CODECS}.")
+  asm = ChunkAssembler(
+    num_chunks=header.num_chunks,
+    total_bytes=header.total_bytes,
+    max_total_bytes=wire.max_wire_bytes(layout) if max_bytes is None else max_bytes,
+    max_chunk_bytes=max_chunk_bytes,
+  )
+  asm.add(first.index, first.data)
+  for c in it:
+    if c.HasField(header_field):
+      raise WireError(f"Chunk {c.index} carries a header; only the first chunk may.")
+    asm.add(c.index, c.data)
+  return header, asm.result()
+
+
+def report_to_chunks(
+  report: Report,
+  codec: str,
+  *,
+  block_size: int = 64,
+  chunk_size: int = DEFAULT_CHUNK_SIZE,
+  anchor_values: Mapping[str, np.ndarray] | None = None,
+) -> list[syncer_pb2.PushChunk]:
+  """A learner's report as a Push stream: chunk 0 carries the header (SPEC §3).
+
+  Args:
+    report: the report; `report.values` are θ_{m,p}.
+    codec: the uplink codec name.
+    block_size: int8/int4 scale block size.
+    chunk_size: bytes per chunk (the receiver's limit must be at least this).
+    anchor_values: Θ^(anchor_version) as the learner holds it; if given, the payload is the delta
+      θ − Θ^(anchor) (SPEC §5) and the header says `delta`.
+
+  Raises:
+    ValueError: if the values cannot be encoded (NaN/Inf) or a delta has no valid anchor version.
+  """
+  if anchor_values is not None and report.anchor_version < 0:
+    raise ValueError("A delta push needs anchor_version >= 0 (the learner never received p).")
+  data = wire.serialize_fragment(report.values, codec, block_size=block_size, base=anchor_values)
+  pieces = chunk(data, chunk_size)
+  header = syncer_pb2.PushHeader(
+    learner_id=report.learner_id,
+    fragment=report.fragment,
+    anchor_version=report.anchor_version,
+    tokens=report.tokens,
+    steps=report.steps,
+    step=report.step,
+    step_time_s=report.step_time_s,
+    codec=codec,
+    total_bytes=len(data),
+    num_chunks=len(pieces),
+    delta=anchor_values is not None,
+  )
+  out = [syncer_pb2.PushChunk(header=header, index=0, data=pieces[0])]
+  out += [syncer_pb2.PushChunk(index=i, data=d) for i, d in enumerate(pieces[1:], start=1)]
+  return out
+
+
+def chunks_to_report(
+  chunks: Iterable[syncer_pb2.PushChunk],
+  layout_keys: Sequence[str],
+  shapes: Sequence[Sequence[int]] | Mapping[str, Sequence[int]],
+  dtypes: Sequence[object] | Mapping[str, object],
+  *,
+  anchor_lookup: BaseLookup | None = None,
+  max_bytes: int | None = None,
+  max_chunk_bytes: int = DEFAULT_CHUNK_SIZE,
+) -> Report:
+  """Rebuilds a Report from a Push stream, validating everything (ARCHITECTURE.md).
+
+  The layout (keys, shapes, dtypes) is that of the fragment named in the header: a service reads the
+  first chunk, picks the layout of `header.fragment` and passes `itertools.chain([first], rest)`.
+
+  Args:
+    chunks: the stream; chunk 0 must carry the header.
+    layout_keys: keys of the fragment.
+    shapes: expected shapes, by key order or mapping.
+    dtypes: expected dtypes, likewise.
+    anchor_lookup: version -> Θ^(version) values; required for delta pushes.
+    max_bytes: payload size limit; defaults to `max_wire_bytes` of the layout.
+    max_chunk_bytes: per-chunk size limit.
+
+  Returns:
+    The report, values cast to the layout dtypes.
+
+  Raises:
+    WireError: on any malformed chunk, header, payload or value, or an unavailable anchor.
+  """
+  layout = wire.make_layout(layout_keys, shapes, dtypes)
+  header, data = _assemble(chunks, "header", layout, max_bytes, max_chunk_bytes)
+  if header.learner_id < 0 or header.fragment < 0 or header.anchor_version < -1:
+    raise WireError(
+      f"Header ids out of range: learner_id {header.learner_id}, fragment {header.fragment}, "
+      f"anchor_version {header.anchor_version}."
+    )
+  _check_scalars(tokens=header.tokens, steps=header.steps, step=header.step)
+  _check_scalars(step_time_s=header.step_time_s)
+  base = None
+  if header.delta:
+    base = _lookup(anchor_lookup, header.anchor_version, "delta push", "anchor_version")
+  decoded = wire.decode_layout(data, layout, codec_name=header.codec, max_bytes=max_bytes)
+  return Report(
+    learner_id=int(header.learner_id),
+    fragment=int(header.fragment),
+    values=wire.finish_layout(decoded, layout, base),
+    tokens=int(header.tokens),
+    steps=int(header.steps),
+    anchor_version=int(header.anchor_version),
+    step=int(header.step),
+    step_time_s=float(header.step_time_s),
+  )
+
+
+def _lookup(lookup: BaseLookup | None, version: int, what: str, field: str) -> Mapping:
+  if version < 0:
+    raise WireError(f"A {what} needs {field} >= 0, got {version}.")
+  if lookup is None:
+    raise WireError(f"A {what} needs its base values; the receiver was given no lookup.")
+  try:
+    return lookup(version)
+  except KeyError as e:
+    raise WireError(f"Base version {version} of this {what} is not available: {e}") from e
+
+
+def state_to_chunks(
+  state: FragmentState,
+  codec: str,
+  *,
+  block_size: int = 64,
+  chunk_size: int = DEFAULT_CHUNK_SIZE,
+  base: FragmentState | None = None,
+) -> list[syncer_pb2.FragmentChunk]:
+  """A global fragment version as a Pull stream (SPEC §4.7).
+
+  The header digest is that of `received_values(...)`, what the receiver will hold: with "fp32"
+  and no base that is `state.digest`; otherwise the syncer must hold (adopt) those values for the
+  digests to agree (SPEC §5).
+
+  Args:
+    state: the version to send.
+    codec: the downlink codec name.
+    block_size: int8/int4 scale block size.
+    chunk_size: bytes per chunk.
+    base: an older version the receiver holds; if given the payload is state − base (SPEC §5).
+
+  Raises:
+    ValueError: if the values cannot be encoded or `base` is another fragment.
+  """
+  if base is not None and base.fragment != state.fragment:
+    raise ValueError(f"base is fragment {base.fragment}, state is fragment {state.fragment}.")
+  base_values = None if base is None else base.values
+  data = wire.serialize_fragment(state.values, codec, block_size=block_size, base=base_values)
+  exact = codec == "fp32" and base is None
+  exact = exact and all(np.asarray(v).dtype.itemsize <= 4 for v in state.values.values())
+  if exact:
+    digest = state.digest
+  else:
+    view = wire.received_values(state.values, codec, block_size=block_size, base=base_values)
+    digest = values_digest(view)
+  pieces = chunk(data, chunk_size)
+  header = syncer_pb2.FragmentHeader(
+    fragment=state.fragment,
+    version=state.version,
+    digest=digest,
+    codec=codec,
+    total_bytes=len(data),
+    num_chunks=len(pieces),
+    base_version=-1 if base is None else base.version,
+  )
+  out = [syncer_pb2.FragmentChunk(header=header, index=0, data=pieces[0])]
+  out += [syncer_pb2.FragmentChunk(index=i, data=d) for i, d in enumerate(pieces[1:], start=1)]
+  return out
+
+
+def chunks_to_state(
+  chunks: Iterable[syncer_pb2.FragmentChunk],
+  layout_keys: Sequence[str],
+  shapes: Sequence[Sequence[int]] | Mapping[str, Sequence[int]],
+  dtypes: Sequence[object] | Mapping[str, object],
+  *,
+  base_lookup: BaseLookup | None = None,
+  max_bytes: int | None = None,
+  max_chunk_bytes: int = DEFAULT_CHUNK_SIZE,
+) -> FragmentState:
+  """Rebuilds a FragmentState from a Pull stream and checks its digest (SPEC §4.7).
+
+  Args:
+    chunks: the stream; chunk 0 must carry the header.
+    layout_keys: keys of the fragment.
+    shapes: expected shapes, by key order or mapping.
+    dtypes: expected dtypes, likewise.
+    base_lookup: version -> the receiver's values of that version; required for delta streams.
+    max_bytes: payload size limit; defaults to `max_wire_bytes` of the layout.
+    max_chunk_bytes: per-chunk size limit.
+
+  Returns:
+    The state, values cast to the layout dtypes, with the header's (verified) digest.
+
+  Raises:
+    WireError: on any malformed chunk, header or payload, an unavailable base, or a digest mismatch.
+  """
+  layout = wire.make_layout(layout_keys, shapes, dtypes)
+  header, data = _assemble(chunks, "header", layout, max_bytes, max_chunk_bytes)
+  if header.fragment < 0 or header.version < 0 or header.base_version < -1:
+    raise WireError(
+      f"Header ids out of range: fragment {header.fragment}, version {header.version}, "
+      f"base_version {header.base_version}."
+    )
+  base = None
+  if header.base_version >= 0:
+    base = _lookup(base_lookup, header.base_version, "delta fragment", "base_version")
+  decoded = wire.decode_layout(data, layout, codec_name=header.codec, max_bytes=max_bytes)
+  values = wire.finish_layout(decoded, layout, base)
+  digest = values_digest(values)
+  if digest != header.digest:
+    raise WireError(
+      f"Digest mismatch for fragment {header.fragment} v{header.version}: "
+      f"received values hash to {digest}, the header says {header.digest!r}."
+    )
+  return FragmentState(int(header.fragment), int(header.version), values, digest)
