@@ -7,7 +7,7 @@ setuptools.setup(
   version="0.1.0",
   description="Decoupled DiLoCo: resilient distributed pre-training in JAX.",
   packages=setuptools.find_packages(include=["ddiloco", "ddiloco.*"]),
-  package_data={"ddiloco": ["py.typed"]},
+  package_data={"ddiloco": ["py.typed", "transport/proto/*.proto"]},
   python_requires=">=3.11",
   # Ranges are the ones tested on this project's CI machines (see README).
   install_requires=[
