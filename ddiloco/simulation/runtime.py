@@ -137,7 +137,6 @@ class LearnerFactory:
   def evaluate_flat(self, flat: dict[str, np.ndarray]) -> float:
     """Held-out loss of full flat parameters {leaf path: array}."""
     steps = self._eval_steps
-    like = jax.tree.map(lambda s: s, steps.param_shardings)
-    params = tree.unflatten(flat, like)
+    params = tree.unflatten(flat, steps.param_shardings)  # The shardings tree gives the structure.
     params = jax.device_put(params, steps.param_shardings)
     return train_step_lib.eval_loss(steps, params, self._eval_batches)
