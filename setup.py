@@ -42,6 +42,9 @@ setuptools.setup(
     "console_scripts": [
       "ddiloco-simulate=ddiloco.launch.simulate:run",
       "ddiloco-goodput=ddiloco.launch.goodput_main:run",
+      "ddiloco-syncer=ddiloco.launch.syncer_main:run",
+      "ddiloco-learner=ddiloco.launch.learner_main:run",
+      "ddiloco-local=ddiloco.launch.local:run",
     ],
   },
 )

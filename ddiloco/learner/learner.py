@@ -19,11 +19,12 @@ Decisions (SPEC §3 and docs/algorithm.md):
 """
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import gin
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ddiloco.fragments import layout as layout_lib
@@ -99,6 +100,7 @@ class Learner:
     self.opt_state = steps.init_opt_state(params)
     self.step = 0
     self.phase = 0  # Schedule offset: fragments are due at step + phase (see align_phase).
+    self._last_due = 0  # Largest schedule step that `due` answered for.
     num = layout.num_fragments
     self.tokens = np.zeros(num, np.int64)  # SPEC §3 counters[p].tokens
     self.step_counts = np.zeros(num, np.int64)  # SPEC §3 counters[p].steps
@@ -144,10 +146,40 @@ class Learner:
     the schedule moves; the step count (and the inner learning-rate schedule) are the learner's own.
     """
     self.phase = max(fleet_step, 0) - self.step
+    self._last_due = (
+      self.schedule_step
+    )  # A realignment starts a fresh cadence (nothing is outstanding).
+
+  def follow(self, cadence_step: int, *, tolerance: int = 2) -> int:
+    """Keeps this learner's schedule in phase with the fleet's cadence; returns the phase change.
+
+    Real learners start seconds apart and run at different, noisy speeds, so their schedules drift
+    apart; with K = 1 each would then open every round alone and its reports go stale
+    (docs/algorithm.md, "phase"). At least `tolerance` steps behind, the schedule jumps forward (the
+    skipped sends' counters keep growing: nothing is lost). At least `tolerance` steps ahead, the
+    schedule holds still for this step (phase − 1): no fragment is due until it moves past the last
+    step that sent, so a fragment is never sent twice for one schedule step (`due`).
+    """
+    gap = cadence_step - self.schedule_step
+    if gap >= tolerance:
+      self.phase += gap
+      return gap
+    if gap <= -tolerance:
+      self.phase -= 1
+      return -1
+    return 0
 
   def due(self) -> tuple[int, ...]:
-    """Fragments due after the current step (SPEC §2 schedule)."""
-    return self.schedule.due(self.schedule_step) if self.schedule_step >= 1 else ()
+    """Fragments due after the current step (SPEC §2 schedule).
+
+    Each schedule step sends at most once: a schedule held back by `follow` sends nothing until it
+    passes the last step that sent.
+    """
+    s = self.schedule_step
+    if s < 1 or s <= self._last_due:
+      return ()
+    self._last_due = s
+    return self.schedule.due(s)
 
   def fragment_values(self, p: int) -> dict[str, np.ndarray]:
     """A host copy of this learner's θ_p, keyed as the layout keys it."""
@@ -158,12 +190,36 @@ class Learner:
 
   def make_report(self, p: int, *, step_time_s: float = 0.0) -> Report:
     """The report of fragment p (SPEC §3 send), recording it as outstanding."""
+    return self._record_send(p, self.fragment_values(p), step_time_s)
+
+  def snapshot_report(
+    self, p: int, *, step_time_s: float = 0.0
+  ) -> tuple[Report, Callable[[], dict[str, np.ndarray]]]:
+    """Like `make_report`, but θ_p stays on the devices: the training loop never waits for it.
+
+    Returns the report without values and a function that copies θ_p to host memory, for a
+    background sender. The leaves are copied on device first (asynchronously dispatched), so the next
+    train step may donate the parameters, and their host transfer starts at once.
+    """
+    leaves = jax.tree_util.tree_leaves(self.params)
+    names = self._leaf_names[p]
+    copies = [jnp.copy(leaves[self._index[k]]) for k in names]
+    for c in copies:
+      c.copy_to_host_async()
+
+    def fetch() -> dict[str, np.ndarray]:
+      host = jax.device_get(copies)
+      return self.layout.select({k: np.asarray(v) for k, v in zip(names, host)}, p)
+
+    return self._record_send(p, {}, step_time_s), fetch
+
+  def _record_send(self, p: int, values: dict[str, np.ndarray], step_time_s: float) -> Report:
     now = self.schedule_step
     self._outstanding[p] = _Outstanding(now, self.schedule.apply_step(now))
     return Report(
       learner_id=self.learner_id,
       fragment=p,
-      values=self.fragment_values(p),
+      values=values,
       tokens=int(self.tokens[p]),
       steps=int(self.step_counts[p]),
       anchor_version=int(self.anchor[p]),

@@ -113,9 +113,17 @@ class LearnerFactory:
     return frozenset(k for k in keys if transformer.is_embedding_path(k.split("@", 1)[0]))
 
   def make_learner(
-    self, index: int, *, spec: LearnerSpec, schedule: FragmentSchedule, config: LearnerConfig
+    self,
+    index: int,
+    *,
+    spec: LearnerSpec,
+    schedule: FragmentSchedule,
+    config: LearnerConfig,
+    device_slot: int | None = None,
   ) -> Learner:
-    devices = mesh_lib.learner_devices(index, spec.devices)
+    """Learner `index` on device slice `device_slot` (default `index`; a learner process uses 0)."""
+    slot = index if device_slot is None else device_slot
+    devices = mesh_lib.learner_devices(slot, spec.devices)
     steps, params = self._compiled(devices)
     return Learner(
       learner_id=index,

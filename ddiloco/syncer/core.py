@@ -86,6 +86,7 @@ class SyncerCore(CheckpointMixin):
     clock: Callable[[], float],
     embedding_keys: Collection[str] = (),
     outer_optimizer: optax.GradientTransformation | None = None,
+    adopt: Callable[[int, Mapping[str, np.ndarray], Mapping[str, np.ndarray]], dict] | None = None,
   ):
     """Creates the syncer at version 0 of every fragment.
 
@@ -96,6 +97,9 @@ class SyncerCore(CheckpointMixin):
       clock: returns the current time in seconds (wall or virtual).
       embedding_keys: keys merged with the weighted mean (SPEC §4.5); others may be absent.
       outer_optimizer: overrides `config.outer_optimizer()`.
+      adopt: maps (fragment, merged values, previous version's values) to the values published.
+        A lossy downlink codec passes "what a learner holding the previous version decodes" here, so
+        the syncer adopts the dequantized values and every copy stays bit-identical (SPEC §5).
 
     Raises:
       ValueError: if fragments are empty or overlap, keys and init_values disagree, or a value is not
@@ -114,6 +118,7 @@ class SyncerCore(CheckpointMixin):
     self._config = config
     self._clock = clock
     self._embedding_keys = frozenset(embedding_keys)
+    self._adopt = adopt
     self._opt = outer_optimizer if outer_optimizer is not None else config.outer_optimizer()
     self._step_fn = jax.jit(functools.partial(_outer_step, self._opt))
     self._grace = GraceModel(
@@ -140,6 +145,8 @@ class SyncerCore(CheckpointMixin):
     self._learners: dict[int, LearnerRecord] = {}
     self._counters = dict.fromkeys(COUNTERS, 0)
     self._fleet_step_time: float | None = None  # When the report that set fleet_step arrived.
+    self._cadence: float | None = None  # See cadence_step.
+    self._cadence_time = 0.0
     # Merges per quorum size (index = number of weight>0 contributors): bounded, unlike a list.
     self._quorum_hist = np.zeros(1, np.int64)
 
@@ -169,21 +176,79 @@ class SyncerCore(CheckpointMixin):
       self._learners[learner_id] = LearnerRecord()
     else:
       learner.alive, learner.epoch, learner.delivered = True, learner.epoch + 1, {}
+      learner.progress, learner.steps_seen, learner.rate = None, None, 0.0
     return dict(enumerate(self._version))
 
   def fleet_step(self) -> int:
     """The fleet's current step on the schedule: a (re)joining learner aligns its phase to it.
 
-    The largest step of any accepted report, extrapolated by the time since it arrived over the
-    learners' step time (ξ_step): that report is up to a step plus a latency old. SPEC §2's due steps
-    are a fleet-wide cadence; a learner that rejoins out of phase would send every fragment alone and
-    open a round alone for each (docs/algorithm.md).
+    The largest schedule step an alive learner reported (reports and heartbeats, `observe_progress`;
+    before any, the newest accepted report's), extrapolated by the time since it was seen over the
+    learners' step time ξ_step, rounded: that report is up to a step plus a latency old. SPEC §2's
+    due steps are a fleet-wide cadence; a learner that rejoins out of phase would send every fragment
+    alone and open a round alone for each (docs/algorithm.md, "phase").
     """
-    step = self._counters["fleet_step"]
+    best, seen = -1, None
+    for lr in self._learners.values():
+      if lr.alive and lr.progress is not None and lr.progress[0] > best:
+        best, seen = lr.progress[0], lr.progress[1]
+    if seen is None:  # No alive learner seen since registering: the newest accepted report.
+      best, seen = self._counters["fleet_step"], self._fleet_step_time
     xi_step = self._grace.step.value
-    if self._fleet_step_time is None or not xi_step:
-      return step
-    return step + max(0, round((self._clock() - self._fleet_step_time) / xi_step))
+    if seen is None or not xi_step:
+      return best
+    return best + max(0, round((self._clock() - seen) / xi_step))
+
+  def cadence_step(self) -> int:
+    """The fleet's cadence on the schedule now: what running learners follow (`Learner.follow`).
+
+    A clock, not a vote: it starts at the schedule step of the first report and advances at the
+    median rate (inner steps per second) of the alive learners, measured from their own step counts
+    (`observe_steps`), which following the cadence does not change. Learners faster than the median
+    then hold their schedule now and then, slower ones skip a send now and then, and all send
+    fragment p at about the same time. Deriving it from the learners' schedule positions instead
+    feeds back: following the leader ran the schedule 1.7x faster than any learner (on a loaded
+    machine the momentarily fastest process changes all the time), following the median stalled it.
+    -1 before the first report. Not checkpointed.
+    """
+    now = self._clock()
+    if self._cadence is None:
+      seen = [lr.progress[0] for lr in self._learners.values() if lr.progress is not None]
+      if not seen:
+        return -1
+      self._cadence = float(max(seen))
+    else:
+      rates = [lr.rate for lr in self._learners.values() if lr.alive and lr.rate > 0]
+      if rates:
+        self._cadence += (now - self._cadence_time) * float(np.median(rates))
+    self._cadence_time = now
+    return int(self._cadence)
+
+  def observe_progress(self, learner_id: int, step: int, step_time_s: float) -> None:
+    """Records an alive learner's schedule step and step time now (from its reports)."""
+    learner = self._learners.get(learner_id)
+    if learner is None or not learner.alive or step < 0:
+      return
+    if not math.isfinite(step_time_s) or step_time_s < 0:
+      step_time_s = 0.0
+    if learner.progress is None or step >= learner.progress[0]:
+      learner.progress = (int(step), self._clock(), float(step_time_s))
+
+  def observe_steps(self, learner_id: int, inner_step: int, *, min_interval_s: float = 1.0) -> None:
+    """Samples an alive learner's own inner step count (heartbeats) for its rate (cadence_step)."""
+    learner = self._learners.get(learner_id)
+    if learner is None or not learner.alive or inner_step < 0:
+      return
+    now = self._clock()
+    if learner.steps_seen is None or inner_step < learner.steps_seen[0]:
+      learner.steps_seen = (int(inner_step), now)
+      return
+    step0, t0 = learner.steps_seen
+    if now - t0 < min_interval_s:
+      return
+    rate = (inner_step - step0) / (now - t0)
+    learner.rate = rate if learner.rate == 0 else 0.7 * learner.rate + 0.3 * rate
+    learner.steps_seen = (int(inner_step), now)
 
   def leave(self, learner_id: int) -> None:
     """Marks a learner not alive (crash detected or scale-down); idempotent.
@@ -194,6 +259,11 @@ class SyncerCore(CheckpointMixin):
       ValueError: if the learner never registered.
     """
     self._learner(learner_id).alive = False
+
+  def delivered(self, learner_id: int) -> frozenset[int]:
+    """Fragments delivered to a learner since its last registration (its reports of them weigh > 0)."""
+    learner = self._learners.get(learner_id)
+    return frozenset(learner.delivered) if learner is not None else frozenset()
 
   def alive(self) -> frozenset[int]:
     """Ids of the learners currently alive."""
@@ -240,7 +310,7 @@ class SyncerCore(CheckpointMixin):
       "superseded" (replaced this learner's older report in the round), "late" (staleness above
       max_staleness: dropped and counted, SPEC §4) or "duplicate" (not newer than the one in the round).
     """
-    return dataclasses.replace(self._file_report(r), fleet_step=self.fleet_step())
+    return dataclasses.replace(self._file_report(r), fleet_step=self.cadence_step())
 
   def _file_report(self, r: Report) -> ReportResult:
     reason = self._invalid_reason(r)
@@ -249,24 +319,15 @@ class SyncerCore(CheckpointMixin):
       return ReportResult("rejected", reason, 0.0)
     if r.step_time_s > 0:
       self._grace.observe_step_time(r.step_time_s)
+    self.observe_progress(r.learner_id, r.step, r.step_time_s)
     p, learner = r.fragment, self._learners[r.learner_id]
     if p not in learner.delivered or r.anchor_version < 0:
       return self._zero_weight(
         r, f"learner has not received fragment {p} since registering (SPEC §3)"
       )
-    staleness = self._version[p] - r.anchor_version
-    if staleness > self._config.max_staleness or r.anchor_version not in self._history[p]:
-      # Too stale, or its anchor is no longer kept (e.g. a checkpoint from a smaller keep_versions):
-      # it cannot be re-anchored, so it is late (SPEC §4).
-      self._counters["late"] += 1
-      self._counters["dropped_tokens"] += r.tokens
-      return ReportResult(
-        "late",
-        f"staleness {staleness} > max_staleness {self._config.max_staleness}"
-        if staleness > self._config.max_staleness
-        else f"anchor version {r.anchor_version} of fragment {p} is no longer kept",
-        0.0,
-      )
+    late = self.late_reason(p, r.anchor_version)
+    if late is not None:
+      return self.drop_late(r.tokens, late)
     weight = merge_lib.token_weight(r.tokens, r.steps)
     if weight == 0:
       return self._zero_weight(r, "no tokens or steps since the last receipt (SPEC §4.4)")
@@ -299,6 +360,25 @@ class SyncerCore(CheckpointMixin):
       rnd.grace_s = self._grace.window() if self._config.use_grace else 0.0
       rnd.deadline = now + rnd.grace_s
     return ReportResult(status, "", weight)
+
+  def late_reason(self, fragment: int, anchor_version: int) -> str | None:
+    """Why a report of `fragment` anchored at `anchor_version` (>= 0) is late, or None (SPEC §4).
+
+    Too stale, or its anchor is no longer kept (e.g. a checkpoint from a smaller keep_versions): it
+    cannot be re-anchored. A transport asks before decoding a delta against that anchor.
+    """
+    staleness = self._version[fragment] - anchor_version
+    if staleness > self._config.max_staleness:
+      return f"staleness {staleness} > max_staleness {self._config.max_staleness}"
+    if anchor_version not in self._history[fragment]:
+      return f"anchor version {anchor_version} of fragment {fragment} is no longer kept"
+    return None
+
+  def drop_late(self, tokens: int, reason: str) -> ReportResult:
+    """Counts a late report and its tokens as dropped (SPEC §4); the state is otherwise untouched."""
+    self._counters["late"] += 1
+    self._counters["dropped_tokens"] += int(tokens)
+    return ReportResult("late", reason, 0.0, self.cadence_step())
 
   def _zero_weight(self, r: Report, reason: str) -> ReportResult:
     self._counters["accepted"] += 1
@@ -353,6 +433,11 @@ class SyncerCore(CheckpointMixin):
         due.append((t, p))
     return [self._merge(p) for _, p in sorted(due)]
 
+  def flush(self) -> list[MergeEvent]:
+    """Merges every round that has its quorum now, grace windows or not (shutdown, end of run)."""
+    now = self._clock()
+    return [self._merge(p) for p in range(self.num_fragments) if self._due_time(p, now) is not None]
+
   def next_deadline(self) -> float | None:
     """Earliest clock time at which poll() would merge something; None if no round has its quorum.
 
@@ -398,7 +483,10 @@ class SyncerCore(CheckpointMixin):
       grads, weights, method=self._config.merge_method, embedding_keys=self._embedding_keys
     )
     new32, self._opt_state[p] = self._step_fn(self._params32(p), merged, self._opt_state[p])
-    new = {k: readonly(np.asarray(new32[k]).astype(theta[k].dtype)) for k in theta}
+    new = {k: np.asarray(new32[k]).astype(theta[k].dtype) for k in theta}
+    if self._adopt is not None:
+      new = self._adopt(p, new, theta)
+    new = {k: readonly(np.asarray(new[k], dtype=theta[k].dtype)) for k in theta}
     self._global[p] = new
     self._version[p] += 1
     self._digest[p] = values_digest(new)

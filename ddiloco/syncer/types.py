@@ -125,8 +125,8 @@ class Report:
 class ReportResult:
   """What `SyncerCore.report` did: status is accepted | superseded | late | duplicate | rejected.
 
-  `fleet_step` is the syncer's estimate of the fleet's schedule step when the report arrived (see
-  `SyncerCore.fleet_step`); learners use it to keep their schedule in phase with the fleet.
+  `fleet_step` is where the middle of the fleet is on the schedule when the report arrived (see
+  `SyncerCore.cadence_step`); learners follow it to keep their schedule in phase with the fleet.
   """
 
   status: str
@@ -188,6 +188,11 @@ class LearnerRecord:
   alive: bool = True
   epoch: int = 0
   delivered: dict[int, int] = dataclasses.field(default_factory=dict)  # fragment -> newest version
+  # (schedule step, clock time, step time) from the learner's newest report; not saved.
+  progress: tuple[int, float, float] | None = None
+  # Its own inner step and clock time at the last rate sample, and its rate EMA in steps/s; not saved.
+  steps_seen: tuple[int, float] | None = None
+  rate: float = 0.0
 
 
 def readonly(a: np.ndarray) -> np.ndarray:

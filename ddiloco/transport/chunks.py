@@ -8,7 +8,7 @@ so an oversized or malformed stream is rejected without holding its bytes.
 
 from collections.abc import Iterable
 
-from ddiloco.transport.errors import WireError
+from ddiloco.transport.errors import WireError, WireSizeError
 
 DEFAULT_CHUNK_SIZE = 1 << 20
 
@@ -55,7 +55,7 @@ class ChunkAssembler:
     if total_bytes < 0:
       raise WireError(f"total_bytes must be >= 0, got {total_bytes}.")
     if total_bytes > max_total_bytes:
-      raise WireError(
+      raise WireSizeError(
         f"Oversized payload: {total_bytes} bytes announced, the limit is {max_total_bytes}."
       )
     if num_chunks > num_chunks_for(total_bytes, 1):
@@ -82,7 +82,7 @@ class ChunkAssembler:
     if index in self._parts:
       raise WireError(f"Duplicate chunk index {index}.")
     if len(data) > self._max_chunk:
-      raise WireError(f"Chunk {index} has {len(data)} bytes, the limit is {self._max_chunk}.")
+      raise WireSizeError(f"Chunk {index} has {len(data)} bytes, the limit is {self._max_chunk}.")
     if self._received + len(data) > self._total:
       raise WireError(
         f"Chunk {index} brings the payload to {self._received + len(data)} bytes, "

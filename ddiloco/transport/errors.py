@@ -7,3 +7,7 @@ class WireError(ValueError):
   A ValueError, so callers that validate with ValueError catch it; the service maps it to
   INVALID_ARGUMENT and never lets the data touch the global state (ARCHITECTURE.md).
   """
+
+
+class WireSizeError(WireError):
+  """Data larger than a limit allows (a payload, a chunk): the service answers RESOURCE_EXHAUSTED."""

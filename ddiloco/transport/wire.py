@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from ddiloco.fragments import compression
-from ddiloco.transport.errors import WireError
+from ddiloco.transport.errors import WireError, WireSizeError
 
 MAGIC = b"DDWF"
 FORMAT_VERSION = 1
@@ -242,7 +242,7 @@ def decode_layout(
   """
   limit = max_wire_bytes(layout) if max_bytes is None else max_bytes
   if len(data) > limit:
-    raise WireError(f"Oversized payload: {len(data)} bytes, the limit is {limit}.")
+    raise WireSizeError(f"Oversized payload: {len(data)} bytes, the limit is {limit}.")
   r = _Reader(data)
   magic, version, count = r.unpack(_FILE_HEADER, "file header")
   if magic != MAGIC:

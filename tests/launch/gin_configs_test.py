@@ -12,6 +12,8 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "gin_configs")
 ROOT = os.path.abspath(ROOT)
 # Run files own a model and a fleet; baselines stack on a run file; the rest are included pieces.
 RUNS = ["sim_tiny.gin", "runs/sim_small.gin"]
+# Distributed runs (ddiloco-local); the integration tests run them for real.
+DISTRIBUTED = ["local_tiny.gin"]
 BASELINES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/baselines/*.gin"))
 FAST = [
   "STEPS = 3",
@@ -41,7 +43,8 @@ def test_every_config_is_covered():
   }
   included = {f"models/{s}.gin" for s in ("tiny", "small", "2b", "5b", "9b")}
   included.add("runs/decoupled_base.gin")
-  assert shipped == set(RUNS) | set(BASELINES) | included
+  included.add("runs/distributed_base.gin")
+  assert shipped == set(RUNS) | set(BASELINES) | included | set(DISTRIBUTED)
 
 
 @pytest.mark.parametrize("size", ["tiny", "small", "2b", "5b", "9b"])
@@ -71,3 +74,16 @@ def test_tiny_runs_train(tmp_path, baseline):
   assert summary["tokens_trained"] == 4 * 3 * 8 * 64  # LEARNERS x STEPS x BATCH x SEQ_LEN
   assert summary["final_eval_loss"] < 6.0
   assert os.path.exists(tmp_path / "summary.json")
+
+
+@pytest.mark.parametrize("run", DISTRIBUTED)
+def test_distributed_configs_build_a_job(run):
+  from ddiloco.launch.job import JobConfig
+
+  _parse([run])
+  job = JobConfig()
+  assert job.num_learners >= 2
+  assert job.the_schedule().overlap == job.the_syncer().overlap
+  factory = job.factory()
+  assert factory.layout.num_fragments == job.the_schedule().num_fragments
+  assert job.token_budget() == job.num_learners * job.steps_per_learner * job.tokens_per_step()

@@ -44,6 +44,8 @@ def test_grpc_module_imports_messages_relatively():
     "Push": (True, False),
     "Pull": (False, True),
     "Heartbeat": (False, False),
+    "Leave": (False, False),
+    "Status": (False, False),
   }
 
 

@@ -54,6 +54,16 @@ class SyncerStub:
                 request_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/ddiloco.v1.Syncer/Leave',
+                request_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.LeaveResponse.FromString,
+                _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/ddiloco.v1.Syncer/Status',
+                request_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.StatusRequest.SerializeToString,
+                response_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.StatusResponse.FromString,
+                _registered_method=True)
 
 
 class SyncerServicer:
@@ -88,6 +98,20 @@ class SyncerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """A learner leaves the fleet on purpose (done, or scaled down); its open reports stay (SPEC §6).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Status(self, request, context):
+        """The syncer's state for launchers and dashboards: versions, merges, membership, counters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SyncerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +134,16 @@ def add_SyncerServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.HeartbeatRequest.FromString,
                     response_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.LeaveRequest.FromString,
+                    response_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.LeaveResponse.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.StatusRequest.FromString,
+                    response_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.StatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +254,60 @@ class Syncer:
             '/ddiloco.v1.Syncer/Heartbeat',
             ddiloco_dot_transport_dot_proto_dot_syncer__pb2.HeartbeatRequest.SerializeToString,
             ddiloco_dot_transport_dot_proto_dot_syncer__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ddiloco.v1.Syncer/Leave',
+            ddiloco_dot_transport_dot_proto_dot_syncer__pb2.LeaveRequest.SerializeToString,
+            ddiloco_dot_transport_dot_proto_dot_syncer__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ddiloco.v1.Syncer/Status',
+            ddiloco_dot_transport_dot_proto_dot_syncer__pb2.StatusRequest.SerializeToString,
+            ddiloco_dot_transport_dot_proto_dot_syncer__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

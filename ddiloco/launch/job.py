@@ -1,0 +1,107 @@
+"""`JobConfig`: what the syncer, the learners and the local launcher of one distributed run share.
+
+Every process of a run parses the same gin files, so they agree on the model, the fragment layout (the
+syncer checks its digest at Register), the schedule and the wire codecs. Bound from gin as
+`ddiloco.JobConfig.<field>`; see gin_configs/local_tiny.gin.
+"""
+
+import dataclasses
+
+import gin
+
+from ddiloco.data import text as text_data
+from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner.learner import LearnerConfig
+from ddiloco.learner.train_step import InnerOptConfig
+from ddiloco.models import transformer
+from ddiloco.simulation.runtime import LearnerFactory
+from ddiloco.syncer.service import ServiceConfig
+from ddiloco.syncer.types import SyncerConfig
+
+
+@gin.configurable(module="ddiloco")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobConfig:
+  """One distributed run.
+
+  Attributes:
+    model: the transformer (required; vocab is set from the tokenizer).
+    data: the text pipeline (required).
+    schedule: fragments P, period H, overlap τ (default SPEC §2's 24/24/2).
+    syncer: quorum, grace, merge, outer optimizer.
+    learner: α and blocking.
+    inner_opt: inner AdamW.
+    service: wire codecs, chunk size, heartbeats, liveness.
+    num_learners: M, learners the local launcher starts (ids 0..M-1).
+    steps_per_learner: inner steps each learner trains before it leaves.
+    devices_per_learner: fake CPU devices per learner process (the launcher sets XLA_FLAGS).
+    batch_size: per-learner batch override (None: the data config's).
+    layout_strategy: "balanced", "layer" or "tensor".
+    split_large: allow splitting tensors larger than total/P.
+    seed: parameter-initialisation seed (the syncer's initial global model).
+    eval_batches: held-out batches per evaluation of the global model (by the syncer).
+    eval_every_s: seconds between evaluations of the global model (0: at start and end only).
+    log_every: steps between logged training losses.
+  """
+
+  model: transformer.TransformerConfig | None = None
+  data: text_data.TextDataConfig | None = None
+  schedule: FragmentSchedule | None = None
+  syncer: SyncerConfig | None = None
+  learner: LearnerConfig | None = None
+  inner_opt: InnerOptConfig | None = None
+  service: ServiceConfig | None = None
+  num_learners: int = 4
+  steps_per_learner: int = 100
+  devices_per_learner: int = 1
+  batch_size: int | None = None
+  layout_strategy: str = "balanced"
+  split_large: bool = False
+  seed: int = 0
+  eval_batches: int = 8
+  eval_every_s: float = 0.0
+  log_every: int = 10
+
+  def __post_init__(self):
+    if self.model is None or self.data is None:
+      raise ValueError("JobConfig needs a model and a data config (bind them in gin).")
+    if self.num_learners < 1 or self.steps_per_learner < 1 or self.devices_per_learner < 1:
+      raise ValueError("num_learners, steps_per_learner and devices_per_learner must be >= 1.")
+    if self.eval_every_s < 0 or self.log_every < 1:
+      raise ValueError("eval_every_s must be >= 0 and log_every >= 1.")
+    overlap = self.the_schedule().overlap
+    if self.the_syncer().overlap != overlap:
+      raise ValueError(
+        f"SyncerConfig.overlap ({self.the_syncer().overlap}) must equal FragmentSchedule.overlap "
+        f"({overlap}): the grace window spends the slack that τ hides (SPEC §4.2)."
+      )
+
+  def the_schedule(self) -> FragmentSchedule:
+    return self.schedule or FragmentSchedule(num_fragments=24, period=24, overlap=2)
+
+  def the_syncer(self) -> SyncerConfig:
+    return self.syncer or SyncerConfig()
+
+  def the_service(self) -> ServiceConfig:
+    return self.service or ServiceConfig()
+
+  def factory(self) -> LearnerFactory:
+    """Model, layout, data and compiled steps, identical in every process of the run."""
+    return LearnerFactory(
+      model_config=self.model,
+      data_config=self.data,
+      inner_opt=self.inner_opt or InnerOptConfig(),
+      num_fragments=self.the_schedule().num_fragments,
+      layout_strategy=self.layout_strategy,
+      split_large=self.split_large,
+      num_shards=self.num_learners,
+      seed=self.seed,
+      eval_batches=self.eval_batches,
+      batch_size=self.batch_size,
+    )
+
+  def tokens_per_step(self) -> int:
+    return (self.batch_size or self.data.batch_size) * self.data.seq_len
+
+  def token_budget(self) -> int:
+    return self.num_learners * self.steps_per_learner * self.tokens_per_step()

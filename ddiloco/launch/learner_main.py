@@ -1,0 +1,106 @@
+"""`ddiloco-learner`: one learner process of a distributed Decoupled DiLoCo run.
+
+  ddiloco-learner --gin_file=gin_configs/local_tiny.gin --learner_id=0 \
+      --syncer_address=127.0.0.1:50051 --workdir=/tmp/run/learner_0
+
+Trains on every local device (on CPU: `XLA_FLAGS=--xla_force_host_platform_device_count=N`, set from
+`--num_devices` when XLA_FLAGS does not set it). SIGTERM or SIGINT stops it after the current step:
+it flushes its pushes, leaves the fleet and writes `summary.json`.
+
+Multi-host slices: `--coordinator_address`, `--num_processes` and `--process_id` call
+`jax.distributed.initialize`. Only one process per learner talks to the syncer; that the other
+processes follow its applies is not built yet, so `--num_processes > 1` is refused for now.
+"""
+
+import os
+import sys
+
+from absl import app, flags, logging
+
+from ddiloco.launch import gin_flags
+
+_LEARNER_ID = flags.DEFINE_integer("learner_id", None, "this learner's id (>= 0)", required=True)
+_ADDRESS = flags.DEFINE_string("syncer_address", None, "syncer host:port", required=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "output folder", required=True)
+_NUM_DEVICES = flags.DEFINE_integer("num_devices", None, "fake CPU devices (if XLA_FLAGS lacks it)")
+_TOKEN_FILE = flags.DEFINE_string(
+  "auth_token_file", None, "shared token file (else $DDILOCO_TOKEN)"
+)
+_TLS_CA = flags.DEFINE_string("tls_ca_file", None, "PEM CA to trust; turns TLS on")
+_CONNECT_TIMEOUT = flags.DEFINE_float("connect_timeout_s", 120.0, "first registration timeout")
+_STEPS = flags.DEFINE_integer("steps", None, "override JobConfig.steps_per_learner")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "jax.distributed coordinator")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "processes of this learner's slice")
+_PROCESS_ID = flags.DEFINE_integer("process_id", 0, "this process's index in the slice")
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  if _NUM_DEVICES.value and "xla_force_host_platform_device_count" not in os.environ.get(
+    "XLA_FLAGS", ""
+  ):
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "")
+      + f" --xla_force_host_platform_device_count={_NUM_DEVICES.value}"
+    ).strip()
+  if "jax" in sys.modules:
+    logging.warning("jax was imported before the device count was set; XLA_FLAGS may be ignored.")
+  if _NUM_PROCESSES.value > 1:
+    raise app.UsageError(
+      "--num_processes > 1 is not supported yet: multi-process learners need the other processes "
+      "to follow process 0's applies (docs/architecture.md)."
+    )
+  import signal
+
+  import jax
+
+  if _COORDINATOR.value:
+    jax.distributed.initialize(
+      coordinator_address=_COORDINATOR.value,
+      num_processes=_NUM_PROCESSES.value,
+      process_id=_PROCESS_ID.value,
+    )
+  from ddiloco.launch import job as job_lib
+  from ddiloco.launch import runtime
+  from ddiloco.learner.worker import write_json
+  from ddiloco.transport import auth
+  from ddiloco.transport.client import SyncerClient
+
+  workdir = _WORKDIR.value
+  gin_flags.parse_gin(workdir)
+  job = job_lib.JobConfig()
+  svc = job.the_service()
+  client = SyncerClient(
+    _ADDRESS.value,
+    token=auth.read_token(_TOKEN_FILE.value),
+    tls_ca_file=_TLS_CA.value,
+    max_chunk_bytes=svc.max_chunk_bytes,
+  )
+  worker, writer = runtime.make_learner_worker(
+    job,
+    learner_id=_LEARNER_ID.value,
+    client=client,
+    workdir=workdir,
+    connect_timeout_s=_CONNECT_TIMEOUT.value,
+  )
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: worker.request_stop())
+  logging.info("learner %d on %d device(s)", _LEARNER_ID.value, len(jax.devices()))
+  worker.connect()
+  summary = worker.run(_STEPS.value or job.steps_per_learner)
+  write_json(os.path.join(workdir, "summary.json"), summary)
+  writer.close()
+  client.close()
+  print(
+    f"learner {_LEARNER_ID.value}: {summary['steps']} steps, pushes {summary['push_status']}, "
+    f"{len(summary['applies'])} applies, {summary['digest_mismatches']} digest mismatches"
+  )
+
+
+def run() -> None:
+  """Console-script entry point."""
+  app.run(main, flags_parser=gin_flags.flags_parser)
+
+
+if __name__ == "__main__":
+  run()

@@ -1,0 +1,164 @@
+"""The syncer's and a learner's process bodies, shared by the entry points and the tests.
+
+`SyncerRun` builds the initial global model from a `JobConfig`, serves it, evaluates it now and then
+and writes the syncer's `summary.json`. `make_learner_worker` builds one learner's mesh, data and
+`LearnerWorker`. The entry points (syncer_main, learner_main) only parse flags around them.
+"""
+
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from ddiloco.launch.job import JobConfig
+from ddiloco.learner.learner import LearnerConfig
+from ddiloco.learner.worker import LearnerWorker, write_json
+from ddiloco.metrics.writer import MetricsWriter
+from ddiloco.simulation.config import LearnerSpec
+from ddiloco.syncer import service as service_lib
+from ddiloco.syncer.core import MergeEvent
+from ddiloco.transport.client import SyncerClient, fragment_layouts
+
+
+class SyncerRun:
+  """One syncer process: global model, gRPC service, evaluations, summary."""
+
+  def __init__(self, job: JobConfig, *, workdir: str):
+    self.job = job
+    self.workdir = workdir
+    os.makedirs(workdir, exist_ok=True)
+    self.factory = job.factory()
+    self.layout = self.factory.layout
+    self.writer = MetricsWriter(workdir, tensorboard=False)
+    self.writer.event(
+      "config",
+      time=time.time(),
+      params=self.factory.num_params,
+      layout_digest=self.layout.digest,
+      fragment_bytes=[self.layout.fragment_bytes(p) for p in range(self.layout.num_fragments)],
+    )
+    self.service = service_lib.make_syncer(
+      fragment_keys=self.layout.fragments,
+      init_values=self.factory.global_init_values(),
+      syncer_config=job.the_syncer(),
+      service_config=job.the_service(),
+      layout_digest=self.layout.digest,
+      embedding_keys=self.factory.embedding_keys(),
+      on_merge=self._on_merge,
+    )
+    self.server: service_lib.SyncerServer | None = None
+    self.merge_times: list[list] = []  # [wall time, fragment, version, contributors]
+    self.evals: list[tuple[float, int, float]] = []  # (time, merges, loss)
+    self._t0 = time.time()
+
+  def _on_merge(self, ev: MergeEvent) -> None:
+    self.merge_times.append([round(time.time(), 4), ev.fragment, ev.version, len(ev.contributors)])
+    self.writer.event(
+      "merge",
+      time=round(time.time(), 4),
+      fragment=ev.fragment,
+      version=ev.version,
+      contributors=list(ev.contributors),
+      weights=[round(w, 6) for w in ev.weights],
+      tokens=ev.tokens,
+      grace_s=round(ev.grace_s, 6),
+      digest=ev.digest,
+    )
+
+  def serve(self, address: str, *, token: str | None = None, tls=None) -> service_lib.SyncerServer:
+    self.evaluate()  # Version 0, before any learner connects.
+    self.server = service_lib.serve(self.service, address=address, token=token, tls=tls)
+    return self.server
+
+  def global_flat(self) -> dict[str, np.ndarray]:
+    with self.service.lock:
+      states = [self.service.core.state(p).values for p in range(self.layout.num_fragments)]
+    return self.layout.join(states)
+
+  def evaluate(self) -> float:
+    merges = len(self.service.merge_log())
+    loss = self.factory.evaluate_flat(self.global_flat())
+    self.evals.append((time.time(), merges, loss))
+    self.writer.event("eval", time=round(time.time(), 4), merges=merges, loss=loss)
+    return loss
+
+  def loop(self, stop: threading.Event, *, until: float | None = None) -> None:
+    """Serves until `stop` is set (or the monotonic time `until`), evaluating every eval_every_s."""
+    every = self.job.eval_every_s
+    next_eval = time.monotonic() + every if every > 0 else None
+    while not stop.is_set() and (until is None or time.monotonic() < until):
+      stop.wait(0.2)
+      if next_eval is not None and time.monotonic() >= next_eval:
+        self.evaluate()
+        next_eval = time.monotonic() + every
+
+  def shutdown(self) -> dict[str, Any]:
+    """Stops serving, merges rounds with a quorum, evaluates, writes and returns the summary."""
+    if self.server is not None:
+      self.server.stop(flush=True)
+    final = self.evaluate()
+    svc = self.service
+    with svc.lock:
+      stats = svc.core.stats()
+    up, down = svc.traffic()
+    log_ = svc.merge_log()
+    summary = {
+      "final_eval_loss": final,
+      "initial_eval_loss": self.evals[0][2],
+      "merges": len(log_),
+      "mean_quorum_size": stats["mean_quorum_size"],
+      "stats": {k: v for k, v in stats.items() if k != "quorum_size_counts"},
+      "quorum_size_counts": {str(k): v for k, v in stats["quorum_size_counts"].items()},
+      "refused": svc.refused(),
+      "bytes_up": up,
+      "bytes_down": down,
+      "digests": {f"{p}:{v}": d for (p, v), d in svc.published_digests().items()},
+      "merge_times": self.merge_times,
+      "evals": [[round(t, 4), m, loss] for t, m, loss in self.evals],
+      "num_params": self.factory.num_params,
+      "uplink_codec": self.job.the_service().uplink_codec,
+      "downlink_codec": self.job.the_service().downlink_codec,
+      "wall_time_s": time.time() - self._t0,
+    }
+    write_json(os.path.join(self.workdir, "summary.json"), summary)
+    self.writer.close()
+    return summary
+
+
+def make_learner_worker(
+  job: JobConfig,
+  *,
+  learner_id: int,
+  client: SyncerClient,
+  workdir: str,
+  connect_timeout_s: float = 120.0,
+) -> tuple[LearnerWorker, MetricsWriter]:
+  """One learner on all of this process's devices, its data shard and its worker."""
+  import jax
+
+  factory = job.factory()
+  spec = LearnerSpec(batch_size=job.batch_size, devices=len(jax.devices()))
+  learner = factory.make_learner(
+    learner_id,
+    spec=spec,
+    schedule=job.the_schedule(),
+    config=job.learner or LearnerConfig(),
+    device_slot=0,
+  )
+  data = factory.make_data(learner_id, spec=spec)
+  os.makedirs(workdir, exist_ok=True)
+  writer = MetricsWriter(workdir, tensorboard=False)
+  worker = LearnerWorker(
+    learner=learner,
+    data=iter(data),
+    client=client,
+    layout_digest=factory.layout.digest,
+    layouts=fragment_layouts(factory.layout.fragments, factory.global_init_values()),
+    writer=writer,
+    batch_size=job.batch_size or job.data.batch_size,
+    log_every=job.log_every,
+    connect_timeout_s=connect_timeout_s,
+  )
+  return worker, writer

@@ -1,0 +1,74 @@
+"""`ddiloco-syncer`: the syncer service (CPU only) of a distributed Decoupled DiLoCo run.
+
+  ddiloco-syncer --gin_file=gin_configs/local_tiny.gin --workdir=/tmp/run/syncer --port=50051
+
+Binds to 127.0.0.1 unless `--host` says otherwise. The shared token comes from `--auth_token_file` or
+the DDILOCO_TOKEN environment variable; TLS is on with `--tls_cert_file` and `--tls_key_file`.
+SIGTERM or SIGINT stops it gracefully: it stops accepting calls, merges every round that has its
+quorum, evaluates the global model and writes `summary.json` to the workdir.
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # The syncer is a CPU service (before jax loads).
+
+import signal
+import threading
+import time
+
+from absl import app, flags, logging
+
+from ddiloco.launch import gin_flags
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "output folder", required=True)
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "address to bind; loopback unless told otherwise")
+_PORT = flags.DEFINE_integer("port", 0, "port to bind; 0 picks a free one (see --port_file)")
+_PORT_FILE = flags.DEFINE_string("port_file", None, "write the bound port here once serving")
+_TOKEN_FILE = flags.DEFINE_string(
+  "auth_token_file", None, "shared token file (else $DDILOCO_TOKEN)"
+)
+_TLS_CERT = flags.DEFINE_string("tls_cert_file", None, "PEM certificate chain for TLS")
+_TLS_KEY = flags.DEFINE_string("tls_key_file", None, "PEM private key for TLS")
+_MAX_RUNTIME = flags.DEFINE_float("max_runtime_s", 0.0, "stop after this long (0: until signalled)")
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  # Imported after flag parsing: these register the gin configurables.
+  from ddiloco.launch import job as job_lib
+  from ddiloco.launch import runtime
+
+  workdir = _WORKDIR.value
+  gin_flags.parse_gin(workdir)
+  job = job_lib.JobConfig()
+  stop = threading.Event()
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: stop.set())
+  if bool(_TLS_CERT.value) != bool(_TLS_KEY.value):
+    raise app.UsageError("--tls_cert_file and --tls_key_file go together.")
+  tls = (_TLS_CERT.value, _TLS_KEY.value) if _TLS_CERT.value else None
+  from ddiloco.transport import auth
+
+  run = runtime.SyncerRun(job, workdir=workdir)
+  server = run.serve(
+    f"{_HOST.value}:{_PORT.value}", token=auth.read_token(_TOKEN_FILE.value), tls=tls
+  )
+  logging.info("syncer serving on %s:%d", _HOST.value, server.port)
+  if _PORT_FILE.value:
+    tmp = f"{_PORT_FILE.value}.tmp"
+    with open(tmp, "w") as f:
+      f.write(str(server.port))
+    os.replace(tmp, _PORT_FILE.value)
+  t_end = time.monotonic() + _MAX_RUNTIME.value if _MAX_RUNTIME.value > 0 else None
+  run.loop(stop, until=t_end)
+  summary = run.shutdown()
+  print("syncer summary:", {k: summary[k] for k in ("merges", "final_eval_loss", "refused")})
+
+
+def run() -> None:
+  """Console-script entry point."""
+  app.run(main, flags_parser=gin_flags.flags_parser)
+
+
+if __name__ == "__main__":
+  run()

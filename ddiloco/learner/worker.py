@@ -1,0 +1,477 @@
+"""A learner process's loop: train without ever waiting on the network (SPEC §3, ARCHITECTURE.md).
+
+Three threads share one `Learner`, which only the training thread touches:
+
+- the training thread steps, hands each due fragment to the sender as a device-side snapshot
+  (`Learner.snapshot_report`), feeds received fragments and push answers to the learner, and applies
+  merged fragments τ steps after their send (`Learner.apply_ready`), checking each apply's digest;
+- the sender copies the snapshot to host memory, encodes θ − Θ^(anchor) with the uplink codec and
+  pushes it; a newer snapshot of the same fragment replaces an unsent one (counters are cumulative);
+- the comm thread sends heartbeats, pulls every fragment whose version moved (deltas against the
+  version held), and re-registers when the syncer forgot this learner.
+
+If the syncer is unreachable the learner keeps training; both background threads retry with
+exponential backoff (and gRPC's channel reconnects with its own). Only the first registration, which
+fetches the global model, waits (up to `connect_timeout_s`).
+"""
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import grpc
+import jax
+import numpy as np
+
+from ddiloco.learner.learner import Learner
+from ddiloco.metrics.writer import MetricsWriter
+from ddiloco.syncer.types import FragmentState, Report, ReportResult
+from ddiloco.transport import wire
+from ddiloco.transport.client import SyncerClient
+from ddiloco.transport.errors import WireError
+
+log = logging.getLogger(__name__)
+
+# Failures after which the call is simply retried later (the syncer is down, slow or restarting).
+_TRANSIENT = (
+  grpc.StatusCode.UNAVAILABLE,
+  grpc.StatusCode.DEADLINE_EXCEEDED,
+  grpc.StatusCode.CANCELLED,
+  grpc.StatusCode.RESOURCE_EXHAUSTED,
+  grpc.StatusCode.UNKNOWN,
+  grpc.StatusCode.INTERNAL,
+)
+# The syncer does not know this learner (restarted, or declared it dead): register again.
+_UNREGISTERED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+_WARMUP_STEPS = 2  # Steps left out of the step-time EMA (compilation).
+
+
+class Backoff:
+  """Exponential backoff with full jitter: delays grow from `initial_s` to `max_s`."""
+
+  def __init__(self, initial_s: float = 0.1, max_s: float = 5.0, seed: int = 0):
+    self.initial_s, self.max_s = initial_s, max_s
+    self._attempt = 0
+    self._rng = np.random.default_rng(seed)
+
+  def reset(self) -> None:
+    self._attempt = 0
+
+  def next_delay(self) -> float:
+    cap = min(self.max_s, self.initial_s * 2**self._attempt)
+    self._attempt = min(self._attempt + 1, 30)
+    return float(self._rng.uniform(0.5 * cap, cap))
+
+
+@dataclasses.dataclass
+class _Job:
+  report: Report  # Without values.
+  fetch: Any  # () -> host values
+  anchor_values: Mapping[str, np.ndarray] | None
+
+
+class LearnerWorker:
+  """Runs one learner against the syncer service (see module docstring).
+
+  Args:
+    learner: the learner (params, optimizer state, protocol state).
+    data: training batches.
+    client: the syncer client.
+    layout_digest: the fragment layout's digest, checked by the syncer at Register.
+    layouts: per fragment, {key: (shape, dtype)} (transport.client.fragment_layouts).
+    writer: metrics writer for this learner (train, push, apply, connection events).
+    batch_size: sequences per step (informational at Register).
+    log_every: steps between logged training losses.
+    connect_timeout_s: how long the first registration may take.
+  """
+
+  def __init__(
+    self,
+    *,
+    learner: Learner,
+    data: Iterator[dict[str, np.ndarray]],
+    client: SyncerClient,
+    layout_digest: str,
+    layouts: list[wire.Layout],
+    writer: MetricsWriter | None = None,
+    batch_size: int = 0,
+    log_every: int = 10,
+    connect_timeout_s: float = 120.0,
+  ):
+    self.learner = learner
+    self.id = learner.learner_id
+    self._data = data
+    self._client = client
+    self._digest = layout_digest
+    self._layouts = layouts
+    self._writer = writer
+    self._batch_size = batch_size
+    self._log_every = log_every
+    self._connect_timeout_s = connect_timeout_s
+    num = len(layouts)
+    self._lock = threading.Lock()
+    self._held: list[dict[int, Mapping[str, np.ndarray]]] = [{} for _ in range(num)]
+    self._newest = [-1] * num  # Newest version received of each fragment.
+    self._digests: dict[tuple[int, int], str] = {}  # (p, v) -> digest of what was received.
+    self._received: queue.Queue[FragmentState] = queue.Queue()
+    self._results: queue.Queue[tuple[int, ReportResult]] = queue.Queue()
+    self._jobs: dict[int, _Job] = {}
+    self._jobs_cv = threading.Condition(self._lock)
+    self._in_flight = 0
+    self._stop = threading.Event()
+    self._need_register = threading.Event()
+    self._threads: list[threading.Thread] = []
+    self.codec = "fp32"
+    self.block_size = 64
+    self.heartbeat_interval_s = 0.25
+    self.step_time_ema = 0.0
+    self.push_status: collections.Counter[str] = collections.Counter()
+    self.applies: list[tuple[int, int, str]] = []
+    self.digest_mismatches = 0
+    self.tokens_trained = 0
+    self.train_start = self.train_end = 0.0
+    self._stop_requested = False
+    self._cadence = (-1, 0.0)  # (the syncer's cadence step, monotonic time we heard it).
+    self.phase_jumps = 0
+    self.phase_jumped_steps = 0
+    self.registrations = 0
+    self.unreachable_s = 0.0
+    self.losses: list[tuple[int, float, float]] = []  # (step, time, loss)
+    self._t0 = time.time()
+
+  # -- connection -----------------------------------------------------------------------------
+
+  def connect(self) -> None:
+    """Registers and loads the global model (blocking, the only wait; SPEC §6).
+
+    Raises:
+      TimeoutError: if the syncer did not answer within `connect_timeout_s`.
+      grpc.RpcError: if the syncer refused the registration (e.g. layout mismatch).
+    """
+    deadline = time.monotonic() + self._connect_timeout_s
+    backoff = Backoff()
+    while True:
+      try:
+        self._client.wait_ready(max(0.1, min(5.0, deadline - time.monotonic())))
+        resp = self._register()
+        states = [self._pull(p, -1) for p in range(len(self._layouts))]
+        break
+      except (grpc.RpcError, grpc.FutureTimeoutError) as e:
+        code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
+        if code not in _TRANSIENT or time.monotonic() > deadline:
+          if code in _TRANSIENT:
+            raise TimeoutError(
+              f"Syncer at {self._client.address} unreachable for {self._connect_timeout_s} s."
+            ) from e
+          raise
+        time.sleep(backoff.next_delay())
+    self.learner.load_global([s for s in states if s is not None])
+    self.learner.align_phase(int(resp.fleet_step))
+    self._event("connected", versions=list(resp.versions), fleet_step=int(resp.fleet_step))
+
+  def _register(self):
+    resp = self._client.register(
+      self.id,
+      layout_digest=self._digest,
+      num_fragments=len(self._layouts),
+      num_devices=len(self.learner.steps.mesh.devices.flat),
+      batch_size=self._batch_size,
+      host=socket.gethostname(),
+    )
+    self.codec, self.block_size = resp.uplink_codec, resp.block_size
+    self.heartbeat_interval_s = resp.heartbeat_interval_s
+    if resp.overlap != self.learner.schedule.overlap:
+      raise ValueError(
+        f"The syncer's overlap τ={resp.overlap} differs from this learner's "
+        f"{self.learner.schedule.overlap}: check the gin configs."
+      )
+    with self._lock:
+      self._newest = [-1] * len(self._layouts)  # Re-fetch everything: deliveries were forgotten.
+    self.registrations += 1
+    self._need_register.clear()
+    return resp
+
+  def _pull(self, p: int, known: int) -> FragmentState | None:
+    lay = self._layouts[p]
+    state = self._client.pull(
+      self.id,
+      p,
+      known,
+      layout_keys=list(lay),
+      shapes={k: s for k, (s, _) in lay.items()},
+      dtypes={k: d for k, (_, d) in lay.items()},
+      base_lookup=lambda v: self._held_values(p, v),
+    )
+    if state is None:
+      return None
+    with self._lock:
+      self._held[p][state.version] = state.values
+      self._newest[p] = max(self._newest[p], state.version)
+      self._digests[(p, state.version)] = state.digest
+    return state
+
+  def _held_values(self, p: int, version: int) -> Mapping[str, np.ndarray]:
+    with self._lock:
+      return self._held[p][version]  # KeyError -> WireError in messages.
+
+  # -- background threads ---------------------------------------------------------------------
+
+  def start(self) -> None:
+    for target, name in ((self._send_loop, "sender"), (self._comm_loop, "comm")):
+      t = threading.Thread(target=target, name=f"learner{self.id}-{name}", daemon=True)
+      t.start()
+      self._threads.append(t)
+
+  def _comm_loop(self) -> None:
+    backoff = Backoff(seed=self.id)
+    down_since = None
+    while not self._stop.is_set():
+      try:
+        if self._need_register.is_set():
+          self._register()
+        hb = self._client.heartbeat(self.id, step=self.learner.step, step_time_s=self.step_time_ema)
+        if not hb.registered:
+          self._need_register.set()
+          continue
+        self._set_cadence(int(hb.fleet_step))
+        for p, version in enumerate(hb.versions):
+          if p < len(self._newest) and version > self._newest[p]:
+            state = self._pull(p, self._newest[p])
+            if state is not None:
+              self._received.put(state)
+        if down_since is not None:
+          self.unreachable_s += time.monotonic() - down_since
+          self._event("reconnected", after_s=round(time.monotonic() - down_since, 3))
+          down_since = None
+        backoff.reset()
+        self._stop.wait(self.heartbeat_interval_s)
+      except grpc.RpcError as e:
+        if e.code() in _UNREGISTERED:
+          self._need_register.set()
+          self._stop.wait(backoff.next_delay())
+          continue
+        if down_since is None:
+          down_since = time.monotonic()
+          self._event("unreachable", code=e.code().name, details=e.details())
+        self._stop.wait(backoff.next_delay())
+      except WireError as e:  # A corrupt or mismatching fragment: fetch it in full next time.
+        log.error("learner %d: bad fragment from the syncer: %s", self.id, e)
+        self._event("bad_fragment", error=str(e))
+        with self._lock:
+          self._newest = [-1] * len(self._layouts)
+        self._stop.wait(backoff.next_delay())
+
+  def _send_loop(self) -> None:
+    backoff = Backoff(seed=1000 + self.id)
+    while True:
+      with self._jobs_cv:
+        while not self._jobs and not self._stop.is_set():
+          self._jobs_cv.wait()
+        if not self._jobs:
+          return
+        p = min(self._jobs, key=lambda q: self._jobs[q].report.step)
+        job = self._jobs.pop(p)
+        self._in_flight += 1
+      try:
+        result = self._push(job)
+      except grpc.RpcError as e:
+        result = None
+        if e.code() in _UNREGISTERED:
+          self._need_register.set()
+          result = ReportResult("rejected", e.details() or "", 0.0)
+        elif e.code() not in _TRANSIENT:
+          log.error("learner %d: push of %d refused: %s %s", self.id, p, e.code(), e.details())
+          result = ReportResult("rejected", e.details() or "", 0.0)
+      with self._jobs_cv:
+        self._in_flight -= 1
+        if result is None and p not in self._jobs and not self._stop.is_set():
+          self._jobs[p] = job  # Retry unless a newer snapshot of p replaced it.
+        self._jobs_cv.notify_all()
+      if result is None:
+        self._stop.wait(backoff.next_delay())
+        continue
+      backoff.reset()
+      self._results.put((p, result))
+
+  def _push(self, job: _Job) -> ReportResult:
+    report = dataclasses.replace(job.report, values=job.fetch())
+    codec, anchor = (
+      (self.codec, job.anchor_values) if job.anchor_values is not None else ("fp32", None)
+    )
+    return self._client.push(report, codec, block_size=self.block_size, anchor_values=anchor)
+
+  # -- training -------------------------------------------------------------------------------
+
+  def _drain(self) -> None:
+    while True:
+      try:
+        p, result = self._results.get_nowait()
+      except queue.Empty:
+        break
+      self.push_status[result.status] += 1
+      self.learner.on_report_result(p, result)
+      if result.fleet_step >= 0:
+        self._set_cadence(result.fleet_step)
+    while True:
+      try:
+        self.learner.receive(self._received.get_nowait())
+      except queue.Empty:
+        break
+    # Follow the fleet's cadence (Learner.catch_up); 1 step of slack absorbs the estimate's jitter.
+    # Blocking (synchronous) learners stay put: they wait for each other at every apply anyway.
+    cadence = self._cadence_now()
+    if not self.learner.config.blocking and cadence >= 0:
+      change = self.learner.follow(cadence, tolerance=3)
+      if change:
+        self.phase_jumps += 1
+        self.phase_jumped_steps += change
+        self._event("phase", step=self.learner.step, cadence=cadence, change=change)
+
+  def _set_cadence(self, step: int) -> None:
+    self._cadence = (step, time.monotonic())
+
+  def _cadence_now(self) -> int:
+    """The fleet's cadence (SyncerCore.cadence_step) extrapolated from when we heard it.
+
+    Heartbeats come every fraction of a second and pulls may delay them: comparing a stale cadence
+    with the current step made learners hold and jump on almost every step (measured: only a quarter
+    of the sends went out). Extrapolating at this learner's own step time removes that lag.
+    """
+    step, heard = self._cadence
+    if step < 0 or self.step_time_ema <= 0:
+      return step
+    return step + int((time.monotonic() - heard) / self.step_time_ema)
+
+  def _send_due(self) -> None:
+    for p in self.learner.due():
+      report, fetch = self.learner.snapshot_report(p, step_time_s=self.step_time_ema)
+      with self._jobs_cv:
+        anchor = self._held[p].get(report.anchor_version) if report.anchor_version >= 0 else None
+        self._jobs[p] = _Job(report, fetch, anchor)
+        self._jobs_cv.notify_all()
+
+  def _apply(self) -> None:
+    for p, version in self.learner.apply_ready():
+      expected = self._digests.get((p, version))
+      got = self.learner.applied_digest.get(p)
+      if got is not None and got != expected:
+        self.digest_mismatches += 1
+        log.error("learner %d: fragment %d v%d digest %s != %s", self.id, p, version, got, expected)
+      self.applies.append((p, version, got or ""))
+      with self._lock:  # Host copies older than the applied anchor are never a base again.
+        for v in [v for v in self._held[p] if v < version]:
+          del self._held[p][v]
+
+  def request_stop(self) -> None:
+    """Makes `run` return after the current step (signal handlers call this)."""
+    self._stop_requested = True
+
+  def run(self, num_steps: int) -> dict[str, Any]:
+    """Trains until the learner's step reaches `num_steps`, then flushes, leaves and summarizes."""
+    self.start()
+    t_first = time.monotonic()
+    recent: collections.deque[float] = collections.deque(maxlen=17)
+    previous = None
+    self.train_start = time.time()
+    while self.learner.step < num_steps and not self._stop_requested:
+      self._drain()
+      batch = next(self._data)
+      metrics = self.learner.train_step(batch)
+      # At most one step in flight: wait for the previous step's loss (it releases the GIL for
+      # the sender and comm threads). Without this, asynchronous dispatch let the step counter
+      # run up to a logging interval ahead of the devices, and the schedule with it.
+      if previous is not None:
+        jax.block_until_ready(previous)
+      previous = metrics["loss"]
+      self.tokens_trained += int(np.prod(batch["targets"].shape))
+      self._send_due()
+      self._drain()
+      self._apply()
+      now = time.monotonic()
+      # Step time over the last steps, not an EMA of loop times: with asynchronous dispatch one
+      # loop can take microseconds and the next a whole step. The first steps compile: left out.
+      if self.learner.step > _WARMUP_STEPS:
+        recent.append(now)
+        if len(recent) >= 2:
+          self.step_time_ema = (recent[-1] - recent[0]) / (len(recent) - 1)
+      if self.learner.step % self._log_every == 0 or self.learner.step == num_steps:
+        loss = float(metrics["loss"])
+        self.losses.append((self.learner.step, time.time(), loss))
+        self._event(
+          "train",
+          step=self.learner.step,
+          loss=loss,
+          step_time_s=self.step_time_ema,
+          schedule_step=self.learner.schedule_step,
+        )
+        if self._writer is not None:
+          self._writer.scalars(self.learner.step, {"loss": loss})
+          self._writer.flush()  # The launcher tails metrics.jsonl for its progress lines.
+    train_s = time.monotonic() - t_first
+    self.train_end = time.time()
+    self.finish()
+    return self.summary(train_s)
+
+  def finish(self, timeout_s: float = 30.0) -> None:
+    """Waits for queued pushes (bounded), stops the threads and leaves the fleet."""
+    deadline = time.monotonic() + timeout_s
+    with self._jobs_cv:
+      while (self._jobs or self._in_flight) and time.monotonic() < deadline:
+        self._jobs_cv.wait(0.1)
+    self._stop.set()
+    with self._jobs_cv:
+      self._jobs_cv.notify_all()
+    for t in self._threads:
+      t.join(timeout=max(1.0, deadline - time.monotonic()))
+    self._drain()
+    try:
+      self._client.leave(self.id)
+    except grpc.RpcError as e:
+      log.warning("learner %d: leave failed: %s", self.id, e.code())
+
+  def summary(self, train_s: float) -> dict[str, Any]:
+    learner = self.learner
+    return {
+      "learner_id": self.id,
+      "steps": learner.step,
+      "tokens": self.tokens_trained,
+      "train_time_s": train_s,
+      "wall_time_s": time.time() - self._t0,
+      "start_time": self._t0,
+      "train_start": self.train_start,
+      "train_end": self.train_end,
+      "step_time_s": self.step_time_ema,
+      "push_status": dict(self.push_status),
+      "applies": [list(a) for a in self.applies],
+      "digest_mismatches": self.digest_mismatches,
+      "registrations": self.registrations,
+      "phase_jumps": self.phase_jumps,
+      "phase_jumped_steps": self.phase_jumped_steps,
+      "unreachable_s": self.unreachable_s,
+      "bytes_up": self._client.bytes_up,
+      "bytes_down": self._client.bytes_down,
+      "losses": [list(x) for x in self.losses],
+      "uplink_codec": self.codec,
+    }
+
+  def _event(self, kind: str, **fields: Any) -> None:
+    if self._writer is not None:
+      self._writer.event(kind, time=round(time.time(), 4), learner=self.id, **fields)
+
+
+def write_json(path: str, obj: Any) -> None:
+  """Writes `obj` as JSON atomically (tmp file + rename)."""
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2)
+  os.replace(tmp, path)

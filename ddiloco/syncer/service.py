@@ -1,0 +1,670 @@
+"""The syncer as a gRPC service: the pure core behind a lock, a wall clock and a merge thread.
+
+`SyncerService` implements `ddiloco.v1.Syncer` (transport/proto/syncer.proto). Learners push reports
+and pull merged fragments while a background thread merges rounds as their deadlines come (SPEC §4);
+nothing a learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runtime"):
+
+- Validation at the door: every request is checked before it can touch the core, and every refusal has
+  a precise status and is counted by status name (`Status.refused`):
+    INVALID_ARGUMENT    malformed chunks or header, unknown fragment, wrong keys/shapes/dtypes, NaN/Inf,
+                        a codec other than the negotiated one (or fp32)
+    RESOURCE_EXHAUSTED  a payload larger than the fragment can ever need, or a chunk above the limit
+    NOT_FOUND           a learner that never registered
+    FAILED_PRECONDITION a learner the syncer counts as dead (must register again), a layout digest or
+                        fragment count that differs from the syncer's
+    ABORTED             a late (stale) push: its anchor is more than `max_staleness` versions old
+                        or no longer kept (decided from the header, before decoding)
+    ALREADY_EXISTS      a duplicate push: not newer than the learner's report already in the round
+    UNAUTHENTICATED     a missing or wrong shared token (transport/auth.py)
+  A refused push leaves the global fragments, versions, optimizer states and rounds as they were.
+- Downlink (SPEC §5): with a lossy downlink codec the syncer sends Θ_new − Θ_old quantized and adopts
+  what a receiver decodes (`adopt`, wired into the core), so learners and syncer hold bit-identical
+  fragments. The encoded delta is kept for the newest version only; a learner that holds an older
+  version (or none) gets the full values in fp32, which is exact.
+- Liveness: a learner that neither pushed, pulled nor sent a heartbeat for `liveness_timeout_s` is
+  declared dead (`SyncerCore.leave`); its next call gets FAILED_PRECONDITION and it registers again.
+"""
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent import futures
+from typing import Any
+
+import gin
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ddiloco.fragments import compression
+from ddiloco.fragments.digest import values_digest
+from ddiloco.syncer.core import MergeEvent, ReportResult, SyncerCore
+from ddiloco.transport import auth, messages, wire
+from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, chunk
+from ddiloco.transport.errors import WireError, WireSizeError
+from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "ddiloco.v1.Syncer"
+# Room for a chunk's protobuf framing and header on top of its payload bytes.
+_FRAMING_SLACK = 64 * 1024
+
+
+@gin.configurable(module="ddiloco")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+  """Wire and liveness settings of the syncer service, sent to learners at Register.
+
+  Attributes:
+    uplink_codec: codec of the learners' outer-gradient pushes (SPEC §5).
+    downlink_codec: codec of fragment updates Θ_new − Θ_old (SPEC §5); fp32 sends full values.
+    block_size: values per absmax scale block for int8/int4.
+    max_chunk_bytes: largest chunk payload accepted or sent (~1 MiB: gRPC's default message limit
+      is 4 MiB, and 1 MiB chunks measured best on loopback).
+    heartbeat_interval_s: how often learners call Heartbeat.
+    liveness_timeout_s: silence after which a learner is declared dead.
+    max_workers: server threads; each learner holds up to three concurrent calls.
+  """
+
+  uplink_codec: str = "bf16"
+  downlink_codec: str = "bf16"
+  block_size: int = 64
+  max_chunk_bytes: int = DEFAULT_CHUNK_SIZE
+  heartbeat_interval_s: float = 0.25
+  liveness_timeout_s: float = 30.0
+  max_workers: int = 32
+
+  def __post_init__(self):
+    for name in ("uplink_codec", "downlink_codec"):
+      if getattr(self, name) not in compression.CODECS:
+        raise ValueError(
+          f"{name} must be one of {compression.CODECS}, got {getattr(self, name)!r}."
+        )
+    if not 1 <= self.block_size <= wire.MAX_BLOCK_SIZE:
+      raise ValueError(f"block_size must be in [1, {wire.MAX_BLOCK_SIZE}], got {self.block_size}.")
+    if self.max_chunk_bytes < 1024:
+      raise ValueError(f"max_chunk_bytes must be >= 1024, got {self.max_chunk_bytes}.")
+    if not 0 < self.heartbeat_interval_s < self.liveness_timeout_s:
+      raise ValueError("Need 0 < heartbeat_interval_s < liveness_timeout_s.")
+    if self.max_workers < 4:
+      raise ValueError(f"max_workers must be >= 4, got {self.max_workers}.")
+
+  def channel_options(self) -> list[tuple[str, int]]:
+    """Explicit message size limits for both ends (gRPC's default receive limit is 4 MiB)."""
+    limit = self.max_chunk_bytes + _FRAMING_SLACK
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+class Refusal(Exception):
+  """A request refused at the door: a gRPC status code and a precise message."""
+
+  def __init__(self, code: grpc.StatusCode, message: str):
+    super().__init__(message)
+    self.code = code
+    self.message = message
+
+
+# Report statuses that are refusals on the wire (the push itself was well-formed).
+_STATUS_CODES = {
+  "late": grpc.StatusCode.ABORTED,
+  "duplicate": grpc.StatusCode.ALREADY_EXISTS,
+  "rejected": grpc.StatusCode.INVALID_ARGUMENT,
+}
+
+
+@dataclasses.dataclass
+class _Member:
+  """What the service knows of a learner beyond the core: liveness clock and its own description."""
+
+  last_seen: float
+  host: str = ""
+  num_devices: int = 0
+  batch_size: int = 0
+  step: int = 0
+
+
+class SyncerService(syncer_pb2_grpc.SyncerServicer):
+  """The `ddiloco.v1.Syncer` servicer around one `SyncerCore` (see module docstring).
+
+  Build the core with `adopt=service_adopter(...)`'s result when the downlink codec is lossy; use
+  `make_syncer` to get both wired together.
+
+  Args:
+    core: the syncer core, built with `clock` as its clock.
+    layout_digest: the fragment layout's digest; Register refuses any other.
+    config: wire and liveness settings.
+    clock: the core's clock (wall, monotonic).
+    on_merge: called with each published MergeEvent (under the lock; keep it short).
+  """
+
+  def __init__(
+    self,
+    core: SyncerCore,
+    *,
+    layout_digest: str,
+    config: ServiceConfig,
+    adopter: "DownlinkAdopter | None" = None,
+    clock: Callable[[], float] = time.monotonic,
+    on_merge: Callable[[MergeEvent], None] | None = None,
+  ):
+    self._core = core
+    self._cfg = config
+    self._layout_digest = layout_digest
+    self._adopter = adopter
+    self._clock = clock
+    self._on_merge = on_merge
+    self._cond = threading.Condition()
+    self._members: dict[int, _Member] = {}
+    self._layouts = []
+    for p in range(core.num_fragments):
+      values = core.state(p).values
+      self._layouts.append(
+        wire.make_layout(
+          list(values),
+          {k: v.shape for k, v in values.items()},
+          {k: v.dtype for k, v in values.items()},
+        )
+      )
+    self._max_bytes = [wire.max_wire_bytes(lay) for lay in self._layouts]
+    self._refused: collections.Counter[str] = collections.Counter()
+    self._bytes_up = 0
+    self._bytes_down = 0
+    self._merges = 0
+    self._digests: dict[tuple[int, int], str] = {
+      (p, 0): core.state(p).digest for p in range(core.num_fragments)
+    }
+    self._merge_log: list[MergeEvent] = []
+    self._started = clock()
+    self._stopping = False
+    self._thread: threading.Thread | None = None
+
+  # -- lifecycle --------------------------------------------------------------------------------
+
+  def start(self) -> None:
+    """Starts the merge thread (idempotent)."""
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._merge_loop, name="syncer-merge", daemon=True)
+      self._thread.start()
+
+  def stop(self, *, flush: bool = True) -> None:
+    """Stops the merge thread; with `flush`, first merges every round that has its quorum."""
+    with self._cond:
+      self._stopping = True
+      self._cond.notify_all()
+    if self._thread is not None:
+      self._thread.join(timeout=60)
+      self._thread = None
+    if flush:
+      with self._cond:
+        self._flush()
+
+  def _merge_loop(self) -> None:
+    with self._cond:
+      while not self._stopping:
+        try:
+          for event in self._core.poll():
+            self._publish(event)
+          self._check_liveness()
+        except Exception:  # A merge bug must not kill the thread silently; the state is untouched.
+          log.exception("merge loop error")
+        wait = min(1.0, self._cfg.heartbeat_interval_s)
+        deadline = self._core.next_deadline()
+        if deadline is not None:
+          wait = min(wait, max(deadline - self._clock(), 0.0))
+        if wait > 0:
+          self._cond.wait(wait)
+
+  def _flush(self) -> None:
+    """Merges every round that has its quorum, ignoring grace deadlines (shutdown)."""
+    for event in self._core.flush():
+      self._publish(event)
+
+  def _publish(self, event: MergeEvent) -> None:
+    self._merges += 1
+    self._digests[(event.fragment, event.version)] = event.digest
+    self._merge_log.append(event)
+    if self._adopter is not None:
+      self._adopter.published(event.fragment, event.version)
+    if self._on_merge is not None:
+      self._on_merge(event)
+
+  def _check_liveness(self) -> None:
+    now = self._clock()
+    alive = self._core.alive()
+    for learner_id, member in self._members.items():
+      if learner_id in alive and now - member.last_seen > self._cfg.liveness_timeout_s:
+        log.warning(
+          "learner %d silent for %.1f s: declared dead", learner_id, now - member.last_seen
+        )
+        self._core.leave(learner_id)
+
+  # -- read-only views (launcher, tests) ----------------------------------------------------------
+
+  @property
+  def core(self) -> SyncerCore:
+    return self._core
+
+  @property
+  def config(self) -> ServiceConfig:
+    return self._cfg
+
+  @property
+  def lock(self) -> threading.Condition:
+    return self._cond
+
+  def refused(self) -> dict[str, int]:
+    with self._cond:
+      return dict(self._refused)
+
+  def published_digests(self) -> dict[tuple[int, int], str]:
+    """{(fragment, version): digest} of every version published since start."""
+    with self._cond:
+      return dict(self._digests)
+
+  def merge_log(self) -> list[MergeEvent]:
+    with self._cond:
+      return list(self._merge_log)
+
+  def traffic(self) -> tuple[int, int]:
+    """(bytes received, bytes sent) in chunk messages."""
+    with self._cond:
+      return self._bytes_up, self._bytes_down
+
+  # -- helpers ----------------------------------------------------------------------------------
+
+  def _refuse(self, code: grpc.StatusCode, message: str) -> Refusal:
+    with self._cond:
+      self._refused[code.name] += 1
+    return Refusal(code, message)
+
+  def count_refusal(self, code: grpc.StatusCode, method: str) -> None:
+    """For interceptors (e.g. the token check), which refuse before a servicer method runs."""
+    del method
+    with self._cond:
+      self._refused[code.name] += 1
+
+  def _member(self, learner_id: int) -> _Member:
+    """The learner's record if it is registered and alive (caller holds the lock)."""
+    member = self._members.get(learner_id)
+    if member is None:
+      raise self._refuse(
+        grpc.StatusCode.NOT_FOUND, f"Learner {learner_id} is not registered; call Register first."
+      )
+    if learner_id not in self._core.alive():
+      raise self._refuse(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"Learner {learner_id} is not alive at the syncer (left or timed out); register again.",
+      )
+    member.last_seen = self._clock()
+    return member
+
+  def _check_fragment(self, fragment: int) -> None:
+    if not 0 <= fragment < self._core.num_fragments:
+      raise self._refuse(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"Unknown fragment {fragment}; this syncer holds 0..{self._core.num_fragments - 1}.",
+      )
+
+  def _versions(self) -> list[int]:
+    return [self._core.version(p) for p in range(self._core.num_fragments)]
+
+  # -- RPCs -------------------------------------------------------------------------------------
+
+  def Register(self, request, context):
+    return _serve(context, self._register, request)
+
+  def _register(self, request):
+    if request.layout_digest != self._layout_digest:
+      raise self._refuse(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"Layout digest {request.layout_digest!r} differs from the syncer's "
+        f"{self._layout_digest!r}: model, fragment count or layout strategy differ.",
+      )
+    if request.num_fragments != self._core.num_fragments:
+      raise self._refuse(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"Learner has {request.num_fragments} fragments, the syncer {self._core.num_fragments}.",
+      )
+    if request.learner_id < 0:
+      raise self._refuse(
+        grpc.StatusCode.INVALID_ARGUMENT, f"learner_id must be >= 0, got {request.learner_id}."
+      )
+    with self._cond:
+      versions = self._core.register(int(request.learner_id))
+      self._members[int(request.learner_id)] = _Member(
+        last_seen=self._clock(),
+        host=request.host,
+        num_devices=request.num_devices,
+        batch_size=request.batch_size,
+      )
+      fleet_step = self._core.fleet_step()
+    log.info("learner %d registered from %s", request.learner_id, request.host or "?")
+    cfg = self._cfg
+    return syncer_pb2.RegisterResponse(
+      learner_id=request.learner_id,
+      versions=[versions[p] for p in range(len(versions))],
+      fleet_step=fleet_step,
+      uplink_codec=cfg.uplink_codec,
+      downlink_codec=cfg.downlink_codec,
+      block_size=cfg.block_size,
+      overlap=self._core.config.overlap,
+      max_chunk_bytes=cfg.max_chunk_bytes,
+      heartbeat_interval_s=cfg.heartbeat_interval_s,
+    )
+
+  def Push(self, request_iterator, context):
+    return _serve(context, self._push, request_iterator)
+
+  def _push(self, request_iterator):
+    it = iter(request_iterator)
+    first = next(it, None)
+    if first is None or first.index != 0 or not first.HasField("header"):
+      raise self._refuse(
+        grpc.StatusCode.INVALID_ARGUMENT, "A push must start with chunk 0 carrying the header."
+      )
+    h = first.header
+    with self._cond:
+      self._member(int(h.learner_id))
+    self._check_fragment(h.fragment)
+    p = int(h.fragment)
+    if h.codec not in (self._cfg.uplink_codec, "fp32"):
+      raise self._refuse(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"Codec {h.codec!r}: this syncer takes {self._cfg.uplink_codec!r} (or exact 'fp32').",
+      )
+    if (
+      h.total_bytes > self._max_bytes[p] or h.num_chunks * self._cfg.max_chunk_bytes < h.total_bytes
+    ):
+      raise self._refuse(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"Push of {h.total_bytes} bytes in {h.num_chunks} chunks: fragment {p} never needs more "
+        f"than {self._max_bytes[p]} bytes, chunks at most {self._cfg.max_chunk_bytes}.",
+      )
+    with self._cond:
+      late = None
+      if 0 <= h.anchor_version <= self._core.version(p):
+        late = self._core.late_reason(p, int(h.anchor_version))
+      if late is not None and p in self._core.delivered(int(h.learner_id)):
+        # Decided from the header alone: a delta against an anchor that is no longer kept cannot be
+        # decoded, and a stale report is dropped either way. Its tokens count as dropped.
+        self._core.drop_late(max(int(h.tokens), 0), late)
+        raise self._refuse(grpc.StatusCode.ABORTED, f"late: {late}")
+    nbytes = 0
+
+    def counted(chunks):
+      nonlocal nbytes
+      for c in chunks:
+        nbytes += c.ByteSize()
+        yield c
+
+    layout = self._layouts[p]
+    try:
+      report = messages.chunks_to_report(
+        counted(itertools.chain([first], it)),
+        list(layout),
+        {k: s for k, (s, _) in layout.items()},
+        {k: d for k, (_, d) in layout.items()},
+        anchor_lookup=lambda v: self._anchor_values(p, v),
+        max_bytes=self._max_bytes[p],
+        max_chunk_bytes=self._cfg.max_chunk_bytes,
+      )
+    except WireError as e:
+      code = grpc.StatusCode.INVALID_ARGUMENT
+      if isinstance(e, WireSizeError):
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+      raise self._refuse(code, f"Push of fragment {p} refused: {e}") from e
+    with self._cond:
+      self._bytes_up += nbytes
+      self._member(report.learner_id)  # It may have been declared dead while streaming.
+      result = self._core.report(report)
+      self._cond.notify_all()
+    if result.status in _STATUS_CODES:
+      raise self._refuse(_STATUS_CODES[result.status], f"{result.status}: {result.reason}")
+    return syncer_pb2.PushResponse(
+      status=result.status, reason=result.reason, weight=result.weight, fleet_step=result.fleet_step
+    )
+
+  def _anchor_values(self, p: int, version: int) -> Mapping[str, np.ndarray]:
+    with self._cond:
+      return self._core.state_at(p, version).values  # KeyError -> WireError in messages.
+
+  def Pull(self, request, context):
+    try:
+      yield from self._pull(request)
+    except Refusal as r:
+      context.abort(r.code, r.message)
+
+  def _pull(self, request) -> Iterator[syncer_pb2.FragmentChunk]:
+    self._check_fragment(request.fragment)
+    p, known = int(request.fragment), int(request.known_version)
+    with self._cond:
+      self._member(int(request.learner_id))
+      state = self._core.state(p)
+      cached = self._adopter.delta_chunks(p, state.version) if self._adopter else None
+    if known > state.version:
+      raise self._refuse(
+        grpc.StatusCode.OUT_OF_RANGE,
+        f"Learner holds version {known} of fragment {p}, newer than the syncer's {state.version}.",
+      )
+    if known == state.version:
+      return
+    if cached is not None and known == state.version - 1:
+      chunks = cached
+    else:
+      chunks = messages.state_to_chunks(state, "fp32", chunk_size=self._cfg.max_chunk_bytes)
+    sent = 0
+    for c in chunks:
+      sent += c.ByteSize()
+      yield c
+    with self._cond:
+      self._bytes_down += sent
+      if int(request.learner_id) in self._core.alive():
+        self._core.mark_delivered(int(request.learner_id), p, state.version)
+
+  def Heartbeat(self, request, context):
+    return _serve(context, self._heartbeat, request)
+
+  def _heartbeat(self, request):
+    with self._cond:
+      member = self._members.get(int(request.learner_id))
+      registered = member is not None and int(request.learner_id) in self._core.alive()
+      if registered:
+        member.last_seen = self._clock()
+        member.step = int(request.step)
+        self._core.observe_steps(int(request.learner_id), int(request.step))
+      return syncer_pb2.HeartbeatResponse(
+        registered=registered,
+        versions=self._versions(),
+        fleet_step=self._core.cadence_step(),
+      )
+
+  def Leave(self, request, context):
+    return _serve(context, self._leave, request)
+
+  def _leave(self, request):
+    with self._cond:
+      known = int(request.learner_id) in self._members
+      if known:
+        self._core.leave(int(request.learner_id))
+        self._cond.notify_all()
+    log.info("learner %d left", request.learner_id)
+    return syncer_pb2.LeaveResponse(was_registered=known)
+
+  def Status(self, request, context):
+    return _serve(context, lambda _: self.status(), request)
+
+  def status(self) -> syncer_pb2.StatusResponse:
+    with self._cond:
+      stats = self._core.stats()
+      hist = stats.get("quorum_size_counts", {})
+      counters = {k: int(v) for k, v in stats.items() if isinstance(v, int | np.integer)}
+      return syncer_pb2.StatusResponse(
+        versions=self._versions(),
+        merges=self._merges,
+        alive=sorted(self._core.alive()),
+        counters=counters,
+        refused=dict(self._refused),
+        quorum_histogram=[int(hist.get(q, 0)) for q in range(max(hist, default=-1) + 1)],
+        bytes_up=self._bytes_up,
+        bytes_down=self._bytes_down,
+        uptime_s=self._clock() - self._started,
+        fleet_step=self._core.fleet_step(),
+      )
+
+
+def _serve(context, fn, request):
+  try:
+    return fn(request)
+  except Refusal as r:
+    context.abort(r.code, r.message)
+
+
+class DownlinkAdopter:
+  """The core's `adopt` hook for a lossy downlink codec, and the cache of the encoded deltas.
+
+  At each merge it encodes Θ_new − Θ_old once, decodes it exactly as a learner holding Θ_old will,
+  and returns that as the published value (SPEC §5). The bytes are kept for the newest version.
+  """
+
+  def __init__(self, codec: str, *, block_size: int, chunk_size: int):
+    if codec == "fp32":
+      raise ValueError("fp32 needs no adoption: the syncer sends exact full values.")
+    self._codec, self._block, self._chunk = codec, block_size, chunk_size
+    self._staged: dict[int, tuple[bytes, dict[str, np.ndarray]]] = {}
+    self._cache: dict[int, tuple[int, list[syncer_pb2.FragmentChunk]]] = {}
+
+  def __call__(self, p: int, new: Mapping[str, np.ndarray], prev: Mapping[str, np.ndarray]):
+    data = wire.serialize_fragment(new, self._codec, block_size=self._block, base=prev)
+    layout = {k: (tuple(np.shape(v)), np.asarray(v).dtype) for k, v in new.items()}
+    decoded = wire.decode_layout(data, layout, codec_name=self._codec, max_bytes=len(data))
+    adopted = wire.finish_layout(decoded, layout, prev)
+    self._staged[p] = (data, adopted)
+    return adopted
+
+  def published(self, p: int, version: int) -> None:
+    """Called (under the service lock) when version `version` of p, just adopted, is published."""
+    data, adopted = self._staged.pop(p)
+    pieces = chunk(data, self._chunk)
+    header = syncer_pb2.FragmentHeader(
+      fragment=p,
+      version=version,
+      digest=values_digest(adopted),
+      codec=self._codec,
+      total_bytes=len(data),
+      num_chunks=len(pieces),
+      base_version=version - 1,
+    )
+    out = [syncer_pb2.FragmentChunk(header=header, index=0, data=pieces[0])]
+    out += [syncer_pb2.FragmentChunk(index=i, data=d) for i, d in enumerate(pieces[1:], start=1)]
+    self._cache[p] = (version, out)
+
+  def delta_chunks(self, p: int, version: int) -> list[syncer_pb2.FragmentChunk] | None:
+    """The encoded update from version − 1 to `version` of p, if that is the newest cached."""
+    cached = self._cache.get(p)
+    return cached[1] if cached is not None and cached[0] == version else None
+
+
+@dataclasses.dataclass
+class SyncerServer:
+  """A running gRPC server with its service: `stop()` shuts both down."""
+
+  server: grpc.Server
+  service: SyncerService
+  port: int
+  health: health.HealthServicer
+
+  def stop(self, grace_s: float = 2.0, *, flush: bool = True) -> None:
+    self.health.enter_graceful_shutdown()
+    self.server.stop(grace_s).wait(grace_s + 5)
+    self.service.stop(flush=flush)
+
+
+def make_syncer(
+  *,
+  fragment_keys,
+  init_values: Mapping[str, np.ndarray],
+  syncer_config,
+  service_config: ServiceConfig,
+  layout_digest: str,
+  embedding_keys=(),
+  clock: Callable[[], float] = time.monotonic,
+  on_merge: Callable[[MergeEvent], None] | None = None,
+) -> SyncerService:
+  """A SyncerCore and its SyncerService wired together (adoption for a lossy downlink codec)."""
+  adopter = None
+  if service_config.downlink_codec != "fp32":
+    adopter = DownlinkAdopter(
+      service_config.downlink_codec,
+      block_size=service_config.block_size,
+      chunk_size=service_config.max_chunk_bytes,
+    )
+  core = SyncerCore(
+    fragment_keys=fragment_keys,
+    init_values=init_values,
+    config=syncer_config,
+    clock=clock,
+    embedding_keys=embedding_keys,
+    adopt=adopter,
+  )
+  return SyncerService(
+    core,
+    layout_digest=layout_digest,
+    config=service_config,
+    adopter=adopter,
+    clock=clock,
+    on_merge=on_merge,
+  )
+
+
+def serve(
+  service: SyncerService,
+  *,
+  address: str = "127.0.0.1:0",
+  token: str | None = None,
+  tls: tuple[str, str] | None = None,
+) -> SyncerServer:
+  """Starts a gRPC server for `service` (and the standard health service) and its merge thread.
+
+  Args:
+    service: the servicer.
+    address: host:port; port 0 picks a free one. Loopback unless told otherwise.
+    token: shared token required on every call but health checks (None: no authentication).
+    tls: (cert_file, key_file) for TLS, or None for plain TCP.
+
+  Returns:
+    The running server, with the bound port.
+
+  Raises:
+    RuntimeError: if the address cannot be bound.
+  """
+  interceptors = [auth.TokenInterceptor(token, service.count_refusal)] if token else []
+  cfg = service.config
+  server = grpc.server(
+    futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="syncer-rpc"),
+    interceptors=interceptors,
+    options=cfg.channel_options(),
+  )
+  syncer_pb2_grpc.add_SyncerServicer_to_server(service, server)
+  health_servicer = health.HealthServicer()
+  health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+  if tls is None:
+    port = server.add_insecure_port(address)
+  else:
+    port = server.add_secure_port(address, auth.server_credentials(*tls))
+  if port == 0:
+    raise RuntimeError(f"Could not bind the syncer to {address}.")
+  service.start()
+  server.start()
+  for name in ("", SERVICE_NAME):
+    health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+  return SyncerServer(server=server, service=service, port=port, health=health_servicer)
+
+
+def report_result(response: Any) -> ReportResult:
+  """A PushResponse as the core's ReportResult (what the learner protocol consumes)."""
+  return ReportResult(response.status, response.reason, response.weight, response.fleet_step)

@@ -1,0 +1,203 @@
+"""The learner's side of `ddiloco.v1.Syncer`: a thin, thread-safe gRPC client with deadlines.
+
+Every call has a deadline; the channel reconnects with gRPC's exponential backoff. Pushes answered
+ABORTED (late) or ALREADY_EXISTS (duplicate) are protocol outcomes, returned as a `ReportResult`;
+every other failure raises `grpc.RpcError` for the caller to retry or re-register (learner/worker.py).
+"""
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+
+import grpc
+import numpy as np
+
+from ddiloco.syncer.types import FragmentState, Report, ReportResult
+from ddiloco.transport import auth, messages, wire
+from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE
+from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
+
+_FRAMING_SLACK = 64 * 1024
+# Push refusals that are answers of the protocol, not failures of the call (syncer/service.py).
+_PROTOCOL_STATUSES = {
+  grpc.StatusCode.ABORTED: "late",
+  grpc.StatusCode.ALREADY_EXISTS: "duplicate",
+}
+
+
+class SyncerClient:
+  """Calls the syncer service at `address` (host:port).
+
+  Args:
+    address: the syncer's host:port.
+    token: shared token sent as `authorization: Bearer ...` (None: none).
+    tls_ca_file: use TLS trusting this PEM CA (None with `tls=False`: plain TCP).
+    tls: use TLS; with `tls_ca_file` None the system roots are trusted.
+    deadline_s: deadline of unary calls.
+    transfer_deadline_s: deadline of Push and Pull streams.
+    max_chunk_bytes: largest chunk payload (the syncer's limit).
+  """
+
+  def __init__(
+    self,
+    address: str,
+    *,
+    token: str | None = None,
+    tls: bool = False,
+    tls_ca_file: str | None = None,
+    deadline_s: float = 10.0,
+    transfer_deadline_s: float = 60.0,
+    max_chunk_bytes: int = DEFAULT_CHUNK_SIZE,
+  ):
+    limit = max_chunk_bytes + _FRAMING_SLACK
+    options = [
+      ("grpc.max_send_message_length", limit),
+      ("grpc.max_receive_message_length", limit),
+      ("grpc.initial_reconnect_backoff_ms", 200),
+      ("grpc.max_reconnect_backoff_ms", 5000),
+    ]
+    if tls or tls_ca_file:
+      self._channel = grpc.secure_channel(address, auth.channel_credentials(tls_ca_file), options)
+    else:
+      self._channel = grpc.insecure_channel(address, options)
+    self._stub = syncer_pb2_grpc.SyncerStub(self._channel)
+    self._md = auth.token_metadata(token)
+    self.address = address
+    self.deadline_s = deadline_s
+    self.transfer_deadline_s = transfer_deadline_s
+    self.max_chunk_bytes = max_chunk_bytes
+    self._lock = threading.Lock()
+    self.bytes_up = 0
+    self.bytes_down = 0
+
+  def close(self) -> None:
+    self._channel.close()
+
+  def wait_ready(self, timeout_s: float) -> None:
+    """Blocks until the channel is connected; raises grpc.FutureTimeoutError after `timeout_s`."""
+    grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+
+  def register(
+    self,
+    learner_id: int,
+    *,
+    layout_digest: str,
+    num_fragments: int,
+    num_devices: int = 0,
+    batch_size: int = 0,
+    host: str = "",
+  ) -> syncer_pb2.RegisterResponse:
+    return self._stub.Register(
+      syncer_pb2.RegisterRequest(
+        learner_id=learner_id,
+        layout_digest=layout_digest,
+        num_fragments=num_fragments,
+        num_devices=num_devices,
+        batch_size=batch_size,
+        host=host,
+      ),
+      timeout=self.deadline_s,
+      metadata=self._md,
+    )
+
+  def push(
+    self,
+    report: Report,
+    codec: str,
+    *,
+    block_size: int = 64,
+    anchor_values: Mapping[str, np.ndarray] | None = None,
+  ) -> ReportResult:
+    """Streams one report; `anchor_values` (Θ^(anchor) as held) makes it a delta (SPEC §5).
+
+    Raises:
+      grpc.RpcError: for any failure other than a late or duplicate answer.
+    """
+    chunks = messages.report_to_chunks(
+      report,
+      codec,
+      block_size=block_size,
+      chunk_size=self.max_chunk_bytes,
+      anchor_values=anchor_values,
+    )
+    nbytes = sum(c.ByteSize() for c in chunks)
+    try:
+      resp = self._stub.Push(iter(chunks), timeout=self.transfer_deadline_s, metadata=self._md)
+    except grpc.RpcError as e:
+      status = _PROTOCOL_STATUSES.get(e.code())
+      if status is None:
+        raise
+      self._count(up=nbytes)
+      return ReportResult(status, e.details() or "", 0.0)
+    self._count(up=nbytes)
+    return ReportResult(resp.status, resp.reason, resp.weight, resp.fleet_step)
+
+  def pull(
+    self,
+    learner_id: int,
+    fragment: int,
+    known_version: int,
+    *,
+    layout_keys: Sequence[str],
+    shapes: Mapping[str, Sequence[int]],
+    dtypes: Mapping[str, object],
+    base_lookup: Callable[[int], Mapping[str, np.ndarray]] | None = None,
+  ) -> FragmentState | None:
+    """The newest version of `fragment`, or None if `known_version` is already the newest.
+
+    The digest is verified against the header (transport/messages.py).
+
+    Raises:
+      grpc.RpcError: on a failed call; WireError on a malformed or mismatching stream.
+    """
+    stream = self._stub.Pull(
+      syncer_pb2.PullRequest(learner_id=learner_id, fragment=fragment, known_version=known_version),
+      timeout=self.transfer_deadline_s,
+      metadata=self._md,
+    )
+    chunks = list(stream)
+    if not chunks:
+      return None
+    self._count(down=sum(c.ByteSize() for c in chunks))
+    return messages.chunks_to_state(
+      chunks,
+      layout_keys,
+      shapes,
+      dtypes,
+      base_lookup=base_lookup,
+      max_chunk_bytes=self.max_chunk_bytes,
+    )
+
+  def heartbeat(
+    self, learner_id: int, *, step: int = 0, step_time_s: float = 0.0
+  ) -> syncer_pb2.HeartbeatResponse:
+    return self._stub.Heartbeat(
+      syncer_pb2.HeartbeatRequest(learner_id=learner_id, step=step, step_time_s=step_time_s),
+      timeout=self.deadline_s,
+      metadata=self._md,
+    )
+
+  def leave(self, learner_id: int) -> bool:
+    resp = self._stub.Leave(
+      syncer_pb2.LeaveRequest(learner_id=learner_id), timeout=self.deadline_s, metadata=self._md
+    )
+    return resp.was_registered
+
+  def status(self) -> syncer_pb2.StatusResponse:
+    return self._stub.Status(syncer_pb2.StatusRequest(), timeout=self.deadline_s, metadata=self._md)
+
+  def _count(self, *, up: int = 0, down: int = 0) -> None:
+    with self._lock:
+      self.bytes_up += up
+      self.bytes_down += down
+
+
+def fragment_layouts(
+  fragments: Sequence[Sequence[str]], values: Mapping[str, np.ndarray]
+) -> list[wire.Layout]:
+  """Per fragment, {key: (shape, dtype)} from the layout keys and any values with those keys."""
+  return [
+    wire.make_layout(
+      list(ks), {k: np.shape(values[k]) for k in ks}, {k: values[k].dtype for k in ks}
+    )
+    for ks in fragments
+  ]

@@ -1,0 +1,836 @@
+"""Validation at the door of the gRPC syncer service (ARCHITECTURE.md "payload validation").
+
+One test per bad input. Each asserts (a) the exact gRPC status of the refusal, (b) a precise part of
+its message, (c) that `SyncerService.refused()` counted exactly one refusal of that status and no
+other, and (d) that the global state did not move: every fragment's version and digest, and the
+core's stats apart from the counters that count a refusal ("late", "duplicate", "rejected",
+"dropped_tokens"), whose exact increments each test states.
+
+Fragments: 0 = {"a/w": f32[64, 32]}, 1 = {"b/w": f32[300]}. Wire sizes by hand (transport/wire.py):
+file header 4 + 2 + 4 = 10 bytes; an entry's framing is u16 key length + key + u8 codec + u8 dtype
+length + "float32" + u8 ndim + 8 per dim + u32/u64/u64 lengths = 2 + 3 + 1 + 1 + 7 + 1 + 8·ndim + 20.
+  fragment 0 in fp32: 10 + 35 + 16 + 4·2048 = 8253 bytes; int4 (block 64): 10 + 51 + 1024 + 4·32 = 1213.
+  fragment 1 in fp32: 10 + 35 + 8 + 4·300 = 1253 bytes; the last 1200 are the values.
+  max_wire_bytes(fragment 0) = 10 + (2 + 1 + 1 + 255 + 1 + 20) + 3 + 16 + 5·2048 = 10549.
+"""
+
+import dataclasses
+import math
+import time
+from collections import Counter
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ddiloco.syncer.core import FragmentState, Report, SyncerConfig
+from ddiloco.syncer.service import (
+  SERVICE_NAME,
+  ServiceConfig,
+  SyncerServer,
+  SyncerService,
+  make_syncer,
+  serve,
+)
+from ddiloco.transport import messages, wire
+from ddiloco.transport.client import SyncerClient, fragment_layouts
+from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
+
+# Every test here opens sockets (STYLE.md: pytest-timeout on those).
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = "tok"
+DIGEST = "L"
+FRAGMENTS = [["a/w"], ["b/w"]]
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+RPC_TIMEOUT_S = 10
+# Core counters that legitimately count a refused report; every other stat must not move.
+REFUSAL_COUNTERS = ("late", "duplicate", "rejected", "dropped_tokens")
+STEPS, TOKENS = 2, 100  # Token weight 100² / 2 = 5000 (SPEC §4.4).
+
+
+def _init_values() -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(0)
+  return {
+    "a/w": rng.normal(size=(64, 32)).astype(np.float32),
+    "b/w": rng.normal(size=(300,)).astype(np.float32),
+  }
+
+
+INIT = _init_values()
+LAYOUTS = fragment_layouts(FRAGMENTS, INIT)
+
+
+# -- servers ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Env:
+  """A running syncer, a raw stub and a client; learner 0 registered and holding version 0."""
+
+  svc: SyncerService
+  srv: SyncerServer
+  channel: grpc.Channel
+  stub: syncer_pb2_grpc.SyncerStub
+  client: SyncerClient
+  held: dict[int, FragmentState]
+
+  def close(self) -> None:
+    self.client.close()
+    self.channel.close()
+    self.srv.stop(grace_s=0.5)
+
+
+def _start(syncer_config: SyncerConfig, **service_kwargs) -> _Env:
+  # A long liveness timeout: no test may lose learner 0 to the liveness check midway.
+  kwargs = {"uplink_codec": "int4", "downlink_codec": "int4", "liveness_timeout_s": 600.0}
+  service_config = ServiceConfig(**(kwargs | service_kwargs))
+  svc = make_syncer(
+    fragment_keys=FRAGMENTS,
+    init_values=INIT,
+    syncer_config=syncer_config,
+    service_config=service_config,
+    layout_digest=DIGEST,
+  )
+  srv = serve(svc, token=TOKEN)
+  address = f"127.0.0.1:{srv.port}"
+  client = SyncerClient(address, token=TOKEN, max_chunk_bytes=service_config.max_chunk_bytes)
+  client.wait_ready(10)
+  client.register(0, layout_digest=DIGEST, num_fragments=len(FRAGMENTS))
+  held = {p: _pull(client, p, -1) for p in range(len(FRAGMENTS))}
+  channel = grpc.insecure_channel(address)
+  return _Env(svc, srv, channel, syncer_pb2_grpc.SyncerStub(channel), client, held)
+
+
+def _pull(client: SyncerClient, p: int, known: int, held: FragmentState | None = None):
+  layout = LAYOUTS[p]
+  return client.pull(
+    0,
+    p,
+    known,
+    layout_keys=list(layout),
+    shapes={k: s for k, (s, _) in layout.items()},
+    dtypes={k: d for k, (_, d) in layout.items()},
+    base_lookup=None if held is None else (lambda v: held.values),
+  )
+
+
+def _wait_version(svc: SyncerService, p: int, version: int, timeout_s: float = 10.0) -> None:
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    with svc.lock:
+      if svc.core.version(p) >= version:
+        return
+    time.sleep(0.01)
+  pytest.fail(f"fragment {p} never reached version {version}")
+
+
+@pytest.fixture(scope="module")
+def door():
+  """The shared server for refusals that change nothing (K = 1, as in the service's smoke example)."""
+  env = _start(SyncerConfig(min_quorum=1, grace_max_s=0.2))
+  yield env
+  env.close()
+
+
+@pytest.fixture(scope="module")
+def small_chunks():
+  """A server taking chunks of at most 4096 bytes, far below gRPC's message limit (4096 + 64 KiB)."""
+  env = _start(SyncerConfig(min_quorum=1, grace_max_s=0.2), max_chunk_bytes=4096)
+  yield env
+  env.close()
+
+
+@pytest.fixture(scope="module")
+def stale():
+  """Fragment 0 merged twice (now version 2) with max_staleness 0 and keep_versions 2: {1, 2} kept."""
+  env = _start(SyncerConfig(min_quorum=1, use_grace=False, max_staleness=0, keep_versions=2))
+  for version in (0, 1):
+    # A non-delta fp32 push anchored at the current version joins the round and merges at once.
+    response = _push(env, _chunks(_report(anchor=version, step=2 * version + 2), "fp32"))
+    assert response.status == "accepted"
+    _wait_version(env.svc, 0, version + 1)
+  yield env
+  env.close()
+
+
+@pytest.fixture(scope="module")
+def open_round():
+  """K = 2 with one learner: learner 0's report (step 2) of fragment 0 waits in an open round."""
+  env = _start(SyncerConfig(min_quorum=2, grace_max_s=0.2))
+  result = env.client.push(_report(), "int4", anchor_values=env.held[0].values)
+  assert (result.status, result.weight) == ("accepted", TOKENS**2 / STEPS)
+  yield env
+  env.close()
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+
+def _report(*, fragment: int = 0, learner: int = 0, anchor: int = 0, step: int = 2) -> Report:
+  """θ = Θ^(0) + small noise: a plausible outer gradient (SPEC §3)."""
+  rng = np.random.default_rng(100 + step)
+  values = {
+    k: (INIT[k] + 0.01 * rng.normal(size=INIT[k].shape)).astype(np.float32)
+    for k in FRAGMENTS[fragment]
+  }
+  return Report(
+    learner_id=learner,
+    fragment=fragment,
+    values=values,
+    tokens=TOKENS,
+    steps=STEPS,
+    anchor_version=anchor,
+    step=step,
+  )
+
+
+def _chunks(report: Report, codec: str = "int4", *, anchor_values=None, chunk_size: int = 1 << 20):
+  return messages.report_to_chunks(
+    report, codec, chunk_size=chunk_size, anchor_values=anchor_values
+  )
+
+
+def _raw_chunks(data: bytes, *, fragment: int, codec: str, chunk_size: int = 1 << 20):
+  """A hand-made push of `data` (anchor -1, not a delta) with an honest header."""
+  pieces = [data[i : i + chunk_size] for i in range(0, len(data), chunk_size)]
+  header = syncer_pb2.PushHeader(
+    learner_id=0,
+    fragment=fragment,
+    anchor_version=-1,
+    tokens=TOKENS,
+    steps=STEPS,
+    step=2,
+    codec=codec,
+    total_bytes=len(data),
+    num_chunks=len(pieces),
+  )
+  out = [syncer_pb2.PushChunk(header=header, index=0, data=pieces[0])]
+  return out + [syncer_pb2.PushChunk(index=i, data=d) for i, d in enumerate(pieces[1:], start=1)]
+
+
+def _push(env: _Env, chunks, metadata=AUTH) -> syncer_pb2.PushResponse:
+  return env.stub.Push(iter(chunks), timeout=RPC_TIMEOUT_S, metadata=metadata)
+
+
+def _pull_raw(env: _Env, fragment: int, known: int) -> list[syncer_pb2.FragmentChunk]:
+  request = syncer_pb2.PullRequest(learner_id=0, fragment=fragment, known_version=known)
+  return list(env.stub.Pull(request, timeout=RPC_TIMEOUT_S, metadata=AUTH))
+
+
+# -- the four checks ----------------------------------------------------------------------------
+
+
+def _snapshot(svc: SyncerService) -> tuple[tuple, dict, Counter]:
+  """(version and digest of every fragment, stats but refusal counters, refusal counters)."""
+  with svc.lock:
+    core = svc.core
+    states = [core.state(p) for p in range(core.num_fragments)]
+    fragments = tuple((s.version, s.digest) for s in states)
+    stats = core.stats()
+  counted = Counter({k: stats.pop(k) for k in REFUSAL_COUNTERS})
+  return fragments, stats, counted
+
+
+def _assert_refused(
+  env: _Env, call, code: grpc.StatusCode, message: str, **counter_increments: int
+) -> None:
+  """Runs `call`, which must fail with `code` and `message`, and checks (c) and (d)."""
+  fragments, stats, counted = _snapshot(env.svc)
+  refused = Counter(env.svc.refused())
+  with pytest.raises(grpc.RpcError) as info:
+    call()
+  assert info.value.code() == code, info.value.details()
+  assert message in info.value.details()
+  refused[code.name] += 1
+  assert Counter(env.svc.refused()) == refused
+  fragments_after, stats_after, counted_after = _snapshot(env.svc)
+  assert fragments_after == fragments
+  assert stats_after == stats
+  assert counted_after - counted == Counter(counter_increments)
+  assert counted_after == counted + Counter(counter_increments)  # No counter went down either.
+
+
+# -- 1. malformed chunk streams -----------------------------------------------------------------
+
+# Fragment 0 in int4 (1213 bytes, see the module docstring) cut into 256-byte chunks: 5 chunks.
+_SMALL = 256
+
+
+def _five_chunks():
+  chunks = _chunks(_report(), chunk_size=_SMALL)
+  assert len(chunks) == 5 and chunks[0].header.total_bytes == 1213
+  return chunks
+
+
+def test_empty_push_stream(door):
+  _assert_refused(
+    door,
+    lambda: _push(door, []),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    "A push must start with chunk 0 carrying the header.",
+  )
+
+
+def test_first_chunk_without_header(door):
+  chunks = _five_chunks()
+  chunks[0].ClearField("header")
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    "A push must start with chunk 0 carrying the header.",
+  )
+
+
+def test_first_chunk_index_not_zero(door):
+  chunks = _five_chunks()
+  chunks[0].index = 1
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    "A push must start with chunk 0 carrying the header.",
+  )
+
+
+def test_later_chunk_carrying_a_header(door):
+  chunks = _five_chunks()
+  chunks[2].header.CopyFrom(chunks[0].header)
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    "Chunk 2 carries a header; only the first chunk may.",
+  )
+
+
+def test_chunk_index_out_of_range(door):
+  chunks = _five_chunks()
+  chunks[4].index = 5
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    "Chunk index 5 out of range [0, 5).",
+  )
+
+
+def test_duplicated_chunk_index(door):
+  chunks = _five_chunks()
+  chunks[2].index = 1
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    "Duplicate chunk index 1.",
+  )
+
+
+def test_missing_chunk(door):
+  chunks = _five_chunks()
+  del chunks[3]
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    "Missing 1 of 5 chunk(s), first indices [3].",
+  )
+
+
+def test_total_bytes_above_the_chunks_bytes(door):
+  chunks = _five_chunks()
+  chunks[0].header.total_bytes = 1213 + 10
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    "Received 1213 bytes, 1223 announced.",
+  )
+
+
+def test_total_bytes_below_the_chunks_bytes(door):
+  chunks = _five_chunks()
+  chunks[0].header.total_bytes = 1213 - 10
+  # Chunks 0..3 bring 4·256 = 1024 bytes, chunk 4 its 189 more: 1213 > 1203.
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    "Chunk 4 brings the payload to 1213 bytes, more than the 1203 announced.",
+  )
+
+
+def test_reordered_chunks_are_reassembled_by_index():
+  """Not a refusal: `ChunkAssembler` takes chunks in any order by design (transport/chunks.py).
+
+  Proof that the payload is put together right: the merge of the permuted fp32 push is bit-identical
+  to a reference core's merge of the same report handed over in process.
+  """
+  env = _start(SyncerConfig(min_quorum=1, use_grace=False))
+  try:
+    report = _report()
+    chunks = _chunks(report, "fp32", chunk_size=2048)  # 8253 bytes: 5 chunks.
+    assert len(chunks) == 5
+    response = _push(env, [chunks[i] for i in (0, 3, 1, 4, 2)])
+    assert (response.status, response.weight) == ("accepted", TOKENS**2 / STEPS)
+    _wait_version(env.svc, 0, 1)
+    assert env.svc.refused() == {}
+    reference = make_syncer(
+      fragment_keys=FRAGMENTS,
+      init_values=INIT,
+      syncer_config=SyncerConfig(min_quorum=1, use_grace=False),
+      service_config=ServiceConfig(uplink_codec="int4", downlink_codec="int4"),
+      layout_digest=DIGEST,
+    )
+    reference.core.register(0)
+    reference.core.mark_delivered(0, 0, 0)
+    assert reference.core.report(report).status == "accepted"
+    (event,) = reference.core.flush()
+    assert env.svc.published_digests()[(0, 1)] == event.digest
+  finally:
+    env.close()
+
+
+# -- 2. unknown fragment and learners -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("fragment", [2, -1])
+def test_unknown_fragment(door, fragment):
+  chunks = _chunks(_report())
+  chunks[0].header.fragment = fragment
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    f"Unknown fragment {fragment}; this syncer holds 0..1.",
+  )
+
+
+def test_learner_never_registered(door):
+  chunks = _chunks(_report(learner=99))
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.NOT_FOUND,
+    "Learner 99 is not registered; call Register first.",
+  )
+
+
+def test_learner_that_left(door):
+  door.client.register(7, layout_digest=DIGEST, num_fragments=2)
+  assert door.client.leave(7)
+  chunks = _chunks(_report(learner=7))
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.FAILED_PRECONDITION,
+    "Learner 7 is not alive at the syncer (left or timed out); register again.",
+  )
+
+
+# -- 3. payload that does not fit the fragment's layout -----------------------------------------
+
+
+@pytest.mark.parametrize(
+  ("values", "message"),
+  [
+    ({"a/w": np.zeros((64, 31), np.float32)}, "'a/w': shape (64, 31), expected (64, 32)."),
+    ({"a/w": np.zeros((64, 32), np.float16)}, "'a/w': dtype 'float16', expected 'float32'."),
+    ({"b/w": np.zeros((300,), np.float32)}, "Unknown key 'b/w': not in this fragment's layout."),
+  ],
+  ids=["wrong_shape", "wrong_dtype", "wrong_key"],
+)
+def test_payload_not_of_the_fragment_layout(door, values, message):
+  chunks = _raw_chunks(wire.serialize_fragment(values, "int4"), fragment=0, codec="int4")
+  _assert_refused(door, lambda: _push(door, chunks), grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def test_unknown_key_whose_name_reads_like_a_size_error(door):
+  data = wire.serialize_fragment({"Oversized": np.zeros((64, 32), np.float32)}, "int4")
+  assert len(data) < 10549  # Small: no size limit is involved.
+  chunks = _raw_chunks(data, fragment=0, codec="int4")
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    "Unknown key 'Oversized': not in this fragment's layout.",
+  )
+
+
+# -- 4. non-finite values -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf], ids=["nan", "inf"])
+def test_non_finite_value_in_fp32_push(door, bad):
+  # The serializer refuses NaN/Inf, so patch value 17 of fragment 1 (the last 1200 bytes are its
+  # 300 float32 values, see the module docstring).
+  chunks = _chunks(_report(fragment=1), "fp32")
+  data = bytearray(chunks[0].data)
+  assert len(data) == 1253
+  offset = len(data) - 4 * 300 + 4 * 17
+  data[offset : offset + 4] = np.float32(bad).tobytes()
+  chunks[0].data = bytes(data)
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    "'b/w': 1 non-finite value(s) (NaN/Inf) after decoding as float32.",
+  )
+
+
+@pytest.mark.parametrize(
+  ("scale", "message"),
+  [
+    (math.nan, "Malformed encoding: 'b/w': Scales must be finite and non-negative."),
+    # Finite, but q · scale overflows float32 for every |q| >= 2 of the block.
+    (3.0e38, "non-finite value(s) (NaN/Inf) after decoding as float32."),
+  ],
+  ids=["nan_scale", "overflowing_scale"],
+)
+# compression.decode multiplies q · scale outside an errstate: numpy warns before the refusal.
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
+def test_bad_scale_in_int4_push(door, scale, message):
+  # Fragment 1 in int4: ceil(300 / 64) = 5 float32 scales close the payload; patch the first.
+  chunks = _chunks(_report(fragment=1), "int4")
+  data = bytearray(chunks[0].data)
+  offset = len(data) - 4 * 5
+  data[offset : offset + 4] = np.float32(scale).tobytes()
+  chunks[0].data = bytes(data)
+  _assert_refused(door, lambda: _push(door, chunks), grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+# -- 5. sizes -----------------------------------------------------------------------------------
+
+
+def test_total_bytes_beyond_what_the_fragment_can_need(door):
+  assert wire.max_wire_bytes(LAYOUTS[0]) == 10549
+  chunks = _chunks(_report())
+  chunks[0].header.total_bytes = 100 * 10549
+  chunks[0].header.num_chunks = 2  # Room for 2 MiB, so only the fragment bound trips.
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "Push of 1054900 bytes in 2 chunks: fragment 0 never needs more than 10549 bytes",
+  )
+
+
+def test_chunks_announced_larger_than_the_limit(small_chunks):
+  # A client cutting fp32 fragment 0 (8253 bytes) into 8192-byte chunks announces 2 chunks, and
+  # 2 · 4096 < 8253: refused from the header alone, before any bytes are buffered.
+  chunks = _chunks(_report(), "fp32", chunk_size=8192)
+  assert [len(c.data) for c in chunks] == [8192, 61]
+  _assert_refused(
+    small_chunks,
+    lambda: _push(small_chunks, chunks),
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "Push of 8253 bytes in 2 chunks: fragment 0 never needs more than 10549 bytes, "
+    "chunks at most 4096.",
+  )
+
+
+def test_single_chunk_above_the_limit(small_chunks):
+  # The header announces 3 chunks (3 · 4096 >= 8253, so it passes), but chunk 0 alone has 8192.
+  chunks = _chunks(_report(), "fp32", chunk_size=8192)
+  chunks[0].header.num_chunks = 3
+  chunks.append(syncer_pb2.PushChunk(index=2, data=b""))
+  _assert_refused(
+    small_chunks,
+    lambda: _push(small_chunks, chunks),
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "Chunk 0 has 8192 bytes, the limit is 4096.",
+  )
+
+
+# -- 6. authentication --------------------------------------------------------------------------
+
+_NO_TOKEN = ()
+_WRONG_TOKEN = (("authorization", "Bearer not-the-token"),)
+_MISSING = "Missing 'authorization' metadata: this syncer requires a shared token."
+_WRONG = "Wrong shared token."
+
+
+@pytest.mark.parametrize(
+  ("metadata", "message"), [(_NO_TOKEN, _MISSING), (_WRONG_TOKEN, _WRONG)], ids=["missing", "wrong"]
+)
+def test_push_without_the_token(door, metadata, message):
+  chunks = _chunks(_report(), anchor_values=door.held[0].values)
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks, metadata=metadata),
+    grpc.StatusCode.UNAUTHENTICATED,
+    message,
+  )
+
+
+@pytest.mark.parametrize(
+  ("metadata", "message"), [(_NO_TOKEN, _MISSING), (_WRONG_TOKEN, _WRONG)], ids=["missing", "wrong"]
+)
+def test_status_without_the_token(door, metadata, message):
+  _assert_refused(
+    door,
+    lambda: door.stub.Status(syncer_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S, metadata=metadata),
+    grpc.StatusCode.UNAUTHENTICATED,
+    message,
+  )
+
+
+def test_health_check_needs_no_token(door):
+  refused = door.svc.refused()
+  health = health_pb2_grpc.HealthStub(door.channel)
+  response = health.Check(
+    health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=RPC_TIMEOUT_S
+  )
+  assert response.status == health_pb2.HealthCheckResponse.SERVING
+  assert door.svc.refused() == refused
+
+
+# -- 7. registration ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  ("request_fields", "code", "message"),
+  [
+    (
+      {"layout_digest": "other", "num_fragments": 2},
+      grpc.StatusCode.FAILED_PRECONDITION,
+      "Layout digest 'other' differs from the syncer's 'L'",
+    ),
+    (
+      {"layout_digest": DIGEST, "num_fragments": 3},
+      grpc.StatusCode.FAILED_PRECONDITION,
+      "Learner has 3 fragments, the syncer 2.",
+    ),
+    (
+      {"layout_digest": DIGEST, "num_fragments": 2, "learner_id": -1},
+      grpc.StatusCode.INVALID_ARGUMENT,
+      "learner_id must be >= 0, got -1.",
+    ),
+  ],
+  ids=["layout_digest", "num_fragments", "negative_learner_id"],
+)
+def test_register_refused(door, request_fields, code, message):
+  request = syncer_pb2.RegisterRequest(**({"learner_id": 5} | request_fields))
+  alive = door.svc.core.alive()
+  _assert_refused(
+    door,
+    lambda: door.stub.Register(request, timeout=RPC_TIMEOUT_S, metadata=AUTH),
+    code,
+    message,
+  )
+  assert door.svc.core.alive() == alive
+
+
+# -- 8. codecs and header fields ----------------------------------------------------------------
+
+
+def test_codec_other_than_the_negotiated_one(door):
+  chunks = _chunks(_report(), "int8", anchor_values=door.held[0].values)
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    "Codec 'int8': this syncer takes 'int4' (or exact 'fp32').",
+  )
+
+
+def test_header_codec_differs_from_the_payload_codec(door):
+  chunks = _chunks(_report(), "int8")
+  chunks[0].header.codec = "int4"
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    "'a/w': encoded with 'int8', the header says 'int4'.",
+  )
+
+
+@pytest.mark.parametrize(
+  ("field", "value", "message"),
+  [
+    ("tokens", -1, "Header field tokens must be finite and >= 0, got -1."),
+    ("step_time_s", math.nan, "Header field step_time_s must be finite and >= 0, got nan."),
+    ("anchor_version", -2, "Header ids out of range"),
+  ],
+)
+def test_header_field_out_of_range(door, field, value, message):
+  chunks = _chunks(_report())
+  setattr(chunks[0].header, field, value)
+  _assert_refused(door, lambda: _push(door, chunks), grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+# -- 9. stale and duplicate pushes --------------------------------------------------------------
+
+
+def test_stale_push_is_aborted(stale):
+  # Non-delta, anchored at version 0 while fragment 0 is at 2: staleness 2 > max_staleness 0.
+  chunks = _chunks(_report(anchor=0, step=10), "fp32")
+  _assert_refused(
+    stale,
+    lambda: _push(stale, chunks),
+    grpc.StatusCode.ABORTED,
+    "late: staleness 2 > max_staleness 0",
+    late=1,
+    dropped_tokens=TOKENS,
+  )
+
+
+def test_stale_delta_push_with_a_kept_anchor_is_aborted(stale):
+  # Version 1 is still kept (keep_versions 2), so the payload decodes; staleness 1 > 0.
+  with stale.svc.lock:
+    anchor = stale.svc.core.state_at(0, 1).values
+  chunks = _chunks(_report(anchor=1, step=10), anchor_values=anchor)
+  _assert_refused(
+    stale,
+    lambda: _push(stale, chunks),
+    grpc.StatusCode.ABORTED,
+    "late: staleness 1 > max_staleness 0",
+    late=1,
+    dropped_tokens=TOKENS,
+  )
+
+
+def test_stale_delta_push_whose_anchor_is_no_longer_kept_is_aborted(stale):
+  # Version 0 fell out of the kept versions {1, 2}, so this delta could not even be decoded: the
+  # service decides "late" from the header alone, before reading the payload.
+  with stale.svc.lock, pytest.raises(KeyError):
+    stale.svc.core.state_at(0, 0)
+  chunks = _chunks(_report(anchor=0, step=10), anchor_values=stale.held[0].values)
+  _assert_refused(
+    stale,
+    lambda: _push(stale, chunks),
+    grpc.StatusCode.ABORTED,
+    "late: staleness 2 > max_staleness 0",
+    late=1,
+    dropped_tokens=TOKENS,
+  )
+
+
+def test_stale_push_with_a_garbage_payload_is_aborted_from_the_header(stale):
+  # Decided before the payload is read: a stale report is dropped whatever it carries.
+  header = _chunks(_report(anchor=0, step=10))[0].header
+  header.total_bytes, header.num_chunks = 3, 1
+  chunks = [syncer_pb2.PushChunk(header=header, index=0, data=b"bad")]
+  _assert_refused(
+    stale,
+    lambda: _push(stale, chunks),
+    grpc.StatusCode.ABORTED,
+    "late: staleness 2 > max_staleness 0",
+    late=1,
+    dropped_tokens=TOKENS,
+  )
+
+
+def test_delta_push_whose_anchor_a_restored_checkpoint_no_longer_keeps():
+  """Staleness 1 is within max_staleness 2, but version 0 is gone (SyncerCore.late_reason).
+
+  The server's core is restored from a checkpoint written with keep_versions 1 after one merge of
+  fragment 0, so only version 1 is kept: the delta cannot be re-anchored, and it is late.
+  """
+  env = _start(SyncerConfig(min_quorum=1, use_grace=False, max_staleness=2, keep_versions=4))
+  try:
+    source = make_syncer(
+      fragment_keys=FRAGMENTS,
+      init_values=INIT,
+      syncer_config=SyncerConfig(min_quorum=1, use_grace=False, max_staleness=0, keep_versions=1),
+      service_config=ServiceConfig(uplink_codec="int4", downlink_codec="int4"),
+      layout_digest=DIGEST,
+    ).core
+    source.register(0)
+    source.mark_delivered(0, 0, 0)
+    assert source.report(_report()).status == "accepted"
+    assert [e.version for e in source.flush()] == [1]
+    with env.svc.lock:
+      env.svc.core.load_state_dict(source.state_dict())
+      assert env.svc.core.version(0) == 1 and 0 in env.svc.core.alive()
+    chunks = _chunks(_report(anchor=0, step=10), anchor_values=env.held[0].values)
+    _assert_refused(
+      env,
+      lambda: _push(env, chunks),
+      grpc.StatusCode.ABORTED,
+      "late: anchor version 0 of fragment 0 is no longer kept",
+      late=1,
+      dropped_tokens=TOKENS,
+    )
+  finally:
+    env.close()
+
+
+@pytest.mark.parametrize("step", [2, 1], ids=["same_step", "older_step"])
+def test_duplicate_push(open_round, step):
+  chunks = _chunks(_report(step=step), anchor_values=open_round.held[0].values)
+  _assert_refused(
+    open_round,
+    lambda: _push(open_round, chunks),
+    grpc.StatusCode.ALREADY_EXISTS,
+    f"duplicate: step {step} <= step 2 already in the round",
+    duplicate=1,
+  )
+
+
+# -- 10. versions from the future ---------------------------------------------------------------
+
+
+def test_delta_push_anchored_after_the_current_version(door):
+  current = door.svc.core.version(0)
+  chunks = _chunks(_report(anchor=current + 5), anchor_values=door.held[0].values)
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    f"Base version {current + 5} of this delta push is not available",
+  )
+
+
+def test_push_anchored_after_the_current_version(door):
+  current = door.svc.core.version(0)
+  chunks = _chunks(_report(anchor=current + 5), "fp32")
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    f"rejected: anchor_version {current + 5} outside [-1, {current}]",
+    rejected=1,
+  )
+
+
+def test_pull_of_a_version_newer_than_the_syncers(door):
+  current = door.svc.core.version(1)
+  _assert_refused(
+    door,
+    lambda: _pull_raw(door, 1, current + 1),
+    grpc.StatusCode.OUT_OF_RANGE,
+    f"Learner holds version {current + 1} of fragment 1, newer than the syncer's {current}.",
+  )
+
+
+def test_pull_of_an_unknown_fragment(door):
+  _assert_refused(
+    door,
+    lambda: _pull_raw(door, 2, -1),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    "Unknown fragment 2; this syncer holds 0..1.",
+  )
+
+
+# -- 11. after all that, the door still opens ---------------------------------------------------
+
+
+def test_valid_push_still_merges(door):
+  """Kept last in the file: the shared server, after every refusal above, merges a good push."""
+  refused = door.svc.refused()
+  assert door.svc.core.version(1) == 0
+  result = door.client.push(_report(fragment=1, step=20), "int4", anchor_values=door.held[1].values)
+  assert (result.status, result.weight) == ("accepted", TOKENS**2 / STEPS)
+  _wait_version(door.svc, 1, 1)
+  # The learner receives version 1 as an int4 delta on its version 0 and checks the digest.
+  state = _pull(door.client, 1, 0, held=door.held[1])
+  assert state.version == 1
+  assert state.digest == door.svc.published_digests()[(1, 1)]
+  with door.svc.lock:
+    assert state.digest == door.svc.core.state(1).digest
+    assert door.svc.core.version(0) == 0
+    assert door.svc.core.stats()["merges"] == 1
+  assert door.svc.refused() == refused
