@@ -37,6 +37,7 @@ from ddiloco.simulation.config import ClusterConfig, LearnerSpec
 from ddiloco.simulation.faults import Fault, parse_faults
 from ddiloco.simulation.runtime import LearnerFactory
 from ddiloco.syncer.core import FragmentState, MergeEvent, SyncerCore
+from ddiloco.transport import wire
 
 log = logging.getLogger(__name__)
 
@@ -231,13 +232,27 @@ class SimulatedCluster:
     if not slot.alive or gen != slot.gen:
       self.lost_reports += 1  # Sent by a learner that crashed before the report landed.
       return
-    result = self.core.report(report)
+    result = self.core.report(self._through_uplink(report))
     slot.learner.on_report_result(report.fragment, result)
     if result.status in ("late", "duplicate", "rejected"):
       self._event(
         "report", learner=report.learner_id, fragment=report.fragment, status=result.status
       )
     self._schedule_merge_check()
+
+  def _through_uplink(self, report: Any) -> Any:
+    """The report as the syncer service would decode it: θ − Θ^(anchor) through the uplink codec."""
+    codec = self.cfg.uplink_codec
+    if codec == "fp32" or report.anchor_version < 0:
+      return report
+    try:
+      anchor = self.core.state_at(report.fragment, report.anchor_version).values
+    except KeyError:  # No longer kept: the core answers "late" whatever the values.
+      return report
+    values = wire.received_values(
+      report.values, codec, block_size=self.cfg.codec_block_size, base=anchor
+    )
+    return dataclasses.replace(report, values=values)
 
   def _schedule_merge_check(self) -> None:
     deadline = self.core.next_deadline()

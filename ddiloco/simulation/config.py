@@ -5,6 +5,7 @@ import math
 
 import gin
 
+from ddiloco.fragments import compression
 from ddiloco.simulation.faults import parse_faults
 
 
@@ -46,6 +47,11 @@ class ClusterConfig:
     max_time_s: hard stop in virtual seconds.
     log_every: steps between logged training losses.
     seed: jitter RNG seed.
+    uplink_codec: codec the reports go through (SPEC §5): the syncer sees what a `ddiloco-syncer`
+      would decode from θ − Θ^(anchor) in this codec. "fp32" is exact.
+    downlink_codec: codec of fragment updates Θ_new − Θ_old; the syncer adopts the decoded values,
+      as the service does.
+    codec_block_size: values per absmax scale block for int8/int4.
   """
 
   num_learners: int = 4
@@ -64,8 +70,18 @@ class ClusterConfig:
   max_time_s: float = math.inf
   log_every: int = 10
   seed: int = 0
+  uplink_codec: str = "fp32"
+  downlink_codec: str = "fp32"
+  codec_block_size: int = 64
 
   def __post_init__(self):
+    for name in ("uplink_codec", "downlink_codec"):
+      if getattr(self, name) not in compression.CODECS:
+        raise ValueError(
+          f"{name} must be one of {compression.CODECS}, got {getattr(self, name)!r}."
+        )
+    if self.codec_block_size < 1:
+      raise ValueError(f"codec_block_size must be >= 1, got {self.codec_block_size}.")
     if self.num_learners < 1:
       raise ValueError(f"num_learners must be >= 1, got {self.num_learners}.")
     if self.steps_per_learner < 1:

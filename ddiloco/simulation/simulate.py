@@ -21,6 +21,7 @@ from ddiloco.simulation.cluster import SimulatedCluster
 from ddiloco.simulation.config import ClusterConfig
 from ddiloco.simulation.runtime import LearnerFactory
 from ddiloco.syncer.core import SyncerConfig, SyncerCore
+from ddiloco.transport import wire
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,17 @@ def simulate(
     batch_size=cluster.batch_size,
   )
 
+  adopt = None
+  if cluster.downlink_codec != "fp32":  # The syncer adopts what learners decode (SPEC §5).
+
+    def adopt(p, new, prev):
+      del p
+      return wire.received_values(
+        new, cluster.downlink_codec, block_size=cluster.codec_block_size, base=prev
+      )
+
   def core_fn(**kwargs):
-    return SyncerCore(config=syncer, **kwargs)
+    return SyncerCore(config=syncer, adopt=adopt, **kwargs)
 
   os.makedirs(workdir, exist_ok=True)
   with MetricsWriter(workdir, tensorboard=tensorboard) as writer:

@@ -194,3 +194,36 @@ def test_synchronous_stall_on_a_permanent_crash_is_reported(tmp_path):
   )
   # The crashed learner's slot stays provisioned (down), so it costs goodput.
   assert summary["learners"]["1"]["time"]["down"] > 0
+
+
+def test_int4_on_the_wire_keeps_digests_and_changes_the_values(tmp_path):
+  """SPEC §5 in the simulator: int4 reports and int4 downlink deltas that the syncer adopts.
+
+  Learners hold exactly the adopted bits after every apply (digests agree), and the global model is
+  not the fp32 one (the codec really ran), yet it trains about as well.
+  """
+
+  def run(name, codec):
+    return simulate(
+      workdir=str(tmp_path / name),
+      model=_model(),
+      data=DATA,
+      cluster=ClusterConfig(
+        num_learners=2, steps_per_learner=16, uplink_codec=codec, downlink_codec=codec, log_every=4
+      ),
+      schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
+      syncer=SyncerConfig(min_quorum=2, overlap=1),
+      inner_opt=INNER,
+      tensorboard=False,
+    )
+
+  exact, int4 = run("fp32", "fp32"), run("int4", "int4")
+  assert int4["digests_agree"] is True and exact["digests_agree"] is True
+  assert int4["merges"] == exact["merges"] > 0
+  assert int4["final_eval_loss"] != exact["final_eval_loss"]
+  assert abs(int4["final_eval_loss"] - exact["final_eval_loss"]) < 0.05 * exact["final_eval_loss"]
+
+
+def test_cluster_config_rejects_unknown_codecs():
+  with pytest.raises(ValueError, match="uplink_codec"):
+    ClusterConfig(uplink_codec="int3")

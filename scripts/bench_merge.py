@@ -1,0 +1,263 @@
+"""Benchmark: the syncer merging 8 contributions of a 16 MiB fragment against reading them once.
+
+Everything runs in one process, interleaved in rounds so machine noise hits every row equally, and
+the median of the rounds is reported. Each round files 8 reports (learners 0..7, each registered and
+marked delivered, so each weighs > 0, SPEC §3) into the open round of one fragment of 4 tensors of
+1M float32 (16 MiB) and times `SyncerCore.flush()`, i.e. one merge (SPEC §4.3–4.7): the 8 outer
+gradients Θ^(anchor) − θ_m in float32, the per-tensor merge, the optax outer step (Nesterov SGD,
+jitted), the cast back, the digest of the new version and its history entry. Rows:
+  read         the floor: one pass over the 8 × 16 MiB of contributions, a float32 sum into one
+               accumulator (`np.add(acc, θ_m, out=acc)`). A sum rather than `np.copy`: any merge
+               must read every contribution once but need not write 8 copies, so a reduction is the
+               least work a merge can do; a copy would also write 128 MiB and flatter the ratio.
+  rda merge    SyncerCore with merge_method="rda" (the default, SPEC §4.5)
+  mean merge   SyncerCore with merge_method="mean" (the ablation)
+  rda + int4   the same RDA merge in a `make_syncer` service with an int4 downlink codec: the
+               merge plus `DownlinkAdopter` (encode Θ_new − Θ_old, decode it as a learner will,
+               adopt it; then cut the encoded bytes into chunks at publication, SPEC §5). The
+               service's public `stop(flush=True)` performs exactly that flush-and-publish; its
+               merge thread is never started.
+  int4 adopt   the adoption alone, timed directly: a fresh `DownlinkAdopter("int4")` called on the
+               last merge's (Θ_new, Θ_old) and then `published` (the chunking), as the core and
+               the service call it.
+Filing the 8 reports (validation and a copy of each, `SyncerCore.report`) is timed as its own row
+and is not part of the merge times; the merge's main parts are also timed offline, with the same
+functions the core calls. Every row has a wall-clock median and a process-CPU-time median (the
+machine is shared: CPU time is what contention with other processes spares; it sums all threads,
+so BLAS in the norms and XLA in the outer step can make it exceed wall time), each with its ratio to
+the read row's. It prints the merge/read ratios (goal <= 3x); wall time is the figure that counts
+when "process CPU/wall" in the header is near or above 1, i.e. the process was not starved.
+
+  python scripts/bench_merge.py --tensors=4 --mib=16 --learners=8 --rounds=5
+"""
+
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+
+from ddiloco.fragments.digest import values_digest
+from ddiloco.syncer import merge as merge_lib
+from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
+from ddiloco.syncer.service import DownlinkAdopter, ServiceConfig, make_syncer
+
+_TENSORS = flags.DEFINE_integer("tensors", 4, "tensors in the fragment")
+_MIB = flags.DEFINE_integer("mib", 16, "fragment size in MiB (float32 values)")
+_LEARNERS = flags.DEFINE_integer("learners", 8, "contributions per merge")
+_ROUNDS = flags.DEFINE_integer("rounds", 5, "timed rounds (median reported)")
+
+
+class _Stopwatch:
+  """Wall and process CPU seconds of a block (CPU time is not inflated by other processes)."""
+
+  def __enter__(self) -> "_Stopwatch":
+    self._wall, self._cpu = time.perf_counter(), time.process_time()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.seconds = (time.perf_counter() - self._wall, time.process_time() - self._cpu)
+
+
+class _Clock:
+  """A manual clock: the core reads time only from its clock, and nothing here needs it to move."""
+
+  def __init__(self):
+    self.t = 0.0
+
+  def __call__(self) -> float:
+    return self.t
+
+
+def _config(method: str) -> SyncerConfig:
+  # No grace window: the round is due as soon as it has its quorum, and flush() merges it anyway.
+  return SyncerConfig(use_grace=False, merge_method=method)
+
+
+class _Bench:
+  """One syncer (core or service) fed one report per learner per round; `merge()` times a flush."""
+
+  def __init__(self, init: dict[str, np.ndarray], method: str, downlink: str | None):
+    self._service = None
+    if downlink is None:
+      self.core = SyncerCore(
+        fragment_keys=[sorted(init)], init_values=init, config=_config(method), clock=_Clock()
+      )
+    else:
+      self._service = make_syncer(
+        fragment_keys=[sorted(init)],
+        init_values=init,
+        syncer_config=_config(method),
+        service_config=ServiceConfig(uplink_codec="fp32", downlink_codec=downlink),
+        layout_digest="bench-merge",
+        clock=_Clock(),
+      )
+      self.core = self._service.core
+    for m in range(_LEARNERS.value):
+      self.core.register(m)
+      self.core.mark_delivered(m, 0, 0)
+    self._step = 0
+
+  def file_reports(self, thetas: list[dict[str, np.ndarray]]) -> tuple[float, float]:
+    """Files one report per learner at the current version; returns (wall, CPU) seconds."""
+    self._step += 1
+    version = self.core.version(0)
+    with _Stopwatch() as watch:
+      self._file(thetas, version)
+    return watch.seconds
+
+  def _file(self, thetas: list[dict[str, np.ndarray]], version: int) -> None:
+    for m, theta in enumerate(thetas):
+      result = self.core.report(
+        Report(
+          learner_id=m,
+          fragment=0,
+          values=theta,
+          tokens=4096 * (m + 1),  # Unequal token weights (SPEC §4.4): nothing cancels out.
+          steps=24,
+          anchor_version=version,
+          step=self._step,
+        )
+      )
+      if result.status != "accepted" or result.weight <= 0:
+        raise RuntimeError(f"Report of learner {m} not filed with weight > 0: {result}")
+
+  def merge(self) -> tuple[float, float]:
+    """(wall, CPU) seconds of one merge of the open round (and, for a service, its publication)."""
+    before = self.core.version(0)
+    with _Stopwatch() as watch:
+      if self._service is None:
+        self.core.flush()
+      else:
+        self._service.stop(flush=True)  # Merge + adopt + publish under the service's lock.
+    if self.core.version(0) != before + 1:
+      raise RuntimeError(f"Expected exactly one merge, got {self.core.version(0) - before}.")
+    return watch.seconds
+
+
+def _read_once(thetas: list[dict[str, np.ndarray]]) -> tuple[float, float]:
+  with _Stopwatch() as watch:
+    for k in thetas[0]:
+      acc = thetas[0][k].copy()
+      for theta in thetas[1:]:
+        np.add(acc, theta[k], out=acc)
+  return watch.seconds
+
+
+def _adopt_int4(bench: _Bench) -> tuple[float, float]:
+  """(wall, CPU) of int4 adoption of the bench's last merge: encode, decode, adopt, chunk."""
+  cur = bench.core.state(0)
+  prev = bench.core.state_at(0, cur.version - 1)
+  cfg = ServiceConfig()
+  adopter = DownlinkAdopter("int4", block_size=cfg.block_size, chunk_size=cfg.max_chunk_bytes)
+  with _Stopwatch() as watch:
+    adopter(0, cur.values, prev.values)
+    adopter.published(0, cur.version)
+  if adopter.delta_chunks(0, cur.version) is None:
+    raise RuntimeError("The adopter cached no chunks.")
+  return watch.seconds
+
+
+def _parts(
+  anchor: dict[str, np.ndarray], thetas: list[dict[str, np.ndarray]]
+) -> dict[str, tuple[float, float]]:
+  """(wall, CPU) of the merge's main parts, timed offline with the functions the core calls."""
+  weights = [float(m + 1) for m in range(len(thetas))]
+  with _Stopwatch() as grads_watch:
+    grads = [{k: anchor[k] - theta[k] for k in anchor} for theta in thetas]
+  with _Stopwatch() as rda_watch:
+    merged = merge_lib.merge_outer_gradients(grads, weights, method="rda")
+  with _Stopwatch() as mean_watch:
+    merge_lib.merge_outer_gradients(grads, weights, method="mean")
+  with _Stopwatch() as digest_watch:
+    values_digest(merged)
+  return {
+    "outer grads": grads_watch.seconds,
+    "rda alone": rda_watch.seconds,
+    "mean alone": mean_watch.seconds,
+    "digest": digest_watch.seconds,
+  }
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  n = _MIB.value * (1 << 20) // 4 // _TENSORS.value
+  side = round(n**0.5)
+  shape = (side, n // side) if side * (n // side) == n else (n,)
+  rng = np.random.default_rng(0)
+  init = {
+    f"tensor_{i}": rng.standard_normal(shape, dtype=np.float32) for i in range(_TENSORS.value)
+  }
+  benches = {
+    "rda merge": _Bench(init, "rda", None),
+    "mean merge": _Bench(init, "mean", None),
+    "rda + int4 adopt": _Bench(init, "rda", "int4"),
+  }
+
+  def contributions(bench: _Bench) -> list[dict[str, np.ndarray]]:
+    # θ_m = Θ_cur − (small, learner-specific outer gradient), as after a period of inner steps.
+    cur = bench.core.state(0).values
+    return [
+      {
+        k: v - np.float32(1e-2) * rng.standard_normal(shape, dtype=np.float32)
+        for k, v in cur.items()
+      }
+      for _ in range(_LEARNERS.value)
+    ]
+
+  times: dict[str, list[tuple[float, float]]] = {"read": [], "file 8 reports": [], "adopt": []}
+  times.update({name: [] for name in benches})
+  for bench in benches.values():  # Warm-up: jit of the outer step, allocator.
+    bench.file_reports(contributions(bench))
+    bench.merge()
+  with _Stopwatch() as total:
+    for _ in range(_ROUNDS.value):
+      for name, bench in benches.items():
+        thetas = contributions(bench)
+        filed = bench.file_reports(thetas)
+        if name == "rda merge":
+          times["file 8 reports"].append(filed)
+          times["read"].append(_read_once(thetas))
+          for part, t in _parts(bench.core.state(0).values, thetas).items():
+            times.setdefault(part, []).append(t)
+        times[name].append(bench.merge())
+        if name == "rda merge":
+          times["adopt"].append(_adopt_int4(bench))
+
+  # Medians of wall and of CPU time, each taken separately.
+  med = {k: tuple(statistics.median(t[i] for t in v) for i in (0, 1)) for k, v in times.items()}
+  total_mib = _LEARNERS.value * _MIB.value
+  print(
+    f"fragment: {_TENSORS.value} tensors x {shape} float32 = {_MIB.value} MiB; "
+    f"{_LEARNERS.value} contributions ({total_mib} MiB); {_ROUNDS.value} rounds (median); "
+    f"load avg {os.getloadavg()[0]:.1f}, process CPU/wall {total.seconds[1] / total.seconds[0]:.2f}"
+  )
+  print(f"  {'row':40s} {'wall ms':>8s} {'cpu ms':>8s} {'/read':>7s} {'/read':>6s}")
+  rows = [
+    ("read once (float32 sum of 8 arrays)", "read"),
+    ("file 8 reports (not in merges)", "file 8 reports"),
+    ("RDA merge (SyncerCore.flush)", "rda merge"),
+    ("mean merge (SyncerCore.flush)", "mean merge"),
+    ("RDA merge + int4 adoption (make_syncer)", "rda + int4 adopt"),
+    ("int4 adoption alone (DownlinkAdopter)", "adopt"),
+    ("parts, offline: 8 outer grads (float32)", "outer grads"),
+    ("  merge_outer_gradients rda (float64)", "rda alone"),
+    ("  merge_outer_gradients mean (float64)", "mean alone"),
+    ("  values_digest of the new version", "digest"),
+  ]
+  read = med["read"]
+  for label, key in rows:
+    wall, cpu = med[key]
+    print(
+      f"  {label:40s} {1e3 * wall:8.1f} {1e3 * cpu:8.1f} {wall / read[0]:7.2f} {cpu / read[1]:6.2f}"
+    )
+  for label, key in (("RDA merge", "rda merge"), ("mean merge", "mean merge")):
+    ratio_wall, ratio_cpu = (med[key][i] / read[i] for i in (0, 1))
+    print(f"  {label} / read = {ratio_wall:.2f}x wall, {ratio_cpu:.2f}x cpu   (goal <= 3x)")
+  sys.stdout.flush()
+
+
+if __name__ == "__main__":
+  app.run(main)

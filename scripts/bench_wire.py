@@ -1,0 +1,326 @@
+"""Benchmark: pushing a 64 MiB fragment through the gRPC syncer service against a raw TCP socket.
+
+Both transfers run on loopback in one process, interleaved in rounds so machine noise hits them
+equally, and the median of the rounds is reported:
+  push   `SyncerClient.push` of one fragment (a single key of 16M float32 = 64 MiB) to a served
+         `SyncerService` with the shared token on. What is timed is everything a learner's push
+         costs end to end: client-side serialization (`messages.report_to_chunks`: the fp32 delta
+         θ − Θ^(anchor), the wire format, 1 MiB chunks), gRPC framing and the loopback transfer, the
+         server's validation at the door (token interceptor, header and size checks, chunk
+         reassembly, `wire` parsing, decode and the NaN/Inf check, adding the anchor back) and
+         `SyncerCore.report` (validation again, the copy of the values into the round). The syncer
+         runs with min_quorum=2 and one learner, so a push only files into a round: no merge is
+         timed.
+  raw    `socket.sendall` of the same number of bytes in 1 MiB pieces over one TCP connection to a
+         thread that reads them into a buffer and discards them, then acknowledges with one byte.
+  bare   gRPC's own floor: the same bytes as 1 MiB raw `bytes` messages (no protobuf) streamed to
+         a generic handler that counts and drops them, no token, no service code.
+It prints the throughputs, the ratio push/raw (goal >= 0.5), bare/raw and push/bare, the pull
+throughput of the same fragment (a learner pulls it before it may push, SPEC §3), and the push's
+time split: client serialization, then a Push of pre-built chunks on a second stub (everything
+after serialization), of which protobuf encode+parse, the server's reassembly/decode/validation
+and the core's filing, each timed offline in one thread with the functions the two ends call, and
+the rest (gRPC transport, token check, locks).
+
+  python scripts/bench_wire.py --mib=64 --rounds=5
+"""
+
+import os
+import socket
+import statistics
+import struct
+import sys
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import numpy as np
+from absl import app, flags
+
+from ddiloco.fragments import layout as layout_lib
+from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
+from ddiloco.syncer.service import ServiceConfig, make_syncer, serve
+from ddiloco.transport import auth, messages
+from ddiloco.transport.client import SyncerClient
+from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
+
+_MIB = flags.DEFINE_integer("mib", 64, "fragment size in MiB (float32 values)")
+_ROUNDS = flags.DEFINE_integer("rounds", 5, "timed rounds (median reported)")
+_DELTA = flags.DEFINE_bool(
+  "delta", True, "push θ − Θ^(anchor) as the worker does once it holds the fragment (SPEC §5)"
+)
+_PIECE = 1 << 20  # Raw TCP: sendall of 1 MiB pieces, the service's chunk size.
+_KEY = "w"
+_TOKEN = "bench-wire-token"
+_LEN = struct.Struct("<Q")
+
+
+class _DiscardServer:
+  """A loopback TCP reader thread: per message, a u64 length, then that many bytes; acks b"k"."""
+
+  def __init__(self):
+    self._sock = socket.create_server(("127.0.0.1", 0))
+    self.port = self._sock.getsockname()[1]
+    self._thread = threading.Thread(target=self._serve, name="discard", daemon=True)
+    self._thread.start()
+
+  def _serve(self) -> None:
+    conn, _ = self._sock.accept()
+    buf = bytearray(_PIECE)
+    view = memoryview(buf)
+    with conn:
+      while True:
+        header = conn.recv(_LEN.size, socket.MSG_WAITALL)
+        if len(header) < _LEN.size:
+          return  # The client closed the connection.
+        (left,) = _LEN.unpack(header)
+        while left:
+          n = conn.recv_into(view, min(left, _PIECE))
+          if n == 0:
+            return
+          left -= n
+        conn.sendall(b"k")
+
+  def close(self) -> None:
+    self._sock.close()
+    self._thread.join(timeout=5)
+
+
+def _identity(b: bytes) -> bytes:
+  return b
+
+
+def _drain(request_iterator, context) -> bytes:
+  del context
+  return sum(len(r) for r in request_iterator).to_bytes(8, "little")
+
+
+class _Floors:
+  """The two baselines over the same bytes: raw TCP `sendall` and a bare gRPC byte stream."""
+
+  def __init__(self, payload: bytes, options: list[tuple[str, int]]):
+    self._payload = payload
+    self._discard = _DiscardServer()
+    self._conn = socket.create_connection(("127.0.0.1", self._discard.port))
+    self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=options)
+    method = grpc.stream_unary_rpc_method_handler(_drain, _identity, _identity)
+    self._server.add_generic_rpc_handlers(
+      [grpc.method_handlers_generic_handler("bench.Bare", {"S": method})]
+    )
+    port = self._server.add_insecure_port("127.0.0.1:0")
+    self._server.start()
+    self._channel = grpc.insecure_channel(f"127.0.0.1:{port}", options)
+    self._call = self._channel.stream_unary(
+      "/bench.Bare/S", request_serializer=_identity, response_deserializer=_identity
+    )
+    self._pieces = [payload[i : i + _PIECE] for i in range(0, len(payload), _PIECE)]
+
+  def raw(self) -> float:
+    """Seconds to send the payload in 1 MiB sendall pieces and receive the reader's ack."""
+    view = memoryview(self._payload)
+    t0 = time.perf_counter()
+    self._conn.sendall(_LEN.pack(len(view)))
+    for i in range(0, len(view), _PIECE):
+      self._conn.sendall(view[i : i + _PIECE])
+    if self._conn.recv(1) != b"k":
+      raise RuntimeError("The discard server did not acknowledge.")
+    return time.perf_counter() - t0
+
+  def bare(self) -> float:
+    """Seconds to stream the payload as 1 MiB bytes messages through gRPC and get the count back."""
+    t0 = time.perf_counter()
+    got = int.from_bytes(self._call(iter(self._pieces), timeout=300.0), "little")
+    elapsed = time.perf_counter() - t0
+    if got != len(self._payload):
+      raise RuntimeError(f"The bare gRPC server counted {got} bytes of {len(self._payload)}.")
+    return elapsed
+
+  def close(self) -> None:
+    self._conn.close()
+    self._discard.close()
+    self._channel.close()
+    self._server.stop(None)
+
+
+class _Service:
+  """A served syncer holding one fragment, a registered learner that pulled it, and its pushes."""
+
+  def __init__(self, init: dict[str, np.ndarray], *, delta: bool):
+    n = init[_KEY].size
+    layout = layout_lib.make_layout(init, num_fragments=1)
+    self.config = ServiceConfig(uplink_codec="fp32", downlink_codec="fp32")
+    # min_quorum=2 with one learner: a push files into the round and never triggers a merge.
+    syncer_config = SyncerConfig(min_quorum=2, use_grace=False)
+    service = make_syncer(
+      fragment_keys=layout.fragments,
+      init_values=init,
+      syncer_config=syncer_config,
+      service_config=self.config,
+      layout_digest=layout.digest,
+    )
+    self._server = serve(service, token=_TOKEN)
+    address = f"127.0.0.1:{self._server.port}"
+    self.client = SyncerClient(address, token=_TOKEN, transfer_deadline_s=300.0)
+    self.client.wait_ready(30.0)
+    self.client.register(0, layout_digest=layout.digest, num_fragments=1)
+    # A second stub on its own channel streams pre-built chunks: the push minus serialization.
+    self._channel = grpc.insecure_channel(address, self.config.channel_options())
+    self._stub = syncer_pb2_grpc.SyncerStub(self._channel)
+    self.shapes, self.dtypes = {_KEY: (n,)}, {_KEY: np.float32}
+    self.pull()  # Registered and delivered: the learner's reports now weigh > 0 (SPEC §3).
+    anchor = self._pulled.values
+    noise = np.random.default_rng(1).standard_normal(n, dtype=np.float32)
+    self._theta = {_KEY: anchor[_KEY] + np.float32(1e-3) * noise}
+    self.anchor_values = anchor if delta else None
+    # The core's filing of a decoded report, timed offline on a core of its own (same config).
+    self.filing = SyncerCore(
+      fragment_keys=layout.fragments, init_values=init, config=syncer_config, clock=time.monotonic
+    )
+    self.filing.register(0)
+    self.filing.mark_delivered(0, 0, 0)
+    self._step = 0
+
+  def report(self) -> Report:
+    # Steps increase, so every push supersedes the previous one in the open round.
+    self._step += 1
+    return Report(
+      learner_id=0,
+      fragment=0,
+      values=self._theta,
+      tokens=1024,
+      steps=1,
+      anchor_version=0,
+      step=self._step,
+    )
+
+  def chunks(self, report: Report) -> list:
+    return messages.report_to_chunks(report, "fp32", anchor_values=self.anchor_values)
+
+  def pull(self) -> float:
+    t0 = time.perf_counter()
+    state = self.client.pull(0, 0, -1, layout_keys=[_KEY], shapes=self.shapes, dtypes=self.dtypes)
+    elapsed = time.perf_counter() - t0
+    if state is None or state.version != 0:
+      raise RuntimeError("The pull did not return version 0 of the fragment.")
+    self._pulled = state
+    return elapsed
+
+  def push(self) -> float:
+    report = self.report()
+    t0 = time.perf_counter()
+    result = self.client.push(report, "fp32", anchor_values=self.anchor_values)
+    elapsed = time.perf_counter() - t0
+    if result.status not in ("accepted", "superseded") or result.weight <= 0:
+      raise RuntimeError(f"Push was not filed with weight > 0: {result}")
+    return elapsed
+
+  def push_prebuilt(self) -> float:
+    chunks = self.chunks(self.report())
+    t0 = time.perf_counter()
+    resp = self._stub.Push(iter(chunks), timeout=300.0, metadata=auth.token_metadata(_TOKEN))
+    elapsed = time.perf_counter() - t0
+    if resp.status not in ("accepted", "superseded"):
+      raise RuntimeError(f"Pre-built push was not filed: {resp}")
+    return elapsed
+
+  def offline_split(self) -> dict[str, float]:
+    """Seconds of each step of a push, run in this thread with the functions the two ends call."""
+    report = self.report()
+    t0 = time.perf_counter()
+    chunks = self.chunks(report)
+    t1 = time.perf_counter()
+    parsed = [syncer_pb2.PushChunk.FromString(c.SerializeToString()) for c in chunks]
+    t2 = time.perf_counter()
+    decoded = messages.chunks_to_report(
+      parsed, [_KEY], self.shapes, self.dtypes, anchor_lookup=lambda v: self.anchor_values
+    )
+    t3 = time.perf_counter()
+    result = self.filing.report(decoded)
+    t4 = time.perf_counter()
+    if result.weight <= 0:
+      raise RuntimeError(f"The offline filing was refused: {result}")
+    return {"serialize": t1 - t0, "protobuf": t2 - t1, "decode": t3 - t2, "filing": t4 - t3}
+
+  def close(self) -> dict[str, int]:
+    """Stops everything; returns the service's counters (accepted, superseded, merges)."""
+    status = self._server.service.status()
+    self._channel.close()
+    self.client.close()
+    self._server.stop(flush=False)
+    return {**status.counters, "merges": status.merges, "refused": sum(status.refused.values())}
+
+
+def _mib_s(nbytes: int, seconds: float) -> float:
+  return nbytes / (1 << 20) / seconds
+
+
+def _print(med: dict[str, float], *, n: int, wire_bytes: int, pull_bytes: int, note: str) -> None:
+  rate = {k: _mib_s(wire_bytes, med[k]) for k in ("push", "raw", "bare")}
+  print(
+    f"fragment: 1 key x {n:,} float32 = {n * 4 / (1 << 20):.0f} MiB; wire bytes per push "
+    f"{wire_bytes:,} (fp32{' delta' if _DELTA.value else ''}, 1 MiB chunks); loopback, token on; "
+    f"{_ROUNDS.value} rounds (median); {note}"
+  )
+  print(f"  {'path':28s} {'seconds':>8s} {'MiB/s':>9s}")
+  print(f"  {'raw TCP sendall (1 MiB)':28s} {med['raw']:8.3f} {rate['raw']:9.1f}")
+  print(f"  {'bare gRPC stream (1 MiB)':28s} {med['bare']:8.3f} {rate['bare']:9.1f}")
+  print(f"  {'gRPC push (end to end)':28s} {med['push']:8.3f} {rate['push']:9.1f}")
+  pull_rate = _mib_s(pull_bytes, med["pull"])
+  print(f"  {'gRPC pull (end to end)':28s} {med['pull']:8.3f} {pull_rate:9.1f}")
+  print("  push split (medians; each step but the transfer timed offline with the same functions):")
+  print(f"    client serialize (report_to_chunks)            {med['serialize']:7.3f} s")
+  print(f"    Push of pre-built chunks (everything after)    {med['prebuilt']:7.3f} s")
+  print(f"      protobuf encode + parse of the chunks        {med['protobuf']:7.3f} s")
+  print(f"      server reassemble+decode+validate            {med['decode']:7.3f} s")
+  print(f"      core filing (SyncerCore.report)              {med['filing']:7.3f} s")
+  rest = med["prebuilt"] - med["protobuf"] - med["decode"] - med["filing"]
+  print(f"      rest: gRPC transport, token, locks           {rest:7.3f} s")
+  print(f"  push/raw = {rate['push'] / rate['raw']:.3f}   (goal >= 0.5)")
+  print(
+    f"  bare gRPC/raw = {rate['bare'] / rate['raw']:.3f}, push/bare gRPC = "
+    f"{rate['push'] / rate['bare']:.3f}"
+  )
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  n = _MIB.value * (1 << 20) // 4
+  init = {_KEY: np.random.default_rng(0).standard_normal(n, dtype=np.float32)}
+  service = _Service(init, delta=_DELTA.value)
+  wire_bytes = sum(c.ByteSize() for c in service.chunks(service.report()))
+  floors = _Floors(bytes(wire_bytes), service.config.channel_options())
+  paths = {
+    "raw": floors.raw,
+    "bare": floors.bare,
+    "push": service.push,
+    "prebuilt": service.push_prebuilt,
+    "pull": service.pull,
+  }
+  for fn in paths.values():  # Warm-up of every path (connections, allocator).
+    fn()
+  times: dict[str, list[float]] = {name: [] for name in paths}
+  cpu0, wall0 = time.process_time(), time.perf_counter()
+  for _ in range(_ROUNDS.value):
+    for name, fn in paths.items():
+      times[name].append(fn())
+    for part, t in service.offline_split().items():
+      times.setdefault(part, []).append(t)
+  cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+  pull_bytes = service.client.bytes_down // (_ROUNDS.value + 2)  # Setup, warm-up, rounds.
+  floors.close()
+  counters = service.close()
+  if counters["merges"] or counters["refused"]:
+    raise RuntimeError(f"Pushes must only file into the round: {counters}")
+  _print(
+    {k: statistics.median(v) for k, v in times.items()},
+    n=n,
+    wire_bytes=wire_bytes,
+    pull_bytes=pull_bytes,
+    note=f"load avg {os.getloadavg()[0]:.1f}, process CPU/wall {cpu_share:.2f}",
+  )
+  sys.stdout.flush()
+
+
+if __name__ == "__main__":
+  app.run(main)
