@@ -175,3 +175,38 @@ def test_split_tensors_round_trip_through_the_learner():
     for k in want:
       np.testing.assert_array_equal(got[k], want[k], err_msg=k)
   assert learner.digest_of(p) == values_digest(new)
+
+
+def test_follow_jumps_forward_and_holds_without_sending_twice():
+  learner, _ = _learner(num_fragments=4, period=4)  # P = H = 4: fragment s mod 4 due at step s.
+  sent = []
+  for t in range(1, 4):
+    learner.train_step(_batch(t))
+    sent.append((learner.schedule_step, learner.due()))
+  assert sent == [(1, (1,)), (2, (2,)), (3, (3,))]
+  # 3 steps behind the cadence: jump to it (the sends of schedule steps 4..5 are skipped).
+  assert learner.follow(6, tolerance=3) == 3
+  assert (learner.schedule_step, learner.due()) == (6, (2,))
+  # 1 step off: within tolerance, nothing moves.
+  assert learner.follow(7, tolerance=3) == 0
+  # Ahead by 3: hold for one step; the held step sends nothing, the next one sends its fragment.
+  learner.train_step(_batch(9))
+  assert learner.schedule_step == 7
+  assert learner.follow(4, tolerance=3) == -1
+  assert (learner.schedule_step, learner.due()) == (6, ())
+  learner.train_step(_batch(10))
+  assert (learner.schedule_step, learner.due()) == (7, (3,))
+  assert learner.step == 5
+
+
+def test_snapshot_report_survives_donation_and_matches_make_report():
+  learner, _ = _learner()
+  learner.train_step(_batch(1))
+  report, fetch = learner.snapshot_report(1, step_time_s=0.5)
+  assert report.values == {} and report.step_time_s == 0.5 and report.anchor_version == 0
+  expected = learner.fragment_values(1)
+  learner.train_step(_batch(2))  # Donates the parameters the snapshot was taken from.
+  values = fetch()
+  assert set(values) == set(expected)
+  assert all(np.array_equal(values[k], expected[k]) for k in expected)
+  assert not all(np.array_equal(values[k], v) for k, v in learner.fragment_values(1).items())

@@ -605,3 +605,41 @@ def test_fleet_step_extrapolates_from_the_latest_report():
   other = make_core(FakeClock(13.0))
   other.load_state_dict(core.state_dict())
   assert other.fleet_step() == 13
+
+
+def test_cadence_is_a_clock_at_the_median_learner_rate():
+  """cadence_step starts at the first report's schedule step and advances at the median rate of
+  the alive learners' own step counts, whatever their schedules do (no feedback)."""
+  clock = FakeClock(0.0)
+  core = make_core(clock, learners=(0, 1, 2), max_staleness=1)
+  assert core.cadence_step() == -1  # No report yet.
+  core.report(rep(0, step=10))
+  assert core.cadence_step() == 10
+  # Own step counts: learner 0 at 2 steps/s, learner 1 at 4 steps/s, learner 2 at 10 steps/s.
+  for i in range(3):
+    core.observe_steps(i, 100)
+  clock.t = 2.0
+  for i, rate in enumerate((2, 4, 10)):
+    core.observe_steps(i, 100 + 2 * rate)
+  assert core.cadence_step() == 10 + 2 * 4  # Median rate 4 steps/s over the 2 s since t = 0.
+  clock.t = 3.0
+  core.leave(1)  # Median of {2, 10} = 6 steps/s from now on.
+  assert core.cadence_step() == 18 + 6
+  # A learner's schedule jumping ahead does not move the cadence.
+  core.report(rep(2, step=500))
+  assert core.cadence_step() == 24
+
+
+def test_observe_steps_ignores_unknown_dead_and_too_frequent_samples():
+  clock = FakeClock(0.0)
+  core = make_core(clock, learners=(0,))
+  core.observe_steps(7, 10)  # Unknown learner: ignored.
+  core.observe_steps(0, 10)
+  clock.t = 0.5
+  core.observe_steps(0, 1000)  # Within min_interval_s: no rate sample.
+  clock.t = 1.0
+  core.observe_steps(0, 20)
+  core.report(rep(0, step=3))
+  assert core.cadence_step() == 3
+  clock.t = 2.0
+  assert core.cadence_step() == 3 + 10  # 10 steps/s from the one valid sample.
