@@ -15,17 +15,26 @@ Decisions (SPEC §5):
     process decodes bit-identical values: the syncer adopts exactly what learners decode (SPEC §5).
   * Non-finite input raises ValueError: a NaN must never reach the global state silently.
   * `Encoded.nbytes` counts payload and scales only; names, shapes and framing are the transport's.
+  * Large arrays are encoded and decoded in runs of `RUN_VALUES` values (`encode_runs`,
+    `decode_run`): the delta, the cast, the NaN/Inf check and the encoding of a run happen while it
+    is in cache, and no full-size temporary is made. Runs of the integer codecs are whole blocks
+    (and an even count for int4), so the bytes are those of a single-shot encoding.
 """
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import ml_dtypes
 import numpy as np
 
 CODECS = ("fp32", "bf16", "int8", "int4")
 _QMAX = {"int8": 127, "int4": 7}
-_F32 = np.dtype("<f4")
+F32 = np.dtype("<f4")  # Little-endian float32: payloads and scales on the wire.
+# Values per run (256 KiB of float32): big enough to amortize numpy's per-call cost, small enough
+# that a run and its temporaries stay in L2 while it is delta'd, checked and encoded.
+RUN_VALUES = 1 << 16
+# Bytes per indivisible piece of payload: one value, or for int4 one byte holding two values.
+_UNIT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1, "int4": 1}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,14 +68,14 @@ class Encoded:
     return len(self.payload) + len(self.scales)
 
 
-def _finite_f32(x: np.ndarray) -> np.ndarray:
-  x32 = np.asarray(x).astype(np.float32)
-  bad = np.count_nonzero(~np.isfinite(x32))
-  if bad:
-    raise ValueError(
-      f"Refusing to encode {bad} non-finite value(s) (NaN/Inf or beyond float32 range)."
-    )
-  return x32
+def _non_finite_error(bad: int) -> ValueError:
+  return ValueError(
+    f"Refusing to encode {bad} non-finite value(s) (NaN/Inf or beyond float32 range)."
+  )
+
+
+def _as_f32(x: np.ndarray) -> np.ndarray:
+  return x if x.dtype == np.float32 else x.astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,53 +101,130 @@ class Codec:
     """Whether this codec uses block scales (int8/int4)."""
     return self.name in _QMAX
 
+  @property
+  def unit_bytes(self) -> int:
+    """Bytes of the smallest self-contained piece of payload (a value; for int4 a value pair)."""
+    return _UNIT_BYTES[self.name]
+
+  def nbytes(self, n: int) -> tuple[int, int]:
+    """(payload, scales) bytes this codec makes of n values."""
+    if self.name == "fp32":
+      return 4 * n, 0
+    if self.name == "bf16":
+      return 2 * n, 0
+    blocks = -(-n // self.block_size)
+    return (n if self.name == "int8" else -(-n // 2)), 4 * blocks
+
+  def run_values(self, nbytes: int, left: int) -> int:
+    """Values held by `nbytes` of whole-unit payload when `left` values remain (int4 padding)."""
+    if self.name == "int4":
+      return min(2 * nbytes, left)
+    return nbytes // self.unit_bytes
+
   def encode(self, x: np.ndarray) -> Encoded:
     """Encodes an array (any float dtype, numpy or jax).
 
     Raises:
       ValueError: if `x` has NaN/Inf values, or finite values that overflow bf16.
     """
-    dtype = np.dtype(np.asarray(x).dtype).name
-    x32 = _finite_f32(x)
-    shape = tuple(int(d) for d in x32.shape)
-    if self.name == "fp32":
-      return Encoded(codec=self.name, shape=shape, dtype=dtype, payload=x32.astype(_F32).tobytes())
-    if self.name == "bf16":
-      xb = x32.astype(ml_dtypes.bfloat16)
-      if not np.isfinite(xb.astype(np.float32)).all():
-        raise ValueError("Values overflow bfloat16 (|x| > 3.39e38).")
-      return Encoded(
-        codec=self.name,
-        shape=shape,
-        dtype=dtype,
-        payload=xb.view(np.uint16).astype("<u2").tobytes(),
-      )
-    q, scales = self._quantize(x32.ravel())
-    if self.name == "int8":
-      payload = q.astype(np.int8).tobytes()
-    else:
-      codes = (q + 8).astype(np.uint8)
-      if codes.size % 2:
-        codes = np.append(codes, np.uint8(8))
-      payload = (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8).tobytes()
+    x = np.asarray(x)
+    payload_len, scales_len = self.nbytes(x.size)
+    payload, scales = np.empty(payload_len, np.uint8), np.empty(scales_len // 4, F32)
+    p = s = 0
+    for run_payload, run_scales in self.encode_runs(x):
+      payload[p : p + run_payload.size] = run_payload
+      scales[s : s + run_scales.size] = run_scales
+      p, s = p + run_payload.size, s + run_scales.size
     return Encoded(
       codec=self.name,
-      shape=shape,
-      dtype=dtype,
-      payload=payload,
-      scales=scales.astype(_F32).tobytes(),
-      block_size=self.block_size,
+      shape=tuple(int(d) for d in x.shape),
+      dtype=np.dtype(x.dtype).name,
+      payload=payload.tobytes(),
+      scales=scales.tobytes(),
+      block_size=self.block_size if self.quantized else 0,
     )
+
+  def encode_runs(
+    self, x: np.ndarray, *, base: np.ndarray | None = None
+  ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Encodes `x`, or the float32 delta `x − base`, run by run (C order).
+
+    Each run is made float32 (and the delta taken), checked for NaN/Inf and encoded while it is in
+    cache. The concatenated payloads and scales are exactly `encode(x − base)`'s.
+
+    Args:
+      x: any float array (numpy or jax).
+      base: an array of x's shape, or None.
+
+    Yields:
+      (payload bytes as a uint8 array, float32 scales of the run's blocks; empty for fp32/bf16).
+      Both may be overwritten by the next run: use them before asking for it.
+
+    Raises:
+      ValueError: on a base of another shape, NaN/Inf (of the delta), or bf16 overflow.
+    """
+    flat = np.ravel(np.asarray(x))
+    base_flat = None
+    if base is not None:
+      base_arr = np.asarray(base)
+      if base_arr.shape != np.shape(x):
+        raise ValueError(f"base shape {base_arr.shape} != values shape {np.shape(x)}.")
+      base_flat = np.ravel(base_arr)
+    n = flat.size
+    run = RUN_VALUES
+    if self.quantized:
+      run = self.block_size * max(1, RUN_VALUES // self.block_size)
+      run *= 2 if run % 2 and self.name == "int4" else 1  # Whole bytes: no nibble spans runs.
+    scratch, finite = np.empty(min(run, n), F32), np.empty(min(run, n), bool)
+    no_scales = np.empty(0, F32)
+    for start in range(0, n, run):
+      stop = min(start + run, n)
+      x32 = scratch[: stop - start]
+      with np.errstate(over="ignore"):  # float64 beyond float32 range becomes Inf: refused below.
+        if base_flat is None:
+          np.copyto(x32, flat[start:stop], casting="unsafe")
+        else:
+          np.subtract(_as_f32(flat[start:stop]), _as_f32(base_flat[start:stop]), out=x32)
+      if not np.isfinite(x32, out=finite[: stop - start]).all():
+        raise _non_finite_error(self._count_non_finite(flat, base_flat))
+      if self.name == "fp32":
+        yield x32.view(np.uint8), no_scales
+      elif self.name == "bf16":
+        xb = x32.astype(ml_dtypes.bfloat16)
+        if not np.isfinite(xb).all():
+          raise ValueError("Values overflow bfloat16 (|x| > 3.39e38).")
+        yield xb.view(np.uint16).astype("<u2", copy=False).view(np.uint8), no_scales
+      else:
+        yield self._quantize_run(x32)
+
+  @staticmethod
+  def _count_non_finite(flat: np.ndarray, base_flat: np.ndarray | None) -> int:
+    """The error path only: NaN/Inf in the whole float32 array (or delta), for the message."""
+    with np.errstate(over="ignore", invalid="ignore"):
+      x32 = _as_f32(flat) if base_flat is None else _as_f32(flat) - _as_f32(base_flat)
+    return int(np.count_nonzero(~np.isfinite(x32)))
+
+  def _quantize_run(self, x32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(payload bytes, float32 scales) of whole blocks of float32 values (the last may be partial)."""
+    q, scales = self._quantize(x32)
+    if self.name == "int8":
+      return q.astype(np.int8).view(np.uint8), scales
+    codes = (q + 8).astype(np.uint8)
+    if codes.size % 2:
+      codes = np.append(codes, np.uint8(8))
+    return (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8), scales
 
   def _quantize(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Returns (q as int16 in [-qmax, qmax], float32 scales) for a flat float32 array."""
     qmax = _QMAX[self.name]
     n, bs = flat.size, self.block_size
     num_blocks = -(-n // bs)
-    blocks = np.zeros(num_blocks * bs, np.float32)
-    blocks[:n] = flat
+    blocks = flat
+    if n % bs:
+      blocks = np.zeros(num_blocks * bs, np.float32)
+      blocks[:n] = flat
     blocks = blocks.reshape(num_blocks, bs)
-    scales = (np.abs(blocks).max(axis=1) / np.float32(qmax)).astype(np.float32)
+    scales = (np.abs(blocks).max(axis=1) / np.float32(qmax)).astype(F32)
     # An all-zero block has scale 0: divide by 1 instead, its values are 0 anyway (no 0/0 NaN).
     safe = np.where(scales > 0, scales, np.float32(1))
     q = np.clip(np.rint(blocks / safe[:, None]), -qmax, qmax).astype(np.int16)
@@ -152,45 +238,179 @@ class Codec:
     """
     if enc.codec != self.name:
       raise ValueError(f"Encoded with {enc.codec!r}, cannot decode with {self.name!r}.")
-    n = enc.size
-    if self.name == "fp32":
-      self._check_len("payload", enc.payload, 4 * n)
-      return np.frombuffer(enc.payload, _F32).astype(np.float32).reshape(enc.shape)
-    if self.name == "bf16":
-      self._check_len("payload", enc.payload, 2 * n)
-      bits = np.frombuffer(enc.payload, "<u2").astype(np.uint16)
-      return bits.view(ml_dtypes.bfloat16).astype(np.float32).reshape(enc.shape)
-    if enc.block_size != self.block_size:
+    if self.quantized and enc.block_size != self.block_size:
       raise ValueError(f"Encoded with block_size {enc.block_size}, codec has {self.block_size}.")
-    qmax = _QMAX[self.name]
-    num_blocks = -(-n // self.block_size)
-    self._check_len("scales", enc.scales, 4 * num_blocks)
-    scales = np.frombuffer(enc.scales, _F32).astype(np.float32)
-    if not (np.isfinite(scales).all() and (scales >= 0).all()):
+    n = enc.size
+    self._check_len("payload", enc.payload, self.nbytes(n)[0])
+    out = self.decode_run(enc.payload, 0, n, self.checked_scales(enc.scales, n))
+    # fp32 decodes to a view of the payload; the caller gets an array of its own.
+    return (out.copy() if self.name == "fp32" else out).reshape(enc.shape)
+
+  def checked_scales(self, scales: bytes | memoryview, n: int) -> np.ndarray:
+    """The float32 scales of an n-value array, checked (empty for fp32/bf16).
+
+    Raises:
+      ValueError: on a wrong length, or scales that are NaN/Inf or negative.
+    """
+    self._check_len("scales", scales, self.nbytes(n)[1])
+    out = np.frombuffer(scales, F32).astype(np.float32)
+    if not (np.isfinite(out).all() and (out >= 0).all()):
       raise ValueError("Scales must be finite and non-negative.")
+    return out
+
+  def decode_run(
+    self, payload: bytes | memoryview | np.ndarray, start: int, n: int, scales: np.ndarray
+  ) -> np.ndarray:
+    """Decodes the values that `payload`, a whole number of units, holds from value `start` on.
+
+    Args:
+      payload: bytes of whole units (`unit_bytes`) of an array's payload, beginning at value
+        `start` (even for int4).
+      start: index of the first value in the flattened array.
+      n: number of values of the whole array (int4: a trailing nibble past n is padding).
+      scales: the array's `checked_scales`; indexed from value `start`'s block.
+
+    Returns:
+      Float32 values, flat; for fp32 a view of `payload` (copy it to keep it).
+
+    Raises:
+      ValueError: on a length that does not hold whole values, or malformed codes or padding.
+    """
+    nbytes = memoryview(payload).nbytes
+    if self.name == "fp32":
+      self._check_len("payload run", payload, 4 * (nbytes // 4))
+      return np.frombuffer(payload, F32).astype(np.float32, copy=False)
+    if self.name == "bf16":
+      self._check_len("payload run", payload, 2 * (nbytes // 2))
+      bits = np.frombuffer(payload, "<u2").astype(np.uint16, copy=False)
+      return bits.view(ml_dtypes.bfloat16).astype(np.float32)
+    qmax = _QMAX[self.name]
     if self.name == "int8":
-      self._check_len("payload", enc.payload, n)
-      q = np.frombuffer(enc.payload, np.int8)
+      q = np.frombuffer(payload, np.int8)
+      if (q == -128).any():  # The only int8 outside [-127, 127].
+        raise ValueError(f"{self.name} payload has values outside [-{qmax}, {qmax}].")
+      values = q.astype(np.float32)
     else:
-      self._check_len("payload", enc.payload, -(-n // 2))
-      packed = np.frombuffer(enc.payload, np.uint8)
-      codes = np.stack([packed & 0x0F, packed >> 4], axis=1).ravel()
-      if codes.size > n and codes[n] != 8:
+      packed = np.frombuffer(payload, np.uint8)
+      codes = np.empty(2 * packed.size, np.uint8)
+      codes[0::2], codes[1::2] = packed & 0x0F, packed >> 4
+      count = self.run_values(packed.size, n - start)
+      if codes.size - count > 1:
+        raise ValueError(f"payload run of {packed.size} bytes is past value {n} of the array.")
+      if codes.size > count and codes[count] != 8:
         raise ValueError("int4 padding nibble must be 8.")
-      q = codes[:n].astype(np.int8) - np.int8(8)
-    if n and np.abs(q.astype(np.int16)).max() > qmax:
-      raise ValueError(f"{self.name} payload has values outside [-{qmax}, {qmax}].")
-    per_value = np.repeat(scales, self.block_size)[:n]
-    return (q.astype(np.float32) * per_value).reshape(enc.shape)
+      codes = codes[:count]
+      if (codes == 0).any():  # Code 0 is q = -8, the only 4-bit value outside [-7, 7].
+        raise ValueError(f"{self.name} payload has values outside [-{qmax}, {qmax}].")
+      values = codes.astype(np.float32) - np.float32(8)
+    bs = self.block_size
+    first = start // bs
+    per_value = np.repeat(scales[first : -(-(start + values.size) // bs)], bs)
+    per_value = per_value[start - first * bs : start - first * bs + values.size]
+    if per_value.size != values.size:
+      raise ValueError(f"scales cover {per_value.size} of the run's {values.size} values.")
+    with np.errstate(over="ignore"):  # q · s beyond float32 is Inf; the receiver refuses it.
+      return values * per_value
 
   @staticmethod
-  def _check_len(what: str, data: bytes, expected: int) -> None:
-    if len(data) != expected:
-      raise ValueError(f"{what} has {len(data)} bytes, expected {expected}.")
+  def _check_len(what: str, data: bytes | memoryview | np.ndarray, expected: int) -> None:
+    nbytes = memoryview(data).nbytes
+    if nbytes != expected:
+      raise ValueError(f"{what} has {nbytes} bytes, expected {expected}.")
 
   def roundtrip(self, x: np.ndarray) -> np.ndarray:
     """Returns decode(encode(x)): the value the receiver will hold (SPEC §5 "adopt the dequantized")."""
     return self.decode(self.encode(x))
+
+
+class RunDecoder:
+  """Decodes one array's payload, fed in pieces of any size, into a flat output array.
+
+  Each run of whole values is decoded, has `base` added (float32), is cast to the output's dtype
+  and counted for NaN/Inf while it is in cache: one pass, no full-size temporary. A misaligned
+  fp32 run (framing puts payloads at any byte offset) is first copied into an aligned scratch:
+  numpy is several times slower on misaligned float32.
+  """
+
+  def __init__(
+    self,
+    codec: Codec,
+    out: np.ndarray,
+    *,
+    scales: np.ndarray | None = None,
+    base: np.ndarray | None = None,
+    check: bool = True,
+  ):
+    """Prepares to fill `out` (flat, any float dtype) with cast(base + decoded values).
+
+    Args:
+      codec: the codec the payload was made with.
+      out: the flat output array; its size is the array's number of values.
+      scales: the array's `checked_scales` (int8/int4).
+      base: a flat array of out's size added to the decoded values (a delta), or None.
+      check: count NaN/Inf in the output (after the cast), see `close`.
+    """
+    self._codec, self._out, self._base = codec, out, base
+    self._scales = np.empty(0, np.float32) if scales is None else scales
+    self._max_run = RUN_VALUES * codec.unit_bytes // (2 if codec.name == "int4" else 1)
+    self._finite = np.empty(min(out.size, RUN_VALUES), bool) if check else None
+    self._aligned: memoryview | None = None
+    self._carry = b""
+    self._start = 0
+    self._non_finite = 0
+
+  def feed(self, data: bytes | memoryview | np.ndarray) -> None:
+    """Decodes the next bytes of the payload (a unit split across pieces is carried over).
+
+    Raises:
+      ValueError: on malformed codes or padding, or more payload than the array has values.
+    """
+    piece = memoryview(data).cast("B")
+    unit, head = self._codec.unit_bytes, 0
+    if self._carry:
+      head = min(unit - len(self._carry), len(piece))
+      self._carry += bytes(piece[:head])
+      if len(self._carry) < unit:
+        return
+      self._run(memoryview(self._carry))
+    whole = len(piece) - (len(piece) - head) % unit
+    for i in range(head, whole, self._max_run):
+      self._run(piece[i : min(i + self._max_run, whole)])
+    self._carry = bytes(piece[whole:])
+
+  def _run(self, run: memoryview) -> None:
+    codec, start = self._codec, self._start
+    x = codec.decode_run(run, start, self._out.size, self._scales)
+    if not x.flags.aligned:  # An fp32 view: decode it again from an aligned copy.
+      if self._aligned is None:
+        self._aligned = memoryview(np.empty(self._max_run, np.uint8))
+      self._aligned[: len(run)] = run
+      x = codec.decode_run(self._aligned[: len(run)], start, self._out.size, self._scales)
+    stop = start + x.size
+    if stop > self._out.size:
+      raise ValueError(f"payload holds more than the array's {self._out.size} values.")
+    dst = self._out[start:stop]
+    with np.errstate(over="ignore"):  # Overflow to Inf in the cast is counted below, precisely.
+      if self._base is None:
+        dst[...] = x
+      elif dst.dtype == np.float32:
+        np.add(_as_f32(self._base[start:stop]), x, out=dst)
+      else:
+        dst[...] = _as_f32(self._base[start:stop]) + x
+    if self._finite is not None:
+      finite = np.isfinite(dst, out=self._finite[: x.size])
+      self._non_finite += x.size - int(np.count_nonzero(finite))
+    self._start = stop
+
+  def close(self) -> int:
+    """Returns the number of NaN/Inf values in the output (0 if not checked).
+
+    Raises:
+      ValueError: if the payload fed did not hold exactly the array's values.
+    """
+    if self._carry or self._start != self._out.size:
+      raise ValueError(f"payload held {self._start} of the array's {self._out.size} values.")
+    return self._non_finite
 
 
 def get_codec(name: str, block_size: int = 64) -> Codec:

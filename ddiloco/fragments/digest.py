@@ -17,5 +17,5 @@ def values_digest(values: Mapping[str, np.ndarray]) -> str:
     h.update(name.encode())
     h.update(str(arr.dtype).encode())
     h.update(repr(tuple(arr.shape)).encode())
-    h.update(arr.tobytes())
+    h.update(memoryview(arr.reshape(-1).view(np.uint8)))  # No copy (tobytes doubled the cost).
   return h.hexdigest()[:32]

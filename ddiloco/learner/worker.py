@@ -327,15 +327,20 @@ class LearnerWorker:
         self.learner.receive(self._received.get_nowait())
       except queue.Empty:
         break
-    # Follow the fleet's cadence (Learner.catch_up); 1 step of slack absorbs the estimate's jitter.
-    # Blocking (synchronous) learners stay put: they wait for each other at every apply anyway.
+
+  def _follow_cadence(self) -> None:
+    """Keeps the schedule in phase with the fleet's cadence (Learner.follow); once per step.
+
+    Blocking (synchronous) learners stay put: they wait for each other at every apply anyway.
+    """
     cadence = self._cadence_now()
-    if not self.learner.config.blocking and cadence >= 0:
-      change = self.learner.follow(cadence, tolerance=3)
-      if change:
-        self.phase_jumps += 1
-        self.phase_jumped_steps += change
-        self._event("phase", step=self.learner.step, cadence=cadence, change=change)
+    if self.learner.config.blocking or cadence < 0:
+      return
+    change = self.learner.follow(cadence, tolerance=3)
+    if change:
+      self.phase_jumps += 1
+      self.phase_jumped_steps += change
+      self._event("phase", step=self.learner.step, cadence=cadence, change=change)
 
   def _set_cadence(self, step: int) -> None:
     self._cadence = (step, time.monotonic())
@@ -385,6 +390,7 @@ class LearnerWorker:
     self.train_start = time.time()
     while self.learner.step < num_steps and not self._stop_requested:
       self._drain()
+      self._follow_cadence()
       batch = next(self._data)
       metrics = self.learner.train_step(batch)
       # At most one step in flight: wait for the previous step's loss (it releases the GIL for

@@ -246,7 +246,7 @@ class SimulatedCluster:
     if codec == "fp32" or report.anchor_version < 0:
       return report
     try:
-      anchor = self.core.state_at(report.fragment, report.anchor_version).values
+      anchor = self.core.values_at(report.fragment, report.anchor_version)
     except KeyError:  # No longer kept: the core answers "late" whatever the values.
       return report
     values = wire.received_values(

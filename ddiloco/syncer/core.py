@@ -541,7 +541,19 @@ class SyncerCore(CheckpointMixin):
     if version not in self._history[p]:
       raise KeyError(f"Version {version} of fragment {p} is not kept ({sorted(self._history[p])}).")
     values = self._history[p][version]
-    return FragmentState(p, version, dict(values), values_digest(values))
+    digest = self._digest[p] if version == self._version[p] else values_digest(values)
+    return FragmentState(p, version, dict(values), digest)
+
+  def values_at(self, p: int, version: int) -> dict[str, np.ndarray]:
+    """Like `state_at(p, version).values` without hashing them (the service's delta anchors).
+
+    Raises:
+      KeyError: if that version is no longer (or not yet) kept.
+    """
+    self._check_fragment(p)
+    if version not in self._history[p]:
+      raise KeyError(f"Version {version} of fragment {p} is not kept ({sorted(self._history[p])}).")
+    return dict(self._history[p][version])
 
   def global_values(self) -> dict[str, np.ndarray]:
     """All fragments' current values, {key: read-only array}."""

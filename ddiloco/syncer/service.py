@@ -342,7 +342,11 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         num_devices=request.num_devices,
         batch_size=request.batch_size,
       )
-      fleet_step = self._core.fleet_step()
+      # The cadence if the fleet has one (running learners follow it); else the newest report's
+      # step, extrapolated. A learner joining an empty fleet must not run ahead of a frozen cadence.
+      fleet_step = self._core.cadence_step()
+      if fleet_step < 0:
+        fleet_step = self._core.fleet_step()
     log.info("learner %d registered from %s", request.learner_id, request.host or "?")
     cfg = self._cfg
     return syncer_pb2.RegisterResponse(
@@ -431,7 +435,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
 
   def _anchor_values(self, p: int, version: int) -> Mapping[str, np.ndarray]:
     with self._cond:
-      return self._core.state_at(p, version).values  # KeyError -> WireError in messages.
+      return self._core.values_at(p, version)  # KeyError -> WireError in messages.
 
   def Pull(self, request, context):
     try:

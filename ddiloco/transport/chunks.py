@@ -4,9 +4,17 @@ gRPC messages have a size cap and large messages stall a stream, so payloads tra
 (ARCHITECTURE.md: ~1 MiB measured best on loopback). The receiver learns `num_chunks` and
 `total_bytes` from the first chunk's header and checks every chunk against them *before* buffering,
 so an oversized or malformed stream is rejected without holding its bytes.
+
+Copies (issue 3, the wire benchmark): a protobuf `bytes` field needs a `bytes` object of its own, so
+the sender's one copy per byte is the chunk's (`ChunkWriter` cuts a stream of writes straight into
+them, no full-size buffer), and the receiver decodes each chunk as `ChunkAssembler` hands it on in
+order (`wire.FragmentReader`), then drops it: nothing is joined, and a chunk's memory is reused
+for the next instead of being faulted in anew.
 """
 
 from collections.abc import Iterable
+
+import numpy as np
 
 from ddiloco.transport.errors import WireError, WireSizeError
 
@@ -29,13 +37,78 @@ def chunk(data: bytes, chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[bytes]:
   return [bytes(view[i : i + chunk_size]) for i in range(0, len(data), chunk_size)]
 
 
+class ChunkWriter:
+  """Cuts a stream of writes into `bytes` chunks of `chunk_size` (the last may be shorter).
+
+  Each byte is copied once, into its chunk: a write that fills whole chunks becomes them directly,
+  smaller pieces gather in one reused chunk-sized buffer. Chunks are handed out as they complete,
+  so a sender can wrap each in its message and drop it (its memory is reused for the next).
+
+  Attributes:
+    nbytes: bytes written so far.
+  """
+
+  def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    """Prepares an empty stream.
+
+    Raises:
+      ValueError: if chunk_size < 1.
+    """
+    if chunk_size < 1:
+      raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    self._size = chunk_size
+    self._buf: memoryview | None = None  # numpy-backed: no zero fill, huge pages when large.
+    self._fill = 0
+    self._emitted = 0
+    self.nbytes = 0
+
+  def write(self, data: bytes | memoryview | np.ndarray) -> list[bytes]:
+    """Appends the bytes of `data` (any C-contiguous buffer); returns the chunks it completed."""
+    view = memoryview(data).cast("B")
+    self.nbytes += len(view)
+    size, out = self._size, []
+    while view:
+      if not self._fill and len(view) >= size:
+        out.append(bytes(view[:size]))
+        view = view[size:]
+        continue
+      if self._buf is None:
+        self._buf = memoryview(np.empty(size, np.uint8))
+      m = min(len(view), size - self._fill)
+      self._buf[self._fill : self._fill + m] = view[:m]
+      self._fill += m
+      view = view[m:]
+      if self._fill == size:
+        out.append(self._take())
+    self._emitted += len(out)
+    return out
+
+  def _take(self) -> bytes:
+    data, self._fill = bytes(self._buf[: self._fill]), 0
+    return data
+
+  def flush(self) -> list[bytes]:
+    """The partial last chunk, if any; one empty chunk if the stream had no bytes at all."""
+    out = [self._take()] if self._fill else []
+    if not out and not self._emitted:
+      out = [b""]  # Every payload has a chunk to carry its header.
+    self._emitted += len(out)
+    return out
+
+
 def num_chunks_for(total_bytes: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> int:
   """Number of chunks `chunk` makes of `total_bytes` bytes."""
   return max(1, -(-total_bytes // chunk_size))
 
 
 class ChunkAssembler:
-  """Accepts chunks in any order and returns the payload once all arrived, validating each."""
+  """Accepts chunks in any order, validating each, and hands them on in index order.
+
+  `add` returns the chunks that are next in order as soon as they are (the one just added, and
+  any held back that it unblocks), so a caller can decode them at once and drop them
+  (`wire.FragmentReader`). Only chunks that arrive early are held. With keep=True it also keeps
+  them all, for `result`.
+  """
 
   def __init__(
     self,
@@ -44,6 +117,7 @@ class ChunkAssembler:
     total_bytes: int,
     max_total_bytes: int,
     max_chunk_bytes: int = DEFAULT_CHUNK_SIZE,
+    keep: bool = True,
   ):
     """Prepares to receive `num_chunks` chunks adding up to `total_bytes`.
 
@@ -67,11 +141,13 @@ class ChunkAssembler:
     self._num_chunks = num_chunks
     self._total = total_bytes
     self._max_chunk = max_chunk_bytes
-    self._parts: dict[int, bytes] = {}
+    self._early: dict[int, bytes] = {}  # Arrived before their predecessors.
+    self._kept: list[bytes] | None = [] if keep else None
+    self._next = 0  # Chunks [0, _next) have been handed on.
     self._received = 0
 
-  def add(self, index: int, data: bytes) -> None:
-    """Stores chunk `index`.
+  def add(self, index: int, data: bytes) -> list[bytes]:
+    """Checks chunk `index`; returns the chunks now next in order (possibly none).
 
     Raises:
       WireError: on an index out of range, a repeated index, a chunk over the size limit, or more
@@ -79,7 +155,7 @@ class ChunkAssembler:
     """
     if not 0 <= index < self._num_chunks:
       raise WireError(f"Chunk index {index} out of range [0, {self._num_chunks}).")
-    if index in self._parts:
+    if index < self._next or index in self._early:
       raise WireError(f"Duplicate chunk index {index}.")
     if len(data) > self._max_chunk:
       raise WireSizeError(f"Chunk {index} has {len(data)} bytes, the limit is {self._max_chunk}.")
@@ -88,23 +164,36 @@ class ChunkAssembler:
         f"Chunk {index} brings the payload to {self._received + len(data)} bytes, "
         f"more than the {self._total} announced."
       )
-    self._parts[index] = bytes(data)
     self._received += len(data)
+    self._early[index] = bytes(data)  # No copy for `bytes`, what protobuf hands out.
+    ready = []
+    while self._next in self._early:
+      ready.append(self._early.pop(self._next))
+      self._next += 1
+    if self._kept is not None:
+      self._kept += ready
+    return ready
 
-  def result(self) -> bytes:
-    """The payload, in index order.
-
-    Raises:
-      WireError: if chunks are missing or the bytes fall short of `total_bytes`.
-    """
-    missing = [i for i in range(self._num_chunks) if i not in self._parts]
+  def check_complete(self) -> None:
+    """Raises WireError if chunks are missing or the bytes fall short of `total_bytes`."""
+    missing = [i for i in range(self._next, self._num_chunks) if i not in self._early]
     if missing:
       raise WireError(
         f"Missing {len(missing)} of {self._num_chunks} chunk(s), first indices {missing[:5]}."
       )
     if self._received != self._total:
       raise WireError(f"Received {self._received} bytes, {self._total} announced.")
-    return b"".join(self._parts[i] for i in range(self._num_chunks))
+
+  def result(self) -> bytes:
+    """The payload, joined in index order (needs keep=True).
+
+    Raises:
+      WireError: if chunks are missing or the bytes fall short of `total_bytes`.
+    """
+    if self._kept is None:
+      raise ValueError("result() needs keep=True: this assembler hands chunks on without them.")
+    self.check_complete()
+    return b"".join(self._kept)
 
 
 def reassemble(

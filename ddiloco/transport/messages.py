@@ -4,6 +4,10 @@ Builds on `wire` (payload format) and `chunks` (cutting and reassembly). The fir
 header; the receiver checks the header's sizes against its limits before buffering the rest, so a
 service can reject a bad stream at the door (ARCHITECTURE.md). A service that needs the fragment id
 to pick the layout reads the first chunk itself and passes `itertools.chain([first], rest)`.
+
+Copies: the sender encodes straight into the chunks' bytes (`wire.serialize_chunks`); the receiver
+checks the header (and looks up a delta's base) from chunk 0, then decodes each chunk as it comes,
+in order, straight into the output arrays (`wire.FragmentReader`): chunks are never joined.
 """
 
 import math
@@ -15,7 +19,7 @@ from ddiloco.fragments import compression
 from ddiloco.fragments.digest import values_digest
 from ddiloco.syncer.core import FragmentState, Report
 from ddiloco.transport import wire
-from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ChunkAssembler, chunk
+from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ChunkAssembler
 from ddiloco.transport.errors import WireError
 from ddiloco.transport.proto import syncer_pb2
 
@@ -28,21 +32,26 @@ def _check_scalars(**fields: float) -> None:
       raise WireError(f"Header field {name} must be finite and >= 0, got {value}.")
 
 
-def _assemble(
+def _read_stream(
   chunks: Iterable,
-  header_field: str,
   layout: wire.Layout,
+  *,
   max_bytes: int | None,
   max_chunk_bytes: int,
-) -> tuple[object, bytes]:
-  """Reads a chunk stream: (header of chunk 0, payload). Rejects bad streams before buffering."""
+  base_for: Callable[[object], Mapping[str, np.ndarray] | None],
+) -> tuple[object, dict[str, np.ndarray]]:
+  """Reads a chunk stream: (header of chunk 0, decoded values). Rejects bad streams early.
+
+  The header is checked (by `base_for` too, which returns the base of a delta or None) before any
+  further chunk is read; each chunk is then decoded as soon as it is next in order, and dropped.
+  """
   it = iter(chunks)
   first = next(it, None)
   if first is None:
     raise WireError("Empty chunk stream: expected at least one chunk with a header.")
-  if first.index != 0 or not first.HasField(header_field):
+  if first.index != 0 or not first.HasField("header"):
     raise WireError(f"The first chunk must be index 0 with a header, got index {first.index}.")
-  header = getattr(first, header_field)
+  header = first.header
   if header.codec not in compression.CODECS:
     raise WireError(f"Unknown codec {header.codec!r}; expected one of {compression.CODECS}.")
   asm = ChunkAssembler(
@@ -50,13 +59,33 @@ def _assemble(
     total_bytes=header.total_bytes,
     max_total_bytes=wire.max_wire_bytes(layout) if max_bytes is None else max_bytes,
     max_chunk_bytes=max_chunk_bytes,
+    keep=False,
   )
-  asm.add(first.index, first.data)
+  reader = wire.FragmentReader(
+    layout, codec_name=header.codec, max_bytes=max_bytes, base=base_for(header)
+  )
+  for data in asm.add(first.index, first.data):
+    reader.feed(data)
   for c in it:
-    if c.HasField(header_field):
+    if c.HasField("header"):
       raise WireError(f"Chunk {c.index} carries a header; only the first chunk may.")
-    asm.add(c.index, c.data)
-  return header, asm.result()
+    for data in asm.add(c.index, c.data):
+      reader.feed(data)
+  asm.check_complete()  # Before the reader's own end checks: a missing chunk is named as such.
+  return header, reader.finish()
+
+
+def _wrap(message: type, pieces: Iterable[bytes]) -> tuple[list, int]:
+  """(messages with index and data, total bytes); the header is set on message 0 afterwards.
+
+  Each chunk's bytes go into its message as they come and are dropped, so only one chunk of
+  `bytes` is alive at a time: its memory is reused for the next instead of faulted in anew.
+  """
+  out, total = [], 0
+  for i, data in enumerate(pieces):
+    out.append(message(index=i, data=data))
+    total += len(data)
+  return out, total
 
 
 def report_to_chunks(
@@ -82,8 +111,10 @@ def report_to_chunks(
   """
   if anchor_values is not None and report.anchor_version < 0:
     raise ValueError("A delta push needs anchor_version >= 0 (the learner never received p).")
-  data = wire.serialize_fragment(report.values, codec, block_size=block_size, base=anchor_values)
-  pieces = chunk(data, chunk_size)
+  pieces = wire.serialize_chunks(
+    report.values, codec, block_size=block_size, base=anchor_values, chunk_size=chunk_size
+  )
+  out, total = _wrap(syncer_pb2.PushChunk, pieces)
   header = syncer_pb2.PushHeader(
     learner_id=report.learner_id,
     fragment=report.fragment,
@@ -93,12 +124,11 @@ def report_to_chunks(
     step=report.step,
     step_time_s=report.step_time_s,
     codec=codec,
-    total_bytes=len(data),
-    num_chunks=len(pieces),
+    total_bytes=total,
+    num_chunks=len(out),
     delta=anchor_values is not None,
   )
-  out = [syncer_pb2.PushChunk(header=header, index=0, data=pieces[0])]
-  out += [syncer_pb2.PushChunk(index=i, data=d) for i, d in enumerate(pieces[1:], start=1)]
+  out[0].header.CopyFrom(header)
   return out
 
 
@@ -132,23 +162,27 @@ def chunks_to_report(
   Raises:
     WireError: on any malformed chunk, header, payload or value, or an unavailable anchor.
   """
+
+  def base_for(header) -> Mapping[str, np.ndarray] | None:
+    if header.learner_id < 0 or header.fragment < 0 or header.anchor_version < -1:
+      raise WireError(
+        f"Header ids out of range: learner_id {header.learner_id}, fragment {header.fragment}, "
+        f"anchor_version {header.anchor_version}."
+      )
+    _check_scalars(tokens=header.tokens, steps=header.steps, step=header.step)
+    _check_scalars(step_time_s=header.step_time_s)
+    if not header.delta:
+      return None
+    return _lookup(anchor_lookup, header.anchor_version, "delta push", "anchor_version")
+
   layout = wire.make_layout(layout_keys, shapes, dtypes)
-  header, data = _assemble(chunks, "header", layout, max_bytes, max_chunk_bytes)
-  if header.learner_id < 0 or header.fragment < 0 or header.anchor_version < -1:
-    raise WireError(
-      f"Header ids out of range: learner_id {header.learner_id}, fragment {header.fragment}, "
-      f"anchor_version {header.anchor_version}."
-    )
-  _check_scalars(tokens=header.tokens, steps=header.steps, step=header.step)
-  _check_scalars(step_time_s=header.step_time_s)
-  base = None
-  if header.delta:
-    base = _lookup(anchor_lookup, header.anchor_version, "delta push", "anchor_version")
-  decoded = wire.decode_layout(data, layout, codec_name=header.codec, max_bytes=max_bytes)
+  header, values = _read_stream(
+    chunks, layout, max_bytes=max_bytes, max_chunk_bytes=max_chunk_bytes, base_for=base_for
+  )
   return Report(
     learner_id=int(header.learner_id),
     fragment=int(header.fragment),
-    values=wire.finish_layout(decoded, layout, base),
+    values=values,
     tokens=int(header.tokens),
     steps=int(header.steps),
     anchor_version=int(header.anchor_version),
@@ -195,7 +229,10 @@ def state_to_chunks(
   if base is not None and base.fragment != state.fragment:
     raise ValueError(f"base is fragment {base.fragment}, state is fragment {state.fragment}.")
   base_values = None if base is None else base.values
-  data = wire.serialize_fragment(state.values, codec, block_size=block_size, base=base_values)
+  pieces = wire.serialize_chunks(
+    state.values, codec, block_size=block_size, base=base_values, chunk_size=chunk_size
+  )
+  out, total = _wrap(syncer_pb2.FragmentChunk, pieces)
   exact = codec == "fp32" and base is None
   exact = exact and all(np.asarray(v).dtype.itemsize <= 4 for v in state.values.values())
   if exact:
@@ -203,18 +240,16 @@ def state_to_chunks(
   else:
     view = wire.received_values(state.values, codec, block_size=block_size, base=base_values)
     digest = values_digest(view)
-  pieces = chunk(data, chunk_size)
   header = syncer_pb2.FragmentHeader(
     fragment=state.fragment,
     version=state.version,
     digest=digest,
     codec=codec,
-    total_bytes=len(data),
-    num_chunks=len(pieces),
+    total_bytes=total,
+    num_chunks=len(out),
     base_version=-1 if base is None else base.version,
   )
-  out = [syncer_pb2.FragmentChunk(header=header, index=0, data=pieces[0])]
-  out += [syncer_pb2.FragmentChunk(index=i, data=d) for i, d in enumerate(pieces[1:], start=1)]
+  out[0].header.CopyFrom(header)
   return out
 
 
@@ -245,18 +280,21 @@ def chunks_to_state(
   Raises:
     WireError: on any malformed chunk, header or payload, an unavailable base, or a digest mismatch.
   """
+
+  def base_for(header) -> Mapping[str, np.ndarray] | None:
+    if header.fragment < 0 or header.version < 0 or header.base_version < -1:
+      raise WireError(
+        f"Header ids out of range: fragment {header.fragment}, version {header.version}, "
+        f"base_version {header.base_version}."
+      )
+    if header.base_version < 0:
+      return None
+    return _lookup(base_lookup, header.base_version, "delta fragment", "base_version")
+
   layout = wire.make_layout(layout_keys, shapes, dtypes)
-  header, data = _assemble(chunks, "header", layout, max_bytes, max_chunk_bytes)
-  if header.fragment < 0 or header.version < 0 or header.base_version < -1:
-    raise WireError(
-      f"Header ids out of range: fragment {header.fragment}, version {header.version}, "
-      f"base_version {header.base_version}."
-    )
-  base = None
-  if header.base_version >= 0:
-    base = _lookup(base_lookup, header.base_version, "delta fragment", "base_version")
-  decoded = wire.decode_layout(data, layout, codec_name=header.codec, max_bytes=max_bytes)
-  values = wire.finish_layout(decoded, layout, base)
+  header, values = _read_stream(
+    chunks, layout, max_bytes=max_bytes, max_chunk_bytes=max_chunk_bytes, base_for=base_for
+  )
   digest = values_digest(values)
   if digest != header.digest:
     raise WireError(

@@ -20,16 +20,23 @@ Decisions:
     holds `cast(decoded)`; with "fp32" that is bit-exact for float32/bfloat16/float16 layouts.
   * `received_values` gives the sender exactly what the receiver will hold, so the syncer can adopt
     the dequantized value and both sides stay bit-identical (SPEC §5, §4.7).
+  * Copies (issue 3, the wire benchmark): both ends stream. The sender encodes each array in
+    cache-sized runs (delta, float32 cast, NaN/Inf check and encoding in one pass) straight into
+    the chunks' bytes (`serialize_chunks`). The receiver (`FragmentReader`) parses each chunk as it
+    arrives and decodes it straight into the output arrays (base added, cast, NaN/Inf counted after
+    the cast: the receive path's one finiteness check), so the payload is never joined. The bytes
+    are those of the one-shot format above.
 """
 
 import math
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
 
 from ddiloco.fragments import compression
+from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ChunkWriter
 from ddiloco.transport.errors import WireError, WireSizeError
 
 MAGIC = b"DDWF"
@@ -42,7 +49,9 @@ _ENTRY_TAIL = struct.Struct("<IQQ")  # block size, payload length, scales length
 # Per-entry upper bound on framing bytes beyond the key and dims (u16+u8+u8+dtype+u8+tail).
 _ENTRY_FRAMING = 2 + 1 + 1 + 255 + 1 + _ENTRY_TAIL.size
 
+
 Layout = dict[str, tuple[tuple[int, ...], np.dtype]]
+Buffer = bytes | bytearray | memoryview
 
 
 def _resolve_dtype(d: object) -> np.dtype:
@@ -89,18 +98,61 @@ def max_wire_bytes(layout: Layout) -> int:
   return total
 
 
-def _as_f32_delta(values: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray] | None) -> dict:
-  if base is None:
-    return dict(values)
-  if set(base) != set(values):
+def _entry_head(key: str, shape: tuple[int, ...], dtype: str, codec: compression.Codec) -> bytes:
+  """The framing of one entry, up to its payload (see the format in the module docstring)."""
+  kb, db = key.encode("utf-8"), dtype.encode("ascii")
+  if len(kb) > 0xFFFF or len(shape) > 0xFF:
+    raise ValueError(f"{key!r}: key longer than 65535 bytes or more than 255 dims.")
+  payload_len, scales_len = codec.nbytes(math.prod(shape))
+  return b"".join(
+    [
+      _U16.pack(len(kb)),
+      kb,
+      _U8.pack(compression.CODECS.index(codec.name)),
+      _U8.pack(len(db)),
+      db,
+      _U8.pack(len(shape)),
+      struct.pack(f"<{len(shape)}Q", *shape),
+      _ENTRY_TAIL.pack(codec.block_size if codec.quantized else 0, payload_len, scales_len),
+    ]
+  )
+
+
+def _fragment_pieces(
+  values: Mapping[str, np.ndarray],
+  codec: compression.Codec,
+  base: Mapping[str, np.ndarray] | None,
+) -> Iterator[bytes | np.ndarray]:
+  """The serialized fragment, piece by piece in order (no full-size buffer).
+
+  Each array is encoded in cache-sized runs (`Codec.encode_runs`): the delta, the float32 cast,
+  the NaN/Inf check and the encoding are one pass over the values. A piece may be overwritten once
+  the next is asked for.
+  """
+  if base is not None and set(base) != set(values):
     raise ValueError(f"base keys differ from values keys: {sorted(set(base) ^ set(values))[:3]}.")
-  out = {}
-  for k, v in values.items():
-    v32, b32 = np.asarray(v, np.float32), np.asarray(base[k], np.float32)
-    if v32.shape != b32.shape:
-      raise ValueError(f"{k!r}: base shape {b32.shape} != values shape {v32.shape}.")
-    out[k] = v32 - b32
-  return out
+  entries = []
+  for key in sorted(values):
+    x = np.asarray(values[key])
+    b = None if base is None else np.asarray(base[key])
+    if b is not None and b.shape != x.shape:
+      raise ValueError(f"{key!r}: base shape {b.shape} != values shape {x.shape}.")
+    head = _entry_head(key, tuple(int(d) for d in x.shape), _resolve_dtype(x.dtype).name, codec)
+    entries.append((key, head, x, b))
+  yield _FILE_HEADER.pack(MAGIC, FORMAT_VERSION, len(entries))
+  for key, head, x, b in entries:
+    yield head
+    scales = np.empty(codec.nbytes(x.size)[1] // 4, compression.F32)
+    filled = 0
+    try:
+      for payload, run_scales in codec.encode_runs(x, base=b):
+        yield payload
+        scales[filled : filled + run_scales.size] = run_scales
+        filled += run_scales.size
+    except ValueError as e:
+      raise ValueError(f"{key!r}: {e}") from e
+    if scales.size:
+      yield scales  # The format puts an entry's scales after its whole payload.
 
 
 def serialize_fragment(
@@ -127,112 +179,298 @@ def serialize_fragment(
       cannot hold.
   """
   codec = compression.get_codec(codec_name, block_size)
-  encoded = compression.encode_fragment(_as_f32_delta(values, base), codec)
-  parts = [_FILE_HEADER.pack(MAGIC, FORMAT_VERSION, len(encoded))]
-  for key in sorted(encoded):
-    enc = encoded[key]
-    dtype = _resolve_dtype(np.asarray(values[key]).dtype).name.encode("ascii")
-    kb = key.encode("utf-8")
-    if len(kb) > 0xFFFF or len(enc.shape) > 0xFF:
-      raise ValueError(f"{key!r}: key longer than 65535 bytes or more than 255 dims.")
-    parts += [_U16.pack(len(kb)), kb, _U8.pack(compression.CODECS.index(enc.codec))]
-    parts += [_U8.pack(len(dtype)), dtype, _U8.pack(len(enc.shape))]
-    parts += [struct.pack(f"<{len(enc.shape)}Q", *enc.shape)]
-    parts += [_ENTRY_TAIL.pack(enc.block_size, len(enc.payload), len(enc.scales))]
-    parts += [enc.payload, enc.scales]
-  return b"".join(parts)
+  size = _FILE_HEADER.size
+  for key, v in values.items():
+    shape = np.shape(v)
+    size += (
+      _ENTRY_FRAMING + len(key.encode()) + 8 * len(shape) + sum(codec.nbytes(math.prod(shape)))
+    )
+  writer = ChunkWriter(max(1, size))  # One chunk: the whole payload, one copy per byte.
+  for piece in _fragment_pieces(values, codec, base):
+    writer.write(piece)
+  return writer.flush()[0]
 
 
-class _Reader:
-  """Bounds-checked reads from a bytes buffer; every short read is a precise WireError."""
+def serialize_chunks(
+  values: Mapping[str, np.ndarray],
+  codec_name: str,
+  *,
+  block_size: int = 64,
+  base: Mapping[str, np.ndarray] | None = None,
+  chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Iterator[bytes]:
+  """`serialize_fragment(...)` cut into chunks of `chunk_size`, made one by one as iterated.
 
-  def __init__(self, data: bytes):
-    self._view = memoryview(data)
-    self.pos = 0
+  Every byte is copied once, into its chunk, and no joined copy is made: a sender that wraps each
+  chunk in its message as it comes holds one chunk of `bytes` at a time.
 
-  def take(self, n: int, what: str) -> memoryview:
-    if n > len(self._view) - self.pos:
-      raise WireError(
-        f"Truncated data: {what} needs {n} bytes at offset {self.pos}, "
-        f"only {len(self._view) - self.pos} left."
-      )
-    out = self._view[self.pos : self.pos + n]
-    self.pos += n
+  Yields:
+    The chunks in order; one empty chunk for an empty payload (there is always one).
+
+  Raises:
+    ValueError: while iterating, as `serialize_fragment`; at once if chunk_size < 1.
+  """
+  codec = compression.get_codec(codec_name, block_size)
+  writer = ChunkWriter(chunk_size)
+  return _chunks_of(_fragment_pieces(values, codec, base), writer)
+
+
+def _chunks_of(pieces: Iterator[bytes | np.ndarray], writer: ChunkWriter) -> Iterator[bytes]:
+  for piece in pieces:
+    yield from writer.write(piece)
+  yield from writer.flush()
+
+
+class FragmentReader:
+  """Parses, checks and decodes a serialized fragment fed in pieces (chunks), in order.
+
+  Each piece is parsed or decoded into the output arrays when it is fed, so the caller can drop it:
+  the payload is never joined or held whole. fp32/bf16 payloads are decoded as they arrive;
+  int8/int4 payloads are gathered (their scales follow them) and decoded once the scales are in.
+  Every length is checked against the layout before the bytes it covers are read, and NaN/Inf is
+  counted after the cast to the layout dtype (`RunDecoder`), the one check of the receive path.
+
+  Attributes:
+    limit: the size limit in bytes; feeding more raises WireSizeError.
+  """
+
+  def __init__(
+    self,
+    layout: Layout,
+    *,
+    codec_name: str | None = None,
+    max_bytes: int | None = None,
+    base: Mapping[str, np.ndarray] | None = None,
+    raw: bool = False,
+  ):
+    """Prepares to read a fragment of `layout`.
+
+    Args:
+      layout: from `make_layout`.
+      codec_name: if given, every entry must use this codec.
+      max_bytes: size limit; defaults to `max_wire_bytes(layout)`.
+      base: if given, the data is a delta and the result is `cast(base + decoded)` (SPEC §5).
+      raw: decode to float32 with no base and no NaN/Inf check (`decode_layout`).
+    """
+    self._layout, self._codec_name, self._base, self._raw = layout, codec_name, base, raw
+    self.limit = max_wire_bytes(layout) if max_bytes is None else max_bytes
+    self._fed = 0
+    self._view, self._off, self._pos = memoryview(b""), 0, 0  # Current piece; stream offset.
+    self._parser = self._parse()
+    next(self._parser)  # Runs to the first read.
+
+  def feed(self, data: Buffer) -> None:
+    """Parses and decodes the next piece of the serialized fragment.
+
+    Raises:
+      WireError: on anything malformed so far (then the reader is done); WireSizeError if the
+        bytes fed exceed the size limit.
+    """
+    view = memoryview(data).cast("B")
+    self._fed += len(view)
+    if self._fed > self.limit:
+      raise WireSizeError(f"Oversized payload: {self._fed} bytes, the limit is {self.limit}.")
+    try:
+      self._parser.send(view)
+    except StopIteration as e:
+      raise WireError("This reader is done (finished or failed); it takes no more data.") from e
+
+  def finish(self) -> dict[str, np.ndarray]:
+    """Ends the data and returns {key: array of the layout's shape and dtype}, all finite.
+
+    Raises:
+      WireError: as `deserialize_fragment`, e.g. for truncated or trailing data or missing keys.
+    """
+    try:
+      self._parser.send(None)
+    except StopIteration as stop:
+      if stop.value is None:
+        raise WireError(
+          "This reader is done (finished or failed); it has no more values."
+        ) from stop
+      return stop.value
+    raise AssertionError("The parser asked for data after the end.")
+
+  # Generators below: `yield` hands control back until the next piece is fed (None: the end).
+
+  def _next_piece(self, what: str, n: int, at: int):
+    while self._off == len(self._view):
+      data = yield
+      if data is None:
+        raise WireError(
+          f"Truncated data: {what} needs {n} bytes at offset {at}, only {self._fed - at} left."
+        )
+      self._view, self._off = data, 0
+
+  def _some(self, n: int, what: str, need: int, at: int):
+    """Between 1 and n bytes of the stream, a view of the current piece (no copy)."""
+    yield from self._next_piece(what, need, at)
+    m = min(n, len(self._view) - self._off)
+    out = self._view[self._off : self._off + m]
+    self._off, self._pos = self._off + m, self._pos + m
     return out
 
-  def unpack(self, s: struct.Struct, what: str) -> tuple:
-    return s.unpack(self.take(s.size, what))
+  def _take(self, n: int, what: str):
+    """Exactly n contiguous bytes; only framing that straddles two pieces is copied."""
+    if not n:
+      return memoryview(b"")  # Never wait for a piece that is not needed.
+    at = self._pos
+    if len(self._view) - self._off >= n:
+      return (yield from self._some(n, what, n, at))
+    got = bytearray()
+    while len(got) < n:
+      got += yield from self._some(n - len(got), what, n, at)
+    return memoryview(got)
 
-  def remaining(self) -> int:
-    return len(self._view) - self.pos
+  def _unpack(self, s: struct.Struct, what: str):
+    return s.unpack((yield from self._take(s.size, what)))
+
+  def _parse(self):
+    magic, version, count = yield from self._unpack(_FILE_HEADER, "file header")
+    if magic != MAGIC:
+      raise WireError(f"Bad magic {magic!r}, expected {MAGIC!r}: not a ddiloco fragment.")
+    if version != FORMAT_VERSION:
+      raise WireError(f"Unsupported format version {version}; this build reads {FORMAT_VERSION}.")
+    if count > len(self._layout):
+      raise WireError(f"Payload has {count} entries, the layout only {len(self._layout)}.")
+    out: dict[str, np.ndarray] = {}
+    for _ in range(count):
+      key, codec, payload_len = yield from self._entry_head()
+      if key in out:
+        raise WireError(f"Duplicate key {key!r} in payload.")
+      out[key] = yield from self._entry_values(key, codec, payload_len)
+    while (yield) is not None:  # Count whatever trails the last entry.
+      pass
+    if self._fed > self._pos:
+      raise WireError(f"{self._fed - self._pos} trailing bytes after the last entry.")
+    missing = sorted(set(self._layout) - set(out))
+    if missing:
+      raise WireError(f"Missing {len(missing)} key(s) of the layout: {missing[:3]}.")
+    return {k: out[k] for k in self._layout}
+
+  def _entry_head(self):
+    """Reads and checks one entry's framing against the layout: (key, codec, payload length)."""
+    (key_len,) = yield from self._unpack(_U16, "key length")
+    try:
+      key = bytes((yield from self._take(key_len, "key"))).decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise WireError(f"Key at offset {self._pos - key_len} is not UTF-8.") from e
+    if key not in self._layout:
+      raise WireError(f"Unknown key {key!r}: not in this fragment's layout.")
+    shape, dtype = self._layout[key]
+    (codec_idx,) = yield from self._unpack(_U8, f"{key!r} codec")
+    if codec_idx >= len(compression.CODECS):
+      raise WireError(f"{key!r}: unknown codec index {codec_idx}.")
+    codec = compression.CODECS[codec_idx]
+    if self._codec_name is not None and codec != self._codec_name:
+      raise WireError(f"{key!r}: encoded with {codec!r}, the header says {self._codec_name!r}.")
+    (dlen,) = yield from self._unpack(_U8, f"{key!r} dtype length")
+    got_dtype = bytes((yield from self._take(dlen, f"{key!r} dtype"))).decode("ascii", "replace")
+    if got_dtype != dtype.name:
+      raise WireError(f"{key!r}: dtype {got_dtype!r}, expected {dtype.name!r}.")
+    (ndim,) = yield from self._unpack(_U8, f"{key!r} ndim")
+    got_shape = struct.unpack(f"<{ndim}Q", (yield from self._take(8 * ndim, f"{key!r} shape")))
+    if got_shape != shape:
+      raise WireError(f"{key!r}: shape {got_shape}, expected {shape}.")
+    block_size, payload_len, scales_len = yield from self._unpack(_ENTRY_TAIL, f"{key!r} lengths")
+    if codec in ("int8", "int4") and not 1 <= block_size <= MAX_BLOCK_SIZE:
+      raise WireError(f"{key!r}: block size {block_size} outside [1, {MAX_BLOCK_SIZE}].")
+    if codec in ("fp32", "bf16") and block_size != 0:
+      raise WireError(f"{key!r}: {codec} entries must have block size 0, got {block_size}.")
+    c = compression.get_codec(codec, block_size or 64)
+    want_payload, want_scales = c.nbytes(math.prod(shape))
+    if (payload_len, scales_len) != (want_payload, want_scales):
+      raise WireError(
+        f"{key!r}: payload/scales of {payload_len}/{scales_len} bytes, expected "
+        f"{want_payload}/{want_scales} for {codec} of shape {shape}."
+      )
+    return key, c, payload_len
+
+  def _entry_values(self, key: str, codec: compression.Codec, payload_len: int):
+    """Reads one entry's payload and scales (lengths already checked) into its output array."""
+    shape, dtype = self._layout[key]
+    n = math.prod(shape)
+    base = None
+    if self._base is not None:
+      if key not in self._base or np.shape(self._base[key]) != shape:
+        raise WireError(f"{key!r}: the base has no array of shape {shape} for this key.")
+      base = np.ravel(np.asarray(self._base[key]))
+    out = np.empty(n, np.float32 if self._raw else dtype)
+    what, at, left = f"{key!r} payload", self._pos, payload_len
+    try:
+      if not codec.quantized:
+        decoder = compression.RunDecoder(codec, out, base=base, check=not self._raw)
+        while left:
+          piece = yield from self._some(left, what, payload_len, at)
+          decoder.feed(piece)
+          left -= len(piece)
+      else:  # The scales follow the payload: gather it (int payloads are 4-8x smaller).
+        payload = memoryview(np.empty(payload_len, np.uint8))
+        while left:
+          piece = yield from self._some(left, what, payload_len, at)
+          payload[payload_len - left : payload_len - left + len(piece)] = piece
+          left -= len(piece)
+        scales_len = codec.nbytes(n)[1]
+        scales = codec.checked_scales((yield from self._take(scales_len, f"{key!r} scales")), n)
+        decoder = compression.RunDecoder(codec, out, scales=scales, base=base, check=not self._raw)
+        decoder.feed(payload)
+      bad = decoder.close()
+    except WireError:
+      raise
+    except ValueError as e:
+      raise WireError(f"Malformed encoding: {key!r}: {e}") from e
+    if bad:
+      raise WireError(
+        f"{key!r}: {bad} non-finite value(s) (NaN/Inf) after decoding as {dtype.name}."
+      )
+    return out.reshape(shape)
 
 
-def _expected_lengths(codec: str, n: int, block_size: int) -> tuple[int, int]:
-  """(payload, scales) bytes the codec needs for n values."""
-  if codec == "fp32":
-    return 4 * n, 0
-  if codec == "bf16":
-    return 2 * n, 0
-  blocks = -(-n // block_size)
-  return (n if codec == "int8" else -(-n // 2)), 4 * blocks
+def read_layout(
+  data: Buffer | Sequence[Buffer],
+  layout: Layout,
+  *,
+  codec_name: str | None,
+  max_bytes: int | None,
+  base: Mapping[str, np.ndarray] | None,
+) -> dict[str, np.ndarray]:
+  """Parses, checks and decodes to what the receiver holds: cast(base + decoded) (SPEC §5).
+
+  Equal to `finish_layout(decode_layout(data, ...), layout, base)`, in one pass per array.
+
+  Args:
+    data: the serialized bytes, or the pieces (chunks) that hold them in order, not joined.
+    layout: from `make_layout`.
+    codec_name: if given, every entry must use this codec.
+    max_bytes: size limit; defaults to `max_wire_bytes(layout)`.
+    base: if given, the data is a delta against it.
+
+  Returns:
+    {key: new array of the layout's shape and dtype}, all finite.
+
+  Raises:
+    WireError: as `deserialize_fragment`.
+  """
+  return _read(data, FragmentReader(layout, codec_name=codec_name, max_bytes=max_bytes, base=base))
 
 
-def _read_entry(
-  r: _Reader, layout: Layout, codec_name: str | None
-) -> tuple[str, compression.Encoded]:
-  """Reads one entry, checking it against the layout before slicing its payload."""
-  (key_len,) = r.unpack(_U16, "key length")
-  try:
-    key = bytes(r.take(key_len, "key")).decode("utf-8")
-  except UnicodeDecodeError as e:
-    raise WireError(f"Key at offset {r.pos - key_len} is not UTF-8.") from e
-  if key not in layout:
-    raise WireError(f"Unknown key {key!r}: not in this fragment's layout.")
-  shape, dtype = layout[key]
-  (codec_idx,) = r.unpack(_U8, f"{key!r} codec")
-  if codec_idx >= len(compression.CODECS):
-    raise WireError(f"{key!r}: unknown codec index {codec_idx}.")
-  codec = compression.CODECS[codec_idx]
-  if codec_name is not None and codec != codec_name:
-    raise WireError(f"{key!r}: encoded with {codec!r}, the header says {codec_name!r}.")
-  (dlen,) = r.unpack(_U8, f"{key!r} dtype length")
-  got_dtype = bytes(r.take(dlen, f"{key!r} dtype")).decode("ascii", errors="replace")
-  if got_dtype != dtype.name:
-    raise WireError(f"{key!r}: dtype {got_dtype!r}, expected {dtype.name!r}.")
-  (ndim,) = r.unpack(_U8, f"{key!r} ndim")
-  got_shape = struct.unpack(f"<{ndim}Q", r.take(8 * ndim, f"{key!r} shape"))
-  if got_shape != shape:
-    raise WireError(f"{key!r}: shape {got_shape}, expected {shape}.")
-  block_size, payload_len, scales_len = r.unpack(_ENTRY_TAIL, f"{key!r} lengths")
-  if codec in ("int8", "int4") and not 1 <= block_size <= MAX_BLOCK_SIZE:
-    raise WireError(f"{key!r}: block size {block_size} outside [1, {MAX_BLOCK_SIZE}].")
-  if codec in ("fp32", "bf16") and block_size != 0:
-    raise WireError(f"{key!r}: {codec} entries must have block size 0, got {block_size}.")
-  want_payload, want_scales = _expected_lengths(codec, math.prod(shape), block_size)
-  if (payload_len, scales_len) != (want_payload, want_scales):
-    raise WireError(
-      f"{key!r}: payload/scales of {payload_len}/{scales_len} bytes, expected "
-      f"{want_payload}/{want_scales} for {codec} of shape {shape}."
-    )
-  payload = bytes(r.take(payload_len, f"{key!r} payload"))
-  scales = bytes(r.take(scales_len, f"{key!r} scales"))
-  return key, compression.Encoded(
-    codec=codec,
-    shape=shape,
-    dtype=dtype.name,
-    payload=payload,
-    scales=scales,
-    block_size=block_size,
-  )
+def _read(data: Buffer | Sequence[Buffer], reader: FragmentReader) -> dict[str, np.ndarray]:
+  parts = [data] if isinstance(data, bytes | bytearray | memoryview) else data
+  total = sum(memoryview(p).nbytes for p in parts)
+  if total > reader.limit:  # The whole size is known: refuse before parsing anything.
+    raise WireSizeError(f"Oversized payload: {total} bytes, the limit is {reader.limit}.")
+  for part in parts:
+    reader.feed(part)
+  return reader.finish()
 
 
 def decode_layout(
-  data: bytes, layout: Layout, *, codec_name: str | None, max_bytes: int | None
+  data: Buffer | Sequence[Buffer], layout: Layout, *, codec_name: str | None, max_bytes: int | None
 ) -> dict[str, np.ndarray]:
   """Parses and decodes to float32, before any base is added or dtype cast.
 
   Args:
-    data: serialized bytes.
+    data: serialized bytes, or the pieces that hold them in order.
     layout: from `make_layout`.
     codec_name: if given, every entry must use this codec.
     max_bytes: size limit; defaults to `max_wire_bytes(layout)`.
@@ -240,32 +478,8 @@ def decode_layout(
   Raises:
     WireError: as `deserialize_fragment`, except for NaN/Inf (checked by `finish_layout`).
   """
-  limit = max_wire_bytes(layout) if max_bytes is None else max_bytes
-  if len(data) > limit:
-    raise WireSizeError(f"Oversized payload: {len(data)} bytes, the limit is {limit}.")
-  r = _Reader(data)
-  magic, version, count = r.unpack(_FILE_HEADER, "file header")
-  if magic != MAGIC:
-    raise WireError(f"Bad magic {magic!r}, expected {MAGIC!r}: not a ddiloco fragment.")
-  if version != FORMAT_VERSION:
-    raise WireError(f"Unsupported format version {version}; this build reads {FORMAT_VERSION}.")
-  if count > len(layout):
-    raise WireError(f"Payload has {count} entries, the layout only {len(layout)}.")
-  encoded: dict[str, compression.Encoded] = {}
-  for _ in range(count):
-    key, enc = _read_entry(r, layout, codec_name)
-    if key in encoded:
-      raise WireError(f"Duplicate key {key!r} in payload.")
-    encoded[key] = enc
-  if r.remaining():
-    raise WireError(f"{r.remaining()} trailing bytes after the last entry.")
-  missing = sorted(set(layout) - set(encoded))
-  if missing:
-    raise WireError(f"Missing {len(missing)} key(s) of the layout: {missing[:3]}.")
-  try:
-    return compression.decode_fragment(encoded)
-  except ValueError as e:
-    raise WireError(f"Malformed encoding: {e}") from e
+  reader = FragmentReader(layout, codec_name=codec_name, max_bytes=max_bytes, raw=True)
+  return _read(data, reader)
 
 
 def finish_layout(
@@ -276,24 +490,26 @@ def finish_layout(
   Raises:
     WireError: if the base lacks a key or shape, or a value is NaN/Inf after the cast.
   """
+  fp32 = compression.get_codec("fp32")
   out = {}
   for k, (shape, dtype) in layout.items():
-    x = decoded[k]
+    base_flat = None
     if base is not None:
       if k not in base or np.shape(base[k]) != shape:
         raise WireError(f"{k!r}: the base has no array of shape {shape} for this key.")
-      x = np.asarray(base[k], np.float32) + x
-    with np.errstate(over="ignore"):  # Overflow to Inf is reported just below, precisely.
-      y = x.astype(dtype)
-    bad = int(np.count_nonzero(~np.isfinite(y.astype(np.float32))))
+      base_flat = np.ravel(np.asarray(base[k]))
+    y = np.empty(math.prod(shape), dtype)
+    decoder = compression.RunDecoder(fp32, y, base=base_flat)
+    decoder.feed(np.ascontiguousarray(decoded[k], compression.F32))
+    bad = decoder.close()
     if bad:
       raise WireError(f"{k!r}: {bad} non-finite value(s) (NaN/Inf) after decoding as {dtype.name}.")
-    out[k] = y
+    out[k] = y.reshape(shape)
   return out
 
 
 def deserialize_fragment(
-  data: bytes,
+  data: Buffer | Sequence[Buffer],
   layout_keys: Sequence[str],
   shapes: Sequence[Sequence[int]] | Mapping[str, Sequence[int]],
   dtypes: Sequence[object] | Mapping[str, object],
@@ -305,7 +521,7 @@ def deserialize_fragment(
   """Parses, validates and decodes a fragment serialized by `serialize_fragment`.
 
   Args:
-    data: the serialized bytes.
+    data: the serialized bytes, or the chunks that hold them in order.
     layout_keys: the keys the fragment must hold, exactly.
     shapes: expected shape per key (in `layout_keys` order, or a mapping by key).
     dtypes: expected dtype per key (names like "bfloat16" or numpy dtypes), likewise.
@@ -321,8 +537,7 @@ def deserialize_fragment(
       wrong shapes/dtypes/codec, lengths that do not match the codec, oversized data, or NaN/Inf.
   """
   layout = make_layout(layout_keys, shapes, dtypes)
-  decoded = decode_layout(data, layout, codec_name=codec_name, max_bytes=max_bytes)
-  return finish_layout(decoded, layout, base)
+  return read_layout(data, layout, codec_name=codec_name, max_bytes=max_bytes, base=base)
 
 
 def received_values(
@@ -335,14 +550,35 @@ def received_values(
   """What a receiver holds after `values` went over the wire: the sender adopts it (SPEC §5).
 
   Equal to `deserialize_fragment(serialize_fragment(values, ...), ...)` bit for bit, without the
-  framing. With "fp32", no base and float32/bfloat16/float16 arrays this is `values` itself.
+  framing: each run is encoded and decoded by the same functions as on the wire. With "fp32", no
+  base and float32/bfloat16/float16 arrays the result equals `values`.
 
   Raises:
-    ValueError: as `serialize_fragment`.
+    ValueError: as `serialize_fragment`; WireError (a ValueError) if a value is NaN/Inf after the
+      cast to its dtype.
   """
   codec = compression.get_codec(codec_name, block_size)
-  decoded = compression.decode_fragment(
-    compression.encode_fragment(_as_f32_delta(values, base), codec)
-  )
-  layout = {k: (tuple(np.shape(v)), _resolve_dtype(np.asarray(v).dtype)) for k, v in values.items()}
-  return finish_layout(decoded, layout, base)
+  if base is not None and set(base) != set(values):
+    raise ValueError(f"base keys differ from values keys: {sorted(set(base) ^ set(values))[:3]}.")
+  out = {}
+  for k in sorted(values):
+    x = np.asarray(values[k])
+    b = None if base is None else np.asarray(base[k])
+    dtype = _resolve_dtype(x.dtype)
+    y = np.empty(x.size, dtype)
+    b_flat, start, bad = None if b is None else np.ravel(b), 0, 0
+    try:
+      for payload, scales in codec.encode_runs(x, base=b):
+        # Runs are whole scale blocks: a run decodes with its own scales, as its own array.
+        m = codec.run_values(payload.size, x.size - start)
+        run_base = None if b_flat is None else b_flat[start : start + m]
+        decoder = compression.RunDecoder(codec, y[start : start + m], scales=scales, base=run_base)
+        decoder.feed(payload)
+        bad += decoder.close()
+        start += m
+    except ValueError as e:
+      raise ValueError(f"{k!r}: {e}") from e
+    if bad:
+      raise WireError(f"{k!r}: {bad} non-finite value(s) (NaN/Inf) after decoding as {dtype.name}.")
+    out[k] = y.reshape(x.shape)
+  return out

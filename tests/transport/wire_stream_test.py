@@ -1,0 +1,131 @@
+"""Streaming wire paths: chunks cut and decoded across unit boundaries, in any order (issue 3).
+
+Proposed as tests/transport/wire_stream_test.py (it only needs numpy and the transport package).
+"""
+
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ddiloco.fragments.compression import RUN_VALUES, get_codec
+from ddiloco.syncer.core import Report
+from ddiloco.transport import wire
+from ddiloco.transport.chunks import ChunkAssembler, ChunkWriter
+from ddiloco.transport.errors import WireError
+from ddiloco.transport.messages import chunks_to_report, report_to_chunks
+
+
+def _bits(a):
+  return (a.dtype.name, a.shape, a.tobytes())
+
+
+def test_chunk_writer_cuts_exact_chunks():
+  w = ChunkWriter(4)
+  got = (
+    w.write(b"abc") + w.write(b"defghijklm") + w.write(b"") + w.write(np.arange(2, dtype=np.uint8))
+  )
+  # 3 + 10 + 0 + 2 = 15 bytes: chunks abcd, efgh, ijkl complete; "m\x00\x01" is the partial last.
+  assert got == [b"abcd", b"efgh", b"ijkl"]
+  assert w.flush() == [b"m\x00\x01"] and w.nbytes == 15
+  assert ChunkWriter(4).flush() == [b""]  # An empty stream still has its one chunk.
+
+
+def test_assembler_hands_chunks_on_in_order_without_keeping_them():
+  asm = ChunkAssembler(
+    num_chunks=3, total_bytes=5, max_total_bytes=5, max_chunk_bytes=2, keep=False
+  )
+  assert asm.add(2, b"e") == []  # Early: held until 0 and 1 are in.
+  assert asm.add(0, b"ab") == [b"ab"]
+  assert asm.add(1, b"cd") == [b"cd", b"e"]
+  asm.check_complete()
+  with pytest.raises(ValueError, match="needs keep=True"):
+    asm.result()
+  with pytest.raises(WireError, match=re.escape("Duplicate chunk index 1.")):
+    asm.add(1, b"cd")
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("chunk_size", [1, 7, 13, 4096])
+def test_serialize_chunks_join_to_the_one_shot_bytes(codec, chunk_size):
+  rng = np.random.default_rng(0)
+  vals = {
+    "a": rng.standard_normal(1001).astype(np.float32),
+    "b": rng.standard_normal((3, 5)).astype(ml_dtypes.bfloat16),
+  }
+  base = {k: (v.astype(np.float32) + 0.5).astype(v.dtype) for k, v in vals.items()}
+  pieces = list(wire.serialize_chunks(vals, codec, block_size=7, base=base, chunk_size=chunk_size))
+  one = wire.serialize_fragment(vals, codec, block_size=7, base=base)
+  assert b"".join(pieces) == one
+  assert all(len(p) == chunk_size for p in pieces[:-1]) and 0 < len(pieces[-1]) <= chunk_size
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4"])
+def test_report_over_seven_byte_chunks_in_any_order(codec):
+  # 7-byte chunks split fp32 (4-byte) and bf16 (2-byte) values and the framing across chunks.
+  rng = np.random.default_rng(1)
+  vals = {
+    "w": rng.standard_normal(301).astype(np.float32),
+    "h": rng.standard_normal(9).astype(np.float16),
+  }
+  anchor = {k: (v + np.float32(0.25)).astype(v.dtype) for k, v in vals.items()}
+  r = Report(learner_id=0, fragment=0, values=vals, tokens=1, steps=1, anchor_version=0, step=0)
+  chunks = report_to_chunks(r, codec, block_size=5, chunk_size=7, anchor_values=anchor)
+  rest = chunks[1:]
+  rng.shuffle(rest)
+  back = chunks_to_report(
+    [chunks[0], *rest],
+    ["h", "w"],
+    [(9,), (301,)],
+    ["float16", "float32"],
+    anchor_lookup=lambda v: anchor,
+    max_chunk_bytes=7,
+  )
+  want = wire.received_values(vals, codec, block_size=5, base=anchor)
+  assert {k: _bits(v) for k, v in back.values.items()} == {k: _bits(v) for k, v in want.items()}
+
+
+def test_reader_fed_byte_by_byte_equals_one_shot():
+  vals = {"w": np.linspace(-1, 1, 2 * RUN_VALUES + 3, dtype=np.float32)}  # Three runs, odd tail.
+  data = wire.serialize_fragment(vals, "int4", block_size=7)
+  lay = wire.make_layout(["w"], [vals["w"].shape], ["float32"])
+  reader = wire.FragmentReader(lay, codec_name="int4")
+  for i in range(0, len(data), 1 << 15):
+    reader.feed(data[i : i + (1 << 15)])
+  got = reader.finish()["w"]
+  assert _bits(got) == _bits(
+    wire.deserialize_fragment(data, ["w"], [vals["w"].shape], ["float32"])["w"]
+  )
+  small = wire.serialize_fragment({"w": vals["w"][:10]}, "bf16")
+  reader = wire.FragmentReader(wire.make_layout(["w"], [(10,)], ["float32"]))
+  for b in small:
+    reader.feed(bytes([b]))
+  assert _bits(reader.finish()["w"]) == _bits(
+    wire.received_values({"w": vals["w"][:10]}, "bf16")["w"]
+  )
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 64, RUN_VALUES + 1])
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_encode_runs_concatenate_to_encode(codec, block_size):
+  x = np.random.default_rng(2).standard_normal(RUN_VALUES * 2 + 5).astype(np.float32)
+  c = get_codec(codec, block_size)
+  runs = [(p.tobytes(), s.tobytes()) for p, s in c.encode_runs(x)]
+  enc = c.encode(x)
+  assert b"".join(p for p, _ in runs) == enc.payload and b"".join(s for _, s in runs) == enc.scales
+  np.testing.assert_array_equal(c.decode(enc), c.roundtrip(x))
+
+
+def test_nan_in_a_later_chunk_is_refused_with_the_exact_count():
+  vals = {"w": np.zeros(1000, np.float32)}
+  r = Report(learner_id=0, fragment=0, values=vals, tokens=1, steps=1, anchor_version=0, step=0)
+  chunks = report_to_chunks(r, "fp32", chunk_size=1024)
+  data = bytearray(chunks[2].data)
+  # Chunk 2 starts at stream byte 2048; values start at 51, so byte 103 of it begins value 525.
+  data[103:111] = np.array([np.nan, np.inf], np.float32).tobytes()
+  chunks[2].data = bytes(data)
+  with pytest.raises(
+    WireError, match=re.escape("'w': 2 non-finite value(s) (NaN/Inf) after decoding as float32.")
+  ):
+    chunks_to_report(chunks, ["w"], [(1000,)], ["float32"], max_chunk_bytes=1024)
