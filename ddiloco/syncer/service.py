@@ -425,7 +425,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     with self._cond:
       self._bytes_up += nbytes
       self._member(report.learner_id)  # It may have been declared dead while streaming.
-      result = self._core.report(report)
+      result = self._core.report(report, copy=False)  # Freshly decoded, ours alone.
       self._cond.notify_all()
     if result.status in _STATUS_CODES:
       raise self._refuse(_STATUS_CODES[result.status], f"{result.status}: {result.reason}")
