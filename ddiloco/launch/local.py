@@ -46,12 +46,18 @@ def main(argv: list[str]) -> None:
     num_learners=_LEARNERS.value or job.num_learners,
     devices_per_learner=job.devices_per_learner,
   )
-  summary = cluster.run(
-    job,
-    timeout_s=_TIMEOUT.value,
-    progress_every_s=_PROGRESS_EVERY.value,
-    progress=lambda line: print(line, file=sys.stderr, flush=True),
-  )
+  try:
+    summary = cluster.run(
+      job,
+      timeout_s=_TIMEOUT.value,
+      progress_every_s=_PROGRESS_EVERY.value,
+      progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+  except KeyboardInterrupt:
+    sys.exit(130)  # LocalCluster.run stopped every process and said so.
+  except (RuntimeError, TimeoutError) as e:
+    print(f"ddiloco-local: {e}\nevery process was stopped; logs are in {workdir}", file=sys.stderr)
+    sys.exit(1)
   keys = (
     "final_eval_loss",
     "tokens_trained",
