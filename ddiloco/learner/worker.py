@@ -134,7 +134,7 @@ class LearnerWorker:
     self.codec = "fp32"
     self.block_size = 64
     self.heartbeat_interval_s = 0.25
-    self.step_time_ema = 0.0
+    self.step_time_s = 0.0
     self.push_status: collections.Counter[str] = collections.Counter()
     self.applies: list[tuple[int, int, str]] = []
     self.digest_mismatches = 0
@@ -239,7 +239,7 @@ class LearnerWorker:
       try:
         if self._need_register.is_set():
           self._register()
-        hb = self._client.heartbeat(self.id, step=self.learner.step, step_time_s=self.step_time_ema)
+        hb = self._client.heartbeat(self.id, step=self.learner.step, step_time_s=self.step_time_s)
         if not hb.registered:
           self._need_register.set()
           continue
@@ -353,13 +353,13 @@ class LearnerWorker:
     of the sends went out). Extrapolating at this learner's own step time removes that lag.
     """
     step, heard = self._cadence
-    if step < 0 or self.step_time_ema <= 0:
+    if step < 0 or self.step_time_s <= 0:
       return step
-    return step + int((time.monotonic() - heard) / self.step_time_ema)
+    return step + int((time.monotonic() - heard) / self.step_time_s)
 
   def _send_due(self) -> None:
     for p in self.learner.due():
-      report, fetch = self.learner.snapshot_report(p, step_time_s=self.step_time_ema)
+      report, fetch = self.learner.snapshot_report(p, step_time_s=self.step_time_s)
       with self._jobs_cv:
         anchor = self._held[p].get(report.anchor_version) if report.anchor_version >= 0 else None
         self._jobs[p] = _Job(report, fetch, anchor)
@@ -409,7 +409,7 @@ class LearnerWorker:
       if self.learner.step > _WARMUP_STEPS:
         recent.append(now)
         if len(recent) >= 2:
-          self.step_time_ema = (recent[-1] - recent[0]) / (len(recent) - 1)
+          self.step_time_s = (recent[-1] - recent[0]) / (len(recent) - 1)
       if self.learner.step % self._log_every == 0 or self.learner.step == num_steps:
         loss = float(metrics["loss"])
         self.losses.append((self.learner.step, time.time(), loss))
@@ -417,7 +417,7 @@ class LearnerWorker:
           "train",
           step=self.learner.step,
           loss=loss,
-          step_time_s=self.step_time_ema,
+          step_time_s=self.step_time_s,
           schedule_step=self.learner.schedule_step,
         )
         if self._writer is not None:
@@ -456,7 +456,7 @@ class LearnerWorker:
       "start_time": self._t0,
       "train_start": self.train_start,
       "train_end": self.train_end,
-      "step_time_s": self.step_time_ema,
+      "step_time_s": self.step_time_s,
       "push_status": dict(self.push_status),
       "applies": [list(a) for a in self.applies],
       "digest_mismatches": self.digest_mismatches,
