@@ -184,17 +184,14 @@ def _run_worker(job, cluster, port: int, batches, learner_dir: str) -> tuple[Any
   client = SyncerClient(
     f"127.0.0.1:{port}", token=cluster.token, max_chunk_bytes=job.the_service().max_chunk_bytes
   )
-  worker, writer = runtime.make_learner_worker(
-    job, learner_id=0, client=client, workdir=learner_dir
-  )
-  # make_learner_worker wires the product's grain pipeline and has no data override: both loops
-  # must consume the same pre-drawn batches (grain's prefetch threads would load the worker only),
-  # so the iterator is swapped for the stamping one.
-  # Iterations skip .. last-1 are timed: each dispatches a step, waits for the previous one and
-  # does all of the worker's per-step host work.
+  # Both loops consume the same pre-drawn batches (grain's prefetch threads would load the worker
+  # only). Iterations skip .. last-1 are timed: each dispatches a step, waits for the previous one
+  # and does all of the worker's per-step host work.
   a, b = _SKIP.value, _SKIP.value + _STEPS.value - 1
   stamped = _Stamped(batches, probe_at=(a, b))
-  worker._data = stamped
+  worker, writer = runtime.make_learner_worker(
+    job, learner_id=0, client=client, workdir=learner_dir, data=stamped
+  )
   _instrument(worker, stamped, cluster.syncer.proc.pid)
   worker.connect()
   summary = worker.run(_STEPS.value + _SKIP.value)

@@ -8,6 +8,7 @@ and writes the syncer's `summary.json`. `make_learner_worker` builds one learner
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -134,8 +135,12 @@ def make_learner_worker(
   client: SyncerClient,
   workdir: str,
   connect_timeout_s: float = 120.0,
+  data: Iterator[dict[str, np.ndarray]] | None = None,
 ) -> tuple[LearnerWorker, MetricsWriter]:
-  """One learner on all of this process's devices, its data shard and its worker."""
+  """One learner on all of this process's devices, its data shard and its worker.
+
+  `data` replaces the learner's grain shard (benchmarks feed pre-drawn batches to compare loops).
+  """
   import jax
 
   factory = job.factory()
@@ -147,12 +152,13 @@ def make_learner_worker(
     config=job.learner or LearnerConfig(),
     device_slot=0,
   )
-  data = factory.make_data(learner_id, spec=spec)
+  if data is None:
+    data = iter(factory.make_data(learner_id, spec=spec))
   os.makedirs(workdir, exist_ok=True)
   writer = MetricsWriter(workdir, tensorboard=False)
   worker = LearnerWorker(
     learner=learner,
-    data=iter(data),
+    data=data,
     client=client,
     layout_digest=factory.layout.digest,
     layouts=fragment_layouts(factory.layout.fragments, factory.global_init_values()),
