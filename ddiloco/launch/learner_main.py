@@ -62,7 +62,7 @@ def main(argv: list[str]) -> None:
     )
   from ddiloco.launch import job as job_lib
   from ddiloco.launch import runtime
-  from ddiloco.learner.worker import write_json
+  from ddiloco.metrics.writer import write_summary
   from ddiloco.transport import auth
   from ddiloco.transport.client import SyncerClient
 
@@ -88,7 +88,7 @@ def main(argv: list[str]) -> None:
   logging.info("learner %d on %d device(s)", _LEARNER_ID.value, len(jax.devices()))
   worker.connect()
   summary = worker.run(_STEPS.value or job.steps_per_learner)
-  write_json(os.path.join(workdir, "summary.json"), summary)
+  write_summary(workdir, summary)
   writer.close()
   client.close()
   print(

@@ -36,6 +36,7 @@ def gin_args(argv: list[str]) -> list[str]:
 def main(argv: list[str]) -> None:
   from ddiloco.launch import job as job_lib  # After flags: gin registrations.
   from ddiloco.launch import local_cluster
+  from ddiloco.metrics.writer import HEADLINE_KEYS
 
   workdir = os.path.abspath(_WORKDIR.value)
   gin_flags.parse_gin(workdir)
@@ -58,18 +59,7 @@ def main(argv: list[str]) -> None:
   except (RuntimeError, TimeoutError) as e:
     print(f"ddiloco-local: {e}\nevery process was stopped; logs are in {workdir}", file=sys.stderr)
     sys.exit(1)
-  keys = (
-    "final_eval_loss",
-    "tokens_trained",
-    "goodput",
-    "global_downtime_s",
-    "merges",
-    "mean_quorum_size",
-    "dropped_reports",
-    "digests_agree",
-    "wall_time_s",
-  )
-  print("summary:", {k: summary[k] for k in keys})
+  print("summary:", {k: summary[k] for k in HEADLINE_KEYS})
   print(f"wrote {os.path.join(workdir, 'summary.json')} and {os.path.join(workdir, 'loss.png')}")
   if not summary["ok"]:
     sys.exit(1)

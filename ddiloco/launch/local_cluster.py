@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ddiloco.launch.job import JobConfig
+from ddiloco.metrics.writer import write_summary
 
 _PR_SET_PDEATHSIG = 1
 # Resolved in the parent: the child between fork and exec only makes one libc call (no imports, no
@@ -354,9 +355,7 @@ def summarize(workdir: str, job: JobConfig, *, num_learners: int, wall_time_s: f
   summary["ok"] = bool(
     agree and summary["budget_reached"] and np.isfinite(summary["final_eval_loss"])
   )
-  from ddiloco.learner.worker import write_json
-
-  write_json(os.path.join(workdir, "summary.json"), summary)
+  write_summary(workdir, summary)
   return summary
 
 

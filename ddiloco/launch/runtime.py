@@ -15,8 +15,8 @@ import numpy as np
 
 from ddiloco.launch.job import JobConfig
 from ddiloco.learner.learner import LearnerConfig
-from ddiloco.learner.worker import LearnerWorker, write_json
-from ddiloco.metrics.writer import MetricsWriter
+from ddiloco.learner.worker import LearnerWorker
+from ddiloco.metrics.writer import MetricsWriter, write_summary
 from ddiloco.simulation.config import LearnerSpec
 from ddiloco.syncer import service as service_lib
 from ddiloco.syncer.core import MergeEvent
@@ -123,7 +123,7 @@ class SyncerRun:
       "downlink_codec": self.job.the_service().downlink_codec,
       "wall_time_s": time.time() - self._t0,
     }
-    write_json(os.path.join(self.workdir, "summary.json"), summary)
+    write_summary(self.workdir, summary)
     self.writer.close()
     return summary
 

@@ -22,6 +22,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "output folder", required=True)
 
 def main(argv: list[str]) -> None:
   del argv
+  from ddiloco.metrics.writer import HEADLINE_KEYS
   from ddiloco.simulation import simulate as simulate_lib  # After flags: gin registrations.
 
   gin_flags.parse_gin(_WORKDIR.value)
@@ -29,17 +30,7 @@ def main(argv: list[str]) -> None:
   summary = simulate_lib.simulate(
     workdir=_WORKDIR.value, progress=lambda line: print(line, file=sys.stderr, flush=True)
   )
-  keys = (
-    "final_eval_loss",
-    "tokens_trained",
-    "goodput",
-    "global_downtime_s",
-    "merges",
-    "mean_quorum_size",
-    "dropped_reports",
-    "wall_time_s",
-  )
-  print("summary:", {k: summary[k] for k in keys})
+  print("summary:", {k: summary[k] for k in HEADLINE_KEYS})
   print(f"wrote {os.path.join(_WORKDIR.value, 'summary.json')}")
 
 

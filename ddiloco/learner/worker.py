@@ -17,9 +17,7 @@ fetches the global model, waits (up to `connect_timeout_s`).
 
 import collections
 import dataclasses
-import json
 import logging
-import os
 import queue
 import socket
 import threading
@@ -473,11 +471,3 @@ class LearnerWorker:
   def _event(self, kind: str, **fields: Any) -> None:
     if self._writer is not None:
       self._writer.event(kind, time=round(time.time(), 4), learner=self.id, **fields)
-
-
-def write_json(path: str, obj: Any) -> None:
-  """Writes `obj` as JSON atomically (tmp file + rename)."""
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2)
-  os.replace(tmp, path)

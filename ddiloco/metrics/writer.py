@@ -69,6 +69,20 @@ class MetricsWriter:
     self.close()
 
 
+# The summary keys the entry points print at the end (ddiloco-simulate, ddiloco-local).
+HEADLINE_KEYS = (
+  "final_eval_loss",
+  "tokens_trained",
+  "goodput",
+  "global_downtime_s",
+  "merges",
+  "mean_quorum_size",
+  "dropped_reports",
+  "digests_agree",
+  "wall_time_s",
+)
+
+
 def write_summary(workdir: str, summary: Mapping[str, Any]) -> str:
   """Writes `workdir/summary.json` atomically and returns its path."""
   path = os.path.join(workdir, "summary.json")

@@ -41,10 +41,10 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ddiloco.fragments import compression
-from ddiloco.fragments.digest import values_digest
 from ddiloco.syncer.core import MergeEvent, ReportResult, SyncerCore
 from ddiloco.transport import auth, messages, wire
-from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, chunk
+from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE
+from ddiloco.transport.client import fragment_layouts
 from ddiloco.transport.errors import WireError, WireSizeError
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
 
@@ -160,16 +160,10 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     self._on_merge = on_merge
     self._cond = threading.Condition()
     self._members: dict[int, _Member] = {}
-    self._layouts = []
-    for p in range(core.num_fragments):
-      values = core.state(p).values
-      self._layouts.append(
-        wire.make_layout(
-          list(values),
-          {k: v.shape for k, v in values.items()},
-          {k: v.dtype for k, v in values.items()},
-        )
-      )
+    states = [core.state(p) for p in range(core.num_fragments)]
+    self._layouts = fragment_layouts(
+      [list(st.values) for st in states], {k: v for st in states for k, v in st.values.items()}
+    )
     self._max_bytes = [wire.max_wire_bytes(lay) for lay in self._layouts]
     self._refused: collections.Counter[str] = collections.Counter()
     self._bytes_up = 0
@@ -229,7 +223,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     self._digests[(event.fragment, event.version)] = event.digest
     self._merge_log.append(event)
     if self._adopter is not None:
-      self._adopter.published(event.fragment, event.version)
+      self._adopter.published(event.fragment, event.version, event.digest)
     if self._on_merge is not None:
       self._on_merge(event)
 
@@ -539,33 +533,37 @@ class DownlinkAdopter:
     if codec == "fp32":
       raise ValueError("fp32 needs no adoption: the syncer sends exact full values.")
     self._codec, self._block, self._chunk = codec, block_size, chunk_size
-    self._staged: dict[int, tuple[bytes, dict[str, np.ndarray]]] = {}
+    self._staged: dict[int, list[bytes]] = {}
     self._cache: dict[int, tuple[int, list[syncer_pb2.FragmentChunk]]] = {}
 
   def __call__(self, p: int, new: Mapping[str, np.ndarray], prev: Mapping[str, np.ndarray]):
-    data = wire.serialize_fragment(new, self._codec, block_size=self._block, base=prev)
+    # The bytes are encoded once and kept: re-encoding adopted − prev need not give the same ints.
+    pieces = list(
+      wire.serialize_chunks(
+        new, self._codec, block_size=self._block, base=prev, chunk_size=self._chunk
+      )
+    )
     layout = {k: (tuple(np.shape(v)), np.asarray(v).dtype) for k, v in new.items()}
-    decoded = wire.decode_layout(data, layout, codec_name=self._codec, max_bytes=len(data))
-    adopted = wire.finish_layout(decoded, layout, prev)
-    self._staged[p] = (data, adopted)
+    adopted = wire.read_layout(
+      pieces, layout, codec_name=self._codec, max_bytes=sum(map(len, pieces)), base=prev
+    )
+    self._staged[p] = pieces
     return adopted
 
-  def published(self, p: int, version: int) -> None:
-    """Called (under the service lock) when version `version` of p, just adopted, is published."""
-    data, adopted = self._staged.pop(p)
-    pieces = chunk(data, self._chunk)
-    header = syncer_pb2.FragmentHeader(
+  def published(self, p: int, version: int, digest: str) -> None:
+    """Called (under the service lock) when version `version` of p, just adopted, is published.
+
+    `digest` is the core's digest of the adopted values (MergeEvent.digest).
+    """
+    chunks = messages.encoded_state_chunks(
+      self._staged.pop(p),
       fragment=p,
       version=version,
-      digest=values_digest(adopted),
+      digest=digest,
       codec=self._codec,
-      total_bytes=len(data),
-      num_chunks=len(pieces),
       base_version=version - 1,
     )
-    out = [syncer_pb2.FragmentChunk(header=header, index=0, data=pieces[0])]
-    out += [syncer_pb2.FragmentChunk(index=i, data=d) for i, d in enumerate(pieces[1:], start=1)]
-    self._cache[p] = (version, out)
+    self._cache[p] = (version, chunks)
 
   def delta_chunks(self, p: int, version: int) -> list[syncer_pb2.FragmentChunk] | None:
     """The encoded update from version − 1 to `version` of p, if that is the newest cached."""

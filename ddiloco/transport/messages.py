@@ -232,7 +232,6 @@ def state_to_chunks(
   pieces = wire.serialize_chunks(
     state.values, codec, block_size=block_size, base=base_values, chunk_size=chunk_size
   )
-  out, total = _wrap(syncer_pb2.FragmentChunk, pieces)
   exact = codec == "fp32" and base is None
   exact = exact and all(np.asarray(v).dtype.itemsize <= 4 for v in state.values.values())
   if exact:
@@ -240,14 +239,38 @@ def state_to_chunks(
   else:
     view = wire.received_values(state.values, codec, block_size=block_size, base=base_values)
     digest = values_digest(view)
-  header = syncer_pb2.FragmentHeader(
+  return encoded_state_chunks(
+    pieces,
     fragment=state.fragment,
     version=state.version,
     digest=digest,
     codec=codec,
+    base_version=-1 if base is None else base.version,
+  )
+
+
+def encoded_state_chunks(
+  pieces: Iterable[bytes],
+  *,
+  fragment: int,
+  version: int,
+  digest: str,
+  codec: str,
+  base_version: int,
+) -> list[syncer_pb2.FragmentChunk]:
+  """A Pull stream of already-serialized payload pieces (e.g. a delta the syncer encoded once).
+
+  `digest` must be that of what the receiver will hold after decoding (SPEC §4.7).
+  """
+  out, total = _wrap(syncer_pb2.FragmentChunk, pieces)
+  header = syncer_pb2.FragmentHeader(
+    fragment=fragment,
+    version=version,
+    digest=digest,
+    codec=codec,
     total_bytes=total,
     num_chunks=len(out),
-    base_version=-1 if base is None else base.version,
+    base_version=base_version,
   )
   out[0].header.CopyFrom(header)
   return out
