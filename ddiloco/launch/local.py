@@ -9,6 +9,9 @@ metrics.jsonl). Ctrl-C, SIGTERM, a failed process or `--timeout_s` stops everyth
 syncer get SIGTERM, then SIGKILL after a grace period, and every child also dies with the launcher
 (PR_SET_PDEATHSIG), so no process is ever left behind. At the end it writes `summary.json` (the keys
 of `ddiloco-simulate`) and `loss.png` (loss over time per learner, with merge events).
+
+A run starts fresh: the previous run's process folders in `--workdir` are removed first. With
+`--resume` they are kept, and the syncer and learners continue from their checkpoints.
 """
 
 import os
@@ -22,6 +25,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "output folder", required=True)
 _TIMEOUT = flags.DEFINE_float("timeout_s", 1800.0, "stop everything after this long")
 _PROGRESS_EVERY = flags.DEFINE_float("progress_every_s", 2.0, "seconds between progress lines")
 _LEARNERS = flags.DEFINE_integer("num_learners", None, "override JobConfig.num_learners")
+_RESUME = flags.DEFINE_bool(
+  "resume", False, "continue the run in --workdir from its checkpoints (default: start fresh)"
+)
 
 
 def gin_args(argv: list[str]) -> list[str]:
@@ -53,6 +59,7 @@ def main(argv: list[str]) -> None:
       timeout_s=_TIMEOUT.value,
       progress_every_s=_PROGRESS_EVERY.value,
       progress=lambda line: print(line, file=sys.stderr, flush=True),
+      resume=_RESUME.value,
     )
   except KeyboardInterrupt:
     sys.exit(130)  # LocalCluster.run stopped every process and said so.

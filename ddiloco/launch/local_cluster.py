@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,7 +119,7 @@ class LocalCluster:
     folder = os.path.join(self.workdir, name)
     os.makedirs(folder, exist_ok=True)
     log_path = os.path.join(folder, "log.txt")
-    with open(log_path, "w") as log:
+    with open(log_path, "a") as log:  # A restarted process appends to its predecessor's log.
       proc = subprocess.Popen(
         [self.python, "-m", module, f"--workdir={folder}", *args, *self.gin_args],
         stdout=log,
@@ -129,13 +130,20 @@ class LocalCluster:
       )
     return Child(name, proc, log_path, os.path.join(folder, "metrics.jsonl"))
 
-  def start_syncer(self, timeout_s: float = 180.0) -> int:
-    """Starts the syncer and waits until it serves; returns its port."""
+  def start_syncer(self, timeout_s: float = 180.0, *, port: int = 0) -> int:
+    """Starts the syncer and waits until it serves; returns its port.
+
+    A restart passes the previous `port` so that learners reconnect to the same address; the syncer
+    restores its checkpoint from its workdir (docs/resilience.md).
+    """
     port_file = os.path.join(self.workdir, "syncer", "port")
     if os.path.exists(port_file):
       os.remove(port_file)
     self.syncer = self._spawn(
-      "syncer", "ddiloco.launch.syncer_main", [f"--port_file={port_file}"], self._env(1)
+      "syncer",
+      "ddiloco.launch.syncer_main",
+      [f"--port_file={port_file}", f"--port={port}"],
+      self._env(1),
     )
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(port_file):
@@ -152,20 +160,64 @@ class LocalCluster:
       self.port = int(f.read())
     return self.port
 
-  def start_learner(self, learner_id: int, *, extra_args: Sequence[str] = ()) -> Child:
+  def start_learner(
+    self,
+    learner_id: int,
+    *,
+    extra_args: Sequence[str] = (),
+    devices: int | None = None,
+    address: str | None = None,
+  ) -> Child:
+    """Starts (or restarts) learner `learner_id` on `devices` fake CPU devices.
+
+    Args:
+      learner_id: its id; a restarted learner keeps its id, workdir and data shard.
+      extra_args: flags for this learner only (e.g. `--gin.JobConfig.batch_size=8`).
+      devices: fake CPU devices (default `devices_per_learner`): fleets may be heterogeneous.
+      address: where it reaches the syncer (default the syncer's port; a chaos proxy's otherwise).
+    """
     child = self._spawn(
       f"learner_{learner_id}",
       "ddiloco.launch.learner_main",
       [
         f"--learner_id={learner_id}",
-        f"--syncer_address=127.0.0.1:{self.port}",
+        f"--syncer_address={address or f'127.0.0.1:{self.port}'}",
         *self.extra_learner_args,
         *extra_args,
       ],
-      self._env(self.devices_per_learner),
+      self._env(devices or self.devices_per_learner),
     )
     self.learners[learner_id] = child
     return child
+
+  def signal(self, child: Child, sig: int) -> None:
+    """Sends `sig` to a child's process group (SIGKILL, SIGSTOP, SIGCONT, SIGTERM) if it runs."""
+    _signal(child.proc, sig)
+
+  def kill(self, child: Child, *, timeout_s: float = 10.0) -> int | None:
+    """SIGKILLs a child (a crash) and reaps it; returns its exit code."""
+    _signal(child.proc, signal.SIGCONT)  # A stopped process must not stay stopped in the kernel.
+    _signal(child.proc, signal.SIGKILL)
+    try:
+      return child.proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+      return None
+
+  def clear_previous(self) -> list[str]:
+    """Removes a previous run's process folders (state, checkpoints, logs); returns what it removed.
+
+    The compile cache stays. Without this, a restarted syncer or learner resumes from the
+    checkpoints it finds in its folder (docs/resilience.md).
+    """
+    removed = []
+    if not os.path.isdir(self.workdir):
+      return removed
+    for name in sorted(os.listdir(self.workdir)):
+      path = os.path.join(self.workdir, name)
+      if os.path.isdir(path) and (name == "syncer" or name.startswith("learner_")):
+        shutil.rmtree(path)
+        removed.append(name)
+    return removed
 
   def children(self) -> list[Child]:
     return [*self.learners.values(), *([self.syncer] if self.syncer else [])]
@@ -175,6 +227,7 @@ class LocalCluster:
     for group in (list(self.learners.values()), [self.syncer] if self.syncer else []):
       live = [c for c in group if c.proc.poll() is None]
       for c in live:
+        _signal(c.proc, signal.SIGCONT)  # A paused (SIGSTOPped) child could not handle SIGTERM.
         _signal(c.proc, signal.SIGTERM)
       deadline = time.monotonic() + grace_s
       for c in live:
@@ -201,8 +254,12 @@ class LocalCluster:
     timeout_s: float = 1800.0,
     progress_every_s: float = 2.0,
     progress: Callable[[str], None] | None = None,
+    resume: bool = False,
   ) -> dict[str, Any]:
     """Starts everything, waits for the learners to finish, stops the syncer, summarizes.
+
+    Unless `resume`, a previous run's folders in the workdir are removed first (`clear_previous`);
+    with it, the syncer and learners restore their checkpoints from there.
 
     Raises:
       RuntimeError: if a process fails (everything is stopped first).
@@ -212,6 +269,12 @@ class LocalCluster:
 
     t0 = time.time()
     interrupted = False
+    if not resume:
+      removed = self.clear_previous()
+      if removed and progress is not None:
+        progress(
+          f"fresh run: removed the previous run's {', '.join(removed)} (--resume keeps them)"
+        )
     try:
       self.start_syncer()
       for i in range(self.num_learners):

@@ -5,6 +5,8 @@ and writes the syncer's `summary.json`. `make_learner_worker` builds one learner
 `LearnerWorker`. The entry points (syncer_main, learner_main) only parse flags around them.
 """
 
+import dataclasses
+import logging
 import os
 import threading
 import time
@@ -13,6 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from ddiloco.checkpoint import syncer as ckpt_lib
+from ddiloco.checkpoint.learner import LearnerCheckpointConfig, LearnerCheckpointer
+from ddiloco.checkpoint.learner import abstract_opt_state
 from ddiloco.launch.job import JobConfig
 from ddiloco.learner.learner import LearnerConfig
 from ddiloco.learner.worker import LearnerWorker
@@ -22,11 +27,19 @@ from ddiloco.syncer import service as service_lib
 from ddiloco.syncer.core import MergeEvent
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 
+log = logging.getLogger(__name__)
+
 
 class SyncerRun:
   """One syncer process: global model, gRPC service, evaluations, summary."""
 
-  def __init__(self, job: JobConfig, *, workdir: str):
+  def __init__(
+    self,
+    job: JobConfig,
+    *,
+    workdir: str,
+    checkpoint: ckpt_lib.SyncerCheckpointConfig | None = None,
+  ):
     self.job = job
     self.workdir = workdir
     os.makedirs(workdir, exist_ok=True)
@@ -53,8 +66,63 @@ class SyncerRun:
     self.merge_times: list[list] = []  # [wall time, fragment, version, contributors]
     self.evals: list[tuple[float, int, float]] = []  # (time, merges, loss)
     self._t0 = time.time()
+    self.checkpoint = checkpoint or ckpt_lib.SyncerCheckpointConfig()
+    self.restored: ckpt_lib.RestoreInfo | None = None
+    self._checkpointer: ckpt_lib.SyncerCheckpointer | None = None
+    self._journal: ckpt_lib.MergeJournal | None = None
+    self._saved_step = -1
+    self.checkpoints_saved = 0
+    if self.checkpoint.enabled:
+      self._restore()
+
+  def _restore(self) -> None:
+    """Restores the newest checkpoint (if any) and opens the merge journal (docs/resilience.md)."""
+    cfg = self.checkpoint
+    self._checkpointer = ckpt_lib.SyncerCheckpointer(
+      os.path.join(self.workdir, cfg.subdir), max_to_keep=cfg.max_to_keep
+    )
+    journal_path = os.path.join(self.workdir, ckpt_lib.JOURNAL_NAME)
+    with self.service.lock:
+      self.restored = ckpt_lib.restore_core(self.service.core, self._checkpointer, journal_path)
+      self.service.refresh_published()
+    if self.restored is not None:
+      info = self.restored
+      self._saved_step = info.step
+      self.writer.event(
+        "restore",
+        time=round(time.time(), 4),
+        step=info.step,
+        versions=list(info.versions),
+        republished={str(p): list(v) for p, v in info.republished.items()},
+        lost_merges=info.lost_merges,
+      )
+      log.info(
+        "syncer restored from checkpoint %d: %d fragments republished, %d merges lost",
+        info.step,
+        len(info.republished),
+        info.lost_merges,
+      )
+    self._journal = ckpt_lib.MergeJournal(journal_path)
+
+  def save_checkpoint(self, *, wait: bool = False) -> bool:
+    """Starts an asynchronous checkpoint if something merged since the last; True if it did."""
+    if self._checkpointer is None:
+      return False
+    with self.service.lock:
+      step = self.service.core.stats()["merges"]
+      if step <= self._saved_step:
+        return False
+      state = self.service.core.state_dict()
+    self._checkpointer.save(step, state)
+    self._saved_step = step
+    self.checkpoints_saved += 1
+    if wait:
+      self._checkpointer.wait()
+    return True
 
   def _on_merge(self, ev: MergeEvent) -> None:
+    if self._journal is not None:  # Before any learner can see the version (we hold the lock).
+      self._journal.append(ev)
     self.merge_times.append([round(time.time(), 4), ev.fragment, ev.version, len(ev.contributors)])
     self.writer.event(
       "merge",
@@ -89,16 +157,25 @@ class SyncerRun:
     """Serves until `stop` is set (or the monotonic time `until`), evaluating every eval_every_s."""
     every = self.job.eval_every_s
     next_eval = time.monotonic() + every if every > 0 else None
+    next_save = time.monotonic() + self.checkpoint.every_s
     while not stop.is_set() and (until is None or time.monotonic() < until):
       stop.wait(0.2)
       if next_eval is not None and time.monotonic() >= next_eval:
         self.evaluate()
         next_eval = time.monotonic() + every
+      if time.monotonic() >= next_save:
+        self.save_checkpoint()
+        next_save = time.monotonic() + self.checkpoint.every_s
 
   def shutdown(self) -> dict[str, Any]:
     """Stops serving, merges rounds with a quorum, evaluates, writes and returns the summary."""
     if self.server is not None:
       self.server.stop(flush=True)
+    if self._checkpointer is not None:
+      self.save_checkpoint()
+      self._checkpointer.close()
+    if self._journal is not None:
+      self._journal.close()
     final = self.evaluate()
     svc = self.service
     with svc.lock:
@@ -122,6 +199,8 @@ class SyncerRun:
       "uplink_codec": self.job.the_service().uplink_codec,
       "downlink_codec": self.job.the_service().downlink_codec,
       "wall_time_s": time.time() - self._t0,
+      "checkpoints_saved": self.checkpoints_saved,
+      "restored": None if self.restored is None else dataclasses.asdict(self.restored),
     }
     write_summary(self.workdir, summary)
     self.writer.close()
@@ -136,10 +215,14 @@ def make_learner_worker(
   workdir: str,
   connect_timeout_s: float = 120.0,
   data: Iterator[dict[str, np.ndarray]] | None = None,
+  checkpoint: LearnerCheckpointConfig | None = None,
 ) -> tuple[LearnerWorker, MetricsWriter]:
   """One learner on all of this process's devices, its data shard and its worker.
 
   `data` replaces the learner's grain shard (benchmarks feed pre-drawn batches to compare loops).
+  `checkpoint` (None or not enabled: no checkpoints) makes the worker restore at `connect` and save
+  while it trains (checkpoint/learner.py); a restarted learner needs the same id and workdir (or
+  shared checkpoint directory) to find its own checkpoint and keep its data shard.
   """
   import jax
 
@@ -155,6 +238,15 @@ def make_learner_worker(
   if data is None:
     data = iter(factory.make_data(learner_id, spec=spec))
   os.makedirs(workdir, exist_ok=True)
+  checkpointer = None
+  if checkpoint is not None and checkpoint.enabled:
+    checkpointer = LearnerCheckpointer(
+      checkpoint,
+      learner_id=learner_id,
+      workdir=workdir,
+      opt_target=abstract_opt_state(learner.steps, learner.params),
+      layout_digest=factory.layout.digest,
+    )
   writer = MetricsWriter(workdir, tensorboard=False)
   worker = LearnerWorker(
     learner=learner,
@@ -166,5 +258,6 @@ def make_learner_worker(
     batch_size=job.batch_size or job.data.batch_size,
     log_every=job.log_every,
     connect_timeout_s=connect_timeout_s,
+    checkpointer=checkpointer,
   )
   return worker, writer

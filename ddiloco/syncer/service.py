@@ -260,6 +260,13 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     with self._cond:
       return dict(self._digests)
 
+  def refresh_published(self) -> None:
+    """Records the core's current versions as published (after its state was restored)."""
+    with self._cond:
+      for p in range(self._core.num_fragments):
+        st = self._core.state(p)
+        self._digests[(p, st.version)] = st.digest
+
   def merge_log(self) -> list[MergeEvent]:
     with self._cond:
       return list(self._merge_log)
@@ -384,12 +391,14 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         f"than {self._max_bytes[p]} bytes, chunks at most {self._cfg.max_chunk_bytes}.",
       )
     with self._cond:
-      late = None
+      late, undecodable = None, False
       if 0 <= h.anchor_version <= self._core.version(p):
         late = self._core.late_reason(p, int(h.anchor_version))
-      if late is not None and p in self._core.delivered(int(h.learner_id)):
+        undecodable = h.delta and not self._core.kept(p, int(h.anchor_version))
+      if late is not None and (undecodable or p in self._core.delivered(int(h.learner_id))):
         # Decided from the header alone: a delta against an anchor that is no longer kept cannot be
-        # decoded, and a stale report is dropped either way. Its tokens count as dropped.
+        # decoded (also after a restore republished p), and a stale report is dropped either way.
+        # Its tokens count as dropped.
         self._core.drop_late(max(int(h.tokens), 0), late)
         raise self._refuse(grpc.StatusCode.ABORTED, f"late: {late}")
     nbytes = 0

@@ -758,6 +758,53 @@ def test_delta_push_whose_anchor_a_restored_checkpoint_no_longer_keeps():
     env.close()
 
 
+def test_delta_push_anchored_at_a_version_lost_in_a_syncer_restart(tmp_path):
+  """After a restore republished fragment 0, a delta against a lost version is late, not invalid.
+
+  The learner re-registered (nothing delivered yet), so its report would weigh 0 anyway; the push
+  is still refused as late from the header: version 2 is lost and cannot be decoded against.
+  """
+  from ddiloco.checkpoint import syncer as ckpt_lib
+
+  env = _start(SyncerConfig(min_quorum=1, use_grace=False, max_staleness=2, keep_versions=4))
+  try:
+    source = make_syncer(
+      fragment_keys=FRAGMENTS,
+      init_values=INIT,
+      syncer_config=SyncerConfig(min_quorum=1, use_grace=False, max_staleness=2, keep_versions=4),
+      service_config=ServiceConfig(uplink_codec="int4", downlink_codec="int4"),
+      layout_digest=DIGEST,
+    ).core
+    source.register(0)
+    journal = ckpt_lib.MergeJournal(str(tmp_path / ckpt_lib.JOURNAL_NAME))
+    checkpointer = ckpt_lib.SyncerCheckpointer(str(tmp_path / "ck"))
+    for version in (0, 1):
+      source.mark_delivered(0, 0, version)
+      assert source.report(_report(anchor=version, step=2 * version + 2)).status == "accepted"
+      (event,) = source.flush()
+      journal.append(event)
+      if version == 0:
+        checkpointer.save(1, source.state_dict())
+        checkpointer.wait()
+    journal.close()
+    with env.svc.lock:
+      info = ckpt_lib.restore_core(env.svc.core, checkpointer, journal.path)
+    checkpointer.close()
+    assert info.republished == {0: (1, 2, 3)}
+    env.client.register(0, layout_digest=DIGEST, num_fragments=len(FRAGMENTS))
+    chunks = _chunks(_report(anchor=2, step=10), anchor_values=env.held[0].values)
+    _assert_refused(
+      env,
+      lambda: _push(env, chunks),
+      grpc.StatusCode.ABORTED,
+      "late: anchor version 2 of fragment 0 is no longer kept",
+      late=1,
+      dropped_tokens=TOKENS,
+    )
+  finally:
+    env.close()
+
+
 @pytest.mark.parametrize("step", [2, 1], ids=["same_step", "older_step"])
 def test_duplicate_push(open_round, step):
   chunks = _chunks(_report(step=step), anchor_values=open_round.held[0].values)
