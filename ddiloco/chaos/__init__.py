@@ -1,0 +1,1 @@
+"""ddiloco.chaos: the chaos harness's schedule, loopback proxy, event tape, invariants and replay."""

@@ -1,0 +1,230 @@
+"""Invariants on hand-written tapes; every number below is derived by hand in a comment."""
+
+import pytest
+
+from ddiloco.chaos import invariants as inv
+
+
+def _up(t, *learners):
+  return [{"t": t, "kind": "learner_up", "learner": i} for i in learners]
+
+
+def _merges(*times, fragment=0, first_version=1):
+  return [
+    {"t": t, "kind": "merge", "fragment": fragment, "version": first_version + k, "tokens": 64}
+    for k, t in enumerate(times)
+  ]
+
+
+# Two learners up from t = 0; merges at 2, 4.5, 12, 19.5, 21; the run ends at 22.
+# Gaps from the first merge: 2.5, 7.5, 7.5, 1.5, and the tail 1.0. Longest: 7.5 (first at 4.5).
+GAP_TAPE = [
+  {"t": 0.0, "kind": "run_start"},
+  *_up(0.0, 0, 1),
+  *_merges(2.0, 4.5, 12.0, 19.5, 21.0),
+  {"t": 22.0, "kind": "run_end"},
+]
+
+
+def test_known_gap_is_exact():
+  gaps = inv.merge_gaps(GAP_TAPE, min_quorum=1)
+  assert [(g.start, g.end) for g in gaps] == [
+    (2.0, 4.5),
+    (4.5, 12.0),
+    (12.0, 19.5),
+    (19.5, 21.0),
+    (21.0, 22.0),
+  ]
+  assert max(g.length for g in gaps) == 7.5
+  ok = inv.check_merge_gap(GAP_TAPE, min_quorum=1, max_gap_s=7.5)
+  assert ok.ok and ok.detail == "longest 7.500 s (bound 7.5 s) at [4.500, 12.000]"
+  assert not inv.check_merge_gap(GAP_TAPE, min_quorum=1, max_gap_s=7.4).ok
+
+
+def test_gaps_only_while_quorum_is_up():
+  # K = 2. Learner 1 is down over [5, 10] (one learner up: no quorum), back at 10.
+  # Quorum intervals [0, 5] and [10, 20]; merges at 2, 4, 16. Gaps: [2, 4], [4, 5], [10, 16],
+  # [16, 20]; the 12 s between the merges at 4 and 16 is not one gap. Longest 6.
+  tape = [
+    *_up(0.0, 0, 1),
+    *_merges(2.0, 4.0, 16.0),
+    {"t": 5.0, "kind": "learner_down", "learner": 1},
+    *_up(10.0, 1),
+    {"t": 20.0, "kind": "run_end"},
+  ]
+  gaps = inv.merge_gaps(tape, min_quorum=2)
+  assert [(g.start, g.end) for g in gaps] == [(2.0, 4.0), (4.0, 5.0), (10.0, 16.0), (16.0, 20.0)]
+  # With K = 1 the quorum never breaks: the 12 s gap counts.
+  assert max(g.length for g in inv.merge_gaps(tape, min_quorum=1)) == 12.0
+
+
+def test_learner_done_ends_up_time():
+  # Both learners finish at 10; no merges after 8. The tail [8, 10] counts, [10, 30] does not.
+  tape = [
+    *_up(0.0, 0, 1),
+    *_merges(1.0, 8.0),
+    {"t": 10.0, "kind": "learner_done", "learner": 0, "step": 5, "target": 5},
+    {"t": 10.0, "kind": "learner_done", "learner": 1, "step": 5, "target": 5},
+    {"t": 30.0, "kind": "run_end"},
+  ]
+  assert [(g.start, g.end) for g in inv.merge_gaps(tape, min_quorum=1)] == [(1.0, 8.0), (8.0, 10.0)]
+
+
+def test_syncer_outage_reported_separately():
+  # Merges at 1, 3, 20, 22; syncer down over [5, 9]; end 23. Gaps 2, 17 (overlaps the outage), 2, 1.
+  # The bound 5 holds for the others; the 17 s gap is reported, not held to it.
+  tape = [
+    *_up(0.0, 0),
+    *_merges(1.0, 3.0, 20.0, 22.0),
+    {"t": 5.0, "kind": "syncer_down"},
+    {"t": 9.0, "kind": "syncer_up"},
+    {"t": 23.0, "kind": "run_end"},
+  ]
+  gaps = inv.merge_gaps(tape, min_quorum=1)
+  assert [g.during_outage for g in gaps] == [False, True, False, False]
+  result = inv.check_merge_gap(tape, min_quorum=1, max_gap_s=5.0)
+  assert result.ok
+  assert result.detail == (
+    "longest 2.000 s (bound 5 s) at [1.000, 3.000]; 1 gap(s) overlapping syncer downtime, "
+    "longest 17.000 s at [3.000, 20.000] (not bounded)"
+  )
+
+
+def test_no_merge_or_no_up_time_fails():
+  tape = [*_up(0.0, 0), {"t": 50.0, "kind": "run_end"}]
+  result = inv.check_merge_gap(tape, min_quorum=1, max_gap_s=100.0)
+  assert not result.ok and "no merge at all" in result.detail
+  merges_only = [*_merges(1.0, 2.0), {"t": 50.0, "kind": "run_end"}]
+  result = inv.check_merge_gap(merges_only, min_quorum=1, max_gap_s=100.0)
+  assert not result.ok and "no learner_up" in result.detail
+
+
+def test_monotonic_versions():
+  # Fragment 0: 1, 2, 5 (a restarted syncer jumped forward by 3); fragment 1: 1, 2.
+  tape = [
+    *_merges(1.0, 2.0, fragment=0),
+    *_merges(1.5, 2.5, fragment=1),
+    {"t": 3.0, "kind": "merge", "fragment": 0, "version": 5},
+  ]
+  result = inv.check_monotonic_versions(tape)
+  assert result.ok and result.detail == "5 merges over 2 fragments, 1 forward jump(s)"
+  bad = [*tape, {"t": 4.0, "kind": "merge", "fragment": 0, "version": 5}]
+  result = inv.check_monotonic_versions(bad)
+  assert not result.ok and result.detail == "fragment 0: version 5 after 5 (t=4.0)"
+  assert not inv.check_monotonic_versions([]).ok
+
+
+def _digests(role, learner=None, **by_fragment):
+  rec = {"t": 30.0, "kind": "final_digests", "role": role}
+  if learner is not None:
+    rec["learner"] = learner
+  rec["digests"] = {p[1:]: {"version": v, "digest": d} for p, (v, d) in by_fragment.items()}
+  return rec
+
+
+def test_digests_agree():
+  merge_v4 = {"t": 20.0, "kind": "merge", "fragment": 0, "version": 4, "digest": "d4"}
+  tape = [
+    merge_v4,
+    _digests("syncer", f0=(5, "d5"), f1=(2, "e2")),
+    _digests("learner", 0, f0=(5, "d5"), f1=(2, "e2")),  # 2 compared.
+    _digests("learner", 1, f0=(4, "d4"), f1=(1, "e1")),  # v4 from the merge: 1 compared, 1 skipped.
+  ]
+  result = inv.check_digests(tape)
+  assert result.ok and result.detail == "3 compared, 0 mismatched, 1 without a syncer digest"
+  bad = [*tape, _digests("learner", 2, f0=(5, "XX"))]
+  result = inv.check_digests(bad)
+  assert not result.ok
+  assert (
+    result.detail == "4 compared, 1 mismatched, 1 without a syncer digest: learner 2 fragment 0 v5"
+  )
+  nothing = [_digests("syncer", f0=(5, "d5")), _digests("learner", 0, f0=(3, "d3"))]
+  assert not inv.check_digests(nothing).ok  # Zero comparisons.
+
+
+@pytest.mark.parametrize(
+  ("ledger", "ok"),
+  [
+    ({"trained": 100, "merged": 60, "dropped": 30, "in_flight": 10}, True),
+    ({"trained": 100, "merged": 60, "dropped": 30, "in_flight": 9}, False),
+    ({"trained": 0, "merged": 0, "dropped": 0, "in_flight": 0}, True),
+    ({"trained": 10, "merged": 20, "dropped": -10, "in_flight": 0}, False),
+    ({"trained": 10.0, "merged": 10, "dropped": 0, "in_flight": 0}, False),
+    ({"trained": 10, "merged": 10, "dropped": 0}, False),
+  ],
+)
+def test_ledger(ledger, ok):
+  assert inv.check_ledger([{"t": 1.0, "kind": "ledger", **ledger}]).ok is ok
+
+
+def test_ledger_uses_the_last_record_and_needs_one():
+  first = {"t": 1.0, "kind": "ledger", "trained": 1, "merged": 0, "dropped": 0, "in_flight": 0}
+  last = {"t": 2.0, "kind": "ledger", "trained": 5, "merged": 3, "dropped": 1, "in_flight": 1}
+  result = inv.check_ledger([first, last])
+  assert result.ok and result.detail == "trained 5 vs merged 3 + dropped 1 + in flight 1 = 5"
+  assert not inv.check_ledger([]).ok
+
+
+def test_training_finished():
+  tape = [
+    *_up(0.0, 0, 1, 2),
+    {"t": 9.0, "kind": "learner_done", "learner": 0, "step": 100, "target": 100},
+    {"t": 9.0, "kind": "learner_done", "learner": 1, "step": 99, "target": 100},
+  ]
+  result = inv.check_training_finished(tape)
+  assert not result.ok
+  assert result.detail == (
+    "1/3 learners reached their target: learner 1: step 99 < 100, learner 2: not done"
+  )
+  done = [
+    *_up(0.0, 0, 1),
+    *({"t": 9.0, "kind": "learner_done", "learner": i, "step": 101, "target": 100} for i in (0, 1)),
+  ]
+  assert inv.check_training_finished(done).ok
+
+
+def test_eval_tolerance():
+  # Baseline 2.0. 2.0546875 is +2.734375 % (passes 3 %); 2.0625 is +3.125 % (fails). Both exact in
+  # binary, so the comparison has no rounding. A lower loss always passes.
+  def tape(*losses, final_at=None):
+    return [
+      {"t": float(i), "kind": "eval", "loss": x, **({"final": True} if i == final_at else {})}
+      for i, x in enumerate(losses)
+    ]
+
+  assert inv.check_eval(tape(2.5, 2.0546875), baseline_loss=2.0).ok
+  assert not inv.check_eval(tape(2.5, 2.0625), baseline_loss=2.0).ok
+  assert inv.check_eval(tape(1.5), baseline_loss=2.0).ok
+  assert inv.check_eval(tape(2.0, 9.0, final_at=0), baseline_loss=2.0).ok  # final=true wins.
+  assert not inv.check_eval(tape(float("nan")), baseline_loss=2.0).ok
+  assert not inv.check_eval([], baseline_loss=2.0).ok
+  assert not inv.check_eval(tape(2.0), baseline_loss=0.0).ok
+
+
+def test_check_all_table_and_exit_code():
+  tape = [
+    *GAP_TAPE,
+    _digests("syncer", f0=(5, "d5")),
+    _digests("learner", 0, f0=(5, "d5")),
+    _digests("learner", 1, f0=(5, "d5")),
+    {"t": 22.0, "kind": "ledger", "trained": 10, "merged": 8, "dropped": 2, "in_flight": 0},
+    *({"t": 21.5, "kind": "learner_done", "learner": i, "step": 7, "target": 7} for i in (0, 1)),
+    {"t": 22.0, "kind": "eval", "loss": 3.0, "final": True},
+  ]
+  results = inv.check_all(tape, min_quorum=1, max_gap_s=10.0, baseline_loss=3.0)
+  assert [r.name for r in results] == [
+    "max_merge_gap",
+    "monotonic_versions",
+    "digests_agree",
+    "ledger_balances",
+    "training_finished",
+    "eval_within_tolerance",
+  ]
+  assert inv.all_ok(results)
+  table = inv.format_table(results).splitlines()
+  assert len(table) == 2 + 6 and all(" PASS " in line for line in table[2:])
+  assert len(inv.check_all(tape, min_quorum=1, max_gap_s=10.0, baseline_loss=None)) == 5
+  failing = inv.check_all(tape, min_quorum=1, max_gap_s=5.0, baseline_loss=3.0)
+  assert not inv.all_ok(failing)
+  assert [r.ok for r in failing] == [False, True, True, True, True, True]
+  assert " FAIL " in inv.format_table(failing).splitlines()[2]

@@ -1,0 +1,112 @@
+"""Replay of a hand-written tape: the fault strings by hand, then a short run on sim_tiny.gin."""
+
+import os
+
+import gin
+import pytest
+
+from ddiloco.chaos import replay
+from ddiloco.simulation.faults import parse_faults
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "gin_configs"))
+
+# A real run with 0.5 s steps, started at t = 10 on the driver's clock. With the simulator's 1.0 s
+# steps the scale is 1.0 / 0.5 = 2 virtual seconds per real second: virtual = 2 (t − 10).
+TAPE = [
+  {"t": 10.0, "kind": "run_start"},
+  {"t": 10.5, "kind": "learner_up", "learner": 0},
+  # Learner 2 down from t = 11 to 13 → virtual 2 to 6: crash:2@2+4.
+  {"t": 11.0, "kind": "kill_learner", "learner": 2, "restart_delay_s": 2.0},
+  # A plain pause of 0.5 s at t = 12 → virtual 4, d' = 1 s: one 1 s step takes 1 + 1 = 2 s:
+  # slow:1@4+1x2 (window max(1, 1) = 1).
+  {"t": 12.0, "kind": "pause_learner", "learner": 1, "window": 0, "fraction": 1.0},
+  {"t": 12.5, "kind": "resume_learner", "learner": 1},
+  {"t": 13.0, "kind": "start_learner", "learner": 2},
+  {"t": 13.5, "kind": "kill_syncer", "restart_delay_s": 1.0},
+  {"t": 14.0, "kind": "merge", "fragment": 0, "version": 1, "contributors": [0], "tokens": 512},
+  {"t": 14.5, "kind": "start_syncer"},
+  # A duty-cycled slowdown of learner 3, half of each period stopped, window t = 15 .. 16.25 →
+  # virtual 10 .. 12.5: slow:3@10+2.5x2 (1 / (1 − 0.5) = 2).
+  {"t": 15.0, "kind": "pause_learner", "learner": 3, "window": 1, "fraction": 0.5},
+  {"t": 15.25, "kind": "net_delay", "latency_s": 0.1},
+  {"t": 15.5, "kind": "resume_learner", "learner": 3},
+  {"t": 16.0, "kind": "pause_learner", "learner": 3, "window": 1, "fraction": 0.5},
+  {"t": 16.25, "kind": "resume_learner", "learner": 3},
+  # Learner 0 killed at the very end and never restarted → crash:0@16 (virtual 2 · 8 = 16).
+  {"t": 18.0, "kind": "kill_learner", "learner": 0, "restart_delay_s": 5.0},
+]
+EXPECTED = ("crash:2@2+4", "slow:1@4+1x2", "slow:3@10+2.5x2", "crash:0@16")
+
+
+def test_tape_to_faults_by_hand():
+  plan = replay.tape_to_faults(TAPE, time_scale=2.0, sim_step_time_s=1.0)
+  assert plan.faults == EXPECTED
+  assert plan.skipped == ("kill_syncer@13.5", "start_syncer@14.5", "net_delay@15.25")
+  assert plan.time_scale == 2.0
+  assert len(parse_faults(plan.faults)) == 4  # Valid simulator grammar.
+
+
+def test_short_pause_still_slows_one_step():
+  # A 0.1 s pause at scale 2 is 0.2 virtual s: shorter than a 1 s step, so the window is one step
+  # long (some step must start in it) and that step takes 1 + 0.2 = 1.2 s.
+  tape = [
+    {"t": 3.0, "kind": "pause_learner", "learner": 0},
+    {"t": 3.1, "kind": "resume_learner", "learner": 0},
+  ]
+  plan = replay.tape_to_faults(tape, time_scale=2.0, sim_step_time_s=1.0, t0=0.0)
+  assert plan.faults == ("slow:0@6+1x1.2",)
+
+
+def test_double_kill_is_rejected():
+  tape = [
+    {"t": 1.0, "kind": "kill_learner", "learner": 0},
+    {"t": 2.0, "kind": "kill_learner", "learner": 0},
+  ]
+  with pytest.raises(ValueError, match="already"):
+    replay.tape_to_faults(tape, time_scale=1.0, sim_step_time_s=1.0)
+
+
+@pytest.fixture
+def tiny_gin():
+  from ddiloco.simulation import simulate  # noqa: F401 - registers the configurables.
+
+  gin.clear_config()
+  gin.add_config_file_search_path(ROOT)
+  gin.parse_config_files_and_bindings(
+    [os.path.join(ROOT, "sim_tiny.gin")],
+    [
+      "STEPS = 4",
+      "InnerOptConfig.warmup_steps = 1",
+      "ClusterConfig.eval_every_s = 0.0",
+      "simulate.eval_batches = 1",
+      "FragmentSchedule.num_fragments = 4",
+      "FragmentSchedule.period = 4",
+    ],
+  )
+  yield
+  gin.clear_config()
+
+
+def test_replay_runs_the_tiny_simulator(tmp_path, tiny_gin):
+  # Virtual time, 1 s steps, budget 4 x 4 = 16 steps. Learner 2 finishes step 1 at t = 1 and
+  # crashes at t = 2 (the fault was queued before that step's completion), losing step 2; it is
+  # back at t = 6, too late. Learner 1's step starting at t = 4 takes 2 s (slow:1@4+1x2). At t = 5:
+  # learners 0 and 3 have 5 steps, learner 1 has 4, learner 2 has 1: 15. Learner 1's 5th step, at
+  # t = 6, is the 16th (without the pause the budget would be reached at t = 5). Then the last
+  # reports drain (< 1 s of latencies). Learner 3's slowdown (virtual 10) and learner 0's crash
+  # (virtual 16) come after the end.
+  summary = replay.replay(TAPE, workdir=str(tmp_path), real_step_time_s=0.5, tensorboard=False)
+  assert summary["replay"]["faults"] == list(EXPECTED)
+  assert summary["replay"]["time_scale"] == 2.0
+  assert summary["tokens_trained"] == 4 * 4 * 8 * 64  # LEARNERS x STEPS x BATCH x SEQ_LEN
+  steps = {int(k): v["steps"] for k, v in summary["learners"].items()}
+  assert sum(steps.values()) == 16
+  assert steps == {0: 5, 1: 5, 2: 1, 3: 5}
+  assert 6.0 <= summary["virtual_time_s"] < 7.0
+  assert summary["digests_agree"]
+
+
+def test_replay_rejects_learners_beyond_the_fleet(tmp_path, tiny_gin):
+  tape = [{"t": 1.0, "kind": "kill_learner", "learner": 7}]
+  with pytest.raises(ValueError, match=r"learners \[7\]"):
+    replay.replay(tape, workdir=str(tmp_path), real_step_time_s=1.0)
