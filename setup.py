@@ -45,6 +45,7 @@ setuptools.setup(
       "ddiloco-syncer=ddiloco.launch.syncer_main:run",
       "ddiloco-learner=ddiloco.launch.learner_main:run",
       "ddiloco-local=ddiloco.launch.local:run",
+      "ddiloco-chaos=ddiloco.launch.chaos_main:run",
     ],
   },
 )

@@ -63,6 +63,21 @@ class SyncerCheckpointConfig:
 JOURNAL_NAME = "merge_journal.jsonl"
 
 
+class _OrbaxInfoFilter(logging.Filter):
+  """Drops orbax's INFO records (about 40 lines per save); its warnings and errors pass."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno > logging.INFO or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+def quiet_orbax_logs() -> None:
+  """Keeps a process's log readable: orbax logs every save step by step at INFO (idempotent)."""
+  root = logging.getLogger()
+  if not any(isinstance(f, _OrbaxInfoFilter) for h in root.handlers for f in h.filters):
+    for handler in root.handlers:
+      handler.addFilter(_OrbaxInfoFilter())
+
+
 class MergeJournal:
   """Append-only record of published merges: {"fragment", "version", "digest", "time"} per line.
 

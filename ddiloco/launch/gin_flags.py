@@ -4,6 +4,7 @@
 parses the command line, so users can write overrides the way t5x users do.
 """
 
+import importlib
 import os
 from collections.abc import Sequence
 
@@ -17,6 +18,21 @@ _GIN_BINDINGS = flags.DEFINE_multi_string(
 _GIN_SEARCH_PATHS = flags.DEFINE_multi_string(
   "gin_search_paths", ["."], "folders in which relative --gin_file paths and includes are searched."
 )
+
+
+# Modules that declare gin configurables. Every process of a run parses the same files (a chaos run's
+# file binds ChaosConfig, which only the driver uses), so every entry point registers all of them.
+_CONFIGURABLE_MODULES = (
+  "ddiloco.launch.job",
+  "ddiloco.checkpoint.syncer",
+  "ddiloco.chaos.schedule",
+)
+
+
+def register_configurables() -> None:
+  """Imports every module that declares gin configurables (before parsing a run's files)."""
+  for module in _CONFIGURABLE_MODULES:
+    importlib.import_module(module)
 
 
 def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
@@ -46,6 +62,14 @@ def flags_parser(argv: Sequence[str]) -> list[str]:
   return flags.FLAGS(rewrite_gin_args(list(argv)))
 
 
+def forwarded_args() -> list[str]:
+  """This command line's gin flags, with absolute paths, to forward verbatim to child processes."""
+  out = [f"--gin_file={os.path.abspath(f)}" for f in _GIN_FILE.value]
+  out += [f"--gin_bindings={b}" for b in _GIN_BINDINGS.value]
+  out += [f"--gin_search_paths={os.path.abspath(p)}" for p in _GIN_SEARCH_PATHS.value]
+  return out
+
+
 def parse_gin(workdir: str | None = None) -> str:
   """Parses --gin_file/--gin_bindings, writes the operative config to `workdir`, returns its text.
 
@@ -62,6 +86,7 @@ def parse_gin(workdir: str | None = None) -> str:
     gin.add_config_file_search_path(os.path.dirname(folder))
   if not _GIN_FILE.value:
     raise ValueError("At least one --gin_file is required.")
+  register_configurables()
   gin.parse_config_files_and_bindings(_GIN_FILE.value, _GIN_BINDINGS.value, finalize_config=False)
   text = gin.config_str()
   if workdir:

@@ -30,16 +30,8 @@ _RESUME = flags.DEFINE_bool(
 )
 
 
-def gin_args(argv: list[str]) -> list[str]:
-  """The gin flags of this command line, to forward to the children verbatim."""
-  out = [f"--gin_file={os.path.abspath(f)}" for f in flags.FLAGS.gin_file]
-  out += [f"--gin_bindings={b}" for b in flags.FLAGS.gin_bindings]
-  out += [f"--gin_search_paths={os.path.abspath(p)}" for p in flags.FLAGS.gin_search_paths]
-  del argv
-  return out
-
-
 def main(argv: list[str]) -> None:
+  del argv
   from ddiloco.launch import job as job_lib  # After flags: gin registrations.
   from ddiloco.launch import local_cluster
   from ddiloco.metrics.writer import HEADLINE_KEYS
@@ -49,7 +41,7 @@ def main(argv: list[str]) -> None:
   job = job_lib.JobConfig()
   cluster = local_cluster.LocalCluster(
     workdir=workdir,
-    gin_args=gin_args(argv),
+    gin_args=gin_flags.forwarded_args(),
     num_learners=_LEARNERS.value or job.num_learners,
     devices_per_learner=job.devices_per_learner,
   )

@@ -78,6 +78,7 @@ class SyncerRun:
   def _restore(self) -> None:
     """Restores the newest checkpoint (if any) and opens the merge journal (docs/resilience.md)."""
     cfg = self.checkpoint
+    ckpt_lib.quiet_orbax_logs()
     self._checkpointer = ckpt_lib.SyncerCheckpointer(
       os.path.join(self.workdir, cfg.subdir), max_to_keep=cfg.max_to_keep
     )

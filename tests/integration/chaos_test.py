@@ -1,0 +1,53 @@
+"""The chaos smoke test (issue 4): real processes, learner kills, a network drop, a syncer restart.
+
+Slow (about two minutes here): `bash scripts/run_slow_tests.sh` runs it. It drives
+`ddiloco.launch.chaos.ChaosRun` with gin_configs/chaos/smoke.gin and checks the invariants on the tape.
+"""
+
+import os
+
+import pytest
+
+from ddiloco.launch import local_cluster
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+GIN = os.path.join(ROOT, "gin_configs", "chaos", "smoke.gin")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def test_chaos_smoke_keeps_every_invariant(tmp_path):
+  import gin
+
+  from ddiloco.chaos.schedule import ChaosConfig
+  from ddiloco.launch import gin_flags
+  from ddiloco.launch.chaos import ChaosRun
+  from ddiloco.launch.job import JobConfig
+
+  gin.clear_config()
+  gin.add_config_file_search_path(os.path.join(ROOT, "gin_configs"))
+  gin.add_config_file_search_path(os.path.join(ROOT, "gin_configs", "chaos"))
+  gin_flags.register_configurables()
+  gin.parse_config_files_and_bindings([GIN], [])
+  try:
+    job, chaos = JobConfig(), ChaosConfig()
+  finally:
+    gin.clear_config()
+  args = [
+    f"--gin_file={GIN}",
+    f"--gin_search_paths={os.path.join(ROOT, 'gin_configs')}",
+  ]
+  cluster = local_cluster.LocalCluster(
+    workdir=str(tmp_path / "chaos"), gin_args=args, num_learners=job.num_learners
+  )
+  run = ChaosRun(job, chaos, cluster)
+  run.run(timeout_s=800)
+  summary = run.summary()
+  for child in cluster.children():
+    assert child.proc.poll() is not None
+  assert summary["syncer_kills"] == 1
+  assert summary["learner_kills"] >= 1
+  names = {r["name"]: r for r in summary["invariants"]}
+  assert set(names) == {"max_merge_gap", "monotonic_versions", "digests_agree", "training_finished"}
+  assert summary["ok"], summary["table"]
+  assert summary["merges"] > 0
