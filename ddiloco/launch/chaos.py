@@ -3,7 +3,8 @@
 The driver starts the syncer, a loopback proxy in front of it (learners reach the syncer only
 through the proxy, so network faults hit them) and M learners; then it executes the schedule of
 `ddiloco.chaos.schedule.make_schedule` at its times: SIGKILL and restart learners (a restarted
-learner restores its own checkpoint), SIGSTOP/SIGCONT them, SIGKILL and restart the syncer on the
+learner registers again and takes the global fragments; it restores its own checkpoint once learner
+checkpoints land, docs/resilience.md), SIGSTOP/SIGCONT them, SIGKILL and restart the syncer on the
 same port (it restores its checkpoint and journal), and delay, drop or partition the network. It
 tails the syncer's metrics for merges and evaluations and writes everything to `tape.jsonl`. When
 every learner has finished it stops the syncer gracefully, records final digests and the ledger, and
