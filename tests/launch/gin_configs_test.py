@@ -14,6 +14,7 @@ ROOT = os.path.abspath(ROOT)
 RUNS = ["sim_tiny.gin", "runs/sim_small.gin"]
 # Distributed runs (ddiloco-local); the integration tests run them for real.
 DISTRIBUTED = ["local_tiny.gin"]
+CHAOS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/chaos/*.gin"))
 BASELINES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/baselines/*.gin"))
 FAST = [
   "STEPS = 3",
@@ -44,7 +45,7 @@ def test_every_config_is_covered():
   included = {f"models/{s}.gin" for s in ("tiny", "small", "2b", "5b", "9b")}
   included.add("runs/decoupled_base.gin")
   included.add("runs/distributed_base.gin")
-  assert shipped == set(RUNS) | set(BASELINES) | included | set(DISTRIBUTED)
+  assert shipped == set(RUNS) | set(BASELINES) | included | set(DISTRIBUTED) | set(CHAOS)
 
 
 @pytest.mark.parametrize("size", ["tiny", "small", "2b", "5b", "9b"])
@@ -87,3 +88,21 @@ def test_distributed_configs_build_a_job(run):
   factory = job.factory()
   assert factory.layout.num_fragments == job.the_schedule().num_fragments
   assert job.token_budget() == job.num_learners * job.steps_per_learner * job.tokens_per_step()
+
+
+@pytest.mark.parametrize("run", CHAOS)
+def test_chaos_configs_build_a_job_and_a_schedule(run):
+  from ddiloco.chaos.schedule import ChaosConfig, make_schedule
+  from ddiloco.launch import gin_flags
+  from ddiloco.launch.job import JobConfig
+
+  gin_flags.register_configurables()
+  gin.clear_config()
+  gin.add_config_file_search_path(ROOT)
+  gin.add_config_file_search_path(os.path.join(ROOT, "chaos"))
+  gin.parse_config_files_and_bindings([os.path.join(ROOT, run)], [])
+  job, chaos = JobConfig(), ChaosConfig()
+  schedule = make_schedule(chaos, job.num_learners)
+  assert len(CHAOS) == 2
+  assert sum(ev.kind == "kill_syncer" for ev in schedule) == len(chaos.syncer_kill_times_s) >= 1
+  assert any(ev.kind == "kill_learner" for ev in schedule)
