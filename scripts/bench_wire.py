@@ -4,23 +4,26 @@ Both transfers run on loopback in one process, interleaved in rounds so machine 
 equally, and the median of the rounds is reported:
   push   `SyncerClient.push` of one fragment (a single key of 16M float32 = 64 MiB) to a served
          `SyncerService` with the shared token on. What is timed is everything a learner's push
-         costs end to end: client-side serialization (`messages.report_to_chunks`: the fp32 delta
-         θ − Θ^(anchor), the wire format, 1 MiB chunks), gRPC framing and the loopback transfer, the
-         server's validation at the door (token interceptor, header and size checks, chunk
-         reassembly, `wire` parsing, decode and the NaN/Inf check, adding the anchor back) and
-         `SyncerCore.report` (validation again, the copy of the values into the round). The syncer
-         runs with min_quorum=2 and one learner, so a push only files into a round: no merge is
-         timed.
+         costs end to end: client-side serialization (`messages.push_messages`: the fp32 delta
+         θ − Θ^(anchor), the wire format, 1 MiB chunks, each made while the previous ones are
+         sent), gRPC framing and the loopback transfer, the server's validation at the door (token
+         interceptor, chunk message parsing, header and size checks, chunk reassembly, `wire`
+         parsing, decode and the NaN/Inf check, adding the anchor back) and `SyncerCore.report`
+         (validation again, with its own NaN/Inf check; the service files the decoded values
+         without a copy). The syncer runs with min_quorum=2 and one learner, so a push only files
+         into a round: no merge is timed.
   raw    `socket.sendall` of the same number of bytes in 1 MiB pieces over one TCP connection to a
          thread that reads them into a buffer and discards them, then acknowledges with one byte.
   bare   gRPC's own floor: the same bytes as 1 MiB raw `bytes` messages (no protobuf) streamed to
          a generic handler that counts and drops them, no token, no service code.
 It prints the throughputs, the ratio push/raw (goal >= 0.5), bare/raw and push/bare, the pull
 throughput of the same fragment (a learner pulls it before it may push, SPEC §3), and the push's
-time split: client serialization, then a Push of pre-built chunks on a second stub (everything
-after serialization), of which protobuf encode+parse, the server's reassembly/decode/validation
-and the core's filing, each timed offline in one thread with the functions the two ends call, and
-the rest (gRPC transport, token check, locks).
+time split: client serialization of all chunk messages up front, then a Push of those pre-built
+messages on a second channel (everything after serialization), of which the parsing of the chunk
+messages, the server's reassembly/decode/validation and the core's filing, each timed offline in
+one thread with the functions the two ends call, and the rest (gRPC transport, token check,
+locks). The end-to-end push overlaps serialization with the transfer, so it may take less than
+serialization plus the pre-built push.
 
   python scripts/bench_wire.py --mib=64 --rounds=5
 """
@@ -43,7 +46,7 @@ from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
 from ddiloco.syncer.service import ServiceConfig, make_syncer, serve
 from ddiloco.transport import auth, messages
 from ddiloco.transport.client import SyncerClient
-from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
+from ddiloco.transport.proto import syncer_pb2
 
 _MIB = flags.DEFINE_integer("mib", 64, "fragment size in MiB (float32 values)")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "timed rounds (median reported)")
@@ -164,9 +167,13 @@ class _Service:
     self.client = SyncerClient(address, token=_TOKEN, transfer_deadline_s=300.0)
     self.client.wait_ready(30.0)
     self.client.register(0, layout_digest=layout.digest, num_fragments=1)
-    # A second stub on its own channel streams pre-built chunks: the push minus serialization.
+    # A second channel streams pre-built chunk messages: the push minus serialization.
     self._channel = grpc.insecure_channel(address, self.config.channel_options())
-    self._stub = syncer_pb2_grpc.SyncerStub(self._channel)
+    self._push_raw = self._channel.stream_unary(
+      "/ddiloco.v1.Syncer/Push",
+      request_serializer=None,
+      response_deserializer=syncer_pb2.PushResponse.FromString,
+    )
     self.shapes, self.dtypes = {_KEY: (n,)}, {_KEY: np.float32}
     self.pull()  # Registered and delivered: the learner's reports now weigh > 0 (SPEC §3).
     anchor = self._pulled.values
@@ -194,8 +201,9 @@ class _Service:
       step=self._step,
     )
 
-  def chunks(self, report: Report) -> list:
-    return messages.report_to_chunks(report, "fp32", anchor_values=self.anchor_values)
+  def chunks(self, report: Report) -> list[bytes]:
+    """The serialized PushChunk messages of a report, all made up front."""
+    return list(messages.push_messages(report, "fp32", anchor_values=self.anchor_values))
 
   def pull(self) -> float:
     t0 = time.perf_counter()
@@ -218,7 +226,7 @@ class _Service:
   def push_prebuilt(self) -> float:
     chunks = self.chunks(self.report())
     t0 = time.perf_counter()
-    resp = self._stub.Push(iter(chunks), timeout=300.0, metadata=auth.token_metadata(_TOKEN))
+    resp = self._push_raw(iter(chunks), timeout=300.0, metadata=auth.token_metadata(_TOKEN))
     elapsed = time.perf_counter() - t0
     if resp.status not in ("accepted", "superseded"):
       raise RuntimeError(f"Pre-built push was not filed: {resp}")
@@ -230,17 +238,17 @@ class _Service:
     t0 = time.perf_counter()
     chunks = self.chunks(report)
     t1 = time.perf_counter()
-    parsed = [syncer_pb2.PushChunk.FromString(c.SerializeToString()) for c in chunks]
+    parsed = [messages.parse_chunk(c, syncer_pb2.PushHeader) for c in chunks]
     t2 = time.perf_counter()
     decoded = messages.chunks_to_report(
       parsed, [_KEY], self.shapes, self.dtypes, anchor_lookup=lambda v: self.anchor_values
     )
     t3 = time.perf_counter()
-    result = self.filing.report(decoded)
+    result = self.filing.report(decoded, copy=False)  # As the service files it.
     t4 = time.perf_counter()
     if result.weight <= 0:
       raise RuntimeError(f"The offline filing was refused: {result}")
-    return {"serialize": t1 - t0, "protobuf": t2 - t1, "decode": t3 - t2, "filing": t4 - t3}
+    return {"serialize": t1 - t0, "parse": t2 - t1, "decode": t3 - t2, "filing": t4 - t3}
 
   def close(self) -> dict[str, int]:
     """Stops everything; returns the service's counters (accepted, superseded, merges)."""
@@ -269,12 +277,12 @@ def _print(med: dict[str, float], *, n: int, wire_bytes: int, pull_bytes: int, n
   pull_rate = _mib_s(pull_bytes, med["pull"])
   print(f"  {'gRPC pull (end to end)':28s} {med['pull']:8.3f} {pull_rate:9.1f}")
   print("  push split (medians; each step but the transfer timed offline with the same functions):")
-  print(f"    client serialize (report_to_chunks)            {med['serialize']:7.3f} s")
+  print(f"    client serialize (push_messages, all chunks)   {med['serialize']:7.3f} s")
   print(f"    Push of pre-built chunks (everything after)    {med['prebuilt']:7.3f} s")
-  print(f"      protobuf encode + parse of the chunks        {med['protobuf']:7.3f} s")
+  print(f"      parse of the chunk messages (parse_chunk)    {med['parse']:7.3f} s")
   print(f"      server reassemble+decode+validate            {med['decode']:7.3f} s")
   print(f"      core filing (SyncerCore.report)              {med['filing']:7.3f} s")
-  rest = med["prebuilt"] - med["protobuf"] - med["decode"] - med["filing"]
+  rest = med["prebuilt"] - med["parse"] - med["decode"] - med["filing"]
   print(f"      rest: gRPC transport, token, locks           {rest:7.3f} s")
   print(f"  push/raw = {rate['push'] / rate['raw']:.3f}   (goal >= 0.5)")
   print(
@@ -288,7 +296,7 @@ def main(argv: list[str]) -> None:
   n = _MIB.value * (1 << 20) // 4
   init = {_KEY: np.random.default_rng(0).standard_normal(n, dtype=np.float32)}
   service = _Service(init, delta=_DELTA.value)
-  wire_bytes = sum(c.ByteSize() for c in service.chunks(service.report()))
+  wire_bytes = sum(map(len, service.chunks(service.report())))
   floors = _Floors(bytes(wire_bytes), service.config.channel_options())
   paths = {
     "raw": floors.raw,

@@ -25,6 +25,7 @@ _GIN_SEARCH_PATHS = flags.DEFINE_multi_string(
 _CONFIGURABLE_MODULES = (
   "ddiloco.launch.job",
   "ddiloco.checkpoint.syncer",
+  "ddiloco.checkpoint.learner",
   "ddiloco.chaos.schedule",
 )
 

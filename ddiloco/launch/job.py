@@ -14,9 +14,10 @@ from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner.learner import LearnerConfig
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.models import transformer
-from ddiloco.simulation.runtime import LearnerFactory
+from ddiloco.simulation.runtime import LearnerFactory, resolve_task
 from ddiloco.syncer.service import ServiceConfig
 from ddiloco.syncer.types import SyncerConfig
+from ddiloco.tasks import Task
 
 
 @gin.configurable(module="ddiloco")
@@ -25,8 +26,9 @@ class JobConfig:
   """One distributed run.
 
   Attributes:
-    model: the transformer (required; vocab is set from the tokenizer).
-    data: the text pipeline (required).
+    model: the transformer of a text run (vocab is set from the tokenizer); with `data`.
+    data: the text pipeline of a text run; with `model`.
+    task: what to train (`ddiloco.tasks`), instead of `model` and `data`.
     schedule: fragments P, period H, overlap τ (default SPEC §2's 24/24/2).
     syncer: quorum, grace, merge, outer optimizer.
     learner: α and blocking.
@@ -35,7 +37,7 @@ class JobConfig:
     num_learners: M, learners the local launcher starts (ids 0..M-1).
     steps_per_learner: inner steps each learner trains before it leaves.
     devices_per_learner: fake CPU devices per learner process (the launcher sets XLA_FLAGS).
-    batch_size: per-learner batch override (None: the data config's).
+    batch_size: per-learner batch override (None: the task's).
     layout_strategy: "balanced", "layer" or "tensor".
     split_large: allow splitting tensors larger than total/P.
     seed: parameter-initialisation seed (the syncer's initial global model).
@@ -46,6 +48,7 @@ class JobConfig:
 
   model: transformer.TransformerConfig | None = None
   data: text_data.TextDataConfig | None = None
+  task: Task | None = None
   schedule: FragmentSchedule | None = None
   syncer: SyncerConfig | None = None
   learner: LearnerConfig | None = None
@@ -63,8 +66,7 @@ class JobConfig:
   log_every: int = 10
 
   def __post_init__(self):
-    if self.model is None or self.data is None:
-      raise ValueError("JobConfig needs a model and a data config (bind them in gin).")
+    self.the_task()  # Exactly one of a task and a (model, data) pair.
     if self.num_learners < 1 or self.steps_per_learner < 1 or self.devices_per_learner < 1:
       raise ValueError("num_learners, steps_per_learner and devices_per_learner must be >= 1.")
     if self.eval_every_s < 0 or self.log_every < 1:
@@ -85,11 +87,18 @@ class JobConfig:
   def the_service(self) -> ServiceConfig:
     return self.service or ServiceConfig()
 
+  def the_task(self) -> Task:
+    """The task: `task`, or a `TextTask` of (model, data) (cheap: built on each call)."""
+    return resolve_task(self.task, self.model, self.data)
+
+  def learner_batch_size(self) -> int:
+    """Examples per learner step: the override, or the task's default."""
+    return self.batch_size or self.the_task().batch_size
+
   def factory(self) -> LearnerFactory:
-    """Model, layout, data and compiled steps, identical in every process of the run."""
+    """Task, layout and compiled steps, identical in every process of the run."""
     return LearnerFactory(
-      model_config=self.model,
-      data_config=self.data,
+      task=self.the_task(),
       inner_opt=self.inner_opt or InnerOptConfig(),
       num_fragments=self.the_schedule().num_fragments,
       layout_strategy=self.layout_strategy,
@@ -101,7 +110,8 @@ class JobConfig:
     )
 
   def tokens_per_step(self) -> int:
-    return (self.batch_size or self.data.batch_size) * self.data.seq_len
+    """Merge units (tokens for text, examples for vision) in one nominal learner step."""
+    return self.the_task().units_per_step(self.batch_size)
 
   def token_budget(self) -> int:
     return self.num_learners * self.steps_per_learner * self.tokens_per_step()

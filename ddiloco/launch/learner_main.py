@@ -5,13 +5,20 @@
 
 Trains on every local device (on CPU: `XLA_FLAGS=--xla_force_host_platform_device_count=N`, set from
 `--num_devices` when XLA_FLAGS does not set it). SIGTERM or SIGINT stops it after the current step:
-it flushes its pushes, leaves the fleet and writes `summary.json`.
+it saves a checkpoint, flushes its pushes, leaves the fleet and writes `summary.json`.
+
+Checkpoints (`ddiloco.LearnerCheckpointConfig`, on by default, in `<workdir>/checkpoints`): a learner
+restarted with the same `--learner_id` and `--workdir` after a crash (even SIGKILL) restores its
+step, inner optimizer state and data position from its newest checkpoint, then takes the global
+fragments from the syncer. `--restore=own|peer|fresh` overrides where that chain starts
+(docs/resilience.md); the summary's `restored_from` says what happened.
 
 Multi-host slices: `--coordinator_address`, `--num_processes` and `--process_id` call
 `jax.distributed.initialize`. Only one process per learner talks to the syncer; that the other
 processes follow its applies is not built yet, so `--num_processes > 1` is refused for now.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -32,6 +39,12 @@ _STEPS = flags.DEFINE_integer("steps", None, "override JobConfig.steps_per_learn
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "jax.distributed coordinator")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "processes of this learner's slice")
 _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "this process's index in the slice")
+_RESTORE = flags.DEFINE_enum(
+  "restore",
+  None,
+  ["own", "peer", "fresh"],
+  "where the restore chain own -> peer -> fresh starts (default: LearnerCheckpointConfig.init_from)",
+)
 
 
 def main(argv: list[str]) -> None:
@@ -60,6 +73,7 @@ def main(argv: list[str]) -> None:
       num_processes=_NUM_PROCESSES.value,
       process_id=_PROCESS_ID.value,
     )
+  from ddiloco.checkpoint.learner import LearnerCheckpointConfig
   from ddiloco.launch import job as job_lib
   from ddiloco.launch import runtime
   from ddiloco.metrics.writer import write_summary
@@ -69,6 +83,9 @@ def main(argv: list[str]) -> None:
   workdir = _WORKDIR.value
   gin_flags.parse_gin(workdir)
   job = job_lib.JobConfig()
+  checkpoint = LearnerCheckpointConfig()
+  if _RESTORE.value:
+    checkpoint = dataclasses.replace(checkpoint, init_from=_RESTORE.value)
   svc = job.the_service()
   client = SyncerClient(
     _ADDRESS.value,
@@ -82,6 +99,7 @@ def main(argv: list[str]) -> None:
     client=client,
     workdir=workdir,
     connect_timeout_s=_CONNECT_TIMEOUT.value,
+    checkpoint=checkpoint,
   )
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: worker.request_stop())
@@ -92,7 +110,8 @@ def main(argv: list[str]) -> None:
   writer.close()
   client.close()
   print(
-    f"learner {_LEARNER_ID.value}: {summary['steps']} steps, pushes {summary['push_status']}, "
+    f"learner {_LEARNER_ID.value}: {summary['steps']} steps (restored from "
+    f"{summary['restored_from']} at {summary['resumed_step']}), pushes {summary['push_status']}, "
     f"{len(summary['applies'])} applies, {summary['digest_mismatches']} digest mismatches"
   )
 

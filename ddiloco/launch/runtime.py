@@ -16,6 +16,11 @@ from typing import Any
 import numpy as np
 
 from ddiloco.checkpoint import syncer as ckpt_lib
+from ddiloco.checkpoint.learner import (
+  LearnerCheckpointConfig,
+  LearnerCheckpointer,
+  abstract_opt_state,
+)
 from ddiloco.launch.job import JobConfig
 from ddiloco.learner.learner import LearnerConfig
 from ddiloco.learner.worker import LearnerWorker
@@ -214,10 +219,14 @@ def make_learner_worker(
   workdir: str,
   connect_timeout_s: float = 120.0,
   data: Iterator[dict[str, np.ndarray]] | None = None,
+  checkpoint: LearnerCheckpointConfig | None = None,
 ) -> tuple[LearnerWorker, MetricsWriter]:
   """One learner on all of this process's devices, its data shard and its worker.
 
   `data` replaces the learner's grain shard (benchmarks feed pre-drawn batches to compare loops).
+  `checkpoint` (None or not enabled: no checkpoints) makes the worker restore at `connect` and save
+  while it trains (checkpoint/learner.py); a restarted learner needs the same id and workdir (or
+  shared checkpoint directory) to find its own checkpoint and keep its data shard.
   """
   import jax
 
@@ -233,6 +242,15 @@ def make_learner_worker(
   if data is None:
     data = iter(factory.make_data(learner_id, spec=spec))
   os.makedirs(workdir, exist_ok=True)
+  checkpointer = None
+  if checkpoint is not None and checkpoint.enabled:
+    checkpointer = LearnerCheckpointer(
+      checkpoint,
+      learner_id=learner_id,
+      workdir=workdir,
+      opt_target=abstract_opt_state(learner.steps, learner.params),
+      layout_digest=factory.layout.digest,
+    )
   writer = MetricsWriter(workdir, tensorboard=False)
   worker = LearnerWorker(
     learner=learner,
@@ -241,8 +259,9 @@ def make_learner_worker(
     layout_digest=factory.layout.digest,
     layouts=fragment_layouts(factory.layout.fragments, factory.global_init_values()),
     writer=writer,
-    batch_size=job.batch_size or job.data.batch_size,
+    batch_size=job.learner_batch_size(),
     log_every=job.log_every,
     connect_timeout_s=connect_timeout_s,
+    checkpointer=checkpointer,
   )
   return worker, writer

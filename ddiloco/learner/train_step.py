@@ -2,7 +2,9 @@
 
 The step is compiled once with pinned input and output shardings (parameters, optimizer state, batch),
 so later steps never recompile (a test asserts the jit cache holds one entry after several steps).
-It knows nothing about fragments, syncers or clocks (ARCHITECTURE.md "dependency rule").
+It knows nothing about fragments, syncers or clocks (ARCHITECTURE.md "dependency rule"), and nothing
+about what is trained: the loss comes from a `ddiloco.tasks.Task` (a bare language-model module is
+still accepted and trained with `loss_fn`, the text task's loss).
 """
 
 import dataclasses
@@ -17,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ddiloco.models import transformer
 from ddiloco.parallel import partitioning
+from ddiloco.tasks.base import RESERVED_METRICS, LossOutput, Task
 from ddiloco.types import PyTree
 
 
@@ -84,16 +87,47 @@ def make_inner_optimizer(config: InnerOptConfig) -> optax.GradientTransformation
 def loss_fn(
   model: nn.Module, params: PyTree, batch: dict[str, jax.Array]
 ) -> tuple[jax.Array, jax.Array]:
-  """Mean next-token loss of `model` on `batch` and the number of target tokens."""
+  """Mean next-token loss of a dense language `model` on `batch` and the number of target tokens."""
   logits_BxLxV = model.apply({"params": params}, batch["inputs"])
   return transformer.lm_loss(logits_BxLxV, batch["targets"], batch.get("mask"))
 
 
+def _task_loss(task: Task | nn.Module):
+  """The (params, batch, train) -> (loss, count, aux) function of a task or a bare LM module."""
+  if isinstance(task, Task):
+    return lambda params, batch, train: task.loss(params, batch, train=train)
+
+  def module_loss(params: PyTree, batch: dict[str, jax.Array], train: bool) -> LossOutput:
+    del train
+    loss, count = loss_fn(task, params, batch)
+    return loss, count, {}
+
+  return module_loss
+
+
+def _check_aux(aux: dict[str, jax.Array]) -> None:
+  clash = sorted(set(aux) & set(RESERVED_METRICS))
+  if clash:
+    raise ValueError(f"Task aux metrics {clash} clash with the train step's {RESERVED_METRICS}.")
+
+
 class CompiledSteps:
-  """A model's jitted train and eval steps on one mesh, with pinned shardings.
+  """A task's jitted train and eval steps on one mesh, with pinned shardings.
 
   Optimizer-state shardings follow the parameters' through `optax.tree_map_params`; non-parameter
   leaves (step counts) are replicated. Without pinning both sides, the second call recompiles.
+
+  The train step's metrics are {"loss": the objective, "tokens": the batch's count of merge units
+  (target tokens or examples; the name is kept because it feeds token-weighted merging, SPEC
+  §4.4), "grad_norm", **the task's aux metrics}.
+
+  Args:
+    task: a `ddiloco.tasks.Task`, or a bare language-model module (trained with `loss_fn`).
+    optimizer: the inner optimizer.
+    mesh: the learner's mesh.
+    abstract_params: the params' shapes and dtypes.
+    param_shardings: the params' shardings (same structure).
+    rules: logical axis rules the model's activation constraints are traced with.
 
   Attributes:
     init_opt_state: params -> opt_state, created directly with its shardings.
@@ -102,14 +136,18 @@ class CompiledSteps:
 
   def __init__(
     self,
-    model: nn.Module,
+    task: Task | nn.Module,
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
     abstract_params: PyTree,
     param_shardings: PyTree,
+    *,
+    rules: partitioning.LogicalRules = partitioning.LOGICAL_AXIS_RULES,
   ):
     replicated = NamedSharding(mesh, PartitionSpec())
+    task_loss = _task_loss(task)
     self.mesh = mesh
+    self.rules = rules
     self.param_shardings = param_shardings
     self.batch_sharding = partitioning.batch_sharding(mesh)
     abstract_state = jax.eval_shape(optimizer.init, abstract_params)
@@ -122,18 +160,25 @@ class CompiledSteps:
       is_leaf=lambda x: isinstance(x, NamedSharding),
     )
 
+    def objective(p, batch):
+      loss, count, aux = task_loss(p, batch, True)
+      return loss, (count, aux)
+
     def train(params, opt_state, batch):
-      (loss, num_tokens), grads = jax.value_and_grad(
-        lambda p: loss_fn(model, p, batch), has_aux=True
-      )(params)
+      (loss, (count, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params, batch)
+      _check_aux(aux)
       updates, opt_state = optimizer.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
-      metrics = {"loss": loss, "tokens": num_tokens, "grad_norm": optax.global_norm(grads)}
+      metrics = {"loss": loss, "tokens": count, "grad_norm": optax.global_norm(grads), **aux}
       return params, opt_state, metrics
 
     def evaluate(params, batch):
-      loss, num_tokens = loss_fn(model, params, batch)
-      return loss * num_tokens, num_tokens
+      # Sums over the batch's units (loss and each aux mean times the count), so several batches
+      # combine into count-weighted means (`eval_metrics`).
+      loss, count, aux = task_loss(params, batch, False)
+      _check_aux(aux)
+      sums = {"loss": loss * count, **{k: v * count for k, v in aux.items()}}
+      return sums, count
 
     self._train = jax.jit(
       train,
@@ -152,12 +197,17 @@ class CompiledSteps:
   # rules (flax linen + jax.set_mesh), so every call enters that context.
   def train(self, params: PyTree, opt_state: PyTree, batch: dict[str, jax.Array]):
     """One inner step; `params` and `opt_state` are donated."""
-    with partitioning.partitioning_context(self.mesh):
+    with partitioning.partitioning_context(self.mesh, self.rules):
       return self._train(params, opt_state, batch)
 
   def evaluate(self, params: PyTree, batch: dict[str, jax.Array]):
-    """(sum of token losses, number of tokens) of `params` on `batch`."""
-    with partitioning.partitioning_context(self.mesh):
+    """(sum of per-unit losses, number of units) of `params` on `batch`."""
+    sums, count = self.evaluate_sums(params, batch)
+    return sums["loss"], count
+
+  def evaluate_sums(self, params: PyTree, batch: dict[str, jax.Array]):
+    """({"loss" and each aux metric: its sum over the batch's units}, number of units)."""
+    with partitioning.partitioning_context(self.mesh, self.rules):
       return self._evaluate(params, batch)
 
   def train_cache_size(self) -> int:
@@ -171,9 +221,27 @@ class CompiledSteps:
 
 def eval_loss(steps: CompiledSteps, params: PyTree, batches: list[dict[str, Any]]) -> float:
   """Token-weighted mean loss of `params` over `batches`."""
-  total, count = 0.0, 0.0
+  return eval_metrics(steps, params, batches)["loss"]
+
+
+def eval_metrics(
+  steps: CompiledSteps, params: PyTree, batches: list[dict[str, Any]]
+) -> dict[str, float]:
+  """Count-weighted means of the loss and of the task's aux metrics over `batches`.
+
+  Args:
+    steps: the compiled steps (their task decides the metrics).
+    params: parameters placed with `steps.param_shardings`.
+    batches: host batches.
+
+  Returns:
+    {"loss": ..., **aux} (e.g. "accuracy" for a vision task), each Σ_batches sum / Σ counts.
+  """
+  totals: dict[str, float] = {}
+  count = 0.0
   for batch in batches:
-    s, n = steps.evaluate(params, steps.put_batch(batch))
-    total += float(s)
+    sums, n = steps.evaluate_sums(params, steps.put_batch(batch))
+    for k, v in sums.items():
+      totals[k] = totals.get(k, 0.0) + float(v)
     count += float(n)
-  return total / max(count, 1.0)
+  return {k: v / max(count, 1.0) for k, v in totals.items()}

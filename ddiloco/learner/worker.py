@@ -13,6 +13,12 @@ Three threads share one `Learner`, which only the training thread touches:
 If the syncer is unreachable the learner keeps training; both background threads retry with
 exponential backoff (and gRPC's channel reconnects with its own). Only the first registration, which
 fetches the global model, waits (up to `connect_timeout_s`).
+
+With a `LearnerCheckpointer`, `connect` first restores the step, inner optimizer state and data
+position (own checkpoint, a peer's, or fresh: checkpoint/learner.py), then loads the global fragments,
+which overwrite every parameter (SPEC §6). The training thread saves every `save_every_steps` steps
+(asynchronously) and once more when it stops gracefully; docs/resilience.md states what a crash
+repeats and loses.
 """
 
 import collections
@@ -29,6 +35,7 @@ import grpc
 import jax
 import numpy as np
 
+from ddiloco.checkpoint.learner import LearnerCheckpointer
 from ddiloco.learner.learner import Learner
 from ddiloco.metrics.writer import MetricsWriter
 from ddiloco.syncer.types import FragmentState, Report, ReportResult
@@ -91,6 +98,11 @@ class LearnerWorker:
     batch_size: sequences per step (informational at Register).
     log_every: steps between logged training losses.
     connect_timeout_s: how long the first registration may take.
+    checkpointer: saves and restores this learner's state (None: never checkpoints). `data` must
+      then be checkpointable (`get_state`/`set_state`, as the grain iterators are).
+
+  Raises:
+    ValueError: if a checkpointer is given but `data` cannot report and restore its position.
   """
 
   def __init__(
@@ -105,7 +117,13 @@ class LearnerWorker:
     batch_size: int = 0,
     log_every: int = 10,
     connect_timeout_s: float = 120.0,
+    checkpointer: LearnerCheckpointer | None = None,
   ):
+    if checkpointer is not None and not (hasattr(data, "get_state") and hasattr(data, "set_state")):
+      raise ValueError(
+        "Checkpointing needs a data iterator with get_state/set_state: without its position a "
+        "restarted learner would repeat or skip data."
+      )
     self.learner = learner
     self.id = learner.learner_id
     self._data = data
@@ -145,23 +163,64 @@ class LearnerWorker:
     self.registrations = 0
     self.unreachable_s = 0.0
     self.losses: list[tuple[int, float, float]] = []  # (step, time, loss)
+    self.zero_weight_pushes = 0  # Accepted with weight 0 (SPEC §3: not received since registering).
+    self.checkpointer = checkpointer
+    # "own:<step>", "peer:<id>:<step>" or "fresh" once restored; None before.
+    self.restored_from: str | None = None
+    self.resumed_step = 0
     self._t0 = time.time()
 
   # -- connection -----------------------------------------------------------------------------
 
+  def restore(self) -> str:
+    """Restores step, inner optimizer state, data position and token count (SPEC §6).
+
+    Along the checkpointer's chain own → peer → fresh (checkpoint/learner.py); without a
+    checkpointer the learner starts fresh. The parameters are not restored: `connect` loads the
+    syncer's global fragments over all of them. Call before training (`connect` calls it once).
+
+    Returns:
+      "own:<step>", "peer:<id>:<step>" or "fresh".
+    """
+    if self.checkpointer is None:
+      self.restored_from = "fresh"
+      return self.restored_from
+    restored = self.checkpointer.restore()
+    if restored.opt_state is not None:
+      self.learner.opt_state = restored.opt_state
+    if restored.data_state is not None:
+      self._data.set_state(restored.data_state)
+    self.learner.step = restored.step  # Only "own" moves it: a peer's step is not this learner's.
+    self.tokens_trained = restored.tokens_trained
+    self.restored_from, self.resumed_step = restored.restored_from, restored.step
+    self._event(
+      "restore",
+      restored_from=restored.restored_from,
+      step=restored.step,
+      tokens=restored.tokens_trained,
+      directory=self.checkpointer.directory,
+      discarded_steps=list(restored.discarded_steps),
+    )
+    log.info(
+      "learner %d: restored from %s at step %d", self.id, restored.restored_from, restored.step
+    )
+    return self.restored_from
+
   def connect(self) -> None:
-    """Registers and loads the global model (blocking, the only wait; SPEC §6).
+    """Restores (once), registers and loads the global model (blocking, the only wait; SPEC §6).
 
     Raises:
       TimeoutError: if the syncer did not answer within `connect_timeout_s`.
       grpc.RpcError: if the syncer refused the registration (e.g. layout mismatch).
     """
+    if self.restored_from is None:
+      self.restore()  # Before align_phase below, which reads the restored step.
     deadline = time.monotonic() + self._connect_timeout_s
     backoff = Backoff()
     while True:
       try:
         self._client.wait_ready(max(0.1, min(5.0, deadline - time.monotonic())))
-        resp = self._register()
+        resp = self.register()
         states = [self._pull(p, -1) for p in range(len(self._layouts))]
         break
       except (grpc.RpcError, grpc.FutureTimeoutError) as e:
@@ -173,11 +232,24 @@ class LearnerWorker:
             ) from e
           raise
         time.sleep(backoff.next_delay())
-    self.learner.load_global([s for s in states if s is not None])
+    loaded = [s for s in states if s is not None]
+    self.learner.load_global(loaded)
+    for state in loaded:  # What the devices now hold must be the syncer's bits (SPEC §4.7).
+      if self.learner.applied_digest.get(state.fragment) != state.digest:
+        self.digest_mismatches += 1
+        log.error("learner %d: global fragment %d digest mismatch", self.id, state.fragment)
     self.learner.align_phase(int(resp.fleet_step))
     self._event("connected", versions=list(resp.versions), fleet_step=int(resp.fleet_step))
 
-  def _register(self):
+  def register(self):
+    """Registers with the syncer: a new epoch there, so nothing counts as delivered until pulled.
+
+    Until this learner has pulled fragment p again, its reports of p weigh 0 (SPEC §3). `connect`
+    registers and pulls everything; the comm thread re-registers when the syncer forgot us.
+
+    Returns:
+      The RegisterResponse (versions, cadence, codecs).
+    """
     resp = self._client.register(
       self.id,
       layout_digest=self._digest,
@@ -236,7 +308,7 @@ class LearnerWorker:
     while not self._stop.is_set():
       try:
         if self._need_register.is_set():
-          self._register()
+          self.register()
         hb = self._client.heartbeat(self.id, step=self.learner.step, step_time_s=self.step_time_s)
         if not hb.registered:
           self._need_register.set()
@@ -317,6 +389,8 @@ class LearnerWorker:
       except queue.Empty:
         break
       self.push_status[result.status] += 1
+      if result.status == "accepted" and result.weight == 0:
+        self.zero_weight_pushes += 1
       self.learner.on_report_result(p, result)
       if result.fleet_step >= 0:
         self._set_cadence(result.fleet_step)
@@ -380,17 +454,31 @@ class LearnerWorker:
     self._stop_requested = True
 
   def run(self, num_steps: int) -> dict[str, Any]:
-    """Trains until the learner's step reaches `num_steps`, then flushes, leaves and summarizes."""
+    """Trains until the learner's step reaches `num_steps` (or a stop request), then saves a final
+    checkpoint, flushes, leaves and summarizes: a graceful stop (SIGTERM) loses no step."""
     self.start()
+    train_s = self.train(num_steps)
+    self.save_checkpoint()
+    self.finish()
+    return self.summary(train_s)
+
+  def train(self, num_steps: int) -> float:
+    """The training loop, until the step reaches `num_steps` or a stop is requested.
+
+    Needs the background threads (`start`). Saves a checkpoint at every due step. Returns the
+    seconds spent.
+    """
     t_first = time.monotonic()
     recent: collections.deque[float] = collections.deque(maxlen=17)
     previous = None
+    done = 0  # Steps of this call: a restored learner compiles on its first steps too.
     self.train_start = time.time()
     while self.learner.step < num_steps and not self._stop_requested:
       self._drain()
       self._follow_cadence()
       batch = next(self._data)
       metrics = self.learner.train_step(batch)
+      done += 1
       # At most one step in flight: wait for the previous step's loss (it releases the GIL for
       # the sender and comm threads). Without this, asynchronous dispatch let the step counter
       # run up to a logging interval ahead of the devices, and the schedule with it.
@@ -401,10 +489,12 @@ class LearnerWorker:
       self._send_due()
       self._drain()
       self._apply()
+      if self.checkpointer is not None and self.checkpointer.due(self.learner.step):
+        self.save_checkpoint()
       now = time.monotonic()
       # Step time over the last steps, not an EMA of loop times: with asynchronous dispatch one
       # loop can take microseconds and the next a whole step. The first steps compile: left out.
-      if self.learner.step > _WARMUP_STEPS:
+      if done > _WARMUP_STEPS:
         recent.append(now)
         if len(recent) >= 2:
           self.step_time_s = (recent[-1] - recent[0]) / (len(recent) - 1)
@@ -421,13 +511,46 @@ class LearnerWorker:
         if self._writer is not None:
           self._writer.scalars(self.learner.step, {"loss": loss})
           self._writer.flush()  # The launcher tails metrics.jsonl for its progress lines.
-    train_s = time.monotonic() - t_first
     self.train_end = time.time()
-    self.finish()
-    return self.summary(train_s)
+    return time.monotonic() - t_first
+
+  def save_checkpoint(self) -> bool:
+    """Starts an asynchronous save of the current step (training thread only; SPEC §6).
+
+    Returns:
+      False without a checkpointer, at step 0, or if this step is already saved.
+    """
+    if self.checkpointer is None or self.learner.step < 1:
+      return False
+    t = time.monotonic()
+    saved = self.checkpointer.save(
+      self.learner.step,
+      opt_state=self.learner.opt_state,
+      data_state=self._data.get_state(),
+      tokens_trained=self.tokens_trained,
+      schedule_step=self.learner.schedule_step,
+    )
+    if saved:
+      self._event("checkpoint", step=self.learner.step, blocking_s=round(time.monotonic() - t, 4))
+    return saved
+
+  def abandon(self) -> None:
+    """Stops the background threads without flushing, saving or leaving: a crash (fault injection).
+
+    Queued pushes are dropped and the syncer still counts this learner as alive, as after a
+    SIGKILL. A save already started still completes in this process (a killed process would leave
+    its tmp folder instead; checkpoint tests cover that case).
+    """
+    self._stop.set()
+    with self._jobs_cv:
+      self._jobs.clear()
+      self._jobs_cv.notify_all()
+    for t in self._threads:
+      t.join(timeout=10.0)
 
   def finish(self, timeout_s: float = 30.0) -> None:
-    """Waits for queued pushes (bounded), stops the threads and leaves the fleet."""
+    """Waits for queued pushes (bounded) and the pending checkpoint save, stops the threads and
+    leaves the fleet."""
     deadline = time.monotonic() + timeout_s
     with self._jobs_cv:
       while (self._jobs or self._in_flight) and time.monotonic() < deadline:
@@ -438,12 +561,16 @@ class LearnerWorker:
     for t in self._threads:
       t.join(timeout=max(1.0, deadline - time.monotonic()))
     self._drain()
+    if self.checkpointer is not None:
+      self.checkpointer.close()  # Waits until the last save is on disk.
     try:
       self._client.leave(self.id)
     except grpc.RpcError as e:
       log.warning("learner %d: leave failed: %s", self.id, e.code())
 
   def summary(self, train_s: float) -> dict[str, Any]:
+    """This learner's summary.json. `steps` and `tokens` run from the start of its shard, across
+    restarts (a restored learner counts from its checkpoint; repeated batches count once)."""
     learner = self.learner
     return {
       "learner_id": self.id,
@@ -466,6 +593,10 @@ class LearnerWorker:
       "bytes_down": self._client.bytes_down,
       "losses": [list(x) for x in self.losses],
       "uplink_codec": self.codec,
+      "zero_weight_pushes": self.zero_weight_pushes,
+      "restored_from": self.restored_from,
+      "resumed_step": self.resumed_step,
+      "checkpoint_steps": list(self.checkpointer.saved_steps) if self.checkpointer else [],
     }
 
   def _event(self, kind: str, **fields: Any) -> None:

@@ -9,7 +9,12 @@ Parameter naming is part of the contract with the rest of the system:
 - one submodule per layer, `block_0`, `block_1`, ... (no `nn.scan`), because the layer fragment
   layout (SPEC.md §2) strides over these names;
 - `token_embed/embedding` and `unembed/kernel` are the embedding tensors that the syncer merges with
-  the weighted mean instead of RDA (SPEC.md §4.5), recognised by `is_embedding_path`.
+  the weighted mean instead of RDA (SPEC.md §4.5), recognised by `is_embedding_path`;
+- a mixture-of-experts layer (`num_experts > 0`, every `moe_every`-th block) holds its feed-forward
+  weights under `block_{i}/moe/...` instead of `block_{i}/mlp/...` (see `ddiloco.models.moe`).
+
+The encoder flags (`causal=False`, `rope=False`) let the vision transformer (`ddiloco.models.vit`)
+reuse the same blocks bidirectionally with learned position embeddings.
 """
 
 import dataclasses
@@ -20,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddiloco.models.layers import Kernel, fan_in_init
+from ddiloco.models.moe import MoeBlock
 from ddiloco.types import BATCH, EMBED, HEADS, KV, LENGTH, MLP, VOCAB
 
 EMBEDDING_PATH_PREFIXES = ("token_embed", "unembed")
@@ -37,7 +44,7 @@ class TransformerConfig:
     d_model: width of the residual stream.
     num_layers: number of transformer blocks (`block_0` ... `block_{num_layers-1}`).
     num_heads: attention heads (query, key and value all have `num_heads`: plain multi-head).
-    head_dim: width of one head; must be even (RoPE rotates pairs of features).
+    head_dim: width of one head; must be even when `rope` (RoPE rotates pairs of features).
     mlp_dim: hidden width of the SwiGLU MLP.
     max_len: longest sequence the model accepts.
     dtype: compute dtype of matmuls (a dtype or its name, e.g. "bfloat16"); logits are float32.
@@ -45,6 +52,17 @@ class TransformerConfig:
     tie_embeddings: use `token_embed/embedding` transposed as the output projection (no `unembed`).
     dropout_rate: residual dropout, active only when `deterministic=False`.
     remat: rematerialise each block in the backward pass (`nn.remat`), trading compute for memory.
+    causal: mask attention to earlier positions (a decoder); False gives a bidirectional encoder.
+    rope: rotary position embeddings on queries and keys; False leaves positions to the caller.
+    num_experts: experts per MoE layer; 0 (default) makes every feed-forward layer dense.
+    top_k: experts each token is routed to, in [1, num_experts].
+    capacity_factor: expert buffer size relative to an even split (`moe.expert_capacity`).
+    moe_every: block i is an MoE layer iff (i + 1) % moe_every == 0 (1: all; 2: every other
+      block, starting with block_1, as Switch/GShard).
+    aux_loss_weight: weight of the load-balancing loss, summed over MoE layers, in the objective.
+    router_z_loss_weight: weight of the router z-loss, summed over MoE layers (0: off).
+    moe_group_size: tokens routed together (capacity is per group); 0, or more than the sequence
+      length, = one group per sequence; otherwise it must divide the sequence length.
   """
 
   vocab_size: int
@@ -59,6 +77,15 @@ class TransformerConfig:
   tie_embeddings: bool = False
   dropout_rate: float = 0.0
   remat: bool = False
+  causal: bool = True
+  rope: bool = True
+  num_experts: int = 0
+  top_k: int = 2
+  capacity_factor: float = 1.25
+  moe_every: int = 1
+  aux_loss_weight: float = 0.01
+  router_z_loss_weight: float = 0.0
+  moe_group_size: int = 0
 
   def __post_init__(self):
     for name in (
@@ -73,8 +100,9 @@ class TransformerConfig:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
         raise ValueError(f"TransformerConfig.{name} must be a positive int, got {value!r}.")
-    if self.head_dim % 2:
+    if self.rope and self.head_dim % 2:
       raise ValueError(f"TransformerConfig.head_dim must be even for RoPE, got {self.head_dim}.")
+    self._check_moe()
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(
         f"TransformerConfig.dropout_rate must be in [0, 1), got {self.dropout_rate}."
@@ -89,6 +117,33 @@ class TransformerConfig:
       if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"TransformerConfig.{name} must be a floating dtype, got {dtype}.")
       object.__setattr__(self, name, dtype)
+
+  def _check_moe(self) -> None:
+    for name in ("num_experts", "moe_group_size"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        raise ValueError(f"TransformerConfig.{name} must be an int >= 0, got {value!r}.")
+    if self.moe_every < 1:
+      raise ValueError(f"TransformerConfig.moe_every must be >= 1, got {self.moe_every}.")
+    if self.capacity_factor <= 0:
+      raise ValueError(
+        f"TransformerConfig.capacity_factor must be > 0, got {self.capacity_factor}."
+      )
+    if min(self.aux_loss_weight, self.router_z_loss_weight) < 0:
+      raise ValueError("TransformerConfig.aux_loss_weight and router_z_loss_weight must be >= 0.")
+    if self.num_experts and not 1 <= self.top_k <= self.num_experts:
+      raise ValueError(
+        f"TransformerConfig.top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}."
+      )
+
+  @property
+  def is_moe(self) -> bool:
+    """Whether any block is a mixture-of-experts layer."""
+    return self.num_experts > 0 and self.num_layers >= self.moe_every
+
+  def is_moe_layer(self, layer: int) -> bool:
+    """Whether block `layer` (0-based) is a mixture-of-experts layer."""
+    return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
 
 
 def is_embedding_path(path: str) -> bool:
@@ -105,13 +160,6 @@ def is_embedding_path(path: str) -> bool:
     True iff the first path component is one of `EMBEDDING_PATH_PREFIXES`.
   """
   return path.split("/", 1)[0] in EMBEDDING_PATH_PREFIXES
-
-
-def _fan_in_init(in_axis: int | tuple[int, ...], out_axis: int | tuple[int, ...]):
-  # Unit-variance-preserving (LeCun normal) over all input axes, e.g. (heads, kv) for `out`.
-  return nn.initializers.variance_scaling(
-    1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis
-  )
 
 
 class RMSNorm(nn.Module):
@@ -145,23 +193,11 @@ def _rope(x_BxLxHxK: jax.Array, positions_L: jax.Array) -> jax.Array:
   return out.astype(x_BxLxHxK.dtype)
 
 
-class _Kernel(nn.Module):
-  """Holds one projection kernel as `<name>/kernel`, so paths read "attn/query/kernel"."""
-
-  shape: tuple[int, ...]
-  axes: tuple[str, ...]
-  in_axis: int | tuple[int, ...]
-  out_axis: int | tuple[int, ...]
-  param_dtype: Any
-
-  @nn.compact
-  def __call__(self) -> jax.Array:
-    init = nn.with_logical_partitioning(_fan_in_init(self.in_axis, self.out_axis), self.axes)
-    return self.param("kernel", init, self.shape, self.param_dtype)
-
-
 class Attention(nn.Module):
-  """Causal multi-head self-attention with RoPE; params `query`, `key`, `value`, `out`."""
+  """Multi-head self-attention, causal and with RoPE unless the config turns them off.
+
+  Params `query`, `key`, `value`, `out`.
+  """
 
   config: TransformerConfig
 
@@ -172,7 +208,7 @@ class Attention(nn.Module):
     activation_axes = (BATCH, LENGTH, HEADS, KV)
 
     def project(name: str) -> jax.Array:
-      kernel_DxHxK = _Kernel((d, h, k), (EMBED, HEADS, KV), 0, (1, 2), cfg.param_dtype, name=name)()
+      kernel_DxHxK = Kernel((d, h, k), (EMBED, HEADS, KV), 0, (1, 2), cfg.param_dtype, name=name)()
       y_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, kernel_DxHxK.astype(cfg.dtype))
       return nn.with_logical_constraint(y_BxLxHxK, activation_axes)
 
@@ -180,21 +216,23 @@ class Attention(nn.Module):
     k_BxLxHxK = project("key")
     v_BxLxHxK = project("value")
     length = x_BxLxD.shape[1]
-    positions_L = jnp.arange(length)
-    q_BxLxHxK = _rope(q_BxLxHxK, positions_L)
-    k_BxLxHxK = _rope(k_BxLxHxK, positions_L)
+    if cfg.rope:
+      positions_L = jnp.arange(length)
+      q_BxLxHxK = _rope(q_BxLxHxK, positions_L)
+      k_BxLxHxK = _rope(k_BxLxHxK, positions_L)
 
     # Scores and softmax in float32 whatever the compute dtype, for a stable normaliser.
     scores_BxHxLxL = jnp.einsum(
       "bqhk,bshk->bhqs", q_BxLxHxK, k_BxLxHxK, preferred_element_type=jnp.float32
     ) / np.sqrt(k)
-    causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
-    scores_BxHxLxL = jnp.where(causal_LxL[None, None], scores_BxHxLxL, jnp.finfo(jnp.float32).min)
+    if cfg.causal:
+      causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
+      scores_BxHxLxL = jnp.where(causal_LxL[None, None], scores_BxHxLxL, jnp.finfo(jnp.float32).min)
     probs_BxHxLxL = jax.nn.softmax(scores_BxHxLxL, axis=-1).astype(cfg.dtype)
     ctx_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", probs_BxHxLxL, v_BxLxHxK)
     ctx_BxLxHxK = nn.with_logical_constraint(ctx_BxLxHxK, activation_axes)
 
-    out_HxKxD = _Kernel((h, k, d), (HEADS, KV, EMBED), (0, 1), 2, cfg.param_dtype, name="out")()
+    out_HxKxD = Kernel((h, k, d), (HEADS, KV, EMBED), (0, 1), 2, cfg.param_dtype, name="out")()
     y_BxLxD = jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, out_HxKxD.astype(cfg.dtype))
     return nn.with_logical_constraint(y_BxLxD, (BATCH, LENGTH, EMBED))
 
@@ -208,9 +246,9 @@ class MlpBlock(nn.Module):
   def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
     cfg = self.config
     d, f = cfg.d_model, cfg.mlp_dim
-    gate_DxF = _Kernel((d, f), (EMBED, MLP), 0, 1, cfg.param_dtype, name="gate")()
-    up_DxF = _Kernel((d, f), (EMBED, MLP), 0, 1, cfg.param_dtype, name="up")()
-    down_FxD = _Kernel((f, d), (MLP, EMBED), 0, 1, cfg.param_dtype, name="down")()
+    gate_DxF = Kernel((d, f), (EMBED, MLP), 0, 1, cfg.param_dtype, name="gate")()
+    up_DxF = Kernel((d, f), (EMBED, MLP), 0, 1, cfg.param_dtype, name="up")()
+    down_FxD = Kernel((f, d), (MLP, EMBED), 0, 1, cfg.param_dtype, name="down")()
     gate_BxLxF = jnp.einsum("bld,df->blf", x_BxLxD, gate_DxF.astype(cfg.dtype))
     up_BxLxF = jnp.einsum("bld,df->blf", x_BxLxD, up_DxF.astype(cfg.dtype))
     h_BxLxF = nn.with_logical_constraint(nn.silu(gate_BxLxF) * up_BxLxF, (BATCH, LENGTH, MLP))
@@ -219,9 +257,14 @@ class MlpBlock(nn.Module):
 
 
 class Block(nn.Module):
-  """One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+  """One pre-norm transformer layer: x + attn(norm(x)), then x + ffn(norm(x)).
+
+  The feed-forward network is the dense `MlpBlock` ("mlp") or, when `moe`, a `MoeBlock` ("moe");
+  tokens an MoE layer drops for lack of capacity get a zero output and keep x unchanged.
+  """
 
   config: TransformerConfig
+  moe: bool = False
 
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array, deterministic: bool) -> jax.Array:
@@ -231,7 +274,7 @@ class Block(nn.Module):
     h = Attention(cfg, name="attn")(h)
     x_BxLxD = x_BxLxD + dropout(h, deterministic=deterministic)
     h = RMSNorm(cfg, name="pre_mlp_norm")(x_BxLxD)
-    h = MlpBlock(cfg, name="mlp")(h)
+    h = MoeBlock(cfg, name="moe")(h) if self.moe else MlpBlock(cfg, name="mlp")(h)
     x_BxLxD = x_BxLxD + dropout(h, deterministic=deterministic)
     return nn.with_logical_constraint(x_BxLxD, (BATCH, LENGTH, EMBED))
 
@@ -240,7 +283,8 @@ class Transformer(nn.Module):
   """Decoder-only language model: tokens [B, L] -> float32 logits [B, L, V].
 
   Parameters: `token_embed/embedding` [V, D], `block_{i}/...` for each layer, `final_norm/scale`
-  [D] and, unless `tie_embeddings`, `unembed/kernel` [D, V].
+  [D] and, unless `tie_embeddings`, `unembed/kernel` [D, V]. MoE layers sow their auxiliary losses
+  into the "intermediates" collection (`ddiloco.models.moe.collect_losses`).
   """
 
   config: TransformerConfig
@@ -254,7 +298,7 @@ class Transformer(nn.Module):
       deterministic: disables dropout; when False (and dropout_rate > 0) a "dropout" rng is needed.
 
     Returns:
-      float32 logits of shape [B, L, vocab_size]; position t only sees tokens 0..t.
+      float32 logits of shape [B, L, vocab_size]; position t only sees tokens 0..t (when causal).
 
     Raises:
       ValueError: if the input is not [B, L] or L exceeds `max_len`.
@@ -271,7 +315,7 @@ class Transformer(nn.Module):
       param_dtype=cfg.param_dtype,
       # std 1/sqrt(D) (fan-in over the feature axis, as nanodo): with a tied output projection the
       # initial logits then have unit variance; pre-norm blocks rescale the residual stream anyway.
-      embedding_init=nn.with_logical_partitioning(_fan_in_init(1, 0), (VOCAB, EMBED)),
+      embedding_init=nn.with_logical_partitioning(fan_in_init(1, 0), (VOCAB, EMBED)),
       name="token_embed",
     )
     x_BxLxD = nn.with_logical_constraint(embed(tokens_BxL), (BATCH, LENGTH, EMBED))
@@ -279,13 +323,13 @@ class Transformer(nn.Module):
     # One named submodule per layer (no nn.scan): the layer fragment layout strides over these.
     block_cls = nn.remat(Block, static_argnums=(2,)) if cfg.remat else Block
     for i in range(cfg.num_layers):
-      x_BxLxD = block_cls(cfg, name=f"block_{i}")(x_BxLxD, deterministic)
+      x_BxLxD = block_cls(cfg, moe=cfg.is_moe_layer(i), name=f"block_{i}")(x_BxLxD, deterministic)
     x_BxLxD = RMSNorm(cfg, name="final_norm")(x_BxLxD)
 
     if cfg.tie_embeddings:
       kernel_DxV = embed.embedding.T
     else:
-      kernel_DxV = _Kernel(
+      kernel_DxV = Kernel(
         (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB), 0, 1, cfg.param_dtype, name="unembed"
       )()
     logits_BxLxV = jnp.einsum(

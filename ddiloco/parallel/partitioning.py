@@ -2,7 +2,8 @@
 
 Models annotate every parameter with logical axis names (`nn.with_logical_partitioning`) and their
 activations with `nn.with_logical_constraint`. One table, `LOGICAL_AXIS_RULES`, maps those names
-onto the ("data", "model") mesh of `ddiloco.parallel.mesh`.
+onto the ("data", "model") mesh of `ddiloco.parallel.mesh`; `logical_axis_rules(expert_axis=...)`
+builds the same table with the MoE "expert" axis on another mesh axis.
 
 Known trap (flax 0.12 / jax 0.10): linen's boxed params apply their sharding only when a *global*
 mesh is set (`jax.set_mesh`); outside one, `nn.unbox` and `nn.with_logical_constraint` silently
@@ -41,21 +42,49 @@ from ddiloco.types import (
 
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
-# Order matters: flax assigns mesh axes by rule priority, and a mesh axis is used at most once per
-# array. So a q/k/v kernel ("embed", "heads", "kv") shards "heads" (listed first) over "model" and
-# leaves "kv" whole; "kv" is sharded only where "heads" is absent. "expert" comes before "mlp" so an
-# MoE kernel ("expert", "embed", "mlp") is expert-parallel rather than tensor-parallel.
-LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
-  (BATCH, DATA_AXIS),
-  (EXPERT, MODEL_AXIS),
-  (VOCAB, MODEL_AXIS),
-  (HEADS, MODEL_AXIS),
-  (MLP, MODEL_AXIS),
-  (KV, MODEL_AXIS),
-  (EMBED, None),
-  (LENGTH, None),
-  (LAYERS, None),
-)
+EXPERT_AXES = (MODEL_AXIS, DATA_AXIS, None)
+
+
+def logical_axis_rules(
+  *, expert_axis: str | None = MODEL_AXIS
+) -> tuple[tuple[str, str | None], ...]:
+  """The rules table, with the MoE `expert` axis mapped to `expert_axis`.
+
+  Order matters: flax assigns mesh axes by rule priority, and a mesh axis is used at most once per
+  array. So a q/k/v kernel ("embed", "heads", "kv") shards "heads" (listed first) over "model" and
+  leaves "kv" whole; "kv" is sharded only where "heads" is absent. "expert" comes first, so an MoE
+  kernel ("expert", "embed", "mlp") is expert-parallel rather than tensor-parallel, and an expert
+  buffer ("expert", "batch", ...) keeps its experts sharded even when they share the data axis.
+
+  Args:
+    expert_axis: "model" (default): experts spread over the model-parallel devices, as heads and
+      MLP columns are (with model_parallelism 1 every device holds every expert, so every existing
+      mesh works unchanged). "data": GShard-style expert parallelism, experts spread over the
+      data-parallel devices; GSPMD turns the dispatch einsum into an all-to-all. None: experts
+      replicated.
+
+  Returns:
+    (logical name, mesh axis or None) pairs for `nn.logical_axis_rules`.
+
+  Raises:
+    ValueError: for an expert_axis that is not a mesh axis or None.
+  """
+  if expert_axis not in EXPERT_AXES:
+    raise ValueError(f"expert_axis must be one of {EXPERT_AXES}, got {expert_axis!r}.")
+  return (
+    (EXPERT, expert_axis),
+    (BATCH, DATA_AXIS),
+    (VOCAB, MODEL_AXIS),
+    (HEADS, MODEL_AXIS),
+    (MLP, MODEL_AXIS),
+    (KV, MODEL_AXIS),
+    (EMBED, None),
+    (LENGTH, None),
+    (LAYERS, None),
+  )
+
+
+LOGICAL_AXIS_RULES = logical_axis_rules()
 
 
 @contextlib.contextmanager
@@ -83,10 +112,15 @@ def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
 
 
-def _init_fn(model: nn.Module, batch_size: int, seq_len: int):
+def _init_fn(
+  model: nn.Module, batch_size: int, seq_len: int, inputs: jax.ShapeDtypeStruct | None = None
+):
   def init(rng: jax.Array) -> PyTree:
-    tokens_BxL = jnp.zeros((batch_size, seq_len), jnp.int32)
-    return model.init({"params": rng}, tokens_BxL)["params"]
+    if inputs is None:
+      dummy = jnp.zeros((batch_size, seq_len), jnp.int32)
+    else:
+      dummy = jnp.zeros(inputs.shape, inputs.dtype)
+    return model.init({"params": rng}, dummy)["params"]
 
   return init
 
@@ -117,15 +151,19 @@ def abstract_params(
   batch_size: int = 1,
   seq_len: int = 8,
   rules: LogicalRules = LOGICAL_AXIS_RULES,
+  inputs: jax.ShapeDtypeStruct | None = None,
 ) -> tuple[PyTree, PyTree]:
   """Shapes, dtypes and shardings of `model`'s params, without allocating them.
 
   Args:
-    model: a linen module called as `model(tokens_BxL)`, every param annotated with logical axes.
+    model: a linen module called as `model(tokens_BxL)` (or `model(inputs)`), every param
+      annotated with logical axes.
     mesh: the learner's mesh.
-    batch_size: batch size of the dummy input used to trace `init`.
+    batch_size: batch size of the dummy int32 token input used to trace `init`.
     seq_len: sequence length of the dummy input.
     rules: logical-name -> mesh-axis rules.
+    inputs: shape and dtype of the dummy input instead of [batch_size, seq_len] int32 tokens
+      (e.g. images for a ViT; `ddiloco.tasks.Task.dummy_inputs`).
 
   Returns:
     (abstract, shardings): the unboxed params as `jax.ShapeDtypeStruct`s carrying
@@ -136,7 +174,7 @@ def abstract_params(
       divide by its mesh axes.
   """
   with partitioning_context(mesh, rules):
-    boxed = jax.eval_shape(_init_fn(model, batch_size, seq_len), jax.random.key(0))
+    boxed = jax.eval_shape(_init_fn(model, batch_size, seq_len, inputs), jax.random.key(0))
   is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
   unannotated = [
     path
@@ -166,6 +204,7 @@ def init_params(
   batch_size: int = 1,
   seq_len: int = 8,
   rules: LogicalRules = LOGICAL_AXIS_RULES,
+  inputs: jax.ShapeDtypeStruct | None = None,
 ) -> tuple[PyTree, PyTree]:
   """Initialises `model`'s params directly in their shardings on `mesh`.
 
@@ -179,6 +218,7 @@ def init_params(
     batch_size: batch size of the dummy input used to trace `init`.
     seq_len: sequence length of the dummy input.
     rules: logical-name -> mesh-axis rules.
+    inputs: the dummy input's shape and dtype, as in `abstract_params`.
 
   Returns:
     (params, shardings): a plain pytree of `jax.Array`s (no `LogicallyPartitioned` boxes), each
@@ -187,8 +227,10 @@ def init_params(
   Raises:
     ValueError: as `abstract_params`.
   """
-  _, shardings = abstract_params(model, mesh, batch_size=batch_size, seq_len=seq_len, rules=rules)
-  init = _init_fn(model, batch_size, seq_len)
+  _, shardings = abstract_params(
+    model, mesh, batch_size=batch_size, seq_len=seq_len, rules=rules, inputs=inputs
+  )
+  init = _init_fn(model, batch_size, seq_len, inputs)
 
   def init_unboxed(rng: jax.Array) -> PyTree:
     return nn.unbox(init(rng))

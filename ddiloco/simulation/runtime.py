@@ -1,9 +1,8 @@
-"""Builds what every learner of a run shares: the model, meshes, compiled steps, layout and eval set.
+"""Builds what every learner of a run shares: the task, meshes, compiled steps, layout and eval set.
 
 Used by the simulated cluster; the distributed learner process builds the same pieces for one learner.
+What is trained (model, loss, data, eval, mean-merged tensors) comes from a `ddiloco.tasks.Task`.
 """
-
-import dataclasses
 
 import jax
 import numpy as np
@@ -18,13 +17,35 @@ from ddiloco.models import transformer
 from ddiloco.parallel import mesh as mesh_lib
 from ddiloco.parallel import partitioning
 from ddiloco.simulation.config import LearnerSpec
+from ddiloco.tasks import Task, TextTask
+
+
+def resolve_task(
+  task: Task | None,
+  model: transformer.TransformerConfig | None,
+  data: text_data.TextDataConfig | None,
+) -> Task:
+  """`task`, or a `TextTask` built from the (model, data) pair of text-only configs.
+
+  Raises:
+    ValueError: unless exactly one of `task` and the complete (model, data) pair is given.
+  """
+  if task is not None:
+    if model is not None or data is not None:
+      raise ValueError("Give either a task or a (model, data) pair, not both.")
+    return task
+  if model is None or data is None:
+    raise ValueError("Needs a task, or a text model config and a text data config (bind in gin).")
+  return TextTask(model=model, data=data)
 
 
 class LearnerFactory:
-  """Model, data and compiled steps for the learners of one run.
+  """Task and compiled steps for the learners of one run.
 
   Args:
-    model_config: the transformer's config; its vocab must match the tokenizer's.
+    task: what to train (`ddiloco.tasks`); or, for text, give `model_config` and `data_config`.
+    model_config: the transformer's config (its vocab is set from the tokenizer): builds a
+      `TextTask` with `data_config`.
     data_config: the text pipeline's config.
     inner_opt: the inner AdamW config.
     num_fragments: P.
@@ -33,14 +54,19 @@ class LearnerFactory:
     num_shards: disjoint data shards (one per learner slot).
     seed: parameter-initialisation seed (every learner starts from the same global init).
     eval_batches: held-out batches used for every evaluation.
-    batch_size: per-learner batch override (None: the data config's); sets `tokens_per_step`.
+    batch_size: per-learner batch override (None: the task's); sets `tokens_per_step` (merge
+      units per nominal step: tokens for text, examples for vision).
+
+  Attributes:
+    last_eval: the metrics ({"loss", **aux}) of the latest `evaluate_flat(_metrics)` call.
   """
 
   def __init__(
     self,
     *,
-    model_config: transformer.TransformerConfig,
-    data_config: text_data.TextDataConfig,
+    task: Task | None = None,
+    model_config: transformer.TransformerConfig | None = None,
+    data_config: text_data.TextDataConfig | None = None,
     inner_opt: train_step_lib.InnerOptConfig,
     num_fragments: int,
     layout_strategy: str = "balanced",
@@ -50,18 +76,15 @@ class LearnerFactory:
     eval_batches: int = 8,
     batch_size: int | None = None,
   ):
-    vocab = text_data.get_tokenizer(data_config.tokenizer).vocab_size
-    if model_config.vocab_size != vocab:
-      model_config = dataclasses.replace(model_config, vocab_size=vocab)
-    self.model_config = model_config
-    self.model = transformer.Transformer(model_config)
-    self.data_config = data_config
+    self.task = resolve_task(task, model_config, data_config)
+    self.model = self.task.model
     self.optimizer = train_step_lib.make_inner_optimizer(inner_opt)
     self.num_shards = num_shards
     self.seed = seed
     self._steps: dict[tuple[int, ...], train_step_lib.CompiledSteps] = {}
     self._host_init = None
-    self.tokens_per_step = (batch_size or data_config.batch_size) * data_config.seq_len
+    self.tokens_per_step = self.task.units_per_step(batch_size)
+    self.last_eval: dict[str, float] | None = None
     steps0, params0 = self._compiled(mesh_lib.learner_devices(0, 1))
     self._init_flat = {k: np.asarray(jax.device_get(v)) for k, v in tree.flatten(params0).items()}
     self.num_params = int(sum(v.size for v in self._init_flat.values()))
@@ -72,7 +95,7 @@ class LearnerFactory:
       split_large=split_large,
     )
     self._eval_steps = steps0
-    self._eval_batches = text_data.eval_batches(data_config, num_batches=eval_batches)
+    self._eval_batches = self.task.eval_batches(eval_batches)
 
   def _compiled(self, devices: list[jax.Device]):
     """Compiled steps and the initial params placed on a device slice; steps cached per slice.
@@ -84,21 +107,16 @@ class LearnerFactory:
     key = tuple(d.id for d in devices)
     if key not in self._steps:
       mesh = mesh_lib.make_mesh(devices=devices)
+      inputs = self.task.dummy_inputs(batch_size=1)
       if not self._steps:
         params, shardings = partitioning.init_params(
-          self.model,
-          mesh,
-          jax.random.key(self.seed),
-          batch_size=1,
-          seq_len=self.data_config.seq_len,
+          self.model, mesh, jax.random.key(self.seed), inputs=inputs
         )
         self._host_init = jax.device_get(params)
       else:
-        _, shardings = partitioning.abstract_params(
-          self.model, mesh, batch_size=1, seq_len=self.data_config.seq_len
-        )
+        _, shardings = partitioning.abstract_params(self.model, mesh, inputs=inputs)
       abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._host_init)
-      steps = train_step_lib.CompiledSteps(self.model, self.optimizer, mesh, abstract, shardings)
+      steps = train_step_lib.CompiledSteps(self.task, self.optimizer, mesh, abstract, shardings)
       self._steps[key] = steps
     steps = self._steps[key]
     return steps, jax.device_put(self._host_init, steps.param_shardings)
@@ -108,9 +126,9 @@ class LearnerFactory:
     return {k: v for frag in self.layout.split(self._init_flat) for k, v in frag.items()}
 
   def embedding_keys(self) -> frozenset[str]:
-    """Layout keys merged with the weighted mean (SPEC §4.5 decision: input and output embeddings)."""
+    """Layout keys merged with the weighted mean (SPEC §4.5 decision; `Task.mean_merged`)."""
     keys = (k for frag in self.layout.fragments for k in frag)
-    return frozenset(k for k in keys if transformer.is_embedding_path(k.split("@", 1)[0]))
+    return frozenset(k for k in keys if self.task.mean_merged(layout_lib.parse_key(k)[0]))
 
   def make_learner(
     self,
@@ -135,16 +153,19 @@ class LearnerFactory:
     )
 
   def make_data(self, index: int, *, spec: LearnerSpec):
-    return text_data.make_train_iterator(
-      self.data_config,
-      shard_index=index % self.num_shards,
-      num_shards=self.num_shards,
-      batch_size=spec.batch_size,
+    """Learner `index`'s endless, checkpointable iterator over shard `index % num_shards`."""
+    return self.task.make_train_iterator(
+      shard_index=index % self.num_shards, num_shards=self.num_shards, batch_size=spec.batch_size
     )
 
   def evaluate_flat(self, flat: dict[str, np.ndarray]) -> float:
     """Held-out loss of full flat parameters {leaf path: array}."""
+    return self.evaluate_flat_metrics(flat)["loss"]
+
+  def evaluate_flat_metrics(self, flat: dict[str, np.ndarray]) -> dict[str, float]:
+    """Held-out loss and the task's aux metric means (e.g. "accuracy") of flat parameters."""
     steps = self._eval_steps
     params = tree.unflatten(flat, steps.param_shardings)  # The shardings tree gives the structure.
     params = jax.device_put(params, steps.param_shardings)
-    return train_step_lib.eval_loss(steps, params, self._eval_batches)
+    self.last_eval = train_step_lib.eval_metrics(steps, params, self._eval_batches)
+    return self.last_eval

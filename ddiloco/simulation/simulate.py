@@ -21,6 +21,7 @@ from ddiloco.simulation.cluster import SimulatedCluster
 from ddiloco.simulation.config import ClusterConfig
 from ddiloco.simulation.runtime import LearnerFactory
 from ddiloco.syncer.core import SyncerConfig, SyncerCore
+from ddiloco.tasks import Task
 from ddiloco.transport import wire
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,9 @@ log = logging.getLogger(__name__)
 def simulate(
   *,
   workdir: str,
-  model: transformer.TransformerConfig = gin.REQUIRED,
-  data: text_data.TextDataConfig = gin.REQUIRED,
+  model: transformer.TransformerConfig | None = None,
+  data: text_data.TextDataConfig | None = None,
+  task: Task | None = None,
   cluster: ClusterConfig = gin.REQUIRED,
   schedule: FragmentSchedule | None = None,
   syncer: SyncerConfig | None = None,
@@ -49,8 +51,9 @@ def simulate(
 
   Args:
     workdir: output folder: metrics.jsonl, tb/, summary.json.
-    model: the transformer (vocab is set from the tokenizer).
-    data: the text pipeline.
+    model: the transformer (vocab is set from the tokenizer), for a text run (with `data`).
+    data: the text pipeline, for a text run (with `model`).
+    task: what to train (`ddiloco.tasks`, e.g. `VisionTask`), instead of `model` and `data`.
     cluster: fleet, faults, network, token budget.
     schedule: fragments P, period H, overlap τ (default: SPEC §2's 24/24/2).
     syncer: quorum, grace, merge and outer optimizer (default: SyncerConfig()).
@@ -65,7 +68,11 @@ def simulate(
     progress: called with a one-line status every couple of seconds.
 
   Returns:
-    The summary (also written to workdir/summary.json).
+    The summary (also written to workdir/summary.json). "final_eval_metrics" holds the final
+    evaluation's loss and the task's aux metric means (e.g. "accuracy" for vision).
+
+  Raises:
+    ValueError: for inconsistent arguments (both or neither of task and model/data, τ mismatch).
   """
   schedule = schedule or FragmentSchedule(num_fragments=24, period=24, overlap=2)
   syncer = syncer or SyncerConfig()
@@ -77,6 +84,7 @@ def simulate(
   if not sync and cluster.num_learners != 1:
     raise ValueError("The data-parallel baseline (sync=False) runs exactly one learner.")
   factory = LearnerFactory(
+    task=task,
     model_config=model,
     data_config=data,
     inner_opt=inner_opt or InnerOptConfig(),
@@ -120,5 +128,7 @@ def simulate(
     )
     summary = sim.run(progress=progress)
   summary["num_params"] = factory.num_params
+  # The cluster's final evaluation is the factory's last one: its metrics, at no extra cost.
+  summary["final_eval_metrics"] = factory.last_eval
   write_summary(workdir, summary)
   return summary

@@ -120,7 +120,9 @@ class SyncerCore(CheckpointMixin):
     self._embedding_keys = frozenset(embedding_keys)
     self._adopt = adopt
     self._opt = outer_optimizer if outer_optimizer is not None else config.outer_optimizer()
-    self._step_fn = jax.jit(functools.partial(_outer_step, self._opt))
+    # Params (a fresh copy, `_params32`) and the optimizer state are donated: XLA writes the new
+    # values into their buffers instead of fresh ones (measured 2-4x faster on 16 MiB, issue 3).
+    self._step_fn = jax.jit(functools.partial(_outer_step, self._opt), donate_argnums=(0, 2))
     self._grace = GraceModel(
       gamma=config.grace_gamma,
       grace_max_s=config.grace_max_s,
@@ -421,7 +423,7 @@ class SyncerCore(CheckpointMixin):
       v = np.asarray(r.values[k])
       if v.shape != ref.shape or v.dtype != ref.dtype:
         return f"{k!r} is {v.dtype}{list(v.shape)}, expected {ref.dtype}{list(ref.shape)}"
-      if not np.all(np.isfinite(v)):
+      if not merge_lib.all_finite(v):  # Blockwise: no full-size bool temporary (issue 3).
         return f"{k!r} has non-finite values"
     return None
 
@@ -476,18 +478,22 @@ class SyncerCore(CheckpointMixin):
     theta = self._global[p]
     # SPEC §4.3, re-anchored: v_m = Θ^(anchor) − θ_m in float32 (== Θ_cur − θ_m when on time). Anchors
     # are kept: staleness <= max_staleness < keep_versions, and the version only moves at a merge.
-    grads = []
-    for e in entries:
-      anchor = self._history[p][e.report.anchor_version]
-      grads.append(
-        {k: anchor[k].astype(np.float32) - e.report.values[k].astype(np.float32) for k in theta}
-      )
+    # merge_reports forms each v_m block by block as it merges (no outer gradient is held whole) and
+    # returns 64-byte-aligned arrays, which device_put hands to XLA without a copy (issue 3).
+    anchors = [self._history[p][e.report.anchor_version] for e in entries]
     weights = tuple(e.weight for e in entries)
-    merged = merge_lib.merge_outer_gradients(
-      grads, weights, method=self._config.merge_method, embedding_keys=self._embedding_keys
+    merged = merge_lib.merge_reports(
+      anchors,
+      [e.report.values for e in entries],
+      weights,
+      method=self._config.merge_method,
+      embedding_keys=self._embedding_keys,
     )
-    new32, self._opt_state[p] = self._step_fn(self._params32(p), merged, self._opt_state[p])
-    new = {k: np.asarray(new32[k]).astype(theta[k].dtype) for k in theta}
+    new32, self._opt_state[p] = self._step_fn(
+      self._params32(p), jax.device_put(merged), self._opt_state[p]
+    )
+    # A view of XLA's output for float32 (no copy); other dtypes are cast.
+    new = {k: np.asarray(new32[k], dtype=theta[k].dtype) for k in theta}
     if self._adopt is not None:
       new = self._adopt(p, new, theta)
     new = {k: readonly(np.asarray(new[k], dtype=theta[k].dtype)) for k in theta}
@@ -607,7 +613,8 @@ class SyncerCore(CheckpointMixin):
   # -- helpers ------------------------------------------------------------------------------------
 
   def _params32(self, p: int) -> dict[str, jax.Array]:
-    return {k: jnp.asarray(v, jnp.float32) for k, v in self._global[p].items()}
+    # copy=True: these buffers are donated to the outer step and must never alias the global values.
+    return {k: jnp.array(v, jnp.float32, copy=True) for k, v in self._global[p].items()}
 
   def _check_fragment(self, p: int) -> None:
     if not 0 <= p < self.num_fragments:

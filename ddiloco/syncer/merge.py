@@ -1,14 +1,34 @@
 """Merging learners' outer gradients: token weights, weighted mean and RDA (SPEC §4.4–4.5).
 
-Pure numpy, no JAX: the syncer is a CPU service and these functions must be easy to check by hand.
-Every function accumulates in float64 and returns the dtype of its inputs.
+Pure numpy (and scipy's BLAS), no JAX: the syncer is a CPU service and these functions must be easy
+to check by hand. Decisions (issue 3, the merge benchmark):
+
+- Precision: values are accumulated in their own precision, at least float32 (float32 for float32,
+  bfloat16 and float16 inputs; float64 for float64). Squared norms are summed in float64 from
+  per-block dot products. Against a float64 computation the float32 merge differs by a few float32
+  ulps times the number of contributions (tests/syncer/merge_test.py states and checks the bound);
+  the float32 outer step that follows rounds to float32 anyway (SPEC §4.6).
+- Speed: no full-size temporaries. Each tensor is processed in blocks of `BLOCK_VALUES` values
+  that stay in cache: per block, every contribution's v_m is formed in one scratch buffer and used
+  at once (its squared norm, or `out += c_m · v_m` with BLAS axpy). RDA needs two passes over the
+  contributions (the norms must be known before the direction is summed); the weighted mean one.
+- `merge_reports` takes the anchors and the learners' values and forms v_m = Θ^(a_m) − θ_m block by
+  block, so the core never materialises the outer gradients (SPEC §4.3). Its outputs are 64-byte
+  aligned, which lets `jax.device_put` use them without a copy on the CPU backend.
 """
 
 from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
+from scipy.linalg import blas
 
 MERGE_METHODS = ("rda", "mean")
+# Values per block: 512 KiB of float32, half this machine's 1 MiB L2. Measured on the 16 MiB,
+# 8-contribution benchmark (scripts/bench_merge.py): 8K-32K-value blocks lose more to per-call
+# overhead than they gain in cache hits; 64K-256K were within noise of each other.
+BLOCK_VALUES = 1 << 17
+_ALIGN = 64  # Bytes: XLA's CPU client aliases host buffers with this alignment.
+_AXPY = {np.dtype(np.float32): blas.saxpy, np.dtype(np.float64): blas.daxpy}
 
 
 def token_weight(tokens: int, steps: int) -> float:
@@ -35,6 +55,121 @@ def token_weight(tokens: int, steps: int) -> float:
   return float(int(tokens) ** 2 / int(steps))
 
 
+def all_finite(x: np.ndarray, *, block_values: int = BLOCK_VALUES) -> bool:
+  """Whether every value of a float array is finite, checked block by block.
+
+  `np.all(np.isfinite(x))` allocates a bool array the size of `x`; this reuses one block-sized
+  buffer and stops at the first block with a NaN/Inf. A sum or a norm would not do: it can
+  overflow to Inf for finite values.
+
+  Args:
+    x: a floating array (any shape; non-contiguous arrays are checked through a flat copy).
+    block_values: values per block.
+
+  Raises:
+    ValueError: if block_values < 1.
+  """
+  if block_values < 1:
+    raise ValueError(f"block_values must be >= 1, got {block_values}.")
+  flat = np.ravel(np.asarray(x))
+  buf = np.empty(min(block_values, flat.size), bool)
+  for start in range(0, flat.size, block_values):
+    block = flat[start : start + block_values]
+    if not np.isfinite(block, out=buf[: block.size]).all():
+      return False
+  return True
+
+
+def _aligned_empties(specs: Sequence[tuple[int, np.dtype]]) -> list[np.ndarray]:
+  """Flat arrays of (size, dtype), each 64-byte aligned, carved from one allocation.
+
+  One large allocation rather than one per tensor: numpy backs large allocations with huge
+  pages, and fresh memory is paid for in page faults (measured on this machine: writing four
+  fresh 4 MiB arrays 3.2 ms, one fresh 16 MiB array 0.8 ms; reading the 8 contributions ~8 ms).
+  """
+  starts, total = [], 0
+  for n, dtype in specs:
+    starts.append(total)
+    total += -(-n * dtype.itemsize // _ALIGN) * _ALIGN
+  raw = np.empty(total + _ALIGN, np.uint8)
+  base = -raw.ctypes.data % _ALIGN
+  return [
+    raw[base + at : base + at + n * dtype.itemsize].view(dtype)
+    for at, (n, dtype) in zip(starts, specs)
+  ]
+
+
+class _Diffs:
+  """The contributions v_m = a_m − b_m (or a_m alone) of one tensor, read block by block.
+
+  Every array is flattened once (a view for contiguous inputs); `block` forms v_m's values
+  [start, stop) in the accumulation dtype, in a scratch buffer or as a view when no arithmetic or
+  cast is needed.
+  """
+
+  def __init__(
+    self,
+    pairs: Sequence[tuple[np.ndarray, np.ndarray | None]],
+    block_values: int,
+    out: np.ndarray | None = None,
+  ):
+    self.a = [np.ravel(a) for a, _ in pairs]
+    self.b = [None if b is None else np.ravel(b) for _, b in pairs]
+    self.size = self.a[0].size
+    self.dtype = np.promote_types(self.a[0].dtype, np.float32)
+    self.block_values = block_values
+    self._scratch = np.empty(min(block_values, self.size), self.dtype)
+    self._out = out
+
+  def output(self) -> np.ndarray:
+    """The flat output array (given, or allocated aligned on first use)."""
+    if self._out is None:
+      self._out = _aligned_empties([(self.size, self.dtype)])[0]
+    return self._out
+
+  def block(self, m: int, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+    """v_m[start:stop], written to `out` (default: the scratch buffer) unless a view suffices."""
+    a, b = self.a[m][start:stop], self.b[m]
+    if b is None and a.dtype == self.dtype and out is None:
+      return a
+    dst = self._scratch[: stop - start] if out is None else out
+    if b is None:
+      np.copyto(dst, a, casting="same_kind")
+    else:
+      np.subtract(a, b[start:stop], out=dst, dtype=self.dtype)
+    return dst
+
+  def sq_norms(self, members: Sequence[int]) -> dict[int, float]:
+    """{m: ‖v_m‖²} for the given contributions, in float64 from per-block dot products."""
+    sq = dict.fromkeys(members, 0.0)
+    for start in range(0, self.size, self.block_values):
+      stop = min(start + self.block_values, self.size)
+      for m in members:
+        v = self.block(m, start, stop)
+        sq[m] += float(np.dot(v, v))
+    return sq
+
+  def combine(self, coefs: Mapping[int, float]) -> tuple[np.ndarray, float]:
+    """(Σ_m coefs[m] · v_m, its squared norm): one pass, block outer and contribution inner.
+
+    The squared norm is summed from each finished block while it is still in cache.
+    """
+    out = self.output()
+    axpy = _AXPY[self.dtype]
+    members = list(coefs)
+    sq = 0.0
+    for start in range(0, self.size, self.block_values):
+      stop = min(start + self.block_values, self.size)
+      acc = out[start:stop]
+      first = members[0]
+      self.block(first, start, stop, out=acc)
+      acc *= self.dtype.type(coefs[first])
+      for m in members[1:]:
+        axpy(self.block(m, start, stop), acc, a=coefs[m])  # In place: acc += c_m · v_m.
+      sq += float(np.dot(acc, acc))
+    return out, sq
+
+
 def _check_inputs(
   vs: Sequence[np.ndarray], ws: Sequence[float]
 ) -> tuple[list[np.ndarray], np.ndarray]:
@@ -58,12 +193,74 @@ def _check_inputs(
   return arrays, w
 
 
+def _mean(diffs: _Diffs, w: np.ndarray) -> np.ndarray:
+  total = float(w.sum())
+  return diffs.combine({m: float(wm) / total for m, wm in enumerate(w) if wm > 0})[0]
+
+
+def _rda(diffs: _Diffs, w: np.ndarray, eps: float, known: Mapping[int, float]) -> np.ndarray:
+  total = float(w.sum())
+  members = [m for m, wm in enumerate(w) if wm > 0]
+  computed = diffs.sq_norms([m for m in members if m not in known])  # The first of two passes.
+  sq = {m: known[m] if m in known else computed[m] for m in members}  # In order: same sums.
+  norms = {m: s**0.5 for m, s in sq.items() if s**0.5 > eps}
+  radius = sum(float(w[m]) * norm for m, norm in norms.items()) / total
+  if not norms or radius <= eps:
+    out = diffs.output()
+    out[...] = 0
+    return out
+  # direction = Σ w_m unit(v_m) / Σ w; the result is radius · direction / ‖direction‖.
+  direction, dir_sq = diffs.combine({m: float(w[m]) / norm / total for m, norm in norms.items()})
+  dir_norm = dir_sq**0.5
+  if dir_norm <= eps:
+    direction[...] = 0
+    return direction
+  direction *= diffs.dtype.type(radius / dir_norm)
+  return direction
+
+
+def _merge_one(
+  pairs: Sequence[tuple[np.ndarray, np.ndarray | None]],
+  w: np.ndarray,
+  method: str,
+  eps: float,
+  *,
+  known: Mapping[int, float] | None = None,
+  out: np.ndarray | None = None,
+) -> np.ndarray:
+  """One tensor's merge, into `out` (flat, the accumulation dtype) if given."""
+  diffs = _Diffs(pairs, BLOCK_VALUES, out)
+  out = _rda(diffs, w, eps, known or {}) if method == "rda" else _mean(diffs, w)
+  return out.reshape(np.shape(pairs[0][0]))
+
+
+def outer_sq_norms(
+  anchor: Mapping[str, np.ndarray], values: Mapping[str, np.ndarray]
+) -> dict[str, float]:
+  """{key: ‖anchor[key] − values[key]‖²}, computed exactly as `merge_reports` computes them.
+
+  RDA needs every contribution's norm before it can sum the directions, hence its second pass
+  over the contributions. A caller that knows a report's anchor when the report arrives (the
+  syncer core does) can compute them then, off the merge's critical path, and hand them to
+  `merge_reports`, whose result is then bit-identical and takes one pass.
+
+  Raises:
+    ValueError: if the keys, shapes or dtypes differ.
+  """
+  keys = _check_keys([values, anchor], "values and anchor")
+  out = {}
+  for key in keys:
+    (a, v), _ = _check_inputs([anchor[key], values[key]], [1.0, 1.0])
+    out[key] = _Diffs([(a, v)], BLOCK_VALUES).sq_norms([0])[0]
+  return out
+
+
 def weighted_mean(vs: Sequence[np.ndarray], ws: Sequence[float]) -> np.ndarray:
-  """Σ w v / Σ w, accumulated in float64 and cast back to the inputs' dtype (SPEC §4.5, embeddings).
+  """Σ w v / Σ w, accumulated in at least float32 (SPEC §4.5, embeddings).
 
   Args:
     vs: arrays of one shape and dtype.
-    ws: one non-negative weight per array.
+    ws: one non-negative weight per array; arrays of weight 0 are not read.
 
   Returns:
     The weighted mean, with the shape and dtype of the inputs.
@@ -72,11 +269,8 @@ def weighted_mean(vs: Sequence[np.ndarray], ws: Sequence[float]) -> np.ndarray:
     ValueError: on mismatched lengths, shapes or dtypes, negative weights, or Σ w <= 0.
   """
   arrays, w = _check_inputs(vs, ws)
-  acc = np.zeros(arrays[0].shape, np.float64)
-  for wi, a in zip(w, arrays):
-    if wi > 0:
-      acc += wi * a.astype(np.float64)
-  return (acc / w.sum()).astype(arrays[0].dtype)
+  out = _merge_one([(a, None) for a in arrays], w, "mean", 0.0)
+  return out.astype(arrays[0].dtype, copy=False)
 
 
 def rda(vs: Sequence[np.ndarray], ws: Sequence[float], eps: float = 1e-12) -> np.ndarray:
@@ -91,7 +285,7 @@ def rda(vs: Sequence[np.ndarray], ws: Sequence[float], eps: float = 1e-12) -> np
 
   Args:
     vs: arrays of one shape and dtype (outer gradients of one tensor).
-    ws: one non-negative weight per array.
+    ws: one non-negative weight per array; arrays of weight 0 are not read.
     eps: norms at or below this are treated as zero.
 
   Returns:
@@ -101,24 +295,25 @@ def rda(vs: Sequence[np.ndarray], ws: Sequence[float], eps: float = 1e-12) -> np
     ValueError: on mismatched lengths, shapes or dtypes, negative weights, or Σ w <= 0.
   """
   arrays, w = _check_inputs(vs, ws)
-  total = w.sum()
-  radius = 0.0
-  direction = np.zeros(arrays[0].shape, np.float64)
-  for wi, a in zip(w, arrays):
-    if wi == 0:
-      continue
-    a64 = a.astype(np.float64)
-    norm = float(np.linalg.norm(a64.ravel()))
-    if norm <= eps:
-      continue
-    radius += wi * norm
-    direction += (wi / norm) * a64
-  radius /= total
-  direction /= total
-  dir_norm = float(np.linalg.norm(direction.ravel()))
-  if dir_norm <= eps or radius <= eps:
-    return np.zeros(arrays[0].shape, arrays[0].dtype)
-  return (direction * (radius / dir_norm)).astype(arrays[0].dtype)
+  out = _merge_one([(a, None) for a in arrays], w, "rda", eps)
+  return out.astype(arrays[0].dtype, copy=False)
+
+
+def _check_method(method: str, n: int, weights: Sequence[float], what: str) -> None:
+  if method not in MERGE_METHODS:
+    raise ValueError(f"Unknown merge method {method!r}; expected one of {MERGE_METHODS}.")
+  if n != len(weights):
+    raise ValueError(f"Got {n} {what} but {len(weights)} weights.")
+  if not n:
+    raise ValueError(f"Nothing to merge: no {what} given.")
+
+
+def _check_keys(maps: Sequence[Mapping[str, np.ndarray]], what: str) -> list[str]:
+  keys = sorted(maps[0])
+  for i, g in enumerate(maps):
+    if sorted(g) != keys:
+      raise ValueError(f"{what}[{i}] has keys {sorted(g)}, {what}[0] has {keys}.")
+  return keys
 
 
 def merge_outer_gradients(
@@ -138,21 +333,13 @@ def merge_outer_gradients(
       SPEC §4.5). Keys not present in `grads` are ignored, so the full model's set may be passed.
 
   Returns:
-    {key: merged outer gradient}, keys in sorted order.
+    {key: merged outer gradient}, keys in sorted order, each with its inputs' dtype.
 
   Raises:
     ValueError: on an unknown method, mismatched key sets or lengths, or invalid weights.
   """
-  if method not in MERGE_METHODS:
-    raise ValueError(f"Unknown merge method {method!r}; expected one of {MERGE_METHODS}.")
-  if len(grads) != len(weights):
-    raise ValueError(f"Got {len(grads)} gradients but {len(weights)} weights.")
-  if not grads:
-    raise ValueError("Nothing to merge: no gradients given.")
-  keys = sorted(grads[0])
-  for i, g in enumerate(grads):
-    if sorted(g) != keys:
-      raise ValueError(f"grads[{i}] has keys {sorted(g)}, grads[0] has {keys}.")
+  _check_method(method, len(grads), weights, "gradients")
+  keys = _check_keys(grads, "grads")
   out = {}
   for key in keys:
     vs = [g[key] for g in grads]
@@ -160,4 +347,67 @@ def merge_outer_gradients(
       out[key] = weighted_mean(vs, weights)
     else:
       out[key] = rda(vs, weights)
+  return out
+
+
+def merge_reports(
+  anchors: Sequence[Mapping[str, np.ndarray]],
+  values: Sequence[Mapping[str, np.ndarray]],
+  weights: Sequence[float],
+  *,
+  method: str = "rda",
+  embedding_keys: Collection[str] = (),
+  eps: float = 1e-12,
+  sq_norms: Sequence[Mapping[str, float] | None] | None = None,
+) -> dict[str, np.ndarray]:
+  """Merges the outer gradients v_m = anchors[m] − values[m] without forming them (SPEC §4.3–4.5).
+
+  Equal to `merge_outer_gradients([{k: anchors[m][k] − values[m][k]} ...], ...)` with the
+  differences taken in the accumulation dtype, but v_m is formed block by block as it is used, so
+  no outer gradient is ever held whole (see the module docstring). Reports that share an anchor
+  may pass the same mapping.
+
+  Args:
+    anchors: per learner, Θ^(anchor) of the fragment, {key: array}.
+    values: per learner, its θ_m with the same keys, shapes and dtypes.
+    weights: one token weight per learner; learners of weight 0 are not read.
+    method: "rda" (default) or "mean" for non-embedding tensors.
+    embedding_keys: keys merged with the weighted mean (SPEC §4.5); absent keys are ignored.
+    eps: RDA's zero-norm guard (see `rda`).
+    sq_norms: per learner, `outer_sq_norms(anchors[m], values[m])` if already known, or None.
+      RDA then skips its first pass for those learners; the result is the same bits.
+
+  Returns:
+    {key: merged outer gradient}, keys in sorted order, in the accumulation dtype (float32 for
+    float32/bfloat16/float16 values), 64-byte aligned.
+
+  Raises:
+    ValueError: on an unknown method, mismatched keys, lengths, shapes or dtypes, or invalid weights.
+  """
+  _check_method(method, len(values), weights, "reports")
+  if len(anchors) != len(values):
+    raise ValueError(f"Got {len(anchors)} anchors but {len(values)} reports.")
+  if sq_norms is None:
+    sq_norms = [None] * len(values)
+  if len(sq_norms) != len(values):
+    raise ValueError(f"Got {len(sq_norms)} sq_norms but {len(values)} reports.")
+  keys = _check_keys(list(values) + list(anchors), "values and anchors")
+  inputs = {}
+  for key in keys:
+    vs, w = _check_inputs([v[key] for v in values], weights)
+    ancs, _ = _check_inputs([a[key] for a in anchors], weights)
+    if ancs[0].shape != vs[0].shape or ancs[0].dtype != vs[0].dtype:
+      raise ValueError(
+        f"{key!r}: anchors are {ancs[0].dtype}{list(ancs[0].shape)}, "
+        f"values {vs[0].dtype}{list(vs[0].shape)}."
+      )
+    inputs[key] = (list(zip(ancs, vs)), w)
+  flats = _aligned_empties(
+    [(p[0][1].size, np.promote_types(p[0][1].dtype, np.float32)) for p, _ in inputs.values()]
+  )
+  out = {}
+  for (key, (pairs, w)), flat in zip(inputs.items(), flats):
+    use = "mean" if key in embedding_keys else method
+    known = {m: float(sq[key]) for m, sq in enumerate(sq_norms) if sq is not None and key in sq}
+    out[key] = _merge_one(pairs, w, use, eps, known=known, out=flat)
   return out

@@ -5,20 +5,27 @@ gRPC messages have a size cap and large messages stall a stream, so payloads tra
 `total_bytes` from the first chunk's header and checks every chunk against them *before* buffering,
 so an oversized or malformed stream is rejected without holding its bytes.
 
-Copies (issue 3, the wire benchmark): a protobuf `bytes` field needs a `bytes` object of its own, so
-the sender's one copy per byte is the chunk's (`ChunkWriter` cuts a stream of writes straight into
-them, no full-size buffer), and the receiver decodes each chunk as `ChunkAssembler` hands it on in
-order (`wire.FragmentReader`), then drops it: nothing is joined, and a chunk's memory is reused
-for the next instead of being faulted in anew.
+Copies (issue 3, the wire benchmark): gRPC sends `bytes` objects, so the sender's one copy per byte
+is the chunk's: `ChunkWriter` cuts a stream of writes straight into them, no full-size buffer, and
+with a `prefix` each chunk is a whole serialized chunk message (`messages.push_messages`), so
+protobuf does not copy it again. The receiver decodes each chunk as `ChunkAssembler` hands it on
+in order (`wire.FragmentReader`), then drops it: nothing is joined, a chunk may be a view into
+the received message (never copied), and a chunk's memory is reused for the next instead of
+being faulted in anew.
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from ddiloco.transport.errors import WireError, WireSizeError
 
 DEFAULT_CHUNK_SIZE = 1 << 20
+# Room kept in front of a chunk's bytes for its prefix (a chunk message's fields before the data).
+_HEADROOM = 256
+
+# (chunk index, chunk bytes) -> bytes to put in front of the chunk (see ChunkWriter).
+Prefix = Callable[[int, int], bytes]
 
 
 def chunk(data: bytes, chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[bytes]:
@@ -42,13 +49,16 @@ class ChunkWriter:
 
   Each byte is copied once, into its chunk: a write that fills whole chunks becomes them directly,
   smaller pieces gather in one reused chunk-sized buffer. Chunks are handed out as they complete,
-  so a sender can wrap each in its message and drop it (its memory is reused for the next).
+  so a sender can hand each to gRPC and drop it (its memory is reused for the next).
+
+  With `prefix`, every chunk is `prefix(index, n) + its n bytes` in one `bytes` object, still with
+  one copy per byte (the buffer keeps room in front for the prefix): the serialized chunk message.
 
   Attributes:
-    nbytes: bytes written so far.
+    nbytes: bytes written so far (prefixes not counted).
   """
 
-  def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE):
+  def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE, *, prefix: Prefix | None = None):
     """Prepares an empty stream.
 
     Raises:
@@ -57,6 +67,7 @@ class ChunkWriter:
     if chunk_size < 1:
       raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
     self._size = chunk_size
+    self._prefix = prefix
     self._buf: memoryview | None = None  # numpy-backed: no zero fill, huge pages when large.
     self._fill = 0
     self._emitted = 0
@@ -69,31 +80,46 @@ class ChunkWriter:
     size, out = self._size, []
     while view:
       if not self._fill and len(view) >= size:
-        out.append(bytes(view[:size]))
+        out.append(self._whole(view[:size]))
         view = view[size:]
         continue
       if self._buf is None:
-        self._buf = memoryview(np.empty(size, np.uint8))
+        self._buf = memoryview(np.empty(_HEADROOM + size, np.uint8))
       m = min(len(view), size - self._fill)
-      self._buf[self._fill : self._fill + m] = view[:m]
+      self._buf[_HEADROOM + self._fill : _HEADROOM + self._fill + m] = view[:m]
       self._fill += m
       view = view[m:]
       if self._fill == size:
         out.append(self._take())
-    self._emitted += len(out)
     return out
 
+  def _whole(self, view: memoryview) -> bytes:
+    """A chunk made straight from the caller's bytes."""
+    index, self._emitted = self._emitted, self._emitted + 1
+    if self._prefix is None:
+      return bytes(view)
+    return b"".join((self._prefix(index, len(view)), view))
+
   def _take(self) -> bytes:
-    data, self._fill = bytes(self._buf[: self._fill]), 0
-    return data
+    """The buffered chunk (its prefix written into the headroom in front of it)."""
+    index, self._emitted = self._emitted, self._emitted + 1
+    fill, self._fill = self._fill, 0
+    data = self._buf[_HEADROOM : _HEADROOM + fill]
+    if self._prefix is None:
+      return bytes(data)
+    head = self._prefix(index, fill)
+    if len(head) > _HEADROOM:
+      return b"".join((head, data))
+    self._buf[_HEADROOM - len(head) : _HEADROOM] = head
+    return bytes(self._buf[_HEADROOM - len(head) : _HEADROOM + fill])
 
   def flush(self) -> list[bytes]:
     """The partial last chunk, if any; one empty chunk if the stream had no bytes at all."""
-    out = [self._take()] if self._fill else []
-    if not out and not self._emitted:
-      out = [b""]  # Every payload has a chunk to carry its header.
-    self._emitted += len(out)
-    return out
+    if self._fill:
+      return [self._take()]
+    if not self._emitted:
+      return [self._whole(memoryview(b""))]  # Every payload has a chunk to carry its header.
+    return []
 
 
 def num_chunks_for(total_bytes: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> int:
@@ -141,13 +167,13 @@ class ChunkAssembler:
     self._num_chunks = num_chunks
     self._total = total_bytes
     self._max_chunk = max_chunk_bytes
-    self._early: dict[int, bytes] = {}  # Arrived before their predecessors.
-    self._kept: list[bytes] | None = [] if keep else None
+    self._early: dict[int, bytes | memoryview] = {}  # Arrived before their predecessors.
+    self._kept: list[bytes | memoryview] | None = [] if keep else None
     self._next = 0  # Chunks [0, _next) have been handed on.
     self._received = 0
 
-  def add(self, index: int, data: bytes) -> list[bytes]:
-    """Checks chunk `index`; returns the chunks now next in order (possibly none).
+  def add(self, index: int, data: bytes | memoryview) -> list[bytes | memoryview]:
+    """Checks chunk `index` (bytes, or a byte-format memoryview); returns the chunks now in order.
 
     Raises:
       WireError: on an index out of range, a repeated index, a chunk over the size limit, or more
@@ -165,7 +191,7 @@ class ChunkAssembler:
         f"more than the {self._total} announced."
       )
     self._received += len(data)
-    self._early[index] = bytes(data)  # No copy for `bytes`, what protobuf hands out.
+    self._early[index] = data  # Kept as given (e.g. a view into the received message): no copy.
     ready = []
     while self._next in self._early:
       ready.append(self._early.pop(self._next))

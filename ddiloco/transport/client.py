@@ -3,8 +3,14 @@
 Every call has a deadline; the channel reconnects with gRPC's exponential backoff. Pushes answered
 ABORTED (late) or ALREADY_EXISTS (duplicate) are protocol outcomes, returned as a `ReportResult`;
 every other failure raises `grpc.RpcError` for the caller to retry or re-register (learner/worker.py).
+
+Push and Pull carry their chunks as serialized messages (issue 3, the wire benchmark): a push's
+messages are made while the stream is sent (`messages.push_messages`, one copy per payload byte,
+no protobuf object), and a pull's are parsed by hand and decoded as they arrive
+(`messages.parse_chunk`, the payload never copied out of the received bytes).
 """
 
+import itertools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
@@ -60,6 +66,18 @@ class SyncerClient:
     else:
       self._channel = grpc.insecure_channel(address, options)
     self._stub = syncer_pb2_grpc.SyncerStub(self._channel)
+    # The two streaming calls with raw bytes on the chunk side (request_serializer /
+    # response_deserializer None): the same messages on the wire as the generated stub's.
+    self._push_raw = self._channel.stream_unary(
+      "/ddiloco.v1.Syncer/Push",
+      request_serializer=None,
+      response_deserializer=syncer_pb2.PushResponse.FromString,
+    )
+    self._pull_raw = self._channel.unary_stream(
+      "/ddiloco.v1.Syncer/Pull",
+      request_serializer=syncer_pb2.PullRequest.SerializeToString,
+      response_deserializer=None,
+    )
     self._md = auth.token_metadata(token)
     self.address = address
     self.deadline_s = deadline_s
@@ -109,26 +127,45 @@ class SyncerClient:
   ) -> ReportResult:
     """Streams one report; `anchor_values` (Θ^(anchor) as held) makes it a delta (SPEC §5).
 
+    The chunks are encoded while the stream is sent (`messages.push_messages`).
+
     Raises:
+      ValueError: if the report cannot be encoded (e.g. a NaN/Inf value). Found midway, the stream
+        ends short and the syncer refuses it as incomplete: nothing is filed.
       grpc.RpcError: for any failure other than a late or duplicate answer.
     """
-    chunks = messages.report_to_chunks(
+    outgoing = messages.push_messages(
       report,
       codec,
       block_size=block_size,
       chunk_size=self.max_chunk_bytes,
       anchor_values=anchor_values,
     )
-    nbytes = sum(c.ByteSize() for c in chunks)
+    failed: list[ValueError] = []
+    sent = 0
+
+    def stream():
+      nonlocal sent
+      try:
+        for message in outgoing:
+          sent += len(message)
+          yield message
+      except ValueError as e:  # gRPC's request thread would only log it: keep it for the caller.
+        failed.append(e)
+
     try:
-      resp = self._stub.Push(iter(chunks), timeout=self.transfer_deadline_s, metadata=self._md)
+      resp = self._push_raw(stream(), timeout=self.transfer_deadline_s, metadata=self._md)
     except grpc.RpcError as e:
+      if failed:
+        raise failed[0] from e
       status = _PROTOCOL_STATUSES.get(e.code())
       if status is None:
         raise
-      self._count(up=nbytes)
+      self._count(up=sent)
       return ReportResult(status, e.details() or "", 0.0)
-    self._count(up=nbytes)
+    if failed:  # The syncer cannot accept a short stream; should it, the report is still bad.
+      raise failed[0]
+    self._count(up=sent)
     return ReportResult(resp.status, resp.reason, resp.weight, resp.fleet_step)
 
   def pull(
@@ -144,28 +181,40 @@ class SyncerClient:
   ) -> FragmentState | None:
     """The newest version of `fragment`, or None if `known_version` is already the newest.
 
-    The digest is verified against the header (transport/messages.py).
+    Chunks are decoded as they arrive; the digest is verified against the header
+    (transport/messages.py).
 
     Raises:
       grpc.RpcError: on a failed call; WireError on a malformed or mismatching stream.
     """
-    stream = self._stub.Pull(
+    stream = self._pull_raw(
       syncer_pb2.PullRequest(learner_id=learner_id, fragment=fragment, known_version=known_version),
       timeout=self.transfer_deadline_s,
       metadata=self._md,
     )
-    chunks = list(stream)
-    if not chunks:
+    first = next(stream, None)
+    if first is None:
       return None
-    self._count(down=sum(c.ByteSize() for c in chunks))
-    return messages.chunks_to_state(
-      chunks,
-      layout_keys,
-      shapes,
-      dtypes,
-      base_lookup=base_lookup,
-      max_chunk_bytes=self.max_chunk_bytes,
-    )
+    received = 0
+
+    def counted():
+      nonlocal received
+      for message in itertools.chain([first], stream):
+        received += len(message)
+        yield message
+
+    try:
+      return messages.chunks_to_state(
+        counted(),
+        layout_keys,
+        shapes,
+        dtypes,
+        base_lookup=base_lookup,
+        max_chunk_bytes=self.max_chunk_bytes,
+      )
+    finally:
+      stream.cancel()  # A no-op once the stream is done; stops it if decoding failed midway.
+      self._count(down=received)
 
   def heartbeat(
     self, learner_id: int, *, step: int = 0, step_time_s: float = 0.0

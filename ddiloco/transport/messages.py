@@ -5,15 +5,23 @@ header; the receiver checks the header's sizes against its limits before bufferi
 service can reject a bad stream at the door (ARCHITECTURE.md). A service that needs the fragment id
 to pick the layout reads the first chunk itself and passes `itertools.chain([first], rest)`.
 
-Copies: the sender encodes straight into the chunks' bytes (`wire.serialize_chunks`); the receiver
-checks the header (and looks up a delta's base) from chunk 0, then decodes each chunk as it comes,
-in order, straight into the output arrays (`wire.FragmentReader`): chunks are never joined.
+Copies (issue 3, the wire benchmark): the sender encodes straight into the chunks' bytes
+(`wire.FragmentEncoder`); the receiver checks the header (and looks up a delta's base) from chunk
+0, then decodes each chunk as it comes, in order, straight into the output arrays
+(`wire.FragmentReader`): chunks are never joined. On the Push path protobuf is bypassed for the
+payload: `push_messages` makes each serialized PushChunk message in one piece (its fields in front
+of the chunk's bytes, the bytes protobuf itself would produce) while the stream is being sent,
+and `parse_chunk` reads a received message's fields by hand with its data a view into the
+received bytes. Protobuf's own message objects would copy every payload byte twice on each side.
+Only the small header submessage goes through protobuf.
 """
 
+import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from ddiloco.fragments import compression
 from ddiloco.fragments.digest import values_digest
@@ -24,6 +32,139 @@ from ddiloco.transport.errors import WireError
 from ddiloco.transport.proto import syncer_pb2
 
 BaseLookup = Callable[[int], Mapping[str, np.ndarray]]
+# PushChunk and FragmentChunk share their field numbers (syncer.proto): 1 header, 2 index, 3 data.
+_HEADER_TAG, _INDEX_TAG, _DATA_TAG = b"\x0a", b"\x10", b"\x1a"
+_WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkFrame:
+  """The fields of one chunk message (PushChunk or FragmentChunk).
+
+  Attributes:
+    header: the header submessage if the chunk carries one, else None.
+    index: the chunk's position.
+    data: its slice of the payload; a view into the received message when parsed from bytes.
+    nbytes: size of the serialized message.
+  """
+
+  header: object | None
+  index: int
+  data: memoryview
+  nbytes: int
+
+
+def _varint(value: int) -> bytes:
+  """Protobuf's base-128 varint of a non-negative integer below 2**64."""
+  out = bytearray()
+  while value > 0x7F:
+    out.append((value & 0x7F) | 0x80)
+    value >>= 7
+  out.append(value)
+  return bytes(out)
+
+
+def chunk_prefix(index: int, nbytes: int, header: bytes | None = None) -> bytes:
+  """The serialized fields of a chunk message that come before its data's bytes.
+
+  `chunk_prefix(i, len(d), h) + d` is the message `PushChunk(header=H, index=i, data=d)` (or a
+  FragmentChunk) with H serialized as `h`, byte for byte as protobuf writes it: fields in number
+  order, proto3 defaults (index 0, empty data) left out, an int32 index as a 64-bit varint.
+
+  Args:
+    index: the chunk's index (int32).
+    nbytes: the length of its data.
+    header: the serialized header submessage, or None for a chunk without one.
+  """
+  parts = []
+  if header is not None:
+    parts += [_HEADER_TAG, _varint(len(header)), header]
+  if index:
+    parts += [_INDEX_TAG, _varint(index & 0xFFFF_FFFF_FFFF_FFFF)]
+  if nbytes:
+    parts += [_DATA_TAG, _varint(nbytes)]
+  return b"".join(parts)
+
+
+def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
+  value = shift = 0
+  while pos < len(view):
+    byte = view[pos]
+    pos += 1
+    value |= (byte & 0x7F) << shift
+    if byte < 0x80:
+      return value & 0xFFFF_FFFF_FFFF_FFFF, pos
+    shift += 7
+    if shift >= 70:
+      raise WireError("Malformed chunk message: a varint longer than 10 bytes.")
+  raise WireError("Malformed chunk message: truncated varint.")
+
+
+def parse_chunk(message: bytes | memoryview, header_type: type) -> ChunkFrame:
+  """Reads a serialized PushChunk or FragmentChunk by hand; its data is a view (no copy).
+
+  Follows protobuf's parsing rules: unknown fields are skipped, the last index and data win,
+  header occurrences merge, an int32 index keeps its low 32 bits.
+
+  Args:
+    message: the message's bytes.
+    header_type: `syncer_pb2.PushHeader` or `syncer_pb2.FragmentHeader`.
+
+  Raises:
+    WireError: on a malformed message (truncated, bad wire type, undecodable header).
+  """
+  view = memoryview(message).cast("B")
+  pos, end = 0, len(view)
+  headers, index, data = [], 0, view[0:0]
+  while pos < end:
+    key, pos = _read_varint(view, pos)
+    field, wire_type = key >> 3, key & 7
+    if field == 0:
+      raise WireError("Malformed chunk message: field number 0.")
+    if wire_type == _WIRE_VARINT:
+      value, pos = _read_varint(view, pos)
+    elif wire_type == _WIRE_LEN:
+      length, pos = _read_varint(view, pos)
+      if length > end - pos:
+        raise WireError(f"Malformed chunk message: field {field} runs past the end.")
+      value, pos = view[pos : pos + length], pos + length
+    elif wire_type in (_WIRE_I64, _WIRE_I32):
+      pos += 8 if wire_type == _WIRE_I64 else 4
+      if pos > end:
+        raise WireError(f"Malformed chunk message: field {field} runs past the end.")
+      value = None
+    else:
+      raise WireError(f"Malformed chunk message: wire type {wire_type} of field {field}.")
+    expected = {1: _WIRE_LEN, 2: _WIRE_VARINT, 3: _WIRE_LEN}.get(field, wire_type)
+    if wire_type != expected:
+      raise WireError(f"Malformed chunk message: field {field} has wire type {wire_type}.")
+    if field == 1:
+      headers.append(value)
+    elif field == 2:
+      index = (value & 0xFFFF_FFFF) - ((value & 0x8000_0000) << 1)  # int32, two's complement.
+    elif field == 3:
+      data = value
+  header = None
+  if headers:
+    try:
+      header = header_type.FromString(b"".join(headers))
+    except DecodeError as e:
+      raise WireError(f"Malformed chunk message: undecodable header: {e}") from e
+  return ChunkFrame(header, index, data, end)
+
+
+def as_frame(chunk: object, header_type: type) -> ChunkFrame:
+  """A ChunkFrame of a chunk given as a frame, its serialized bytes, or a protobuf message.
+
+  Raises:
+    WireError: if serialized bytes are malformed.
+  """
+  if isinstance(chunk, ChunkFrame):
+    return chunk
+  if isinstance(chunk, bytes | bytearray | memoryview):
+    return parse_chunk(chunk, header_type)
+  header = chunk.header if chunk.HasField("header") else None
+  return ChunkFrame(header, chunk.index, memoryview(chunk.data), chunk.ByteSize())
 
 
 def _check_scalars(**fields: float) -> None:
@@ -36,20 +177,23 @@ def _read_stream(
   chunks: Iterable,
   layout: wire.Layout,
   *,
+  header_type: type,
   max_bytes: int | None,
   max_chunk_bytes: int,
   base_for: Callable[[object], Mapping[str, np.ndarray] | None],
 ) -> tuple[object, dict[str, np.ndarray]]:
   """Reads a chunk stream: (header of chunk 0, decoded values). Rejects bad streams early.
 
-  The header is checked (by `base_for` too, which returns the base of a delta or None) before any
-  further chunk is read; each chunk is then decoded as soon as it is next in order, and dropped.
+  Chunks may be ChunkFrames, serialized messages or protobuf messages (`as_frame`). The header is
+  checked (by `base_for` too, which returns the base of a delta or None) before any further chunk
+  is read; each chunk is then decoded as soon as it is next in order, and dropped.
   """
   it = iter(chunks)
   first = next(it, None)
   if first is None:
     raise WireError("Empty chunk stream: expected at least one chunk with a header.")
-  if first.index != 0 or not first.HasField("header"):
+  first = as_frame(first, header_type)
+  if first.index != 0 or first.header is None:
     raise WireError(f"The first chunk must be index 0 with a header, got index {first.index}.")
   header = first.header
   if header.codec not in compression.CODECS:
@@ -67,9 +211,10 @@ def _read_stream(
   for data in asm.add(first.index, first.data):
     reader.feed(data)
   for c in it:
-    if c.HasField("header"):
-      raise WireError(f"Chunk {c.index} carries a header; only the first chunk may.")
-    for data in asm.add(c.index, c.data):
+    frame = as_frame(c, header_type)
+    if frame.header is not None:
+      raise WireError(f"Chunk {frame.index} carries a header; only the first chunk may.")
+    for data in asm.add(frame.index, frame.data):
       reader.feed(data)
   asm.check_complete()  # Before the reader's own end checks: a missing chunk is named as such.
   return header, reader.finish()
@@ -88,34 +233,8 @@ def _wrap(message: type, pieces: Iterable[bytes]) -> tuple[list, int]:
   return out, total
 
 
-def report_to_chunks(
-  report: Report,
-  codec: str,
-  *,
-  block_size: int = 64,
-  chunk_size: int = DEFAULT_CHUNK_SIZE,
-  anchor_values: Mapping[str, np.ndarray] | None = None,
-) -> list[syncer_pb2.PushChunk]:
-  """A learner's report as a Push stream: chunk 0 carries the header (SPEC §3).
-
-  Args:
-    report: the report; `report.values` are θ_{m,p}.
-    codec: the uplink codec name.
-    block_size: int8/int4 scale block size.
-    chunk_size: bytes per chunk (the receiver's limit must be at least this).
-    anchor_values: Θ^(anchor_version) as the learner holds it; if given, the payload is the delta
-      θ − Θ^(anchor) (SPEC §5) and the header says `delta`.
-
-  Raises:
-    ValueError: if the values cannot be encoded (NaN/Inf) or a delta has no valid anchor version.
-  """
-  if anchor_values is not None and report.anchor_version < 0:
-    raise ValueError("A delta push needs anchor_version >= 0 (the learner never received p).")
-  pieces = wire.serialize_chunks(
-    report.values, codec, block_size=block_size, base=anchor_values, chunk_size=chunk_size
-  )
-  out, total = _wrap(syncer_pb2.PushChunk, pieces)
-  header = syncer_pb2.PushHeader(
+def _push_header(report: Report, codec: str, total: int, num_chunks: int, delta: bool):
+  return syncer_pb2.PushHeader(
     learner_id=report.learner_id,
     fragment=report.fragment,
     anchor_version=report.anchor_version,
@@ -125,15 +244,91 @@ def report_to_chunks(
     step_time_s=report.step_time_s,
     codec=codec,
     total_bytes=total,
-    num_chunks=len(out),
-    delta=anchor_values is not None,
+    num_chunks=num_chunks,
+    delta=delta,
   )
+
+
+def _push_encoder(
+  report: Report, codec: str, block_size: int, anchor_values: Mapping[str, np.ndarray] | None
+) -> wire.FragmentEncoder:
+  if anchor_values is not None and report.anchor_version < 0:
+    raise ValueError("A delta push needs anchor_version >= 0 (the learner never received p).")
+  return wire.FragmentEncoder(report.values, codec, block_size=block_size, base=anchor_values)
+
+
+def push_messages(
+  report: Report,
+  codec: str,
+  *,
+  block_size: int = 64,
+  chunk_size: int = DEFAULT_CHUNK_SIZE,
+  anchor_values: Mapping[str, np.ndarray] | None = None,
+) -> Iterator[bytes]:
+  """A learner's report as the serialized PushChunk messages of a Push stream (SPEC §3).
+
+  The bytes of `[m.SerializeToString() for m in report_to_chunks(...)]`, but each message is
+  encoded only when it is asked for, in one piece with one copy per payload byte: a client can
+  send chunk i while chunk i + 1 is encoded, and protobuf never copies the payload. The header
+  (chunk 0) announces the exact size, known before anything is encoded.
+
+  Args:
+    report: the report; `report.values` are θ_{m,p}.
+    codec: the uplink codec name.
+    block_size: int8/int4 scale block size.
+    chunk_size: payload bytes per chunk (the receiver's limit must be at least this).
+    anchor_values: Θ^(anchor) as the learner holds it; if given, the payload is the delta
+      θ − Θ^(anchor) (SPEC §5) and the header says `delta`.
+
+  Returns:
+    An iterator over the messages' bytes.
+
+  Raises:
+    ValueError: at once on a bad codec, keys, shapes or anchor; while iterating, on a NaN/Inf value
+      (the stream then ends short, and a receiver refuses it as incomplete).
+  """
+  encoder = _push_encoder(report, codec, block_size, anchor_values)
+  header = _push_header(
+    report, codec, encoder.nbytes, encoder.num_chunks(chunk_size), anchor_values is not None
+  ).SerializeToString()
+  return encoder.chunks(
+    chunk_size, prefix=lambda i, n: chunk_prefix(i, n, header if i == 0 else None)
+  )
+
+
+def report_to_chunks(
+  report: Report,
+  codec: str,
+  *,
+  block_size: int = 64,
+  chunk_size: int = DEFAULT_CHUNK_SIZE,
+  anchor_values: Mapping[str, np.ndarray] | None = None,
+) -> list[syncer_pb2.PushChunk]:
+  """A learner's report as a Push stream of protobuf messages: chunk 0 carries the header (SPEC §3).
+
+  The messages `push_messages` serializes (the client sends those; these are for inspection,
+  accounting and tests).
+
+  Args:
+    report: the report; `report.values` are θ_{m,p}.
+    codec: the uplink codec name.
+    block_size: int8/int4 scale block size.
+    chunk_size: bytes per chunk (the receiver's limit must be at least this).
+    anchor_values: Θ^(anchor) as the learner holds it; if given, the payload is the delta
+      θ − Θ^(anchor) (SPEC §5) and the header says `delta`.
+
+  Raises:
+    ValueError: if the values cannot be encoded (NaN/Inf) or a delta has no valid anchor version.
+  """
+  encoder = _push_encoder(report, codec, block_size, anchor_values)
+  out, total = _wrap(syncer_pb2.PushChunk, encoder.chunks(chunk_size))
+  header = _push_header(report, codec, total, len(out), anchor_values is not None)
   out[0].header.CopyFrom(header)
   return out
 
 
 def chunks_to_report(
-  chunks: Iterable[syncer_pb2.PushChunk],
+  chunks: Iterable[syncer_pb2.PushChunk | bytes | ChunkFrame],
   layout_keys: Sequence[str],
   shapes: Sequence[Sequence[int]] | Mapping[str, Sequence[int]],
   dtypes: Sequence[object] | Mapping[str, object],
@@ -148,7 +343,8 @@ def chunks_to_report(
   first chunk, picks the layout of `header.fragment` and passes `itertools.chain([first], rest)`.
 
   Args:
-    chunks: the stream; chunk 0 must carry the header.
+    chunks: the stream, as PushChunk messages, their serialized bytes or ChunkFrames; chunk 0 must
+      carry the header.
     layout_keys: keys of the fragment.
     shapes: expected shapes, by key order or mapping.
     dtypes: expected dtypes, likewise.
@@ -177,7 +373,12 @@ def chunks_to_report(
 
   layout = wire.make_layout(layout_keys, shapes, dtypes)
   header, values = _read_stream(
-    chunks, layout, max_bytes=max_bytes, max_chunk_bytes=max_chunk_bytes, base_for=base_for
+    chunks,
+    layout,
+    header_type=syncer_pb2.PushHeader,
+    max_bytes=max_bytes,
+    max_chunk_bytes=max_chunk_bytes,
+    base_for=base_for,
   )
   return Report(
     learner_id=int(header.learner_id),
@@ -229,9 +430,9 @@ def state_to_chunks(
   if base is not None and base.fragment != state.fragment:
     raise ValueError(f"base is fragment {base.fragment}, state is fragment {state.fragment}.")
   base_values = None if base is None else base.values
-  pieces = wire.serialize_chunks(
-    state.values, codec, block_size=block_size, base=base_values, chunk_size=chunk_size
-  )
+  pieces = wire.FragmentEncoder(
+    state.values, codec, block_size=block_size, base=base_values
+  ).chunks(chunk_size)
   exact = codec == "fp32" and base is None
   exact = exact and all(np.asarray(v).dtype.itemsize <= 4 for v in state.values.values())
   if exact:
@@ -277,7 +478,7 @@ def encoded_state_chunks(
 
 
 def chunks_to_state(
-  chunks: Iterable[syncer_pb2.FragmentChunk],
+  chunks: Iterable[syncer_pb2.FragmentChunk | bytes | ChunkFrame],
   layout_keys: Sequence[str],
   shapes: Sequence[Sequence[int]] | Mapping[str, Sequence[int]],
   dtypes: Sequence[object] | Mapping[str, object],
@@ -289,7 +490,8 @@ def chunks_to_state(
   """Rebuilds a FragmentState from a Pull stream and checks its digest (SPEC §4.7).
 
   Args:
-    chunks: the stream; chunk 0 must carry the header.
+    chunks: the stream, as FragmentChunk messages, their serialized bytes or ChunkFrames; chunk 0
+      must carry the header.
     layout_keys: keys of the fragment.
     shapes: expected shapes, by key order or mapping.
     dtypes: expected dtypes, likewise.
@@ -316,7 +518,12 @@ def chunks_to_state(
 
   layout = wire.make_layout(layout_keys, shapes, dtypes)
   header, values = _read_stream(
-    chunks, layout, max_bytes=max_bytes, max_chunk_bytes=max_chunk_bytes, base_for=base_for
+    chunks,
+    layout,
+    header_type=syncer_pb2.FragmentHeader,
+    max_bytes=max_bytes,
+    max_chunk_bytes=max_chunk_bytes,
+    base_for=base_for,
   )
   digest = values_digest(values)
   if digest != header.digest:

@@ -22,7 +22,8 @@ Decisions:
     the dequantized value and both sides stay bit-identical (SPEC §5, §4.7).
   * Copies (issue 3, the wire benchmark): both ends stream. The sender encodes each array in
     cache-sized runs (delta, float32 cast, NaN/Inf check and encoding in one pass) straight into
-    the chunks' bytes (`serialize_chunks`). The receiver (`FragmentReader`) parses each chunk as it
+    the chunks' bytes (`FragmentEncoder`, which knows the exact size before encoding, so a stream's
+    header can announce it and the chunks be made while they are sent). The receiver (`FragmentReader`) parses each chunk as it
     arrives and decodes it straight into the output arrays (base added, cast, NaN/Inf counted after
     the cast: the receive path's one finiteness check), so the payload is never joined. The bytes
     are those of the one-shot format above.
@@ -36,7 +37,7 @@ import ml_dtypes
 import numpy as np
 
 from ddiloco.fragments import compression
-from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ChunkWriter
+from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ChunkWriter, Prefix, num_chunks_for
 from ddiloco.transport.errors import WireError, WireSizeError
 
 MAGIC = b"DDWF"
@@ -118,41 +119,93 @@ def _entry_head(key: str, shape: tuple[int, ...], dtype: str, codec: compression
   )
 
 
-def _fragment_pieces(
-  values: Mapping[str, np.ndarray],
-  codec: compression.Codec,
-  base: Mapping[str, np.ndarray] | None,
-) -> Iterator[bytes | np.ndarray]:
-  """The serialized fragment, piece by piece in order (no full-size buffer).
+class FragmentEncoder:
+  """A fragment checked and framed for the wire; its arrays are encoded as its bytes are read.
 
-  Each array is encoded in cache-sized runs (`Codec.encode_runs`): the delta, the float32 cast,
-  the NaN/Inf check and the encoding are one pass over the values. A piece may be overwritten once
-  the next is asked for.
+  The constructor checks everything but the values (keys, shapes, the base) and knows the exact
+  serialized size, so a sender can announce it (a chunk stream's header) before encoding anything.
+  Each array is then encoded in cache-sized runs (`Codec.encode_runs`): the delta, the float32
+  cast, the NaN/Inf check and the encoding are one pass over the values.
+
+  Attributes:
+    nbytes: the exact size of the serialized fragment.
   """
-  if base is not None and set(base) != set(values):
-    raise ValueError(f"base keys differ from values keys: {sorted(set(base) ^ set(values))[:3]}.")
-  entries = []
-  for key in sorted(values):
-    x = np.asarray(values[key])
-    b = None if base is None else np.asarray(base[key])
-    if b is not None and b.shape != x.shape:
-      raise ValueError(f"{key!r}: base shape {b.shape} != values shape {x.shape}.")
-    head = _entry_head(key, tuple(int(d) for d in x.shape), _resolve_dtype(x.dtype).name, codec)
-    entries.append((key, head, x, b))
-  yield _FILE_HEADER.pack(MAGIC, FORMAT_VERSION, len(entries))
-  for key, head, x, b in entries:
-    yield head
-    scales = np.empty(codec.nbytes(x.size)[1] // 4, compression.F32)
-    filled = 0
-    try:
-      for payload, run_scales in codec.encode_runs(x, base=b):
-        yield payload
-        scales[filled : filled + run_scales.size] = run_scales
-        filled += run_scales.size
-    except ValueError as e:
-      raise ValueError(f"{key!r}: {e}") from e
-    if scales.size:
-      yield scales  # The format puts an entry's scales after its whole payload.
+
+  def __init__(
+    self,
+    values: Mapping[str, np.ndarray],
+    codec_name: str,
+    *,
+    block_size: int = 64,
+    base: Mapping[str, np.ndarray] | None = None,
+  ):
+    """Checks and frames `values` (see `serialize_fragment` for the arguments).
+
+    Raises:
+      ValueError: on an unknown codec, a base with other keys or shapes, or a key/shape the format
+        cannot hold.
+    """
+    self._codec = compression.get_codec(codec_name, block_size)
+    if base is not None and set(base) != set(values):
+      raise ValueError(f"base keys differ from values keys: {sorted(set(base) ^ set(values))[:3]}.")
+    self._entries = []
+    self.nbytes = _FILE_HEADER.size
+    for key in sorted(values):
+      x = np.asarray(values[key])
+      b = None if base is None else np.asarray(base[key])
+      if b is not None and b.shape != x.shape:
+        raise ValueError(f"{key!r}: base shape {b.shape} != values shape {x.shape}.")
+      shape = tuple(int(d) for d in x.shape)
+      head = _entry_head(key, shape, _resolve_dtype(x.dtype).name, self._codec)
+      self._entries.append((key, head, x, b))
+      self.nbytes += len(head) + sum(self._codec.nbytes(x.size))
+
+  def pieces(self) -> Iterator[bytes | np.ndarray]:
+    """The serialized fragment, piece by piece in order (no full-size buffer).
+
+    A piece may be overwritten once the next is asked for.
+
+    Raises:
+      ValueError: while iterating, on a NaN/Inf value (named by key).
+    """
+    codec = self._codec
+    yield _FILE_HEADER.pack(MAGIC, FORMAT_VERSION, len(self._entries))
+    for key, head, x, b in self._entries:
+      yield head
+      scales = np.empty(codec.nbytes(x.size)[1] // 4, compression.F32)
+      filled = 0
+      try:
+        for payload, run_scales in codec.encode_runs(x, base=b):
+          yield payload
+          scales[filled : filled + run_scales.size] = run_scales
+          filled += run_scales.size
+      except ValueError as e:
+        raise ValueError(f"{key!r}: {e}") from e
+      if scales.size:
+        yield scales  # The format puts an entry's scales after its whole payload.
+
+  def chunks(self, chunk_size: int = DEFAULT_CHUNK_SIZE, *, prefix: Prefix | None = None):
+    """The serialized fragment cut into `bytes` chunks of `chunk_size`, made one by one.
+
+    Every byte is copied once, into its chunk (`ChunkWriter`; with `prefix`, each chunk carries
+    `prefix(index, n)` in front of its n bytes). There is always at least one chunk.
+
+    Raises:
+      ValueError: at once if chunk_size < 1; while iterating, as `pieces`.
+    """
+    writer = ChunkWriter(chunk_size, prefix=prefix)
+    return self._chunks_of(writer)
+
+  def _chunks_of(self, writer: ChunkWriter) -> Iterator[bytes]:
+    for piece in self.pieces():
+      yield from writer.write(piece)
+    yield from writer.flush()
+    if writer.nbytes != self.nbytes:  # The framing and the codecs disagree: a bug, not bad input.
+      raise AssertionError(f"Serialized {writer.nbytes} bytes, announced {self.nbytes}.")
+
+  def num_chunks(self, chunk_size: int = DEFAULT_CHUNK_SIZE) -> int:
+    """How many chunks `chunks(chunk_size)` makes."""
+    return num_chunks_for(self.nbytes, chunk_size)
 
 
 def serialize_fragment(
@@ -178,17 +231,9 @@ def serialize_fragment(
     ValueError: on an unknown codec, non-finite values, mismatched base, or a key/shape the format
       cannot hold.
   """
-  codec = compression.get_codec(codec_name, block_size)
-  size = _FILE_HEADER.size
-  for key, v in values.items():
-    shape = np.shape(v)
-    size += (
-      _ENTRY_FRAMING + len(key.encode()) + 8 * len(shape) + sum(codec.nbytes(math.prod(shape)))
-    )
-  writer = ChunkWriter(max(1, size))  # One chunk: the whole payload, one copy per byte.
-  for piece in _fragment_pieces(values, codec, base):
-    writer.write(piece)
-  return writer.flush()[0]
+  encoder = FragmentEncoder(values, codec_name, block_size=block_size, base=base)
+  (data,) = encoder.chunks(max(1, encoder.nbytes))  # One chunk: one copy per byte.
+  return data
 
 
 def serialize_chunks(
@@ -208,17 +253,11 @@ def serialize_chunks(
     The chunks in order; one empty chunk for an empty payload (there is always one).
 
   Raises:
-    ValueError: while iterating, as `serialize_fragment`; at once if chunk_size < 1.
+    ValueError: at once on a bad codec, base, key or shape, or if chunk_size < 1; while iterating,
+      on a NaN/Inf value.
   """
-  codec = compression.get_codec(codec_name, block_size)
-  writer = ChunkWriter(chunk_size)
-  return _chunks_of(_fragment_pieces(values, codec, base), writer)
-
-
-def _chunks_of(pieces: Iterator[bytes | np.ndarray], writer: ChunkWriter) -> Iterator[bytes]:
-  for piece in pieces:
-    yield from writer.write(piece)
-  yield from writer.flush()
+  encoder = FragmentEncoder(values, codec_name, block_size=block_size, base=base)
+  return encoder.chunks(chunk_size)
 
 
 class FragmentReader:

@@ -11,7 +11,7 @@ from ddiloco.simulation.simulate import simulate
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "gin_configs")
 ROOT = os.path.abspath(ROOT)
 # Run files own a model and a fleet; baselines stack on a run file; the rest are included pieces.
-RUNS = ["sim_tiny.gin", "runs/sim_small.gin"]
+RUNS = ["sim_tiny.gin", "runs/sim_small.gin", "runs/sim_vit_tiny.gin", "runs/sim_moe_tiny.gin"]
 # Distributed runs (ddiloco-local); the integration tests run them for real.
 DISTRIBUTED = ["local_tiny.gin"]
 CHAOS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/chaos/*.gin"))
@@ -42,13 +42,16 @@ def test_every_config_is_covered():
     for p in glob.glob(f"{ROOT}/**/*.gin", recursive=True)
     if not p.startswith(os.path.join(ROOT, "goodput"))
   }
-  included = {f"models/{s}.gin" for s in ("tiny", "small", "2b", "5b", "9b")}
+  sizes = ("tiny", "small", "2b", "5b", "9b", "tiny_moe", "small_moe", "5b_moe", "vit_tiny")
+  included = {f"models/{s}.gin" for s in sizes}
   included.add("runs/decoupled_base.gin")
   included.add("runs/distributed_base.gin")
   assert shipped == set(RUNS) | set(BASELINES) | included | set(DISTRIBUTED) | set(CHAOS)
 
 
-@pytest.mark.parametrize("size", ["tiny", "small", "2b", "5b", "9b"])
+@pytest.mark.parametrize(
+  "size", ["tiny", "small", "2b", "5b", "9b", "tiny_moe", "small_moe", "5b_moe"]
+)
 def test_model_configs_parse(size):
   from ddiloco.models import configs
 

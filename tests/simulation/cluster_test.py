@@ -227,3 +227,93 @@ def test_int4_on_the_wire_keeps_digests_and_changes_the_values(tmp_path):
 def test_cluster_config_rejects_unknown_codecs():
   with pytest.raises(ValueError, match="uplink_codec"):
     ClusterConfig(uplink_codec="int3")
+
+
+def test_vit_task_merges_with_int4_and_rda_and_reports_accuracy(tmp_path):
+  """The vision task through the unchanged learners and syncer: balanced fragments of ViT params,
+  RDA on the encoder blocks and the weighted mean on the input/output tensors, int4 both ways.
+  """
+  from ddiloco.data.vision import VisionDataConfig
+  from ddiloco.tasks import VisionTask
+
+  task = VisionTask(
+    model=configs.vit_config("tiny", num_layers=2), data=VisionDataConfig(batch_size=16)
+  )
+  factory = LearnerFactory(task=task, inner_opt=INNER, num_fragments=4, num_shards=2)
+  assert sorted(factory.embedding_keys()) == [
+    "head/bias",
+    "head/kernel",
+    "patch_embed/bias",
+    "patch_embed/kernel",
+    "pos_embed/embedding",
+  ]
+  assert factory.tokens_per_step == 16  # Examples per step.
+  summary = simulate(
+    workdir=str(tmp_path / "vit"),
+    task=task,
+    cluster=ClusterConfig(
+      num_learners=2, steps_per_learner=16, uplink_codec="int4", downlink_codec="int4", log_every=4
+    ),
+    schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
+    syncer=SyncerConfig(min_quorum=2, overlap=1, merge_method="rda"),
+    inner_opt=INNER,
+    eval_batches=4,
+    tensorboard=False,
+  )
+  assert summary["tokens_trained"] == 2 * 16 * 16  # learners x steps x examples
+  assert summary["merges"] >= 12 and summary["mean_quorum_size"] == 2.0
+  assert summary["digests_agree"] is True
+  metrics = summary["final_eval_metrics"]
+  assert set(metrics) == {"loss", "accuracy"}
+  assert metrics["loss"] == summary["final_eval_loss"] < np.log(10.0)  # Zero head starts at ln 10.
+  assert 0.1 < metrics["accuracy"] <= 1.0
+
+
+def test_moe_text_simulates(tmp_path):
+  summary = simulate(
+    workdir=str(tmp_path / "moe"),
+    model=configs.transformer_config("tiny_moe", num_layers=2, max_len=SEQ),
+    data=DATA,
+    cluster=ClusterConfig(num_learners=2, steps_per_learner=8, log_every=4),
+    schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
+    syncer=SyncerConfig(min_quorum=1, overlap=1),
+    inner_opt=INNER,
+    eval_batches=2,
+    tensorboard=False,
+  )
+  assert summary["merges"] > 0 and summary["digests_agree"] is True
+  assert summary["tokens_trained"] == 2 * 8 * 4 * SEQ
+  metrics = summary["final_eval_metrics"]
+  assert metrics["loss"] == metrics["lm_loss"] == summary["final_eval_loss"] < np.log(256)
+  assert metrics["moe_aux_loss"] > 0.5
+
+
+@pytest.mark.parametrize("run", ["runs/sim_vit_tiny.gin", "runs/sim_moe_tiny.gin"])
+def test_shipped_task_runs_train(tmp_path, run):
+  """The vision and MoE run files parse and train for a few steps (so they cannot rot)."""
+  import os
+
+  import gin
+
+  root = os.path.join(os.path.dirname(__file__), "..", "..", "gin_configs")
+  gin.clear_config()
+  gin.add_config_file_search_path(root)
+  try:
+    gin.parse_config_files_and_bindings(
+      [os.path.join(root, run)],
+      [
+        "LEARNERS = 2",
+        "STEPS = 2",
+        "InnerOptConfig.warmup_steps = 1",
+        "ClusterConfig.eval_every_s = 0.0",
+        "simulate.eval_batches = 1",
+        # Fewer compiles (one per learner's device slice), smaller programs (>= 24 leaves for P = 24).
+        "vit_config.num_layers = 2" if "vit" in run else "transformer_config.num_layers = 3",
+      ],
+    )
+    summary = simulate(workdir=str(tmp_path), tensorboard=False)
+    units = gin.query_parameter("%BATCH") * (1 if "vit" in run else gin.query_parameter("%SEQ_LEN"))
+  finally:
+    gin.clear_config()
+  assert summary["tokens_trained"] == 2 * 2 * units  # LEARNERS x STEPS x units per step
+  assert np.isfinite(summary["final_eval_loss"])

@@ -2,6 +2,7 @@
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -108,3 +109,145 @@ def test_merge_outer_gradients_rejects():
     merge.merge_outer_gradients([{"a": np.zeros(1)}], [1.0], method="median")
   with pytest.raises(ValueError, match="keys"):
     merge.merge_outer_gradients([{"a": np.zeros(1)}, {"b": np.zeros(1)}], [1.0, 1.0])
+
+
+# -- blockwise finiteness (the core's door check, issue 3) ----------------------------------------
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_all_finite_finds_a_non_finite_value_in_the_last_partial_block(bad):
+  x = np.zeros(10, np.float32)
+  assert merge.all_finite(x, block_values=4)  # Blocks [0, 4), [4, 8), [8, 10).
+  x[9] = bad  # The last value of the short last block.
+  assert not merge.all_finite(x, block_values=4)
+  y = np.zeros((3, 5), np.float64)
+  y[2, 4] = bad
+  assert not merge.all_finite(y, block_values=7)  # 2-D: blocks of the flattened values.
+  assert not merge.all_finite(y[:, ::2], block_values=2)  # Non-contiguous: its (2, 4) is bad.
+
+
+def test_all_finite_edge_cases():
+  assert merge.all_finite(np.zeros(0, np.float32))
+  assert merge.all_finite(np.float32(3.0))
+  huge = np.full(8, np.finfo(np.float32).max, np.float32)
+  assert merge.all_finite(huge)  # Finite values whose sum overflows to Inf are finite.
+  half = np.ones(5, ml_dtypes.bfloat16)
+  half[4] = np.nan
+  assert not merge.all_finite(half, block_values=2)
+  with pytest.raises(ValueError, match="block_values must be >= 1"):
+    merge.all_finite(huge, block_values=0)
+
+
+# -- merge_reports: the fused float32 merge the core calls ------------------------------------------
+
+U32 = 2.0**-24  # float32 unit roundoff.
+
+
+def _ref64(anchors, thetas, ws, method):
+  """The merge in float64 from explicit outer gradients v_m = a_m − θ_m (SPEC §4.5)."""
+  vs = [a.astype(np.float64) - t.astype(np.float64) for a, t in zip(anchors, thetas)]
+  total = sum(ws)
+  if method == "mean":
+    return sum(w * v for w, v in zip(ws, vs)) / total
+  norms = [np.linalg.norm(v) for v in vs]
+  radius = sum(w * n for w, n in zip(ws, norms)) / total
+  direction = sum(w / n * v for w, n, v in zip(ws, norms, vs)) / total
+  return direction * (radius / np.linalg.norm(direction))
+
+
+@pytest.mark.parametrize("method", ["rda", "mean"])
+@pytest.mark.parametrize("num", [2, 8])
+def test_float32_merge_matches_float64_within_a_few_ulps(monkeypatch, method, num):
+  # Blocks of 1000 values over 10007 (11 blocks, a short last one), so the blockwise sums are hit.
+  monkeypatch.setattr(merge, "BLOCK_VALUES", 1000)
+  rng = np.random.default_rng(num)
+  anchor = rng.standard_normal(10007).astype(np.float32)
+  thetas = [anchor - np.float32(1e-2) * rng.standard_normal(10007, np.float32) for _ in range(num)]
+  ws = [float(m + 1) for m in range(num)]
+  got = merge.merge_reports([{"k": anchor}] * num, [{"k": t} for t in thetas], ws, method=method)
+  want = _ref64([anchor] * num, thetas, ws, method)
+  assert got["k"].dtype == np.float32
+  # Bound, to first order in u = 2^-24: v_m's rounding (u), the num − 1 accumulations ((num − 1)u),
+  # the scale from the float64-summed norms (u) and the final rounding (u): (num + 2)u, relative
+  # to the largest value. Measured: 1.0-1.8u.
+  err = np.max(np.abs(got["k"] - want)) / np.max(np.abs(want))
+  assert err <= (num + 2) * U32
+  assert np.linalg.norm(got["k"] - want) / np.linalg.norm(want) <= (num + 2) * U32
+
+
+def test_merge_reports_with_stale_anchors_bf16_and_a_zero_weight():
+  rng = np.random.default_rng(3)
+  a0 = rng.standard_normal((4, 6)).astype(ml_dtypes.bfloat16)
+  a1 = (a0.astype(np.float32) + 0.5).astype(ml_dtypes.bfloat16)  # An older version (re-anchoring).
+  t0 = (a0.astype(np.float32) - 0.25).astype(ml_dtypes.bfloat16)
+  t1 = rng.standard_normal((4, 6)).astype(ml_dtypes.bfloat16)
+  t2 = np.full((4, 6), np.nan, ml_dtypes.bfloat16)  # Weight 0: never read, so NaN cannot leak.
+  for method in ("rda", "mean"):
+    got = merge.merge_reports(
+      [{"w": a0}, {"w": a1}, {"w": a0}],
+      [{"w": t0}, {"w": t1}, {"w": t2}],
+      [2.0, 1.0, 0.0],
+      method=method,
+    )["w"]
+    # Differences of bfloat16 values are taken in float32 (the core's float32 outer gradients).
+    grads = [
+      a0.astype(np.float32) - t0.astype(np.float32),
+      a1.astype(np.float32) - t1.astype(np.float32),
+    ]
+    want = (merge.rda if method == "rda" else merge.weighted_mean)(grads, [2.0, 1.0])
+    assert got.dtype == np.float32 and got.shape == (4, 6)
+    np.testing.assert_allclose(got, want, rtol=4 * U32, atol=4 * U32 * np.max(np.abs(want)))
+
+
+def test_merge_reports_embeddings_use_the_mean_and_outputs_are_aligned():
+  e1, e2 = np.array([1.0, 0.0], np.float32), np.array([0.0, 1.0], np.float32)
+  zero = np.zeros(2, np.float32)
+  got = merge.merge_reports(
+    [{"emb": e1, "w": e1}] * 2, [{"emb": zero, "w": zero}] * 2, [1.0, 1.0], embedding_keys={"emb"}
+  )
+  # v = [e1, e1] for both keys: mean and RDA agree on identical inputs ...
+  np.testing.assert_allclose(got["emb"], e1)
+  got = merge.merge_reports(
+    [{"emb": e1, "w": e1}, {"emb": e2, "w": e2}],
+    [{"emb": zero, "w": zero}] * 2,
+    [1.0, 1.0],
+    embedding_keys={"emb"},
+  )
+  # ... and differ on orthogonal ones: mean [0.5, 0.5], RDA [1, 1]/√2 (norm 1).
+  np.testing.assert_allclose(got["emb"], [0.5, 0.5])
+  np.testing.assert_allclose(got["w"], [1 / math.sqrt(2)] * 2, rtol=2 * U32)
+  assert all(v.ctypes.data % 64 == 0 for v in got.values())  # device_put can alias them.
+
+
+def test_merge_reports_rejects():
+  a = {"k": np.zeros(3, np.float32)}
+  with pytest.raises(ValueError, match="2 anchors but 1 reports"):
+    merge.merge_reports([a, a], [a], [1.0])
+  with pytest.raises(ValueError, match="keys"):
+    merge.merge_reports([a], [{"j": np.zeros(3, np.float32)}], [1.0])
+  with pytest.raises(ValueError, match=r"'k': anchors are float32\[3\], values float64\[3\]"):
+    merge.merge_reports([a], [{"k": np.zeros(3)}], [1.0])
+  with pytest.raises(ValueError, match="Unknown merge method"):
+    merge.merge_reports([a], [a], [1.0], method="median")
+  with pytest.raises(ValueError, match="positive sum"):
+    merge.merge_reports([a], [a], [0.0])
+
+
+def test_norms_known_in_advance_give_the_same_bits(monkeypatch):
+  monkeypatch.setattr(merge, "BLOCK_VALUES", 64)  # 4 blocks of 64 values and one of 44.
+  rng = np.random.default_rng(5)
+  anchors = [{"k": rng.standard_normal(300).astype(np.float32)} for _ in range(3)]
+  values = [{"k": a["k"] - rng.standard_normal(300).astype(np.float32)} for a in anchors]
+  ws = [1.0, 2.0, 3.0]
+  norms = [merge.outer_sq_norms(a, v) for a, v in zip(anchors, values)]
+  v64 = values[1]["k"].astype(np.float64) - anchors[1]["k"].astype(np.float64)
+  assert norms[1]["k"] == pytest.approx(float(v64 @ v64), rel=300 * U32)
+  plain = merge.merge_reports(anchors, values, ws)["k"]
+  for given in (norms, [norms[0], None, norms[2]]):  # All known, or some.
+    got = merge.merge_reports(anchors, values, ws, sq_norms=given)["k"]
+    assert got.tobytes() == plain.tobytes()
+  # The norms are used, not recomputed: doubling learner 0's changes the result.
+  wrong = [{"k": 4 * norms[0]["k"]}, norms[1], norms[2]]
+  assert not np.allclose(merge.merge_reports(anchors, values, ws, sq_norms=wrong)["k"], plain)
+  with pytest.raises(ValueError, match="2 sq_norms but 3 reports"):
+    merge.merge_reports(anchors, values, ws, sq_norms=norms[:2])

@@ -1,0 +1,96 @@
+"""`TextTask`: next-token prediction with the decoder-only transformer (dense or MoE) on text.
+
+For a dense model this is exactly what the learners trained before tasks existed: the same model
+call, `lm_loss`, data iterators, eval batches and embedding paths, so runs are bit-identical.
+
+MoE models (`TransformerConfig.num_experts > 0`): the forward pass collects the load-balancing and
+router z-losses that every MoE layer sows (`ddiloco.models.moe`); the training objective is
+  lm_loss + aux_loss_weight · Σ_layers aux + router_z_loss_weight · Σ_layers z
+(summed over layers as Switch/GShard do), and the metrics report the per-layer means
+"moe_aux_loss" (1.0 = balanced) and "router_z_loss", plus "lm_loss". The eval loss is lm_loss alone,
+so dense and MoE eval losses compare directly.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ddiloco.data import text as text_data
+from ddiloco.models import moe, transformer
+from ddiloco.tasks.base import Batch, LossOutput, Task
+from ddiloco.types import PyTree
+
+
+class TextTask(Task):
+  """Language modelling on the Shakespeare text pipeline; counts target tokens.
+
+  Args:
+    model: the transformer's config; its vocab_size is replaced by the tokenizer's.
+    data: the text pipeline's config.
+  """
+
+  unit = "tokens"
+
+  def __init__(
+    self, *, model: transformer.TransformerConfig, data: text_data.TextDataConfig
+  ) -> None:
+    vocab = text_data.get_tokenizer(data.tokenizer).vocab_size
+    if model.vocab_size != vocab:
+      model = dataclasses.replace(model, vocab_size=vocab)
+    if data.seq_len > model.max_len:
+      raise ValueError(f"seq_len {data.seq_len} exceeds the model's max_len {model.max_len}.")
+    self.model_config = model
+    self.data_config = data
+    self.model = transformer.Transformer(model)
+
+  @property
+  def batch_size(self) -> int:
+    return self.data_config.batch_size
+
+  def dummy_inputs(self, batch_size: int = 1) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((batch_size, self.data_config.seq_len), jnp.int32)
+
+  def loss(self, params: PyTree, batch: Mapping[str, Any], *, train: bool = True) -> LossOutput:
+    cfg = self.model_config
+    variables = {"params": params}
+    if not cfg.is_moe:
+      logits_BxLxV = self.model.apply(variables, batch["inputs"])
+      loss, num_tokens = transformer.lm_loss(logits_BxLxV, batch["targets"], batch.get("mask"))
+      return loss, num_tokens, {}
+    logits_BxLxV, state = self.model.apply(variables, batch["inputs"], mutable=["intermediates"])
+    lm_loss, num_tokens = transformer.lm_loss(logits_BxLxV, batch["targets"], batch.get("mask"))
+    sums = moe.collect_losses(state["intermediates"])
+    layers = sums["moe_layers"]
+    aux = {
+      "lm_loss": lm_loss,
+      moe.AUX_LOSS: sums[moe.AUX_LOSS] / layers,
+      moe.Z_LOSS: sums[moe.Z_LOSS] / layers,
+    }
+    if not train:
+      return lm_loss, num_tokens, aux
+    objective = (
+      lm_loss
+      + cfg.aux_loss_weight * sums[moe.AUX_LOSS]
+      + cfg.router_z_loss_weight * sums[moe.Z_LOSS]
+    )
+    return objective, num_tokens, aux
+
+  def make_train_iterator(
+    self, *, shard_index: int, num_shards: int, batch_size: int | None = None
+  ) -> text_data.TextTrainIterator:
+    return text_data.make_train_iterator(
+      self.data_config, shard_index=shard_index, num_shards=num_shards, batch_size=batch_size
+    )
+
+  def eval_batches(self, num_batches: int, *, batch_size: int | None = None) -> list[Batch]:
+    return text_data.eval_batches(self.data_config, num_batches=num_batches, batch_size=batch_size)
+
+  def mean_merged(self, path: str) -> bool:
+    """Input embedding and unembedding (SPEC §4.5 decision; `transformer.is_embedding_path`)."""
+    return transformer.is_embedding_path(path)
+
+  def units_per_step(self, batch_size: int | None = None) -> int:
+    return (batch_size or self.data_config.batch_size) * self.data_config.seq_len

@@ -1,0 +1,219 @@
+"""Learner crash and rejoin against a real in-process syncer on port 0 (issue 4; SPEC §3, §6).
+
+Fault injection at (learner 0, step 7): the worker trains 7 steps, saving every 3 (steps 3 and 6),
+then is abandoned: no flush, no final save, no Leave, as after a SIGKILL. A new worker with the same
+id and checkpoint directory must resume at step 6 (the last save <= 7), train batch 7 again (the one
+batch between the checkpoint and the crash), report with weight 0 for each fragment until it has
+received it again, and hold the syncer's exact global fragments after `connect`.
+
+Model: one block, d=32, byte vocabulary; P = 2 fragments, H = 2, τ = 1; batches of 8 x 8 tokens, so
+a step trains 64 tokens (8 fake CPU devices: one sequence each).
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from ddiloco.checkpoint.learner import LearnerCheckpointConfig
+from ddiloco.data import text as text_data
+from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.launch import runtime
+from ddiloco.launch.job import JobConfig
+from ddiloco.learner.train_step import InnerOptConfig
+from ddiloco.learner.worker import LearnerWorker
+from ddiloco.models import configs
+from ddiloco.syncer import service as service_lib
+from ddiloco.syncer.types import SyncerConfig
+from ddiloco.transport.client import SyncerClient
+
+pytestmark = pytest.mark.timeout(120)  # Sockets and threads (STYLE.md).
+
+P, L, B = 2, 8, 8
+TOKENS_PER_STEP = B * L  # 64
+ONE_BLOCK = {"num_layers": 1, "d_model": 32, "num_heads": 2, "head_dim": 16, "mlp_dim": 64}
+JOB = JobConfig(
+  model=configs.transformer_config("tiny", vocab_size=256, max_len=L, **ONE_BLOCK),
+  data=text_data.TextDataConfig(seq_len=L, batch_size=B),
+  schedule=FragmentSchedule(num_fragments=P, period=2, overlap=1),
+  syncer=SyncerConfig(
+    overlap=1, use_grace=False, max_staleness=8, keep_versions=9, outer_momentum=0.0
+  ),
+  inner_opt=InnerOptConfig(warmup_steps=1, decay_steps=50),
+  service=service_lib.ServiceConfig(
+    uplink_codec="fp32", downlink_codec="fp32", heartbeat_interval_s=0.05, liveness_timeout_s=600
+  ),
+  num_learners=2,
+  eval_batches=1,
+)
+
+
+class _Recording:
+  """The learner's grain shard, recording every batch it hands out (checkpointable like it)."""
+
+  def __init__(self, learner_id: int):
+    self._it = text_data.make_train_iterator(
+      JOB.data, shard_index=learner_id % JOB.num_learners, num_shards=JOB.num_learners
+    )
+    self.batches: list[dict[str, np.ndarray]] = []
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    batch = next(self._it)
+    self.batches.append(batch)
+    return batch
+
+  def get_state(self):
+    return self._it.get_state()
+
+  def set_state(self, state):
+    self._it.set_state(state)
+
+
+@pytest.fixture
+def syncer():
+  factory = JOB.factory()
+  svc = service_lib.make_syncer(
+    fragment_keys=factory.layout.fragments,
+    init_values=factory.global_init_values(),
+    syncer_config=JOB.the_syncer(),
+    service_config=JOB.the_service(),
+    layout_digest=factory.layout.digest,
+    embedding_keys=factory.embedding_keys(),
+  )
+  srv = service_lib.serve(svc)
+  yield svc, f"127.0.0.1:{srv.port}"
+  srv.stop(grace_s=0.5)
+
+
+def _worker(address, tmp_path, learner_id=0):
+  client = SyncerClient(address, deadline_s=10.0)
+  data = _Recording(learner_id)
+  worker, writer = runtime.make_learner_worker(
+    JOB,
+    learner_id=learner_id,
+    client=client,
+    workdir=str(tmp_path / f"learner_{learner_id}"),
+    connect_timeout_s=30.0,
+    data=data,
+    checkpoint=LearnerCheckpointConfig(directory=str(tmp_path / "ckpt"), save_every_steps=3),
+  )
+  return worker, data, writer, client
+
+
+def _count(worker) -> int:
+  return int(worker.learner.opt_state[1][2].count)  # optax schedule count = updates applied.
+
+
+def _zero_weight_reports(svc) -> int:
+  with svc.lock:
+    return svc.core.stats()["zero_weight_reports"]
+
+
+def _assert_same_batch(a, b):
+  np.testing.assert_array_equal(a["inputs"], b["inputs"])
+  np.testing.assert_array_equal(a["targets"], b["targets"])
+
+
+def test_crash_at_step_7_resumes_at_6_with_weight_0_until_received(syncer, tmp_path):
+  svc, address = syncer
+  a, a_data, a_writer, a_client = _worker(address, tmp_path)
+  a.connect()
+  assert a.restored_from == "fresh"
+  a.start()
+  a.train(7)
+  a.checkpointer.wait()  # The save of step 6 is on disk before the crash.
+  a.abandon()  # Crash at (learner 0, step 7): no flush, no final save, no Leave.
+  a_writer.close()
+  a_client.close()
+  assert a.checkpointer.saved_steps == [3, 6]
+  assert len(a_data.batches) == 7
+
+  b, b_data, b_writer, b_client = _worker(address, tmp_path)
+  assert b.restore() == "own:6"
+  assert (b.learner.step, b.resumed_step, _count(b), b.tokens_trained) == (
+    6,
+    6,
+    6,
+    6 * TOKENS_PER_STEP,
+  )
+
+  # Registered but nothing pulled yet: a report of every fragment weighs 0 (SPEC §3).
+  zero_before = _zero_weight_reports(svc)
+  b.register()
+  for p in range(P):
+    result = b_client.push(b.learner.make_report(p), "fp32")
+    assert (result.status, result.weight) == ("accepted", 0.0)
+    assert "has not received fragment" in result.reason
+  assert _zero_weight_reports(svc) == zero_before + P
+
+  b.connect()  # Registers again, pulls every fragment; the restore is not repeated.
+  assert b.learner.step == 6 and b.restored_from == "own:6"
+  with svc.lock:
+    states = [svc.core.state(p) for p in range(P)]
+  for p, state in enumerate(states):
+    assert b.learner.anchor[p] == state.version
+    assert b.learner.applied_digest[p] == state.digest  # Bit-identical global fragments.
+  assert sum(s.version for s in states) > 0  # Learner 0's first life merged something.
+
+  summary = b.run(11)  # Saves at 9, and at 11 when it stops (graceful).
+  b_writer.close()
+  b_client.close()
+  _assert_same_batch(b_data.batches[0], a_data.batches[6])  # Batch 7 is trained again.
+  assert len(b_data.batches) == 5  # Steps 7..11.
+  assert summary["restored_from"] == "own:6" and summary["resumed_step"] == 6
+  assert (summary["steps"], summary["tokens"]) == (11, 11 * TOKENS_PER_STEP)
+  assert summary["checkpoint_steps"] == [9, 11]
+  # After receiving, no report weighs 0 any more, and some carried weight.
+  assert summary["zero_weight_pushes"] == 0
+  assert summary["digest_mismatches"] == 0  # At connect and at every apply.
+  assert _zero_weight_reports(svc) == zero_before + P
+  assert summary["push_status"].get("accepted", 0) + summary["push_status"].get("superseded", 0) > 0
+  with open(tmp_path / "learner_0" / "metrics.jsonl") as f:
+    events = [json.loads(line) for line in f]
+  restores = [(e["restored_from"], e["step"]) for e in events if e["kind"] == "restore"]
+  assert restores == [("fresh", 0), ("own:6", 6)]
+  saves = [e["step"] for e in events if e["kind"] == "checkpoint"]
+  assert saves == [3, 6, 9, 11]
+
+  # A graceful stop repeats nothing: the next life starts with the batch after step 11.
+  c, c_data, c_writer, c_client = _worker(address, tmp_path)
+  assert c.restore() == "own:11"
+  assert (c.learner.step, _count(c), c.tokens_trained) == (11, 11, 11 * TOKENS_PER_STEP)
+  next(c_data)
+  fresh = _Recording(0)
+  for _ in range(12):
+    next(fresh)
+  _assert_same_batch(c_data.batches[0], fresh.batches[11])
+  c.checkpointer.close()
+  c_writer.close()
+  c_client.close()
+
+
+def test_checkpointing_needs_a_checkpointable_iterator():
+  with pytest.raises(ValueError, match="get_state/set_state"):
+    LearnerWorker(
+      learner=None,
+      data=iter([]),
+      client=None,
+      layout_digest="",
+      layouts=[],
+      checkpointer=object(),
+    )
+
+
+def test_without_checkpointer_restore_is_fresh(syncer, tmp_path):
+  _, address = syncer
+  client = SyncerClient(address)
+  worker, writer = runtime.make_learner_worker(
+    JOB, learner_id=1, client=client, workdir=str(tmp_path / "w")
+  )
+  assert worker.checkpointer is None
+  assert worker.restore() == "fresh"
+  assert worker.save_checkpoint() is False
+  writer.close()
+  client.close()
+  assert not os.path.exists(tmp_path / "w" / "checkpoints")

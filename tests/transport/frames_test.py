@@ -1,0 +1,198 @@
+"""Chunk messages without protobuf objects (issue 3): hand-made and hand-parsed, byte-exact.
+
+`messages.chunk_prefix` + data must be what protobuf serializes, `messages.parse_chunk` must read
+what protobuf reads (and refuse what it cannot), and `messages.push_messages` must send the bytes
+of `report_to_chunks`' messages.
+"""
+
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ddiloco.fragments.compression import RUN_VALUES
+from ddiloco.syncer.core import Report
+from ddiloco.transport import messages, wire
+from ddiloco.transport.chunks import ChunkAssembler, ChunkWriter
+from ddiloco.transport.errors import WireError
+from ddiloco.transport.proto import syncer_pb2
+
+_PUSH_HEADER = syncer_pb2.PushHeader(
+  learner_id=7, fragment=3, anchor_version=-1, tokens=4096, step_time_s=0.25, codec="int4"
+)
+_FRAGMENT_HEADER = syncer_pb2.FragmentHeader(fragment=1, version=9, digest="d", base_version=-1)
+
+
+def _report(values, anchor_version=0):
+  return Report(
+    learner_id=2,
+    fragment=0,
+    values=values,
+    tokens=300,
+    steps=3,
+    anchor_version=anchor_version,
+    step=11,
+    step_time_s=0.5,
+  )
+
+
+@pytest.mark.parametrize(
+  ("message_type", "header"),
+  [(syncer_pb2.PushChunk, _PUSH_HEADER), (syncer_pb2.FragmentChunk, _FRAGMENT_HEADER)],
+)
+@pytest.mark.parametrize("index", [0, 1, 127, 128, 300_000, 2**31 - 1, -1])
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 1 << 20])
+def test_prefix_plus_data_is_protobufs_serialization(message_type, header, index, size):
+  data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+  with_header = message_type(index=index, data=data)
+  with_header.header.CopyFrom(header)
+  for msg, head in (
+    (with_header, header.SerializeToString()),
+    (message_type(index=index, data=data), None),
+  ):
+    made = messages.chunk_prefix(index, size, head) + data
+    assert made == msg.SerializeToString()
+    frame = messages.parse_chunk(made, type(header))
+    assert frame.index == index and bytes(frame.data) == data and frame.nbytes == len(made)
+    assert frame.header == (header if head is not None else None)
+
+
+def test_parse_chunk_views_the_data_and_follows_protobufs_rules():
+  data = b"\x00\x01" * 1000
+  made = messages.chunk_prefix(5, len(data)) + data
+  frame = messages.parse_chunk(made, syncer_pb2.PushHeader)
+  assert frame.data.obj is made  # A view into the received bytes: no copy.
+  # Unknown fields of every wire type are skipped, the last index and data win, headers merge.
+  extra = (
+    b"\x20\x96\x01"  # field 4, varint 150
+    + b"\x29"
+    + bytes(8)  # field 5, 64-bit
+    + b"\x35"
+    + bytes(4)  # field 6, 32-bit
+    + b"\x3a\x02hi"  # field 7, 2 bytes
+  )
+  h1 = syncer_pb2.PushHeader(learner_id=1, codec="fp32").SerializeToString()
+  h2 = syncer_pb2.PushHeader(fragment=4).SerializeToString()
+  msg = (
+    messages.chunk_prefix(1, 2, h1)
+    + b"ab"
+    + extra
+    + messages.chunk_prefix(9, 1, h2)[:0]
+    + b"\x0a"
+    + bytes([len(h2)])
+    + h2
+    + b"\x10\x09\x1a\x01c"
+  )
+  ref = syncer_pb2.PushChunk.FromString(msg)
+  frame = messages.parse_chunk(msg, syncer_pb2.PushHeader)
+  assert (frame.index, bytes(frame.data), frame.header) == (ref.index, ref.data, ref.header)
+  assert (frame.header.learner_id, frame.header.fragment, frame.index) == (1, 4, 9)
+  # An int32 index sent as a 64-bit varint keeps its low 32 bits, as protobuf does.
+  big = b"\x10" + messages._varint((1 << 40) + 5)
+  assert messages.parse_chunk(big, syncer_pb2.PushHeader).index == 5
+  assert syncer_pb2.PushChunk.FromString(big).index == 5
+
+
+@pytest.mark.parametrize(
+  ("msg", "error"),
+  [
+    (b"\x1a\x05abc", "field 3 runs past the end"),
+    (b"\x1a", "truncated varint"),
+    (b"\x10" + b"\xff" * 11, "varint longer than 10 bytes"),
+    (b"\x18\x01", "field 3 has wire type 0"),
+    (b"\x12\x01a", "field 2 has wire type 2"),
+    (b"\x0b", "wire type 3 of field 1"),
+    (b"\x02\x00", "field number 0"),
+    (b"\x29\x00", "field 5 runs past the end"),
+    (b"\x0a\x02\xff\xff", "undecodable header"),
+  ],
+)
+def test_parse_chunk_refuses_malformed_messages(msg, error):
+  with pytest.raises(WireError, match=re.escape(error)):
+    messages.parse_chunk(msg, syncer_pb2.PushHeader)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("chunk_size", [7, 1000, 1 << 20])
+def test_push_messages_are_report_to_chunks_serialized(codec, chunk_size):
+  rng = np.random.default_rng(0)
+  vals = {
+    "w": rng.standard_normal((40, 30)).astype(np.float32),
+    "b": rng.standard_normal(9).astype(ml_dtypes.bfloat16),
+  }
+  anchor = {k: (v.astype(np.float32) + 0.5).astype(v.dtype) for k, v in vals.items()}
+  for base in (None, anchor):
+    report = _report(vals)
+    want = messages.report_to_chunks(
+      report, codec, block_size=5, chunk_size=chunk_size, anchor_values=base
+    )
+    got = list(
+      messages.push_messages(report, codec, block_size=5, chunk_size=chunk_size, anchor_values=base)
+    )
+    assert got == [m.SerializeToString() for m in want]
+    back = messages.chunks_to_report(
+      got,
+      ["b", "w"],
+      [(9,), (40, 30)],
+      ["bfloat16", "float32"],
+      anchor_lookup=lambda v: anchor,
+      max_chunk_bytes=chunk_size,
+    )
+    expect = wire.received_values(vals, codec, block_size=5, base=base)
+    assert all(back.values[k].tobytes() == expect[k].tobytes() for k in vals)
+    assert (back.tokens, back.steps, back.step, back.step_time_s) == (300, 3, 11, 0.5)
+
+
+def test_push_messages_fail_at_once_on_bad_input_and_midway_on_nan():
+  vals = {"w": np.zeros(1000, np.float32)}
+  with pytest.raises(ValueError, match="A delta push needs anchor_version >= 0"):
+    messages.push_messages(_report(vals, anchor_version=-1), "fp32", anchor_values=vals)
+  with pytest.raises(ValueError, match="base keys differ"):
+    messages.push_messages(_report(vals), "fp32", anchor_values={"v": vals["w"]})
+  bad = {"w": np.zeros(RUN_VALUES + 1000, np.float32)}
+  bad["w"][RUN_VALUES + 10] = np.nan  # In the second run of values the encoder checks.
+  stream = messages.push_messages(_report(bad), "fp32", chunk_size=1 << 16)  # No error yet.
+  # 51 bytes of framing, then the first run of 4 * 65536 bytes: chunks 0-3 are whole before the
+  # encoder reaches the second run.
+  sent = []
+  with pytest.raises(ValueError, match=re.escape("'w': Refusing to encode 1 non-finite value(s)")):
+    for m in stream:
+      sent.append(m)
+  assert len(sent) == 4
+
+
+def test_encoder_announces_the_exact_size():
+  rng = np.random.default_rng(1)
+  vals = {"a": rng.standard_normal(1001).astype(np.float16), "z/long key": np.zeros((2, 3, 4))}
+  for codec in ("fp32", "bf16", "int8", "int4"):
+    enc = wire.FragmentEncoder(vals, codec, block_size=7)
+    data = wire.serialize_fragment(vals, codec, block_size=7)
+    assert enc.nbytes == len(data) and enc.num_chunks(100) == -(-len(data) // 100)
+    assert b"".join(enc.chunks(100)) == data
+  assert wire.FragmentEncoder({}, "fp32").nbytes == 10  # The file header alone.
+
+
+def test_chunk_writer_with_a_prefix_makes_whole_messages():
+  def prefix(i, n):
+    return f"<{i}:{n}>".encode() * (100 if i == 2 else 1)  # Chunk 2's is longer than the headroom.
+
+  w = ChunkWriter(4, prefix=prefix)
+  got = w.write(b"abc") + w.write(b"defghijklm") + w.write(b"") + w.write(b"nopq")
+  # Chunks abcd, efgh, ijkl (2: long prefix), mnop; "q" is the partial last.
+  assert got == [b"<0:4>abcd", b"<1:4>efgh", b"<2:4>" * 100 + b"ijkl", b"<3:4>mnop"]
+  assert w.flush() == [b"<4:1>q"] and w.nbytes == 17
+  direct = ChunkWriter(2, prefix=prefix)
+  assert direct.write(b"wxyz") == [b"<0:2>wx", b"<1:2>yz"]  # Whole chunks from the caller's bytes.
+  assert direct.flush() == []
+  assert ChunkWriter(4, prefix=prefix).flush() == [b"<0:0>"]  # The one chunk of an empty stream.
+
+
+def test_assembler_keeps_views_without_copying():
+  msg = b"0123456789"
+  views = [memoryview(msg)[0:4], memoryview(msg)[4:8], memoryview(msg)[8:]]
+  asm = ChunkAssembler(num_chunks=3, total_bytes=10, max_total_bytes=10, max_chunk_bytes=4)
+  assert asm.add(1, views[1]) == []
+  ready = asm.add(0, views[0]) + asm.add(2, views[2])
+  assert [r is v for r, v in zip(ready, views)] == [True, True, True]
+  assert asm.result() == msg
