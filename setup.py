@@ -37,6 +37,10 @@ setuptools.setup(
       "pytest-timeout>=2.4,<3",
       "ruff>=0.17,<0.18",
       "grpcio-tools>=1.85,<2",
+      # docs/colab/quickstart.ipynb is executed by a test so it cannot rot (issue 6).
+      "nbclient>=0.11,<0.12",
+      "nbformat>=5.11,<6",
+      "ipykernel>=7.4,<8",
     ],
   },
   entry_points={
@@ -47,6 +51,8 @@ setuptools.setup(
       "ddiloco-learner=ddiloco.launch.learner_main:run",
       "ddiloco-local=ddiloco.launch.local:run",
       "ddiloco-chaos=ddiloco.launch.chaos_main:run",
+      "ddiloco-replay=ddiloco.launch.replay_main:run",
+      "ddiloco-fleet=ddiloco.launch.fleet_main:run",
     ],
   },
 )

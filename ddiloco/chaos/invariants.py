@@ -22,6 +22,7 @@ from typing import Any
 
 Tape = Sequence[Mapping[str, Any]]
 _LEDGER_KEYS = ("trained", "merged", "dropped", "in_flight")
+_SYNCER_LEDGER_KEYS = ("received", "merged", "dropped", "pending")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,20 +202,46 @@ def check_digests(tape: Tape) -> InvariantResult:
 
 
 def check_ledger(tape: Tape) -> InvariantResult:
-  """The last ledger record balances: trained == merged + dropped + in_flight, all ints >= 0."""
-  ledgers = [r for r in tape if r["kind"] == "ledger"]
-  if not ledgers:
-    return InvariantResult("ledger_balances", False, "no ledger record on the tape")
-  r = ledgers[-1]
-  missing = [k for k in _LEDGER_KEYS if k not in r]
-  if missing:
-    return InvariantResult("ledger_balances", False, f"ledger lacks {missing}")
-  vals = {k: r[k] for k in _LEDGER_KEYS}
-  if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in vals.values()):
-    return InvariantResult("ledger_balances", False, f"counts must be ints >= 0: {vals}")
-  t, m, d, f = (vals[k] for k in _LEDGER_KEYS)
+  """Every token ledger on the tape balances, in exact integer counts (learner/ledger.py).
+
+  The last "ledger" record of each learner (role "learner", the default) must have trained ==
+  merged + dropped + in_flight, and the syncer's (role "syncer", if any) received == merged +
+  dropped + pending; all counts ints >= 0. The detail sums the learners' books.
+  """
+  last: dict[tuple[str, Any], Mapping[str, Any]] = {}
+  for r in tape:
+    if r["kind"] == "ledger":
+      role = r.get("role", "learner")
+      last[(role, r.get("learner") if role == "learner" else None)] = r
+  if not any(role == "learner" for role, _ in last):
+    return InvariantResult("ledger_balances", False, "no learner ledger record on the tape")
+  sums = dict.fromkeys(_LEDGER_KEYS, 0)
+  bad = []
+  for (role, who), r in sorted(last.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+    keys = _LEDGER_KEYS if role == "learner" else _SYNCER_LEDGER_KEYS
+    name = f"learner {who}" if role == "learner" else "syncer"
+    missing = [k for k in keys if k not in r]
+    if missing:
+      return InvariantResult("ledger_balances", False, f"{name}'s ledger lacks {missing}")
+    vals = [r[k] for k in keys]
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in vals):
+      return InvariantResult("ledger_balances", False, f"{name}: counts must be ints >= 0: {vals}")
+    if vals[0] != sum(vals[1:]):
+      bad.append(f"{name}: {keys[0]} {vals[0]} != {' + '.join(map(str, vals[1:]))}")
+    if role == "learner":
+      for k, v in zip(keys, vals):
+        sums[k] += v
+  t, m, d, f = (sums[k] for k in _LEDGER_KEYS)
   detail = f"trained {t} vs merged {m} + dropped {d} + in flight {f} = {m + d + f}"
-  return InvariantResult("ledger_balances", t == m + d + f, detail)
+  if ("syncer", None) in last:
+    s = last[("syncer", None)]
+    detail += (
+      f"; syncer received {s['received']} = merged {s['merged']} + dropped {s['dropped']} + "
+      f"pending {s['pending']}"
+    )
+  if bad:
+    detail += "; unbalanced: " + ", ".join(bad)
+  return InvariantResult("ledger_balances", not bad, detail)
 
 
 def check_training_finished(tape: Tape) -> InvariantResult:

@@ -3,7 +3,8 @@
 The injected learner events of a tape become `ddiloco.simulation.faults` strings, with wall times
 scaled to virtual times so that a real step and a simulated step line up:
   virtual = (t − t0) · time_scale,   time_scale = sim step_time_s / real mean step time,
-t0 being the tape's run_start (else 0).
+t0 being the fleet's start: the tape's first learner_up (else its run_start, else 0). The chaos
+schedule counts from there too; before it, the real run only started and compiled its syncer.
   kill_learner L at a, start_learner L at b   → crash:L@a'+(b'−a')   (no start: crash:L@a')
   a slowdown window (pauses sharing a `window`, fraction f < 1) over [a, b]
                                               → slow:L@a'+(b'−a')x(1/(1−f))
@@ -17,6 +18,10 @@ its latency is fixed per run); they are listed in `ReplayPlan.skipped`.
 """
 
 import dataclasses
+import glob
+import json
+import os
+import statistics
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -86,7 +91,8 @@ def tape_to_faults(
     tape: tape records (ddiloco.chaos.tape.read_tape).
     time_scale: virtual seconds per real second (> 0).
     sim_step_time_s: the simulator's nominal step time (ClusterConfig.step_time_s).
-    t0: the real time that maps to virtual 0 (default: the run_start record's t, else 0).
+    t0: the real time that maps to virtual 0 (default: the first learner_up record's t, else the
+      run_start record's, else 0).
 
   Returns:
     The plan.
@@ -99,6 +105,8 @@ def tape_to_faults(
       f"time_scale and sim_step_time_s must be > 0: {time_scale}, {sim_step_time_s}."
     )
   records = sorted(tape, key=lambda r: r["t"])
+  if t0 is None:
+    t0 = next((r["t"] for r in records if r["kind"] == "learner_up"), None)
   if t0 is None:
     t0 = next((r["t"] for r in records if r["kind"] == "run_start"), 0.0)
 
@@ -131,6 +139,32 @@ def tape_to_faults(
   order = sorted(range(len(faults)), key=lambda i: (parsed[i].time_s, parsed[i].learner, faults[i]))
   skipped = tuple(f"{r['kind']}@{r['t']}" for r in records if r["kind"] in _SKIPPED_KINDS)
   return ReplayPlan(faults=tuple(faults[i] for i in order), skipped=skipped, time_scale=time_scale)
+
+
+def logged_step_time(run_dir: str) -> float:
+  """A real run's typical step time: the median of the step times its learners logged.
+
+  Read from `run_dir/learner_*/metrics.jsonl` (the chaos cluster's folder, which holds the tape),
+  over every incarnation of every learner; a torn last line (a SIGKILLed process) is skipped. A
+  summary's own step time covers only a learner's last steps, when the machine may have been far
+  less loaded.
+
+  Raises:
+    ValueError: if no step time was logged there.
+  """
+  times = []
+  for path in sorted(glob.glob(os.path.join(run_dir, "learner_*", "metrics.jsonl"))):
+    with open(path) as f:
+      for line in f:
+        try:
+          event = json.loads(line)
+        except json.JSONDecodeError:
+          continue
+        if event.get("kind") == "train" and event.get("step_time_s", 0) > 0:
+          times.append(float(event["step_time_s"]))
+  if not times:
+    raise ValueError(f"No logged step time under {run_dir}: pass the real step time explicitly.")
+  return statistics.median(times)
 
 
 def replay(

@@ -96,6 +96,7 @@ class Restored:
     data_state: the data iterator's state, or None (start of the shard).
     tokens_trained: cumulative tokens at `step`.
     discarded_steps: own checkpoints deleted because the chain started past "own".
+    ledger: the token ledger's state at `step` (learner/ledger.py), or None.
   """
 
   restored_from: str
@@ -104,6 +105,7 @@ class Restored:
   data_state: dict[str, Any] | None = None
   tokens_trained: int = 0
   discarded_steps: tuple[int, ...] = ()
+  ledger: dict[str, Any] | None = None
 
 
 def abstract_opt_state(steps: CompiledSteps, params: PyTree) -> PyTree:
@@ -185,6 +187,7 @@ class LearnerCheckpointer:
     data_state: Mapping[str, Any] | None,
     tokens_trained: int,
     schedule_step: int,
+    ledger: Mapping[str, Any] | None = None,
   ) -> bool:
     """Starts an asynchronous save of `step`; returns False if that step is already saved.
 
@@ -202,6 +205,7 @@ class LearnerCheckpointer:
       "layout_digest": self._layout_digest,
       "opt_signature": self._signature,
       "data": None if data_state is None else dict(data_state),
+      "ledger": None if ledger is None else dict(ledger),
       "time": time.time(),
     }
     self._manager.save(
@@ -280,6 +284,7 @@ class LearnerCheckpointer:
       opt_state=opt,
       data_state=state["data"],
       tokens_trained=int(state["tokens_trained"]),
+      ledger=state.get("ledger"),
     )
 
   def _discard_own(self) -> tuple[int, ...]:

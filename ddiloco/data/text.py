@@ -28,8 +28,6 @@ import importlib.util
 import math
 import pathlib
 import re
-import sys
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,6 +36,7 @@ import grain
 import numpy as np
 
 from ddiloco.data import tokenizers
+from ddiloco.data.sharding import ShardBatchIds
 from ddiloco.data.tokenizers import get_tokenizer  # Re-exported: simulation/runtime uses it.
 
 NUM_PLAYS = 38
@@ -242,45 +241,6 @@ def shard_window_ids(config: TextDataConfig, *, shard_index: int, num_shards: in
   return ids
 
 
-class _ShardBatchIds:
-  """grain data source: element k is the window ids of batch k of one shard's endless stream.
-
-  Position p of the stream is `perm[epoch][p % n]` with epoch = p // n; batch k covers positions
-  [k*B, (k+1)*B). The source is random access, so grain's iterator state is just the batch index.
-  """
-
-  def __init__(self, window_ids: np.ndarray, *, batch_size: int, seed_key: tuple[int, ...]):
-    self._ids = window_ids
-    self._batch_size = batch_size
-    self._seed_key = seed_key
-    self._perms: dict[int, np.ndarray] = {}  # The two most recent epochs; one shuffle per epoch.
-    self._lock = threading.Lock()  # grain may read from several threads (num_threads > 0).
-
-  def __len__(self) -> int:
-    return sys.maxsize  # Endless: batches run on across epochs.
-
-  def _perm(self, epoch: int) -> np.ndarray:
-    with self._lock:
-      perm = self._perms.get(epoch)
-      if perm is None:
-        rng = np.random.default_rng([*self._seed_key, epoch])
-        perm = self._ids[rng.permutation(self._ids.size)]
-        self._perms[epoch] = perm
-        for old in sorted(self._perms)[:-2]:
-          del self._perms[old]
-      return perm
-
-  def __getitem__(self, k: int) -> np.ndarray:
-    n = self._ids.size
-    pos = k * self._batch_size + np.arange(self._batch_size, dtype=np.int64)
-    epochs, within = np.divmod(pos, n)
-    out = np.empty(self._batch_size, dtype=np.int64)
-    for epoch in range(int(epochs[0]), int(epochs[-1]) + 1):
-      mask = epochs == epoch
-      out[mask] = self._perm(epoch)[within[mask]]
-    return out
-
-
 class _GatherWindows(grain.transforms.Map):
   """Window ids [B] -> {"inputs", "targets"} int32 [B, L] with one vectorized gather."""
 
@@ -346,7 +306,7 @@ def make_train_iterator(
   if batch_size < 1:
     raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
   ids = shard_window_ids(config, shard_index=shard_index, num_shards=num_shards)
-  source = _ShardBatchIds(
+  source = ShardBatchIds(
     ids, batch_size=batch_size, seed_key=(config.seed, num_shards, shard_index)
   )
   dataset = grain.MapDataset.source(source).map(

@@ -29,14 +29,14 @@ Batches are {"inputs": float32 [B, 8, 8, 1], "targets": int32 [B]}: the number o
 import dataclasses
 import functools
 import math
-import sys
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 import gin
 import grain
 import numpy as np
+
+from ddiloco.data.sharding import ShardBatchIds
 
 IMAGE_SIZE = 8
 CHANNELS = 1
@@ -157,46 +157,6 @@ def augment(
   return np.ascontiguousarray(out, dtype=np.float32)
 
 
-class _ShardBatchIds:
-  """grain source: element k is the example ids of batch k of one shard's endless, shuffled stream.
-
-  Position p of the stream is `perm[epoch][p % n]` with epoch = p // n; batch k covers positions
-  [k*B, (k+1)*B) (the text pipeline's scheme, over examples instead of windows).
-  """
-
-  def __init__(self, example_ids: np.ndarray, *, batch_size: int, seed_key: tuple[int, ...]):
-    self._ids = example_ids
-    self._batch_size = batch_size
-    self._seed_key = seed_key
-    self._perms: dict[int, np.ndarray] = {}  # The two most recent epochs.
-    self._lock = threading.Lock()  # grain may read from several threads.
-
-  def __len__(self) -> int:
-    return sys.maxsize  # Endless: batches run on across epochs.
-
-  def _perm(self, epoch: int) -> np.ndarray:
-    with self._lock:
-      perm = self._perms.get(epoch)
-      if perm is None:
-        perm = self._ids[
-          np.random.default_rng([*self._seed_key, epoch]).permutation(self._ids.size)
-        ]
-        self._perms[epoch] = perm
-        for old in sorted(self._perms)[:-2]:
-          del self._perms[old]
-      return perm
-
-  def __getitem__(self, k: int) -> np.ndarray:
-    n = self._ids.size
-    pos = k * self._batch_size + np.arange(self._batch_size, dtype=np.int64)
-    epochs, within = np.divmod(pos, n)
-    out = np.empty(self._batch_size, dtype=np.int64)
-    for epoch in range(int(epochs[0]), int(epochs[-1]) + 1):
-      mask = epochs == epoch
-      out[mask] = self._perm(epoch)[within[mask]]
-    return out
-
-
 class _GatherAugment(grain.transforms.RandomMap):
   """Example ids [B] -> augmented {"inputs", "targets"} with one vectorized gather."""
 
@@ -259,7 +219,7 @@ def make_train_iterator(
     raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
   ids = shard_example_ids(config, shard_index=shard_index, num_shards=num_shards)
   seed_key = (config.seed, num_shards, shard_index)
-  source = _ShardBatchIds(ids, batch_size=batch_size, seed_key=seed_key)
+  source = ShardBatchIds(ids, batch_size=batch_size, seed_key=seed_key)
   # One 32-bit seed per shard for grain's per-element generators (derived from the seed and k).
   augment_seed = int(np.random.SeedSequence([*seed_key, 1]).generate_state(1)[0])
   dataset = grain.MapDataset.source(source).random_map(_GatherAugment(config), seed=augment_seed)

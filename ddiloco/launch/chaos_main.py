@@ -7,6 +7,7 @@ slowdowns, network delay, drops and partitions through a loopback proxy, and syn
 tape goes to `workdir/chaos/tape.jsonl`, the verdict to `workdir/chaos_summary.json`. With
 `--run_baseline` the same job first runs without faults in `workdir/baseline`, and its final eval
 loss is the bound of the eval invariant (or pass `--baseline_loss`). Exits 1 when an invariant fails.
+`--summarize_only` checks a finished run in `workdir` again (same gin flags) without running anything.
 """
 
 import json
@@ -21,6 +22,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "output folder", required=True)
 _TIMEOUT = flags.DEFINE_float("timeout_s", 3600.0, "stop everything after this long")
 _BASELINE_LOSS = flags.DEFINE_float("baseline_loss", None, "fault-free final eval loss")
 _RUN_BASELINE = flags.DEFINE_bool("run_baseline", False, "run the job without faults first")
+_SUMMARIZE_ONLY = flags.DEFINE_bool(
+  "summarize_only", False, "check the finished run in --workdir again; start nothing"
+)
 
 
 def main(argv: list[str]) -> None:
@@ -40,7 +44,7 @@ def main(argv: list[str]) -> None:
     print(line, file=sys.stderr, flush=True)
 
   baseline = _BASELINE_LOSS.value
-  if _RUN_BASELINE.value:
+  if _RUN_BASELINE.value and not _SUMMARIZE_ONLY.value:
     cluster = local_cluster.LocalCluster(
       workdir=os.path.join(workdir, "baseline"),
       gin_args=args,
@@ -57,17 +61,32 @@ def main(argv: list[str]) -> None:
     devices_per_learner=job.devices_per_learner,
   )
   run = ChaosRun(job, chaos, cluster, progress=say)
-  say(f"{len(run.schedule)} scheduled events; tape: {run.tape_path}")
-  try:
-    run.run(timeout_s=_TIMEOUT.value)
-  except KeyboardInterrupt:
-    sys.exit(130)
-  except (RuntimeError, TimeoutError) as e:
-    say(f"ddiloco-chaos: {e}\nevery process was stopped; logs are in {cluster.workdir}")
-    sys.exit(1)
+  if _SUMMARIZE_ONLY.value:
+    if not os.path.exists(run.tape_path):
+      say(f"ddiloco-chaos: no tape at {run.tape_path}: nothing to summarize")
+      sys.exit(1)
+    if baseline is None and os.path.exists(os.path.join(workdir, "chaos_summary.json")):
+      with open(os.path.join(workdir, "chaos_summary.json")) as f:
+        baseline = json.load(f).get("baseline_loss")
+  else:
+    say(f"{len(run.schedule)} scheduled events; tape: {run.tape_path}")
+    try:
+      run.run(timeout_s=_TIMEOUT.value)
+    except KeyboardInterrupt:
+      sys.exit(130)
+    except (RuntimeError, TimeoutError) as e:
+      say(f"ddiloco-chaos: {e}\nevery process was stopped; logs are in {cluster.workdir}")
+      sys.exit(1)
   summary = run.summary(baseline_loss=baseline)
   print(summary["table"])
-  keys = ("merges", "longest_gap_s", "final_eval_loss", "baseline_loss", "goodput")
+  keys = (
+    "merges",
+    "longest_gap_s",
+    "final_eval_loss",
+    "baseline_loss",
+    "goodput",
+    "merged_fraction",
+  )
   keys += ("learner_kills", "syncer_kills", "pauses", "net_events")
   print("summary:", {k: summary[k] for k in keys})
   print("per learner:", summary["learners"])

@@ -13,9 +13,14 @@ step, inner optimizer state and data position from its newest checkpoint, then t
 fragments from the syncer. `--restore=own|peer|fresh` overrides where that chain starts
 (docs/resilience.md); the summary's `restored_from` says what happened.
 
-Multi-host slices: `--coordinator_address`, `--num_processes` and `--process_id` call
-`jax.distributed.initialize`. Only one process per learner talks to the syncer; that the other
-processes follow its applies is not built yet, so `--num_processes > 1` is refused for now.
+Multi-host slices: a learner may be several processes (one per host of its slice), started with
+the same flags plus `--num_processes`, `--process_id` and `--coordinator_address` (process 0's
+host:port for `jax.distributed.initialize`). Their mesh spans all their devices; process 0 alone
+talks to the syncer and the others follow its applies step by step (learner/multihost.py). Process 0
+writes to `--workdir`, process i to `<workdir>/process_<i>`. Learner checkpoints are off for them.
+
+  ddiloco-learner ... --num_devices=2 --num_processes=2 --process_id=0 \
+      --coordinator_address=127.0.0.1:12355     # and the same with --process_id=1
 """
 
 import dataclasses
@@ -58,17 +63,19 @@ def main(argv: list[str]) -> None:
     ).strip()
   if "jax" in sys.modules:
     logging.warning("jax was imported before the device count was set; XLA_FLAGS may be ignored.")
-  if _NUM_PROCESSES.value > 1:
-    raise app.UsageError(
-      "--num_processes > 1 is not supported yet: multi-process learners need the other processes "
-      "to follow process 0's applies (docs/architecture.md)."
-    )
+  multi = _NUM_PROCESSES.value > 1
+  if multi and not _COORDINATOR.value:
+    raise app.UsageError("--num_processes > 1 needs --coordinator_address (process 0's host:port).")
+  if not 0 <= _PROCESS_ID.value < _NUM_PROCESSES.value:
+    raise app.UsageError(f"--process_id must be in [0, {_NUM_PROCESSES.value}).")
   import signal
 
   import jax
 
-  if _COORDINATOR.value:
-    jax.distributed.initialize(
+  from ddiloco.parallel import multihost
+
+  if multi:
+    multihost.initialize(
       coordinator_address=_COORDINATOR.value,
       num_processes=_NUM_PROCESSES.value,
       process_id=_PROCESS_ID.value,
@@ -81,34 +88,58 @@ def main(argv: list[str]) -> None:
   from ddiloco.transport.client import SyncerClient
 
   workdir = _WORKDIR.value
+  if _PROCESS_ID.value > 0:
+    workdir = os.path.join(workdir, f"process_{_PROCESS_ID.value}")
   gin_flags.parse_gin(workdir)
   job = job_lib.JobConfig()
   checkpoint = LearnerCheckpointConfig()
   if _RESTORE.value:
     checkpoint = dataclasses.replace(checkpoint, init_from=_RESTORE.value)
   svc = job.the_service()
-  client = SyncerClient(
-    _ADDRESS.value,
-    token=auth.read_token(_TOKEN_FILE.value),
-    tls_ca_file=_TLS_CA.value,
-    max_chunk_bytes=svc.max_chunk_bytes,
-  )
-  worker, writer = runtime.make_learner_worker(
-    job,
-    learner_id=_LEARNER_ID.value,
-    client=client,
-    workdir=workdir,
-    connect_timeout_s=_CONNECT_TIMEOUT.value,
-    checkpoint=checkpoint,
-  )
+  client = None
+  if _PROCESS_ID.value == 0:  # The other processes of a learner never talk to the syncer.
+    client = SyncerClient(
+      _ADDRESS.value,
+      token=auth.read_token(_TOKEN_FILE.value),
+      tls_ca_file=_TLS_CA.value,
+      max_chunk_bytes=svc.max_chunk_bytes,
+    )
+  if multi:
+    if checkpoint.enabled:
+      logging.warning("Learner checkpoints are not supported for multi-process learners: off.")
+    from ddiloco.learner import multihost as multihost_worker
+
+    worker, writer = multihost_worker.make_multihost_worker(
+      job,
+      learner_id=_LEARNER_ID.value,
+      client=client,
+      workdir=workdir,
+      connect_timeout_s=_CONNECT_TIMEOUT.value,
+    )
+  else:
+    worker, writer = runtime.make_learner_worker(
+      job,
+      learner_id=_LEARNER_ID.value,
+      client=client,
+      workdir=workdir,
+      connect_timeout_s=_CONNECT_TIMEOUT.value,
+      checkpoint=checkpoint,
+    )
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: worker.request_stop())
-  logging.info("learner %d on %d device(s)", _LEARNER_ID.value, len(jax.devices()))
+  logging.info(
+    "learner %d on %d device(s), process %d of %d",
+    _LEARNER_ID.value,
+    len(jax.devices()),
+    jax.process_index(),
+    jax.process_count(),
+  )
   worker.connect()
   summary = worker.run(_STEPS.value or job.steps_per_learner)
   write_summary(workdir, summary)
   writer.close()
-  client.close()
+  if client is not None:
+    client.close()
   print(
     f"learner {_LEARNER_ID.value}: {summary['steps']} steps (restored from "
     f"{summary['restored_from']} at {summary['resumed_step']}), pushes {summary['push_status']}, "

@@ -12,6 +12,12 @@ of `ddiloco-simulate`) and `loss.png` (loss over time per learner, with merge ev
 
 A run starts fresh: the previous run's process folders in `--workdir` are removed first. With
 `--resume` they are kept, and the syncer and learners continue from their checkpoints.
+
+Elastic scavenging (SPEC §6): while it runs, `ddiloco-fleet --workdir=W add|remove|list` adds
+learners (own devices, batch size, steps), removes them gracefully and lists the fleet
+(launch/fleet.py; docs/resilience.md). The job ends when every learner still in the fleet has
+finished; summary.json's "membership" lists every join and leave and "syncer_alive_at_end" the
+syncer's last membership.
 """
 
 import os
@@ -44,6 +50,12 @@ def main(argv: list[str]) -> None:
     gin_args=gin_flags.forwarded_args(),
     num_learners=_LEARNERS.value or job.num_learners,
     devices_per_learner=job.devices_per_learner,
+  )
+  print(
+    f"fleet control: ddiloco-fleet --workdir={workdir} list | add [--devices=N] [--batch_size=B] "
+    "| remove --learner_id=I",
+    file=sys.stderr,
+    flush=True,
   )
   try:
     summary = cluster.run(

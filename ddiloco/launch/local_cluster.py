@@ -4,6 +4,14 @@ Used by `ddiloco-local` and the integration tests. Children are started in their
 terminal's Ctrl-C reaches only the launcher, which then stops them in order) with PR_SET_PDEATHSIG
 (so they die with the launcher even if it is SIGKILLed). `stop_all` sends SIGTERM, waits, then
 SIGKILLs whatever is left.
+
+Elastic scavenging (SPEC §6): learners can join a running job (`add_learner`, with their own device
+count, batch size and steps) and leave it again (`remove_learner`: SIGTERM, so the learner saves,
+flushes, calls Leave and exits 0). `run` serves `ddiloco-fleet` requests (launch/fleet.py) from its
+progress loop, ends when every learner still in the fleet has finished, and records every join and
+leave in summary.json's "membership". An added learner with id m reads data shard m mod M (M =
+JobConfig.num_learners): the shard of learner m mod M, so scavenged compute repeats data that the
+fleet also reads (docs/resilience.md "Elastic scavenging (real processes)").
 """
 
 import contextlib
@@ -22,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ddiloco.launch import fleet as fleet_lib
 from ddiloco.launch.job import JobConfig
 from ddiloco.metrics.writer import write_summary
 
@@ -68,6 +77,31 @@ class Child:
         self.last = ev
 
 
+@dataclasses.dataclass
+class FleetMember:
+  """A learner of the fleet `run` manages, and where it is in its life.
+
+  `state`: "running", "removing" (SIGTERM sent), "finished" (exited 0 on its own), "removed"
+  (by `remove_learner`) or "failed" (an added learner that crashed; the job goes on without it).
+  """
+
+  learner_id: int
+  devices: int
+  batch_size: int | None  # None: the job's.
+  steps: int | None  # None: the job's steps_per_learner.
+  elastic: bool  # Added to a running job (its crash is not the job's failure).
+  started: float  # time.time() at start.
+  state: str = "running"
+  exit_code: int | None = None
+  remove_deadline: float | None = None  # Monotonic; SIGKILL after it.
+  request_id: str | None = None  # A ddiloco-fleet request answered when the removal completes.
+
+  def to_json(self) -> dict[str, Any]:
+    out = dataclasses.asdict(self)
+    del out["remove_deadline"], out["request_id"]
+    return out
+
+
 class LocalCluster:
   """Starts, watches and stops a syncer and learners (see module docstring).
 
@@ -99,6 +133,12 @@ class LocalCluster:
     self.syncer: Child | None = None
     self.learners: dict[int, Child] = {}
     self.port: int | None = None
+    self.fleet: dict[int, FleetMember] = {}  # The learners `run` started or `add_learner` added.
+    self.membership: list[dict[str, Any]] = []  # Join/leave/finish/fail events, in order.
+    self.job: JobConfig | None = None  # Set by `run`; lets `add_learner` check the batch size.
+    self.control: fleet_lib.ControlServer | None = None  # ddiloco-fleet requests, while `run` runs.
+    self.syncer_alive_at_end: list[int] | None = None
+    self._t0 = time.time()
 
   # -- processes --------------------------------------------------------------------------------
 
@@ -115,13 +155,21 @@ class LocalCluster:
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
-  def _spawn(self, name: str, module: str, args: Sequence[str], env: dict[str, str]) -> Child:
+  def _spawn(
+    self,
+    name: str,
+    module: str,
+    args: Sequence[str],
+    env: dict[str, str],
+    overrides: Sequence[str] = (),
+  ) -> Child:
+    """Starts `module`; `overrides` come after the shared gin flags, so that they win there."""
     folder = os.path.join(self.workdir, name)
     os.makedirs(folder, exist_ok=True)
     log_path = os.path.join(folder, "log.txt")
     with open(log_path, "a") as log:  # A restarted process appends to its predecessor's log.
       proc = subprocess.Popen(
-        [self.python, "-m", module, f"--workdir={folder}", *args, *self.gin_args],
+        [self.python, "-m", module, f"--workdir={folder}", *args, *self.gin_args, *overrides],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
@@ -172,23 +220,230 @@ class LocalCluster:
 
     Args:
       learner_id: its id; a restarted learner keeps its id, workdir and data shard.
-      extra_args: flags for this learner only (e.g. `--gin.JobConfig.batch_size=8`).
+      extra_args: flags for this learner only (e.g. `--gin_bindings=JobConfig.batch_size = 8`);
+        they come last on its command line, after the shared gin flags, so their bindings win.
       devices: fake CPU devices (default `devices_per_learner`): fleets may be heterogeneous.
       address: where it reaches the syncer (default the syncer's port; a chaos proxy's otherwise).
     """
     child = self._spawn(
       f"learner_{learner_id}",
       "ddiloco.launch.learner_main",
-      [
-        f"--learner_id={learner_id}",
-        f"--syncer_address={address or f'127.0.0.1:{self.port}'}",
-        *self.extra_learner_args,
-        *extra_args,
-      ],
+      [f"--learner_id={learner_id}", f"--syncer_address={address or f'127.0.0.1:{self.port}'}"],
       self._env(devices or self.devices_per_learner),
+      overrides=[*self.extra_learner_args, *extra_args],
     )
     self.learners[learner_id] = child
     return child
+
+  # -- elastic membership (SPEC §6 scavenging) ---------------------------------------------------
+
+  def _record(self, event: str, learner_id: int, **fields: Any) -> None:
+    now = time.time()
+    head = {"t": round(now - self._t0, 3), "time": round(now, 3), "event": event}
+    self.membership.append({**head, "learner_id": learner_id, **fields})
+
+  def next_learner_id(self) -> int:
+    """The smallest id above every id this cluster used (and M - 1) with no folder in the workdir.
+
+    A folder would hold another learner's checkpoints, which a new learner must not restore.
+    """
+    i = max([self.num_learners - 1, *self.fleet, *self.learners]) + 1
+    while os.path.exists(os.path.join(self.workdir, f"learner_{i}")):
+      i += 1
+    return i
+
+  def _join(
+    self,
+    learner_id: int,
+    *,
+    devices: int,
+    batch_size: int | None,
+    steps: int | None,
+    elastic: bool,
+    extra_args: Sequence[str] = (),
+  ) -> FleetMember:
+    args = [f"--steps={steps}"] if steps is not None else []
+    if batch_size is not None:  # Read by make_learner_worker through JobConfig.batch_size.
+      args.append(f"--gin_bindings=JobConfig.batch_size = {batch_size}")
+    self.start_learner(learner_id, extra_args=[*args, *extra_args], devices=devices)
+    member = FleetMember(
+      learner_id=learner_id,
+      devices=devices,
+      batch_size=batch_size,
+      steps=steps,
+      elastic=elastic,
+      started=time.time(),
+    )
+    self.fleet[learner_id] = member
+    self._record(
+      "join", learner_id, devices=devices, batch_size=batch_size, steps=steps, elastic=elastic
+    )
+    return member
+
+  def add_learner(
+    self,
+    *,
+    learner_id: int | None = None,
+    devices: int | None = None,
+    batch_size: int | None = None,
+    steps: int | None = None,
+    extra_args: Sequence[str] = (),
+  ) -> int:
+    """Adds a learner to the running job (scavenging, SPEC §6); returns its id.
+
+    The new learner registers with the syncer, takes the current global fragments and trains
+    until `steps` or `remove_learner`. Its crash is recorded, not raised: spare compute may vanish.
+
+    Args:
+      learner_id: its id (None: `next_learner_id()`); an id that left may come back, and then
+        restores its own checkpoint from its folder (docs/resilience.md).
+      devices: its fake CPU devices (default `devices_per_learner`).
+      batch_size: its examples per step (default the job's); must split evenly over `devices`.
+      steps: its inner steps (default the job's steps_per_learner).
+      extra_args: more flags for this learner only.
+
+    Raises:
+      RuntimeError: if the syncer is not started.
+      ValueError: on a bad number, an id already in the fleet, or a batch that does not split over
+        the devices (nothing is started then).
+    """
+    if self.port is None:
+      raise RuntimeError("Start the syncer before adding learners.")
+    devices = self.devices_per_learner if devices is None else devices
+    for name, value in (("devices", devices), ("batch_size", batch_size), ("steps", steps)):
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+    if learner_id is None:
+      learner_id = self.next_learner_id()
+    elif isinstance(learner_id, bool) or not isinstance(learner_id, int) or learner_id < 0:
+      raise ValueError(f"learner_id must be an integer >= 0, got {learner_id!r}.")
+    member = self.fleet.get(learner_id)
+    if member is not None and member.state in ("running", "removing"):
+      raise ValueError(f"learner {learner_id} is already in the fleet ({member.state}).")
+    child = self.learners.get(learner_id)
+    if child is not None and child.proc.poll() is None:
+      raise ValueError(f"learner {learner_id} is already running.")
+    batch = batch_size or (self.job.learner_batch_size() if self.job is not None else None)
+    if batch is not None and batch % devices:
+      raise ValueError(
+        f"batch_size {batch} does not split over {devices} devices: the batch is sharded along "
+        "the learner's data axis."
+      )
+    self._join(
+      learner_id,
+      devices=devices,
+      batch_size=batch_size,
+      steps=steps,
+      elastic=True,
+      extra_args=extra_args,
+    )
+    return learner_id
+
+  def begin_remove(
+    self, learner_id: int, *, timeout_s: float = fleet_lib.DEFAULT_REMOVE_TIMEOUT_S
+  ) -> FleetMember:
+    """Sends SIGTERM to a running learner of the fleet; `run` (or `remove_learner`) reaps it.
+
+    Raises:
+      ValueError: if the learner is not running in the fleet (nothing is signalled).
+    """
+    member = self.fleet.get(learner_id)
+    if member is None:
+      known = ", ".join(str(i) for i in sorted(self.fleet)) or "none"
+      raise ValueError(f"learner {learner_id} is not in the fleet (learners: {known}).")
+    if member.state != "running":
+      raise ValueError(f"learner {learner_id} is not running ({member.state}).")
+    if not timeout_s > 0:
+      raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
+    child = self.learners[learner_id]
+    _signal(child.proc, signal.SIGCONT)  # A paused learner could not handle SIGTERM.
+    _signal(child.proc, signal.SIGTERM)  # learner_main: stop after this step, save, Leave, exit 0.
+    member.state = "removing"
+    member.remove_deadline = time.monotonic() + timeout_s
+    return member
+
+  def _reap_removal(self, member: FleetMember) -> dict[str, Any] | None:
+    """Completes a removal once the learner exited (SIGKILL past its deadline); None until then."""
+    child = self.learners[member.learner_id]
+    forced = False
+    if child.proc.poll() is None:
+      if time.monotonic() < member.remove_deadline:
+        return None
+      forced = True
+      self.kill(child)
+    rc = child.proc.poll()
+    summary_path = os.path.join(os.path.dirname(child.log_path), "summary.json")
+    # The summary is written after the Leave RPC: a fresh one means the learner left on its own.
+    left = (
+      rc == 0 and os.path.exists(summary_path) and os.path.getmtime(summary_path) >= member.started
+    )
+    member.state, member.exit_code = "removed", rc
+    result = {"learner_id": member.learner_id, "exit_code": rc, "graceful": left, "forced": forced}
+    if left:
+      s = _read_json(summary_path)
+      result |= {"steps": s["steps"], "tokens": s["tokens"], "push_status": s["push_status"]}
+    self._record("leave", member.learner_id, exit_code=rc, graceful=left, forced=forced)
+    return result
+
+  def remove_learner(
+    self, learner_id: int, *, timeout_s: float = fleet_lib.DEFAULT_REMOVE_TIMEOUT_S
+  ) -> dict[str, Any]:
+    """Removes a learner gracefully and waits until it is gone (SPEC §6: learners may leave).
+
+    SIGTERM makes the learner finish its step, save a checkpoint, flush its pushes, call Leave
+    (the syncer drops it from its membership at once) and exit 0; after `timeout_s` it is
+    SIGKILLed (the syncer then drops it after `ServiceConfig.liveness_timeout_s`). Either way its
+    exit is not a failure of the job.
+
+    Returns:
+      {"learner_id", "exit_code", "graceful" (it left and wrote its summary), "forced" (SIGKILL),
+      and, if graceful, its "steps", "tokens" and "push_status"}.
+
+    Raises:
+      ValueError: if the learner is not running in the fleet.
+    """
+    member = self.begin_remove(learner_id, timeout_s=timeout_s)
+    while (result := self._reap_removal(member)) is None:
+      time.sleep(0.1)
+    return result
+
+  def check_fleet(self, progress: Callable[[str], None] | None = None, client=None) -> bool:
+    """Reaps exits and removals; True when no learner of the fleet is running or leaving.
+
+    With a syncer `client`, the answer to a ddiloco-fleet removal also says which learners the
+    syncer lists alive right after it (a graceful leave is gone from there at once).
+
+    Raises:
+      RuntimeError: if a learner the job started with exited with an error.
+    """
+    for i, m in sorted(self.fleet.items()):
+      if m.state == "running":
+        rc = self.learners[i].proc.poll()
+        if rc is None:
+          continue
+        m.exit_code = rc
+        if rc == 0:
+          m.state = "finished"
+          self._record("finish", i, exit_code=0)
+        elif m.elastic:
+          m.state = "failed"
+          self._record("fail", i, exit_code=rc)
+          if progress is not None:
+            tail = self.tail(self.learners[i], 10)
+            progress(f"fleet: added learner {i} failed ({rc}), the job goes on:\n{tail}")
+        else:
+          raise RuntimeError(f"learner {i} exited with {rc}:\n{self.tail(self.learners[i])}")
+      elif m.state == "removing":
+        result = self._reap_removal(m)
+        if result is not None:
+          if client is not None:
+            result["syncer_alive"] = self._syncer_alive(client)
+          if progress is not None:
+            progress(f"fleet: learner {i} removed: {result}")
+          if m.request_id is not None and self.control is not None:
+            self.control.respond(m.request_id, ok=True, result=result)
+            m.request_id = None
+    return not any(m.state in ("running", "removing") for m in self.fleet.values())
 
   def signal(self, child: Child, sig: int) -> None:
     """Sends `sig` to a child's process group (SIGKILL, SIGSTOP, SIGCONT, SIGTERM) if it runs."""
@@ -255,49 +510,60 @@ class LocalCluster:
     progress_every_s: float = 2.0,
     progress: Callable[[str], None] | None = None,
     resume: bool = False,
+    control: bool = True,
   ) -> dict[str, Any]:
-    """Starts everything, waits for the learners to finish, stops the syncer, summarizes.
+    """Starts everything, waits for the fleet to finish, stops the syncer, summarizes.
 
     Unless `resume`, a previous run's folders in the workdir are removed first (`clear_previous`);
-    with it, the syncer and learners restore their checkpoints from there.
+    with it, the syncer and learners restore their checkpoints from there. With `control`, the
+    loop also serves `ddiloco-fleet` requests (launch/fleet.py); `progress` may call
+    `add_learner` and `begin_remove` too. The run ends when every learner still in the fleet has
+    finished; removed learners and crashed added ones are not waited for.
 
     Raises:
-      RuntimeError: if a process fails (everything is stopped first).
+      RuntimeError: if the syncer or a learner the job started with fails (everything is stopped
+        first).
       TimeoutError: after `timeout_s` (everything is stopped first).
     """
     from ddiloco.transport.client import SyncerClient
 
-    t0 = time.time()
+    t0 = self._t0 = time.time()
+    self.job = job
     interrupted = False
-    if not resume:
-      removed = self.clear_previous()
-      if removed and progress is not None:
-        progress(
-          f"fresh run: removed the previous run's {', '.join(removed)} (--resume keeps them)"
-        )
     try:
+      # The channel first: it refuses a second launcher on this workdir before anything is removed,
+      # and requests made while the syncer starts wait rather than fail.
+      if control:
+        self.control = fleet_lib.ControlServer(self.workdir)
+        self.control.open()
+      if not resume:
+        removed = self.clear_previous()
+        if removed and progress is not None:
+          progress(
+            f"fresh run: removed the previous run's {', '.join(removed)} (--resume keeps them)"
+          )
       self.start_syncer()
       for i in range(self.num_learners):
-        self.start_learner(i)
+        self._join(i, devices=self.devices_per_learner, batch_size=None, steps=None, elastic=False)
       client = SyncerClient(f"127.0.0.1:{self.port}", token=self.token, deadline_s=2.0)
       deadline = time.monotonic() + timeout_s
       next_progress = 0.0
       while True:
-        codes = {i: c.proc.poll() for i, c in self.learners.items()}
-        failed = {i: rc for i, rc in codes.items() if rc not in (None, 0)}
-        if failed:
-          i = next(iter(failed))
-          raise RuntimeError(f"learner {i} exited with {failed[i]}:\n{self.tail(self.learners[i])}")
+        done = self.check_fleet(progress, client)
         if self.syncer.proc.poll() is not None:
           raise RuntimeError(f"The syncer exited early:\n{self.tail(self.syncer)}")
-        if all(rc == 0 for rc in codes.values()):
+        if done:
           break
         if time.monotonic() > deadline:
           raise TimeoutError(f"The run did not finish within {timeout_s} s.")
+        if self.control is not None:
+          for request in self.control.poll():
+            self._serve_request(request, client, progress)
         if progress is not None and time.monotonic() >= next_progress:
           progress(self.progress_line(client, t0))
           next_progress = time.monotonic() + progress_every_s
         time.sleep(0.2)
+      self.syncer_alive_at_end = self._syncer_alive(client)
       client.close()
       _signal(self.syncer.proc, signal.SIGTERM)  # Graceful: flush merges, final eval, summary.
       self.syncer.proc.wait(timeout=300)
@@ -307,14 +573,86 @@ class LocalCluster:
       interrupted = True
       raise
     finally:
+      if self.control is not None:
+        self.control.close()
+        self.control = None
       self.stop_all()
       if interrupted and progress is not None:
         progress("interrupted: every process stopped")
     summary = summarize(
-      self.workdir, job, num_learners=self.num_learners, wall_time_s=time.time() - t0
+      self.workdir,
+      job,
+      num_learners=self.num_learners,
+      wall_time_s=time.time() - t0,
+      learner_ids=sorted(self.fleet),
+      membership=self.membership,
+      syncer_alive_at_end=self.syncer_alive_at_end,
     )
     plot(self.workdir)
     return summary
+
+  @staticmethod
+  def _syncer_alive(client) -> list[int] | None:
+    import grpc
+
+    try:
+      return [int(i) for i in client.status().alive]
+    except grpc.RpcError:
+      return None
+
+  def fleet_status(self, client) -> dict[str, Any]:
+    """What `ddiloco-fleet list` shows: the fleet, the syncer's membership, the events so far."""
+    learners = []
+    for i, m in sorted(self.fleet.items()):
+      child = self.learners[i]
+      child.poll_metrics()
+      last = {"step": child.last.get("step"), "loss": child.last.get("loss")}
+      learners.append({**m.to_json(), "pid": child.proc.pid, **last, "log": child.log_path})
+    return {
+      "learners": learners,
+      "syncer_alive": self._syncer_alive(client),
+      "membership": list(self.membership),
+    }
+
+  def _serve_request(
+    self,
+    request: fleet_lib.FleetRequest,
+    client,
+    progress: Callable[[str], None] | None,
+  ) -> None:
+    """Acts on one ddiloco-fleet request and answers it (a removal answers once it is done)."""
+    control = self.control
+    try:
+      if request.action == "list":
+        control.respond(request.id, ok=True, result=self.fleet_status(client))
+      elif request.action == "add":
+        i = self.add_learner(
+          learner_id=request.learner_id,
+          devices=request.devices,
+          batch_size=request.batch_size,
+          steps=request.steps,
+          extra_args=[f"--gin_bindings={b}" for b in request.gin_bindings],
+        )
+        m = self.fleet[i]
+        result = {
+          "learner_id": i,
+          "devices": m.devices,
+          "batch_size": m.batch_size or self.job.learner_batch_size(),
+          "steps": m.steps or self.job.steps_per_learner,
+          "data_shard": i % self.job.num_learners,  # LearnerFactory.make_data.
+          "log": self.learners[i].log_path,
+        }
+        if progress is not None:
+          progress(f"fleet: added {result}")
+        control.respond(request.id, ok=True, result=result)
+      else:
+        timeout = request.timeout_s or fleet_lib.DEFAULT_REMOVE_TIMEOUT_S
+        member = self.begin_remove(request.learner_id, timeout_s=timeout)
+        member.request_id = request.id  # Answered by check_fleet once the learner is gone.
+        if progress is not None:
+          progress(f"fleet: removing learner {request.learner_id} (SIGTERM)")
+    except (ValueError, OSError) as e:  # Refused (or could not start): nothing changed.
+      control.respond(request.id, ok=False, error=str(e))
 
   def progress_line(self, client, t0: float) -> str:
     import grpc
@@ -332,8 +670,14 @@ class LocalCluster:
       head = f"t={time.time() - t0:6.1f}s syncer {e.code().name}"
     parts = []
     for i, c in sorted(self.learners.items()):
+      member = self.fleet.get(i)
+      if member is not None and member.state in ("removed", "failed"):
+        parts.append(f"L{i}:{member.state}")
+        continue
       c.poll_metrics()
       state = "done" if c.proc.poll() == 0 else "up"
+      if member is not None and member.state == "removing":
+        state = "leaving"
       if c.last:
         parts.append(f"L{i}:{state} step {c.last['step']} loss {c.last['loss']:.3f}")
       else:
@@ -352,11 +696,30 @@ def _read_json(path: str) -> dict:
     return json.load(f)
 
 
-def summarize(workdir: str, job: JobConfig, *, num_learners: int, wall_time_s: float) -> dict:
-  """The run's summary.json from the syncer's and learners' summaries (the keys of simulate)."""
+def summarize(
+  workdir: str,
+  job: JobConfig,
+  *,
+  num_learners: int,
+  wall_time_s: float,
+  learner_ids: Sequence[int] | None = None,
+  membership: Sequence[dict[str, Any]] | None = None,
+  syncer_alive_at_end: Sequence[int] | None = None,
+) -> dict:
+  """The run's summary.json from the syncer's and learners' summaries (the keys of simulate).
+
+  Args:
+    workdir: the run's folder.
+    job: its config (the token budget).
+    num_learners: M; the learners read are 0..M-1 unless `learner_ids` says otherwise.
+    wall_time_s: the run's duration.
+    learner_ids: every learner of the fleet, added ones included.
+    membership: `LocalCluster.membership` (join, leave, finish, fail events), kept as is.
+    syncer_alive_at_end: the syncer's `alive` learners just before it was stopped.
+  """
   syncer = _read_json(os.path.join(workdir, "syncer", "summary.json"))
   learners = {}
-  for i in range(num_learners):
+  for i in range(num_learners) if learner_ids is None else learner_ids:
     path = os.path.join(workdir, f"learner_{i}", "summary.json")
     if os.path.exists(path):
       learners[i] = _read_json(path)
@@ -401,6 +764,7 @@ def summarize(workdir: str, job: JobConfig, *, num_learners: int, wall_time_s: f
         "step_time_s": s["step_time_s"],
         "push_status": s["push_status"],
         "applies": len(s["applies"]),
+        "zero_weight_pushes": s.get("zero_weight_pushes", 0),
         "bytes_up": s["bytes_up"],
         "bytes_down": s["bytes_down"],
         "final_loss": s["losses"][-1][2] if s["losses"] else None,
@@ -414,6 +778,8 @@ def summarize(workdir: str, job: JobConfig, *, num_learners: int, wall_time_s: f
     },
     "evals": syncer["evals"],
     "num_params": syncer["num_params"],
+    "membership": list(membership or []),
+    "syncer_alive_at_end": None if syncer_alive_at_end is None else list(syncer_alive_at_end),
   }
   summary["ok"] = bool(
     agree and summary["budget_reached"] and np.isfinite(summary["final_eval_loss"])
@@ -432,14 +798,18 @@ def plot(workdir: str) -> str:
   syncer = _read_json(os.path.join(workdir, "syncer", "summary.json"))
   t0 = min([e[0] for e in syncer["evals"]] or [0.0])
   fig, ax = plt.subplots(figsize=(9, 4.5))
-  i = 0
-  while os.path.exists(path := os.path.join(workdir, f"learner_{i}", "summary.json")):
-    losses = _read_json(path)["losses"]
+  ids = sorted(
+    int(name[len("learner_") :])
+    for name in os.listdir(workdir)
+    if name.startswith("learner_") and name[len("learner_") :].isdigit()
+  )  # Every learner of the fleet, added ones included.
+  for i in ids:
+    path = os.path.join(workdir, f"learner_{i}", "summary.json")
+    losses = _read_json(path)["losses"] if os.path.exists(path) else []
     if losses:
       ax.plot(
         [x[1] - t0 for x in losses], [x[2] for x in losses], lw=1, label=f"learner {i} (train)"
       )
-    i += 1
   evals = syncer["evals"]
   ax.plot(
     [e[0] - t0 for e in evals], [e[2] for e in evals], "k-o", lw=2, label="global model (eval)"

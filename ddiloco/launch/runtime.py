@@ -152,9 +152,11 @@ class SyncerRun:
 
   def evaluate(self) -> float:
     merges = len(self.service.merge_log())
-    loss = self.factory.evaluate_flat(self.global_flat())
+    metrics = self.factory.evaluate_flat_metrics(self.global_flat())
+    loss = metrics["loss"]
     self.evals.append((time.time(), merges, loss))
-    self.writer.event("eval", time=round(time.time(), 4), merges=merges, loss=loss)
+    aux = {k: float(v) for k, v in metrics.items() if k != "loss"}  # e.g. accuracy, moe_aux_loss
+    self.writer.event("eval", time=round(time.time(), 4), merges=merges, loss=loss, **aux)
     return loss
 
   def loop(self, stop: threading.Event, *, until: float | None = None) -> None:
@@ -184,6 +186,7 @@ class SyncerRun:
     svc = self.service
     with svc.lock:
       stats = svc.core.stats()
+      ledger = svc.core.ledger()
     up, down = svc.traffic()
     log_ = svc.merge_log()
     summary = {
@@ -205,6 +208,9 @@ class SyncerRun:
       "wall_time_s": time.time() - self._t0,
       "checkpoints_saved": self.checkpoints_saved,
       "restored": None if self.restored is None else dataclasses.asdict(self.restored),
+      # This syncer's book since its checkpoint (learner/ledger.py): received = merged + dropped +
+      # pending. Learner ids become strings in JSON.
+      "token_ledger": ledger,
     }
     write_summary(self.workdir, summary)
     self.writer.close()

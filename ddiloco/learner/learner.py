@@ -32,6 +32,7 @@ from ddiloco.fragments import tree
 from ddiloco.fragments.digest import values_digest
 from ddiloco.fragments.layout import FragmentLayout
 from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner.ledger import TokenLedger
 from ddiloco.learner.train_step import CompiledSteps
 from ddiloco.syncer.core import FragmentState, Report, ReportResult
 from ddiloco.types import PyTree
@@ -106,6 +107,7 @@ class Learner:
     self.step_counts = np.zeros(num, np.int64)  # SPEC §3 counters[p].steps
     self.anchor = np.full(num, -1, np.int64)  # Version of p last applied; -1 = never received.
     self.applied_digest: dict[int, str] = {}  # p -> digest of θ_p read back after an α = 0 apply.
+    self.ledger = TokenLedger(num)  # Where each trained token went (ledger.py).
     self._inbox: dict[int, FragmentState] = {}
     self._outstanding: dict[int, _Outstanding] = {}
     leaves, self._treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -117,6 +119,13 @@ class Learner:
     self._leaf_names = [
       sorted({layout_lib.parse_key(k)[0] for k in keys}) for keys in layout.fragments
     ]
+    # Makes device arrays readable on this host before a host copy. None (one process): they are.
+    # A multi-process learner replicates them (a collective, so every process reads in the same
+    # order): parallel/multihost.py ProcessGroup.replicate.
+    self.host_readable: Callable[[list[jax.Array]], list[jax.Array]] | None = None
+
+  def _readable(self, arrays: list[jax.Array]) -> list[jax.Array]:
+    return arrays if self.host_readable is None else self.host_readable(arrays)
 
   # -- training -------------------------------------------------------------------------------
 
@@ -129,6 +138,7 @@ class Learner:
     ntok = int(np.prod(batch["targets"].shape))
     self.tokens += ntok
     self.step_counts += 1
+    self.ledger.train(ntok)
     return metrics
 
   # -- sending --------------------------------------------------------------------------------
@@ -185,7 +195,7 @@ class Learner:
     """A host copy of this learner's θ_p, keyed as the layout keys it."""
     leaves = jax.tree_util.tree_leaves(self.params)
     names = self._leaf_names[p]
-    host = jax.device_get([leaves[self._index[k]] for k in names])  # One batched transfer.
+    host = jax.device_get(self._readable([leaves[self._index[k]] for k in names]))  # One transfer.
     return self.layout.select({k: np.asarray(v) for k, v in zip(names, host)}, p)
 
   def make_report(self, p: int, *, step_time_s: float = 0.0) -> Report:
@@ -203,7 +213,7 @@ class Learner:
     """
     leaves = jax.tree_util.tree_leaves(self.params)
     names = self._leaf_names[p]
-    copies = [jnp.copy(leaves[self._index[k]]) for k in names]
+    copies = self._readable([jnp.copy(leaves[self._index[k]]) for k in names])
     for c in copies:
       c.copy_to_host_async()
 
@@ -225,12 +235,19 @@ class Learner:
       anchor_version=int(self.anchor[p]),
       step=now,  # On the fleet's schedule (== self.step unless realigned at a rejoin).
       step_time_s=step_time_s,
+      new_tokens=self.ledger.send(p, now),
     )
 
-  def on_report_result(self, p: int, result: ReportResult) -> None:
-    """Records whether the syncer took the last report of p (decides the counter reset)."""
+  def on_report_result(self, p: int, result: ReportResult, *, step: int | None = None) -> None:
+    """Records whether the syncer took the report of p sent at `step` (default: the last send).
+
+    The last send's answer decides the counter reset; every answer books its tokens in the ledger.
+    """
     out = self._outstanding.get(p)
-    if out is not None:
+    if step is None:
+      step = out.send_step if out is not None else -1
+    self.ledger.answered(p, step, result.status, result.weight, result.round_version)
+    if out is not None and out.send_step == step:
       out.accepted = result.status in _ACCEPTED and result.weight > 0
 
   def forget_outstanding(self) -> None:
@@ -265,6 +282,8 @@ class Learner:
         continue
       state = self._inbox.pop(p)
       self._write_fragment(p, state.values)
+      if self.config.mixing_alpha == 0:  # α > 0 keeps part of the unsent progress: not dropped.
+        self.ledger.overwritten(p)
       self.anchor[p] = state.version
       self._record_digest(p)
       if out.accepted:
@@ -281,6 +300,7 @@ class Learner:
     """
     for state in states:
       self._write_fragment(state.fragment, state.values, mix=False)
+      self.ledger.overwritten(state.fragment)
       self.anchor[state.fragment] = state.version
       self._record_digest(state.fragment, mixed=False)
       self.tokens[state.fragment] = 0
@@ -306,7 +326,7 @@ class Learner:
       leaves[i] = jax.device_put(np.asarray(value, dtype=leaves[i].dtype), self._shardings[i])
     for leaf_key, parts in pieces.items():
       i = self._index[leaf_key]
-      full = np.array(jax.device_get(leaves[i]))
+      full = np.array(jax.device_get(self._readable([leaves[i]])[0]))
       for start, stop, value in parts:
         full[start:stop] = value
       leaves[i] = jax.device_put(full, self._shardings[i])

@@ -85,6 +85,14 @@ class _Job:
   anchor_values: Mapping[str, np.ndarray] | None
 
 
+def _fold(older: _Job, newer: _Job) -> _Job:
+  """`newer` carrying `older`'s ledger tokens too (the token ledger, learner/ledger.py)."""
+  report = dataclasses.replace(
+    newer.report, new_tokens=newer.report.new_tokens + older.report.new_tokens
+  )
+  return dataclasses.replace(newer, report=report)
+
+
 class LearnerWorker:
   """Runs one learner against the syncer service (see module docstring).
 
@@ -140,7 +148,10 @@ class LearnerWorker:
     self._newest = [-1] * num  # Newest version received of each fragment.
     self._digests: dict[tuple[int, int], str] = {}  # (p, v) -> digest of what was received.
     self._received: queue.Queue[FragmentState] = queue.Queue()
-    self._results: queue.Queue[tuple[int, ReportResult]] = queue.Queue()
+    # (fragment, report step, answer), or (fragment, report step, step of the newer report it was
+    # folded into): a report whose push failed after a newer snapshot of p was queued.
+    self._results: queue.Queue[tuple[int, int, ReportResult | int]] = queue.Queue()
+    self._settle: tuple[list[int], list[int]] | None = None  # Newest (versions, merged_steps).
     self._jobs: dict[int, _Job] = {}
     self._jobs_cv = threading.Condition(self._lock)
     self._in_flight = 0
@@ -192,6 +203,9 @@ class LearnerWorker:
       self._data.set_state(restored.data_state)
     self.learner.step = restored.step  # Only "own" moves it: a peer's step is not this learner's.
     self.tokens_trained = restored.tokens_trained
+    if restored.ledger is not None:  # Otherwise (fresh, peer) the ledger books from here.
+      self.learner.ledger.load_state(restored.ledger)
+      self.learner.ledger.restored()
     self.restored_from, self.resumed_step = restored.restored_from, restored.step
     self._event(
       "restore",
@@ -215,6 +229,15 @@ class LearnerWorker:
     """
     if self.restored_from is None:
       self.restore()  # Before align_phase below, which reads the restored step.
+    resp, loaded = self._fetch_global()
+    self._adopt_global(loaded, int(resp.fleet_step), list(resp.versions))
+
+  def _fetch_global(self) -> tuple[Any, list[FragmentState]]:
+    """The network half of `connect`: registers and pulls every fragment, with retries.
+
+    Returns:
+      The RegisterResponse and the fragments the syncer holds.
+    """
     deadline = time.monotonic() + self._connect_timeout_s
     backoff = Backoff()
     while True:
@@ -232,14 +255,23 @@ class LearnerWorker:
             ) from e
           raise
         time.sleep(backoff.next_delay())
-    loaded = [s for s in states if s is not None]
+    return resp, [s for s in states if s is not None]
+
+  def _adopt_global(
+    self, loaded: list[FragmentState], fleet_step: int, versions: list[int]
+  ) -> None:
+    """The device half of `connect`: loads the global fragments and joins the fleet's cadence.
+
+    Separate from `_fetch_global` so that a multi-process learner's other processes, which never
+    talk to the syncer, load the same fragments (learner/multihost.py).
+    """
     self.learner.load_global(loaded)
     for state in loaded:  # What the devices now hold must be the syncer's bits (SPEC §4.7).
       if self.learner.applied_digest.get(state.fragment) != state.digest:
         self.digest_mismatches += 1
         log.error("learner %d: global fragment %d digest mismatch", self.id, state.fragment)
-    self.learner.align_phase(int(resp.fleet_step))
-    self._event("connected", versions=list(resp.versions), fleet_step=int(resp.fleet_step))
+    self.learner.align_phase(fleet_step)
+    self._event("connected", versions=versions, fleet_step=fleet_step)
 
   def register(self):
     """Registers with the syncer: a new epoch there, so nothing counts as delivered until pulled.
@@ -314,6 +346,8 @@ class LearnerWorker:
           self._need_register.set()
           continue
         self._set_cadence(int(hb.fleet_step))
+        with self._lock:  # The training thread settles the ledger with it (_drain).
+          self._settle = (list(hb.versions), list(hb.merged_steps))
         for p, version in enumerate(hb.versions):
           if p < len(self._newest) and version > self._newest[p]:
             state = self._pull(p, self._newest[p])
@@ -364,14 +398,19 @@ class LearnerWorker:
           result = ReportResult("rejected", e.details() or "", 0.0)
       with self._jobs_cv:
         self._in_flight -= 1
-        if result is None and p not in self._jobs and not self._stop.is_set():
+        newer = self._jobs.get(p)
+        if result is None and newer is None and not self._stop.is_set():
           self._jobs[p] = job  # Retry unless a newer snapshot of p replaced it.
+        elif result is None and newer is not None:
+          # The newer θ_p holds this one's progress: its ledger tokens ride along (ledger.py).
+          self._jobs[p] = _fold(job, newer)
+          self._results.put((p, job.report.step, newer.report.step))
         self._jobs_cv.notify_all()
       if result is None:
         self._stop.wait(backoff.next_delay())
         continue
       backoff.reset()
-      self._results.put((p, result))
+      self._results.put((p, job.report.step, result))
 
   def _push(self, job: _Job) -> ReportResult:
     report = dataclasses.replace(job.report, values=job.fetch())
@@ -385,13 +424,16 @@ class LearnerWorker:
   def _drain(self) -> None:
     while True:
       try:
-        p, result = self._results.get_nowait()
+        p, step, result = self._results.get_nowait()
       except queue.Empty:
         break
+      if isinstance(result, int):
+        self.learner.ledger.fold(p, step, result)
+        continue
       self.push_status[result.status] += 1
       if result.status == "accepted" and result.weight == 0:
         self.zero_weight_pushes += 1
-      self.learner.on_report_result(p, result)
+      self.learner.on_report_result(p, result, step=step)
       if result.fleet_step >= 0:
         self._set_cadence(result.fleet_step)
     while True:
@@ -399,6 +441,10 @@ class LearnerWorker:
         self.learner.receive(self._received.get_nowait())
       except queue.Empty:
         break
+    with self._lock:
+      settle, self._settle = self._settle, None
+    if settle is not None:
+      self.learner.ledger.settle(*settle)
 
   def _follow_cadence(self) -> None:
     """Keeps the schedule in phase with the fleet's cadence (Learner.follow); once per step.
@@ -434,7 +480,11 @@ class LearnerWorker:
       report, fetch = self.learner.snapshot_report(p, step_time_s=self.step_time_s)
       with self._jobs_cv:
         anchor = self._held[p].get(report.anchor_version) if report.anchor_version >= 0 else None
-        self._jobs[p] = _Job(report, fetch, anchor)
+        job, older = _Job(report, fetch, anchor), self._jobs.get(p)
+        if older is not None:  # Never pushed: the new snapshot holds its progress and its tokens.
+          job = _fold(older, job)
+          self.learner.ledger.fold(p, older.report.step, report.step)
+        self._jobs[p] = job
         self._jobs_cv.notify_all()
 
   def _apply(self) -> None:
@@ -529,6 +579,7 @@ class LearnerWorker:
       data_state=self._data.get_state(),
       tokens_trained=self.tokens_trained,
       schedule_step=self.learner.schedule_step,
+      ledger=self.learner.ledger.state(),
     )
     if saved:
       self._event("checkpoint", step=self.learner.step, blocking_s=round(time.monotonic() - t, 4))
@@ -597,6 +648,7 @@ class LearnerWorker:
       "restored_from": self.restored_from,
       "resumed_step": self.resumed_step,
       "checkpoint_steps": list(self.checkpointer.saved_steps) if self.checkpointer else [],
+      "ledger": learner.ledger.totals(),
     }
 
   def _event(self, kind: str, **fields: Any) -> None:

@@ -152,6 +152,7 @@ class SimulatedCluster:
       # Register, then restore every fragment from the global copy (SPEC §6 rejoin). The inner
       # optimizer state is kept, as if restored from the learner's own per-step checkpoint.
       self.core.register(index)
+      slot.learner.ledger.restored()  # Reports lost in a crash settle at the next delivery.
       slot.learner.load_global(
         [self.core.fetch(index, p) for p in range(self.layout.num_fragments)]
       )
@@ -295,6 +296,7 @@ class SimulatedCluster:
       return
     self.core.mark_delivered(index, state.fragment, state.version)
     slot.learner.receive(state)
+    self._settle(slot)
     if slot.blocked and not self._finished:
       slot.learner.apply_ready()
       self._continue(slot)
@@ -329,9 +331,12 @@ class SimulatedCluster:
   def _on_eval(self) -> None:
     loss = self.evaluate_global()
     self.evals.append((self.now, loss))
-    self._event("eval", loss=loss, tokens=self.tokens_trained)
+    aux = self._eval_aux()
+    self._event("eval", loss=loss, tokens=self.tokens_trained, **aux)
     if self.writer is not None:
-      self.writer.scalars(self.tokens_trained, {"eval/loss": loss})
+      self.writer.scalars(
+        self.tokens_trained, {"eval/loss": loss, **{f"eval/{k}": v for k, v in aux.items()}}
+      )
     if not self._finished:
       self._push(self.now + self.cfg.eval_every_s, "eval")
 
@@ -343,6 +348,10 @@ class SimulatedCluster:
       return self.layout.join([self.core.state(p).values for p in range(self.layout.num_fragments)])
     learner = self.slots[0].learner
     return {k: np.asarray(jax.device_get(v)) for k, v in tree.flatten(learner.params).items()}
+
+  def _eval_aux(self) -> dict[str, float]:
+    """The last evaluation's other metrics (e.g. accuracy, moe_aux_loss), for eval events."""
+    return {k: float(v) for k, v in (self.factory.last_eval or {}).items() if k != "loss"}
 
   def evaluate_global(self) -> float:
     return self.factory.evaluate_flat(self.global_params_flat())
@@ -393,7 +402,7 @@ class SimulatedCluster:
     self.ledger.close(self.now)  # No-op for slots already closed when the budget was reached.
     final = self.evaluate_global()
     self.evals.append((self.now, final))
-    self._event("eval", loss=final, tokens=self.tokens_trained, final=True)
+    self._event("eval", loss=final, tokens=self.tokens_trained, final=True, **self._eval_aux())
     return self.summary(final, time.perf_counter() - wall0)
 
   def progress_line(self) -> str:
@@ -428,8 +437,17 @@ class SimulatedCluster:
           return False
     return True
 
+  def _settle(self, slot: "_Slot") -> None:
+    """The learner hears the syncer's versions and merged steps (a heartbeat; ledger.py)."""
+    versions = [self.core.version(p) for p in range(self.layout.num_fragments)]
+    slot.learner.ledger.settle(versions, self.core.merged_steps(slot.index))
+
   def summary(self, final_loss: float, wall_s: float) -> dict[str, Any]:
     stats = self.core.stats() if self.core is not None else {}
+    if self.core is not None:
+      for slot in self.slots.values():
+        if slot.learner is not None:
+          self._settle(slot)
     quorums = [len(ev.contributors) for ev in self.merge_events]
     return {
       "final_eval_loss": final_loss,
@@ -452,9 +470,11 @@ class SimulatedCluster:
           "steps": s.steps_done,
           "tokens": s.tokens_done,
           "time": self.ledger.totals(s.index),
+          **({"token_ledger": s.learner.ledger.totals()} if s.learner is not None else {}),
         }
         for s in self.slots.values()
       },
       "syncer": stats,
+      "token_ledger": self.core.ledger() if self.core is not None else {},
       "evals": [[round(t, 4), loss] for t, loss in self.evals],
     }

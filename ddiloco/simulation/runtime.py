@@ -85,7 +85,9 @@ class LearnerFactory:
     self._host_init = None
     self.tokens_per_step = self.task.units_per_step(batch_size)
     self.last_eval: dict[str, float] | None = None
-    steps0, params0 = self._compiled(mesh_lib.learner_devices(0, 1))
+    # This process's own first device: in a multi-process learner jax.devices()[0] is process 0's,
+    # which the other processes cannot read back (learner/multihost.py).
+    steps0, params0 = self._compiled(mesh_lib.learner_devices(0, 1, jax.local_devices()))
     self._init_flat = {k: np.asarray(jax.device_get(v)) for k, v in tree.flatten(params0).items()}
     self.num_params = int(sum(v.size for v in self._init_flat.values()))
     self.layout = layout_lib.make_layout(

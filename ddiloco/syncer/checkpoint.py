@@ -17,9 +17,18 @@ import optax
 
 from ddiloco.fragments.digest import values_digest
 from ddiloco.syncer.grace import GraceModel
-from ddiloco.syncer.types import COUNTERS, LearnerRecord, Report, Round, RoundEntry, readonly
+from ddiloco.syncer.types import (
+  COUNTERS,
+  NEW_COUNTERS,
+  LearnerRecord,
+  Report,
+  Round,
+  RoundEntry,
+  readonly,
+)
 
-_REPORT_SCALARS = ("tokens", "steps", "anchor_version", "step", "step_time_s")
+_REPORT_SCALARS = ("tokens", "steps", "anchor_version", "step", "step_time_s", "new_tokens")
+_LEDGER = ("received", "merged", "dropped")
 
 
 class CheckpointMixin:
@@ -89,6 +98,14 @@ class CheckpointMixin:
       for p, v in self._learners[i].delivered.items():
         delivered[row, p] = v
     d["learners/delivered"] = delivered
+    merged_step = np.full((len(ids), self.num_fragments), -1, np.int64)
+    for row, i in enumerate(ids):
+      for p, step in self._learners[i].merged_step.items():
+        merged_step[row, p] = step
+    d["learners/merged_step"] = merged_step
+    d["learners/ledger"] = np.array(
+      [[self._learners[i].ledger[k] for k in _LEDGER] for i in ids], np.int64
+    ).reshape(len(ids), len(_LEDGER))
     for name, value in self._counters.items():
       d["stats/" + name] = value
     d["stats/quorum_size_hist"] = self._quorum_hist.copy()
@@ -127,17 +144,30 @@ class CheckpointMixin:
       opt_state.append(jax.tree_util.tree_unflatten(treedef, leaves))
       rounds.append(self._load_round(d, p))
     learners = {}
-    for row, i in enumerate(int(x) for x in d["learners/ids"]):
+    ids = [int(x) for x in d["learners/ids"]]
+    # Checkpoints from before the token ledger have no ledger entries: they start at zero.
+    merged_steps = d.get("learners/merged_step", np.full((len(ids), self.num_fragments), -1))
+    ledgers = d.get("learners/ledger", np.zeros((len(ids), len(_LEDGER)), np.int64))
+    for row, i in enumerate(ids):
       delivered = {p: int(v) for p, v in enumerate(d["learners/delivered"][row]) if v >= 0}
       alive, epoch = bool(d["learners/alive"][row]), int(d["learners/epoch"][row])
-      learners[i] = LearnerRecord(alive=alive, epoch=epoch, delivered=delivered)
+      learners[i] = LearnerRecord(
+        alive=alive,
+        epoch=epoch,
+        delivered=delivered,
+        merged_step={p: int(v) for p, v in enumerate(merged_steps[row]) if v >= 0},
+        ledger={k: int(ledgers[row][j]) for j, k in enumerate(_LEDGER)},
+      )
     # Everything parsed: only now mutate, so a bad checkpoint leaves the core as it was.
     self._history = history
     self._version = [int(d[f"fragment/{p}/version"]) for p in range(self.num_fragments)]
     self._global = [history[p][v] for p, v in enumerate(self._version)]
     self._digest = [values_digest(v) for v in self._global]
     self._opt_state, self._rounds, self._learners = opt_state, rounds, learners
-    self._counters = {name: int(d["stats/" + name]) for name in COUNTERS}
+    self._counters = {
+      name: int(d.get("stats/" + name, 0) if name in NEW_COUNTERS else d["stats/" + name])
+      for name in COUNTERS
+    }
     t = float(d["fleet/step_time"])
     self._fleet_step_time = None if math.isnan(t) else t
     self._quorum_hist = np.array(d["stats/quorum_size_hist"], np.int64)
@@ -155,7 +185,11 @@ class CheckpointMixin:
     for i in (int(x) for x in d[pre + "learners"]):
       q = f"{pre}{i}/"
       values = {k: self._fitting(d[f"{q}value/{k}"], k, p) for k in self._keys[p]}
-      scalars = {name: int(d[q + name]) for name in _REPORT_SCALARS if name != "step_time_s"}
+      scalars = {
+        name: int(d.get(q + name, 0) if name == "new_tokens" else d[q + name])
+        for name in _REPORT_SCALARS
+        if name != "step_time_s"
+      }
       scalars["step_time_s"] = float(d[q + "step_time_s"])
       report = Report(learner_id=i, fragment=p, values=values, **scalars)
       rnd.entries[i] = RoundEntry(report, float(d[q + "weight"]), int(d[q + "epoch"]))

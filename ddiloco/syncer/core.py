@@ -333,25 +333,30 @@ class SyncerCore(CheckpointMixin):
       )
     late = self.late_reason(p, r.anchor_version)
     if late is not None:
-      return self.drop_late(r.tokens, late)
+      return self.drop_late(r.tokens, late, learner_id=r.learner_id, new_tokens=r.new_tokens)
     weight = merge_lib.token_weight(r.tokens, r.steps)
     if weight == 0:
       return self._zero_weight(r, "no tokens or steps since the last receipt (SPEC §4.4)")
     rnd = self._rounds[p]
     prev = rnd.entries.get(r.learner_id)
     status = "accepted"
+    new_tokens = r.new_tokens
     if prev is not None:
       # Counters are cumulative on the learner, so a newer report carries the older one's tokens. A
       # report from a newer registration also wins: a restarted learner's step may be lower.
       if prev.epoch == learner.epoch and r.step <= prev.report.step:
         self._counters["duplicate"] += 1
+        self._ledger_in(r.learner_id, r.new_tokens, dropped=True)
         return ReportResult(
           "duplicate", f"step {r.step} <= step {prev.report.step} already in the round", 0.0
         )
       status = "superseded"
+      # The newer θ_p holds the older report's progress too: its ledger tokens ride along.
+      new_tokens += prev.report.new_tokens
+    self._ledger_in(r.learner_id, r.new_tokens, dropped=False)
     values = {k: np.array(v, copy=True) if copy else v for k, v in r.values.items()}
     rnd.entries[r.learner_id] = RoundEntry(
-      dataclasses.replace(r, values=values), weight, learner.epoch
+      dataclasses.replace(r, values=values, new_tokens=new_tokens), weight, learner.epoch
     )
     self._counters[status] += 1
     if r.step >= self._counters["fleet_step"]:
@@ -365,7 +370,7 @@ class SyncerCore(CheckpointMixin):
       self._grace.observe_quorum_wait(now - rnd.open_time)
       rnd.grace_s = self._grace.window() if self._config.use_grace else 0.0
       rnd.deadline = now + rnd.grace_s
-    return ReportResult(status, "", weight)
+    return ReportResult(status, "", weight, round_version=self._version[p] + 1)
 
   def late_reason(self, fragment: int, anchor_version: int) -> str | None:
     """Why a report of `fragment` anchored at `anchor_version` (>= 0) is late, or None (SPEC §4).
@@ -380,17 +385,35 @@ class SyncerCore(CheckpointMixin):
       return f"anchor version {anchor_version} of fragment {fragment} is no longer kept"
     return None
 
-  def drop_late(self, tokens: int, reason: str) -> ReportResult:
-    """Counts a late report and its tokens as dropped (SPEC §4); the state is otherwise untouched."""
+  def drop_late(
+    self, tokens: int, reason: str, *, learner_id: int | None = None, new_tokens: int = 0
+  ) -> ReportResult:
+    """Counts a late report and its tokens as dropped (SPEC §4); the state is otherwise untouched.
+
+    `learner_id` and `new_tokens` book the report in the token ledger (a registered learner's).
+    """
     self._counters["late"] += 1
     self._counters["dropped_tokens"] += int(tokens)
+    if learner_id in self._learners:
+      self._ledger_in(learner_id, max(int(new_tokens), 0), dropped=True)
     return ReportResult("late", reason, 0.0, self.cadence_step())
 
   def _zero_weight(self, r: Report, reason: str) -> ReportResult:
     self._counters["accepted"] += 1
     self._counters["zero_weight_reports"] += 1
     self._counters["zero_weight_tokens"] += r.tokens
+    # Weight 0 never touches the merge, so its ledger tokens are dropped (SPEC §3).
+    self._ledger_in(r.learner_id, r.new_tokens, dropped=True)
     return ReportResult("accepted", f"weight 0: {reason}", 0.0)
+
+  def _ledger_in(self, learner_id: int, new_tokens: int, *, dropped: bool) -> None:
+    """Books a report's ledger tokens as received, and as dropped at once if it joins no round."""
+    ledger = self._learners[learner_id].ledger
+    ledger["received"] += new_tokens
+    self._counters["ledger_received"] += new_tokens
+    if dropped:
+      ledger["dropped"] += new_tokens
+      self._counters["ledger_dropped"] += new_tokens
 
   def _invalid_reason(self, r: Report) -> str | None:
     """Why a report must be rejected at the door (ARCHITECTURE "payload validation"), or None."""
@@ -401,12 +424,15 @@ class SyncerCore(CheckpointMixin):
       return f"learner {r.learner_id} is not registered"
     if not learner.alive:
       return f"learner {r.learner_id} is not alive; it must register again"
-    for name in ("tokens", "steps", "step", "anchor_version"):
+    for name in ("tokens", "steps", "step", "anchor_version", "new_tokens"):
       value = getattr(r, name)
       if not isinstance(value, int | np.integer):
         return f"{name} must be an integer, got {value!r}"
-    if r.tokens < 0 or r.steps < 0 or r.step < 0:
-      return f"negative counter: tokens={r.tokens}, steps={r.steps}, step={r.step}"
+    if r.tokens < 0 or r.steps < 0 or r.step < 0 or r.new_tokens < 0:
+      return (
+        f"negative counter: tokens={r.tokens}, steps={r.steps}, step={r.step}, "
+        f"new_tokens={r.new_tokens}"
+      )
     if not math.isfinite(r.step_time_s) or r.step_time_s < 0:
       return f"step_time_s must be finite and >= 0, got {r.step_time_s}"
     cur = self._version[r.fragment]
@@ -506,6 +532,13 @@ class SyncerCore(CheckpointMixin):
     tokens = sum(e.report.tokens for e in entries)
     self._counters["merges"] += 1
     self._counters["merged_tokens"] += tokens
+    for i, e in zip(contributors, entries):
+      # The ledger: the report's new tokens reached Θ_p. Learners hear merged_step in heartbeats.
+      self._counters["ledger_merged"] += e.report.new_tokens
+      record = self._learners.get(i)
+      if record is not None:
+        record.ledger["merged"] += e.report.new_tokens
+        record.merged_step[p] = max(e.report.step, record.merged_step.get(p, -1))
     if len(entries) >= len(self._quorum_hist):
       self._quorum_hist = np.pad(self._quorum_hist, (0, len(entries) + 1 - len(self._quorum_hist)))
     self._quorum_hist[len(entries)] += 1
@@ -594,6 +627,34 @@ class SyncerCore(CheckpointMixin):
   def global_values(self) -> dict[str, np.ndarray]:
     """All fragments' current values, {key: read-only array}."""
     return {k: v for vals in self._global for k, v in vals.items()}
+
+  def merged_steps(self, learner_id: int) -> list[int]:
+    """Per fragment, the step of `learner_id`'s newest report merged into it (-1: none yet).
+
+    With `version(p)` read at the same time it settles a learner's ledger: a report of p at step s
+    that a round took for version r was merged iff merged_steps[p] >= s once version(p) >= r.
+    """
+    record = self._learner(learner_id)
+    return [record.merged_step.get(p, -1) for p in range(self.num_fragments)]
+
+  def ledger(self) -> dict:
+    """The token ledger: totals, the tokens pending in open rounds, and per learner.
+
+    Totals balance by construction of each path: received = merged + dropped + pending.
+    """
+    pending = {i: 0 for i in self._learners}
+    for rnd in self._rounds:
+      for i, e in rnd.entries.items():
+        pending[i] = pending.get(i, 0) + e.report.new_tokens
+    return {
+      "received": self._counters["ledger_received"],
+      "merged": self._counters["ledger_merged"],
+      "dropped": self._counters["ledger_dropped"],
+      "pending": sum(pending.values()),
+      "learners": {
+        i: {**lr.ledger, "pending": pending.get(i, 0)} for i, lr in sorted(self._learners.items())
+      },
+    }
 
   def grace_window(self) -> float:
     """The grace window a round reaching its quorum now would get (SPEC §4.2)."""

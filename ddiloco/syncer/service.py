@@ -401,7 +401,12 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         # Decided from the header alone: a delta against an anchor that is no longer kept cannot be
         # decoded (also after a restore republished p), and a stale report is dropped either way.
         # Its tokens count as dropped.
-        self._core.drop_late(max(int(h.tokens), 0), late)
+        self._core.drop_late(
+          max(int(h.tokens), 0),
+          late,
+          learner_id=int(h.learner_id),
+          new_tokens=max(int(h.new_tokens), 0),
+        )
         raise self._refuse(grpc.StatusCode.ABORTED, f"late: {late}")
     nbytes = 0
 
@@ -436,7 +441,11 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     if result.status in _STATUS_CODES:
       raise self._refuse(_STATUS_CODES[result.status], f"{result.status}: {result.reason}")
     return syncer_pb2.PushResponse(
-      status=result.status, reason=result.reason, weight=result.weight, fleet_step=result.fleet_step
+      status=result.status,
+      reason=result.reason,
+      weight=result.weight,
+      fleet_step=result.fleet_step,
+      round_version=result.round_version,
     )
 
   def _push_frame(self, chunk) -> messages.ChunkFrame:
@@ -498,6 +507,8 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         registered=registered,
         versions=self._versions(),
         fleet_step=self._core.cadence_step(),
+        # Under the same lock as the versions: the learner's ledger settles on the pair.
+        merged_steps=self._core.merged_steps(int(request.learner_id)) if registered else [],
       )
 
   def Leave(self, request, context):
@@ -717,4 +728,6 @@ def serve(
 
 def report_result(response: Any) -> ReportResult:
   """A PushResponse as the core's ReportResult (what the learner protocol consumes)."""
-  return ReportResult(response.status, response.reason, response.weight, response.fleet_step)
+  return ReportResult(
+    response.status, response.reason, response.weight, response.fleet_step, response.round_version
+  )

@@ -28,7 +28,15 @@ COUNTERS = (
   "merged_tokens",
   "zero_weight_reports",
   "zero_weight_tokens",
+  # The token ledger (docs/resilience.md): every report's `new_tokens` is received once and ends
+  # merged or dropped; what is neither sits in an open round. received = merged + dropped + pending.
+  "ledger_received",
+  "ledger_merged",
+  "ledger_dropped",
 )
+
+# Counters added after checkpoints were first written: an older checkpoint loads them as 0.
+NEW_COUNTERS = ("ledger_received", "ledger_merged", "ledger_dropped")
 
 
 @gin.configurable(module="ddiloco")
@@ -109,6 +117,8 @@ class Report:
     anchor_version: version of p the learner last applied; -1 if it never received p.
     step: the learner's inner step when it sent the report (orders re-sends).
     step_time_s: the learner's step-time EMA, feeds ξ_step; 0 = unknown.
+    new_tokens: tokens trained since the learner's previous report of p (not since it received p):
+      each trained token is in exactly one report, which the token ledger follows to its fate.
   """
 
   learner_id: int
@@ -119,6 +129,7 @@ class Report:
   anchor_version: int
   step: int
   step_time_s: float = 0.0
+  new_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,12 +138,15 @@ class ReportResult:
 
   `fleet_step` is where the middle of the fleet is on the schedule when the report arrived (see
   `SyncerCore.cadence_step`); learners follow it to keep their schedule in phase with the fleet.
+  `round_version` is the version the round that took the report will publish (-1 if none took it):
+  once the fragment reaches it, the report was merged, or it was lost (the token ledger).
   """
 
   status: str
   reason: str
   weight: float
   fleet_step: int = -1
+  round_version: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +202,12 @@ class LearnerRecord:
   alive: bool = True
   epoch: int = 0
   delivered: dict[int, int] = dataclasses.field(default_factory=dict)  # fragment -> newest version
+  # fragment -> step of its newest report merged into the fragment (learners settle their ledger).
+  merged_step: dict[int, int] = dataclasses.field(default_factory=dict)
+  # Its ledger at the syncer: new_tokens received, merged and dropped (all its registrations).
+  ledger: dict[str, int] = dataclasses.field(
+    default_factory=lambda: {"received": 0, "merged": 0, "dropped": 0}
+  )
   # (schedule step, clock time, step time) from the learner's newest report; not saved.
   progress: tuple[int, float, float] | None = None
   # Its own inner step and clock time at the last rate sample, and its rate EMA in steps/s; not saved.

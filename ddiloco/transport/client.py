@@ -166,7 +166,7 @@ class SyncerClient:
     if failed:  # The syncer cannot accept a short stream; should it, the report is still bad.
       raise failed[0]
     self._count(up=sent)
-    return ReportResult(resp.status, resp.reason, resp.weight, resp.fleet_step)
+    return ReportResult(resp.status, resp.reason, resp.weight, resp.fleet_step, resp.round_version)
 
   def pull(
     self,

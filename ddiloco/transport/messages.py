@@ -242,6 +242,7 @@ def _push_header(report: Report, codec: str, total: int, num_chunks: int, delta:
     steps=report.steps,
     step=report.step,
     step_time_s=report.step_time_s,
+    new_tokens=report.new_tokens,
     codec=codec,
     total_bytes=total,
     num_chunks=num_chunks,
@@ -365,7 +366,9 @@ def chunks_to_report(
         f"Header ids out of range: learner_id {header.learner_id}, fragment {header.fragment}, "
         f"anchor_version {header.anchor_version}."
       )
-    _check_scalars(tokens=header.tokens, steps=header.steps, step=header.step)
+    _check_scalars(
+      tokens=header.tokens, steps=header.steps, step=header.step, new_tokens=header.new_tokens
+    )
     _check_scalars(step_time_s=header.step_time_s)
     if not header.delta:
       return None
@@ -389,6 +392,7 @@ def chunks_to_report(
     anchor_version=int(header.anchor_version),
     step=int(header.step),
     step_time_s=float(header.step_time_s),
+    new_tokens=int(header.new_tokens),
   )
 
 

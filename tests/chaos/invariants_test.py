@@ -228,3 +228,24 @@ def test_check_all_table_and_exit_code():
   assert not inv.all_ok(failing)
   assert [r.ok for r in failing] == [False, True, True, True, True, True]
   assert " FAIL " in inv.format_table(failing).splitlines()[2]
+
+
+def test_ledger_per_learner_and_syncer():
+  def learner(i, t, m, d, f):
+    return {"t": 3.0, "kind": "ledger", "role": "learner", "learner": i, "trained": t,
+            "merged": m, "dropped": d, "in_flight": f}  # fmt: skip
+
+  syncer = {"t": 3.0, "kind": "ledger", "role": "syncer", "received": 9, "merged": 6,
+            "dropped": 2, "pending": 1}  # fmt: skip
+  tape = [learner(0, 10, 6, 3, 1), learner(1, 8, 4, 4, 0), syncer]
+  result = inv.check_ledger(tape)
+  assert result.ok
+  assert result.detail == (
+    "trained 18 vs merged 10 + dropped 7 + in flight 1 = 18; "
+    "syncer received 9 = merged 6 + dropped 2 + pending 1"
+  )
+  unbalanced = inv.check_ledger([learner(0, 10, 6, 3, 1), learner(1, 8, 4, 4, 1), syncer])
+  assert not unbalanced.ok and "learner 1: trained 8 != 4 + 4 + 1" in unbalanced.detail
+  bad_syncer = inv.check_ledger([learner(0, 10, 6, 3, 1), {**syncer, "pending": 2}])
+  assert not bad_syncer.ok and "syncer: received 9 != 6 + 2 + 2" in bad_syncer.detail
+  assert not inv.check_ledger([syncer]).ok  # The learners' books are what the invariant is about.

@@ -1,24 +1,27 @@
 """Replay of a hand-written tape: the fault strings by hand, then a short run on sim_tiny.gin."""
 
+import json
 import os
 
 import gin
 import pytest
 
 from ddiloco.chaos import replay
+from ddiloco.metrics.writer import read_events
 from ddiloco.simulation.faults import parse_faults
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "gin_configs"))
 
-# A real run with 0.5 s steps, started at t = 10 on the driver's clock. With the simulator's 1.0 s
-# steps the scale is 1.0 / 0.5 = 2 virtual seconds per real second: virtual = 2 (t − 10).
+# A real run with 0.5 s steps, its fleet started at t = 10.5 on the driver's clock (the first
+# learner_up). With the simulator's 1.0 s steps the scale is 1.0 / 0.5 = 2 virtual seconds per real
+# second: virtual = 2 (t − 10.5).
 TAPE = [
   {"t": 10.0, "kind": "run_start"},
   {"t": 10.5, "kind": "learner_up", "learner": 0},
-  # Learner 2 down from t = 11 to 13 → virtual 2 to 6: crash:2@2+4.
+  # Learner 2 down from t = 11 to 13 → virtual 1 to 5: crash:2@1+4.
   {"t": 11.0, "kind": "kill_learner", "learner": 2, "restart_delay_s": 2.0},
-  # A plain pause of 0.5 s at t = 12 → virtual 4, d' = 1 s: one 1 s step takes 1 + 1 = 2 s:
-  # slow:1@4+1x2 (window max(1, 1) = 1).
+  # A plain pause of 0.5 s at t = 12 → virtual 3, d' = 1 s: one 1 s step takes 1 + 1 = 2 s:
+  # slow:1@3+1x2 (window max(1, 1) = 1).
   {"t": 12.0, "kind": "pause_learner", "learner": 1, "window": 0, "fraction": 1.0},
   {"t": 12.5, "kind": "resume_learner", "learner": 1},
   {"t": 13.0, "kind": "start_learner", "learner": 2},
@@ -26,16 +29,16 @@ TAPE = [
   {"t": 14.0, "kind": "merge", "fragment": 0, "version": 1, "contributors": [0], "tokens": 512},
   {"t": 14.5, "kind": "start_syncer"},
   # A duty-cycled slowdown of learner 3, half of each period stopped, window t = 15 .. 16.25 →
-  # virtual 10 .. 12.5: slow:3@10+2.5x2 (1 / (1 − 0.5) = 2).
+  # virtual 9 .. 11.5: slow:3@9+2.5x2 (1 / (1 − 0.5) = 2).
   {"t": 15.0, "kind": "pause_learner", "learner": 3, "window": 1, "fraction": 0.5},
   {"t": 15.25, "kind": "net_delay", "latency_s": 0.1},
   {"t": 15.5, "kind": "resume_learner", "learner": 3},
   {"t": 16.0, "kind": "pause_learner", "learner": 3, "window": 1, "fraction": 0.5},
   {"t": 16.25, "kind": "resume_learner", "learner": 3},
-  # Learner 0 killed at the very end and never restarted → crash:0@16 (virtual 2 · 8 = 16).
+  # Learner 0 killed at the very end and never restarted → crash:0@15 (virtual 2 · 7.5 = 15).
   {"t": 18.0, "kind": "kill_learner", "learner": 0, "restart_delay_s": 5.0},
 ]
-EXPECTED = ("crash:2@2+4", "slow:1@4+1x2", "slow:3@10+2.5x2", "crash:0@16")
+EXPECTED = ("crash:2@1+4", "slow:1@3+1x2", "slow:3@9+2.5x2", "crash:0@15")
 
 
 def test_tape_to_faults_by_hand():
@@ -88,21 +91,24 @@ def tiny_gin():
 
 
 def test_replay_runs_the_tiny_simulator(tmp_path, tiny_gin):
-  # Virtual time, 1 s steps, budget 4 x 4 = 16 steps. Learner 2 finishes step 1 at t = 1 and
-  # crashes at t = 2 (the fault was queued before that step's completion), losing step 2; it is
-  # back at t = 6, too late. Learner 1's step starting at t = 4 takes 2 s (slow:1@4+1x2). At t = 5:
-  # learners 0 and 3 have 5 steps, learner 1 has 4, learner 2 has 1: 15. Learner 1's 5th step, at
-  # t = 6, is the 16th (without the pause the budget would be reached at t = 5). Then the last
-  # reports drain (< 1 s of latencies). Learner 3's slowdown (virtual 10) and learner 0's crash
-  # (virtual 16) come after the end.
+  # Virtual time, 1 s steps, budget 4 x 4 = 16 steps. Learner 2's first step completes at t = 1
+  # (that completion was queued at its start, before the crash was), then it crashes at t = 1 and
+  # rejoins at t = 5. Learner 1's step starting at t = 3 takes 2 s (slow:1@3+1x2). At t = 5:
+  # learners 0 and 3 have 5 steps, learner 1 has 4, learner 2 has 1: 15. At t = 5 learner 2's rejoin
+  # (queued at t = 1) runs before the others' step completions, so its step is the first to complete
+  # at t = 6: the 16th. Its report lands at 6.05 (uplink latency) and opens a round that closes when
+  # its grace window ends; the final eval follows. Learner 3's slowdown (virtual 9) and learner 0's
+  # crash (virtual 15) come after the end.
   summary = replay.replay(TAPE, workdir=str(tmp_path), real_step_time_s=0.5, tensorboard=False)
   assert summary["replay"]["faults"] == list(EXPECTED)
   assert summary["replay"]["time_scale"] == 2.0
   assert summary["tokens_trained"] == 4 * 4 * 8 * 64  # LEARNERS x STEPS x BATCH x SEQ_LEN
   steps = {int(k): v["steps"] for k, v in summary["learners"].items()}
   assert sum(steps.values()) == 16
-  assert steps == {0: 5, 1: 5, 2: 1, 3: 5}
-  assert 6.0 <= summary["virtual_time_s"] < 7.0
+  assert steps == {0: 5, 1: 4, 2: 2, 3: 5}
+  last = read_events(str(tmp_path), "merge")[-1]
+  assert last["time"] == pytest.approx(6.05 + last["grace_s"])
+  assert summary["virtual_time_s"] == pytest.approx(last["time"] + 0.05)
   assert summary["digests_agree"]
 
 
@@ -110,3 +116,21 @@ def test_replay_rejects_learners_beyond_the_fleet(tmp_path, tiny_gin):
   tape = [{"t": 1.0, "kind": "kill_learner", "learner": 7}]
   with pytest.raises(ValueError, match=r"learners \[7\]"):
     replay.replay(tape, workdir=str(tmp_path), real_step_time_s=1.0)
+
+
+def test_logged_step_time_is_the_median_over_learners(tmp_path):
+  logs = {
+    0: [{"kind": "train", "step_time_s": 0.2}, {"kind": "train", "step_time_s": 0.0}],
+    1: [{"kind": "train", "step_time_s": 0.4}, {"kind": "connected"}],
+    2: [{"kind": "train", "step_time_s": 0.3}],
+  }
+  for i, events in logs.items():
+    (tmp_path / f"learner_{i}").mkdir()
+    text = "".join(json.dumps(e) + "\n" for e in events)
+    if i == 2:
+      text += '{"kind": "tra'  # Torn by a SIGKILL: skipped.
+    (tmp_path / f"learner_{i}" / "metrics.jsonl").write_text(text)
+  # 0.0 (not measured yet) and non-train events are left out: the median of 0.2, 0.4 and 0.3.
+  assert replay.logged_step_time(str(tmp_path)) == pytest.approx(0.3)
+  with pytest.raises(ValueError, match="step time"):
+    replay.logged_step_time(str(tmp_path / "nothing"))

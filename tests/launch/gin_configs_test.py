@@ -106,6 +106,6 @@ def test_chaos_configs_build_a_job_and_a_schedule(run):
   gin.parse_config_files_and_bindings([os.path.join(ROOT, run)], [])
   job, chaos = JobConfig(), ChaosConfig()
   schedule = make_schedule(chaos, job.num_learners)
-  assert len(CHAOS) == 2
+  assert len(CHAOS) == 3
   assert sum(ev.kind == "kill_syncer" for ev in schedule) == len(chaos.syncer_kill_times_s) >= 1
   assert any(ev.kind == "kill_learner" for ev in schedule)

@@ -92,6 +92,17 @@ def test_crashed_learner_does_not_stop_the_global_model(tmp_path):
   after = [m for m in merges if m["time"] > 15.0]
   assert after and all(1 in m["contributors"] for m in after)
   assert summary["dropped_reports"] == 0
+  # The token ledger (learner/ledger.py): every learner's trained tokens are booked once, and what
+  # the learners settled as merged is exactly what the syncer merged (P = 4 fragments).
+  book = summary["token_ledger"]
+  assert book["received"] == book["merged"] + book["dropped"] + book["pending"]
+  learner_merged = 0
+  for i, s in summary["learners"].items():
+    ledger = s["token_ledger"]
+    assert ledger["balanced"] and ledger["trained"] == s["tokens"]
+    assert ledger["merged"] * 4 == book["learners"][int(i)]["merged"]
+    learner_merged += ledger["merged"] * 4
+  assert learner_merged == book["merged"] > 0
 
 
 def test_synchronous_quorum_stalls_on_a_dead_learner(tmp_path):
@@ -267,6 +278,9 @@ def test_vit_task_merges_with_int4_and_rda_and_reports_accuracy(tmp_path):
   assert set(metrics) == {"loss", "accuracy"}
   assert metrics["loss"] == summary["final_eval_loss"] < np.log(10.0)  # Zero head starts at ln 10.
   assert 0.1 < metrics["accuracy"] <= 1.0
+  # Eval events carry every metric, the final one the summary's.
+  final = read_events(str(tmp_path / "vit"), "eval")[-1]
+  assert final["final"] and final["accuracy"] == metrics["accuracy"]
 
 
 def test_moe_text_simulates(tmp_path):

@@ -643,3 +643,42 @@ def test_observe_steps_ignores_unknown_dead_and_too_frequent_samples():
   assert core.cadence_step() == 3
   clock.t = 2.0
   assert core.cadence_step() == 3 + 10  # 10 steps/s from the one valid sample.
+
+
+def test_token_ledger_books_every_report_once():
+  """received = merged + dropped + pending after each kind of answer; merged_steps per learner."""
+  core = make_core(learners=(0, 1), max_staleness=0, min_quorum=2, **sgd1())
+  ledger_rep = lambda i, n, **kw: dataclasses.replace(rep(i, **kw), new_tokens=n)  # noqa: E731
+  assert core.report(ledger_rep(0, 30, step=10)).round_version == 1
+  assert core.report(ledger_rep(0, 5, step=12)).status == "superseded"  # Carries the 30 along.
+  assert core.report(ledger_rep(0, 7, step=11)).status == "duplicate"  # Dropped: 7.
+  assert core.report(ledger_rep(1, 40, p=1, step=10)).status == "accepted"  # p1 needs K = 2.
+  book = core.ledger()
+  assert (book["received"], book["merged"], book["dropped"], book["pending"]) == (82, 0, 7, 75)
+  core.report(ledger_rep(1, 20, step=10))  # The second report of p0: quorum, merge.
+  assert [e.version for e in core.poll()] == [1]
+  book = core.ledger()
+  assert (book["received"], book["merged"], book["dropped"], book["pending"]) == (102, 55, 7, 40)
+  assert book["learners"][0] == {"received": 42, "merged": 35, "dropped": 7, "pending": 0}
+  assert book["learners"][1] == {"received": 60, "merged": 20, "dropped": 0, "pending": 40}
+  assert core.merged_steps(0) == [12, -1] and core.merged_steps(1) == [10, -1]
+  # Late (anchor 0 < version 1 with max_staleness 0) and weight 0 (never received p): dropped.
+  assert core.report(ledger_rep(0, 9, step=20)).status == "late"
+  core.register(2)
+  assert core.report(ledger_rep(2, 11, step=20)).weight == 0.0
+  core.drop_late(100, "stale header", learner_id=1, new_tokens=3)  # The service's early refusal.
+  book = core.ledger()
+  assert (book["received"], book["merged"], book["dropped"], book["pending"]) == (125, 55, 30, 40)
+  assert book["received"] == book["merged"] + book["dropped"] + book["pending"]
+  # The ledger survives a checkpoint round trip, per learner too.
+  other = make_core(max_staleness=0, min_quorum=2, **sgd1())
+  other.load_state_dict(core.state_dict())
+  assert other.ledger() == core.ledger() and other.merged_steps(0) == [12, -1]
+
+
+def test_token_ledger_rejects_negative_new_tokens():
+  core = make_core(learners=(0,))
+  bad = dataclasses.replace(rep(0), new_tokens=-1)
+  result = core.report(bad)
+  assert result.status == "rejected" and "new_tokens" in result.reason
+  assert core.ledger()["received"] == 0

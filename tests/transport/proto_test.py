@@ -71,9 +71,18 @@ def test_messages_carry_the_agreed_fields():
     "codec",
     "total_bytes",
     "num_chunks",
+    "new_tokens",
   } <= fields(syncer_pb2.PushHeader)
   assert fields(syncer_pb2.PushChunk) == {"header", "index", "data"}
-  assert fields(syncer_pb2.PushResponse) == {"status", "reason", "weight", "fleet_step"}
+  assert fields(syncer_pb2.PushResponse) == {
+    "status",
+    "reason",
+    "weight",
+    "fleet_step",
+    "round_version",
+  }
+  assert "merged_steps" in fields(syncer_pb2.HeartbeatResponse)
+  assert syncer_pb2.HeartbeatResponse.DESCRIPTOR.fields_by_name["merged_steps"].is_repeated
   assert fields(syncer_pb2.PullRequest) == {"learner_id", "fragment", "known_version"}
   assert {"fragment", "version", "digest", "codec", "total_bytes", "num_chunks"} <= fields(
     syncer_pb2.FragmentHeader

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$ddiloco/transport/proto/syncer.proto\x12\nddiloco.v1\"\x8a\x01\n\x0fRegisterRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x15\n\rlayout_digest\x18\x02 \x01(\t\x12\x15\n\rnum_fragments\x18\x03 \x01(\x05\x12\x13\n\x0bnum_devices\x18\x04 \x01(\x05\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12\x0c\n\x04host\x18\x06 \x01(\t\"\xd6\x01\n\x10RegisterResponse\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x10\n\x08versions\x18\x02 \x03(\x03\x12\x12\n\nfleet_step\x18\x03 \x01(\x03\x12\x14\n\x0cuplink_codec\x18\x04 \x01(\t\x12\x16\n\x0e\x64ownlink_codec\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x0f\n\x07overlap\x18\x07 \x01(\x05\x12\x17\n\x0fmax_chunk_bytes\x18\x08 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\t \x01(\x01\"\xd3\x01\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x10\n\x08\x66ragment\x18\x02 \x01(\x05\x12\x16\n\x0e\x61nchor_version\x18\x03 \x01(\x03\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\x13\n\x0bstep_time_s\x18\x07 \x01(\x01\x12\r\n\x05\x63odec\x18\x08 \x01(\t\x12\x13\n\x0btotal_bytes\x18\t \x01(\x03\x12\x12\n\nnum_chunks\x18\n \x01(\x05\x12\r\n\x05\x64\x65lta\x18\x0b \x01(\x08\"P\n\tPushChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.ddiloco.v1.PushHeader\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"R\n\x0cPushResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x12\n\nfleet_step\x18\x04 \x01(\x03\"J\n\x0bPullRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x10\n\x08\x66ragment\x18\x02 \x01(\x05\x12\x15\n\rknown_version\x18\x03 \x01(\x03\"\x91\x01\n\x0e\x46ragmentHeader\x12\x10\n\x08\x66ragment\x18\x01 \x01(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x12\x12\n\nnum_chunks\x18\x06 \x01(\x05\x12\x14\n\x0c\x62\x61se_version\x18\x07 \x01(\x03\"X\n\rFragmentChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.ddiloco.v1.FragmentHeader\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"I\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x13\n\x0bstep_time_s\x18\x03 \x01(\x01\"M\n\x11HeartbeatResponse\x12\x12\n\nregistered\x18\x01 \x01(\x08\x12\x10\n\x08versions\x18\x02 \x03(\x03\x12\x12\n\nfleet_step\x18\x03 \x01(\x03\"\"\n\x0cLeaveRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\"\'\n\rLeaveResponse\x12\x16\n\x0ewas_registered\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\xfe\x02\n\x0eStatusResponse\x12\x10\n\x08versions\x18\x01 \x03(\x03\x12\x0e\n\x06merges\x18\x02 \x01(\x03\x12\r\n\x05\x61live\x18\x03 \x03(\x03\x12:\n\x08\x63ounters\x18\x04 \x03(\x0b\x32(.ddiloco.v1.StatusResponse.CountersEntry\x12\x38\n\x07refused\x18\x05 \x03(\x0b\x32\'.ddiloco.v1.StatusResponse.RefusedEntry\x12\x18\n\x10quorum_histogram\x18\x06 \x03(\x03\x12\x10\n\x08\x62ytes_up\x18\x07 \x01(\x03\x12\x12\n\nbytes_down\x18\x08 \x01(\x03\x12\x10\n\x08uptime_s\x18\t \x01(\x01\x12\x12\n\nfleet_step\x18\n \x01(\x03\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a.\n\x0cRefusedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\x91\x03\n\x06Syncer\x12\x45\n\x08Register\x12\x1b.ddiloco.v1.RegisterRequest\x1a\x1c.ddiloco.v1.RegisterResponse\x12\x39\n\x04Push\x12\x15.ddiloco.v1.PushChunk\x1a\x18.ddiloco.v1.PushResponse(\x01\x12<\n\x04Pull\x12\x17.ddiloco.v1.PullRequest\x1a\x19.ddiloco.v1.FragmentChunk0\x01\x12H\n\tHeartbeat\x12\x1c.ddiloco.v1.HeartbeatRequest\x1a\x1d.ddiloco.v1.HeartbeatResponse\x12<\n\x05Leave\x12\x18.ddiloco.v1.LeaveRequest\x1a\x19.ddiloco.v1.LeaveResponse\x12?\n\x06Status\x12\x19.ddiloco.v1.StatusRequest\x1a\x1a.ddiloco.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$ddiloco/transport/proto/syncer.proto\x12\nddiloco.v1\"\x8a\x01\n\x0fRegisterRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x15\n\rlayout_digest\x18\x02 \x01(\t\x12\x15\n\rnum_fragments\x18\x03 \x01(\x05\x12\x13\n\x0bnum_devices\x18\x04 \x01(\x05\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12\x0c\n\x04host\x18\x06 \x01(\t\"\xd6\x01\n\x10RegisterResponse\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x10\n\x08versions\x18\x02 \x03(\x03\x12\x12\n\nfleet_step\x18\x03 \x01(\x03\x12\x14\n\x0cuplink_codec\x18\x04 \x01(\t\x12\x16\n\x0e\x64ownlink_codec\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x0f\n\x07overlap\x18\x07 \x01(\x05\x12\x17\n\x0fmax_chunk_bytes\x18\x08 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\t \x01(\x01\"\xe7\x01\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x10\n\x08\x66ragment\x18\x02 \x01(\x05\x12\x16\n\x0e\x61nchor_version\x18\x03 \x01(\x03\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\x13\n\x0bstep_time_s\x18\x07 \x01(\x01\x12\r\n\x05\x63odec\x18\x08 \x01(\t\x12\x13\n\x0btotal_bytes\x18\t \x01(\x03\x12\x12\n\nnum_chunks\x18\n \x01(\x05\x12\r\n\x05\x64\x65lta\x18\x0b \x01(\x08\x12\x12\n\nnew_tokens\x18\x0c \x01(\x03\"P\n\tPushChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.ddiloco.v1.PushHeader\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"i\n\x0cPushResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x12\n\nfleet_step\x18\x04 \x01(\x03\x12\x15\n\rround_version\x18\x05 \x01(\x03\"J\n\x0bPullRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x10\n\x08\x66ragment\x18\x02 \x01(\x05\x12\x15\n\rknown_version\x18\x03 \x01(\x03\"\x91\x01\n\x0e\x46ragmentHeader\x12\x10\n\x08\x66ragment\x18\x01 \x01(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x12\x12\n\nnum_chunks\x18\x06 \x01(\x05\x12\x14\n\x0c\x62\x61se_version\x18\x07 \x01(\x03\"X\n\rFragmentChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.ddiloco.v1.FragmentHeader\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"I\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x13\n\x0bstep_time_s\x18\x03 \x01(\x01\"c\n\x11HeartbeatResponse\x12\x12\n\nregistered\x18\x01 \x01(\x08\x12\x10\n\x08versions\x18\x02 \x03(\x03\x12\x12\n\nfleet_step\x18\x03 \x01(\x03\x12\x14\n\x0cmerged_steps\x18\x04 \x03(\x03\"\"\n\x0cLeaveRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x03\"\'\n\rLeaveResponse\x12\x16\n\x0ewas_registered\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\xfe\x02\n\x0eStatusResponse\x12\x10\n\x08versions\x18\x01 \x03(\x03\x12\x0e\n\x06merges\x18\x02 \x01(\x03\x12\r\n\x05\x61live\x18\x03 \x03(\x03\x12:\n\x08\x63ounters\x18\x04 \x03(\x0b\x32(.ddiloco.v1.StatusResponse.CountersEntry\x12\x38\n\x07refused\x18\x05 \x03(\x0b\x32\'.ddiloco.v1.StatusResponse.RefusedEntry\x12\x18\n\x10quorum_histogram\x18\x06 \x03(\x03\x12\x10\n\x08\x62ytes_up\x18\x07 \x01(\x03\x12\x12\n\nbytes_down\x18\x08 \x01(\x03\x12\x10\n\x08uptime_s\x18\t \x01(\x01\x12\x12\n\nfleet_step\x18\n \x01(\x03\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a.\n\x0cRefusedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\x91\x03\n\x06Syncer\x12\x45\n\x08Register\x12\x1b.ddiloco.v1.RegisterRequest\x1a\x1c.ddiloco.v1.RegisterResponse\x12\x39\n\x04Push\x12\x15.ddiloco.v1.PushChunk\x1a\x18.ddiloco.v1.PushResponse(\x01\x12<\n\x04Pull\x12\x17.ddiloco.v1.PullRequest\x1a\x19.ddiloco.v1.FragmentChunk0\x01\x12H\n\tHeartbeat\x12\x1c.ddiloco.v1.HeartbeatRequest\x1a\x1d.ddiloco.v1.HeartbeatResponse\x12<\n\x05Leave\x12\x18.ddiloco.v1.LeaveRequest\x1a\x19.ddiloco.v1.LeaveResponse\x12?\n\x06Status\x12\x19.ddiloco.v1.StatusRequest\x1a\x1a.ddiloco.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,33 +40,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERRESPONSE']._serialized_start=194
   _globals['_REGISTERRESPONSE']._serialized_end=408
   _globals['_PUSHHEADER']._serialized_start=411
-  _globals['_PUSHHEADER']._serialized_end=622
-  _globals['_PUSHCHUNK']._serialized_start=624
-  _globals['_PUSHCHUNK']._serialized_end=704
-  _globals['_PUSHRESPONSE']._serialized_start=706
-  _globals['_PUSHRESPONSE']._serialized_end=788
-  _globals['_PULLREQUEST']._serialized_start=790
-  _globals['_PULLREQUEST']._serialized_end=864
-  _globals['_FRAGMENTHEADER']._serialized_start=867
-  _globals['_FRAGMENTHEADER']._serialized_end=1012
-  _globals['_FRAGMENTCHUNK']._serialized_start=1014
-  _globals['_FRAGMENTCHUNK']._serialized_end=1102
-  _globals['_HEARTBEATREQUEST']._serialized_start=1104
-  _globals['_HEARTBEATREQUEST']._serialized_end=1177
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1179
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1256
-  _globals['_LEAVEREQUEST']._serialized_start=1258
-  _globals['_LEAVEREQUEST']._serialized_end=1292
-  _globals['_LEAVERESPONSE']._serialized_start=1294
-  _globals['_LEAVERESPONSE']._serialized_end=1333
-  _globals['_STATUSREQUEST']._serialized_start=1335
-  _globals['_STATUSREQUEST']._serialized_end=1350
-  _globals['_STATUSRESPONSE']._serialized_start=1353
-  _globals['_STATUSRESPONSE']._serialized_end=1735
-  _globals['_STATUSRESPONSE_COUNTERSENTRY']._serialized_start=1640
-  _globals['_STATUSRESPONSE_COUNTERSENTRY']._serialized_end=1687
-  _globals['_STATUSRESPONSE_REFUSEDENTRY']._serialized_start=1689
-  _globals['_STATUSRESPONSE_REFUSEDENTRY']._serialized_end=1735
-  _globals['_SYNCER']._serialized_start=1738
-  _globals['_SYNCER']._serialized_end=2139
+  _globals['_PUSHHEADER']._serialized_end=642
+  _globals['_PUSHCHUNK']._serialized_start=644
+  _globals['_PUSHCHUNK']._serialized_end=724
+  _globals['_PUSHRESPONSE']._serialized_start=726
+  _globals['_PUSHRESPONSE']._serialized_end=831
+  _globals['_PULLREQUEST']._serialized_start=833
+  _globals['_PULLREQUEST']._serialized_end=907
+  _globals['_FRAGMENTHEADER']._serialized_start=910
+  _globals['_FRAGMENTHEADER']._serialized_end=1055
+  _globals['_FRAGMENTCHUNK']._serialized_start=1057
+  _globals['_FRAGMENTCHUNK']._serialized_end=1145
+  _globals['_HEARTBEATREQUEST']._serialized_start=1147
+  _globals['_HEARTBEATREQUEST']._serialized_end=1220
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1222
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1321
+  _globals['_LEAVEREQUEST']._serialized_start=1323
+  _globals['_LEAVEREQUEST']._serialized_end=1357
+  _globals['_LEAVERESPONSE']._serialized_start=1359
+  _globals['_LEAVERESPONSE']._serialized_end=1398
+  _globals['_STATUSREQUEST']._serialized_start=1400
+  _globals['_STATUSREQUEST']._serialized_end=1415
+  _globals['_STATUSRESPONSE']._serialized_start=1418
+  _globals['_STATUSRESPONSE']._serialized_end=1800
+  _globals['_STATUSRESPONSE_COUNTERSENTRY']._serialized_start=1705
+  _globals['_STATUSRESPONSE_COUNTERSENTRY']._serialized_end=1752
+  _globals['_STATUSRESPONSE_REFUSEDENTRY']._serialized_start=1754
+  _globals['_STATUSRESPONSE_REFUSEDENTRY']._serialized_end=1800
+  _globals['_SYNCER']._serialized_start=1803
+  _globals['_SYNCER']._serialized_end=2204
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,279 @@
+"""One learner formed by several JAX processes: process 0 talks to the syncer, the others follow.
+
+A learner on a multi-host slice is one multi-controller JAX job (SPEC §1): its mesh spans the devices
+of all its processes, so every process must launch the same computations (train steps, snapshot
+copies, digest read-backs: collectives) in the same order, and all must hold bit-identical parameters.
+`MultihostWorker` keeps that invariant on top of `LearnerWorker`:
+
+- Only the leader (process 0) has a syncer client and background threads: it registers, heartbeats,
+  pushes and pulls. The others hold a client that raises if anything touches it.
+- Everything that steers the learner's protocol state arrives on the leader's threads (merged
+  fragments, push answers, the fleet's cadence) and reaches the training thread only through
+  `_drain`. Once per step the leader shares exactly what it drains there (`ProcessGroup.share`); every
+  process then feeds the same items to its `Learner`, so `due`, `follow` and `apply_ready` decide
+  the same sends and applies at the same step everywhere, and the digest of every apply is checked
+  on every process. The shared header also carries stop requests (SIGTERM on any process stops all
+  at the same step) and a connect failure (the others raise instead of waiting forever).
+- A due fragment is replicated across the learner's devices (`Learner.host_readable`), so the
+  leader's sender copies it to host memory without any further collective.
+
+The worker's queues are swapped for `_GatedQueue`s: the leader's threads still `put` into them, but
+`LearnerWorker._drain` only sees items released by a share, so nothing reaches the leader's learner
+that the others did not get. The token ledger (learner/ledger.py) is bookkeeping of the leader's
+reports: the followers' copy is approximate and the leader's summary is the learner's.
+"""
+
+import collections
+import hashlib
+import os
+import pickle
+import queue
+from typing import Any
+
+import jax
+
+from ddiloco.launch.job import JobConfig
+from ddiloco.learner.learner import LearnerConfig
+from ddiloco.learner.worker import LearnerWorker
+from ddiloco.metrics.writer import MetricsWriter
+from ddiloco.parallel.multihost import GlobalBatches, ProcessGroup
+from ddiloco.simulation.config import LearnerSpec
+from ddiloco.transport.client import SyncerClient, fragment_layouts
+
+
+class _GatedQueue:
+  """A queue whose consumer sees only what was released: `put` (any thread) -> `take_incoming` ->
+  (shared with the other processes) -> `release` -> `get_nowait` (the training thread)."""
+
+  def __init__(self):
+    self._incoming: queue.Queue = queue.Queue()
+    self._released: collections.deque = collections.deque()
+
+  def put(self, item: Any) -> None:
+    self._incoming.put(item)
+
+  def take_incoming(self) -> list[Any]:
+    items = []
+    while True:
+      try:
+        items.append(self._incoming.get_nowait())
+      except queue.Empty:
+        return items
+
+  def release(self, items: list[Any]) -> None:
+    self._released.extend(items)
+
+  def get_nowait(self) -> Any:
+    try:
+      return self._released.popleft()
+    except IndexError:
+      raise queue.Empty from None
+
+
+class _NoSyncer:
+  """The syncer client of a follower process: only the leader talks to the syncer."""
+
+  address = "(process 0 of this learner)"
+  bytes_up = 0
+  bytes_down = 0
+
+  def __getattr__(self, name: str) -> Any:
+    raise RuntimeError(
+      f"SyncerClient.{name}: only process 0 of a multi-process learner talks to the syncer."
+    )
+
+
+class MultihostWorker(LearnerWorker):
+  """A `LearnerWorker` for one process of a multi-process learner (see module docstring).
+
+  Args:
+    group: this process's view of the learner's processes (its mesh is the learner's).
+    **kwargs: `LearnerWorker` arguments; followers get any `client` (never used). No checkpointer.
+
+  Raises:
+    ValueError: with a checkpointer (learner checkpoints are per process; not supported yet).
+  """
+
+  def __init__(self, *, group: ProcessGroup, **kwargs: Any):
+    if kwargs.get("checkpointer") is not None:
+      raise ValueError("Multi-process learners do not save learner checkpoints yet.")
+    super().__init__(**kwargs)
+    self.group = group
+    self.learner.host_readable = group.replicate
+    self._results = _GatedQueue()
+    self._received = _GatedQueue()
+    self._stop_pending = False  # A stop request of this process, shared at the next share.
+    self._shared_cadence = -1  # The leader's `_cadence_now` at the last share.
+    self._synced_step = -1  # learner.step at the last share: one share per step.
+    self._local_only = False  # After training: no more collectives.
+    self.params_digest = ""
+
+  # -- connection -----------------------------------------------------------------------------
+
+  def connect(self) -> None:
+    """Leader: registers and pulls; then every process loads the same global fragments (SPEC §6).
+
+    Raises:
+      RuntimeError: on a follower, if the leader failed to connect.
+      TimeoutError, grpc.RpcError: on the leader, as `LearnerWorker.connect`.
+    """
+    if self.restored_from is None:
+      self.restore()
+    payload = b""
+    if self.group.is_leader:
+      try:
+        resp, loaded = self._fetch_global()
+      except Exception:
+        self.group.share(flag=True)  # The followers would otherwise wait for the leader forever.
+        raise
+      payload = pickle.dumps((loaded, int(resp.fleet_step), list(resp.versions)))
+    shared = self.group.share(payload)
+    if shared.any_flag:
+      raise RuntimeError("Process 0 of this learner could not connect to the syncer (its log).")
+    # Pickle is safe here: the bytes come from process 0 of this same job, over JAX's collectives.
+    loaded, fleet_step, versions = pickle.loads(shared.payload)
+    self._adopt_global(loaded, fleet_step, versions)
+
+  def start(self) -> None:
+    if self.group.is_leader:
+      super().start()
+
+  def request_stop(self) -> None:
+    """Stops every process of the learner after the step at which the request is shared."""
+    self._stop_pending = True
+
+  # -- the shared step ------------------------------------------------------------------------
+
+  def _drain(self) -> None:
+    if self._local_only:
+      if self.group.is_leader:  # Final answers after training: the leader's summary counts them.
+        self._results.release(self._results.take_incoming())
+        self._received.release(self._received.take_incoming())
+    elif self._synced_step != self.learner.step:
+      self._synced_step = self.learner.step
+      self._share_inbox()
+    super()._drain()
+
+  def _share_inbox(self) -> None:
+    """Shares what the leader drains this step, its cadence and any stop request."""
+    payload, cadence = b"", -1
+    if self.group.is_leader:
+      results = self._results.take_incoming()
+      states = self._received.take_incoming()
+      with self._lock:
+        settle = self._settle
+      cadence = super()._cadence_now()
+      if results or states or settle is not None:
+        payload = pickle.dumps((results, states, settle))
+    shared = self.group.share(payload, value=cadence, flag=self._stop_pending)
+    self._shared_cadence = shared.value
+    self._stop_requested = self._stop_requested or shared.any_flag
+    if not shared.payload:
+      return
+    results, states, settle = pickle.loads(shared.payload)  # From process 0 of this job.
+    if not self.group.is_leader:
+      with self._lock:
+        self._settle = settle
+        for state in states:  # `_apply` checks each apply against the syncer's digest.
+          self._digests[(state.fragment, state.version)] = state.digest
+    self._results.release(results)
+    self._received.release(states)
+
+  def _cadence_now(self) -> int:
+    return self._shared_cadence
+
+  def _send_due(self) -> None:
+    if self.group.is_leader:
+      super()._send_due()
+      return
+    for p in self.learner.due():  # The same snapshots (collectives) and sends as the leader's.
+      self.learner.snapshot_report(p, step_time_s=self.step_time_s)
+
+  # -- the end --------------------------------------------------------------------------------
+
+  def run(self, num_steps: int) -> dict[str, Any]:
+    """Trains, digests the parameters (every process), then the leader flushes and leaves."""
+    self.start()
+    train_s = self.train(num_steps)
+    self.params_digest = self.digest_params()
+    self._local_only = True
+    self.finish()
+    return self.summary(train_s)
+
+  def digest_params(self) -> str:
+    """A digest of every parameter (each fragment's digest, in order); a collective."""
+    num = self.learner.layout.num_fragments
+    text = ",".join(self.learner.digest_of(p) for p in range(num))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+  def finish(self, timeout_s: float = 30.0) -> None:
+    self._local_only = True
+    if self.group.is_leader:
+      super().finish(timeout_s)
+    else:
+      self._stop.set()
+
+  def summary(self, train_s: float) -> dict[str, Any]:
+    out = super().summary(train_s)
+    out.update(
+      process_index=self.group.process_index,
+      num_processes=self.group.num_processes,
+      params_digest=self.params_digest,
+    )
+    return out
+
+
+def make_multihost_worker(
+  job: JobConfig,
+  *,
+  learner_id: int,
+  client: SyncerClient | None,
+  workdir: str,
+  connect_timeout_s: float = 120.0,
+) -> tuple[MultihostWorker, MetricsWriter]:
+  """This process's part of learner `learner_id`, on the global devices of all its processes.
+
+  Call after `parallel.multihost.initialize`. Every process reads the learner's data shard and feeds
+  the rows of its own devices (`GlobalBatches`), so the learner's batch is `job.batch_size`.
+
+  Args:
+    job: the run's config (identical in every process).
+    learner_id: the learner's id at the syncer.
+    client: the syncer client (process 0 only; None elsewhere).
+    workdir: this process's output folder.
+    connect_timeout_s: how long process 0's first registration may take.
+
+  Returns:
+    The worker and its metrics writer.
+
+  Raises:
+    ValueError: without a client on process 0, or with one elsewhere.
+  """
+  if (client is not None) != (jax.process_index() == 0):
+    raise ValueError("Process 0, and only process 0, of a learner needs a syncer client.")
+  factory = job.factory()
+  spec = LearnerSpec(batch_size=job.batch_size, devices=len(jax.devices()))
+  learner = factory.make_learner(
+    learner_id,
+    spec=spec,
+    schedule=job.the_schedule(),
+    config=job.learner or LearnerConfig(),
+    device_slot=0,  # All global devices: the mesh spans every process of the learner.
+  )
+  group = ProcessGroup(learner.steps.mesh)
+  data = GlobalBatches(iter(factory.make_data(learner_id, spec=spec)), learner.steps.batch_sharding)
+  os.makedirs(workdir, exist_ok=True)
+  writer = MetricsWriter(workdir, tensorboard=False)
+  worker = MultihostWorker(
+    group=group,
+    learner=learner,
+    data=data,
+    client=client if client is not None else _NoSyncer(),
+    layout_digest=factory.layout.digest,
+    layouts=fragment_layouts(factory.layout.fragments, factory.global_init_values()),
+    writer=writer,
+    batch_size=job.learner_batch_size(),
+    log_every=job.log_every,
+    connect_timeout_s=connect_timeout_s,
+  )
+  return worker, writer

@@ -1,0 +1,121 @@
+"""MultihostWorker in one process (it is then its own leader) against a real in-process syncer.
+
+The two-process learner is tests/integration/multiprocess_learner_test.py (slow). Here: the gated
+queues, the follower's client, the factory that initialises on this process's devices, and that the
+shared-step worker trains, applies the syncer's exact bits and stops at a shared step.
+
+Model: one block, d=32, byte vocabulary; P = 2 fragments, H = 2, τ = 1; batches of 8 x 8 tokens.
+"""
+
+import queue
+
+import pytest
+
+from ddiloco.data import text as text_data
+from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.launch.job import JobConfig
+from ddiloco.learner import multihost
+from ddiloco.learner.train_step import InnerOptConfig
+from ddiloco.models import configs
+from ddiloco.syncer import service as service_lib
+from ddiloco.syncer.types import SyncerConfig
+from ddiloco.transport.client import SyncerClient
+
+pytestmark = pytest.mark.timeout(120)  # Sockets and threads (STYLE.md).
+
+L, B = 8, 8
+ONE_BLOCK = {"num_layers": 1, "d_model": 32, "num_heads": 2, "head_dim": 16, "mlp_dim": 64}
+JOB = JobConfig(
+  model=configs.transformer_config("tiny", vocab_size=256, max_len=L, **ONE_BLOCK),
+  data=text_data.TextDataConfig(seq_len=L, batch_size=B),
+  schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
+  syncer=SyncerConfig(overlap=1, use_grace=False, outer_momentum=0.0),
+  inner_opt=InnerOptConfig(warmup_steps=1, decay_steps=50),
+  service=service_lib.ServiceConfig(
+    uplink_codec="fp32", downlink_codec="fp32", heartbeat_interval_s=0.05, liveness_timeout_s=600
+  ),
+  num_learners=1,
+  eval_batches=1,
+)
+
+
+def test_gated_queue_hides_items_until_released():
+  q = multihost._GatedQueue()
+  q.put("a")
+  q.put("b")
+  with pytest.raises(queue.Empty):
+    q.get_nowait()  # Put, not yet shared.
+  taken = q.take_incoming()
+  q.put("c")  # Arrives while "a", "b" are being shared: not released with them.
+  q.release(taken)
+  assert [q.get_nowait(), q.get_nowait()] == ["a", "b"]
+  with pytest.raises(queue.Empty):
+    q.get_nowait()
+  assert q.take_incoming() == ["c"]
+
+
+def test_followers_client_refuses_every_call():
+  client = multihost._NoSyncer()
+  assert (client.bytes_up, client.bytes_down) == (0, 0)
+  with pytest.raises(RuntimeError, match="only process 0"):
+    client.register(0)
+
+
+@pytest.fixture
+def syncer():
+  factory = JOB.factory()
+  svc = service_lib.make_syncer(
+    fragment_keys=factory.layout.fragments,
+    init_values=factory.global_init_values(),
+    syncer_config=JOB.the_syncer(),
+    service_config=JOB.the_service(),
+    layout_digest=factory.layout.digest,
+    embedding_keys=factory.embedding_keys(),
+  )
+  srv = service_lib.serve(svc)
+  yield svc, f"127.0.0.1:{srv.port}"
+  srv.stop(grace_s=0.5)
+
+
+def test_process_zero_needs_the_client(tmp_path):
+  with pytest.raises(ValueError, match="only process 0"):
+    multihost.make_multihost_worker(JOB, learner_id=0, client=None, workdir=str(tmp_path))
+
+
+def test_one_process_trains_applies_exact_bits_and_digests_params(syncer, tmp_path):
+  svc, address = syncer
+  client = SyncerClient(address, deadline_s=10.0)
+  worker, writer = multihost.make_multihost_worker(
+    JOB, learner_id=0, client=client, workdir=str(tmp_path), connect_timeout_s=30.0
+  )
+  worker.connect()
+  summary = worker.run(12)
+  writer.close()
+  client.close()
+  assert (summary["steps"], summary["process_index"], summary["num_processes"]) == (12, 0, 1)
+  assert summary["tokens"] == 12 * B * L
+  assert summary["digest_mismatches"] == 0
+  assert summary["applies"]
+  published = svc.published_digests()
+  for p, version, digest in summary["applies"]:
+    assert published[(p, version)] == digest
+  expected = multihost.hashlib.sha256(
+    ",".join(worker.learner.digest_of(p) for p in range(2)).encode()
+  ).hexdigest()
+  assert summary["params_digest"] == expected
+
+
+def test_a_stop_request_takes_effect_at_the_next_shared_step(syncer, tmp_path):
+  _, address = syncer
+  client = SyncerClient(address, deadline_s=10.0)
+  worker, writer = multihost.make_multihost_worker(
+    JOB, learner_id=0, client=client, workdir=str(tmp_path), connect_timeout_s=30.0
+  )
+  worker.connect()
+  worker.request_stop()  # As SIGTERM would: nothing stops until the request is shared.
+  assert not worker._stop_requested
+  summary = worker.run(100)
+  writer.close()
+  client.close()
+  # Shared at the first step's share (before step 1); the loop checks it after step 1.
+  assert summary["steps"] == 1
