@@ -5,12 +5,17 @@ the median of the rounds is reported. Each round files 8 reports (learners 0..7,
 marked delivered, so each weighs > 0, SPEC §3) into the open round of one fragment of 4 tensors of
 1M float32 (16 MiB) and times `SyncerCore.flush()`, i.e. one merge (SPEC §4.3–4.7): the per-tensor
 merge of the 8 outer gradients Θ^(anchor) − θ_m (`merge.merge_reports`, float32, each v_m formed
-block by block as it is used), the optax outer step (Nesterov SGD, jitted), the new values, the
-digest of the new version and its history entry. Rows:
+block by block as it is used, written into the core's reused `merge.OutputBuffer`), the optax
+outer step (Nesterov SGD, jitted), the new values, the digest of the new version and its history
+entry. RDA's first pass, the squared norms ‖v_m‖², is no longer in the merge: the core sums them
+when it files each report, in the same pass as the door's NaN/Inf check (`merge.finite_sq_norm`),
+so the merge takes one pass over the contributions and filing takes the other (issue 3). Rows:
   read         the floor: one pass over the 8 × 16 MiB of contributions, a float32 sum into one
                accumulator (`np.add(acc, θ_m, out=acc)`). A sum rather than `np.copy`: any merge
                must read every contribution once but need not write 8 copies, so a reduction is the
                least work a merge can do; a copy would also write 128 MiB and flatter the ratio.
+  file         `SyncerCore.report` of the 8 reports: validation, the NaN/Inf check fused with the
+               RDA norms (for the mean merge's core it is the check alone), a copy of each.
   rda merge    SyncerCore with merge_method="rda" (the default, SPEC §4.5)
   mean merge   SyncerCore with merge_method="mean" (the ablation)
   rda + int4   the same RDA merge in a `make_syncer` service with an int4 downlink codec: the
@@ -21,21 +26,26 @@ digest of the new version and its history entry. Rows:
   int4 adopt   the adoption alone, timed directly: a fresh `DownlinkAdopter("int4")` called on the
                last merge's (Θ_new, Θ_old) and then `published` (the chunking), as the core and
                the service call it.
-Filing the 8 reports (validation and a copy of each, `SyncerCore.report`) is timed as its own row
-and is not part of the merge times; the merge's main parts are also timed offline, with the same
-functions the core calls: `merge_reports` (RDA, and its first pass, the 8 norms, on its own: given
-the norms, e.g. computed when each report is filed, RDA needs only its second pass, the next row),
-the mean, the outer step as the core runs it, and the digest. Every row has a wall-clock median and a process-CPU-time median (the
-machine is shared: CPU time is what contention with other processes spares; it sums all threads,
-so multithreaded BLAS or XLA can make it exceed wall time; run with OPENBLAS_NUM_THREADS=1 to
-compare like with like, as `ddiloco-syncer` pins one BLAS thread), each with its ratio to
-the read row's. It prints the merge/read ratios (goal <= 3x); wall time is the figure that counts
-when "process CPU/wall" in the header is near or above 1, i.e. the process was not starved.
+The merge's main parts are also timed offline, with the same functions the core calls:
+`merge_reports` (RDA with the norms unknown, i.e. both passes, and the 8 norms on their own: the
+pass filing now does), RDA given the norms (what the flush runs), the mean, the outer step as the
+core runs it, and the digest. Every row has a wall-clock median and a process-CPU-time median
+(the machine is shared: CPU time is what contention with other processes spares; it sums all
+threads, so multithreaded XLA can make it exceed wall time), each with its ratio to the read
+row's. It prints the merge/read ratios (goal <= 3x); wall time is the figure that counts when
+"process CPU/wall" in the header is near or above 1, i.e. the process was not starved. Like
+`ddiloco-syncer`, the script pins one OpenBLAS thread (unless OPENBLAS_NUM_THREADS is set): an idle
+OpenBLAS thread spins, and on a loaded machine the spinning made the merge 80x the read.
 
   python scripts/bench_merge.py --tensors=4 --mib=16 --learners=8 --rounds=5
 """
 
 import os
+
+os.environ.setdefault(
+  "OPENBLAS_NUM_THREADS", "1"
+)  # Before numpy loads OpenBLAS; see the docstring.
+
 import statistics
 import sys
 import time
@@ -276,14 +286,14 @@ def main(argv: list[str]) -> None:
   print(f"  {'row':40s} {'wall ms':>8s} {'cpu ms':>8s} {'/read':>7s} {'/read':>6s}")
   rows = [
     ("read once (float32 sum of 8 arrays)", "read"),
-    ("file 8 reports (not in merges)", "file 8 reports"),
+    ("file 8 reports (+ norms; not in merges)", "file 8 reports"),
     ("RDA merge (SyncerCore.flush)", "rda merge"),
     ("mean merge (SyncerCore.flush)", "mean merge"),
     ("RDA merge + int4 adoption (make_syncer)", "rda + int4 adopt"),
     ("int4 adoption alone (DownlinkAdopter)", "adopt"),
-    ("parts, offline: merge_reports rda", "rda alone"),
-    ("  its 1st pass: outer_sq_norms x 8", "norms"),
-    ("  rda, norms given (2nd pass only)", "rda known"),
+    ("parts, offline: rda, norms unknown", "rda alone"),
+    ("  1st pass, norms x 8 (now at filing)", "norms"),
+    ("  rda, norms given (2nd pass: flush)", "rda known"),
     ("  merge_reports mean", "mean alone"),
     ("  outer step (copy in, jit, view out)", "step"),
     ("  values_digest of the new version", "digest"),

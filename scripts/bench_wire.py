@@ -8,21 +8,28 @@ equally, and the median of the rounds is reported:
          θ − Θ^(anchor), the wire format, 1 MiB chunks, each made while the previous ones are
          sent), gRPC framing and the loopback transfer, the server's validation at the door (token
          interceptor, chunk message parsing, header and size checks, chunk reassembly, `wire`
-         parsing, decode and the NaN/Inf check, adding the anchor back) and `SyncerCore.report`
-         (validation again, with its own NaN/Inf check; the service files the decoded values
-         without a copy). The syncer runs with min_quorum=2 and one learner, so a push only files
-         into a round: no merge is timed.
+         parsing, decode into recycled memory (`chunks.ArrayPool`) and the NaN/Inf check, adding
+         the anchor back) and `SyncerCore.report` (validation again: its NaN/Inf check fused with
+         RDA's squared norm of the outer gradient; the service files the decoded values without
+         a copy). The syncer runs with min_quorum=2 and one learner, so a push only files into a
+         round (superseding the previous push, whose memory the next push then reuses): no merge
+         is timed.
   raw    `socket.sendall` of the same number of bytes in 1 MiB pieces over one TCP connection to a
          thread that reads them into a buffer and discards them, then acknowledges with one byte.
   bare   gRPC's own floor: the same bytes as 1 MiB raw `bytes` messages (no protobuf) streamed to
-         a generic handler that counts and drops them, no token, no service code.
-It prints the throughputs, the ratio push/raw (goal >= 0.5), bare/raw and push/bare, the pull
-throughput of the same fragment (a learner pulls it before it may push, SPEC §3), and the push's
-time split: client serialization of all chunk messages up front, then a Push of those pre-built
-messages on a second channel (everything after serialization), of which the parsing of the chunk
-messages, the server's reassembly/decode/validation and the core's filing, each timed offline in
-one thread with the functions the two ends call, and the rest (gRPC transport, token check,
-locks). The end-to-end push overlaps serialization with the transfer, so it may take less than
+         a generic handler that counts and drops them, no token, no service code, with the
+         service's channel options.
+Every path has a wall-clock median and a process-CPU-time median: CPU time sums every thread of
+the process (both ends, gRPC's threads, the kernel's socket copies) and is what contention with
+other processes spares, so on a loaded machine it is the steadier figure; wall time counts when
+"process CPU/wall" in the header is near 1. It prints the throughputs, the ratios push/raw (goal
+>= 0.5), bare/raw and push/bare for both, the pull throughput of the same fragment (a learner
+pulls it before it may push, SPEC §3), and the push's time split: client serialization with each
+chunk dropped as it is made (as the client streams them), then a Push of pre-built chunk messages
+on a second channel (everything after serialization), of which the parsing of the chunk messages,
+the server's reassembly/decode/validation and the core's filing, each timed offline in one thread
+with the functions the two ends call, and the rest (gRPC transport, token check, locks). The
+end-to-end push overlaps serialization with the transfer, so it may take less than
 serialization plus the pre-built push.
 
   python scripts/bench_wire.py --mib=64 --rounds=5
@@ -45,6 +52,7 @@ from ddiloco.fragments import layout as layout_lib
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
 from ddiloco.syncer.service import ServiceConfig, make_syncer, serve
 from ddiloco.transport import auth, messages
+from ddiloco.transport.chunks import ArrayPool
 from ddiloco.transport.client import SyncerClient
 from ddiloco.transport.proto import syncer_pb2
 
@@ -57,6 +65,20 @@ _PIECE = 1 << 20  # Raw TCP: sendall of 1 MiB pieces, the service's chunk size.
 _KEY = "w"
 _TOKEN = "bench-wire-token"
 _LEN = struct.Struct("<Q")
+Seconds = tuple[float, float]  # (wall, process CPU) seconds.
+
+
+class _Stopwatch:
+  """Wall and process CPU seconds of a block: CPU time sums every thread of this process (both
+  ends, gRPC's own threads, the kernel's socket copies as system time) and is not inflated when
+  other processes take the cores, which wall time on a shared machine is."""
+
+  def __enter__(self) -> "_Stopwatch":
+    self._wall, self._cpu = time.perf_counter(), time.process_time()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.seconds = (time.perf_counter() - self._wall, time.process_time() - self._cpu)
 
 
 class _DiscardServer:
@@ -119,25 +141,24 @@ class _Floors:
     )
     self._pieces = [payload[i : i + _PIECE] for i in range(0, len(payload), _PIECE)]
 
-  def raw(self) -> float:
-    """Seconds to send the payload in 1 MiB sendall pieces and receive the reader's ack."""
+  def raw(self) -> Seconds:
+    """Time to send the payload in 1 MiB sendall pieces and receive the reader's ack."""
     view = memoryview(self._payload)
-    t0 = time.perf_counter()
-    self._conn.sendall(_LEN.pack(len(view)))
-    for i in range(0, len(view), _PIECE):
-      self._conn.sendall(view[i : i + _PIECE])
-    if self._conn.recv(1) != b"k":
-      raise RuntimeError("The discard server did not acknowledge.")
-    return time.perf_counter() - t0
+    with _Stopwatch() as watch:
+      self._conn.sendall(_LEN.pack(len(view)))
+      for i in range(0, len(view), _PIECE):
+        self._conn.sendall(view[i : i + _PIECE])
+      if self._conn.recv(1) != b"k":
+        raise RuntimeError("The discard server did not acknowledge.")
+    return watch.seconds
 
-  def bare(self) -> float:
-    """Seconds to stream the payload as 1 MiB bytes messages through gRPC and get the count back."""
-    t0 = time.perf_counter()
-    got = int.from_bytes(self._call(iter(self._pieces), timeout=300.0), "little")
-    elapsed = time.perf_counter() - t0
+  def bare(self) -> Seconds:
+    """Time to stream the payload as 1 MiB bytes messages through gRPC and get the count back."""
+    with _Stopwatch() as watch:
+      got = int.from_bytes(self._call(iter(self._pieces), timeout=300.0), "little")
     if got != len(self._payload):
       raise RuntimeError(f"The bare gRPC server counted {got} bytes of {len(self._payload)}.")
-    return elapsed
+    return watch.seconds
 
   def close(self) -> None:
     self._conn.close()
@@ -186,6 +207,7 @@ class _Service:
     )
     self.filing.register(0)
     self.filing.mark_delivered(0, 0, 0)
+    self._pool = ArrayPool(max_free_bytes=4 * n)  # Recycles memory as the service does.
     self._step = 0
 
   def report(self) -> Report:
@@ -205,50 +227,58 @@ class _Service:
     """The serialized PushChunk messages of a report, all made up front."""
     return list(messages.push_messages(report, "fp32", anchor_values=self.anchor_values))
 
-  def pull(self) -> float:
-    t0 = time.perf_counter()
-    state = self.client.pull(0, 0, -1, layout_keys=[_KEY], shapes=self.shapes, dtypes=self.dtypes)
-    elapsed = time.perf_counter() - t0
+  def pull(self) -> Seconds:
+    with _Stopwatch() as watch:
+      state = self.client.pull(0, 0, -1, layout_keys=[_KEY], shapes=self.shapes, dtypes=self.dtypes)
     if state is None or state.version != 0:
       raise RuntimeError("The pull did not return version 0 of the fragment.")
     self._pulled = state
-    return elapsed
+    return watch.seconds
 
-  def push(self) -> float:
+  def push(self) -> Seconds:
     report = self.report()
-    t0 = time.perf_counter()
-    result = self.client.push(report, "fp32", anchor_values=self.anchor_values)
-    elapsed = time.perf_counter() - t0
+    with _Stopwatch() as watch:
+      result = self.client.push(report, "fp32", anchor_values=self.anchor_values)
     if result.status not in ("accepted", "superseded") or result.weight <= 0:
       raise RuntimeError(f"Push was not filed with weight > 0: {result}")
-    return elapsed
+    return watch.seconds
 
-  def push_prebuilt(self) -> float:
+  def push_prebuilt(self) -> Seconds:
     chunks = self.chunks(self.report())
-    t0 = time.perf_counter()
-    resp = self._push_raw(iter(chunks), timeout=300.0, metadata=auth.token_metadata(_TOKEN))
-    elapsed = time.perf_counter() - t0
+    with _Stopwatch() as watch:
+      resp = self._push_raw(iter(chunks), timeout=300.0, metadata=auth.token_metadata(_TOKEN))
     if resp.status not in ("accepted", "superseded"):
       raise RuntimeError(f"Pre-built push was not filed: {resp}")
-    return elapsed
+    return watch.seconds
 
-  def offline_split(self) -> dict[str, float]:
-    """Seconds of each step of a push, run in this thread with the functions the two ends call."""
+  def offline_split(self) -> dict[str, Seconds]:
+    """Time of each step of a push, run in this thread with the functions the two ends call."""
     report = self.report()
-    t0 = time.perf_counter()
+    with _Stopwatch() as serialize:  # As the client streams them: each chunk dropped once sent.
+      for _ in messages.push_messages(report, "fp32", anchor_values=self.anchor_values):
+        pass
     chunks = self.chunks(report)
-    t1 = time.perf_counter()
-    parsed = [messages.parse_chunk(c, syncer_pb2.PushHeader) for c in chunks]
-    t2 = time.perf_counter()
-    decoded = messages.chunks_to_report(
-      parsed, [_KEY], self.shapes, self.dtypes, anchor_lookup=lambda v: self.anchor_values
-    )
-    t3 = time.perf_counter()
-    result = self.filing.report(decoded, copy=False)  # As the service files it.
-    t4 = time.perf_counter()
+    with _Stopwatch() as parse:
+      parsed = [messages.parse_chunk(c, syncer_pb2.PushHeader) for c in chunks]
+    with _Stopwatch() as decode:
+      decoded = messages.chunks_to_report(
+        parsed,
+        [_KEY],
+        self.shapes,
+        self.dtypes,
+        anchor_lookup=lambda v: self.anchor_values,
+        alloc=self._pool.empty,
+      )
+    with _Stopwatch() as filing:
+      result = self.filing.report(decoded, copy=False)  # As the service files it.
     if result.weight <= 0:
       raise RuntimeError(f"The offline filing was refused: {result}")
-    return {"serialize": t1 - t0, "parse": t2 - t1, "decode": t3 - t2, "filing": t4 - t3}
+    return {
+      "serialize": serialize.seconds,
+      "parse": parse.seconds,
+      "decode": decode.seconds,
+      "filing": filing.seconds,
+    }
 
   def close(self) -> dict[str, int]:
     """Stops everything; returns the service's counters (accepted, superseded, merges)."""
@@ -263,32 +293,44 @@ def _mib_s(nbytes: int, seconds: float) -> float:
   return nbytes / (1 << 20) / seconds
 
 
-def _print(med: dict[str, float], *, n: int, wire_bytes: int, pull_bytes: int, note: str) -> None:
-  rate = {k: _mib_s(wire_bytes, med[k]) for k in ("push", "raw", "bare")}
+def _print(med: dict[str, Seconds], *, n: int, wire_bytes: int, pull_bytes: int, note: str) -> None:
   print(
     f"fragment: 1 key x {n:,} float32 = {n * 4 / (1 << 20):.0f} MiB; wire bytes per push "
     f"{wire_bytes:,} (fp32{' delta' if _DELTA.value else ''}, 1 MiB chunks); loopback, token on; "
     f"{_ROUNDS.value} rounds (median); {note}"
   )
-  print(f"  {'path':28s} {'seconds':>8s} {'MiB/s':>9s}")
-  print(f"  {'raw TCP sendall (1 MiB)':28s} {med['raw']:8.3f} {rate['raw']:9.1f}")
-  print(f"  {'bare gRPC stream (1 MiB)':28s} {med['bare']:8.3f} {rate['bare']:9.1f}")
-  print(f"  {'gRPC push (end to end)':28s} {med['push']:8.3f} {rate['push']:9.1f}")
-  pull_rate = _mib_s(pull_bytes, med["pull"])
-  print(f"  {'gRPC pull (end to end)':28s} {med['pull']:8.3f} {pull_rate:9.1f}")
-  print("  push split (medians; each step but the transfer timed offline with the same functions):")
-  print(f"    client serialize (push_messages, all chunks)   {med['serialize']:7.3f} s")
-  print(f"    Push of pre-built chunks (everything after)    {med['prebuilt']:7.3f} s")
-  print(f"      parse of the chunk messages (parse_chunk)    {med['parse']:7.3f} s")
-  print(f"      server reassemble+decode+validate            {med['decode']:7.3f} s")
-  print(f"      core filing (SyncerCore.report)              {med['filing']:7.3f} s")
-  rest = med["prebuilt"] - med["parse"] - med["decode"] - med["filing"]
-  print(f"      rest: gRPC transport, token, locks           {rest:7.3f} s")
-  print(f"  push/raw = {rate['push'] / rate['raw']:.3f}   (goal >= 0.5)")
-  print(
-    f"  bare gRPC/raw = {rate['bare'] / rate['raw']:.3f}, push/bare gRPC = "
-    f"{rate['push'] / rate['bare']:.3f}"
+  print(f"  {'path':28s} {'wall s':>7s} {'MiB/s':>8s} {'cpu s':>7s} {'MiB/cpu-s':>10s}")
+  for label, key, nbytes in (
+    ("raw TCP sendall (1 MiB)", "raw", wire_bytes),
+    ("bare gRPC stream (1 MiB)", "bare", wire_bytes),
+    ("gRPC push (end to end)", "push", wire_bytes),
+    ("gRPC pull (end to end)", "pull", pull_bytes),
+  ):
+    wall, cpu = med[key]
+    print(
+      f"  {label:28s} {wall:7.3f} {_mib_s(nbytes, wall):8.1f} {cpu:7.3f} {_mib_s(nbytes, cpu):10.1f}"
+    )
+  print("  push split (medians, wall / cpu s; each step but the transfer timed offline):")
+  rows = (
+    ("client serialize (push_messages, streamed)", "serialize"),
+    ("Push of pre-built chunks (everything after)", "prebuilt"),
+    ("  parse of the chunk messages (parse_chunk)", "parse"),
+    ("  server reassemble+decode+validate", "decode"),
+    ("  core filing (SyncerCore.report)", "filing"),
   )
+  for label, key in rows:
+    print(f"    {label:45s} {med[key][0]:7.3f} {med[key][1]:7.3f}")
+  rest = [
+    med["prebuilt"][i] - sum(med[k][i] for k in ("parse", "decode", "filing")) for i in (0, 1)
+  ]
+  print(f"    {'  rest: gRPC transport, token, locks':45s} {rest[0]:7.3f} {rest[1]:7.3f}")
+  for i, what in ((0, "wall"), (1, "cpu")):
+    push, raw, bare = (med[k][i] for k in ("push", "raw", "bare"))
+    # Throughput ratios are inverse time ratios: the same bytes cross every path.
+    print(
+      f"  {what:4s}: push/raw = {raw / push:.3f} (goal >= 0.5), bare gRPC/raw = {raw / bare:.3f}, "
+      f"push/bare gRPC = {bare / push:.3f}"
+    )
 
 
 def main(argv: list[str]) -> None:
@@ -307,25 +349,26 @@ def main(argv: list[str]) -> None:
   }
   for fn in paths.values():  # Warm-up of every path (connections, allocator).
     fn()
-  times: dict[str, list[float]] = {name: [] for name in paths}
-  cpu0, wall0 = time.process_time(), time.perf_counter()
-  for _ in range(_ROUNDS.value):
-    for name, fn in paths.items():
-      times[name].append(fn())
-    for part, t in service.offline_split().items():
-      times.setdefault(part, []).append(t)
-  cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+  times: dict[str, list[Seconds]] = {name: [] for name in paths}
+  with _Stopwatch() as total:
+    for _ in range(_ROUNDS.value):
+      for name, fn in paths.items():
+        times[name].append(fn())
+      for part, t in service.offline_split().items():
+        times.setdefault(part, []).append(t)
   pull_bytes = service.client.bytes_down // (_ROUNDS.value + 2)  # Setup, warm-up, rounds.
   floors.close()
   counters = service.close()
   if counters["merges"] or counters["refused"]:
     raise RuntimeError(f"Pushes must only file into the round: {counters}")
+  # Medians of wall and of CPU time, each taken separately.
+  med = {k: tuple(statistics.median(t[i] for t in v) for i in (0, 1)) for k, v in times.items()}
   _print(
-    {k: statistics.median(v) for k, v in times.items()},
+    med,
     n=n,
     wire_bytes=wire_bytes,
     pull_bytes=pull_bytes,
-    note=f"load avg {os.getloadavg()[0]:.1f}, process CPU/wall {cpu_share:.2f}",
+    note=f"load avg {os.getloadavg()[0]:.1f}, process CPU/wall {total.seconds[1] / total.seconds[0]:.2f}",
   )
   sys.stdout.flush()
 

@@ -123,6 +123,7 @@ class SyncerCore(CheckpointMixin):
     # Params (a fresh copy, `_params32`) and the optimizer state are donated: XLA writes the new
     # values into their buffers instead of fresh ones (measured 2-4x faster on 16 MiB, issue 3).
     self._step_fn = jax.jit(functools.partial(_outer_step, self._opt), donate_argnums=(0, 2))
+    self._merge_out = merge_lib.OutputBuffer()  # The merged outer gradients, every merge's.
     self._grace = GraceModel(
       gamma=config.grace_gamma,
       grace_max_s=config.grace_max_s,
@@ -319,7 +320,7 @@ class SyncerCore(CheckpointMixin):
     return dataclasses.replace(self._file_report(r, copy), fleet_step=self.cadence_step())
 
   def _file_report(self, r: Report, copy: bool = True) -> ReportResult:
-    reason = self._invalid_reason(r)
+    reason, sq_norms = self._invalid_reason(r)
     if reason is not None:
       self._counters["rejected"] += 1
       return ReportResult("rejected", reason, 0.0)
@@ -356,7 +357,10 @@ class SyncerCore(CheckpointMixin):
     self._ledger_in(r.learner_id, r.new_tokens, dropped=False)
     values = {k: np.array(v, copy=True) if copy else v for k, v in r.values.items()}
     rnd.entries[r.learner_id] = RoundEntry(
-      dataclasses.replace(r, values=values, new_tokens=new_tokens), weight, learner.epoch
+      dataclasses.replace(r, values=values, new_tokens=new_tokens),
+      weight,
+      learner.epoch,
+      sq_norms=sq_norms,
     )
     self._counters[status] += 1
     if r.step >= self._counters["fleet_step"]:
@@ -415,8 +419,44 @@ class SyncerCore(CheckpointMixin):
       ledger["dropped"] += new_tokens
       self._counters["ledger_dropped"] += new_tokens
 
-  def _invalid_reason(self, r: Report) -> str | None:
-    """Why a report must be rejected at the door (ARCHITECTURE "payload validation"), or None."""
+  def _invalid_reason(self, r: Report) -> tuple[str | None, dict[str, float] | None]:
+    """Validates a report at the door (ARCHITECTURE "payload validation").
+
+    Returns:
+      (why it must be rejected, or None; its RDA tensors' squared outer-gradient norms if it will
+      join a round under RDA (`_norm_anchor`), else None).
+    """
+    reason = self._invalid_header(r)
+    if reason is not None:
+      return reason, None
+    expected = self._global[r.fragment]
+    missing = sorted(set(expected) - set(r.values))
+    extra = sorted(set(r.values) - set(expected))
+    if missing or extra:
+      return (
+        f"keys differ from fragment {r.fragment}: missing {missing[:3]}, extra {extra[:3]}",
+        None,
+      )
+    # The finiteness check is the door's one pass over the values. For a report that will join a
+    # round it also sums ‖Θ^(anchor) − θ_m‖² per RDA tensor (issue 3), so the merge needs one pass
+    # over the contributions instead of two; the anchor is fixed once filed (SPEC §4.3).
+    anchor = self._norm_anchor(r)
+    sq_norms = None if anchor is None else {}
+    for k, ref in expected.items():
+      v = np.asarray(r.values[k])
+      if v.shape != ref.shape or v.dtype != ref.dtype:
+        return f"{k!r} is {v.dtype}{list(v.shape)}, expected {ref.dtype}{list(ref.shape)}", None
+      if sq_norms is not None and k not in self._embedding_keys:
+        sq = merge_lib.finite_sq_norm(anchor[k], v)  # None iff v has a NaN/Inf.
+        if sq is None:
+          return f"{k!r} has non-finite values", None
+        sq_norms[k] = sq
+      elif not merge_lib.all_finite(v):  # Blockwise: no full-size bool temporary (issue 3).
+        return f"{k!r} has non-finite values", None
+    return None, sq_norms
+
+  def _invalid_header(self, r: Report) -> str | None:
+    """Why a report's fragment, learner, counters or anchor version are invalid, or None."""
     if not isinstance(r.fragment, int | np.integer) or not 0 <= r.fragment < self.num_fragments:
       return f"unknown fragment {r.fragment!r}; this syncer holds 0..{self.num_fragments - 1}"
     learner = self._learners.get(r.learner_id)
@@ -440,18 +480,23 @@ class SyncerCore(CheckpointMixin):
       return (
         f"anchor_version {r.anchor_version} outside [-1, {cur}] (current version of {r.fragment})"
       )
-    expected = self._global[r.fragment]
-    missing = sorted(set(expected) - set(r.values))
-    extra = sorted(set(r.values) - set(expected))
-    if missing or extra:
-      return f"keys differ from fragment {r.fragment}: missing {missing[:3]}, extra {extra[:3]}"
-    for k, ref in expected.items():
-      v = np.asarray(r.values[k])
-      if v.shape != ref.shape or v.dtype != ref.dtype:
-        return f"{k!r} is {v.dtype}{list(v.shape)}, expected {ref.dtype}{list(ref.shape)}"
-      if not merge_lib.all_finite(v):  # Blockwise: no full-size bool temporary (issue 3).
-        return f"{k!r} has non-finite values"
     return None
+
+  def _norm_anchor(self, r: Report) -> Mapping[str, np.ndarray] | None:
+    """Θ^(anchor) of a valid-header report that `_file_report` will put in a round under RDA.
+
+    None if its norms are not needed (mean merge, weight 0, late): the door then only checks
+    finiteness. A None for a report that does join costs time, never bits: the merge computes
+    missing norms itself, from this same anchor (`_merge`).
+    """
+    p, learner = r.fragment, self._learners[r.learner_id]
+    if self._config.merge_method != "rda" or p not in learner.delivered or r.anchor_version < 0:
+      return None
+    if self.late_reason(p, r.anchor_version) is not None:
+      return None
+    if merge_lib.token_weight(r.tokens, r.steps) == 0:
+      return None
+    return self._history[p][r.anchor_version]
 
   # -- merging ------------------------------------------------------------------------------------
 
@@ -514,6 +559,8 @@ class SyncerCore(CheckpointMixin):
       weights,
       method=self._config.merge_method,
       embedding_keys=self._embedding_keys,
+      sq_norms=[e.sq_norms for e in entries],  # From filing: RDA's first pass is done (issue 3).
+      out=self._merge_out,  # Reused: the outer step below is done with it when _merge returns.
     )
     new32, self._opt_state[p] = self._step_fn(
       self._params32(p), jax.device_put(merged), self._opt_state[p]

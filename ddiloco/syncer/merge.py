@@ -14,9 +14,14 @@ to check by hand. Decisions (issue 3, the merge benchmark):
   contributions (the norms must be known before the direction is summed); the weighted mean one.
 - `merge_reports` takes the anchors and the learners' values and forms v_m = Θ^(a_m) − θ_m block by
   block, so the core never materialises the outer gradients (SPEC §4.3). Its outputs are 64-byte
-  aligned, which lets `jax.device_put` use them without a copy on the CPU backend.
+  aligned, which lets `jax.device_put` use them without a copy on the CPU backend, and may be
+  written into a reused `OutputBuffer` (fresh memory costs page faults and zeroing).
+- RDA's first pass can move out of the merge: `finite_sq_norm` sums ‖v_m‖² in the same pass as a
+  NaN/Inf check of θ_m, so the core does it when it files a report and passes the norms to
+  `merge_reports` (`sq_norms=`), whose merge then takes one pass, with the same bits.
 """
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
@@ -80,6 +85,25 @@ def all_finite(x: np.ndarray, *, block_values: int = BLOCK_VALUES) -> bool:
   return True
 
 
+def _layout(specs: Sequence[tuple[int, np.dtype]]) -> tuple[list[int], int]:
+  """Byte offsets of flat arrays of (size, dtype) packed with 64-byte alignment, and the total."""
+  starts, total = [], 0
+  for n, dtype in specs:
+    starts.append(total)
+    total += -(-n * dtype.itemsize // _ALIGN) * _ALIGN
+  return starts, total + _ALIGN  # Room to align the start.
+
+
+def _carve(raw: np.ndarray, specs: Sequence[tuple[int, np.dtype]]) -> list[np.ndarray]:
+  """Flat arrays of (size, dtype), each 64-byte aligned, as views into the uint8 array `raw`."""
+  starts, _ = _layout(specs)
+  base = -raw.ctypes.data % _ALIGN
+  return [
+    raw[base + at : base + at + n * dtype.itemsize].view(dtype)
+    for at, (n, dtype) in zip(starts, specs)
+  ]
+
+
 def _aligned_empties(specs: Sequence[tuple[int, np.dtype]]) -> list[np.ndarray]:
   """Flat arrays of (size, dtype), each 64-byte aligned, carved from one allocation.
 
@@ -87,16 +111,33 @@ def _aligned_empties(specs: Sequence[tuple[int, np.dtype]]) -> list[np.ndarray]:
   pages, and fresh memory is paid for in page faults (measured on this machine: writing four
   fresh 4 MiB arrays 3.2 ms, one fresh 16 MiB array 0.8 ms; reading the 8 contributions ~8 ms).
   """
-  starts, total = [], 0
-  for n, dtype in specs:
-    starts.append(total)
-    total += -(-n * dtype.itemsize // _ALIGN) * _ALIGN
-  raw = np.empty(total + _ALIGN, np.uint8)
-  base = -raw.ctypes.data % _ALIGN
-  return [
-    raw[base + at : base + at + n * dtype.itemsize].view(dtype)
-    for at, (n, dtype) in zip(starts, specs)
-  ]
+  return _carve(np.empty(_layout(specs)[1], np.uint8), specs)
+
+
+class OutputBuffer:
+  """Memory that `merge_reports` writes its results into, reused from one merge to the next.
+
+  Fresh memory is paid for in page faults and the kernel's zeroing: reusing one buffer took a
+  16 MiB, 8-contribution flush from ~42 to ~35 ms of CPU (issue 3, scripts/bench_merge.py). A
+  merge's results are views into it and are overwritten by the next merge that uses the same
+  buffer, so the caller must be done with them first (`SyncerCore._merge` is: the outer step has
+  read them when it returns). Not thread-safe. It keeps the largest size asked for.
+  """
+
+  def __init__(self):
+    self._raw = np.empty(0, np.uint8)
+
+  def arrays(self, specs: Sequence[tuple[int, np.dtype]]) -> list[np.ndarray]:
+    """Flat arrays of (size, dtype), each 64-byte aligned, in this buffer (see the class)."""
+    total = _layout(specs)[1]
+    if self._raw.nbytes < total:
+      self._raw = np.empty(total, np.uint8)
+    return _carve(self._raw, specs)
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes held."""
+    return self._raw.nbytes
 
 
 class _Diffs:
@@ -255,6 +296,40 @@ def outer_sq_norms(
   return out
 
 
+def finite_sq_norm(anchor: np.ndarray, value: np.ndarray) -> float | None:
+  """‖anchor − value‖² exactly as `outer_sq_norms` computes it, or None if `value` has a NaN/Inf.
+
+  The door's finiteness check and RDA's first pass in one pass over `value` (issue 3): per block,
+  v = anchor − value and its dot product. A finite dot product proves the block of `value` finite
+  (a NaN or ±Inf in `value` makes v, then v·v, NaN or Inf, whatever `anchor` holds); a non-finite
+  one (also an overflow of finite values) is settled by checking that block of `value` itself. So
+  None means exactly "`value` has a non-finite value", as `all_finite` would say.
+
+  Args:
+    anchor: Θ^(anchor) of one tensor.
+    value: θ_m of the same tensor, with the same shape and dtype.
+
+  Returns:
+    The squared norm (a float, bit-equal to `outer_sq_norms`'s), or None.
+
+  Raises:
+    ValueError: if the shapes or dtypes differ.
+  """
+  (a, v), _ = _check_inputs([anchor, value], [1.0, 1.0])
+  diffs = _Diffs([(a, v)], BLOCK_VALUES)
+  flat = diffs.b[0]
+  sq = 0.0
+  with np.errstate(invalid="ignore", over="ignore"):  # Bad input is an answer here, not a warning.
+    for start in range(0, diffs.size, BLOCK_VALUES):
+      stop = min(start + BLOCK_VALUES, diffs.size)
+      block = diffs.block(0, start, stop)
+      dot = float(np.dot(block, block))
+      if not math.isfinite(dot) and not np.isfinite(flat[start:stop]).all():
+        return None
+      sq += dot  # As `_Diffs.sq_norms` sums: the same blocks, in the same order.
+  return sq
+
+
 def weighted_mean(vs: Sequence[np.ndarray], ws: Sequence[float]) -> np.ndarray:
   """Σ w v / Σ w, accumulated in at least float32 (SPEC §4.5, embeddings).
 
@@ -359,6 +434,7 @@ def merge_reports(
   embedding_keys: Collection[str] = (),
   eps: float = 1e-12,
   sq_norms: Sequence[Mapping[str, float] | None] | None = None,
+  out: OutputBuffer | None = None,
 ) -> dict[str, np.ndarray]:
   """Merges the outer gradients v_m = anchors[m] − values[m] without forming them (SPEC §4.3–4.5).
 
@@ -376,6 +452,8 @@ def merge_reports(
     eps: RDA's zero-norm guard (see `rda`).
     sq_norms: per learner, `outer_sq_norms(anchors[m], values[m])` if already known, or None.
       RDA then skips its first pass for those learners; the result is the same bits.
+    out: where the results are written (their memory is reused by the next merge into `out`);
+      None: fresh memory.
 
   Returns:
     {key: merged outer gradient}, keys in sorted order, in the accumulation dtype (float32 for
@@ -402,12 +480,11 @@ def merge_reports(
         f"values {vs[0].dtype}{list(vs[0].shape)}."
       )
     inputs[key] = (list(zip(ancs, vs)), w)
-  flats = _aligned_empties(
-    [(p[0][1].size, np.promote_types(p[0][1].dtype, np.float32)) for p, _ in inputs.values()]
-  )
-  out = {}
+  specs = [(p[0][1].size, np.promote_types(p[0][1].dtype, np.float32)) for p, _ in inputs.values()]
+  flats = _aligned_empties(specs) if out is None else out.arrays(specs)
+  merged = {}
   for (key, (pairs, w)), flat in zip(inputs.items(), flats):
     use = "mean" if key in embedding_keys else method
     known = {m: float(sq[key]) for m, sq in enumerate(sq_norms) if sq is not None and key in sq}
-    out[key] = _merge_one(pairs, w, use, eps, known=known, out=flat)
-  return out
+    merged[key] = _merge_one(pairs, w, use, eps, known=known, out=flat)
+  return merged

@@ -29,6 +29,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -43,7 +44,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ddiloco.fragments import compression
 from ddiloco.syncer.core import MergeEvent, ReportResult, SyncerCore
 from ddiloco.transport import auth, messages, wire
-from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE
+from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ArrayPool
 from ddiloco.transport.client import fragment_layouts
 from ddiloco.transport.errors import WireError, WireSizeError
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
@@ -165,6 +166,12 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       [list(st.values) for st in states], {k: v for st in states for k, v in st.values.items()}
     )
     self._max_bytes = [wire.max_wire_bytes(lay) for lay in self._layouts]
+    # Pushes are decoded into recycled memory (issue 3): fresh pages cost the kernel's zeroing.
+    # Free buffers all held reports a moment before, so the pool adds nothing to the peak; it is
+    # capped at one copy of the model.
+    self._pool = ArrayPool(
+      sum(d.itemsize * math.prod(s) for lay in self._layouts for s, d in lay.values())
+    )
     self._refused: collections.Counter[str] = collections.Counter()
     self._bytes_up = 0
     self._bytes_down = 0
@@ -427,6 +434,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         anchor_lookup=lambda v: self._anchor_values(p, v),
         max_bytes=self._max_bytes[p],
         max_chunk_bytes=self._cfg.max_chunk_bytes,
+        alloc=self._pool.empty,
       )
     except WireError as e:
       code = grpc.StatusCode.INVALID_ARGUMENT

@@ -182,6 +182,9 @@ class RoundEntry:
   report: Report  # values are the syncer's own copies.
   weight: float
   epoch: int  # the learner's registration epoch when the report arrived.
+  # {key: ‖Θ^(anchor) − θ‖²} of its RDA tensors, summed at the door's finiteness pass, or None: the
+  # merge then computes them (`merge.merge_reports`). Not checkpointed: a restored entry has None.
+  sq_norms: dict[str, float] | None = None
 
 
 @dataclasses.dataclass

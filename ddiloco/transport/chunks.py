@@ -14,6 +14,9 @@ the received message (never copied), and a chunk's memory is reused for the next
 being faulted in anew.
 """
 
+import collections
+import threading
+import weakref
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -244,3 +247,63 @@ def reassemble(
   for index, data in chunks:
     asm.add(index, data)
   return asm.result()
+
+
+class ArrayPool:
+  """Recycles the memory of received arrays: `empty` reuses a buffer whose last array is gone.
+
+  Why (issue 3, the wire benchmark): a receiver decodes every push into fresh arrays, and the
+  kernel zeroes fresh pages on first touch; glibc maps allocations above 32 MiB anew each time,
+  so zeroing took ~19 % of a 64 MiB push's CPU (perf, scripts/bench_wire.py). A buffer comes back
+  when every array made from it has died (a `weakref.finalize` on the array handed out, which its
+  views keep alive), so nothing still in use is ever handed out twice. At most `max_free_bytes`
+  of free buffers are kept; beyond that they are released. Thread-safe; a buffer is owned by
+  one array at a time.
+  """
+
+  def __init__(self, max_free_bytes: int):
+    """Creates an empty pool.
+
+    Raises:
+      ValueError: if max_free_bytes < 0.
+    """
+    if max_free_bytes < 0:
+      raise ValueError(f"max_free_bytes must be >= 0, got {max_free_bytes}.")
+    self.max_free_bytes = max_free_bytes
+    self._free: collections.defaultdict[int, collections.deque] = collections.defaultdict(
+      collections.deque
+    )
+    self._free_bytes = 0
+    # Re-entrant: a finalizer may run inside `empty` (a garbage collection there) in this thread.
+    self._lock = threading.RLock()
+    self.reused = 0  # Arrays made from a recycled buffer (for tests and benchmarks).
+
+  def empty(self, n: int, dtype: np.dtype) -> np.ndarray:
+    """A flat uninitialised array of `n` values of `dtype`, on a recycled buffer when one fits."""
+    dtype = np.dtype(dtype)
+    nbytes = n * dtype.itemsize
+    with self._lock:
+      free = self._free.get(nbytes)
+      buf = free.pop() if free else None
+      if buf is not None:
+        self._free_bytes -= nbytes
+        self.reused += 1
+    if buf is None:
+      buf = np.empty(nbytes, np.uint8)
+    # A view whose base is a memoryview, not `buf`: numpy then makes every further view's base
+    # this array, so it lives as long as any of them does.
+    out = np.frombuffer(memoryview(buf), dtype=dtype, count=n)
+    out.flags.writeable = True  # frombuffer's arrays are read-only; `buf` is ours to write.
+    weakref.finalize(out, self._give_back, buf)
+    return out
+
+  def _give_back(self, buf: np.ndarray) -> None:
+    with self._lock:
+      if self._free_bytes + buf.nbytes <= self.max_free_bytes:
+        self._free_bytes += buf.nbytes
+        self._free[buf.nbytes].append(buf)
+
+  @property
+  def free_bytes(self) -> int:
+    """Bytes of free buffers held now."""
+    return self._free_bytes

@@ -181,6 +181,7 @@ def _read_stream(
   max_bytes: int | None,
   max_chunk_bytes: int,
   base_for: Callable[[object], Mapping[str, np.ndarray] | None],
+  alloc: wire.Allocator | None = None,
 ) -> tuple[object, dict[str, np.ndarray]]:
   """Reads a chunk stream: (header of chunk 0, decoded values). Rejects bad streams early.
 
@@ -206,7 +207,7 @@ def _read_stream(
     keep=False,
   )
   reader = wire.FragmentReader(
-    layout, codec_name=header.codec, max_bytes=max_bytes, base=base_for(header)
+    layout, codec_name=header.codec, max_bytes=max_bytes, base=base_for(header), alloc=alloc
   )
   for data in asm.add(first.index, first.data):
     reader.feed(data)
@@ -337,6 +338,7 @@ def chunks_to_report(
   anchor_lookup: BaseLookup | None = None,
   max_bytes: int | None = None,
   max_chunk_bytes: int = DEFAULT_CHUNK_SIZE,
+  alloc: wire.Allocator | None = None,
 ) -> Report:
   """Rebuilds a Report from a Push stream, validating everything (ARCHITECTURE.md).
 
@@ -352,6 +354,8 @@ def chunks_to_report(
     anchor_lookup: version -> Θ^(version) values; required for delta pushes.
     max_bytes: payload size limit; defaults to `max_wire_bytes` of the layout.
     max_chunk_bytes: per-chunk size limit.
+    alloc: makes the arrays the values are decoded into (`wire.FragmentReader`); a service passes
+      `chunks.ArrayPool.empty` to recycle the memory of reports it no longer holds.
 
   Returns:
     The report, values cast to the layout dtypes.
@@ -382,6 +386,7 @@ def chunks_to_report(
     max_bytes=max_bytes,
     max_chunk_bytes=max_chunk_bytes,
     base_for=base_for,
+    alloc=alloc,
   )
   return Report(
     learner_id=int(header.learner_id),

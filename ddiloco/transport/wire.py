@@ -31,7 +31,7 @@ Decisions:
 
 import math
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -52,6 +52,7 @@ _ENTRY_FRAMING = 2 + 1 + 1 + 255 + 1 + _ENTRY_TAIL.size
 
 
 Layout = dict[str, tuple[tuple[int, ...], np.dtype]]
+Allocator = Callable[[int, np.dtype], np.ndarray]  # (values, dtype) -> flat array to decode into.
 Buffer = bytes | bytearray | memoryview
 
 
@@ -281,6 +282,7 @@ class FragmentReader:
     max_bytes: int | None = None,
     base: Mapping[str, np.ndarray] | None = None,
     raw: bool = False,
+    alloc: Allocator | None = None,
   ):
     """Prepares to read a fragment of `layout`.
 
@@ -290,8 +292,11 @@ class FragmentReader:
       max_bytes: size limit; defaults to `max_wire_bytes(layout)`.
       base: if given, the data is a delta and the result is `cast(base + decoded)` (SPEC §5).
       raw: decode to float32 with no base and no NaN/Inf check (`decode_layout`).
+      alloc: makes each output array, (number of values, dtype) -> flat writable array; default
+        `np.empty`. A receiver recycles memory with `chunks.ArrayPool.empty`.
     """
     self._layout, self._codec_name, self._base, self._raw = layout, codec_name, base, raw
+    self._alloc = np.empty if alloc is None else alloc
     self.limit = max_wire_bytes(layout) if max_bytes is None else max_bytes
     self._fed = 0
     self._view, self._off, self._pos = memoryview(b""), 0, 0  # Current piece; stream offset.
@@ -434,7 +439,7 @@ class FragmentReader:
       if key not in self._base or np.shape(self._base[key]) != shape:
         raise WireError(f"{key!r}: the base has no array of shape {shape} for this key.")
       base = np.ravel(np.asarray(self._base[key]))
-    out = np.empty(n, np.float32 if self._raw else dtype)
+    out = self._alloc(n, np.dtype(np.float32 if self._raw else dtype))
     what, at, left = f"{key!r} payload", self._pos, payload_len
     try:
       if not codec.quantized:

@@ -682,3 +682,93 @@ def test_token_ledger_rejects_negative_new_tokens():
   result = core.report(bad)
   assert result.status == "rejected" and "new_tokens" in result.reason
   assert core.ledger()["received"] == 0
+
+
+def _norms_of(core, p=0):
+  return {i: e.sq_norms for i, e in core._rounds[p].entries.items()}
+
+
+def test_filing_sums_rda_norms_and_the_merge_keeps_its_bits():
+  """Norms summed at the door (issue 3) give the merge the bits it gets when it sums them itself."""
+  clock = FakeClock()
+  core = make_core(clock, learners=(0, 1, 2), min_quorum=3, max_staleness=1)
+  core.report(rep(0, values=theta(0.25), step=1))
+  core.report(rep(1, values=theta(0.5), step=1))
+  core.report(rep(2, values=theta(0.75), step=1))
+  (event,) = core.poll()
+  assert event.version == 1
+  v1 = core.state(0).values
+  # Round 2: learner 0 on time, learner 1 one version stale (re-anchored at v0, SPEC §4.3).
+  fresh = {k: v - np.float32(0.125) for k, v in v1.items()}
+  core.report(rep(0, values=fresh, anchor=1, step=2))
+  core.report(rep(1, values=theta(0.375), anchor=0, step=2))
+  norms = _norms_of(core)
+  # a: 6 values of (Θ − θ) = −0.125 → 6/64; b: 4 values → 4/64. Learner 1: (−0.375)² × 6 and × 4.
+  assert norms[0] == merge.outer_sq_norms(v1, fresh) == {"a": 6 / 64, "b": 4 / 64}
+  assert norms[1] == {"a": 6 * 0.375**2, "b": 4 * 0.375**2}
+  # A twin core restored from a checkpoint holds the same round without norms (not saved).
+  twin = make_core(FakeClock(clock.t), min_quorum=3, max_staleness=1)
+  twin.load_state_dict(core.state_dict())
+  assert _norms_of(twin) == {0: None, 1: None}
+  core.report(rep(2, values=theta(0.0625), anchor=1, step=2))
+  twin.report(rep(2, values=theta(0.0625), anchor=1, step=2))
+  (a,), (b,) = core.poll(), twin.poll()
+  assert a.digest == b.digest
+  for k, v in core.state(0).values.items():
+    assert v.tobytes() == twin.state(0).values[k].tobytes()
+
+
+@pytest.mark.parametrize(
+  "cfg, report, expected",
+  [
+    ({"merge_method": "mean"}, rep(0), None),  # The mean needs no norms: finiteness only.
+    ({"embedding_keys": ("a",)}, rep(0), {"b": 4 * 0.125**2}),  # "a" uses the mean.
+    ({}, rep(0, tokens=0), "no entry"),  # Weight 0: never merged.
+    ({}, rep(3), "no entry"),  # Never received p (SPEC §3): weight 0.
+  ],
+)
+def test_norms_are_summed_only_for_reports_that_join_an_rda_round(cfg, report, expected):
+  cfg = dict(cfg)
+  embedding = cfg.pop("embedding_keys", ())
+  core = SyncerCore(
+    fragment_keys=KEYS,
+    init_values=init_values(),
+    config=SyncerConfig(use_grace=False, min_quorum=2, **cfg),
+    clock=FakeClock(),
+    embedding_keys=embedding,
+  )
+  core.register(0)
+  core.fetch(0, 0)
+  core.register(3)
+  assert core.report(report).status == "accepted"
+  norms = _norms_of(core)
+  assert (norms[0] if norms else "no entry") == expected
+
+
+@pytest.mark.parametrize("method", ["rda", "mean"])
+@pytest.mark.parametrize("anchor_ok", [True, False])
+def test_non_finite_values_are_rejected_with_or_without_norms(method, anchor_ok):
+  core = make_core(learners=(0,), merge_method=method)
+  values = theta(0.125)
+  values["b"][3] = np.nan
+  r = rep(0, values=values, anchor=0 if anchor_ok else -1)
+  result = core.report(r)
+  assert (result.status, result.reason) == ("rejected", "'b' has non-finite values")
+
+
+def test_reused_merge_memory_never_reaches_published_versions():
+  """The core merges into one reused buffer (issue 3): versions published before stay as they were."""
+  core = make_core(learners=(0,), **sgd1())
+  core.report(rep(0, values=theta(0.25), step=1))
+  (e1,) = core.flush()
+  v1 = {k: v.copy() for k, v in core.state(0).values.items()}
+  np.testing.assert_array_equal(v1["b"], init_values()["b"] + np.float32(0.25))  # Θ − (Θ − θ).
+  core.fetch(0, 0)
+  core.report(rep(0, values={k: v + np.float32(0.5) for k, v in v1.items()}, anchor=1, step=2))
+  (e2,) = core.flush()
+  assert (e1.version, e2.version) == (1, 2)
+  old = core.state_at(0, 1)
+  assert old.digest == e1.digest
+  for k, v in v1.items():
+    assert old.values[k].tobytes() == v.tobytes()
+    np.testing.assert_array_equal(core.state(0).values[k], v + np.float32(0.5))

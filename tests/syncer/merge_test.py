@@ -251,3 +251,60 @@ def test_norms_known_in_advance_give_the_same_bits(monkeypatch):
   assert not np.allclose(merge.merge_reports(anchors, values, ws, sq_norms=wrong)["k"], plain)
   with pytest.raises(ValueError, match="2 sq_norms but 3 reports"):
     merge.merge_reports(anchors, values, ws, sq_norms=norms[:2])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float64])
+def test_finite_sq_norm_equals_outer_sq_norms_bit_for_bit(monkeypatch, dtype):
+  monkeypatch.setattr(merge, "BLOCK_VALUES", 64)  # 300 values: 4 blocks of 64 and one of 44.
+  rng = np.random.default_rng(7)
+  a = rng.standard_normal((3, 100)).astype(dtype)
+  v = (a.astype(np.float64) - rng.standard_normal((3, 100))).astype(dtype)
+  got = merge.finite_sq_norm(a, v)
+  assert type(got) is float
+  assert got == merge.outer_sq_norms({"k": a}, {"k": v})["k"]  # Same blocks, same order.
+  with pytest.raises(ValueError, match="Shape mismatch"):
+    merge.finite_sq_norm(a, v[:2])
+
+
+@pytest.mark.parametrize("at", [0, 63, 64, 299])  # First/last value of a block, the partial block.
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_finite_sq_norm_is_none_iff_the_value_is_not_finite(monkeypatch, at, bad):
+  monkeypatch.setattr(merge, "BLOCK_VALUES", 64)
+  a = np.ones(300, np.float32)
+  v = np.zeros(300, np.float32)
+  assert merge.finite_sq_norm(a, v) == 300.0  # 300 × (1 − 0)².
+  v[at] = bad
+  assert merge.finite_sq_norm(a, v) is None
+  # An anchor holding the same Inf: Inf − Inf is NaN, still caught.
+  a[at] = bad
+  assert merge.finite_sq_norm(a, v) is None
+
+
+def test_finite_sq_norm_overflow_of_finite_values_is_not_a_rejection(monkeypatch):
+  monkeypatch.setattr(merge, "BLOCK_VALUES", 2)
+  huge = np.full(4, 3e38, np.float32)
+  # v = 0 − 3e38 is finite, v·v overflows float32 to Inf: the block itself is checked, and passes.
+  assert merge.finite_sq_norm(np.zeros(4, np.float32), huge) == np.inf
+  # v = Inf − 3e38 = Inf comes from the anchor, not the value: the value is finite.
+  anchor = np.array([np.inf, 0.0, 0.0, 0.0], np.float32)
+  assert merge.finite_sq_norm(anchor, np.zeros(4, np.float32)) == np.inf
+  assert merge.finite_sq_norm(np.zeros(0, np.float32), np.zeros(0, np.float32)) == 0.0
+
+
+def test_output_buffer_is_reused_and_gives_the_same_bits():
+  rng = np.random.default_rng(11)
+  anchors = [{"k": rng.standard_normal(300).astype(np.float32)} for _ in range(2)]
+  values = [{"k": a["k"] - rng.standard_normal(300).astype(np.float32)} for a in anchors]
+  buf = merge.OutputBuffer()
+  first = merge.merge_reports(anchors, values, [1.0, 3.0], out=buf)["k"]
+  assert first.tobytes() == merge.merge_reports(anchors, values, [1.0, 3.0])["k"].tobytes()
+  assert first.ctypes.data % 64 == 0 and buf.nbytes == 1216 + 64  # 1200 bytes to 64s, + align.
+  kept = first.copy()
+  # The next merge writes over the same memory; a larger one grows the buffer.
+  second = merge.merge_reports(anchors, values, [2.0, 1.0], method="mean", out=buf)["k"]
+  assert np.shares_memory(first, second) and not np.array_equal(first, kept)
+  fresh = merge.merge_reports(anchors, values, [2.0, 1.0], method="mean")["k"]
+  assert second.tobytes() == fresh.tobytes()
+  big = {"k": np.zeros(400, np.float32)}
+  merge.merge_reports([big], [big], [1.0], out=buf)
+  assert buf.nbytes == 1600 + 64

@@ -98,3 +98,23 @@ def test_nan_found_midway_raises_and_files_nothing(env):
   assert svc.core.stats()["open_rounds"] == 0
   good = client.push(_report({"w": INIT["w"] + 1}, step=2), "fp32", anchor_values=INIT)
   assert good.status == "accepted"  # The channel is fine afterwards.
+
+
+def test_superseded_push_memory_is_recycled_and_filed_values_are_intact(env):
+  """Decoded pushes go into recycled buffers (chunks.ArrayPool, issue 3); a buffer comes back
+  only when the core dropped the report that held it."""
+  svc, _, client = env
+  pool = svc._pool
+  state = _pull(client)
+  thetas = [{"w": INIT["w"] - np.float32(0.25 * (s + 1))} for s in range(3)]
+  for s, theta in enumerate(thetas):
+    assert client.push(_report(theta, step=s + 1), "fp32", anchor_values=state.values).weight > 0
+  # Push 1 took a fresh buffer; push 2 too (push 1's report was still in the round while it was
+  # decoded); push 2 superseded push 1, so push 3 reused push 1's buffer.
+  assert pool.reused == 1
+  assert pool.free_bytes == 4 * N  # Push 2's buffer, back once push 3 superseded it.
+  held = svc.core.stats()
+  assert (held["accepted"], held["superseded"], held["open_rounds"]) == (1, 2, 1)
+  # What the round holds is push 3's θ exactly: the recycled memory was not touched since.
+  (entry,) = svc.core._rounds[0].entries.values()
+  assert entry.report.values["w"].tobytes() == thetas[2]["w"].tobytes()

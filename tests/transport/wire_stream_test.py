@@ -12,7 +12,7 @@ import pytest
 from ddiloco.fragments.compression import RUN_VALUES, get_codec
 from ddiloco.syncer.core import Report
 from ddiloco.transport import wire
-from ddiloco.transport.chunks import ChunkAssembler, ChunkWriter
+from ddiloco.transport.chunks import ArrayPool, ChunkAssembler, ChunkWriter
 from ddiloco.transport.errors import WireError
 from ddiloco.transport.messages import chunks_to_report, report_to_chunks
 
@@ -129,3 +129,61 @@ def test_nan_in_a_later_chunk_is_refused_with_the_exact_count():
     WireError, match=re.escape("'w': 2 non-finite value(s) (NaN/Inf) after decoding as float32.")
   ):
     chunks_to_report(chunks, ["w"], [(1000,)], ["float32"], max_chunk_bytes=1024)
+
+
+def test_array_pool_reuses_a_buffer_only_once_every_view_is_gone():
+  pool = ArrayPool(max_free_bytes=64)
+  a = pool.empty(10, np.float32)
+  assert (a.shape, a.dtype, a.flags.writeable) == ((10,), np.float32, True)
+  a[:] = 7.0
+  view = a.reshape(2, 5)[1]  # A view of a view: keeps the buffer in use.
+  del a
+  assert pool.free_bytes == 0
+  b = pool.empty(10, np.float32)  # Nothing free: a new buffer.
+  assert not np.shares_memory(b, view) and pool.reused == 0
+  del view
+  assert pool.free_bytes == 40  # 10 float32 came back.
+  c = pool.empty(20, ml_dtypes.bfloat16)  # 40 bytes too, another dtype: the same buffer.
+  assert (pool.reused, pool.free_bytes, c.dtype) == (1, 0, ml_dtypes.bfloat16)
+  assert pool.empty(3, np.float32).size == 3 and pool.reused == 1  # No 12-byte buffer is free.
+  assert pool.free_bytes == 12  # That temporary array died at once: its 12 bytes came back.
+  del b
+  assert pool.free_bytes == 12 + 40
+  del c
+  assert pool.free_bytes == 52  # 52 + 40 would pass the 64-byte cap: that buffer is released.
+  with pytest.raises(ValueError, match="max_free_bytes"):
+    ArrayPool(max_free_bytes=-1)
+
+
+def test_array_pool_keeps_at_most_max_free_bytes():
+  pool = ArrayPool(max_free_bytes=100)
+  arrays = [pool.empty(16, np.float32) for _ in range(3)]  # 64 bytes each.
+  del arrays
+  assert pool.free_bytes == 64  # A second 64-byte buffer would pass 100: released instead.
+
+
+def test_reader_decodes_into_the_allocator_arrays():
+  made = []
+
+  def alloc(n, dtype):
+    made.append(np.full(n, -1.0, dtype))
+    return made[-1]
+
+  values = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, np.float32)}
+  base = {k: np.full_like(v, 0.5) for k, v in values.items()}
+  report = Report(
+    learner_id=0, fragment=0, values=values, tokens=1, steps=1, anchor_version=0, step=1
+  )
+  chunks = report_to_chunks(report, "fp32", chunk_size=7, anchor_values=base)
+  got = chunks_to_report(
+    chunks,
+    ["a", "b"],
+    {"a": (2, 3), "b": (4,)},
+    {"a": np.float32, "b": np.float32},
+    anchor_lookup=lambda v: base,
+    alloc=alloc,
+  )
+  assert [m.size for m in made] == [6, 4]  # One array per key, in layout order.
+  for k, m in zip(("a", "b"), made):
+    assert np.shares_memory(got.values[k], m)
+    np.testing.assert_array_equal(got.values[k], values[k])  # base + (θ − base) is exact here.
