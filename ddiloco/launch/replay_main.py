@@ -15,6 +15,8 @@ import json
 import os
 import sys
 
+# One BLAS thread for the in-process syncer's merge (see launch/simulate.py), before numpy loads.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # Fake CPU devices for the learners' meshes; must be set before jax is imported.
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (

@@ -1,19 +1,32 @@
 """Tests for ddiloco.fragments.digest (SPEC §4.7)."""
 
-import hashlib
-
 import ml_dtypes
 import numpy as np
+import xxhash
 
 from ddiloco.fragments.digest import values_digest
 
 
+def _field(b: bytes) -> bytes:
+  return len(b).to_bytes(8, "little") + b
+
+
 def test_golden():
-  # Hand-assembled: name, dtype name, repr(shape), raw bytes, in sorted name order; first 32 hex.
+  # Hand-assembled: per leaf in sorted name order, the length-prefixed name, dtype name and
+  # repr(shape), then the raw bytes; XXH3-128 as 32 hex digits.
   a = np.array([1.0, 2.0], np.float32)
-  h = hashlib.sha256(b"a" + b"float32" + b"(2,)" + a.tobytes()).hexdigest()[:32]
-  assert values_digest({"a": a}) == h
+  b = np.array([7], np.int8)
+  stream = _field(b"a") + _field(b"float32") + _field(b"(2,)") + a.tobytes()
+  stream += _field(b"b") + _field(b"int8") + _field(b"(1,)") + b.tobytes()
+  h = xxhash.xxh3_128(stream).hexdigest()
+  assert values_digest({"b": b, "a": a}) == h
   assert len(h) == 32
+
+
+def test_field_boundaries_cannot_be_shifted():
+  # Without length prefixes, name "ab" + dtype "c..." and name "a" + dtype "bc..." could collide.
+  a = np.zeros(2, np.float32)
+  assert values_digest({"a": a, "b": a}) != values_digest({"ab": a})
 
 
 def test_order_independent():
