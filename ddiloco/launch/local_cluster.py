@@ -28,11 +28,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from ddiloco.launch import fleet as fleet_lib
 from ddiloco.launch.job import JobConfig
-from ddiloco.metrics.writer import write_summary
+from ddiloco.launch.run_summary import plot, read_json, summarize
 
 _PR_SET_PDEATHSIG = 1
 # Resolved in the parent: the child between fork and exec only makes one libc call (no imports, no
@@ -380,7 +378,7 @@ class LocalCluster:
     member.state, member.exit_code = "removed", rc
     result = {"learner_id": member.learner_id, "exit_code": rc, "graceful": left, "forced": forced}
     if left:
-      s = _read_json(summary_path)
+      s = read_json(summary_path)
       result |= {"steps": s["steps"], "tokens": s["tokens"], "push_status": s["push_status"]}
     self._record("leave", member.learner_id, exit_code=rc, graceful=left, forced=forced)
     return result
@@ -689,146 +687,3 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
   if proc.poll() is None:
     with contextlib.suppress(ProcessLookupError):
       os.killpg(proc.pid, sig)  # The child leads its own session and process group.
-
-
-def _read_json(path: str) -> dict:
-  with open(path) as f:
-    return json.load(f)
-
-
-def summarize(
-  workdir: str,
-  job: JobConfig,
-  *,
-  num_learners: int,
-  wall_time_s: float,
-  learner_ids: Sequence[int] | None = None,
-  membership: Sequence[dict[str, Any]] | None = None,
-  syncer_alive_at_end: Sequence[int] | None = None,
-) -> dict:
-  """The run's summary.json from the syncer's and learners' summaries (the keys of simulate).
-
-  Args:
-    workdir: the run's folder.
-    job: its config (the token budget).
-    num_learners: M; the learners read are 0..M-1 unless `learner_ids` says otherwise.
-    wall_time_s: the run's duration.
-    learner_ids: every learner of the fleet, added ones included.
-    membership: `LocalCluster.membership` (join, leave, finish, fail events), kept as is.
-    syncer_alive_at_end: the syncer's `alive` learners just before it was stopped.
-  """
-  syncer = _read_json(os.path.join(workdir, "syncer", "summary.json"))
-  learners = {}
-  for i in range(num_learners) if learner_ids is None else learner_ids:
-    path = os.path.join(workdir, f"learner_{i}", "summary.json")
-    if os.path.exists(path):
-      learners[i] = _read_json(path)
-  digests = syncer["digests"]
-  applies = [(p, v, d) for s in learners.values() for p, v, d in s["applies"]]
-  agree = bool(applies) and all(d and digests.get(f"{p}:{v}") == d for p, v, d in applies)
-  agree = agree and all(s["digest_mismatches"] == 0 for s in learners.values())
-  busy = sum(s["train_time_s"] for s in learners.values())
-  provisioned = sum(s["train_end"] - s["start_time"] for s in learners.values())
-  spans = sorted((s["train_start"], s["train_end"]) for s in learners.values())
-  downtime, reach = 0.0, spans[0][1] if spans else 0.0
-  for start, end in spans[1:]:
-    downtime += max(0.0, start - reach)
-    reach = max(reach, end)
-  tokens = sum(s["tokens"] for s in learners.values())
-  push = {}
-  for s in learners.values():
-    for k, n in s["push_status"].items():
-      push[k] = push.get(k, 0) + n
-  summary = {
-    "final_eval_loss": syncer["final_eval_loss"],
-    "initial_eval_loss": syncer["initial_eval_loss"],
-    "tokens_trained": tokens,
-    "goodput": busy / provisioned if provisioned > 0 else 0.0,
-    "global_downtime_s": downtime,
-    "merges": syncer["merges"],
-    "mean_quorum_size": syncer["mean_quorum_size"],
-    "dropped_reports": int(syncer["stats"].get("late", 0)),
-    "bytes_up": syncer["bytes_up"],
-    "bytes_down": syncer["bytes_down"],
-    "wall_time_s": wall_time_s,
-    "virtual_time_s": wall_time_s,  # Real processes: virtual time is wall time.
-    "digests_agree": agree,
-    "digest_checks": len(applies),
-    "token_budget": job.token_budget(),
-    "budget_reached": tokens >= job.token_budget(),
-    "stalled": False,
-    "learners": {
-      str(i): {
-        "steps": s["steps"],
-        "tokens": s["tokens"],
-        "step_time_s": s["step_time_s"],
-        "push_status": s["push_status"],
-        "applies": len(s["applies"]),
-        "zero_weight_pushes": s.get("zero_weight_pushes", 0),
-        "bytes_up": s["bytes_up"],
-        "bytes_down": s["bytes_down"],
-        "final_loss": s["losses"][-1][2] if s["losses"] else None,
-      }
-      for i, s in learners.items()
-    },
-    "push_status": push,
-    "syncer": {
-      k: syncer[k]
-      for k in ("stats", "refused", "quorum_size_counts", "uplink_codec", "downlink_codec")
-    },
-    "evals": syncer["evals"],
-    "num_params": syncer["num_params"],
-    "membership": list(membership or []),
-    "syncer_alive_at_end": None if syncer_alive_at_end is None else list(syncer_alive_at_end),
-  }
-  summary["ok"] = bool(
-    agree and summary["budget_reached"] and np.isfinite(summary["final_eval_loss"])
-  )
-  write_summary(workdir, summary)
-  return summary
-
-
-def plot(workdir: str) -> str:
-  """loss.png: training loss over time per learner, the global eval loss, and merge events."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  syncer = _read_json(os.path.join(workdir, "syncer", "summary.json"))
-  t0 = min([e[0] for e in syncer["evals"]] or [0.0])
-  fig, ax = plt.subplots(figsize=(9, 4.5))
-  ids = sorted(
-    int(name[len("learner_") :])
-    for name in os.listdir(workdir)
-    if name.startswith("learner_") and name[len("learner_") :].isdigit()
-  )  # Every learner of the fleet, added ones included.
-  for i in ids:
-    path = os.path.join(workdir, f"learner_{i}", "summary.json")
-    losses = _read_json(path)["losses"] if os.path.exists(path) else []
-    if losses:
-      ax.plot(
-        [x[1] - t0 for x in losses], [x[2] for x in losses], lw=1, label=f"learner {i} (train)"
-      )
-  evals = syncer["evals"]
-  ax.plot(
-    [e[0] - t0 for e in evals], [e[2] for e in evals], "k-o", lw=2, label="global model (eval)"
-  )
-  merges = syncer["merge_times"]
-  if merges:
-    lo, hi = ax.get_ylim()
-    ax.vlines(
-      [m[0] - t0 for m in merges], lo, lo + 0.04 * (hi - lo), color="0.5", lw=0.5, label="merges"
-    )
-    ax.set_ylim(lo, hi)
-  ax.set_xlabel("wall time since the syncer started (s)")
-  ax.set_ylabel("loss (nats/token)")
-  ax.set_title(
-    f"{syncer['merges']} merges, uplink {syncer['uplink_codec']}, downlink {syncer['downlink_codec']}"
-  )
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  out = os.path.join(workdir, "loss.png")
-  fig.savefig(out, dpi=110)
-  plt.close(fig)
-  return out
