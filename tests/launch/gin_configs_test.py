@@ -16,6 +16,8 @@ RUNS = ["sim_tiny.gin", "runs/sim_small.gin", "runs/sim_vit_tiny.gin", "runs/sim
 DISTRIBUTED = ["local_tiny.gin"]
 CHAOS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/chaos/*.gin"))
 BASELINES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/baselines/*.gin"))
+# Issue-6 study bases (experiments/*.py stack bindings on them); each is a simulated run file.
+STUDIES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/studies/*.gin"))
 FAST = [
   "STEPS = 3",
   "InnerOptConfig.warmup_steps = 1",
@@ -46,7 +48,9 @@ def test_every_config_is_covered():
   included = {f"models/{s}.gin" for s in sizes}
   included.add("runs/decoupled_base.gin")
   included.add("runs/distributed_base.gin")
-  assert shipped == set(RUNS) | set(BASELINES) | included | set(DISTRIBUTED) | set(CHAOS)
+  assert shipped == (
+    set(RUNS) | set(BASELINES) | included | set(DISTRIBUTED) | set(CHAOS) | set(STUDIES)
+  )
 
 
 @pytest.mark.parametrize(
@@ -109,3 +113,14 @@ def test_chaos_configs_build_a_job_and_a_schedule(run):
   assert len(CHAOS) == 3
   assert sum(ev.kind == "kill_syncer" for ev in schedule) == len(chaos.syncer_kill_times_s) >= 1
   assert any(ev.kind == "kill_learner" for ev in schedule)
+
+
+@pytest.mark.parametrize("run", STUDIES)
+def test_study_configs_parse_and_build(run):
+  from ddiloco.simulation.config import ClusterConfig
+
+  _parse([run])
+  cluster = ClusterConfig()
+  assert cluster.num_learners == gin.query_parameter("%LEARNERS") == 4
+  assert cluster.faults == ()  # The studies' rows add their own faults (or none).
+  assert len(STUDIES) == 3
