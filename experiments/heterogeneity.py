@@ -159,16 +159,12 @@ def report(store: study.ResultStore, seeds: list[int]) -> None:
       f"![eval loss]({STUDY}.png)",
     ]
   )
-  path = study.write_report(_OUT.value, STUDY, text)
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
   study.plot_curves(axes[0], curves, x="tokens")
   study.plot_curves(axes[1], curves, x="time")
   fig.suptitle("Heterogeneous learners (2 of 4 are 18 % slower)")
   fig.tight_layout()
-  fig.savefig(os.path.join(_OUT.value, f"{STUDY}.png"), dpi=110)
-  plt.close(fig)
-  print(text)
-  print(f"\nwrote {path}\nreproduce: {cmd}")
+  study.publish(_OUT.value, STUDY, text, fig, cmd)
 
 
 if __name__ == "__main__":

@@ -166,15 +166,11 @@ def report(store: study.ResultStore, seeds: list[int]) -> None:
       f"![eval loss]({STUDY}.png)",
     ]
   )
-  path = study.write_report(_OUT.value, STUDY, text)
   fig, ax = plt.subplots(figsize=(7, 4.5))
   study.plot_curves(ax, curves, x="tokens")
   ax.set_title("RDA vs weighted mean (equal global batch and tokens)")
   fig.tight_layout()
-  fig.savefig(os.path.join(_OUT.value, f"{STUDY}.png"), dpi=110)
-  plt.close(fig)
-  print(text)
-  print(f"\nwrote {path}\nreproduce: {cmd}")
+  study.publish(_OUT.value, STUDY, text, fig, cmd)
 
 
 if __name__ == "__main__":

@@ -179,12 +179,7 @@ def report(store: study.ResultStore, seeds: list[int]) -> None:
     ax.set_title(domain)
   parts += ["", f"![eval loss vs tokens]({STUDY}.png)"]
   fig.tight_layout()
-  fig.savefig(os.path.join(_OUT.value, f"{STUDY}.png"), dpi=110)
-  plt.close(fig)
-  text = "\n".join(parts)
-  path = study.write_report(_OUT.value, STUDY, text)
-  print(text)
-  print(f"\nwrote {path}\nreproduce: {cmd}")
+  study.publish(_OUT.value, STUDY, "\n".join(parts), fig, cmd)
 
 
 if __name__ == "__main__":

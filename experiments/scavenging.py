@@ -133,16 +133,12 @@ def report(store: study.ResultStore, seeds: list[int]) -> None:
       f"![eval loss vs time]({STUDY}.png)",
     ]
   )
-  path = study.write_report(_OUT.value, STUDY, text)
   fig, ax = plt.subplots(figsize=(7, 4.5))
   study.plot_curves(ax, curves, x="time")
   ax.axvspan(JOIN_S, LEAVE_S, color="grey", alpha=0.15, label="scavenged learners up")
   ax.set_title("Scavenging: eval loss vs virtual time")
   fig.tight_layout()
-  fig.savefig(os.path.join(_OUT.value, f"{STUDY}.png"), dpi=110)
-  plt.close(fig)
-  print(text)
-  print(f"\nwrote {path}\nreproduce: {cmd}")
+  study.publish(_OUT.value, STUDY, text, fig, cmd)
 
 
 if __name__ == "__main__":

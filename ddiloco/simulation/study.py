@@ -339,6 +339,19 @@ def write_report(out_dir: str, study: str, markdown: str) -> str:
   return path
 
 
+def publish(out_dir: str, study: str, markdown: str, fig: Any, command: str) -> str:
+  """Writes a study's table (`<study>.md`) and figure (`<study>.png`), prints both paths and the
+  command that reproduces them, and closes the figure. Returns the table's path."""
+  import matplotlib.pyplot as plt
+
+  path = write_report(out_dir, study, markdown)
+  fig.savefig(os.path.join(out_dir, f"{study}.png"), dpi=110)
+  plt.close(fig)
+  print(markdown)
+  print(f"\nwrote {path}\nreproduce: {command}")
+  return path
+
+
 def plot_curves(
   ax: Any,
   runs_by_label: Mapping[str, Sequence[Mapping[str, Any]]],

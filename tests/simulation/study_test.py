@@ -133,3 +133,19 @@ def test_one_tiny_run_and_a_failing_row(tmp_path, capsys):
   # A second grid run finds it stored and does not run it again.
   study.run_grid([(good, [0])], store=store, workdir=str(tmp_path / "runs"), gin_root=GIN_ROOT)
   assert "stored, skipped" in capsys.readouterr().err
+
+
+def test_publish_writes_the_table_and_the_figure(tmp_path, capsys):
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots()
+  ax.plot([0, 1], [1, 0])
+  path = study.publish(str(tmp_path), "demo", "| a |\n|---|\n| 1 |\n", fig, "python demo.py")
+  assert path == str(tmp_path / "demo.md")
+  assert (tmp_path / "demo.md").read_text() == "| a |\n|---|\n| 1 |\n"
+  assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert "reproduce: python demo.py" in capsys.readouterr().out
+  assert not plt.fignum_exists(fig.number)  # Closed.
