@@ -9,7 +9,10 @@ which is what makes the pipelines checkpointable and a restored learner reproduc
 
 import sys
 import threading
+from collections.abc import Mapping
+from typing import Any
 
+import grain
 import numpy as np
 
 
@@ -65,3 +68,33 @@ class ShardBatchIds:
       mask = epochs == epoch
       out[mask] = self._perm(epoch)[within[mask]]
     return out
+
+
+class CheckedShardIterator(grain.DatasetIterator):
+  """A grain iterator over one shard's batches, with a self-describing, checked state.
+
+  `get_state()` is JSON-serializable: grain's batch index plus the settings that define the stream
+  (`identity`), so that restoring a state into an iterator over a different stream fails loudly
+  instead of silently training on other data. The text and vision pipelines share it.
+  """
+
+  def __init__(self, parent: grain.DatasetIterator, identity: Mapping[str, Any]):
+    super().__init__(parent)
+    self._identity = dict(identity)
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    return next(self._parent)
+
+  def get_state(self) -> dict[str, Any]:
+    return {"next_index": int(self._parent.get_state()["next_index"]), **self._identity}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Resumes at `state`; the next batches (augmentation included) equal the saver's.
+
+    Raises:
+      ValueError: if the state was saved by an iterator over a different stream.
+    """
+    wrong = {k: (state.get(k), v) for k, v in self._identity.items() if state.get(k) != v}
+    if wrong:
+      raise ValueError(f"iterator state does not match this stream (saved, expected): {wrong}")
+    self._parent.set_state({"next_index": int(state["next_index"])})

@@ -36,7 +36,7 @@ import grain
 import numpy as np
 
 from ddiloco.data import tokenizers
-from ddiloco.data.sharding import ShardBatchIds
+from ddiloco.data.sharding import CheckedShardIterator, ShardBatchIds
 from ddiloco.data.tokenizers import get_tokenizer  # Re-exported: simulation/runtime uses it.
 
 NUM_PLAYS = 38
@@ -253,34 +253,8 @@ class _GatherWindows(grain.transforms.Map):
     return {"inputs": windows_BxW[:, :-1].copy(), "targets": windows_BxW[:, 1:].copy()}
 
 
-class TextTrainIterator(grain.DatasetIterator):
-  """A grain iterator over one shard's batches, with a self-describing, checked state.
-
-  `get_state()` is JSON-serializable: grain's batch index plus the settings that define the stream,
-  so that restoring a state into an iterator over a different stream fails loudly instead of
-  silently training on other data.
-  """
-
-  def __init__(self, parent: grain.DatasetIterator, identity: Mapping[str, Any]):
-    super().__init__(parent)
-    self._identity = dict(identity)
-
-  def __next__(self) -> Batch:
-    return next(self._parent)
-
-  def get_state(self) -> dict[str, Any]:
-    return {"next_index": int(self._parent.get_state()["next_index"]), **self._identity}
-
-  def set_state(self, state: dict[str, Any]) -> None:
-    """Resumes at `state`; the next batches equal those the saving iterator would have produced.
-
-    Raises:
-      ValueError: if the state was saved by an iterator over a different stream.
-    """
-    wrong = {k: (state.get(k), v) for k, v in self._identity.items() if state.get(k) != v}
-    if wrong:
-      raise ValueError(f"iterator state does not match this stream (saved, expected): {wrong}")
-    self._parent.set_state({"next_index": int(state["next_index"])})
+class TextTrainIterator(CheckedShardIterator):
+  """The text pipeline's checked shard iterator (`sharding.CheckedShardIterator`)."""
 
 
 def make_train_iterator(

@@ -29,14 +29,12 @@ Batches are {"inputs": float32 [B, 8, 8, 1], "targets": int32 [B]}: the number o
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
-from typing import Any
 
 import gin
 import grain
 import numpy as np
 
-from ddiloco.data.sharding import ShardBatchIds
+from ddiloco.data.sharding import CheckedShardIterator, ShardBatchIds
 
 IMAGE_SIZE = 8
 CHANNELS = 1
@@ -172,29 +170,8 @@ class _GatherAugment(grain.transforms.RandomMap):
     return {"inputs": images, "targets": self._labels[element].copy()}
 
 
-class VisionTrainIterator(grain.DatasetIterator):
-  """A grain iterator over one shard's batches with a self-describing, checked, JSON-able state."""
-
-  def __init__(self, parent: grain.DatasetIterator, identity: Mapping[str, Any]):
-    super().__init__(parent)
-    self._identity = dict(identity)
-
-  def __next__(self) -> Batch:
-    return next(self._parent)
-
-  def get_state(self) -> dict[str, Any]:
-    return {"next_index": int(self._parent.get_state()["next_index"]), **self._identity}
-
-  def set_state(self, state: dict[str, Any]) -> None:
-    """Resumes at `state`: the next batches (augmentation included) equal the saver's.
-
-    Raises:
-      ValueError: if the state was saved by an iterator over a different stream.
-    """
-    wrong = {k: (state.get(k), v) for k, v in self._identity.items() if state.get(k) != v}
-    if wrong:
-      raise ValueError(f"iterator state does not match this stream (saved, expected): {wrong}")
-    self._parent.set_state({"next_index": int(state["next_index"])})
+class VisionTrainIterator(CheckedShardIterator):
+  """The vision pipeline's checked shard iterator (`sharding.CheckedShardIterator`)."""
 
 
 def make_train_iterator(
