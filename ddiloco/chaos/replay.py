@@ -141,6 +141,23 @@ def tape_to_faults(
   return ReplayPlan(faults=tuple(faults[i] for i in order), skipped=skipped, time_scale=time_scale)
 
 
+def logged_step_times(metrics_path: str) -> list[float]:
+  """The step times (> 0) a learner logged in its train events, over all its incarnations.
+
+  A torn last line (the process was SIGKILLed mid-write) is skipped.
+  """
+  times = []
+  with open(metrics_path) as f:
+    for line in f:
+      try:
+        event = json.loads(line)
+      except json.JSONDecodeError:
+        continue
+      if event.get("kind") == "train" and event.get("step_time_s", 0) > 0:
+        times.append(float(event["step_time_s"]))
+  return times
+
+
 def logged_step_time(run_dir: str) -> float:
   """A real run's typical step time: the median of the step times its learners logged.
 
@@ -154,14 +171,7 @@ def logged_step_time(run_dir: str) -> float:
   """
   times = []
   for path in sorted(glob.glob(os.path.join(run_dir, "learner_*", "metrics.jsonl"))):
-    with open(path) as f:
-      for line in f:
-        try:
-          event = json.loads(line)
-        except json.JSONDecodeError:
-          continue
-        if event.get("kind") == "train" and event.get("step_time_s", 0) > 0:
-          times.append(float(event["step_time_s"]))
+    times += logged_step_times(path)
   if not times:
     raise ValueError(f"No logged step time under {run_dir}: pass the real step time explicitly.")
   return statistics.median(times)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ddiloco.chaos import invariants
+from ddiloco.chaos import invariants, replay
 from ddiloco.chaos.proxy import LoopbackProxy
 from ddiloco.chaos.schedule import ChaosConfig, ChaosEvent, make_schedule
 from ddiloco.chaos.tape import TapeWriter, read_tape
@@ -101,16 +101,7 @@ class ChaosRun:
     less (or more) loaded than over the run: a learner finishing alone looked twice as fast.
     """
     path = os.path.join(self.cluster.workdir, f"learner_{i}", "metrics.jsonl")
-    times = []
-    if os.path.exists(path):
-      with open(path) as f:
-        for line in f:
-          try:
-            event = json.loads(line)
-          except json.JSONDecodeError:
-            continue  # The last line of a SIGKILLed incarnation may be torn.
-          if event.get("kind") == "train" and event.get("step_time_s", 0) > 0:
-            times.append(float(event["step_time_s"]))
+    times = replay.logged_step_times(path) if os.path.exists(path) else []
     return statistics.median(times) if times else fallback
 
   def _start_learner(self, i: int) -> Child:

@@ -11,9 +11,10 @@ import gin
 
 from ddiloco.data import text as text_data
 from ddiloco.fragments.schedule import FragmentSchedule
-from ddiloco.learner.learner import LearnerConfig
+from ddiloco.learner.learner import Learner, LearnerConfig
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.models import transformer
+from ddiloco.simulation.config import LearnerSpec
 from ddiloco.simulation.runtime import LearnerFactory, resolve_task
 from ddiloco.syncer.service import ServiceConfig
 from ddiloco.syncer.types import SyncerConfig
@@ -108,6 +109,22 @@ class JobConfig:
       eval_batches=self.eval_batches,
       batch_size=self.batch_size,
     )
+
+  def make_learner(self, learner_id: int) -> tuple[LearnerFactory, LearnerSpec, Learner]:
+    """Learner `learner_id` on all of this process's `jax.devices()` (with jax.distributed: every
+    process's), with its factory and spec; the learner processes' one way to build it."""
+    import jax
+
+    factory = self.factory()
+    spec = LearnerSpec(batch_size=self.batch_size, devices=len(jax.devices()))
+    learner = factory.make_learner(
+      learner_id,
+      spec=spec,
+      schedule=self.the_schedule(),
+      config=self.learner or LearnerConfig(),
+      device_slot=0,
+    )
+    return factory, spec, learner
 
   def tokens_per_step(self) -> int:
     """Merge units (tokens for text, examples for vision) in one nominal learner step."""

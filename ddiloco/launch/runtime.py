@@ -22,10 +22,8 @@ from ddiloco.checkpoint.learner import (
   abstract_opt_state,
 )
 from ddiloco.launch.job import JobConfig
-from ddiloco.learner.learner import LearnerConfig
 from ddiloco.learner.worker import LearnerWorker
 from ddiloco.metrics.writer import MetricsWriter, write_summary
-from ddiloco.simulation.config import LearnerSpec
 from ddiloco.syncer import service as service_lib
 from ddiloco.syncer.core import MergeEvent
 from ddiloco.transport.client import SyncerClient, fragment_layouts
@@ -234,17 +232,7 @@ def make_learner_worker(
   while it trains (checkpoint/learner.py); a restarted learner needs the same id and workdir (or
   shared checkpoint directory) to find its own checkpoint and keep its data shard.
   """
-  import jax
-
-  factory = job.factory()
-  spec = LearnerSpec(batch_size=job.batch_size, devices=len(jax.devices()))
-  learner = factory.make_learner(
-    learner_id,
-    spec=spec,
-    schedule=job.the_schedule(),
-    config=job.learner or LearnerConfig(),
-    device_slot=0,
-  )
+  factory, spec, learner = job.make_learner(learner_id)
   if data is None:
     data = iter(factory.make_data(learner_id, spec=spec))
   os.makedirs(workdir, exist_ok=True)

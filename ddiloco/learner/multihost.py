@@ -33,11 +33,9 @@ from typing import Any
 import jax
 
 from ddiloco.launch.job import JobConfig
-from ddiloco.learner.learner import LearnerConfig
 from ddiloco.learner.worker import LearnerWorker
 from ddiloco.metrics.writer import MetricsWriter
 from ddiloco.parallel.multihost import GlobalBatches, ProcessGroup
-from ddiloco.simulation.config import LearnerSpec
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 
 
@@ -251,15 +249,8 @@ def make_multihost_worker(
   """
   if (client is not None) != (jax.process_index() == 0):
     raise ValueError("Process 0, and only process 0, of a learner needs a syncer client.")
-  factory = job.factory()
-  spec = LearnerSpec(batch_size=job.batch_size, devices=len(jax.devices()))
-  learner = factory.make_learner(
-    learner_id,
-    spec=spec,
-    schedule=job.the_schedule(),
-    config=job.learner or LearnerConfig(),
-    device_slot=0,  # All global devices: the mesh spans every process of the learner.
-  )
+  # jax.devices() is global here: the learner's mesh spans every process of the learner.
+  factory, spec, learner = job.make_learner(learner_id)
   group = ProcessGroup(learner.steps.mesh)
   data = GlobalBatches(iter(factory.make_data(learner_id, spec=spec)), learner.steps.batch_sharding)
   os.makedirs(workdir, exist_ok=True)
