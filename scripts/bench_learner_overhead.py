@@ -46,6 +46,7 @@ worker threads spin after every small BLAS call (the norms of RDA) and take most
 """
 
 import collections
+import contextlib
 import os
 import shutil
 import statistics
@@ -72,6 +73,23 @@ _SYNCER_BLAS = flags.DEFINE_integer(
   "syncer_blas_threads",
   0,
   "OPENBLAS_NUM_THREADS for the syncer process (0: inherit the environment); see the docstring",
+)
+_LEARNER_CPUS = flags.DEFINE_list(
+  "learner_cpus",
+  [],
+  "CPUs for this process (the learner and the bare loops), e.g. 0; empty: no pinning",
+)
+_SYNCER_CPUS = flags.DEFINE_list(
+  "syncer_cpus",
+  [],
+  "CPUs for the syncer process, e.g. 1 (as on its own host); empty: no pinning",
+)
+_SNAPSHOT = flags.DEFINE_enum(
+  "snapshot",
+  "auto",
+  ["auto", "reference", "copy"],
+  "how the worker snapshots a due fragment (Learner.snapshot_by_reference); auto: by reference "
+  "on CPU, the on-device copy of GPU/TPU otherwise",
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "output folder (default: a temporary one, removed)")
 
@@ -103,6 +121,16 @@ def _bindings() -> list[str]:
 
 def _load() -> str:
   return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _pin(pid: int, cpus: list[str]) -> None:
+  """Moves every thread of process `pid` onto `cpus` (threads it starts later inherit the mask)."""
+  if not cpus:
+    return
+  mask = {int(c) for c in cpus}
+  for tid in os.listdir(f"/proc/{pid}/task"):
+    with contextlib.suppress(ProcessLookupError):  # The thread ended meanwhile.
+      os.sched_setaffinity(int(tid), mask)
 
 
 def _cpu_s(stat_path: str) -> float:
@@ -192,6 +220,8 @@ def _run_worker(job, cluster, port: int, batches, learner_dir: str) -> tuple[Any
   worker, writer = runtime.make_learner_worker(
     job, learner_id=0, client=client, workdir=learner_dir, data=stamped
   )
+  if _SNAPSHOT.value != "auto":
+    worker.learner.snapshot_by_reference = _SNAPSHOT.value == "reference"
   _instrument(worker, stamped, cluster.syncer.proc.pid)
   worker.connect()
   summary = worker.run(_STEPS.value + _SKIP.value)
@@ -219,6 +249,8 @@ def main(argv: list[str]) -> None:
   xla.append(f"--xla_force_host_platform_device_count={_DEVICES.value}")
   os.environ["XLA_FLAGS"] = " ".join(xla)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  # Before jax starts its thread pools (they are sized by the CPUs this process may use).
+  _pin(os.getpid(), _LEARNER_CPUS.value)
   workdir = os.path.abspath(_WORKDIR.value or tempfile.mkdtemp(prefix="bench_overhead_"))
   # One persistent compilation cache for this process and every syncer: later rounds start faster.
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(workdir, "jax_cache"))
@@ -232,7 +264,11 @@ def main(argv: list[str]) -> None:
   from ddiloco.launch import gin_flags, local_cluster
   from ddiloco.launch import job as job_lib
 
-  print(f"load average at start: {_load()}", flush=True)
+  print(
+    f"load average at start: {_load()}; this process on CPUs {sorted(os.sched_getaffinity(0))}, "
+    f"syncer on {_SYNCER_CPUS.value or 'any'}",
+    flush=True,
+  )
   bindings = _bindings()
   gin_flags.register_configurables()  # Every configurable module, before the config is locked.
   gin.add_config_file_search_path(_GIN_DIR)
@@ -270,6 +306,7 @@ def main(argv: list[str]) -> None:
       try:
         t0 = time.perf_counter()
         port = cluster.start_syncer()
+        _pin(cluster.syncer.proc.pid, _SYNCER_CPUS.value)
         t_syncer = time.perf_counter() - t0
         worker, summary, window = _run_worker(
           job, cluster, port, batches, os.path.join(folder, "learner_0")
@@ -306,7 +343,7 @@ def main(argv: list[str]) -> None:
   rate = {name: 1.0 / statistics.median(ts) for name, ts in times.items()}
   print(
     f"\nmodel tiny, mesh {dict(state['steps'].mesh.shape)}, batch {_BATCH.value}x{_SEQ.value}, "
-    f"codec {_CODEC.value}, P = H = 24, {_STEPS.value} timed steps (after {_SKIP.value}) x "
+    f"codec {_CODEC.value}, snapshot {_SNAPSHOT.value}, P = H = 24, {_STEPS.value} timed steps (after {_SKIP.value}) x "
     f"{_ROUNDS.value} rounds (median)"
   )
   for name in times:

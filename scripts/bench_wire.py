@@ -1,15 +1,18 @@
 """Benchmark: pushing a 64 MiB fragment through the gRPC syncer service against a raw TCP socket.
 
-Both transfers run on loopback in one process, interleaved in rounds so machine noise hits them
-equally, and the median of the rounds is reported:
+Every receiver runs in a second process, as the syncer does in a deployment (`ddiloco-syncer`
+is a process of its own, on its own host): one Python process would put the sender's and the
+receiver's Python work under one GIL, which no real push pays. Transfers run on loopback from this
+process to that one, interleaved in rounds so machine noise hits them equally, and the median of
+the rounds is reported:
   push   `SyncerClient.push` of one fragment (a single key of 16M float32 = 64 MiB) to a served
          `SyncerService` with the shared token on. What is timed is everything a learner's push
          costs end to end: client-side serialization (`messages.push_messages`: the fp32 delta
          θ − Θ^(anchor), the wire format, 1 MiB chunks, each made while the previous ones are
          sent), gRPC framing and the loopback transfer, the server's validation at the door (token
          interceptor, chunk message parsing, header and size checks, chunk reassembly, `wire`
-         parsing, decode into recycled memory (`chunks.ArrayPool`) and the NaN/Inf check, adding
-         the anchor back) and `SyncerCore.report` (validation again: its NaN/Inf check fused with
+         parsing, decode into recycled memory (`chunks.ArrayPool`), adding the anchor back) and
+         `SyncerCore.report` (validation again, and the NaN/Inf check of every value fused with
          RDA's squared norm of the outer gradient; the service files the decoded values without
          a copy). The syncer runs with min_quorum=2 and one learner, so a push only files into a
          round (superseding the previous push, whose memory the next push then reuses): no merge
@@ -19,22 +22,23 @@ equally, and the median of the rounds is reported:
   bare   gRPC's own floor: the same bytes as 1 MiB raw `bytes` messages (no protobuf) streamed to
          a generic handler that counts and drops them, no token, no service code, with the
          service's channel options.
-Every path has a wall-clock median and a process-CPU-time median: CPU time sums every thread of
-the process (both ends, gRPC's threads, the kernel's socket copies) and is what contention with
+Every path has a wall-clock median and a CPU-time median: CPU time sums every thread of both
+processes (both ends, gRPC's threads, the kernel's socket copies) and is what contention with
 other processes spares, so on a loaded machine it is the steadier figure; wall time counts when
-"process CPU/wall" in the header is near 1. It prints the throughputs, the ratios push/raw (goal
+"CPU/wall" in the header is at most 2 (both ends busy at once). It prints the throughputs, the ratios push/raw (goal
 >= 0.5), bare/raw and push/bare for both, the pull throughput of the same fragment (a learner
 pulls it before it may push, SPEC §3), and the push's time split: client serialization with each
 chunk dropped as it is made (as the client streams them), then a Push of pre-built chunk messages
 on a second channel (everything after serialization), of which the parsing of the chunk messages,
-the server's reassembly/decode/validation and the core's filing, each timed offline in one thread
-with the functions the two ends call, and the rest (gRPC transport, token check, locks). The
-end-to-end push overlaps serialization with the transfer, so it may take less than
-serialization plus the pre-built push.
+the server's reassembly/decode/validation and the core's filing, each timed offline in this process
+in one thread with the functions the two ends call, and the rest (gRPC transport, token check,
+locks). The end-to-end push overlaps the client's serialization with the server's decoding, so it
+may take less than serialization plus the pre-built push.
 
   python scripts/bench_wire.py --mib=64 --rounds=5
 """
 
+import multiprocessing
 import os
 import socket
 import statistics
@@ -69,16 +73,24 @@ Seconds = tuple[float, float]  # (wall, process CPU) seconds.
 
 
 class _Stopwatch:
-  """Wall and process CPU seconds of a block: CPU time sums every thread of this process (both
-  ends, gRPC's own threads, the kernel's socket copies as system time) and is not inflated when
-  other processes take the cores, which wall time on a shared machine is."""
+  """Wall and CPU seconds of a block: CPU time sums every thread of this process and, with `peer`,
+  of the receiving process (gRPC's own threads, the kernel's socket copies as system time) and is
+  not inflated when other processes take the cores, which wall time on a shared machine is."""
+
+  def __init__(self, peer: "_Peer | None" = None):
+    self._peer = peer
+
+  def _cpu(self) -> float:
+    return time.process_time() + (self._peer.cpu_s() if self._peer is not None else 0.0)
 
   def __enter__(self) -> "_Stopwatch":
-    self._wall, self._cpu = time.perf_counter(), time.process_time()
+    self._c0 = self._cpu()
+    self._wall = time.perf_counter()  # After the peer's answer: its round trip is not timed.
     return self
 
   def __exit__(self, *exc) -> None:
-    self.seconds = (time.perf_counter() - self._wall, time.process_time() - self._cpu)
+    wall = time.perf_counter() - self._wall
+    self.seconds = (wall, self._cpu() - self._c0)
 
 
 class _DiscardServer:
@@ -121,21 +133,93 @@ def _drain(request_iterator, context) -> bytes:
   return sum(len(r) for r in request_iterator).to_bytes(8, "little")
 
 
+def _init_values(n: int) -> dict[str, np.ndarray]:
+  """The fragment's initial global values: the same in both processes (seeded)."""
+  return {_KEY: np.random.default_rng(0).standard_normal(n, dtype=np.float32)}
+
+
+def _syncer_configs() -> tuple[ServiceConfig, SyncerConfig]:
+  # min_quorum=2 with one learner: a push files into the round and never triggers a merge.
+  return ServiceConfig(uplink_codec="fp32", downlink_codec="fp32"), SyncerConfig(
+    min_quorum=2, use_grace=False
+  )
+
+
+def _receivers(conn, n: int) -> None:
+  """The receiving process: the syncer service, the raw TCP reader and the bare gRPC server.
+
+  Sends their ports, then answers b"cpu" with this process's CPU seconds and b"stop" with the
+  service's counters, and exits.
+  """
+  init = _init_values(n)
+  layout = layout_lib.make_layout(init, num_fragments=1)
+  service_config, syncer_config = _syncer_configs()
+  service = make_syncer(
+    fragment_keys=layout.fragments,
+    init_values=init,
+    syncer_config=syncer_config,
+    service_config=service_config,
+    layout_digest=layout.digest,
+  )
+  del init
+  server = serve(service, token=_TOKEN)
+  discard = _DiscardServer()
+  bare = grpc.server(
+    futures.ThreadPoolExecutor(max_workers=4), options=service_config.channel_options()
+  )
+  method = grpc.stream_unary_rpc_method_handler(_drain, _identity, _identity)
+  bare.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Bare", {"S": method})])
+  bare_port = bare.add_insecure_port("127.0.0.1:0")
+  bare.start()
+  conn.send({"syncer": server.port, "raw": discard.port, "bare": bare_port})
+  while conn.recv() == b"cpu":
+    conn.send(time.process_time())
+  status = server.service.status()
+  conn.send({**status.counters, "merges": status.merges, "refused": sum(status.refused.values())})
+  bare.stop(None)
+  discard.close()
+  server.stop(flush=False)
+
+
+class _Peer:
+  """The receiving process (`_receivers`), started with spawn: no copy of this one's threads."""
+
+  def __init__(self, n: int):
+    ctx = multiprocessing.get_context("spawn")
+    self._conn, child = ctx.Pipe()
+    self._proc = ctx.Process(target=_receivers, args=(child, n), name="receivers", daemon=True)
+    self._proc.start()
+    if not self._conn.poll(120.0):
+      self._proc.kill()
+      raise RuntimeError("The receiving process did not start within 120 s.")
+    self.ports = self._conn.recv()
+
+  def cpu_s(self) -> float:
+    self._conn.send(b"cpu")
+    return self._conn.recv()
+
+  def stop(self) -> dict[str, int]:
+    """Stops the receivers; returns the service's counters (accepted, superseded, merges...)."""
+    self._conn.send(b"stop")
+    counters = self._conn.recv()
+    self._proc.join(timeout=30)
+    return counters
+
+  def close(self) -> None:
+    """Ends the receiving process if it is still there (after `stop`, or on an error)."""
+    if self._proc.is_alive():
+      self._proc.kill()
+      self._proc.join(timeout=10)
+
+
 class _Floors:
   """The two baselines over the same bytes: raw TCP `sendall` and a bare gRPC byte stream."""
 
-  def __init__(self, payload: bytes, options: list[tuple[str, int]]):
+  def __init__(self, payload: bytes, options: list[tuple[str, int]], peer: _Peer):
     self._payload = payload
-    self._discard = _DiscardServer()
-    self._conn = socket.create_connection(("127.0.0.1", self._discard.port))
-    self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=options)
-    method = grpc.stream_unary_rpc_method_handler(_drain, _identity, _identity)
-    self._server.add_generic_rpc_handlers(
-      [grpc.method_handlers_generic_handler("bench.Bare", {"S": method})]
-    )
-    port = self._server.add_insecure_port("127.0.0.1:0")
-    self._server.start()
-    self._channel = grpc.insecure_channel(f"127.0.0.1:{port}", options)
+    self._peer = peer
+    self._conn = socket.create_connection(("127.0.0.1", peer.ports["raw"]))
+    self._channel = grpc.insecure_channel(f"127.0.0.1:{peer.ports['bare']}", options)
     self._call = self._channel.stream_unary(
       "/bench.Bare/S", request_serializer=_identity, response_deserializer=_identity
     )
@@ -144,7 +228,7 @@ class _Floors:
   def raw(self) -> Seconds:
     """Time to send the payload in 1 MiB sendall pieces and receive the reader's ack."""
     view = memoryview(self._payload)
-    with _Stopwatch() as watch:
+    with _Stopwatch(self._peer) as watch:
       self._conn.sendall(_LEN.pack(len(view)))
       for i in range(0, len(view), _PIECE):
         self._conn.sendall(view[i : i + _PIECE])
@@ -154,7 +238,7 @@ class _Floors:
 
   def bare(self) -> Seconds:
     """Time to stream the payload as 1 MiB bytes messages through gRPC and get the count back."""
-    with _Stopwatch() as watch:
+    with _Stopwatch(self._peer) as watch:
       got = int.from_bytes(self._call(iter(self._pieces), timeout=300.0), "little")
     if got != len(self._payload):
       raise RuntimeError(f"The bare gRPC server counted {got} bytes of {len(self._payload)}.")
@@ -162,29 +246,19 @@ class _Floors:
 
   def close(self) -> None:
     self._conn.close()
-    self._discard.close()
     self._channel.close()
-    self._server.stop(None)
 
 
 class _Service:
-  """A served syncer holding one fragment, a registered learner that pulled it, and its pushes."""
+  """The learner's side of a served syncer (in the peer) holding one fragment: a registered
+  learner that pulled it, and its pushes."""
 
-  def __init__(self, init: dict[str, np.ndarray], *, delta: bool):
+  def __init__(self, init: dict[str, np.ndarray], peer: _Peer, *, delta: bool):
     n = init[_KEY].size
     layout = layout_lib.make_layout(init, num_fragments=1)
-    self.config = ServiceConfig(uplink_codec="fp32", downlink_codec="fp32")
-    # min_quorum=2 with one learner: a push files into the round and never triggers a merge.
-    syncer_config = SyncerConfig(min_quorum=2, use_grace=False)
-    service = make_syncer(
-      fragment_keys=layout.fragments,
-      init_values=init,
-      syncer_config=syncer_config,
-      service_config=self.config,
-      layout_digest=layout.digest,
-    )
-    self._server = serve(service, token=_TOKEN)
-    address = f"127.0.0.1:{self._server.port}"
+    self.config, syncer_config = _syncer_configs()
+    self._peer = peer
+    address = f"127.0.0.1:{peer.ports['syncer']}"
     self.client = SyncerClient(address, token=_TOKEN, transfer_deadline_s=300.0)
     self.client.wait_ready(30.0)
     self.client.register(0, layout_digest=layout.digest, num_fragments=1)
@@ -228,7 +302,7 @@ class _Service:
     return list(messages.push_messages(report, "fp32", anchor_values=self.anchor_values))
 
   def pull(self) -> Seconds:
-    with _Stopwatch() as watch:
+    with _Stopwatch(self._peer) as watch:
       state = self.client.pull(0, 0, -1, layout_keys=[_KEY], shapes=self.shapes, dtypes=self.dtypes)
     if state is None or state.version != 0:
       raise RuntimeError("The pull did not return version 0 of the fragment.")
@@ -237,7 +311,7 @@ class _Service:
 
   def push(self) -> Seconds:
     report = self.report()
-    with _Stopwatch() as watch:
+    with _Stopwatch(self._peer) as watch:
       result = self.client.push(report, "fp32", anchor_values=self.anchor_values)
     if result.status not in ("accepted", "superseded") or result.weight <= 0:
       raise RuntimeError(f"Push was not filed with weight > 0: {result}")
@@ -245,7 +319,7 @@ class _Service:
 
   def push_prebuilt(self) -> Seconds:
     chunks = self.chunks(self.report())
-    with _Stopwatch() as watch:
+    with _Stopwatch(self._peer) as watch:
       resp = self._push_raw(iter(chunks), timeout=300.0, metadata=auth.token_metadata(_TOKEN))
     if resp.status not in ("accepted", "superseded"):
       raise RuntimeError(f"Pre-built push was not filed: {resp}")
@@ -268,6 +342,7 @@ class _Service:
         self.dtypes,
         anchor_lookup=lambda v: self.anchor_values,
         alloc=self._pool.empty,
+        check_finite=False,  # As the service decodes: the core's filing checks every value.
       )
     with _Stopwatch() as filing:
       result = self.filing.report(decoded, copy=False)  # As the service files it.
@@ -280,13 +355,9 @@ class _Service:
       "filing": filing.seconds,
     }
 
-  def close(self) -> dict[str, int]:
-    """Stops everything; returns the service's counters (accepted, superseded, merges)."""
-    status = self._server.service.status()
+  def close(self) -> None:
     self._channel.close()
     self.client.close()
-    self._server.stop(flush=False)
-    return {**status.counters, "merges": status.merges, "refused": sum(status.refused.values())}
 
 
 def _mib_s(nbytes: int, seconds: float) -> float:
@@ -336,10 +407,17 @@ def _print(med: dict[str, Seconds], *, n: int, wire_bytes: int, pull_bytes: int,
 def main(argv: list[str]) -> None:
   del argv
   n = _MIB.value * (1 << 20) // 4
-  init = {_KEY: np.random.default_rng(0).standard_normal(n, dtype=np.float32)}
-  service = _Service(init, delta=_DELTA.value)
+  peer = _Peer(n)
+  try:
+    _run(n, peer)
+  finally:
+    peer.close()
+
+
+def _run(n: int, peer: _Peer) -> None:
+  service = _Service(_init_values(n), peer, delta=_DELTA.value)
   wire_bytes = sum(map(len, service.chunks(service.report())))
-  floors = _Floors(bytes(wire_bytes), service.config.channel_options())
+  floors = _Floors(bytes(wire_bytes), service.config.channel_options(), peer)
   paths = {
     "raw": floors.raw,
     "bare": floors.bare,
@@ -350,7 +428,7 @@ def main(argv: list[str]) -> None:
   for fn in paths.values():  # Warm-up of every path (connections, allocator).
     fn()
   times: dict[str, list[Seconds]] = {name: [] for name in paths}
-  with _Stopwatch() as total:
+  with _Stopwatch(peer) as total:
     for _ in range(_ROUNDS.value):
       for name, fn in paths.items():
         times[name].append(fn())
@@ -358,7 +436,8 @@ def main(argv: list[str]) -> None:
         times.setdefault(part, []).append(t)
   pull_bytes = service.client.bytes_down // (_ROUNDS.value + 2)  # Setup, warm-up, rounds.
   floors.close()
-  counters = service.close()
+  service.close()
+  counters = peer.stop()
   if counters["merges"] or counters["refused"]:
     raise RuntimeError(f"Pushes must only file into the round: {counters}")
   # Medians of wall and of CPU time, each taken separately.
@@ -368,7 +447,7 @@ def main(argv: list[str]) -> None:
     n=n,
     wire_bytes=wire_bytes,
     pull_bytes=pull_bytes,
-    note=f"load avg {os.getloadavg()[0]:.1f}, process CPU/wall {total.seconds[1] / total.seconds[0]:.2f}",
+    note=f"load avg {os.getloadavg()[0]:.1f}, CPU/wall {total.seconds[1] / total.seconds[0]:.2f}",
   )
   sys.stdout.flush()
 

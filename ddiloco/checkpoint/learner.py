@@ -19,22 +19,35 @@ train step may donate them) and atomic (orbax writes `<step>.orbax-checkpoint-tm
 when complete; a crash mid-save leaves only that tmp folder, which restores ignore and the next
 manager deletes). Restores follow the chain own → peer → fresh, starting at `init_from`; see
 `LearnerCheckpointer.restore` and docs/resilience.md.
+
+**Multi-process learners** (`group` given; learner/multihost.py): the learner's processes share one
+checkpoint folder and call `save`, `restore` and `close` collectively, as orbax expects: each
+process writes the shards of the global optimizer state that it holds (`ocdbt.process_<i>`),
+process 0 (orbax's primary host) writes the JSON item and commits the step after a barrier, so a
+committed step is complete for every process. The JSON item then also holds `data_per_process`
+(each process's data iterator state, gathered to process 0 before the save) and `num_processes`;
+the step, tokens and ledger are the leader's. Every decision a restore makes from the file system (which step, which
+peer, which steps to discard) is process 0's, broadcast to the others: orbax's restores and deletes
+are barriers, so every process must make the same calls in the same order.
 """
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import gin
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from ddiloco.learner.train_step import CompiledSteps
+from ddiloco.parallel.multihost import ProcessGroup
 from ddiloco.types import PyTree
 
 log = logging.getLogger(__name__)
@@ -149,6 +162,8 @@ class LearnerCheckpointer:
     workdir: the learner's output folder.
     opt_target: `abstract_opt_state(steps, params)` on this learner's mesh.
     layout_digest: the fragment layout's digest; a checkpoint of another layout is refused.
+    group: the learner's processes when it is several (module docstring): `workdir` must then be
+      the learner's (process 0's), the same in every process. None: a one-process learner.
   """
 
   def __init__(
@@ -159,8 +174,10 @@ class LearnerCheckpointer:
     workdir: str,
     opt_target: PyTree,
     layout_digest: str,
+    group: ProcessGroup | None = None,
   ):
     self.config = config
+    self._group = group if group is not None and group.num_processes > 1 else None
     self.learner_id = learner_id
     self.directory = config.learner_directory(learner_id, workdir)
     self._opt_target = opt_target
@@ -192,10 +209,15 @@ class LearnerCheckpointer:
     """Starts an asynchronous save of `step`; returns False if that step is already saved.
 
     Blocks while a previous save is still being written (orbax waits for it) and while the arrays
-    are copied to host memory; the files are written in the background.
+    are copied to host memory; the files are written in the background. A multi-process learner's
+    processes all call it at the same step (their step counters agree).
     """
     if self.has(step):
       return False
+    per_process = None
+    if self._group is not None:  # Each process's own position; process 0 writes them all.
+      mine = json.dumps(None if data_state is None else dict(data_state)).encode()
+      per_process = [json.loads(b) for b in self._group.gather(mine)]
     state = {
       "format": _FORMAT,
       "learner_id": self.learner_id,
@@ -208,6 +230,9 @@ class LearnerCheckpointer:
       "ledger": None if ledger is None else dict(ledger),
       "time": time.time(),
     }
+    if per_process is not None:  # Only then: a one-process checkpoint keeps its format.
+      state["num_processes"] = len(per_process)
+      state["data_per_process"] = per_process
     self._manager.save(
       step,
       args=ocp.args.Composite(
@@ -248,9 +273,12 @@ class LearnerCheckpointer:
       starts its shard again (repeating rather than skipping data).
     - fresh: nothing (a new optimizer state, step 0, the start of the shard).
 
+    A multi-process learner's processes call it together and all follow process 0's choices.
+
     Raises:
       ValueError: if this learner's own newest checkpoint belongs to another learner id, layout or
         optimizer (a configuration error, never silently skipped).
+      RuntimeError: if a process of a multi-process learner does not see the step process 0 chose.
     """
     chain = _CHAIN[self.config.init_from]
     discarded: tuple[int, ...] = ()
@@ -267,9 +295,10 @@ class LearnerCheckpointer:
     return Restored("fresh", discarded_steps=discarded)
 
   def _restore_own(self) -> Restored | None:
-    step = self._manager.latest_step()
+    step = self._agree(self._manager.latest_step())
     if step is None:
       return None
+    self._expect_steps([step])
     state = self._manager.restore(step, args=ocp.args.Composite(learner=ocp.args.JsonRestore()))
     state = state.learner
     problem = self._mismatch(state)
@@ -282,14 +311,37 @@ class LearnerCheckpointer:
       f"own:{step}",
       step=int(state["step"]),
       opt_state=opt,
-      data_state=state["data"],
+      data_state=self._my_data_state(state),
       tokens_trained=int(state["tokens_trained"]),
       ledger=state.get("ledger"),
     )
 
+  def _my_data_state(self, state: Mapping[str, Any]) -> dict[str, Any] | None:
+    """This process's data position in a checkpoint's JSON item.
+
+    A checkpoint of as many processes as this learner has gives each process its own entry.
+    Otherwise (one process wrote it, or another count) every process takes `data`, process 0's:
+    right as long as every process reads the learner's whole batch stream (GlobalBatches), so all
+    positions are equal.
+    """
+    per_process = state.get("data_per_process")
+    index = 0 if self._group is None else self._group.process_index
+    count = 1 if self._group is None else self._group.num_processes
+    if per_process is not None and len(per_process) == count:
+      return per_process[index]
+    if per_process is not None:
+      log.warning(
+        "learner %d: checkpoint of %d processes restored by %d: data position of process 0",
+        self.learner_id,
+        len(per_process),
+        count,
+      )
+    return state["data"]
+
   def _discard_own(self) -> tuple[int, ...]:
     """Deletes own checkpoints: a new start's saves must not mix with an older incarnation's."""
-    steps = tuple(self.all_steps())
+    steps = tuple(self._agree(self.all_steps()))
+    self._expect_steps(steps)
     for step in steps:
       self._manager.delete(step)
     if steps:
@@ -302,6 +354,8 @@ class LearnerCheckpointer:
     return steps
 
   def _restore_peer(self) -> Restored | None:
+    if self._group is not None:
+      return self._restore_agreed_peer()
     managers = {p: _manager(d, max_to_keep=None, read_only=True) for p, d in self._peer_dirs()}
     try:
       return self._restore_newest_peer(managers)
@@ -345,6 +399,74 @@ class LearnerCheckpointer:
       if m and int(m.group(1)) != self.learner_id:
         out.append((int(m.group(1)), os.path.abspath(os.path.join(root, name))))
     return out
+
+  # -- multi-process learners ---------------------------------------------------------------------
+
+  def _agree(self, value: Any) -> Any:
+    """Process 0's `value` (JSON-able) on every process; `value` itself with one process."""
+    if self._group is None:
+      return value
+    payload = json.dumps(value).encode() if self._group.is_leader else b""
+    return json.loads(self._group.share(payload).payload)
+
+  def _expect_steps(self, steps: Sequence[int]) -> None:
+    """Raises unless this process sees `steps` (process 0's choice) in the shared folder."""
+    if self._group is None or set(steps) <= set(self._manager.all_steps()):
+      return
+    self._manager.reload()
+    missing = sorted(set(steps) - set(self._manager.all_steps()))
+    if missing:
+      raise RuntimeError(
+        f"Process {self._group.process_index} of learner {self.learner_id} does not see "
+        f"checkpoint step(s) {missing} in {self.directory}, which process 0 found: the learner's "
+        "processes must share one checkpoint folder (a file system every host mounts)."
+      )
+
+  def _restore_agreed_peer(self) -> Restored | None:
+    """The peer step of a multi-process learner: process 0 picks it, every process restores it.
+
+    Process 0 reads the candidates' JSON items through the handler (no barrier, unlike a
+    manager's restore); the others wait for its choice. If the chosen step vanishes before every
+    process has read it (the peer's max_to_keep), the restore raises on some process and the
+    launcher restarts the learner, which then picks again.
+    """
+    choice = self._agree(self._choose_peer() if self._group.is_leader else None)
+    if choice is None:
+      return None
+    peer_id, step = choice
+    folder = self.config.learner_directory(peer_id, workdir="")  # Under `directory` (peers exist).
+    mgr = _manager(folder, max_to_keep=None, read_only=True)
+    try:
+      opt = self._restore_opt(mgr, step)
+    finally:
+      mgr.close()
+    return Restored(f"peer:{peer_id}:{step}", opt_state=opt)
+
+  def _choose_peer(self) -> tuple[int, int] | None:
+    """(peer id, step) of the newest usable peer checkpoint (ties: the lowest id), or None.
+
+    Process 0 alone runs this, so it reads the folders with orbax's path helpers, never through a
+    CheckpointManager (whose constructor and close synchronize every process).
+    """
+    name_format = ocp.path.step.standard_name_format()
+    candidates = []  # (-step, peer id, step folder)
+    for peer_id, folder in self._peer_dirs():
+      newest = ocp.path.step.latest_step_metadata(epath.Path(folder), name_format)
+      if newest is not None:  # Committed steps only: tmp folders of saves in flight never count.
+        candidates.append((-newest.step, peer_id, newest.path))
+    handler = ocp.JsonCheckpointHandler()
+    for neg_step, peer_id, path in sorted(candidates):
+      try:
+        state = handler.restore(path / "learner")
+      except FileNotFoundError:
+        log.warning("learner %d: peer %d step %d vanished", self.learner_id, peer_id, -neg_step)
+        continue
+      problem = self._mismatch(state)
+      if problem is not None:
+        log.warning("learner %d: skipping peer %d: %s", self.learner_id, peer_id, problem)
+        continue
+      return peer_id, -neg_step
+    return None
 
   def _mismatch(self, state: Mapping[str, Any]) -> str | None:
     if state.get("format") != _FORMAT:

@@ -50,6 +50,7 @@ def main(argv: list[str]) -> None:
       gin_args=args,
       num_learners=job.num_learners,
       devices_per_learner=job.devices_per_learner,
+      processes_per_learner=job.processes_per_learner,
     )
     base = cluster.run(job, timeout_s=_TIMEOUT.value, progress=say)
     baseline = base["final_eval_loss"]
@@ -59,6 +60,7 @@ def main(argv: list[str]) -> None:
     gin_args=args,
     num_learners=job.num_learners,
     devices_per_learner=job.devices_per_learner,
+    processes_per_learner=job.processes_per_learner,
   )
   run = ChaosRun(job, chaos, cluster, progress=say)
   if _SUMMARIZE_ONLY.value:

@@ -38,6 +38,9 @@ class JobConfig:
     num_learners: M, learners the local launcher starts (ids 0..M-1).
     steps_per_learner: inner steps each learner trains before it leaves.
     devices_per_learner: fake CPU devices per learner process (the launcher sets XLA_FLAGS).
+    processes_per_learner: JAX processes forming each learner in the local launchers, as the hosts
+      of a multi-host slice (learner/multihost.py, launch/processes.py); a learner's mesh then has
+      processes_per_learner × devices_per_learner devices.
     batch_size: per-learner batch override (None: the task's).
     layout_strategy: "balanced", "layer" or "tensor".
     split_large: allow splitting tensors larger than total/P.
@@ -58,6 +61,7 @@ class JobConfig:
   num_learners: int = 4
   steps_per_learner: int = 100
   devices_per_learner: int = 1
+  processes_per_learner: int = 1
   batch_size: int | None = None
   layout_strategy: str = "balanced"
   split_large: bool = False
@@ -68,8 +72,9 @@ class JobConfig:
 
   def __post_init__(self):
     self.the_task()  # Exactly one of a task and a (model, data) pair.
-    if self.num_learners < 1 or self.steps_per_learner < 1 or self.devices_per_learner < 1:
-      raise ValueError("num_learners, steps_per_learner and devices_per_learner must be >= 1.")
+    counts = ("num_learners", "steps_per_learner", "devices_per_learner", "processes_per_learner")
+    if any(getattr(self, name) < 1 for name in counts):
+      raise ValueError(f"{', '.join(counts)} must be >= 1.")
     if self.eval_every_s < 0 or self.log_every < 1:
       raise ValueError("eval_every_s must be >= 0 and log_every >= 1.")
     overlap = self.the_schedule().overlap

@@ -17,7 +17,9 @@ Multi-host slices: a learner may be several processes (one per host of its slice
 the same flags plus `--num_processes`, `--process_id` and `--coordinator_address` (process 0's
 host:port for `jax.distributed.initialize`). Their mesh spans all their devices; process 0 alone
 talks to the syncer and the others follow its applies step by step (learner/multihost.py). Process 0
-writes to `--workdir`, process i to `<workdir>/process_<i>`. Learner checkpoints are off for them.
+writes to `--workdir`, process i to `<workdir>/process_<i>`. All of them save and restore the
+learner's checkpoints in `<workdir>/checkpoints` together (on real hosts: a folder every host
+mounts, or `LearnerCheckpointConfig.directory`); restart all of them with the same flags.
 
   ddiloco-learner ... --num_devices=2 --num_processes=2 --process_id=0 \
       --coordinator_address=127.0.0.1:12355     # and the same with --process_id=1
@@ -87,7 +89,7 @@ def main(argv: list[str]) -> None:
   from ddiloco.transport import auth
   from ddiloco.transport.client import SyncerClient
 
-  workdir = _WORKDIR.value
+  workdir = learner_workdir = _WORKDIR.value
   if _PROCESS_ID.value > 0:
     workdir = os.path.join(workdir, f"process_{_PROCESS_ID.value}")
   gin_flags.parse_gin(workdir)
@@ -105,8 +107,6 @@ def main(argv: list[str]) -> None:
       max_chunk_bytes=svc.max_chunk_bytes,
     )
   if multi:
-    if checkpoint.enabled:
-      logging.warning("Learner checkpoints are not supported for multi-process learners: off.")
     from ddiloco.learner import multihost as multihost_worker
 
     worker, writer = multihost_worker.make_multihost_worker(
@@ -115,6 +115,8 @@ def main(argv: list[str]) -> None:
       client=client,
       workdir=workdir,
       connect_timeout_s=_CONNECT_TIMEOUT.value,
+      checkpoint=checkpoint,
+      learner_workdir=learner_workdir,
     )
   else:
     worker, writer = runtime.make_learner_worker(

@@ -18,6 +18,12 @@ learners (own devices, batch size, steps), removes them gracefully and lists the
 (launch/fleet.py; docs/resilience.md). The job ends when every learner still in the fleet has
 finished; summary.json's "membership" lists every join and leave and "syncer_alive_at_end" the
 syncer's last membership.
+
+Multi-process learners (a learner on a multi-host slice, SPEC §1):
+`JobConfig.processes_per_learner = N` (or `--processes_per_learner=N`) starts every learner as N
+processes joined by jax.distributed, each with `JobConfig.devices_per_learner` fake CPU devices. A
+learner is one unit: when one of its processes dies the launcher kills the others, and progress
+lines and summary.json count learners (launch/local_cluster.py).
 """
 
 import os
@@ -31,6 +37,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "output folder", required=True)
 _TIMEOUT = flags.DEFINE_float("timeout_s", 1800.0, "stop everything after this long")
 _PROGRESS_EVERY = flags.DEFINE_float("progress_every_s", 2.0, "seconds between progress lines")
 _LEARNERS = flags.DEFINE_integer("num_learners", None, "override JobConfig.num_learners")
+_PROCESSES = flags.DEFINE_integer(
+  "processes_per_learner", None, "override JobConfig.processes_per_learner"
+)
 _RESUME = flags.DEFINE_bool(
   "resume", False, "continue the run in --workdir from its checkpoints (default: start fresh)"
 )
@@ -50,6 +59,7 @@ def main(argv: list[str]) -> None:
     gin_args=gin_flags.forwarded_args(),
     num_learners=_LEARNERS.value or job.num_learners,
     devices_per_learner=job.devices_per_learner,
+    processes_per_learner=_PROCESSES.value or job.processes_per_learner,
   )
   print(
     f"fleet control: ddiloco-fleet --workdir={workdir} list | add [--devices=N] [--batch_size=B] "

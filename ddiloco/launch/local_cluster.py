@@ -2,8 +2,8 @@
 
 Used by `ddiloco-local` and the integration tests. Children are started in their own session (so a
 terminal's Ctrl-C reaches only the launcher, which then stops them in order) with PR_SET_PDEATHSIG
-(so they die with the launcher even if it is SIGKILLed). `stop_all` sends SIGTERM, waits, then
-SIGKILLs whatever is left.
+(so they die with the launcher even if it is SIGKILLed): launch/processes.py. `stop_all` sends
+SIGTERM, waits, then SIGKILLs whatever is left.
 
 Elastic scavenging (SPEC §6): learners can join a running job (`add_learner`, with their own device
 count, batch size and steps) and leave it again (`remove_learner`: SIGTERM, so the learner saves,
@@ -12,10 +12,16 @@ progress loop, ends when every learner still in the fleet has finished, and reco
 leave in summary.json's "membership". An added learner with id m reads data shard m mod M (M =
 JobConfig.num_learners): the shard of learner m mod M, so scavenged compute repeats data that the
 fleet also reads (docs/resilience.md "Elastic scavenging (real processes)").
+
+Multi-process learners (`JobConfig.processes_per_learner` = N > 1; SPEC §1, a learner on a
+multi-host slice): learner m is N `ddiloco-learner` processes joined by `jax.distributed` (a fresh
+coordinator port per start), each with `devices_per_learner` fake CPU devices, process i writing to
+`learner_m/process_i` (process 0 to `learner_m`). The learner is a unit (`processes.ProcessUnit`,
+the `Child.proc` of the learner): signals reach all N, a failure takes all N down, and the unit's
+exit code is 0 only if every process exited 0; restarts and removals then treat it as one learner.
+Progress lines and summary.json read the leader's (process 0's) metrics and summary.
 """
 
-import contextlib
-import ctypes
 import dataclasses
 import json
 import os
@@ -29,28 +35,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ddiloco.launch import fleet as fleet_lib
+from ddiloco.launch import processes
 from ddiloco.launch.job import JobConfig
 from ddiloco.launch.run_summary import plot, read_json, summarize
-
-_PR_SET_PDEATHSIG = 1
-# Resolved in the parent: the child between fork and exec only makes one libc call (no imports, no
-# allocation), which is what makes this preexec_fn safe although the launcher has threads (gRPC).
-_PRCTL = (
-  ctypes.CDLL("libc.so.6", use_errno=True).prctl if sys.platform.startswith("linux") else None
-)
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec.
-  if _PRCTL is not None:
-    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @dataclasses.dataclass
 class Child:
-  """A started subprocess, its log file and the metrics file the launcher tails."""
+  """A started subprocess (or a learner's `processes.ProcessUnit`), its log and the metrics file the launcher
+  tails (process 0's for a unit)."""
 
   name: str
-  proc: subprocess.Popen
+  proc: subprocess.Popen | processes.ProcessUnit
   log_path: str
   metrics_path: str
   offset: int = 0
@@ -109,6 +105,8 @@ class LocalCluster:
     num_learners: M.
     devices_per_learner: fake CPU devices per learner process.
     python: the interpreter for the children.
+    extra_learner_args: flags for every learner, after the shared gin flags.
+    processes_per_learner: processes forming each learner (module docstring).
   """
 
   def __init__(
@@ -120,11 +118,14 @@ class LocalCluster:
     devices_per_learner: int = 1,
     python: str = sys.executable,
     extra_learner_args: Sequence[str] = (),
+    processes_per_learner: int = 1,
   ):
+    processes.check_count("processes_per_learner", processes_per_learner)
     self.workdir = os.path.abspath(workdir)
     self.gin_args = list(gin_args)
     self.num_learners = num_learners
     self.devices_per_learner = devices_per_learner
+    self.processes_per_learner = processes_per_learner
     self.python = python
     self.extra_learner_args = list(extra_learner_args)
     self.token = secrets.token_hex(16)
@@ -163,18 +164,13 @@ class LocalCluster:
   ) -> Child:
     """Starts `module`; `overrides` come after the shared gin flags, so that they win there."""
     folder = os.path.join(self.workdir, name)
-    os.makedirs(folder, exist_ok=True)
     log_path = os.path.join(folder, "log.txt")
-    with open(log_path, "a") as log:  # A restarted process appends to its predecessor's log.
-      proc = subprocess.Popen(
-        [self.python, "-m", module, f"--workdir={folder}", *args, *self.gin_args, *overrides],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-        preexec_fn=_die_with_parent,  # noqa: PLW1509 - see _PRCTL.
-      )
+    argv = ["-m", module, f"--workdir={folder}", *args, *self.gin_args, *overrides]
+    proc = self._popen(processes.Launch(argv, env, log_path))
     return Child(name, proc, log_path, os.path.join(folder, "metrics.jsonl"))
+
+  def _popen(self, launch: processes.Launch) -> subprocess.Popen:
+    return processes.spawn(self.python, launch)
 
   def start_syncer(self, timeout_s: float = 180.0, *, port: int = 0) -> int:
     """Starts the syncer and waits until it serves; returns its port.
@@ -222,16 +218,68 @@ class LocalCluster:
         they come last on its command line, after the shared gin flags, so their bindings win.
       devices: fake CPU devices (default `devices_per_learner`): fleets may be heterogeneous.
       address: where it reaches the syncer (default the syncer's port; a chaos proxy's otherwise).
+
+    Returns:
+      The learner's child; with `processes_per_learner` > 1 its `proc` is a `processes.ProcessUnit`.
     """
-    child = self._spawn(
-      f"learner_{learner_id}",
-      "ddiloco.launch.learner_main",
-      [f"--learner_id={learner_id}", f"--syncer_address={address or f'127.0.0.1:{self.port}'}"],
-      self._env(devices or self.devices_per_learner),
-      overrides=[*self.extra_learner_args, *extra_args],
+    name = f"learner_{learner_id}"
+    launches = self.learner_launches(
+      learner_id, extra_args=extra_args, devices=devices, address=address
     )
+    if len(launches) == 1:
+      proc = self._popen(launches[0])
+    else:
+      procs = []
+      try:
+        for launch in launches:
+          procs.append(self._popen(launch))
+      except OSError:
+        for p in procs:  # Never half a learner.
+          processes.signal_group(p, signal.SIGKILL)
+          p.wait(timeout=30)
+        raise
+      proc = processes.ProcessUnit(procs, log_paths=[launch.log_path for launch in launches])
+    folder = os.path.join(self.workdir, name)
+    child = Child(name, proc, launches[0].log_path, os.path.join(folder, "metrics.jsonl"))
     self.learners[learner_id] = child
     return child
+
+  def learner_launches(
+    self,
+    learner_id: int,
+    *,
+    extra_args: Sequence[str] = (),
+    devices: int | None = None,
+    address: str | None = None,
+  ) -> list[processes.Launch]:
+    """The processes `start_learner` starts for learner `learner_id`: one, or one per process of
+    a multi-process learner (process i's log in `learner_<id>/process_<i>`, where learner_main
+    writes), all with the same flags plus their slice identity and a fresh coordinator port."""
+    folder = os.path.join(self.workdir, f"learner_{learner_id}")
+    argv = [
+      "-m",
+      "ddiloco.launch.learner_main",
+      f"--workdir={folder}",
+      f"--learner_id={learner_id}",
+      f"--syncer_address={address or f'127.0.0.1:{self.port}'}",
+    ]
+    tail = [*self.gin_args, *self.extra_learner_args, *extra_args]
+    env = self._env(devices or self.devices_per_learner)
+    n = self.processes_per_learner
+    if n == 1:
+      return [processes.Launch([*argv, *tail], env, os.path.join(folder, "log.txt"))]
+    slice_args = [
+      f"--num_processes={n}",
+      f"--coordinator_address=127.0.0.1:{processes.free_port()}",
+    ]
+    return [
+      processes.Launch(
+        [*argv, *slice_args, f"--process_id={i}", *tail],
+        env,
+        os.path.join(folder, *([f"process_{i}"] if i else []), "log.txt"),
+      )
+      for i in range(n)
+    ]
 
   # -- elastic membership (SPEC §6 scavenging) ---------------------------------------------------
 
@@ -309,8 +357,8 @@ class LocalCluster:
       raise RuntimeError("Start the syncer before adding learners.")
     devices = self.devices_per_learner if devices is None else devices
     for name, value in (("devices", devices), ("batch_size", batch_size), ("steps", steps)):
-      if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+      if value is not None:
+        processes.check_count(name, value)
     if learner_id is None:
       learner_id = self.next_learner_id()
     elif isinstance(learner_id, bool) or not isinstance(learner_id, int) or learner_id < 0:
@@ -322,10 +370,14 @@ class LocalCluster:
     if child is not None and child.proc.poll() is None:
       raise ValueError(f"learner {learner_id} is already running.")
     batch = batch_size or (self.job.learner_batch_size() if self.job is not None else None)
-    if batch is not None and batch % devices:
+    total = devices * self.processes_per_learner  # The learner's mesh spans all its processes.
+    if batch is not None and batch % total:
+      where = f"{total} devices"
+      if self.processes_per_learner > 1:
+        where += f" ({self.processes_per_learner} processes x {devices})"
       raise ValueError(
-        f"batch_size {batch} does not split over {devices} devices: the batch is sharded along "
-        "the learner's data axis."
+        f"batch_size {batch} does not split over {where}: the batch is sharded along the "
+        "learner's data axis."
       )
     self._join(
       learner_id,
@@ -354,8 +406,10 @@ class LocalCluster:
     if not timeout_s > 0:
       raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
     child = self.learners[learner_id]
-    _signal(child.proc, signal.SIGCONT)  # A paused learner could not handle SIGTERM.
-    _signal(child.proc, signal.SIGTERM)  # learner_main: stop after this step, save, Leave, exit 0.
+    processes.signal_group(child.proc, signal.SIGCONT)  # A paused learner could not handle SIGTERM.
+    processes.signal_group(
+      child.proc, signal.SIGTERM
+    )  # learner_main: stop after this step, save, Leave, exit 0.
     member.state = "removing"
     member.remove_deadline = time.monotonic() + timeout_s
     return member
@@ -445,12 +499,14 @@ class LocalCluster:
 
   def signal(self, child: Child, sig: int) -> None:
     """Sends `sig` to a child's process group (SIGKILL, SIGSTOP, SIGCONT, SIGTERM) if it runs."""
-    _signal(child.proc, sig)
+    processes.signal_group(child.proc, sig)
 
   def kill(self, child: Child, *, timeout_s: float = 10.0) -> int | None:
     """SIGKILLs a child (a crash) and reaps it; returns its exit code."""
-    _signal(child.proc, signal.SIGCONT)  # A stopped process must not stay stopped in the kernel.
-    _signal(child.proc, signal.SIGKILL)
+    processes.signal_group(
+      child.proc, signal.SIGCONT
+    )  # A stopped process must not stay stopped in the kernel.
+    processes.signal_group(child.proc, signal.SIGKILL)
     try:
       return child.proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -480,23 +536,34 @@ class LocalCluster:
     for group in (list(self.learners.values()), [self.syncer] if self.syncer else []):
       live = [c for c in group if c.proc.poll() is None]
       for c in live:
-        _signal(c.proc, signal.SIGCONT)  # A paused (SIGSTOPped) child could not handle SIGTERM.
-        _signal(c.proc, signal.SIGTERM)
+        processes.signal_group(
+          c.proc, signal.SIGCONT
+        )  # A paused (SIGSTOPped) child could not handle SIGTERM.
+        processes.signal_group(c.proc, signal.SIGTERM)
       deadline = time.monotonic() + grace_s
       for c in live:
         try:
           c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-          _signal(c.proc, signal.SIGKILL)
+          processes.signal_group(c.proc, signal.SIGKILL)
           c.proc.wait(timeout=10)
 
   @staticmethod
   def tail(child: Child, lines: int = 30) -> str:
-    try:
-      with open(child.log_path) as f:
-        return "".join(f.readlines()[-lines:])
-    except FileNotFoundError:
-      return ""
+    """The end of a child's log; for a failed unit, also that of the process that exited first."""
+    paths = [child.log_path]
+    unit = child.proc
+    if isinstance(unit, processes.ProcessUnit) and unit.first_exit not in (None, 0):
+      paths.insert(0, unit.log_paths[unit.first_exit])
+    out = []
+    for path in paths:
+      try:
+        with open(path) as f:
+          text = "".join(f.readlines()[-lines:])
+      except FileNotFoundError:
+        text = ""
+      out.append(text if len(paths) == 1 else f"== {path} ==\n{text}")
+    return "\n".join(out)
 
   # -- the whole run ----------------------------------------------------------------------------
 
@@ -563,7 +630,9 @@ class LocalCluster:
         time.sleep(0.2)
       self.syncer_alive_at_end = self._syncer_alive(client)
       client.close()
-      _signal(self.syncer.proc, signal.SIGTERM)  # Graceful: flush merges, final eval, summary.
+      processes.signal_group(
+        self.syncer.proc, signal.SIGTERM
+      )  # Graceful: flush merges, final eval, summary.
       self.syncer.proc.wait(timeout=300)
       if self.syncer.proc.returncode != 0:
         raise RuntimeError(f"The syncer failed at shutdown:\n{self.tail(self.syncer)}")
@@ -681,9 +750,3 @@ class LocalCluster:
       else:
         parts.append(f"L{i}:{state} starting")
     return head + " | " + " ".join(parts)
-
-
-def _signal(proc: subprocess.Popen, sig: int) -> None:
-  if proc.poll() is None:
-    with contextlib.suppress(ProcessLookupError):
-      os.killpg(proc.pid, sig)  # The child leads its own session and process group.

@@ -123,6 +123,14 @@ class Learner:
     # A multi-process learner replicates them (a collective, so every process reads in the same
     # order): parallel/multihost.py ProcessGroup.replicate.
     self.host_readable: Callable[[list[jax.Array]], list[jax.Array]] | None = None
+    # How `snapshot_report` keeps θ_p past the next step, which donates the parameters. On GPU
+    # and TPU an on-device copy is dispatched asynchronously. XLA's CPU client runs a computation
+    # as cheap as a copy inline on the calling thread, so there the copy waits for the step that
+    # makes θ_p and the training loop loses its step in flight (bench_learner_overhead.py): on
+    # CPU the snapshot holds θ_p's arrays themselves and the next step keeps its input parameters.
+    devices = jax.tree_util.tree_leaves(params)[0].sharding.device_set if self._index else set()
+    self.snapshot_by_reference = all(d.platform == "cpu" for d in devices)
+    self._keep_params = False  # The next train step must not donate the parameters.
 
   def _readable(self, arrays: list[jax.Array]) -> list[jax.Array]:
     return arrays if self.host_readable is None else self.host_readable(arrays)
@@ -131,8 +139,9 @@ class Learner:
 
   def train_step(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
     """One inner step on `batch`; metrics stay on device (read them lazily)."""
+    keep, self._keep_params = self._keep_params, False
     self.params, self.opt_state, metrics = self.steps.train(
-      self.params, self.opt_state, self.steps.put_batch(batch)
+      self.params, self.opt_state, self.steps.put_batch(batch), keep_params=keep
     )
     self.step += 1
     ntok = int(np.prod(batch["targets"].shape))
@@ -209,11 +218,16 @@ class Learner:
 
     Returns the report without values and a function that copies θ_p to host memory, for a
     background sender. The leaves are copied on device first (asynchronously dispatched), so the next
-    train step may donate the parameters, and their host transfer starts at once.
+    train step may donate the parameters, and their host transfer starts at once. With
+    `snapshot_by_reference` (CPU) nothing is copied: the next train step keeps its parameters.
     """
     leaves = jax.tree_util.tree_leaves(self.params)
     names = self._leaf_names[p]
-    copies = self._readable([jnp.copy(leaves[self._index[k]]) for k in names])
+    if self.snapshot_by_reference and self.host_readable is None:
+      copies = [leaves[self._index[k]] for k in names]
+      self._keep_params = True
+    else:  # A multi-process learner's replication (host_readable) makes new arrays itself.
+      copies = self._readable([jnp.copy(leaves[self._index[k]]) for k in names])
     for c in copies:
       c.copy_to_host_async()
 

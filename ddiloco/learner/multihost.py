@@ -17,6 +17,11 @@ copies, digest read-backs: collectives) in the same order, and all must hold bit
 - A due fragment is replicated across the learner's devices (`Learner.host_readable`), so the
   leader's sender copies it to host memory without any further collective.
 
+Learner checkpoints (checkpoint/learner.py with the learner's `ProcessGroup`): every process saves
+at the same steps (their step counters and stop requests agree) and restores the same step,
+process 0's choice; each restores its own data position, and all take the leader's step, tokens
+and ledger, so a restarted learner resumes with the same state on every process.
+
 The worker's queues are swapped for `_GatedQueue`s: the leader's threads still `put` into them, but
 `LearnerWorker._drain` only sees items released by a share, so nothing reaches the leader's learner
 that the others did not get. The token ledger (learner/ledger.py) is bookkeeping of the leader's
@@ -32,6 +37,11 @@ from typing import Any
 
 import jax
 
+from ddiloco.checkpoint.learner import (
+  LearnerCheckpointConfig,
+  LearnerCheckpointer,
+  abstract_opt_state,
+)
 from ddiloco.launch.job import JobConfig
 from ddiloco.learner.worker import LearnerWorker
 from ddiloco.metrics.writer import MetricsWriter
@@ -86,15 +96,11 @@ class MultihostWorker(LearnerWorker):
 
   Args:
     group: this process's view of the learner's processes (its mesh is the learner's).
-    **kwargs: `LearnerWorker` arguments; followers get any `client` (never used). No checkpointer.
-
-  Raises:
-    ValueError: with a checkpointer (learner checkpoints are per process; not supported yet).
+    **kwargs: `LearnerWorker` arguments; followers get any `client` (never used). A checkpointer
+      must have been built with the same `group` (its saves and restores are collective).
   """
 
   def __init__(self, *, group: ProcessGroup, **kwargs: Any):
-    if kwargs.get("checkpointer") is not None:
-      raise ValueError("Multi-process learners do not save learner checkpoints yet.")
     super().__init__(**kwargs)
     self.group = group
     self.learner.host_readable = group.replicate
@@ -190,9 +196,11 @@ class MultihostWorker(LearnerWorker):
   # -- the end --------------------------------------------------------------------------------
 
   def run(self, num_steps: int) -> dict[str, Any]:
-    """Trains, digests the parameters (every process), then the leader flushes and leaves."""
+    """Trains, saves a final checkpoint and digests the parameters (every process, collectives),
+    then the leader flushes and leaves."""
     self.start()
     train_s = self.train(num_steps)
+    self.save_checkpoint()
     self.params_digest = self.digest_params()
     self._local_only = True
     self.finish()
@@ -210,6 +218,8 @@ class MultihostWorker(LearnerWorker):
       super().finish(timeout_s)
     else:
       self._stop.set()
+      if self.checkpointer is not None:
+        self.checkpointer.close()  # Its last save's commit waits for every process.
 
   def summary(self, train_s: float) -> dict[str, Any]:
     out = super().summary(train_s)
@@ -228,6 +238,8 @@ def make_multihost_worker(
   client: SyncerClient | None,
   workdir: str,
   connect_timeout_s: float = 120.0,
+  checkpoint: LearnerCheckpointConfig | None = None,
+  learner_workdir: str | None = None,
 ) -> tuple[MultihostWorker, MetricsWriter]:
   """This process's part of learner `learner_id`, on the global devices of all its processes.
 
@@ -240,6 +252,9 @@ def make_multihost_worker(
     client: the syncer client (process 0 only; None elsewhere).
     workdir: this process's output folder.
     connect_timeout_s: how long process 0's first registration may take.
+    checkpoint: learner checkpoints (None or not enabled: none), shared by the processes.
+    learner_workdir: the learner's output folder (process 0's `workdir`, the default), where the
+      checkpoint folder is unless `checkpoint.directory` says otherwise: the same in every process.
 
   Returns:
     The worker and its metrics writer.
@@ -254,6 +269,16 @@ def make_multihost_worker(
   group = ProcessGroup(learner.steps.mesh)
   data = GlobalBatches(iter(factory.make_data(learner_id, spec=spec)), learner.steps.batch_sharding)
   os.makedirs(workdir, exist_ok=True)
+  checkpointer = None
+  if checkpoint is not None and checkpoint.enabled:
+    checkpointer = LearnerCheckpointer(
+      checkpoint,
+      learner_id=learner_id,
+      workdir=learner_workdir or workdir,
+      opt_target=abstract_opt_state(learner.steps, learner.params),
+      layout_digest=factory.layout.digest,
+      group=group,
+    )
   writer = MetricsWriter(workdir, tensorboard=False)
   worker = MultihostWorker(
     group=group,
@@ -266,5 +291,6 @@ def make_multihost_worker(
     batch_size=job.learner_batch_size(),
     log_every=job.log_every,
     connect_timeout_s=connect_timeout_s,
+    checkpointer=checkpointer,
   )
   return worker, writer

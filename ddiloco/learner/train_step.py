@@ -186,6 +186,15 @@ class CompiledSteps:
       out_shardings=(param_shardings, self.opt_shardings, replicated),
       donate_argnums=(0, 1),
     )
+    # The same step keeping its input parameters (opt_state is still donated): after a snapshot
+    # by reference (`Learner.snapshot_report` on CPU) the parameters a sender will read must
+    # outlive the next step. Compiled only if used.
+    self._train_keep = jax.jit(
+      train,
+      in_shardings=(param_shardings, self.opt_shardings, self.batch_sharding),
+      out_shardings=(param_shardings, self.opt_shardings, replicated),
+      donate_argnums=(1,),
+    )
     self._evaluate = jax.jit(
       evaluate,
       in_shardings=(param_shardings, self.batch_sharding),
@@ -195,10 +204,18 @@ class CompiledSteps:
 
   # The model's activation constraints take effect only when traced under the mesh and the logical
   # rules (flax linen + jax.set_mesh), so every call enters that context.
-  def train(self, params: PyTree, opt_state: PyTree, batch: dict[str, jax.Array]):
-    """One inner step; `params` and `opt_state` are donated."""
+  def train(
+    self,
+    params: PyTree,
+    opt_state: PyTree,
+    batch: dict[str, jax.Array],
+    *,
+    keep_params: bool = False,
+  ):
+    """One inner step; `opt_state` is donated, and `params` too unless `keep_params`."""
+    step = self._train_keep if keep_params else self._train
     with partitioning.partitioning_context(self.mesh, self.rules):
-      return self._train(params, opt_state, batch)
+      return step(params, opt_state, batch)
 
   def evaluate(self, params: PyTree, batch: dict[str, jax.Array]):
     """(sum of per-unit losses, number of units) of `params` on `batch`."""
@@ -211,8 +228,9 @@ class CompiledSteps:
       return self._evaluate(params, batch)
 
   def train_cache_size(self) -> int:
-    """Compiled variants of the train step: stays 1 after any number of steps when pinned."""
-    return self._train._cache_size()
+    """Compiled variants of the train step: stays 1 after any number of steps when pinned (2 once
+    a step kept its parameters)."""
+    return self._train._cache_size() + self._train_keep._cache_size()
 
   def put_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
     """Places a host batch on the mesh with the pinned batch sharding."""

@@ -12,6 +12,8 @@ must launch the same computations in the same order. This module holds the JAX s
   raise a flag, e.g. a stop request) and an optional byte payload broadcast from the leader. Bytes,
   not floats: `multihost_utils.broadcast_one_to_all` sums the leader's values with zeros, and
   -0.0 + 0.0 = +0.0 would change the bits the syncer's digests check (SPEC §4.7).
+- `ProcessGroup.gather` hands every process's bytes to every process (each process's data position
+  for a learner checkpoint).
 - `ProcessGroup.replicate` makes device arrays readable on every host (an all-gather of the leaves
   sharded across processes, a local copy of the rest): how the leader reads a due fragment.
 - `GlobalBatches` turns the learner's host batches into global arrays, each process placing only
@@ -77,8 +79,9 @@ class Shared:
 class ProcessGroup:
   """This process's view of the learner's processes, with the learner's mesh.
 
-  Every method that communicates (`share`, `replicate`) must be called by every process, in the
-  same order: callers keep that invariant (learner/multihost.py).
+  Every method that communicates (`share`, `gather`, `replicate`) must be called by every
+  process, in the same order: callers keep that invariant (learner/multihost.py,
+  checkpoint/learner.py).
 
   Args:
     mesh: the learner's mesh (over the global devices of all its processes).
@@ -128,6 +131,25 @@ class ProcessGroup:
         padded[:size] = np.frombuffer(mine, np.uint8)
       data = np.asarray(multihost_utils.broadcast_one_to_all(padded))[:size].tobytes()
     return Shared(payload=data, value=int(rows[LEADER, 1]), any_flag=bool(rows[:, 2].any()))
+
+  def gather(self, payload: bytes) -> list[bytes]:
+    """Every process's bytes, in process order, on every process (two all-gathers).
+
+    How per-process state reaches the leader: e.g. each process's data iterator position, which a
+    learner checkpoint stores for every process (checkpoint/learner.py).
+
+    Args:
+      payload: this process's bytes.
+
+    Returns:
+      `payload` of process 0, 1, ..., identical on every process.
+    """
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([len(payload)], np.int32)))
+    sizes = [int(s) for s in sizes.reshape(self.num_processes)]
+    padded = np.zeros(_padded_size(max(sizes)), np.uint8)
+    padded[: len(payload)] = np.frombuffer(payload, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(self.num_processes, -1)
+    return [rows[i, :size].tobytes() for i, size in enumerate(sizes)]
 
 
 def _padded_size(size: int) -> int:

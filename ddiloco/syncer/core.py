@@ -71,6 +71,12 @@ def _outer_step(opt, params, grads, opt_state):
   return optax.apply_updates(params, updates), opt_state
 
 
+def _non_finite(key: str, v: np.ndarray) -> str:
+  """The reason for refusing a tensor with NaN/Inf: counted on this failure path only."""
+  bad = v.size - int(np.count_nonzero(np.isfinite(v)))
+  return f"{key!r} has non-finite values ({bad} NaN/Inf of {v.size})"
+
+
 class SyncerCore(CheckpointMixin):
   """Global fragments, their rounds and outer optimizer states, driven by reports and an injected clock.
 
@@ -449,10 +455,10 @@ class SyncerCore(CheckpointMixin):
       if sq_norms is not None and k not in self._embedding_keys:
         sq = merge_lib.finite_sq_norm(anchor[k], v)  # None iff v has a NaN/Inf.
         if sq is None:
-          return f"{k!r} has non-finite values", None
+          return _non_finite(k, v), None
         sq_norms[k] = sq
       elif not merge_lib.all_finite(v):  # Blockwise: no full-size bool temporary (issue 3).
-        return f"{k!r} has non-finite values", None
+        return _non_finite(k, v), None
     return None, sq_norms
 
   def _invalid_header(self, r: Report) -> str | None:

@@ -435,6 +435,9 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         max_bytes=self._max_bytes[p],
         max_chunk_bytes=self._cfg.max_chunk_bytes,
         alloc=self._pool.empty,
+        # NaN/Inf: the core's filing checks every value in the same pass as RDA's norm and
+        # refuses the report untouched ("rejected", INVALID_ARGUMENT); one pass, not two.
+        check_finite=False,
       )
     except WireError as e:
       code = grpc.StatusCode.INVALID_ARGUMENT

@@ -182,6 +182,7 @@ def _read_stream(
   max_chunk_bytes: int,
   base_for: Callable[[object], Mapping[str, np.ndarray] | None],
   alloc: wire.Allocator | None = None,
+  check_finite: bool = True,
 ) -> tuple[object, dict[str, np.ndarray]]:
   """Reads a chunk stream: (header of chunk 0, decoded values). Rejects bad streams early.
 
@@ -207,7 +208,12 @@ def _read_stream(
     keep=False,
   )
   reader = wire.FragmentReader(
-    layout, codec_name=header.codec, max_bytes=max_bytes, base=base_for(header), alloc=alloc
+    layout,
+    codec_name=header.codec,
+    max_bytes=max_bytes,
+    base=base_for(header),
+    alloc=alloc,
+    check_finite=check_finite,
   )
   for data in asm.add(first.index, first.data):
     reader.feed(data)
@@ -339,6 +345,7 @@ def chunks_to_report(
   max_bytes: int | None = None,
   max_chunk_bytes: int = DEFAULT_CHUNK_SIZE,
   alloc: wire.Allocator | None = None,
+  check_finite: bool = True,
 ) -> Report:
   """Rebuilds a Report from a Push stream, validating everything (ARCHITECTURE.md).
 
@@ -356,12 +363,15 @@ def chunks_to_report(
     max_chunk_bytes: per-chunk size limit.
     alloc: makes the arrays the values are decoded into (`wire.FragmentReader`); a service passes
       `chunks.ArrayPool.empty` to recycle the memory of reports it no longer holds.
+    check_finite: refuse NaN/Inf values (WireError). A service that files the report into a
+      `SyncerCore` passes False: the core checks every value, fused with RDA's first pass.
 
   Returns:
     The report, values cast to the layout dtypes.
 
   Raises:
-    WireError: on any malformed chunk, header, payload or value, or an unavailable anchor.
+    WireError: on any malformed chunk, header, payload or value (NaN/Inf with check_finite), or
+      an unavailable anchor.
   """
 
   def base_for(header) -> Mapping[str, np.ndarray] | None:
@@ -387,6 +397,7 @@ def chunks_to_report(
     max_chunk_bytes=max_chunk_bytes,
     base_for=base_for,
     alloc=alloc,
+    check_finite=check_finite,
   )
   return Report(
     learner_id=int(header.learner_id),

@@ -283,6 +283,7 @@ class FragmentReader:
     base: Mapping[str, np.ndarray] | None = None,
     raw: bool = False,
     alloc: Allocator | None = None,
+    check_finite: bool = True,
   ):
     """Prepares to read a fragment of `layout`.
 
@@ -294,8 +295,12 @@ class FragmentReader:
       raw: decode to float32 with no base and no NaN/Inf check (`decode_layout`).
       alloc: makes each output array, (number of values, dtype) -> flat writable array; default
         `np.empty`. A receiver recycles memory with `chunks.ArrayPool.empty`.
+      check_finite: count NaN/Inf and raise on any. False only for a caller that checks every
+        value itself (the syncer service: `SyncerCore.report` checks them at filing, fused with
+        RDA's norm, so a second pass here would only cost time).
     """
     self._layout, self._codec_name, self._base, self._raw = layout, codec_name, base, raw
+    self._check = check_finite and not raw
     self._alloc = np.empty if alloc is None else alloc
     self.limit = max_wire_bytes(layout) if max_bytes is None else max_bytes
     self._fed = 0
@@ -443,7 +448,7 @@ class FragmentReader:
     what, at, left = f"{key!r} payload", self._pos, payload_len
     try:
       if not codec.quantized:
-        decoder = compression.RunDecoder(codec, out, base=base, check=not self._raw)
+        decoder = compression.RunDecoder(codec, out, base=base, check=self._check)
         while left:
           piece = yield from self._some(left, what, payload_len, at)
           decoder.feed(piece)
@@ -456,7 +461,7 @@ class FragmentReader:
           left -= len(piece)
         scales_len = codec.nbytes(n)[1]
         scales = codec.checked_scales((yield from self._take(scales_len, f"{key!r} scales")), n)
-        decoder = compression.RunDecoder(codec, out, scales=scales, base=base, check=not self._raw)
+        decoder = compression.RunDecoder(codec, out, scales=scales, base=base, check=self._check)
         decoder.feed(payload)
       bad = decoder.close()
     except WireError:

@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 
 from ddiloco.fragments import layout as layout_lib
 from ddiloco.fragments import tree
@@ -199,13 +200,25 @@ def test_follow_jumps_forward_and_holds_without_sending_twice():
   assert learner.step == 5
 
 
-def test_snapshot_report_survives_donation_and_matches_make_report():
+@pytest.mark.parametrize("by_reference", [True, False], ids=["by_reference", "device_copy"])
+def test_snapshot_report_survives_donation_and_matches_make_report(by_reference):
   learner, _ = _learner()
+  assert learner.snapshot_by_reference  # The default on CPU devices.
+  learner.snapshot_by_reference = by_reference  # False: the GPU/TPU path, an on-device copy.
   learner.train_step(_batch(1))
   report, fetch = learner.snapshot_report(1, step_time_s=0.5)
   assert report.values == {} and report.step_time_s == 0.5 and report.anchor_version == 0
   expected = learner.fragment_values(1)
-  learner.train_step(_batch(2))  # Donates the parameters the snapshot was taken from.
+  before = jax.tree_util.tree_leaves(learner.params)
+  learner.train_step(_batch(2))  # Would donate the parameters the snapshot was taken from.
+  # By reference, that step kept its input parameters (the second compiled variant); the next
+  # one donates again.
+  # (XLA aliases, so JAX deletes, only the donated buffers an output can reuse: not all of them.)
+  assert any(x.is_deleted() for x in before) == (not by_reference)
+  assert learner.steps.train_cache_size() == (2 if by_reference else 1)
+  kept = jax.tree_util.tree_leaves(learner.params)
+  learner.train_step(_batch(3))
+  assert any(x.is_deleted() for x in kept)
   values = fetch()
   assert set(values) == set(expected)
   assert all(np.array_equal(values[k], expected[k]) for k in expected)

@@ -753,7 +753,11 @@ def test_non_finite_values_are_rejected_with_or_without_norms(method, anchor_ok)
   values["b"][3] = np.nan
   r = rep(0, values=values, anchor=0 if anchor_ok else -1)
   result = core.report(r)
-  assert (result.status, result.reason) == ("rejected", "'b' has non-finite values")
+  n = values["b"].size
+  assert (result.status, result.reason) == (
+    "rejected",
+    f"'b' has non-finite values (1 NaN/Inf of {n})",
+  )
 
 
 def test_reused_merge_memory_never_reaches_published_versions():

@@ -476,29 +476,35 @@ def test_non_finite_value_in_fp32_push(door, bad):
     door,
     lambda: _push(door, chunks),
     grpc.StatusCode.INVALID_ARGUMENT,
-    "'b/w': 1 non-finite value(s) (NaN/Inf) after decoding as float32.",
+    # The core's filing checks every value (fused with RDA's norm), not the decoder: one pass.
+    "rejected: 'b/w' has non-finite values (1 NaN/Inf of 300)",
+    rejected=1,
   )
 
 
 @pytest.mark.parametrize(
-  ("scale", "message"),
+  ("scale", "message", "rejected"),
   [
-    (math.nan, "Malformed encoding: 'b/w': Scales must be finite and non-negative."),
-    # Finite, but q · scale overflows float32 for every |q| >= 2 of the block.
-    (3.0e38, "non-finite value(s) (NaN/Inf) after decoding as float32."),
+    (math.nan, "Malformed encoding: 'b/w': Scales must be finite and non-negative.", 0),
+    # Finite, but q · scale overflows float32 for every |q| >= 2 of the block: the core's filing
+    # refuses the values (it checks every value, fused with RDA's norm).
+    (3.0e38, "rejected: 'b/w' has non-finite values (", 1),
   ],
   ids=["nan_scale", "overflowing_scale"],
 )
 # compression.decode multiplies q · scale outside an errstate: numpy warns before the refusal.
 @pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
-def test_bad_scale_in_int4_push(door, scale, message):
+def test_bad_scale_in_int4_push(door, scale, message, rejected):
   # Fragment 1 in int4: ceil(300 / 64) = 5 float32 scales close the payload; patch the first.
   chunks = _chunks(_report(fragment=1), "int4")
   data = bytearray(chunks[0].data)
   offset = len(data) - 4 * 5
   data[offset : offset + 4] = np.float32(scale).tobytes()
   chunks[0].data = bytes(data)
-  _assert_refused(door, lambda: _push(door, chunks), grpc.StatusCode.INVALID_ARGUMENT, message)
+  counted = {"rejected": rejected} if rejected else {}
+  _assert_refused(
+    door, lambda: _push(door, chunks), grpc.StatusCode.INVALID_ARGUMENT, message, **counted
+  )
 
 
 # -- 5. sizes -----------------------------------------------------------------------------------

@@ -1,0 +1,254 @@
+"""LocalCluster's multi-process learners without JAX: command lines, and the unit-kill logic.
+
+The unit tests use `sleep`/`sh` children (each in its own session, as the launcher starts them), so
+the kills are real and fast. tests/integration/multiprocess_learner_test.py runs real learners.
+"""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from ddiloco.launch import local_cluster, processes
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _cluster(tmp_path, processes=2, devices=2):
+  cluster = local_cluster.LocalCluster(
+    workdir=str(tmp_path),
+    gin_args=["--gin_file=/cfg/run.gin"],
+    num_learners=2,
+    devices_per_learner=devices,
+    python="/usr/bin/python3",
+    extra_learner_args=["--steps=7"],
+    processes_per_learner=processes,
+  )
+  cluster.port = 4321  # As if the syncer served.
+  return cluster
+
+
+def _sleeper(code: str = "sleep 60") -> subprocess.Popen:
+  # `exec`: no grandchild, whose zombie this container's init may never reap (killpg(pid, 0) would
+  # still find it).
+  return subprocess.Popen(
+    ["sh", "-c", f"exec {code}" if code.startswith("sleep") else code], start_new_session=True
+  )
+
+
+def _unit(procs, tmp_path, **kwargs):
+  logs = [str(tmp_path / f"p{i}.log") for i in range(len(procs))]
+  return processes.ProcessUnit(procs, log_paths=logs, **kwargs)
+
+
+def _gone(proc: subprocess.Popen) -> bool:
+  try:
+    os.killpg(proc.pid, 0)
+  except ProcessLookupError:
+    return True
+  return False
+
+
+# -- command lines ---------------------------------------------------------------------------------
+
+
+def test_one_process_learner_keeps_its_command_line(tmp_path):
+  (launch,) = _cluster(tmp_path, processes=1).learner_launches(3, extra_args=["--x=1"])
+  folder = os.path.join(str(tmp_path), "learner_3")
+  assert launch.argv == [
+    "-m",
+    "ddiloco.launch.learner_main",
+    f"--workdir={folder}",
+    "--learner_id=3",
+    "--syncer_address=127.0.0.1:4321",
+    "--gin_file=/cfg/run.gin",
+    "--steps=7",
+    "--x=1",
+  ]
+  assert launch.log_path == os.path.join(folder, "log.txt")
+  assert "--xla_force_host_platform_device_count=2" in launch.env["XLA_FLAGS"].split()
+
+
+def test_two_process_learner_launches_two_slice_members(tmp_path):
+  cluster = _cluster(tmp_path, processes=2, devices=3)
+  launches = cluster.learner_launches(1, extra_args=["--x=1"], address="127.0.0.1:999")
+  folder = os.path.join(str(tmp_path), "learner_1")
+  assert [launch.log_path for launch in launches] == [
+    os.path.join(folder, "log.txt"),
+    os.path.join(folder, "process_1", "log.txt"),  # Where learner_main writes process 1's files.
+  ]
+  coordinators = set()
+  for i, launch in enumerate(launches):
+    argv = launch.argv
+    # The same learner: same workdir (learner_main adds process_<i>), id, syncer and flags ...
+    assert argv[:5] == [
+      "-m",
+      "ddiloco.launch.learner_main",
+      f"--workdir={folder}",
+      "--learner_id=1",
+      "--syncer_address=127.0.0.1:999",
+    ]
+    assert "--num_processes=2" in argv and f"--process_id={i}" in argv
+    # ... and the per-learner flags last, so their gin bindings win.
+    assert argv[-3:] == ["--gin_file=/cfg/run.gin", "--steps=7", "--x=1"]
+    coordinators |= {a for a in argv if a.startswith("--coordinator_address=127.0.0.1:")}
+    # Each process has its own devices_per_learner fake CPU devices (a 6-device mesh in all).
+    assert "--xla_force_host_platform_device_count=3" in launch.env["XLA_FLAGS"].split()
+    assert launch.env["DDILOCO_TOKEN"] == cluster.token
+  assert len(coordinators) == 1  # Both join process 0's coordinator.
+  again = cluster.learner_launches(1)
+  assert {a for a in again[0].argv if a.startswith("--coordinator")} != coordinators  # New port.
+
+
+def test_batch_must_split_over_every_process_device(tmp_path):
+  cluster = _cluster(tmp_path, processes=2, devices=2)
+  with pytest.raises(ValueError, match=r"does not split over 4 devices \(2 processes x 2\)"):
+    cluster.add_learner(batch_size=6)  # 6 splits over one process's 2 devices, not over 4.
+  assert cluster.learners == {}
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5])
+def test_processes_per_learner_is_validated(tmp_path, bad):
+  with pytest.raises(ValueError, match="processes_per_learner must be an integer >= 1"):
+    _cluster(tmp_path, processes=bad)
+
+
+# -- the unit --------------------------------------------------------------------------------------
+
+
+def test_killed_process_takes_the_whole_unit_down(tmp_path):
+  procs = [_sleeper(), _sleeper(), _sleeper()]
+  unit = _unit(procs, tmp_path)
+  try:
+    assert unit.poll() is None and unit.returncode is None
+    os.killpg(procs[1].pid, signal.SIGKILL)  # One host of the slice crashes.
+    assert unit.wait(timeout=20) == -signal.SIGKILL
+    assert unit.first_exit == 1 and unit.killed_rest
+    assert [p.returncode for p in procs] == [-signal.SIGKILL] * 3
+    assert all(_gone(p) for p in procs)
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+
+
+def test_failed_process_code_is_the_units(tmp_path):
+  procs = [_sleeper(), _sleeper("exit 3")]
+  unit = _unit(procs, tmp_path)
+  try:
+    assert unit.wait(timeout=20) == 3  # The cause, not the SIGKILL of process 0 that followed.
+    assert procs[0].returncode == -signal.SIGKILL
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+
+
+def test_clean_exit_waits_for_the_others_then_kills_stragglers(tmp_path):
+  procs = [_sleeper("exit 0"), _sleeper("sleep 0.5")]
+  unit = _unit(procs, tmp_path, exit_grace_s=20.0)
+  assert unit.wait(timeout=20) == 0  # Process 1 finished within the grace: a clean exit.
+  assert not unit.killed_rest
+  procs = [_sleeper("exit 0"), _sleeper()]
+  unit = _unit(procs, tmp_path, exit_grace_s=0.3)
+  try:
+    procs[0].wait()
+    t = time.monotonic()
+    assert unit.poll() is None  # Within the grace: process 1 may still be writing its summary.
+    assert unit.wait(timeout=20) == -signal.SIGKILL  # Past it: hung, killed, not a clean exit.
+    assert time.monotonic() - t >= 0.25 and unit.killed_rest
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+
+
+def test_cluster_signals_kill_and_reap_every_process_of_a_learner(tmp_path):
+  cluster = _cluster(tmp_path)
+  procs = [_sleeper(), _sleeper()]
+  child = local_cluster.Child("learner_0", _unit(procs, tmp_path), "log", "metrics")
+  cluster.learners[0] = child
+  try:
+    cluster.signal(child, signal.SIGSTOP)  # Chaos pauses the learner: every process.
+    deadline = time.monotonic() + 10
+    while not all(_state(p.pid) == "T" for p in procs):
+      assert time.monotonic() < deadline
+      time.sleep(0.02)
+    assert cluster.kill(child) == -signal.SIGKILL  # Chaos kills it: every process, even stopped.
+    assert all(_gone(p) for p in procs)
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+
+
+def _state(pid: int) -> str:
+  with open(f"/proc/{pid}/stat") as f:
+    return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_check_fleet_reports_a_dead_process_as_the_learners_failure(tmp_path):
+  cluster = _cluster(tmp_path)
+  procs = [_sleeper(), _sleeper()]
+  log0, log1 = tmp_path / "p0.log", tmp_path / "p1.log"
+  log0.write_text("leader waiting\n")
+  log1.write_text("follower: Segmentation fault\n")
+  unit = processes.ProcessUnit(procs, log_paths=[str(log0), str(log1)])
+  cluster.learners[0] = local_cluster.Child("learner_0", unit, str(log0), "metrics")
+  cluster.fleet[0] = local_cluster.FleetMember(
+    learner_id=0, devices=2, batch_size=None, steps=None, elastic=False, started=0.0
+  )
+  try:
+    assert cluster.check_fleet() is False  # Both run.
+    os.killpg(procs[1].pid, signal.SIGKILL)
+    procs[1].wait()
+    with pytest.raises(RuntimeError, match="learner 0 exited with -9") as e:
+      cluster.check_fleet()
+    assert "Segmentation fault" in str(e.value)  # The log of the process that died first.
+    assert procs[0].returncode == -signal.SIGKILL  # Killed by the unit, not left waiting.
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+
+
+# -- real starts of fake learners, and the chaos driver's kill and restart -------------------------
+
+
+def _fake_python(tmp_path) -> str:
+  """An 'interpreter' that ignores the learner's command line and sleeps: a learner that runs."""
+  path = tmp_path / "fake_python"
+  path.write_text("#!/bin/sh\nexec sleep 60\n")
+  path.chmod(0o755)
+  return str(path)
+
+
+def test_chaos_kills_and_restarts_every_process_of_a_learner(tmp_path):
+  from ddiloco.chaos.schedule import ChaosConfig, ChaosEvent
+  from ddiloco.chaos.tape import TapeWriter
+  from ddiloco.launch.chaos import ChaosRun
+
+  cluster = _cluster(tmp_path, processes=2)
+  cluster.python = _fake_python(tmp_path)
+  run = ChaosRun(None, ChaosConfig(), cluster)  # The job is not read by _execute.
+  run.proxy = type("Proxy", (), {"address": "127.0.0.1:9"})()
+  tape = TapeWriter(tmp_path / "tape.jsonl")
+  first = []
+  try:
+    child = cluster.start_learner(0)
+    first = list(child.proc.procs)
+    assert len(first) == 2 and child.proc.poll() is None
+    assert os.path.exists(tmp_path / "learner_0" / "process_1" / "log.txt")
+    run._execute(ChaosEvent(t=1.0, kind="kill_learner", learner=0), tape)
+    assert [p.returncode for p in first] == [-signal.SIGKILL] * 2
+    assert all(_gone(p) for p in first)
+    run._execute(ChaosEvent(t=2.0, kind="start_learner", learner=0), tape)
+    again = cluster.learners[0].proc
+    assert isinstance(again, processes.ProcessUnit) and len(again.procs) == 2
+    assert again.poll() is None and not set(again.procs) & set(first)
+  finally:
+    tape.close()
+    cluster.stop_all(grace_s=5)
+  assert all(_gone(p) for p in cluster.learners[0].proc.procs)
