@@ -86,40 +86,9 @@ def _read(path):
 def test_two_processes_form_one_learner(tmp_path):
   procs = []
   try:
-    port_file = tmp_path / "port"
-    syncer_log = tmp_path / "syncer.log"
-    syncer = _spawn(
-      "ddiloco.launch.syncer_main",
-      [f"--workdir={tmp_path / 'syncer'}", f"--port_file={port_file}"],
-      devices=1,
-      log_path=syncer_log,
-    )
-    procs.append(syncer)
-    deadline = time.monotonic() + 180
-    while not port_file.exists():
-      assert syncer.poll() is None, _tail(syncer_log)
-      assert time.monotonic() < deadline, _tail(syncer_log)
-      time.sleep(0.2)
-    address = f"127.0.0.1:{port_file.read_text()}"
-    coordinator = f"127.0.0.1:{_free_port()}"
+    syncer, syncer_log, address = _start_syncer(tmp_path, procs)
     workdir = tmp_path / "learner_0"
-    logs = [tmp_path / f"learner_0.{i}.log" for i in range(2)]
-    learners = [
-      _spawn(
-        "ddiloco.launch.learner_main",
-        [
-          "--learner_id=0",
-          f"--syncer_address={address}",
-          f"--workdir={workdir}",
-          "--num_processes=2",
-          f"--process_id={i}",
-          f"--coordinator_address={coordinator}",
-        ],
-        devices=2,
-        log_path=logs[i],
-      )
-      for i in range(2)
-    ]
+    learners, logs = _start_learner(tmp_path, address, workdir, 0)
     procs += learners
     for proc, log in zip(learners, logs):
       assert _wait(proc, log, 300) == 0, _tail(log)
