@@ -476,7 +476,8 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     except Refusal as r:
       context.abort(r.code, r.message)
 
-  def _pull(self, request) -> Iterator[syncer_pb2.FragmentChunk]:
+  def _pull(self, request) -> Iterator[bytes]:
+    """The serialized FragmentChunk messages of p's newest version (sent without a serializer)."""
     self._check_fragment(request.fragment)
     p, known = int(request.fragment), int(request.known_version)
     with self._cond:
@@ -493,10 +494,10 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     if cached is not None and known == state.version - 1:
       chunks = cached
     else:
-      chunks = messages.state_to_chunks(state, "fp32", chunk_size=self._cfg.max_chunk_bytes)
+      chunks = messages.state_messages(state, "fp32", chunk_size=self._cfg.max_chunk_bytes)
     sent = 0
     for c in chunks:
-      sent += c.ByteSize()
+      sent += len(c)
       yield c
     with self._cond:
       self._bytes_down += sent
@@ -575,7 +576,7 @@ class DownlinkAdopter:
       raise ValueError("fp32 needs no adoption: the syncer sends exact full values.")
     self._codec, self._block, self._chunk = codec, block_size, chunk_size
     self._staged: dict[int, list[bytes]] = {}
-    self._cache: dict[int, tuple[int, list[syncer_pb2.FragmentChunk]]] = {}
+    self._cache: dict[int, tuple[int, list[bytes]]] = {}  # p -> (version, serialized chunks).
 
   def __call__(self, p: int, new: Mapping[str, np.ndarray], prev: Mapping[str, np.ndarray]):
     # The bytes are encoded once and kept: re-encoding adopted − prev need not give the same ints.
@@ -596,7 +597,7 @@ class DownlinkAdopter:
 
     `digest` is the core's digest of the adopted values (MergeEvent.digest).
     """
-    chunks = messages.encoded_state_chunks(
+    chunks = messages.encoded_state_messages(
       self._staged.pop(p),
       fragment=p,
       version=version,
@@ -606,8 +607,9 @@ class DownlinkAdopter:
     )
     self._cache[p] = (version, chunks)
 
-  def delta_chunks(self, p: int, version: int) -> list[syncer_pb2.FragmentChunk] | None:
-    """The encoded update from version − 1 to `version` of p, if that is the newest cached."""
+  def delta_chunks(self, p: int, version: int) -> list[bytes] | None:
+    """The encoded update from version − 1 to `version` of p, if that is the newest cached, as
+    serialized FragmentChunk messages: serialized once, sent to every learner as they are."""
     cached = self._cache.get(p)
     return cached[1] if cached is not None and cached[0] == version else None
 
@@ -675,18 +677,24 @@ class _Handlers:
 
 
 def _add_servicer(service: SyncerService, server: grpc.Server) -> None:
-  """`add_SyncerServicer_to_server`, except that Push takes each chunk's serialized bytes.
+  """`add_SyncerServicer_to_server`, except that Push takes, and Pull sends, each chunk's
+  serialized bytes.
 
   The Push handler reads them with `messages.parse_chunk`, the payload a view into the received
   bytes: protobuf's parser would copy every payload byte twice (issue 3, the wire benchmark).
+  Pull sends chunks made serialized (`messages.state_messages`) or cached serialized (the
+  downlink deltas every learner pulls), so protobuf neither builds nor serializes them per pull.
   The bytes on the wire are the same; clients need not change.
   """
   collected = _Handlers()
   syncer_pb2_grpc.add_SyncerServicer_to_server(service, collected)
   handlers = collected.handlers
-  push = handlers["Push"]
+  push, pull = handlers["Push"], handlers["Pull"]
   handlers["Push"] = grpc.stream_unary_rpc_method_handler(
     push.stream_unary, request_deserializer=None, response_serializer=push.response_serializer
+  )
+  handlers["Pull"] = grpc.unary_stream_rpc_method_handler(
+    pull.unary_stream, request_deserializer=pull.request_deserializer, response_serializer=None
   )
   name = collected.service_name
   server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(name, handlers)])

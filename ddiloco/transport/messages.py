@@ -423,6 +423,76 @@ def _lookup(lookup: BaseLookup | None, version: int, what: str, field: str) -> M
     raise WireError(f"Base version {version} of this {what} is not available: {e}") from e
 
 
+def _state_encoder(
+  state: FragmentState, codec: str, block_size: int, base: FragmentState | None
+) -> tuple[wire.FragmentEncoder, str]:
+  """(the encoder of a Pull payload, the digest of what the receiver will hold; SPEC §4.7)."""
+  if base is not None and base.fragment != state.fragment:
+    raise ValueError(f"base is fragment {base.fragment}, state is fragment {state.fragment}.")
+  base_values = None if base is None else base.values
+  encoder = wire.FragmentEncoder(state.values, codec, block_size=block_size, base=base_values)
+  exact = codec == "fp32" and base is None
+  exact = exact and all(np.asarray(v).dtype.itemsize <= 4 for v in state.values.values())
+  if exact:
+    return encoder, state.digest
+  view = wire.received_values(state.values, codec, block_size=block_size, base=base_values)
+  return encoder, values_digest(view)
+
+
+def _fragment_header(
+  *, fragment: int, version: int, digest: str, codec: str, total: int, num_chunks: int, base: int
+) -> syncer_pb2.FragmentHeader:
+  return syncer_pb2.FragmentHeader(
+    fragment=fragment,
+    version=version,
+    digest=digest,
+    codec=codec,
+    total_bytes=total,
+    num_chunks=num_chunks,
+    base_version=base,
+  )
+
+
+def state_messages(
+  state: FragmentState,
+  codec: str,
+  *,
+  block_size: int = 64,
+  chunk_size: int = DEFAULT_CHUNK_SIZE,
+  base: FragmentState | None = None,
+) -> Iterator[bytes]:
+  """A global fragment version as the serialized FragmentChunk messages of a Pull stream.
+
+  The bytes of `[m.SerializeToString() for m in state_to_chunks(...)]`, made as `push_messages`
+  makes a Push stream: each message when it is asked for, in one piece, with one copy per payload
+  byte (a service sends them with no protobuf serializer: `service._add_servicer`).
+
+  Args:
+    state: the version to send.
+    codec: the downlink codec name.
+    block_size: int8/int4 scale block size.
+    chunk_size: payload bytes per chunk.
+    base: an older version the receiver holds; if given the payload is state − base (SPEC §5).
+
+  Raises:
+    ValueError: at once if `base` is another fragment; while iterating, if the values cannot be
+      encoded.
+  """
+  encoder, digest = _state_encoder(state, codec, block_size, base)
+  header = _fragment_header(
+    fragment=state.fragment,
+    version=state.version,
+    digest=digest,
+    codec=codec,
+    total=encoder.nbytes,
+    num_chunks=encoder.num_chunks(chunk_size),
+    base=-1 if base is None else base.version,
+  ).SerializeToString()
+  return encoder.chunks(
+    chunk_size, prefix=lambda i, n: chunk_prefix(i, n, header if i == 0 else None)
+  )
+
+
 def state_to_chunks(
   state: FragmentState,
   codec: str,
@@ -431,11 +501,12 @@ def state_to_chunks(
   chunk_size: int = DEFAULT_CHUNK_SIZE,
   base: FragmentState | None = None,
 ) -> list[syncer_pb2.FragmentChunk]:
-  """A global fragment version as a Pull stream (SPEC §4.7).
+  """A global fragment version as a Pull stream of protobuf messages (SPEC §4.7).
 
-  The header digest is that of `received_values(...)`, what the receiver will hold: with "fp32"
-  and no base that is `state.digest`; otherwise the syncer must hold (adopt) those values for the
-  digests to agree (SPEC §5).
+  The messages `state_messages` serializes (a service sends those; these are for inspection,
+  accounting and tests). The header digest is that of `received_values(...)`, what the receiver
+  will hold: with "fp32" and no base that is `state.digest`; otherwise the syncer must hold
+  (adopt) those values for the digests to agree (SPEC §5).
 
   Args:
     state: the version to send.
@@ -447,54 +518,35 @@ def state_to_chunks(
   Raises:
     ValueError: if the values cannot be encoded or `base` is another fragment.
   """
-  if base is not None and base.fragment != state.fragment:
-    raise ValueError(f"base is fragment {base.fragment}, state is fragment {state.fragment}.")
-  base_values = None if base is None else base.values
-  pieces = wire.FragmentEncoder(
-    state.values, codec, block_size=block_size, base=base_values
-  ).chunks(chunk_size)
-  exact = codec == "fp32" and base is None
-  exact = exact and all(np.asarray(v).dtype.itemsize <= 4 for v in state.values.values())
-  if exact:
-    digest = state.digest
-  else:
-    view = wire.received_values(state.values, codec, block_size=block_size, base=base_values)
-    digest = values_digest(view)
-  return encoded_state_chunks(
-    pieces,
-    fragment=state.fragment,
-    version=state.version,
-    digest=digest,
-    codec=codec,
-    base_version=-1 if base is None else base.version,
-  )
+  msgs = state_messages(state, codec, block_size=block_size, chunk_size=chunk_size, base=base)
+  return [syncer_pb2.FragmentChunk.FromString(m) for m in msgs]
 
 
-def encoded_state_chunks(
-  pieces: Iterable[bytes],
+def encoded_state_messages(
+  pieces: Sequence[bytes],
   *,
   fragment: int,
   version: int,
   digest: str,
   codec: str,
   base_version: int,
-) -> list[syncer_pb2.FragmentChunk]:
-  """A Pull stream of already-serialized payload pieces (e.g. a delta the syncer encoded once).
+) -> list[bytes]:
+  """A Pull stream of already-serialized payload pieces (e.g. a delta the syncer encoded once),
+  as serialized FragmentChunk messages (`state_messages`); one copy of each piece.
 
   `digest` must be that of what the receiver will hold after decoding (SPEC §4.7).
   """
-  out, total = _wrap(syncer_pb2.FragmentChunk, pieces)
-  header = syncer_pb2.FragmentHeader(
+  pieces = list(pieces) or [b""]
+  header = _fragment_header(
     fragment=fragment,
     version=version,
     digest=digest,
     codec=codec,
-    total_bytes=total,
-    num_chunks=len(out),
-    base_version=base_version,
-  )
-  out[0].header.CopyFrom(header)
-  return out
+    total=sum(map(len, pieces)),
+    num_chunks=len(pieces),
+    base=base_version,
+  ).SerializeToString()
+  return [chunk_prefix(i, len(d), header if i == 0 else None) + d for i, d in enumerate(pieces)]
 
 
 def chunks_to_state(

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from ddiloco.fragments.compression import RUN_VALUES
-from ddiloco.syncer.core import Report
+from ddiloco.fragments.digest import values_digest
+from ddiloco.syncer.core import FragmentState, Report
 from ddiloco.transport import messages, wire
 from ddiloco.transport.chunks import ChunkAssembler, ChunkWriter
 from ddiloco.transport.errors import WireError
@@ -196,3 +197,49 @@ def test_assembler_keeps_views_without_copying():
   ready = asm.add(0, views[0]) + asm.add(2, views[2])
   assert [r is v for r, v in zip(ready, views)] == [True, True, True]
   assert asm.result() == msg
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int4"])
+@pytest.mark.parametrize("chunk_size", [7, 1000, 1 << 20])
+def test_state_messages_are_protobufs_pull_stream(codec, chunk_size):
+  # The Pull stream a service sends without a serializer: byte for byte the FragmentChunk messages
+  # protobuf would make of the wire format's pieces, header (with the receiver's digest) on chunk 0.
+  rng = np.random.default_rng(1)
+  vals = {"w": rng.standard_normal((40, 30)).astype(np.float32)}
+  older = {"w": (vals["w"] - 0.25).astype(np.float32)}
+  state = FragmentState(fragment=2, version=5, values=vals, digest=values_digest(vals))
+  for base in (None, FragmentState(fragment=2, version=4, values=older, digest="")):
+    base_values = None if base is None else base.values
+    pieces = list(
+      wire.serialize_chunks(vals, codec, block_size=5, base=base_values, chunk_size=chunk_size)
+    )
+    received = wire.received_values(vals, codec, block_size=5, base=base_values)
+    header = syncer_pb2.FragmentHeader(
+      fragment=2,
+      version=5,
+      digest=values_digest(received),
+      codec=codec,
+      total_bytes=sum(map(len, pieces)),
+      num_chunks=len(pieces),
+      base_version=-1 if base is None else 4,
+    )
+    want = [syncer_pb2.FragmentChunk(index=i, data=d) for i, d in enumerate(pieces)]
+    want[0].header.CopyFrom(header)
+    want = [m.SerializeToString() for m in want]
+    got = list(
+      messages.state_messages(state, codec, block_size=5, chunk_size=chunk_size, base=base)
+    )
+    assert got == want
+    cached = messages.encoded_state_messages(
+      pieces,
+      fragment=2,
+      version=5,
+      digest=header.digest,
+      codec=codec,
+      base_version=header.base_version,
+    )
+    assert cached == want
+    back = messages.chunks_to_state(
+      got, ["w"], [(40, 30)], ["float32"], base_lookup=lambda v: older, max_chunk_bytes=chunk_size
+    )
+    assert back.version == 5 and back.values["w"].tobytes() == received["w"].tobytes()
