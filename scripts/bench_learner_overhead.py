@@ -20,8 +20,11 @@ Four loops are measured per round (medians over rounds):
               worker keeps one step in flight, so this is its fair baseline.
   bare_async  the same, blocking only at the end (JAX's asynchronous dispatch runs ahead).
   bare_sync   the same, blocking on step t itself (nothing in flight). Diagnostic: on the CPU
-              backend `Learner.snapshot_report`'s on-device copy waits for step t to finish, so the
-              worker's loop degenerates to this one (measured; see the report of issue 3).
+              backend an on-device copy of the due fragment waited for step t to finish, so the
+              worker's loop degenerated to this one (measured; see the report of issue 3); on CPU
+              the worker now snapshots by reference (`Learner.snapshot_by_reference`).
+  bare_keep   `bare` with the step variant that does not donate the parameters, which the worker
+              runs after a snapshot by reference or an apply whose digest is read back later.
 It prints steps/s and this process's CPU time per step of each loop, worker/bare (goal >= 0.95),
 worker/bare_async and worker/bare_sync, and CPU per step of bare against worker + syncer (a
 load-robust estimate of the ratio when the cores are saturated). For the worker's timed window, per
@@ -98,7 +101,13 @@ _GIN_DIR = os.path.join(_ROOT, "gin_configs")
 _GIN_FILE = os.path.join(_GIN_DIR, "local_tiny.gin")
 _TICK = os.sysconf("SC_CLK_TCK")
 _HOST_WORK = ("_send_due", "_drain", "_apply")
-_BARE = {"bare": 1, "bare_async": None, "bare_sync": 0}  # Loop name -> steps left in flight.
+# Loop name -> (steps left in flight, whether the step keeps its input parameters).
+_BARE = {
+  "bare": (1, False),
+  "bare_async": (None, False),
+  "bare_sync": (0, False),
+  "bare_keep": (1, True),
+}
 
 
 def _bindings() -> list[str]:
@@ -285,12 +294,13 @@ def main(argv: list[str]) -> None:
   cpu: dict[str, list[float]] = {name: [] for name in times}  # This process's CPU s per step.
   windows, summaries, state = [], [], {}
 
-  def run_bare(in_flight: int | None) -> None:
-    """`in_flight` steps may be pending when the next is dispatched (None: block at the end)."""
+  def run_bare(in_flight: int | None, keep: bool = False) -> None:
+    """`in_flight` steps may be pending when the next is dispatched (None: block at the end);
+    `keep`: the step that does not donate the parameters (`CompiledSteps.train(keep_params=True)`)."""
     steps = state["steps"]
     params, opt, previous = state["params"], state["opt"], None
     for batch in batches[: _STEPS.value]:
-      params, opt, metrics = steps.train(params, opt, steps.put_batch(batch))
+      params, opt, metrics = steps.train(params, opt, steps.put_batch(batch), keep_params=keep)
       if in_flight == 0:
         jax.block_until_ready(metrics["loss"])
       elif in_flight == 1 and previous is not None:
@@ -325,9 +335,10 @@ def main(argv: list[str]) -> None:
         )
         state["opt"] = steps.init_opt_state(state["params"])
         run_bare(1)  # Warm-up (batch placement, first dispatch).
-      for name, in_flight in _BARE.items():
+        run_bare(1, keep=True)  # The worker compiled this variant on CPU; warm it up too.
+      for name, (in_flight, keep) in _BARE.items():
         t0, c0 = time.perf_counter(), _cpu_s("/proc/self/stat")
-        run_bare(in_flight)
+        run_bare(in_flight, keep)
         times[name].append((time.perf_counter() - t0) / _STEPS.value)
         cpu[name].append((_cpu_s("/proc/self/stat") - c0) / _STEPS.value)
       print(
@@ -354,6 +365,9 @@ def main(argv: list[str]) -> None:
   print(f"  worker/bare        = {rate['worker'] / rate['bare']:.3f}   (goal >= 0.95)")
   print(f"  worker/bare_async  = {rate['worker'] / rate['bare_async']:.3f}")
   print(f"  worker/bare_sync   = {rate['worker'] / rate['bare_sync']:.3f}")
+  print(
+    f"  bare_keep/bare     = {rate['bare_keep'] / rate['bare']:.3f}   (the cost of not donating)"
+  )
   # Load-robust view: when the 2 cores are saturated, throughput goes as 1 / (CPU s per step).
   bare_cpu = statistics.median(cpu["bare"])
   worker_cpu = statistics.median(c + w["syncer_cpu"] for c, w in zip(cpu["worker"], windows))

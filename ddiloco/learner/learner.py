@@ -131,6 +131,13 @@ class Learner:
     devices = jax.tree_util.tree_leaves(params)[0].sharding.device_set if self._index else set()
     self.snapshot_by_reference = all(d.platform == "cpu" for d in devices)
     self._keep_params = False  # The next train step must not donate the parameters.
+    # Digest checks of applies (SPEC §4.7): read back at once, or, with `defer_digests` on CPU
+    # (snapshot_by_reference; a learner process sets it), once the written arrays are ready: the
+    # read-back waited there for the step in flight, like the snapshot's copy. `verified_applies`
+    # hands the checks out in apply order.
+    self.defer_digests = False
+    self._unverified: list[tuple[int, int, list[jax.Array]]] = []  # (p, version, θ_p's arrays).
+    self._verified: list[tuple[int, int, str | None]] = []  # (p, version, digest; None: mixed).
 
   def _readable(self, arrays: list[jax.Array]) -> list[jax.Array]:
     return arrays if self.host_readable is None else self.host_readable(arrays)
@@ -139,7 +146,8 @@ class Learner:
 
   def train_step(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
     """One inner step on `batch`; metrics stay on device (read them lazily)."""
-    keep, self._keep_params = self._keep_params, False
+    # Arrays awaiting a digest check must outlive the step too.
+    keep, self._keep_params = self._keep_params or bool(self._unverified), False
     self.params, self.opt_state, metrics = self.steps.train(
       self.params, self.opt_state, self.steps.put_batch(batch), keep_params=keep
     )
@@ -202,10 +210,16 @@ class Learner:
 
   def fragment_values(self, p: int) -> dict[str, np.ndarray]:
     """A host copy of this learner's θ_p, keyed as the layout keys it."""
+    return self._host_values(p, self._fragment_arrays(p))
+
+  def _fragment_arrays(self, p: int) -> list[jax.Array]:
+    """The parameter arrays fragment p touches (`_leaf_names[p]` order)."""
     leaves = jax.tree_util.tree_leaves(self.params)
-    names = self._leaf_names[p]
-    host = jax.device_get(self._readable([leaves[self._index[k]] for k in names]))  # One transfer.
-    return self.layout.select({k: np.asarray(v) for k, v in zip(names, host)}, p)
+    return [leaves[self._index[k]] for k in self._leaf_names[p]]
+
+  def _host_values(self, p: int, arrays: list[jax.Array]) -> dict[str, np.ndarray]:
+    host = jax.device_get(self._readable(arrays))  # One transfer.
+    return self.layout.select({k: np.asarray(v) for k, v in zip(self._leaf_names[p], host)}, p)
 
   def make_report(self, p: int, *, step_time_s: float = 0.0) -> Report:
     """The report of fragment p (SPEC §3 send), recording it as outstanding."""
@@ -299,7 +313,7 @@ class Learner:
       if self.config.mixing_alpha == 0:  # α > 0 keeps part of the unsent progress: not dropped.
         self.ledger.overwritten(p)
       self.anchor[p] = state.version
-      self._record_digest(p)
+      self._check_apply(p, state.version)
       if out.accepted:
         self.tokens[p] = 0
         self.step_counts[p] = 0
@@ -356,6 +370,37 @@ class Learner:
       self.applied_digest.pop(p, None)
     else:
       self.applied_digest[p] = self.digest_of(p)
+
+  def _check_apply(self, p: int, version: int) -> None:
+    """Queues the digest check of an apply (`verified_applies`), read back at once or deferred."""
+    if self.config.mixing_alpha > 0:
+      self._record_digest(p)
+      self._verified.append((p, version, None))
+    elif self.defer_digests and self.snapshot_by_reference and self.host_readable is None:
+      arrays = self._fragment_arrays(p)
+      for a in arrays:
+        a.copy_to_host_async()
+      self._unverified.append((p, version, arrays))
+    else:
+      self._record_digest(p)
+      self._verified.append((p, version, self.applied_digest[p]))
+
+  def verified_applies(self, *, block: bool = False) -> list[tuple[int, int, str | None]]:
+    """(fragment, version, digest read back) of the applies checked since the last call, in
+    apply order; None for an α > 0 mix, which has nothing to compare. Deferred checks whose
+    arrays are not ready yet wait for a later call unless `block`."""
+    out, self._verified = self._verified, []
+    waiting = []
+    for p, version, arrays in self._unverified:
+      if waiting or not (block or all(a.is_ready() for a in arrays)):
+        waiting.append((p, version, arrays))  # Later ones wait too: apply order is kept.
+        continue
+      digest = values_digest(self._host_values(p, arrays))
+      if self.anchor[p] == version:
+        self.applied_digest[p] = digest
+      out.append((p, version, digest))
+    self._unverified = waiting
+    return out
 
   def digest_of(self, p: int) -> str:
     """Digest of this learner's current θ_p (equals the syncer's after an α = 0 apply)."""

@@ -133,6 +133,8 @@ class LearnerWorker:
         "restarted learner would repeat or skip data."
       )
     self.learner = learner
+    # The training loop checks apply digests when the arrays are ready (Learner.defer_digests).
+    learner.defer_digests = True
     self.id = learner.learner_id
     self._data = data
     self._client = client
@@ -489,15 +491,19 @@ class LearnerWorker:
 
   def _apply(self) -> None:
     for p, version in self.learner.apply_ready():
+      with self._lock:  # Host copies older than the applied anchor are never a base again.
+        for v in [v for v in self._held[p] if v < version]:
+          del self._held[p][v]
+    self._check_applies()
+
+  def _check_applies(self, *, block: bool = False) -> None:
+    """Compares the digests of applies read back so far with the syncer's (SPEC §4.7)."""
+    for p, version, got in self.learner.verified_applies(block=block):
       expected = self._digests.get((p, version))
-      got = self.learner.applied_digest.get(p)
       if got is not None and got != expected:
         self.digest_mismatches += 1
         log.error("learner %d: fragment %d v%d digest %s != %s", self.id, p, version, got, expected)
       self.applies.append((p, version, got or ""))
-      with self._lock:  # Host copies older than the applied anchor are never a base again.
-        for v in [v for v in self._held[p] if v < version]:
-          del self._held[p][v]
 
   def request_stop(self) -> None:
     """Makes `run` return after the current step (signal handlers call this)."""
@@ -561,6 +567,7 @@ class LearnerWorker:
         if self._writer is not None:
           self._writer.scalars(self.learner.step, {"loss": loss})
           self._writer.flush()  # The launcher tails metrics.jsonl for its progress lines.
+    self._check_applies(block=True)  # The deferred digest checks of the last applies.
     self.train_end = time.time()
     return time.monotonic() - t_first
 

@@ -96,6 +96,29 @@ def test_apply_waits_for_overlap_then_resets_counters():
   assert learner.step_counts[0] == 3  # The other fragment's counters keep running.
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["at_once", "deferred"])
+def test_apply_digests_are_checked_in_order_at_once_or_when_ready(defer):
+  learner, _ = _learner(overlap=1)
+  learner.defer_digests = defer  # A learner process defers on CPU (LearnerWorker).
+  for t in range(2):
+    learner.train_step(_batch(t))
+  report = learner.make_report(1)  # Sent at step 2 -> apply step 3.
+  learner.on_report_result(1, _ok())
+  merged = {k: np.full_like(v, 0.25) for k, v in report.values.items()}
+  learner.receive(_state(merged, 1, 1))
+  learner.train_step(_batch(3))
+  assert learner.apply_ready() == [(1, 1)]
+  if defer:  # Read back later, from the very arrays written: the next step must keep them.
+    (_, _, written) = learner._unverified[0]
+    learner.train_step(_batch(4))  # Would donate them without the deferred check.
+    assert not any(a.is_deleted() for a in written)
+    assert learner.step_counts[1] == 1  # Training went on after the apply.
+  checked = learner.verified_applies(block=True)
+  assert checked == [(1, 1, values_digest(merged))]  # What was written, not what trained since.
+  assert learner.verified_applies(block=True) == []  # Each check is handed out once.
+  assert learner.applied_digest[1] == values_digest(merged)
+
+
 def test_late_report_keeps_counters_growing():
   learner, _ = _learner(overlap=1)
   for t in range(2):
