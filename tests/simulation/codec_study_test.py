@@ -1,27 +1,11 @@
 """Tests of the compression study's pure pieces: codec entries, paired ratios, verdicts, the table."""
 
-import importlib.util
 import math
 import os
-import sys
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "compression_quality.py")
-
-
-def _load():
-  # experiments/ is not a package; load the script once by path (its absl flags register once).
-  name = "compression_quality_under_test"
-  if name not in sys.modules:
-    spec = importlib.util.spec_from_file_location(name, os.path.abspath(_PATH))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-  return sys.modules[name]
-
-
-cq = _load()
+from ddiloco.simulation import codec_study as cq
 
 # t_{0.975, 2} = 4.302653; with s = 0.001 over 3 seeds the half-width is 4.302653 · 0.001 / √3.
 HW_S1 = 4.302653 * 0.001 / math.sqrt(3)  # 0.00248414
