@@ -265,6 +265,13 @@ def _push_encoder(
   return wire.FragmentEncoder(report.values, codec, block_size=block_size, base=anchor_values)
 
 
+def _framed(encoder: wire.FragmentEncoder, header: bytes, chunk_size: int) -> Iterator[bytes]:
+  """The encoder's chunks as serialized chunk messages, the serialized header on chunk 0."""
+  return encoder.chunks(
+    chunk_size, prefix=lambda i, n: chunk_prefix(i, n, header if i == 0 else None)
+  )
+
+
 def push_messages(
   report: Report,
   codec: str,
@@ -299,9 +306,7 @@ def push_messages(
   header = _push_header(
     report, codec, encoder.nbytes, encoder.num_chunks(chunk_size), anchor_values is not None
   ).SerializeToString()
-  return encoder.chunks(
-    chunk_size, prefix=lambda i, n: chunk_prefix(i, n, header if i == 0 else None)
-  )
+  return _framed(encoder, header, chunk_size)
 
 
 def report_to_chunks(
@@ -488,9 +493,7 @@ def state_messages(
     num_chunks=encoder.num_chunks(chunk_size),
     base=-1 if base is None else base.version,
   ).SerializeToString()
-  return encoder.chunks(
-    chunk_size, prefix=lambda i, n: chunk_prefix(i, n, header if i == 0 else None)
-  )
+  return _framed(encoder, header, chunk_size)
 
 
 def state_to_chunks(

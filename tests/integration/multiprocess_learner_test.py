@@ -95,10 +95,7 @@ def test_two_processes_form_one_learner(tmp_path):
     syncer.send_signal(signal.SIGTERM)
     assert _wait(syncer, syncer_log, 120) == 0, _tail(syncer_log)
   finally:
-    for proc in procs:
-      if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-      proc.wait(timeout=30)
+    _reap(procs)
   for proc in procs:  # Nothing left in any process group (grandchildren included).
     with pytest.raises(ProcessLookupError):
       os.killpg(proc.pid, 0)
@@ -130,6 +127,14 @@ def test_two_processes_form_one_learner(tmp_path):
   # It learned: the learner's loss and the global model's held-out loss fell.
   assert lead["losses"][-1][2] < lead["losses"][0][2]
   assert syncer_summary["final_eval_loss"] < syncer_summary["initial_eval_loss"]
+
+
+def _reap(procs) -> None:
+  """Kills (process group included) and waits for every process still running."""
+  for proc in procs:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
 
 
 def _start_syncer(tmp_path, procs):
@@ -205,10 +210,7 @@ def test_killed_process_restarts_the_learner_from_its_checkpoint(tmp_path):
     syncer.send_signal(signal.SIGTERM)
     assert _wait(syncer, syncer_log, 120) == 0, _tail(syncer_log)
   finally:
-    for proc in procs:
-      if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-      proc.wait(timeout=30)
+    _reap(procs)
   for proc in procs:
     with pytest.raises(ProcessLookupError):
       os.killpg(proc.pid, 0)

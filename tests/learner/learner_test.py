@@ -79,14 +79,20 @@ def test_report_carries_host_copy_counters_and_anchor():
     np.testing.assert_array_equal(v, host[k])
 
 
-def test_apply_waits_for_overlap_then_resets_counters():
-  learner, _ = _learner(overlap=1)
+def _sent_and_merged(learner):
+  """Two steps, fragment 1 sent at step 2 (apply step 3) and accepted, version 1 received."""
   for t in range(2):
     learner.train_step(_batch(t))
-  report = learner.make_report(1)  # Sent at step 2 -> apply step 3.
+  report = learner.make_report(1)
   learner.on_report_result(1, _ok())
   merged = {k: np.full_like(v, 0.25) for k, v in report.values.items()}
   learner.receive(_state(merged, 1, 1))
+  return merged
+
+
+def test_apply_waits_for_overlap_then_resets_counters():
+  learner, _ = _learner(overlap=1)
+  merged = _sent_and_merged(learner)
   assert learner.apply_ready() == []  # Step 2 < apply step 3.
   learner.train_step(_batch(3))
   assert learner.apply_ready() == [(1, 1)]
@@ -100,12 +106,7 @@ def test_apply_waits_for_overlap_then_resets_counters():
 def test_apply_digests_are_checked_in_order_at_once_or_when_ready(defer):
   learner, _ = _learner(overlap=1)
   learner.defer_digests = defer  # A learner process defers on CPU (LearnerWorker).
-  for t in range(2):
-    learner.train_step(_batch(t))
-  report = learner.make_report(1)  # Sent at step 2 -> apply step 3.
-  learner.on_report_result(1, _ok())
-  merged = {k: np.full_like(v, 0.25) for k, v in report.values.items()}
-  learner.receive(_state(merged, 1, 1))
+  merged = _sent_and_merged(learner)
   learner.train_step(_batch(3))
   assert learner.apply_ready() == [(1, 1)]
   if defer:  # Read back later, from the very arrays written: the next step must keep them.
