@@ -2,7 +2,9 @@
 
 Model: `transformer_config("small")` (~14M float32 parameters), initialised for real (Θ_old), then
 trained for `--inner_steps` real AdamW steps on the text pipeline (θ). The balanced layout
-(SPEC §2, P = 24) cuts it into fragments, and one SyncerCore outer step over θ gives Θ_new.
+(SPEC §2, P = 24) cuts it into fragments, and one SyncerCore outer step over θ gives Θ_new: the
+core opens a round of every fragment at step `--inner_steps`, θ_p answers it, and a flush merges
+them.
 
   data-parallel   a ring all-reduce of the full gradient every step: each of n workers sends
                   2(n−1)/n × G bytes and receives as many (G = 4 bytes × params for fp32
@@ -106,8 +108,11 @@ def _measure(
     clock=lambda: 0.0,
   )
   core.register(0)
+  round_step = _STEPS.value  # Every round is opened, and answered, at the step θ was trained to.
   for p in range(layout.num_fragments):
     core.mark_delivered(0, p, 0)
+    if core.open_round(p, round_step) is None:
+      raise RuntimeError(f"Could not open the round of fragment {p}.")
     report = Report(
       learner_id=0,
       fragment=p,
@@ -116,6 +121,7 @@ def _measure(
       steps=_STEPS.value,
       anchor_version=0,
       step=_STEPS.value,
+      round_step=round_step,
     )
     if core.report(report).weight <= 0:
       raise RuntimeError(f"Report of fragment {p} was not filed with weight > 0.")
@@ -126,7 +132,14 @@ def _measure(
   down: dict[str, list[int]] = {c: [] for c in _CODECS.value}
   for p in range(layout.num_fragments):
     report = Report(
-      learner_id=0, fragment=p, values=new_frags[p], tokens=1, steps=1, anchor_version=0, step=1
+      learner_id=0,
+      fragment=p,
+      values=new_frags[p],
+      tokens=1,
+      steps=1,
+      anchor_version=0,
+      step=round_step,
+      round_step=round_step,  # Headers as the worker sends them: its answer names the round.
     )
     for codec in _CODECS.value:
       chunks = messages.report_to_chunks(report, codec, anchor_values=old_frags[p])

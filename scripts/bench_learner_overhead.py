@@ -4,17 +4,21 @@
 
 Each round starts a fresh syncer subprocess (`ddiloco.launch.syncer_main` via
 `LocalCluster.start_syncer`, CPU only) for the job of gin_configs/local_tiny.gin with LEARNERS = 1
-and P = H = 24 (SPEC §2: exactly one fragment is due every step). This process parses the same gin
-files and bindings, builds a learner with `make_learner_worker` on `--devices` fake CPU devices and
-trains it through `LearnerWorker.run` as the fleet's first and only learner. (A fresh syncer per
-round, not one syncer and a new learner id per round: a learner that joins a fleet whose learners
-all left is aligned far ahead of the syncer's cadence and then holds its schedule, sending nothing,
-for tens of steps; see the report of issue 3.) The syncer is stopped before the bare loops run.
+and P = H = 24 (SPEC §2: the syncer's step clock makes exactly one fragment due every step and
+opens its round; the learner answers it at its next step boundary). This process parses the same
+gin files and bindings, builds a learner with `make_learner_worker` on `--devices` fake CPU devices
+and trains it through `LearnerWorker.run` as the fleet's first and only learner, so the syncer's
+step clock runs at this learner's own pace. (A fresh syncer per round, not one syncer and a new
+learner id per round: every round then starts from the same state, every fragment at version 0 and
+a step clock that starts with this learner.) The syncer is stopped before the bare loops run.
 Four loops are measured per round (medians over rounds):
-  worker      the `LearnerWorker` loop. Compilation, the join and every fragment's first send and
-              merge are excluded by timing only the loop iterations after the first `--skip` ones
-              (default 32 > H + τ = 26): the batches it consumes come from an iterator that stamps
-              every `next()` (one per iteration).
+  worker      the `LearnerWorker` loop. Compilation, the join and the start of the syncer's step
+              clock, before which no round opens (it needs about a second of heartbeats to measure
+              the learner's rate: on 2 loaded cores the syncer asked for 119 rounds in 128 steps in
+              one run, 118 in 136 in another), are excluded by timing only the loop iterations
+              after the first `--skip` ones (default 40; the whole run's line shows the rounds
+              asked): the batches it consumes come from an iterator that stamps every `next()`
+              (one per iteration).
   bare        the worker's own `CompiledSteps.train` (same model, mesh, shardings, donation) on the
               same pre-drawn batches, waiting for step t−1's loss after dispatching step t: the
               worker keeps one step in flight, so this is its fair baseline.
@@ -28,21 +32,26 @@ Four loops are measured per round (medians over rounds):
 It prints steps/s and this process's CPU time per step of each loop, worker/bare (goal >= 0.95),
 worker/bare_async and worker/bare_sync, and CPU per step of bare against worker + syncer (a
 load-robust estimate of the ratio when the cores are saturated). For the worker's timed window, per
-step: fragments sent, pushes answered and applies (1 each when the schedule is followed), wire
-bytes, the training thread's time in the worker's own host work (`send_due`: snapshot; `drain`:
-results, receives, cadence; `apply`: apply + digest read-back), and the CPU time of the learner
-process, of its sender and comm threads and of the syncer process. And the load average: the
-machine may be shared, and then wall-clock rates move between rounds; CPU times move much less.
+step: rounds answered (fragments sent), pushes answered and applies (1 each when the syncer opens
+one round a step and every round merges), wire bytes, the training thread's time in the worker's
+own host work (`send_due`: snapshot; `drain`: push results, received fragments, round requests;
+`apply`: apply + digest read-back), and the CPU time of the learner process, of its background
+threads (sender, comm, rounds, puller) and of the syncer process. The whole run's line adds the
+rounds the syncer asked for and its step clock as the learner last heard it. And the load average:
+the machine may be shared, and then wall-clock rates move between rounds; CPU times move much less.
 
-What the worker's "overhead" includes, all of it real: per step, the device-side copy of the due
-fragment and its asynchronous host transfer (`Learner.snapshot_report`); in the sender thread, the
-wait for that copy, the delta θ − Θ^(anchor), int4 encoding and the gRPC push; in the comm thread,
-heartbeats (every 0.25 s) and the pull and decoding of every fragment whose version moved; on the
-training thread, draining results, feeding received fragments, following the fleet's cadence,
-applying fragments τ = 2 steps after their send (a `device_put` per tensor) with a digest read back
-from the devices (SPEC §4.7), and every `JobConfig.log_every` steps a loss read (it blocks on the
-current step) and a metrics line. Both threads hold the GIL for their Python work and compete for
-the 2 cores with XLA's compute threads and with the syncer process (merge, outer step, encoding).
+What the worker's "overhead" includes, all of it real: per step, the device-side copy of the
+fragment whose round it answers and its asynchronous host transfer (`Learner.snapshot_report`);
+in the sender thread, the wait for that copy, the delta θ − Θ^(anchor), int4 encoding and the gRPC
+push; in the comm thread, heartbeats (every 0.25 s: the learner's step, from which the syncer's step
+clock takes its pace); in the rounds thread, the `Rounds` stream of round requests and version
+announcements; in the puller, the pull and decoding of every announced version; on the training
+thread, draining push results, feeding received fragments and round requests to the learner,
+applying fragments τ = 2 steps after answering their round (a `device_put` per tensor) with a
+digest read back from the devices (SPEC §4.7), and every `JobConfig.log_every` steps a loss read
+(it blocks on the current step) and a metrics line. The background threads hold the GIL for their
+Python work and compete for the 2 cores with XLA's compute threads and with the syncer process
+(step clock, merge, outer step, encoding).
 The syncer's periodic evaluation is off (`JobConfig.eval_every_s = 0`): it is not learner overhead.
 `--syncer_blas_threads=1` runs the syncer with OPENBLAS_NUM_THREADS=1: by default its OpenBLAS
 worker threads spin after every small BLAS call (the norms of RDA) and take most of its CPU time.
@@ -68,7 +77,9 @@ _BATCH = flags.DEFINE_integer("batch", 8, "sequences per step")
 _SEQ = flags.DEFINE_integer("seq_len", 64, "tokens per sequence")
 _STEPS = flags.DEFINE_integer("steps", 96, "timed steps per loop per round")
 _SKIP = flags.DEFINE_integer(
-  "skip", 32, "first worker steps left out: compilation, and every fragment's first send and merge"
+  "skip",
+  40,
+  "first worker steps left out: compilation, the join and the start of the syncer's step clock",
 )
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "rounds (median reported)")
 _CODEC = flags.DEFINE_enum("codec", "int4", ["fp32", "bf16", "int8", "int4"], "uplink/downlink")
@@ -120,7 +131,7 @@ def _bindings() -> list[str]:
     f"transformer_config.max_len = {_SEQ.value}",
     f'UPLINK = "{_CODEC.value}"',
     f'DOWNLINK = "{_CODEC.value}"',
-    # SPEC §2 with P = H: fragment p is due at schedule steps t ≡ p (mod 24), one every step.
+    # SPEC §2 with P = H: the syncer opens fragment p's round at clock steps t ≡ p (mod 24).
     "FragmentSchedule.num_fragments = 24",
     "FragmentSchedule.period = 24",
     "JobConfig.eval_every_s = 0.0",
@@ -177,16 +188,16 @@ class _Stamped:
 
 
 def _instrument(worker, stamped: _Stamped, syncer_pid: int) -> None:
-  """Counts sends and times the worker's host work on the training thread, for the probes."""
+  """Counts rounds answered (sends) and times the worker's host work on the training thread, for
+  the probes."""
   acc: collections.Counter[str] = collections.Counter()
-  learner_due = worker.learner.due
+  snapshot_report = worker.learner.snapshot_report
 
-  def due():
-    fragments = learner_due()
-    acc["sent"] += len(fragments)
-    return fragments
+  def answer(p, **kwargs):  # One call per round answered (the worker also peeks at `due()`).
+    acc["sent"] += 1
+    return snapshot_report(p, **kwargs)
 
-  worker.learner.due = due
+  worker.learner.snapshot_report = answer
   for name in _HOST_WORK:
     fn = getattr(worker, name)
 
@@ -383,13 +394,13 @@ def main(argv: list[str]) -> None:
       f"    round {r}: step {1e3 * w['step_s']:.1f} ms; sent {w.get('sent', 0.0):.2f} pushes "
       f"{w['pushes']:.2f} applies {w['applies']:.2f}; bytes up {w['bytes_up']:.0f} down "
       f"{w['bytes_down']:.0f}; training thread ms: {host}; CPU ms: learner process "
-      f"{1e3 * w['proc_cpu']:.1f} (sender+comm {1e3 * w['threads_cpu']:.1f}), syncer "
+      f"{1e3 * w['proc_cpu']:.1f} (background threads {1e3 * w['threads_cpu']:.1f}), syncer "
       f"{1e3 * w['syncer_cpu']:.1f}"
     )
     print(
       f"      whole run: steps {s['steps']}, push {s['push_status']}, applies "
-      f"{len(s['applies'])}, digest mismatches {s['digest_mismatches']}, phase jumps "
-      f"{s['phase_jumps']} ({s['phase_jumped_steps']} steps)"
+      f"{len(s['applies'])}, digest mismatches {s['digest_mismatches']}, rounds asked "
+      f"{s['rounds_asked']}, syncer step clock {s['fleet_step']}"
     )
   print(f"load average at end: {_load()}")
   sys.stdout.flush()

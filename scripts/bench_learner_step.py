@@ -4,8 +4,10 @@ Three loops are measured side by side, interleaved in rounds so machine noise hi
   bare      jax.jit(grad + optax.adamw): params placed with the model's shardings and the batch split
             over "data" (the same mesh), but no pinned in/out shardings, no donation, no context
   learner   ddiloco's Learner.train_step (pinned shardings, donation, counters), no syncing
-  syncing   learner + every due fragment copied to host and reported to an in-process SyncerCore,
-            merges polled and applied τ steps later (SPEC §3, P = H = 24: one fragment per step)
+  syncing   learner + the syncer-paced round protocol with an in-process SyncerCore: at every
+            step the core opens the round of each fragment due on its schedule (P = H = 24: one
+            fragment per step), the learner is asked for it and answers it with a host copy of
+            θ_p, and the merge is polled and applied τ steps after the answer
 It prints steps/s per loop and the ratios learner/bare and syncing/bare.
 
   python scripts/bench_learner_step.py --size=tiny --devices=2 --steps=40 --rounds=3
@@ -108,6 +110,7 @@ def main(argv: list[str]) -> None:
     init_values={k: v for frag in layout.split(flat) for k, v in frag.items()},
     config=SyncerConfig(use_grace=False),
     clock=lambda: clock["t"],
+    schedule=schedule,
   )
   syncing = make_learner()
   core.register(0)
@@ -117,6 +120,13 @@ def main(argv: list[str]) -> None:
     for b in batches:
       syncing.train_step(b)
       clock["t"] += 1.0
+      # The core's step clock is this learner's step (one learner: the fleet is it). Opening the
+      # rounds directly instead of `tick` keeps the schedule exact without a rate estimate.
+      t = syncing.schedule_step
+      for p in schedule.due(t):
+        request = core.open_round(p, t)
+        if request is not None:
+          syncing.ask(request)
       for p in syncing.due():
         syncing.on_report_result(p, core.report(syncing.make_report(p)))
       for event in core.poll():

@@ -1,13 +1,13 @@
 """Benchmark: the syncer merging 8 contributions of a 16 MiB fragment against reading them once.
 
 Everything runs in one process, interleaved in rounds so machine noise hits every row equally, and
-the median of the rounds is reported. Each round files 8 reports (learners 0..7, each registered and
-marked delivered, so each weighs > 0, SPEC §3) into the open round of one fragment of 4 tensors of
-1M float32 (16 MiB) and times `SyncerCore.flush()`, i.e. one merge (SPEC §4.3–4.7): the per-tensor
-merge of the 8 outer gradients Θ^(anchor) − θ_m (`merge.merge_reports`, float32, each v_m formed
-block by block as it is used, written into the core's reused `merge.OutputBuffer`), the optax
-outer step (Nesterov SGD, jitted), the new values, the digest of the new version and its history
-entry. RDA's first pass, the squared norms ‖v_m‖², is no longer in the merge: the core sums them
+the median of the rounds is reported. Each round opens the next round of one fragment of 4 tensors
+of 1M float32 (16 MiB) (`SyncerCore.open_round`, untimed), files 8 answers to it (learners 0..7,
+each registered and marked delivered, anchored at the round's base, so each weighs > 0) and times
+`SyncerCore.flush()`, i.e. one merge (SPEC §4.3–4.7): the per-tensor merge of the 8 outer
+gradients Θ^(anchor) − θ_m (`merge.merge_reports`, float32, each v_m formed block by block as it is
+used, written into the core's reused `merge.OutputBuffer`), the optax outer step (Nesterov SGD,
+jitted), the new values, the digest of the new version and its history entry. RDA's first pass, the squared norms ‖v_m‖², is no longer in the merge: the core sums them
 when it files each report, in the same pass as the door's NaN/Inf check (`merge.finite_sq_norm`),
 so the merge takes one pass over the contributions and filing takes the other (issue 3). Rows:
   read         the floor: one pass over the 8 × 16 MiB of contributions, a float32 sum into one
@@ -118,8 +118,11 @@ class _Bench:
     self._step = 0
 
   def file_reports(self, thetas: list[dict[str, np.ndarray]]) -> tuple[float, float]:
-    """Files one report per learner at the current version; returns (wall, CPU) seconds."""
+    """Opens the next round and files one answer per learner against its base; returns (wall,
+    CPU) seconds of the filing."""
     self._step += 1
+    if self.core.open_round(0, self._step) is None:
+      raise RuntimeError("The previous round of fragment 0 is still open.")
     version = self.core.version(0)
     with _Stopwatch() as watch:
       self._file(thetas, version)
@@ -136,6 +139,7 @@ class _Bench:
           steps=24,
           anchor_version=version,
           step=self._step,
+          round_step=self._step,
         )
       )
       if result.status != "accepted" or result.weight <= 0:

@@ -14,9 +14,12 @@ the rounds is reported:
          parsing, decode into recycled memory (`chunks.ArrayPool`), adding the anchor back) and
          `SyncerCore.report` (validation again, and the NaN/Inf check of every value fused with
          RDA's squared norm of the outer gradient; the service files the decoded values without
-         a copy). The syncer runs with min_quorum=2 and one learner, so a push only files into a
-         round (superseding the previous push, whose memory the next push then reuses): no merge
-         is timed.
+         a copy). The receiving process opens one round of the fragment (`open_round`), and the
+         syncer runs with min_quorum=2 and one learner, so the round never merges: no merge is
+         timed. A learner answers a round once (a second answer is a refused duplicate), so before
+         each push the receiving process restarts learner 0 in the core, untimed: it registers it
+         again and marks the fragment delivered, as a rejoined learner's pull would. Each push then
+         supersedes the previous answer in the round, whose memory the next push reuses.
   raw    `socket.sendall` of the same number of bytes in 1 MiB pieces over one TCP connection to a
          thread that reads them into a buffer and discards them, then acknowledges with one byte.
   bare   gRPC's own floor: the same bytes as 1 MiB raw `bytes` messages (no protobuf) streamed to
@@ -138,6 +141,9 @@ def _init_values(n: int) -> dict[str, np.ndarray]:
   return {_KEY: np.random.default_rng(0).standard_normal(n, dtype=np.float32)}
 
 
+_ROUND_STEP = 1  # The one round every push answers; opened by the receiving process at start.
+
+
 def _syncer_configs() -> tuple[ServiceConfig, SyncerConfig]:
   # min_quorum=2 with one learner: a push files into the round and never triggers a merge.
   return ServiceConfig(uplink_codec="fp32", downlink_codec="fp32"), SyncerConfig(
@@ -145,11 +151,17 @@ def _syncer_configs() -> tuple[ServiceConfig, SyncerConfig]:
   )
 
 
+def _restart_learner(core: SyncerCore) -> None:
+  """Learner 0 rejoins and holds the current version: its next answer supersedes its last one."""
+  core.register(0)
+  core.mark_delivered(0, 0, core.version(0))
+
+
 def _receivers(conn, n: int) -> None:
   """The receiving process: the syncer service, the raw TCP reader and the bare gRPC server.
 
-  Sends their ports, then answers b"cpu" with this process's CPU seconds and b"stop" with the
-  service's counters, and exits.
+  Sends their ports, then answers b"cpu" with this process's CPU seconds, b"restart" by restarting
+  learner 0 in the core (`_restart_learner`), and b"stop" with the service's counters, and exits.
   """
   init = _init_values(n)
   layout = layout_lib.make_layout(init, num_fragments=1)
@@ -162,6 +174,8 @@ def _receivers(conn, n: int) -> None:
     layout_digest=layout.digest,
   )
   del init
+  if service.core.open_round(0, _ROUND_STEP) is None:
+    raise RuntimeError("Could not open the round the pushes answer.")
   server = serve(service, token=_TOKEN)
   discard = _DiscardServer()
   bare = grpc.server(
@@ -172,8 +186,13 @@ def _receivers(conn, n: int) -> None:
   bare_port = bare.add_insecure_port("127.0.0.1:0")
   bare.start()
   conn.send({"syncer": server.port, "raw": discard.port, "bare": bare_port})
-  while conn.recv() == b"cpu":
-    conn.send(time.process_time())
+  while (msg := conn.recv()) in (b"cpu", b"restart"):
+    if msg == b"cpu":
+      conn.send(time.process_time())
+    else:
+      with service.lock:
+        _restart_learner(service.core)
+      conn.send(True)
   status = server.service.status()
   conn.send({**status.counters, "merges": status.merges, "refused": sum(status.refused.values())})
   bare.stop(None)
@@ -197,6 +216,11 @@ class _Peer:
   def cpu_s(self) -> float:
     self._conn.send(b"cpu")
     return self._conn.recv()
+
+  def restart_learner(self) -> None:
+    """Restarts learner 0 in the service's core (`_restart_learner`), so it may answer again."""
+    self._conn.send(b"restart")
+    self._conn.recv()
 
   def stop(self) -> dict[str, int]:
     """Stops the receivers; returns the service's counters (accepted, superseded, merges...)."""
@@ -281,11 +305,12 @@ class _Service:
     )
     self.filing.register(0)
     self.filing.mark_delivered(0, 0, 0)
+    self.filing.open_round(0, _ROUND_STEP)
     self._pool = ArrayPool(max_free_bytes=4 * n)  # Recycles memory as the service does.
     self._step = 0
 
   def report(self) -> Report:
-    # Steps increase, so every push supersedes the previous one in the open round.
+    # Every report answers the one open round; the learner is restarted before each is filed.
     self._step += 1
     return Report(
       learner_id=0,
@@ -295,6 +320,7 @@ class _Service:
       steps=1,
       anchor_version=0,
       step=self._step,
+      round_step=_ROUND_STEP,
     )
 
   def chunks(self, report: Report) -> list[bytes]:
@@ -311,6 +337,7 @@ class _Service:
 
   def push(self) -> Seconds:
     report = self.report()
+    self._peer.restart_learner()
     with _Stopwatch(self._peer) as watch:
       result = self.client.push(report, "fp32", anchor_values=self.anchor_values)
     if result.status not in ("accepted", "superseded") or result.weight <= 0:
@@ -319,6 +346,7 @@ class _Service:
 
   def push_prebuilt(self) -> Seconds:
     chunks = self.chunks(self.report())
+    self._peer.restart_learner()
     with _Stopwatch(self._peer) as watch:
       resp = self._push_raw(iter(chunks), timeout=300.0, metadata=auth.token_metadata(_TOKEN))
     if resp.status not in ("accepted", "superseded"):
@@ -344,6 +372,7 @@ class _Service:
         alloc=self._pool.empty,
         check_finite=False,  # As the service decodes: the core's filing checks every value.
       )
+    _restart_learner(self.filing)
     with _Stopwatch() as filing:
       result = self.filing.report(decoded, copy=False)  # As the service files it.
     if result.weight <= 0:

@@ -11,7 +11,7 @@ import gin
 
 from ddiloco.data import text as text_data
 from ddiloco.fragments.schedule import FragmentSchedule
-from ddiloco.learner.learner import Learner, LearnerConfig
+from ddiloco.learner.learner import Learner, LearnerConfig, check_pacing
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.models import transformer
 from ddiloco.simulation.config import LearnerSpec
@@ -77,6 +77,7 @@ class JobConfig:
       raise ValueError(f"{', '.join(counts)} must be >= 1.")
     if self.eval_every_s < 0 or self.log_every < 1:
       raise ValueError("eval_every_s must be >= 0 and log_every >= 1.")
+    check_pacing(self.learner or LearnerConfig(), self.syncer or SyncerConfig())
     overlap = self.the_schedule().overlap
     if self.the_syncer().overlap != overlap:
       raise ValueError(

@@ -135,6 +135,9 @@ class SyncerRun:
       weights=[round(w, 6) for w in ev.weights],
       tokens=ev.tokens,
       grace_s=round(ev.grace_s, 6),
+      # Seconds from the round's opening to its quorum and to the merge.
+      quorum_s=round(ev.quorum_time - ev.open_time, 4),
+      merge_s=round(ev.time - ev.open_time, 4),
       digest=ev.digest,
     )
 

@@ -1,20 +1,25 @@
-"""One learner's state and its side of the fragment protocol (SPEC §3), free of transports and clocks.
+"""One learner's state and its side of the round protocol (SPEC §3), free of transports and clocks.
 
 The simulated cluster and the learner process both drive this object:
 
+  learner.ask(request)                      # the syncer opened round (p, t): answer it
   learner.train_step(batch)                 # inner AdamW step; counters[p] += tokens, steps  ∀p
-  for p in learner.due():                   # fragments due after this step
-    result = send(learner.make_report(p))   # host copy of θ_p + counters + anchor version
+  learner.apply_ready()                     # applies merged Θ_p that arrived, τ steps after answering
+  for p in learner.due():                   # rounds to answer at this step boundary
+    result = send(learner.make_report(p))   # host copy of θ_p + counters + round id
     learner.on_report_result(p, result)
   learner.receive(fragment_state)           # whenever a merged fragment arrives
-  learner.apply_ready()                     # applies Θ_p once step >= send step + τ
 
-Decisions (SPEC §3 and docs/algorithm.md):
-- A merged fragment is applied at the first step >= (the learner's last send of p) + τ, using the newest
-  version received by then. A version that arrives while the learner has no outstanding send of p is
-  held until its next send + τ, so a learner's own progress on p is overwritten only after it was sent.
-- Counters of p reset to zero when a fragment is applied *and* the learner's last report of p was
-  accepted; a dropped (late) report keeps them growing so its next report weighs more (SPEC §4).
+Decisions (docs/algorithm.md, "Rounds"):
+- The syncer paces the rounds; a learner answers every round it is asked for at its next step
+  boundary, once, tagged with the round's step. A request is dropped unanswered if a newer version
+  of p than the round's base has arrived meanwhile (the round merged without this learner).
+- A merged fragment is applied as soon as it has arrived and τ steps have passed since this learner
+  answered p's round; a version of a round it did not answer is applied at once. The counters of p
+  reset at every apply, whether or not the answer was merged: θ_p is overwritten either way.
+- `blocking` (the synchronous baselines) answers a round once the learner's own schedule step has
+  reached the round's step, and waits at answer + τ until the merge has arrived: every learner
+  runs the same number of inner steps per round, so the fast ones wait for the slow ones.
 - α = 0 overwrites θ_p with Θ_p (Decoupled DiLoCo); α = 0.5 mixes as Streaming DiLoCo.
 """
 
@@ -32,12 +37,12 @@ from ddiloco.fragments import tree
 from ddiloco.fragments.digest import values_digest
 from ddiloco.fragments.layout import FragmentLayout
 from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner import train_step as train_step_lib
 from ddiloco.learner.ledger import TokenLedger
 from ddiloco.learner.train_step import CompiledSteps
-from ddiloco.syncer.core import FragmentState, Report, ReportResult
+from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
+from ddiloco.syncer.types import SyncerConfig
 from ddiloco.types import PyTree
-
-_ACCEPTED = ("accepted", "superseded")
 
 
 @gin.configurable(module="ddiloco")
@@ -47,23 +52,44 @@ class LearnerConfig:
 
   Attributes:
     mixing_alpha: θ_p ← (1 − α)·Θ_p + α·θ_p on apply (SPEC §3); 0 overwrites.
-    blocking: wait at the apply step until a newer version of p has arrived. True only for the
-      synchronous baselines (DiLoCo, Streaming DiLoCo); Decoupled DiLoCo never waits.
+    blocking: answer a round when this learner's own step reaches the round's step, and wait at
+      answer + τ until the merge has arrived. True only for the synchronous baselines (DiLoCo,
+      Streaming DiLoCo, K = M); Decoupled DiLoCo never waits.
+    step_in_flight: the learner process keeps the next step dispatched while it does the step
+      boundary's work (draining, applying, answering, logging), which hides that host work behind
+      the step. A round request that arrives meanwhile is then answered after that step too: about
+      1.5 steps after it arrived on average instead of 0.5, which can miss the round's grace window.
   """
 
   mixing_alpha: float = 0.0
   blocking: bool = False
+  step_in_flight: bool = False
 
   def __post_init__(self):
     if not 0.0 <= self.mixing_alpha < 1.0:
       raise ValueError(f"mixing_alpha must be in [0, 1), got {self.mixing_alpha}.")
 
 
+def check_pacing(learner: LearnerConfig, syncer: SyncerConfig) -> None:
+  """Blocking learners wait at each due step for its round: only the lock-step clock opens it.
+
+  Raises:
+    ValueError: if `learner.blocking` without `syncer.clock == "slowest"`.
+  """
+  if learner.blocking and syncer.clock != "slowest":
+    raise ValueError(
+      "LearnerConfig.blocking = True needs SyncerConfig.clock = 'slowest' (lock-step rounds): "
+      f"with clock = {syncer.clock!r} a round a blocking learner waits for may never open."
+    )
+
+
 @dataclasses.dataclass
 class _Outstanding:
+  """An answered round of a fragment whose merge has not been applied yet."""
+
   send_step: int
   apply_step: int
-  accepted: bool | None = None  # None until the syncer answered.
+  round_step: int
 
 
 class Learner:
@@ -100,8 +126,7 @@ class Learner:
     self.params = params
     self.opt_state = steps.init_opt_state(params)
     self.step = 0
-    self.phase = 0  # Schedule offset: fragments are due at step + phase (see align_phase).
-    self._last_due = 0  # Largest schedule step that `due` answered for.
+    self.phase = 0  # Schedule offset: this learner's step on the fleet's clock (align_phase).
     num = layout.num_fragments
     self.tokens = np.zeros(num, np.int64)  # SPEC §3 counters[p].tokens
     self.step_counts = np.zeros(num, np.int64)  # SPEC §3 counters[p].steps
@@ -109,6 +134,8 @@ class Learner:
     self.applied_digest: dict[int, str] = {}  # p -> digest of θ_p read back after an α = 0 apply.
     self.ledger = TokenLedger(num)  # Where each trained token went (ledger.py).
     self._inbox: dict[int, FragmentState] = {}
+    self._requests: dict[int, RoundRequest] = {}  # Rounds asked for and not answered yet.
+    self._answered = np.full(num, -1, np.int64)  # Round step of the newest answer, per fragment.
     self._outstanding: dict[int, _Outstanding] = {}
     leaves, self._treedef = jax.tree_util.tree_flatten_with_path(params)
     self._index = {tree.path_str(path): i for i, (path, _) in enumerate(leaves)}
@@ -166,47 +193,56 @@ class Learner:
     return self.step + self.phase
 
   def align_phase(self, fleet_step: int) -> None:
-    """Shifts the schedule so that this learner's next step is the fleet's next one.
+    """Puts this learner's schedule step at the fleet's step (the syncer's clock) at (re)join.
 
-    Called at (re)join with the syncer's `fleet_step`: SPEC §2's due steps are a fleet-wide cadence,
-    and a learner that rejoined with its old step count would send every fragment out of phase. Only
-    the schedule moves; the step count (and the inner learning-rate schedule) are the learner's own.
+    Only `blocking` learners read it (they answer a round when their schedule step reaches the
+    round's); the step count (and the inner learning-rate schedule) are the learner's own.
     """
     self.phase = max(fleet_step, 0) - self.step
-    self._last_due = (
-      self.schedule_step
-    )  # A realignment starts a fresh cadence (nothing is outstanding).
+    # Rounds due up to here were the fleet's before this learner (re)joined: none to wait for.
+    self._answered = np.maximum(self._answered, self.schedule_step)
 
-  def follow(self, cadence_step: int, *, tolerance: int = 2) -> int:
-    """Keeps this learner's schedule in phase with the fleet's cadence; returns the phase change.
+  def join_schedule(self, fleet_step: int) -> None:
+    """Continues the fleet's inner learning-rate schedule from `fleet_step` (a (re)join).
 
-    Real learners start seconds apart and run at different, noisy speeds, so their schedules drift
-    apart; with K = 1 each would then open every round alone and its reports go stale
-    (docs/algorithm.md, "phase"). At least `tolerance` steps behind, the schedule jumps forward (the
-    skipped sends' counters keep growing: nothing is lost). At least `tolerance` steps ahead, the
-    schedule holds still for this step (phase − 1): no fragment is due until it moves past the last
-    step that sent, so a fragment is never sent twice for one schedule step (`due`).
+    A learner that joins a running fleet would otherwise start its warm-up again; one whose own
+    schedule is further along keeps it.
     """
-    gap = cadence_step - self.schedule_step
-    if gap >= tolerance:
-      self.phase += gap
-      return gap
-    if gap <= -tolerance:
-      self.phase -= 1
-      return -1
-    return 0
+    self.opt_state = train_step_lib.schedule_at_least(self.opt_state, max(int(fleet_step), 0))
+
+  def ask(self, request: RoundRequest) -> None:
+    """Records that the syncer asked for fragment p in round (p, t) (SPEC §3).
+
+    Ignored if this learner already holds (or has received) a version newer than the round's base:
+    that round has merged. A newer round of p replaces an unanswered older one.
+    """
+    p = request.fragment
+    if not 0 <= p < self.layout.num_fragments:
+      raise ValueError(f"Round request for unknown fragment {p}.")
+    held = self._inbox.get(p)
+    newest = max(int(self.anchor[p]), held.version if held is not None else -1)
+    if request.base_version < newest:
+      return
+    old = self._requests.get(p)
+    if old is None or request.round_step > old.round_step:
+      self._requests[p] = request
 
   def due(self) -> tuple[int, ...]:
-    """Fragments due after the current step (SPEC §2 schedule).
+    """Fragments whose round this learner answers now, at this step boundary.
 
-    Each schedule step sends at most once: a schedule held back by `follow` sends nothing until it
-    passes the last step that sent.
+    Every pending request; a `blocking` learner answers only rounds whose step its own schedule
+    step has reached.
     """
     s = self.schedule_step
-    if s < 1 or s <= self._last_due:
-      return ()
-    self._last_due = s
-    return self.schedule.due(s)
+    return tuple(
+      sorted(
+        p for p, req in self._requests.items() if not self.config.blocking or req.round_step <= s
+      )
+    )
+
+  def pending_rounds(self) -> dict[int, RoundRequest]:
+    """The rounds asked for and not answered yet, by fragment."""
+    return dict(self._requests)
 
   def fragment_values(self, p: int) -> dict[str, np.ndarray]:
     """A host copy of this learner's θ_p, keyed as the layout keys it."""
@@ -252,8 +288,12 @@ class Learner:
     return self._record_send(p, {}, step_time_s), fetch
 
   def _record_send(self, p: int, values: dict[str, np.ndarray], step_time_s: float) -> Report:
+    """Answers p's pending round (or, without one, sends an unsolicited report with no round)."""
     now = self.schedule_step
-    self._outstanding[p] = _Outstanding(now, self.schedule.apply_step(now))
+    request = self._requests.pop(p, None)
+    round_step = request.round_step if request is not None else -1
+    self._answered[p] = max(self._answered[p], round_step)
+    self._outstanding[p] = _Outstanding(now, self.schedule.apply_step(now), round_step)
     return Report(
       learner_id=self.learner_id,
       fragment=p,
@@ -264,49 +304,57 @@ class Learner:
       step=now,  # On the fleet's schedule (== self.step unless realigned at a rejoin).
       step_time_s=step_time_s,
       new_tokens=self.ledger.send(p, now),
+      round_step=round_step,
     )
 
   def on_report_result(self, p: int, result: ReportResult, *, step: int | None = None) -> None:
-    """Records whether the syncer took the report of p sent at `step` (default: the last send).
-
-    The last send's answer decides the counter reset; every answer books its tokens in the ledger.
-    """
+    """Books the syncer's answer to the report of p sent at `step` (default: the last send) in the
+    token ledger."""
     out = self._outstanding.get(p)
     if step is None:
       step = out.send_step if out is not None else -1
     self.ledger.answered(p, step, result.status, result.weight, result.round_version)
-    if out is not None and out.send_step == step:
-      out.accepted = result.status in _ACCEPTED and result.weight > 0
 
   def forget_outstanding(self) -> None:
-    """Drops outstanding sends (e.g. they were lost in a crash of the syncer or the network)."""
+    """Drops outstanding answers and pending requests (lost in a crash of the syncer)."""
     self._outstanding.clear()
+    self._requests.clear()
 
   # -- receiving ------------------------------------------------------------------------------
 
   def receive(self, state: FragmentState) -> None:
-    """Stores a merged fragment; the newest version of each fragment wins."""
-    held = self._inbox.get(state.fragment)
-    if state.version > self.anchor[state.fragment] and (
-      held is None or state.version > held.version
-    ):
-      self._inbox[state.fragment] = state
+    """Stores a merged fragment; the newest version of each fragment wins.
+
+    An unanswered request of an older base is dropped: its round has merged.
+    """
+    p = state.fragment
+    held = self._inbox.get(p)
+    if state.version > self.anchor[p] and (held is None or state.version > held.version):
+      self._inbox[p] = state
+      request = self._requests.get(p)
+      if request is not None and request.base_version < state.version:
+        del self._requests[p]
 
   def blocked(self) -> bool:
-    """True if `blocking` and some fragment's apply step has come without a newer version."""
+    """`blocking` only: whether this learner must wait before its next step.
+
+    It waits at a step where a fragment is due until it has answered that round (the syncer opens it
+    when the fleet has reached the step), and at answer + τ until the round's merge has arrived.
+    """
     if not self.config.blocking:
       return False
-    return any(
-      self.schedule_step >= out.apply_step and p not in self._inbox
-      for p, out in self._outstanding.items()
-    )
+    s = self.schedule_step
+    if s >= 1 and any(self._answered[p] < s for p in self.schedule.due(s)):
+      return True
+    return any(s >= out.apply_step and p not in self._inbox for p, out in self._outstanding.items())
 
   def apply_ready(self) -> list[tuple[int, int]]:
-    """Applies every held fragment whose apply step has come; returns (fragment, version) pairs."""
+    """Applies every received fragment whose apply step has come (τ steps after this learner
+    answered p's round; at once if it has no answer outstanding); returns (fragment, version)."""
     applied = []
     for p in sorted(self._inbox):
       out = self._outstanding.get(p)
-      if out is None or self.schedule_step < out.apply_step:
+      if out is not None and self.schedule_step < out.apply_step:
         continue
       state = self._inbox.pop(p)
       self._write_fragment(p, state.values)
@@ -314,10 +362,9 @@ class Learner:
         self.ledger.overwritten(p)
       self.anchor[p] = state.version
       self._check_apply(p, state.version)
-      if out.accepted:
-        self.tokens[p] = 0
-        self.step_counts[p] = 0
-      del self._outstanding[p]
+      self.tokens[p] = 0  # At every apply: θ_p was overwritten, merged or not.
+      self.step_counts[p] = 0
+      self._outstanding.pop(p, None)
       applied.append((p, state.version))
     return applied
 
@@ -335,6 +382,7 @@ class Learner:
       self.step_counts[state.fragment] = 0
       self._inbox.pop(state.fragment, None)
     self._outstanding.clear()
+    self._requests.clear()
 
   def _write_fragment(self, p: int, values: dict[str, np.ndarray], *, mix: bool = True) -> None:
     alpha = self.config.mixing_alpha if mix else 0.0

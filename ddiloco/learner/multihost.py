@@ -7,11 +7,12 @@ copies, digest read-backs: collectives) in the same order, and all must hold bit
 
 - Only the leader (process 0) has a syncer client and background threads: it registers, heartbeats,
   pushes and pulls. The others hold a client that raises if anything touches it.
-- Everything that steers the learner's protocol state arrives on the leader's threads (merged
-  fragments, push answers, the fleet's cadence) and reaches the training thread only through
-  `_drain`. Once per step the leader shares exactly what it drains there (`ProcessGroup.share`); every
-  process then feeds the same items to its `Learner`, so `due`, `follow` and `apply_ready` decide
-  the same sends and applies at the same step everywhere, and the digest of every apply is checked
+- Everything that steers the learner's protocol state arrives on the leader's threads (round
+  requests, merged fragments, push answers) and reaches the training thread only through `_drain`.
+  Once per step (and once per wait while a `blocking` learner waits for a merge) the leader shares
+  exactly what it drains there (`ProcessGroup.share`); every process then feeds the same items to
+  its `Learner`, so `due`, `blocked` and `apply_ready` decide the same sends, waits and applies at
+  the same step everywhere, and the digest of every apply is checked
   on every process. The shared header also carries stop requests (SIGTERM on any process stops all
   at the same step) and a connect failure (the others raise instead of waiting forever).
 - A due fragment is replicated across the learner's devices (`Learner.host_readable`), so the
@@ -106,9 +107,10 @@ class MultihostWorker(LearnerWorker):
     self.learner.host_readable = group.replicate
     self._results = _GatedQueue()
     self._received = _GatedQueue()
+    self._requests = _GatedQueue()
     self._stop_pending = False  # A stop request of this process, shared at the next share.
-    self._shared_cadence = -1  # The leader's `_cadence_now` at the last share.
-    self._synced_step = -1  # learner.step at the last share: one share per step.
+    # (learner.step, waits) at the last share: one share per step, and per wait for a merge.
+    self._synced: tuple[int, int] = (-1, -1)
     self._local_only = False  # After training: no more collectives.
     self.params_digest = ""
 
@@ -153,28 +155,28 @@ class MultihostWorker(LearnerWorker):
       if self.group.is_leader:  # Final answers after training: the leader's summary counts them.
         self._results.release(self._results.take_incoming())
         self._received.release(self._received.take_incoming())
-    elif self._synced_step != self.learner.step:
-      self._synced_step = self.learner.step
+        self._requests.release(self._requests.take_incoming())
+    elif self._synced != (self.learner.step, self._waits):
+      self._synced = (self.learner.step, self._waits)
       self._share_inbox()
     super()._drain()
 
   def _share_inbox(self) -> None:
-    """Shares what the leader drains this step, its cadence and any stop request."""
-    payload, cadence = b"", -1
+    """Shares what the leader drains this step and any stop request."""
+    payload = b""
     if self.group.is_leader:
       results = self._results.take_incoming()
       states = self._received.take_incoming()
+      requests = self._requests.take_incoming()
       with self._lock:
         settle = self._settle
-      cadence = super()._cadence_now()
-      if results or states or settle is not None:
-        payload = pickle.dumps((results, states, settle))
-    shared = self.group.share(payload, value=cadence, flag=self._stop_pending)
-    self._shared_cadence = shared.value
+      if results or states or requests or settle is not None:
+        payload = pickle.dumps((results, states, requests, settle))
+    shared = self.group.share(payload, flag=self._stop_pending)
     self._stop_requested = self._stop_requested or shared.any_flag
     if not shared.payload:
       return
-    results, states, settle = pickle.loads(shared.payload)  # From process 0 of this job.
+    results, states, requests, settle = pickle.loads(shared.payload)  # From process 0 of this job.
     if not self.group.is_leader:
       with self._lock:
         self._settle = settle
@@ -182,9 +184,7 @@ class MultihostWorker(LearnerWorker):
           self._digests[(state.fragment, state.version)] = state.digest
     self._results.release(results)
     self._received.release(states)
-
-  def _cadence_now(self) -> int:
-    return self._shared_cadence
+    self._requests.release(requests)
 
   def _send_due(self) -> None:
     if self.group.is_leader:

@@ -8,6 +8,7 @@ still accepted and trained with `loss_fn`, the text task's loss).
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -22,13 +23,23 @@ from ddiloco.parallel import partitioning
 from ddiloco.tasks.base import RESERVED_METRICS, LossOutput, Task
 from ddiloco.types import PyTree
 
+# The optax transformations an inner optimizer may be built from in gin, e.g.
+#   InnerOptConfig.optimizer = @optax.sgd
+#   optax.sgd.momentum = 0.9
+# Any other callable taking `learning_rate` and returning an optax transformation works from Python.
+for _transform in (optax.sgd, optax.adam, optax.adamw, optax.lion, optax.lamb, optax.rmsprop):
+  gin.external_configurable(_transform, module="optax")
+
 
 @gin.configurable(module="ddiloco")
 @dataclasses.dataclass(frozen=True)
 class InnerOptConfig:
-  """Inner AdamW with linear warm-up and cosine decay (DiLoCo's inner optimizer).
+  """The inner optimizer: AdamW with linear warm-up and cosine decay by default (DiLoCo's).
 
   Attributes:
+    optimizer: builds the optimizer from the learning-rate schedule, as
+      `optimizer(learning_rate=schedule)`: any optax transformation (e.g. `optax.sgd`, bound in gin
+      as `@optax.sgd`). None: AdamW with `b1`, `b2`, `eps` and `weight_decay` below.
     peak_lr: learning rate after warm-up.
     warmup_steps: linear warm-up length.
     decay_steps: length of the cosine decay (including warm-up); the schedule stays at
@@ -39,6 +50,7 @@ class InnerOptConfig:
     grad_clip_norm: global-norm gradient clipping; 0 disables it.
   """
 
+  optimizer: Callable[..., optax.GradientTransformation] | None = None
   peak_lr: float = 3e-3
   warmup_steps: int = 20
   decay_steps: int = 1000
@@ -63,7 +75,13 @@ class InnerOptConfig:
 
 
 def make_inner_optimizer(config: InnerOptConfig) -> optax.GradientTransformation:
-  """Returns clip -> AdamW(warm-up + cosine), weight decay masked to rank >= 2 tensors."""
+  """Returns clip -> the optimizer on the warm-up + cosine schedule.
+
+  The default is AdamW with weight decay masked to rank >= 2 tensors; `config.optimizer` replaces it.
+
+  Raises:
+    TypeError: if `config.optimizer` does not return an optax transformation.
+  """
   schedule = optax.warmup_cosine_decay_schedule(
     init_value=0.0,
     peak_value=config.peak_lr,
@@ -71,17 +89,47 @@ def make_inner_optimizer(config: InnerOptConfig) -> optax.GradientTransformation
     decay_steps=config.decay_steps,
     end_value=config.peak_lr * config.final_lr_ratio,
   )
-  adamw = optax.adamw(
-    schedule,
-    b1=config.b1,
-    b2=config.b2,
-    eps=config.eps,
-    weight_decay=config.weight_decay,
-    mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
-  )
+  if config.optimizer is None:
+    opt = optax.adamw(
+      schedule,
+      b1=config.b1,
+      b2=config.b2,
+      eps=config.eps,
+      weight_decay=config.weight_decay,
+      mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+    )
+  else:
+    opt = config.optimizer(learning_rate=schedule)
+    if not isinstance(opt, optax.GradientTransformation):
+      raise TypeError(
+        f"InnerOptConfig.optimizer returned {type(opt).__name__}, not an optax transformation."
+      )
   if config.grad_clip_norm > 0:
-    return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), adamw)
-  return adamw
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), opt)
+  return opt
+
+
+def schedule_at_least(opt_state: Any, step: int) -> Any:
+  """`opt_state` with every learning-rate schedule's step count raised to at least `step`.
+
+  A learner that joins (or rejoins) a running fleet continues the fleet's schedule instead of
+  starting its warm-up again; the moments (and Adam's bias-correction count) stay its own.
+  Counts keep their dtype and sharding.
+  """
+
+  def raise_count(state):
+    if not isinstance(state, optax.ScaleByScheduleState):
+      return state
+    count = state.count
+    new = jnp.maximum(count, jnp.asarray(step, count.dtype))
+    sharding = getattr(count, "sharding", None)
+    return optax.ScaleByScheduleState(
+      count=jax.device_put(new, sharding) if sharding is not None else new
+    )
+
+  return jax.tree.map(
+    raise_count, opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState)
+  )
 
 
 def loss_fn(

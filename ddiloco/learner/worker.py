@@ -1,14 +1,23 @@
 """A learner process's loop: train without ever waiting on the network (SPEC §3, ARCHITECTURE.md).
 
-Three threads share one `Learner`, which only the training thread touches:
+Five threads share one `Learner`, which only the training thread touches:
 
-- the training thread steps, hands each due fragment to the sender as a device-side snapshot
-  (`Learner.snapshot_report`), feeds received fragments and push answers to the learner, and applies
-  merged fragments τ steps after their send (`Learner.apply_ready`), checking each apply's digest;
+- the training thread steps, feeds round requests, received fragments and push answers to the
+  learner, applies merged fragments τ steps after it answered their round (`Learner.apply_ready`),
+  checking each apply's digest, and hands each round it answers to the sender as a device-side
+  snapshot (`Learner.snapshot_report`);
+- the rounds thread holds the syncer's `Rounds` stream: it queues every round request for the
+  training thread and hands every announced version to the puller, so that a pull never delays a
+  request;
+- the puller pulls each announced version at once (a delta against the version held);
 - the sender copies the snapshot to host memory, encodes θ − Θ^(anchor) with the uplink codec and
-  pushes it; a newer snapshot of the same fragment replaces an unsent one (counters are cumulative);
-- the comm thread sends heartbeats, pulls every fragment whose version moved (deltas against the
-  version held), and re-registers when the syncer forgot this learner.
+  pushes it;
+- the comm thread sends heartbeats (the learner's step, from which the syncer's step clock takes the
+  fleet's pace), announces any version it sees that the stream missed, and re-registers when the
+  syncer forgot this learner.
+
+With `LearnerConfig.blocking` (the synchronous baselines) the training thread waits at answer + τ
+until the round's merge has arrived, as the simulated cluster does.
 
 If the syncer is unreachable the learner keeps training; both background threads retry with
 exponential backoff (and gRPC's channel reconnects with its own). Only the first registration, which
@@ -38,7 +47,7 @@ import numpy as np
 from ddiloco.checkpoint.learner import LearnerCheckpointer
 from ddiloco.learner.learner import Learner
 from ddiloco.metrics.writer import MetricsWriter
-from ddiloco.syncer.types import FragmentState, Report, ReportResult
+from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
 from ddiloco.transport import wire
 from ddiloco.transport.client import SyncerClient
 from ddiloco.transport.errors import WireError
@@ -83,6 +92,8 @@ class _Job:
   report: Report  # Without values.
   fetch: Any  # () -> host values
   anchor_values: Mapping[str, np.ndarray] | None
+  asked_at: float | None = None  # Monotonic times: the round request's arrival, the answer's
+  answered_at: float | None = None  # snapshot (for `answer_latency`).
 
 
 def _fold(older: _Job, newer: _Job) -> _Job:
@@ -150,6 +161,17 @@ class LearnerWorker:
     self._newest = [-1] * num  # Newest version received of each fragment.
     self._digests: dict[tuple[int, int], str] = {}  # (p, v) -> digest of what was received.
     self._received: queue.Queue[FragmentState] = queue.Queue()
+    # From the Rounds stream: (request, monotonic arrival time).
+    self._requests: queue.Queue[tuple[RoundRequest, float]] = queue.Queue()
+    self._asked_at: dict[tuple[int, int], float] = {}  # (p, round step) -> arrival, until answered.
+    # Seconds from a request's arrival to the answer's snapshot, and from the snapshot to the
+    # syncer's reply: where an answer that misses its round's grace window lost its time.
+    self._latency: dict[str, collections.deque[float]] = {
+      "to_snapshot": collections.deque(maxlen=4096),
+      "to_reply": collections.deque(maxlen=4096),
+    }
+    self._announced: dict[int, int] = {}  # Fragment -> newest version announced, not yet pulled.
+    self._announce_cv = threading.Condition(self._lock)
     # (fragment, report step, answer), or (fragment, report step, step of the newer report it was
     # folded into): a report whose push failed after a newer snapshot of p was queued.
     self._results: queue.Queue[tuple[int, int, ReportResult | int]] = queue.Queue()
@@ -160,6 +182,7 @@ class LearnerWorker:
     self._stop = threading.Event()
     self._need_register = threading.Event()
     self._threads: list[threading.Thread] = []
+    self._stream: Any = None  # The current Rounds subscription (cancelled at the end).
     self.codec = "fp32"
     self.block_size = 64
     self.heartbeat_interval_s = 0.25
@@ -170,9 +193,10 @@ class LearnerWorker:
     self.tokens_trained = 0
     self.train_start = self.train_end = 0.0
     self._stop_requested = False
-    self._cadence = (-1, 0.0)  # (the syncer's cadence step, monotonic time we heard it).
-    self.phase_jumps = 0
-    self.phase_jumped_steps = 0
+    self.fleet_step = -1  # The syncer's step clock, as last heard.
+    self.rounds_asked = 0
+    self.blocked_s = 0.0  # Time waiting for merges (`blocking` only).
+    self._waits = 0  # Iterations of `_wait_for_merges` (a multi-process learner shares at each).
     self.registrations = 0
     self.unreachable_s = 0.0
     self.losses: list[tuple[int, float, float]] = []  # (step, time, loss)
@@ -273,6 +297,7 @@ class LearnerWorker:
         self.digest_mismatches += 1
         log.error("learner %d: global fragment %d digest mismatch", self.id, state.fragment)
     self.learner.align_phase(fleet_step)
+    self.learner.join_schedule(fleet_step)  # A late joiner continues the fleet's LR schedule.
     self._event("connected", versions=versions, fleet_step=fleet_step)
 
   def register(self):
@@ -305,6 +330,15 @@ class LearnerWorker:
     self._need_register.clear()
     return resp
 
+  def _announce(self, p: int, version: int) -> None:
+    """Asks the puller for version `version` of p (or newer), unless it is held already."""
+    if not 0 <= p < len(self._layouts):
+      return
+    with self._announce_cv:
+      if version > self._newest[p] and version > self._announced.get(p, -1):
+        self._announced[p] = version
+        self._announce_cv.notify_all()
+
   def _pull(self, p: int, known: int) -> FragmentState | None:
     lay = self._layouts[p]
     state = self._client.pull(
@@ -331,7 +365,13 @@ class LearnerWorker:
   # -- background threads ---------------------------------------------------------------------
 
   def start(self) -> None:
-    for target, name in ((self._send_loop, "sender"), (self._comm_loop, "comm")):
+    loops = (
+      (self._send_loop, "sender"),
+      (self._comm_loop, "comm"),
+      (self._round_loop, "rounds"),
+      (self._pull_loop, "puller"),
+    )
+    for target, name in loops:
       t = threading.Thread(target=target, name=f"learner{self.id}-{name}", daemon=True)
       t.start()
       self._threads.append(t)
@@ -343,18 +383,17 @@ class LearnerWorker:
       try:
         if self._need_register.is_set():
           self.register()
-        hb = self._client.heartbeat(self.id, step=self.learner.step, step_time_s=self.step_time_s)
+        hb = self._client.heartbeat(
+          self.id, step=self.learner.schedule_step, step_time_s=self.step_time_s
+        )
         if not hb.registered:
           self._need_register.set()
           continue
-        self._set_cadence(int(hb.fleet_step))
+        self.fleet_step = int(hb.fleet_step)
         with self._lock:  # The training thread settles the ledger with it (_drain).
           self._settle = (list(hb.versions), list(hb.merged_steps))
         for p, version in enumerate(hb.versions):
-          if p < len(self._newest) and version > self._newest[p]:
-            state = self._pull(p, self._newest[p])
-            if state is not None:
-              self._received.put(state)
+          self._announce(p, int(version))  # Missed by the Rounds stream (e.g. reconnecting).
         if down_since is not None:
           self.unreachable_s += time.monotonic() - down_since
           self._event("reconnected", after_s=round(time.monotonic() - down_since, 3))
@@ -369,6 +408,55 @@ class LearnerWorker:
         if down_since is None:
           down_since = time.monotonic()
           self._event("unreachable", code=e.code().name, details=e.details())
+        self._stop.wait(backoff.next_delay())
+
+  def _round_loop(self) -> None:
+    """Holds the Rounds stream: queues round requests, pulls announced versions (SPEC §3)."""
+    backoff = Backoff(seed=2000 + self.id)
+    while not self._stop.is_set():
+      if self._need_register.is_set():
+        self._stop.wait(0.05)  # The comm thread registers; a stream before that is refused.
+        continue
+      stream = self._client.rounds(self.id)
+      self._stream = stream
+      try:
+        for event in stream:
+          if self._stop.is_set():
+            break
+          if isinstance(event, RoundRequest):
+            self._requests.put((event, time.monotonic()))
+          else:
+            self._announce(*event)
+          backoff.reset()
+      except grpc.RpcError as e:
+        if self._stop.is_set():
+          break
+        if e.code() in _UNREGISTERED:
+          self._need_register.set()
+        elif e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # A subscription's end: renew it.
+          self._stop.wait(backoff.next_delay())
+      finally:
+        stream.cancel()
+
+  def _pull_loop(self) -> None:
+    """Pulls every announced version, newest first per fragment, in announcement order."""
+    backoff = Backoff(seed=3000 + self.id)
+    while not self._stop.is_set():
+      with self._announce_cv:
+        while not self._announced and not self._stop.is_set():
+          self._announce_cv.wait(0.5)
+        announced, self._announced = self._announced, {}
+        known = {p: self._newest[p] for p in announced}
+      try:
+        for p, version in announced.items():
+          if version > known[p]:
+            state = self._pull(p, known[p])
+            if state is not None:
+              self._received.put(state)
+        backoff.reset()
+      except grpc.RpcError as e:  # The heartbeat announces the version again once it answers.
+        if e.code() in _UNREGISTERED:
+          self._need_register.set()
         self._stop.wait(backoff.next_delay())
       except WireError as e:  # A corrupt or mismatching fragment: fetch it in full next time.
         log.error("learner %d: bad fragment from the syncer: %s", self.id, e)
@@ -390,6 +478,7 @@ class LearnerWorker:
         self._in_flight += 1
       try:
         result = self._push(job)
+        self._record_latency(job)
       except grpc.RpcError as e:
         result = None
         if e.code() in _UNREGISTERED:
@@ -414,6 +503,24 @@ class LearnerWorker:
       backoff.reset()
       self._results.put((p, job.report.step, result))
 
+  def _record_latency(self, job: _Job) -> None:
+    if job.asked_at is not None and job.answered_at is not None:
+      with self._lock:
+        self._latency["to_snapshot"].append(job.answered_at - job.asked_at)
+        self._latency["to_reply"].append(time.monotonic() - job.answered_at)
+
+  def answer_latency(self) -> dict[str, dict[str, float]]:
+    """Median and 90th percentile, in seconds, of the answers' `to_snapshot` (a round request's
+    arrival to the answer's snapshot at a step boundary) and `to_reply` (the snapshot to the
+    syncer's reply: host copy, encoding, the push and its filing) times."""
+    with self._lock:
+      samples = {k: np.array(v) for k, v in self._latency.items()}
+    return {
+      k: {"p50": round(float(np.median(v)), 4), "p90": round(float(np.quantile(v, 0.9)), 4)}
+      for k, v in samples.items()
+      if v.size
+    }
+
   def _push(self, job: _Job) -> ReportResult:
     report = dataclasses.replace(job.report, values=job.fetch())
     codec, anchor = (
@@ -437,52 +544,35 @@ class LearnerWorker:
         self.zero_weight_pushes += 1
       self.learner.on_report_result(p, result, step=step)
       if result.fleet_step >= 0:
-        self._set_cadence(result.fleet_step)
+        self.fleet_step = result.fleet_step
     while True:
       try:
         self.learner.receive(self._received.get_nowait())
       except queue.Empty:
         break
+    while True:  # After the fragments: a request whose round already merged is dropped.
+      try:
+        request, arrived = self._requests.get_nowait()
+      except queue.Empty:
+        break
+      self.learner.ask(request)
+      self._asked_at[(request.fragment, request.round_step)] = arrived
+      self.rounds_asked += 1
     with self._lock:
       settle, self._settle = self._settle, None
     if settle is not None:
       self.learner.ledger.settle(*settle)
 
-  def _follow_cadence(self) -> None:
-    """Keeps the schedule in phase with the fleet's cadence (Learner.follow); once per step.
-
-    Blocking (synchronous) learners stay put: they wait for each other at every apply anyway.
-    """
-    cadence = self._cadence_now()
-    if self.learner.config.blocking or cadence < 0:
-      return
-    change = self.learner.follow(cadence, tolerance=3)
-    if change:
-      self.phase_jumps += 1
-      self.phase_jumped_steps += change
-      self._event("phase", step=self.learner.step, cadence=cadence, change=change)
-
-  def _set_cadence(self, step: int) -> None:
-    self._cadence = (step, time.monotonic())
-
-  def _cadence_now(self) -> int:
-    """The fleet's cadence (SyncerCore.cadence_step) extrapolated from when we heard it.
-
-    Heartbeats come every fraction of a second and pulls may delay them: comparing a stale cadence
-    with the current step made learners hold and jump on almost every step (measured: only a quarter
-    of the sends went out). Extrapolating at this learner's own step time removes that lag.
-    """
-    step, heard = self._cadence
-    if step < 0 or self.step_time_s <= 0:
-      return step
-    return step + int((time.monotonic() - heard) / self.step_time_s)
-
   def _send_due(self) -> None:
     for p in self.learner.due():
       report, fetch = self.learner.snapshot_report(p, step_time_s=self.step_time_s)
+      now = time.monotonic()
+      asked_at = self._asked_at.pop((p, report.round_step), None)
+      for key in [k for k in self._asked_at if k[0] == p and k[1] < report.round_step]:
+        del self._asked_at[key]  # Requests dropped unanswered (their rounds merged meanwhile).
       with self._jobs_cv:
         anchor = self._held[p].get(report.anchor_version) if report.anchor_version >= 0 else None
-        job, older = _Job(report, fetch, anchor), self._jobs.get(p)
+        job, older = _Job(report, fetch, anchor, asked_at, now), self._jobs.get(p)
         if older is not None:  # Never pushed: the new snapshot holds its progress and its tokens.
           job = _fold(older, job)
           self.learner.ledger.fold(p, older.report.step, report.step)
@@ -495,6 +585,21 @@ class LearnerWorker:
         for v in [v for v in self._held[p] if v < version]:
           del self._held[p][v]
     self._check_applies()
+
+  def _wait_for_merges(self) -> None:
+    """`blocking` only: waits at answer + τ until the round's merge has arrived (SPEC §3)."""
+    t0 = time.monotonic()
+    while self.learner.blocked() and not self._stop_requested and not self._stop.is_set():
+      self._stop.wait(0.002)
+      self._waits += 1
+      self._boundary()
+    self.blocked_s += time.monotonic() - t0
+
+  def _boundary(self) -> None:
+    """The protocol's work at a step boundary: answers, applies, then answers rounds asked."""
+    self._drain()
+    self._apply()
+    self._send_due()
 
   def _check_applies(self, *, block: bool = False) -> None:
     """Compares the digests of applies read back so far with the syncer's (SPEC §4.7)."""
@@ -531,7 +636,15 @@ class LearnerWorker:
     self.train_start = time.time()
     while self.learner.step < num_steps and not self._stop_requested:
       self._drain()
-      self._follow_cadence()
+      if previous is not None and (self.learner.config.blocking or self.learner.due()):
+        # An answer snapshots θ of the step last dispatched: wait for that step here, before
+        # dispatching the next, so the sender's host copy is ready at once. Snapshotting after
+        # the next dispatch made every answer wait a whole step more in the sender (the main
+        # job's answers then missed their rounds' grace windows).
+        jax.block_until_ready(previous)
+      self._boundary()
+      if self.learner.config.blocking:
+        self._wait_for_merges()
       batch = next(self._data)
       metrics = self.learner.train_step(batch)
       done += 1
@@ -541,10 +654,12 @@ class LearnerWorker:
       if previous is not None:
         jax.block_until_ready(previous)
       previous = metrics["loss"]
+      if not self.learner.config.step_in_flight:
+        # The step is done before the protocol's work: a round request that arrived during it is
+        # answered at once with its θ (with the next step in flight, it waited for that step too:
+        # 1.5 steps on average instead of 0.5, and the main job's answers missed their windows).
+        jax.block_until_ready(previous)
       self.tokens_trained += int(np.prod(batch["targets"].shape))
-      self._send_due()
-      self._drain()
-      self._apply()
       if self.checkpointer is not None and self.checkpointer.due(self.learner.step):
         self.save_checkpoint()
       now = time.monotonic()
@@ -567,6 +682,9 @@ class LearnerWorker:
         if self._writer is not None:
           self._writer.scalars(self.learner.step, {"loss": loss})
           self._writer.flush()  # The launcher tails metrics.jsonl for its progress lines.
+    if previous is not None:  # The last step's boundary: answers and applies.
+      jax.block_until_ready(previous)
+      self._boundary()
     self._check_applies(block=True)  # The deferred digest checks of the last applies.
     self.train_end = time.time()
     return time.monotonic() - t_first
@@ -600,6 +718,7 @@ class LearnerWorker:
     its tmp folder instead; checkpoint tests cover that case).
     """
     self._stop.set()
+    self._cancel_stream()
     with self._jobs_cv:
       self._jobs.clear()
       self._jobs_cv.notify_all()
@@ -614,8 +733,10 @@ class LearnerWorker:
       while (self._jobs or self._in_flight) and time.monotonic() < deadline:
         self._jobs_cv.wait(0.1)
     self._stop.set()
+    self._cancel_stream()
     with self._jobs_cv:
       self._jobs_cv.notify_all()
+      self._announce_cv.notify_all()
     for t in self._threads:
       t.join(timeout=max(1.0, deadline - time.monotonic()))
     self._drain()
@@ -625,6 +746,11 @@ class LearnerWorker:
       self._client.leave(self.id)
     except grpc.RpcError as e:
       log.warning("learner %d: leave failed: %s", self.id, e.code())
+
+  def _cancel_stream(self) -> None:
+    stream = self._stream
+    if stream is not None:
+      stream.cancel()
 
   def summary(self, train_s: float) -> dict[str, Any]:
     """This learner's summary.json. `steps` and `tokens` run from the start of its shard, across
@@ -644,8 +770,10 @@ class LearnerWorker:
       "applies": [list(a) for a in self.applies],
       "digest_mismatches": self.digest_mismatches,
       "registrations": self.registrations,
-      "phase_jumps": self.phase_jumps,
-      "phase_jumped_steps": self.phase_jumped_steps,
+      "rounds_asked": self.rounds_asked,
+      "answer_latency_s": self.answer_latency(),
+      "blocked_s": self.blocked_s,
+      "fleet_step": self.fleet_step,
       "unreachable_s": self.unreachable_s,
       "bytes_up": self._client.bytes_up,
       "bytes_down": self._client.bytes_down,

@@ -6,8 +6,10 @@ grace window, stragglers, crashes and joins are reproducible on any machine. Onl
 (in-process events with latency) and the clock differ from the distributed runtime.
 
 Event loop (a heap ordered by virtual time):
-  step_done(m)      learner m finished an inner step: train, send due fragments, apply ready ones,
-                    start the next step (or block, for synchronous baselines)
+  step_done(m)      learner m finished an inner step: train, apply ready fragments, answer the rounds
+                    it was asked for, start the next step (or block, for synchronous baselines)
+  tick              the syncer's step clock reaches a step     -> core.tick(), ask every learner
+  ask(m, round)     a round request reaches learner m          -> learner.ask(), answer if idle
   arrive(report)    a report reaches the syncer core           -> core.report(), schedule a merge check
   merge_check       the core's next deadline                    -> core.poll(), deliver merges
   deliver(m, frag)  a merged fragment reaches learner m         -> learner.receive(), maybe unblock
@@ -33,10 +35,11 @@ from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner.learner import Learner, LearnerConfig
 from ddiloco.metrics.accounting import BLOCKED, BUSY, DOWN, GONE, TimeLedger
 from ddiloco.metrics.writer import MetricsWriter
+from ddiloco.protocol import FragmentState, RoundRequest
 from ddiloco.simulation.config import ClusterConfig, LearnerSpec
 from ddiloco.simulation.faults import Fault, parse_faults
 from ddiloco.simulation.runtime import LearnerFactory
-from ddiloco.syncer.core import FragmentState, MergeEvent, SyncerCore
+from ddiloco.syncer.core import MergeEvent, SyncerCore
 from ddiloco.transport import wire
 
 log = logging.getLogger(__name__)
@@ -102,6 +105,7 @@ class SimulatedCluster:
         init_values=factory.global_init_values(),
         clock=lambda: self.now,
         embedding_keys=factory.embedding_keys(),
+        schedule=schedule,
       )
     self.ledger = TimeLedger()
     self.slots: dict[int, _Slot] = {}
@@ -113,7 +117,9 @@ class SimulatedCluster:
     self.merge_events: list[MergeEvent] = []
     self.evals: list[tuple[float, float]] = []
     self._merge_check_at: float | None = None
+    self._tick_at: float | None = None
     self._finished = False
+    self._finish_time = math.inf
 
   # -- event plumbing -------------------------------------------------------------------------
 
@@ -156,11 +162,14 @@ class SimulatedCluster:
       slot.learner.load_global(
         [self.core.fetch(index, p) for p in range(self.layout.num_fragments)]
       )
-      # A (re)joining learner adopts the fleet's schedule phase (docs/algorithm.md). Not in the
-      # synchronous baselines: there the fleet is blocked on this learner's next report, which its
-      # own step count already schedules; skipping ahead would deadlock the round.
-      if (rejoin or self.now > 0) and not self.learner_config.blocking:
-        slot.learner.align_phase(self.core.fleet_step())
+      # A (re)joining learner takes the fleet's step on the syncer's clock (docs/algorithm.md)
+      # and is asked for the rounds open now.
+      if rejoin or self.now > 0:
+        fleet_step = self.core.fleet_step()
+        slot.learner.align_phase(fleet_step)
+        slot.learner.join_schedule(fleet_step)
+      for request in self.core.open_rounds():
+        slot.learner.ask(request)
     self.ledger.set_state(index, BUSY, self.now)
     self._event(
       "fault" if rejoin else "start", learner=index, action="rejoin" if rejoin else "start"
@@ -203,19 +212,79 @@ class SimulatedCluster:
       if self.writer is not None:
         self.writer.scalars(learner.step, {f"learner_{index}/loss": loss})
     if self.core is not None:
-      for p in learner.due():
-        report = learner.make_report(p, step_time_s=slot.step_time_ema)
-        nbytes = sum(v.nbytes for v in report.values.values())
-        self.bytes_up += nbytes
-        self._push(
-          self.now + self._transfer_s(nbytes, self.cfg.uplink_latency_s), "arrive", report, gen
-        )
-      learner.apply_ready()
+      # Per-step metadata: the syncer's clock runs at the fleet's measured step rate.
+      self.core.observe_steps(index, learner.schedule_step)
+      self._boundary(slot)
+      self._schedule_tick()
     if self.tokens_trained >= self.token_budget:
       self._finished = True
+      self._finish_time = self.now
       self.ledger.close(self.now)
+      if self.core is not None:
+        # Every learner answers the rounds it was asked for with what it has trained, and one
+        # last tick opens the rounds due at the steps trained.
+        for other in self.slots.values():
+          if other.alive and other is not slot:
+            self._boundary(other)
+        self._tick_at = self.now
+        self._push(self.now, "tick")
       return
     self._continue(slot)
+
+  def _boundary(self, slot: _Slot) -> None:
+    """Learner `slot` at a step boundary: applies what is ready, then answers its rounds."""
+    learner = slot.learner
+    learner.apply_ready()
+    for p in learner.due():
+      report = learner.make_report(p, step_time_s=slot.step_time_ema)
+      nbytes = sum(v.nbytes for v in report.values.values())
+      self.bytes_up += nbytes
+      self._push(
+        self.now + self._transfer_s(nbytes, self.cfg.uplink_latency_s), "arrive", report, slot.gen
+      )
+
+  def _schedule_tick(self) -> None:
+    """Schedules the syncer's next clock tick (a round may come due then)."""
+    at = self.core.next_tick_time()
+    if at is None:
+      return
+    at = max(at, self.now)
+    if self._tick_at is None or at < self._tick_at:
+      self._tick_at = at
+      self._push(at, "tick")
+
+  def _on_tick(self) -> None:
+    if self._tick_at is not None and self.now < self._tick_at:
+      return  # Superseded by an earlier tick.
+    if self._finished and self.now > self._finish_time:
+      return  # The drain answers the rounds of steps trained, not later ones.
+    self._tick_at = None
+    requests = self.core.tick()
+    for request in requests:
+      self._event(
+        "round", fragment=request.fragment, step=request.round_step, base=request.base_version
+      )
+      for slot in self.slots.values():
+        if slot.alive:
+          t = self.now + self.cfg.downlink_latency_s
+          self._push(t, "ask", slot.index, slot.gen, request)
+    # The clock needs ticks while someone trains; a fleet that is all blocked or down waits for
+    # merges, not for new rounds (and a stalled synchronous quorum must end the run).
+    if not self._finished and (
+      requests or any(s.alive and not s.blocked for s in self.slots.values())
+    ):
+      self._schedule_tick()
+
+  def _on_ask(self, index: int, gen: int, request: RoundRequest) -> None:
+    slot = self.slots[index]
+    if not slot.alive or gen != slot.gen:
+      return
+    slot.learner.ask(request)
+    if self._finished:  # No step starts any more: rounds due at steps already trained are answered.
+      self._boundary(slot)
+    elif slot.blocked:  # Idle at a step boundary: it answers now.
+      self._boundary(slot)
+      self._continue(slot)
 
   def _continue(self, slot: _Slot) -> None:
     if slot.learner.blocked():
@@ -298,7 +367,7 @@ class SimulatedCluster:
     slot.learner.receive(state)
     self._settle(slot)
     if slot.blocked and not self._finished:
-      slot.learner.apply_ready()
+      self._boundary(slot)
       self._continue(slot)
 
   def _on_fault(self, fault: Fault) -> None:
@@ -367,6 +436,8 @@ class SimulatedCluster:
       self._push(self.cfg.eval_every_s, "eval")
     handlers = {
       "step_done": self._on_step_done,
+      "tick": self._on_tick,
+      "ask": self._on_ask,
       "arrive": self._on_arrive,
       "merge_check": self._on_merge_check,
       "deliver": self._on_deliver,
@@ -376,9 +447,10 @@ class SimulatedCluster:
       "eval": self._on_eval,
     }
     last_progress = wall0
-    # Once the token budget is trained no step starts, but reports already sent still land, merge
-    # and reach the learners (the drain), so the final global model includes the last steps' work.
-    drain_kinds = ("arrive", "merge_check", "deliver")
+    # Once the token budget is trained no step starts, but rounds due at the steps trained are
+    # still opened and answered, and answers already sent land, merge and reach the learners (the
+    # drain), so the final global model includes the last steps' work.
+    drain_kinds = ("tick", "ask", "arrive", "merge_check", "deliver")
     self.stalled = False
     while self._heap:
       if not self._finished and all(kind in ("eval", "unslow") for _, _, kind, _ in self._heap):
@@ -394,6 +466,10 @@ class SimulatedCluster:
         break
       if self._finished and kind not in drain_kinds:
         continue
+      if (kind == "merge_check" and t != self._merge_check_at) or (
+        kind == "tick" and t != self._tick_at
+      ):
+        continue  # Superseded by an earlier one: it must not move the clock.
       self.now = t
       handlers[kind](*payload)
       if progress is not None and time.perf_counter() - last_progress > 2.0:

@@ -13,7 +13,7 @@ import gin
 
 from ddiloco.data import text as text_data
 from ddiloco.fragments.schedule import FragmentSchedule
-from ddiloco.learner.learner import LearnerConfig
+from ddiloco.learner.learner import LearnerConfig, check_pacing
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.metrics.writer import MetricsWriter, write_summary
 from ddiloco.models import transformer
@@ -105,6 +105,9 @@ def simulate(
       return wire.received_values(
         new, cluster.downlink_codec, block_size=cluster.codec_block_size, base=prev
       )
+
+  if sync:
+    check_pacing(learner or LearnerConfig(), syncer)
 
   def core_fn(**kwargs):
     return SyncerCore(config=syncer, adopt=adopt, **kwargs)

@@ -56,6 +56,11 @@ _KEPT = (
 )
 
 
+# The protocol a stored result was computed with: results of an older one are run again. 2: rounds
+# paced by the syncer (1: learner-paced sends, re-anchored stale reports).
+PROTOCOL = 2
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class System:
   """One row of a study: gin files stacked in order, then bindings, then the seed's bindings.
@@ -87,7 +92,11 @@ class System:
 
   def signature(self, seed: int) -> dict[str, Any]:
     """What determines a run: a stored result is reused only if this matches."""
-    return {"gin_files": list(self.gin_files), "bindings": self.all_bindings(seed)}
+    return {
+      "gin_files": list(self.gin_files),
+      "bindings": self.all_bindings(seed),
+      "protocol": PROTOCOL,
+    }
 
 
 def enable_compilation_cache(path: str) -> None:

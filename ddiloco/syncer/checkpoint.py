@@ -27,7 +27,17 @@ from ddiloco.syncer.types import (
   readonly,
 )
 
-_REPORT_SCALARS = ("tokens", "steps", "anchor_version", "step", "step_time_s", "new_tokens")
+_REPORT_SCALARS = (
+  "tokens",
+  "steps",
+  "anchor_version",
+  "step",
+  "step_time_s",
+  "new_tokens",
+  "round_step",
+)
+# Entries added after checkpoints were first written, and their value in an older checkpoint.
+_REPORT_DEFAULTS = {"new_tokens": 0, "round_step": -1}
 _LEDGER = ("received", "merged", "dropped")
 
 
@@ -46,6 +56,9 @@ class CheckpointMixin:
   _opt: optax.GradientTransformation
   _opt_state: list[optax.OptState]
   _rounds: list[Round]
+  _last_round_step: list[int]
+  _next_round_step: int | None
+  _cadence: float | None
   _learners: dict[int, LearnerRecord]
   _counters: dict[str, int]
   _fleet_step_time: float | None
@@ -77,6 +90,9 @@ class CheckpointMixin:
       for i, leaf in enumerate(leaves):
         d[f"{pre}opt/{i}"] = np.array(leaf)
       rnd = self._rounds[p]
+      d[pre + "round/step"] = rnd.step
+      d[pre + "round/base_version"] = rnd.base_version
+      d[pre + "round/last_step"] = self._last_round_step[p]
       d[pre + "round/learners"] = np.array(sorted(rnd.entries), np.int64)
       for name in ("open_time", "quorum_time", "deadline"):
         t = getattr(rnd, name)
@@ -124,6 +140,9 @@ class CheckpointMixin:
     if d["layout_fingerprint"] != self.layout_fingerprint():
       raise ValueError("Checkpoint was written for a different fragment layout.")
     history, opt_state, rounds = [], [], []
+    unrestorable: dict[
+      int, int
+    ] = {}  # learner -> ledger tokens of open rounds that cannot be kept.
     for p in range(self.num_fragments):
       pre = f"fragment/{p}/"
       kept = {}
@@ -142,7 +161,12 @@ class CheckpointMixin:
           raise ValueError(f"Optimizer leaf {i} of fragment {p} is {leaf.dtype}{leaf.shape}.")
         leaves.append(jnp.asarray(leaf))
       opt_state.append(jax.tree_util.tree_unflatten(treedef, leaves))
-      rounds.append(self._load_round(d, p))
+      rnd = self._load_round(d, p)
+      if rnd.step < 0:  # See `_load_round`: its answers' tokens are dropped.
+        for i, e in rnd.entries.items():
+          unrestorable[i] = unrestorable.get(i, 0) + e.report.new_tokens
+        rnd = Round()
+      rounds.append(rnd)
     learners = {}
     ids = [int(x) for x in d["learners/ids"]]
     # Checkpoints from before the token ledger have no ledger entries: they start at zero.
@@ -164,10 +188,20 @@ class CheckpointMixin:
     self._global = [history[p][v] for p, v in enumerate(self._version)]
     self._digest = [values_digest(v) for v in self._global]
     self._opt_state, self._rounds, self._learners = opt_state, rounds, learners
+    self._last_round_step = [
+      max(int(d.get(f"fragment/{p}/round/last_step", -1)), rounds[p].step)
+      for p in range(self.num_fragments)
+    ]
+    # The step clock restarts past every restored round.
+    self._next_round_step, self._cadence = None, None
     self._counters = {
       name: int(d.get("stats/" + name, 0) if name in NEW_COUNTERS else d["stats/" + name])
       for name in COUNTERS
     }
+    for i, tokens in unrestorable.items():
+      self._counters["ledger_dropped"] += tokens
+      if i in self._learners:
+        self._learners[i].ledger["dropped"] += tokens
     t = float(d["fleet/step_time"])
     self._fleet_step_time = None if math.isnan(t) else t
     self._quorum_hist = np.array(d["stats/quorum_size_hist"], np.int64)
@@ -181,12 +215,22 @@ class CheckpointMixin:
     for name in ("open_time", "quorum_time", "deadline"):
       t = float(d[pre + name])
       times[name] = None if math.isnan(t) else t
-    rnd = Round(grace_s=float(d[pre + "grace_s"]), **times)
+    # A checkpoint from before syncer-paced rounds has no round ids: its open round cannot be
+    # answered, so it comes back with step -1 and entries, and `load_state_dict` drops it and books
+    # its answers' tokens as dropped.
+    rnd = Round(
+      step=int(d.get(pre + "step", -1)),
+      base_version=int(d.get(pre + "base_version", -1)),
+      grace_s=float(d[pre + "grace_s"]),
+      **times,
+    )
     for i in (int(x) for x in d[pre + "learners"]):
       q = f"{pre}{i}/"
       values = {k: self._fitting(d[f"{q}value/{k}"], k, p) for k in self._keys[p]}
       scalars = {
-        name: int(d.get(q + name, 0) if name == "new_tokens" else d[q + name])
+        name: int(
+          d.get(q + name, _REPORT_DEFAULTS[name]) if name in _REPORT_DEFAULTS else d[q + name]
+        )
         for name in _REPORT_SCALARS
         if name != "step_time_s"
       }

@@ -1,29 +1,32 @@
-"""The syncer's core: per-fragment rounds, quorum, grace window, token-weighted merge, outer step (SPEC §4).
+"""The syncer's core: syncer-paced rounds, quorum, grace window, token-weighted merge, outer step.
 
 Pure and clock-injected: no threads, no sleeping, no I/O, no wall clock. Time comes only from `clock`, so
 the same object runs under a virtual clock (simulated cluster) and a wall clock (the gRPC service, which
-wraps it with a lock). The team's decisions, each cited where it is implemented:
+wraps it with a lock). The protocol (docs/algorithm.md, "Rounds"):
 
-- Versions start at 0 (the initial values); each merge of fragment p publishes version + 1 and the
-  `values_digest` of the new values (SPEC §4.7).
-- Each fragment has one open *round* collecting contributions for version cur + 1. A report's staleness
-  is cur − anchor_version; above `max_staleness` it is "late": dropped and counted (SPEC §4, "late
-  reports"). 0 is SPEC §4 literally: only reports anchored at the current version join. The default
-  (2) re-anchors reports that missed one or two merges instead of dropping them (SPEC §4.3): without
-  it, one learner out of phase (a rejoined or slow one) opens every round alone and the in-phase
-  learners' reports, one version behind, are all dropped (measured: half of all reports in
-  gin_configs/sim_tiny.gin; docs/algorithm.md).
-- A learner weighs 0 for p until p was delivered to it since its last registration (SPEC §3); such
-  reports are accepted but neither count toward the quorum nor touch the merge.
-- Quorum: ≥ K weight>0 reports (SPEC §4.1). Then the round stays open for the grace window (SPEC §4.2),
-  or closes at once when every alive learner that has received p has reported. It never merges with
-  fewer than K: K = M with a dead learner stalls, which is the synchronous baselines' cost, made visible.
-- Merge: v_m = Θ^(a_m) − θ_m with a_m the report's anchor version, i.e. θ_m re-anchored at the current
-  Θ_p (SPEC §4.3: θ_m' = Θ_cur − (Θ^(a_m) − θ_m), so Θ_cur − θ_m' = Θ^(a_m) − θ_m). For an on-time
-  report a_m = cur and this is SPEC §4.3's Θ_cur − θ_m exactly; a stale one adds its own progress on top
-  of the merges it missed instead of pulling Θ back to its old anchor. w_m = tokens²/steps, RDA or mean
-  (SPEC §4.3–4.5), then one optax state per fragment (SPEC §4.6), float32 math, results cast back to
-  each tensor's dtype.
+- The syncer owns the schedule. It keeps a step clock at the fleet's cadence (`cadence_step`: it
+  advances at the median inner-step rate of the alive learners, measured from their step counts).
+  When the clock reaches step t, every fragment p due at t (`FragmentSchedule.due`) gets its round
+  (p, t), opened against p's current version (the round's base). `tick` returns the opened rounds as
+  `RoundRequest`s and the transport asks every live learner for them; each learner answers at its
+  next step boundary with θ_p and its counters, tagged with the round's step.
+- A fragment has at most one open round. A round that is still open when p is due again (its quorum
+  K was not reached within a period) stays open and the due round is not opened ("overrun"). So
+  every fragment merges at most once per period.
+- An answer for a round that is already closed is "late": dropped and counted. It never opens a
+  round of its own, and its progress is never applied on top of a merge that already covered the
+  same steps. An answer for a round that was never opened is rejected.
+- A learner weighs 0 for p until p was delivered to it since its last registration, and whenever its
+  answer is not anchored at the round's base version; such answers are accepted but neither count
+  toward the quorum nor touch the merge.
+- Quorum: K weight>0 answers, timed from the round's opening (ξ_quorum). Then the round stays open for
+  the grace window, or closes at once when every alive learner that has received p has answered.
+  It never merges with fewer than K: K = M with a dead learner stalls, which is the synchronous
+  baselines' cost, made visible.
+- Merge: v_m = Θ^(base) − θ_m (the outer gradient against the round's base, which is Θ_p: nothing
+  else merges p while its round is open), w_m = tokens²/steps, RDA or mean, then one optax state
+  per fragment, float32 math, results cast back to each tensor's dtype. Each merge publishes
+  version + 1 and the `values_digest` of the new values.
 
 The value types live in `types.py` (re-exported here) and `state_dict` / `load_state_dict` in
 `checkpoint.py` (inherited).
@@ -40,6 +43,7 @@ import numpy as np
 import optax
 
 from ddiloco.fragments.digest import values_digest
+from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.syncer import merge as merge_lib
 from ddiloco.syncer.checkpoint import CheckpointMixin
 from ddiloco.syncer.grace import GraceModel
@@ -52,6 +56,7 @@ from ddiloco.syncer.types import (
   ReportResult,
   Round,
   RoundEntry,
+  RoundRequest,
   SyncerConfig,
   readonly,
 )
@@ -61,6 +66,7 @@ __all__ = [
   "MergeEvent",
   "Report",
   "ReportResult",
+  "RoundRequest",
   "SyncerConfig",
   "SyncerCore",
 ]
@@ -93,6 +99,7 @@ class SyncerCore(CheckpointMixin):
     embedding_keys: Collection[str] = (),
     outer_optimizer: optax.GradientTransformation | None = None,
     adopt: Callable[[int, Mapping[str, np.ndarray], Mapping[str, np.ndarray]], dict] | None = None,
+    schedule: FragmentSchedule | None = None,
   ):
     """Creates the syncer at version 0 of every fragment.
 
@@ -106,10 +113,12 @@ class SyncerCore(CheckpointMixin):
       adopt: maps (fragment, merged values, previous version's values) to the values published.
         A lossy downlink codec passes "what a learner holding the previous version decodes" here, so
         the syncer adopts the dequantized values and every copy stays bit-identical (SPEC §5).
+      schedule: when each fragment is due on the syncer's step clock; its overlap must equal
+        `config.overlap`. Default: P = H = the number of fragments (at least τ + 1).
 
     Raises:
-      ValueError: if fragments are empty or overlap, keys and init_values disagree, or a value is not
-        a floating array.
+      ValueError: if fragments are empty or overlap, keys and init_values disagree, a value is not
+        a floating array, or the schedule does not fit.
     """
     self._keys = tuple(tuple(ks) for ks in fragment_keys)
     if not self._keys or any(not ks for ks in self._keys):
@@ -122,6 +131,17 @@ class SyncerCore(CheckpointMixin):
       extra = sorted(set(init_values) - set(all_keys))[:3]
       raise ValueError(f"fragment_keys and init_values disagree: missing {missing}, extra {extra}.")
     self._config = config
+    if schedule is None:
+      num = len(self._keys)
+      schedule = FragmentSchedule(
+        num_fragments=num, period=max(num, config.overlap + 1), overlap=config.overlap
+      )
+    if schedule.num_fragments != len(self._keys) or schedule.overlap != config.overlap:
+      raise ValueError(
+        f"The schedule (P={schedule.num_fragments}, τ={schedule.overlap}) does not fit this syncer "
+        f"(P={len(self._keys)}, τ={config.overlap})."
+      )
+    self._schedule = schedule
     self._clock = clock
     self._embedding_keys = frozenset(embedding_keys)
     self._adopt = adopt
@@ -151,6 +171,8 @@ class SyncerCore(CheckpointMixin):
     self._history: list[dict[int, dict[str, np.ndarray]]] = [{0: v} for v in self._global]
     self._opt_state = [self._opt.init(self._params32(p)) for p in range(num)]
     self._rounds = [Round() for _ in range(num)]
+    self._last_round_step = [-1] * num  # Step of each fragment's newest round, open or closed.
+    self._next_round_step: int | None = None  # First clock step `tick` has not yet processed.
     self._learners: dict[int, LearnerRecord] = {}
     self._counters = dict.fromkeys(COUNTERS, 0)
     self._fleet_step_time: float | None = None  # When the report that set fleet_step arrived.
@@ -186,52 +208,128 @@ class SyncerCore(CheckpointMixin):
     else:
       learner.alive, learner.epoch, learner.delivered = True, learner.epoch + 1, {}
       learner.progress, learner.steps_seen, learner.rate = None, None, 0.0
+      learner.position = -1
     return dict(enumerate(self._version))
 
-  def fleet_step(self) -> int:
-    """The fleet's current step on the schedule: a (re)joining learner aligns its phase to it.
+  @property
+  def schedule(self) -> FragmentSchedule:
+    return self._schedule
 
-    The largest schedule step an alive learner reported (reports and heartbeats, `observe_progress`;
-    before any, the newest accepted report's), extrapolated by the time since it was seen over the
-    learners' step time ξ_step, rounded: that report is up to a step plus a latency old. SPEC §2's
-    due steps are a fleet-wide cadence; a learner that rejoins out of phase would send every fragment
-    alone and open a round alone for each (docs/algorithm.md, "phase").
+  def fleet_step(self) -> int:
+    """The fleet's step on the syncer's schedule clock: a (re)joining learner aligns to it.
+
+    `cadence_step` once the clock runs; before that, the largest schedule step reported.
     """
-    best, seen = -1, None
-    for lr in self._learners.values():
-      if lr.alive and lr.progress is not None and lr.progress[0] > best:
-        best, seen = lr.progress[0], lr.progress[1]
-    if seen is None:  # No alive learner seen since registering: the newest accepted report.
-      best, seen = self._counters["fleet_step"], self._fleet_step_time
-    xi_step = self._grace.step.value
-    if seen is None or not xi_step:
-      return best
-    return best + max(0, round((self._clock() - seen) / xi_step))
+    step = self.cadence_step()
+    return step if step >= 0 else self._counters["fleet_step"]
 
   def cadence_step(self) -> int:
-    """The fleet's cadence on the schedule now: what running learners follow (`Learner.follow`).
+    """The syncer's step clock now: the schedule step at which rounds are due.
 
-    A clock, not a vote: it starts at the schedule step of the first report and advances at the
-    median rate (inner steps per second) of the alive learners, measured from their own step counts
-    (`observe_steps`), which following the cadence does not change. Learners faster than the median
-    then hold their schedule now and then, slower ones skip a send now and then, and all send
-    fragment p at about the same time. Deriving it from the learners' schedule positions instead
-    feeds back: following the leader ran the schedule 1.7x faster than any learner (on a loaded
-    machine the momentarily fastest process changes all the time), following the median stalled it.
-    -1 before the first report. Not checkpointed.
+    A clock, not a vote: it starts at the largest step an alive learner reported (heartbeats,
+    `observe_steps`; or a report) and advances at the median rate (inner steps per second) of the
+    alive learners, measured from their own step counts. Learners never change their pace for it,
+    so there is no feedback: each answers the rounds at its own next step boundary, and a slower
+    learner contributes fewer steps (and weighs less) per round. -1 before anything was observed.
+    Not checkpointed; a restored syncer restarts it past every round it had opened.
     """
     now = self._clock()
+    if self._config.clock == "slowest":
+      positions = [lr.position for lr in self._learners.values() if lr.alive and lr.position >= 0]
+      if positions:
+        self._cadence = float(max(min(positions), self._cadence or 0.0))
+      self._cadence_time = now
+      return -1 if self._cadence is None else int(self._cadence)
     if self._cadence is None:
-      seen = [lr.progress[0] for lr in self._learners.values() if lr.progress is not None]
-      if not seen:
+      seen = [
+        s
+        for lr in self._learners.values()
+        if lr.alive
+        for s in (
+          lr.progress[0] if lr.progress is not None else -1,
+          lr.steps_seen[0] if lr.steps_seen is not None else -1,
+        )
+      ]
+      if not seen or max(seen) < 0:
         return -1
-      self._cadence = float(max(seen))
+      self._cadence = float(max(*seen, *self._last_round_step))
     else:
-      rates = [lr.rate for lr in self._learners.values() if lr.alive and lr.rate > 0]
-      if rates:
-        self._cadence += (now - self._cadence_time) * float(np.median(rates))
+      rate = self._fleet_rate()
+      if rate:
+        self._cadence += (now - self._cadence_time) * rate
     self._cadence_time = now
-    return int(self._cadence)
+    return int(self._cadence + 1e-9)  # A tick at the computed time lands on its step.
+
+  def _fleet_rate(self) -> float:
+    """The median inner-step rate of the alive learners (0: none measured yet)."""
+    rates = [lr.rate for lr in self._learners.values() if lr.alive and lr.rate > 0]
+    return float(np.median(rates)) if rates else 0.0
+
+  def tick(self) -> list[RoundRequest]:
+    """Opens every round that came due on the step clock since the last tick (see module doc).
+
+    Returns:
+      The rounds opened, in due order: the transport asks every live learner for each.
+    """
+    now_step = self.cadence_step()
+    if now_step < 0:
+      return []
+    if self._next_round_step is None:
+      self._next_round_step = max(now_step, max(self._last_round_step) + 1)
+    # After a long stall (no alive learner) the clock may have moved by more than a period: each
+    # fragment is due at most once in any H steps, so only the last period's steps matter.
+    first = max(self._next_round_step, now_step - self._schedule.period + 1)
+    opened = []
+    for t in range(first, now_step + 1):
+      if t < 1:
+        continue
+      for p in self._schedule.due(t):
+        request = self.open_round(p, t)
+        if request is not None:
+          opened.append(request)
+    self._next_round_step = max(self._next_round_step, now_step + 1)
+    return opened
+
+  def next_tick_time(self) -> float | None:
+    """Clock time at which the step clock reaches the next unprocessed step; None if not running."""
+    step = self.cadence_step()
+    if self._config.clock == "slowest":  # Moves only when a learner reports its step.
+      nxt = self._next_round_step
+      return self._clock() if step >= 0 and (nxt is None or step >= nxt) else None
+    rate = self._fleet_rate()
+    if step < 0 or not rate:
+      return None
+    nxt = self._next_round_step if self._next_round_step is not None else int(self._cadence) + 1
+    return self._cadence_time + max(nxt - self._cadence, 0.0) / rate
+
+  def open_round(self, p: int, step: int) -> RoundRequest | None:
+    """Opens round (p, step) against p's current version; None if p's previous round is still open.
+
+    `tick` calls this for every due fragment; tests and tools may call it directly.
+
+    Raises:
+      ValueError: on an unknown fragment, or a step not after p's newest round.
+    """
+    self._check_fragment(p)
+    if step <= self._last_round_step[p]:
+      raise ValueError(
+        f"Round step {step} of fragment {p} is not after its newest round ({self._last_round_step[p]})."
+      )
+    if self._rounds[p].step >= 0:
+      self._counters["overrun_rounds"] += 1
+      return None
+    self._rounds[p] = Round(step=step, base_version=self._version[p], open_time=self._clock())
+    self._last_round_step[p] = step
+    self._counters["rounds_opened"] += 1
+    return RoundRequest(p, step, self._version[p])
+
+  def open_rounds(self) -> list[RoundRequest]:
+    """The rounds open now (a learner that (re)joins is asked for them too)."""
+    return [
+      RoundRequest(p, rnd.step, rnd.base_version)
+      for p, rnd in enumerate(self._rounds)
+      if rnd.step >= 0
+    ]
 
   def observe_progress(self, learner_id: int, step: int, step_time_s: float) -> None:
     """Records an alive learner's schedule step and step time now (from its reports)."""
@@ -248,6 +346,7 @@ class SyncerCore(CheckpointMixin):
     learner = self._learners.get(learner_id)
     if learner is None or not learner.alive or inner_step < 0:
       return
+    learner.position = int(inner_step)
     now = self._clock()
     if learner.steps_seen is None or inner_step < learner.steps_seen[0]:
       learner.steps_seen = (int(inner_step), now)
@@ -309,9 +408,9 @@ class SyncerCore(CheckpointMixin):
   # -- reports ------------------------------------------------------------------------------------
 
   def report(self, r: Report, *, copy: bool = True) -> ReportResult:
-    """Validates a report and files it into its fragment's open round (see module docstring).
+    """Validates a learner's answer to a round and files it (see module docstring).
 
-    The answer carries the fleet's cadence step (`fleet_step`), whatever the status. With
+    The answer carries the syncer's step clock (`fleet_step`), whatever the status. With
     `copy=False` the core keeps the report's arrays instead of copying them: for callers that hand
     over freshly decoded arrays nobody else holds (the service; a 64 MiB copy cost ~40 ms).
 
@@ -319,9 +418,10 @@ class SyncerCore(CheckpointMixin):
       r: the report; its arrays are copied if it joins a round.
 
     Returns:
-      "rejected" (invalid; the state is untouched), "accepted" (weight may be 0, SPEC §3),
-      "superseded" (replaced this learner's older report in the round), "late" (staleness above
-      max_staleness: dropped and counted, SPEC §4) or "duplicate" (not newer than the one in the round).
+      "rejected" (invalid, or for a round never opened; the state is untouched), "accepted" (weight
+      may be 0), "superseded" (a restarted learner's answer replaced its older one in the round),
+      "late" (its round is closed: dropped and counted) or "duplicate" (this learner already
+      answered the round).
     """
     return dataclasses.replace(self._file_report(r, copy), fleet_step=self.cadence_step())
 
@@ -334,28 +434,34 @@ class SyncerCore(CheckpointMixin):
       self._grace.observe_step_time(r.step_time_s)
     self.observe_progress(r.learner_id, r.step, r.step_time_s)
     p, learner = r.fragment, self._learners[r.learner_id]
+    late = self.late_reason(p, r.round_step)
+    if late is not None:
+      return self.drop_late(r.tokens, late, learner_id=r.learner_id, new_tokens=r.new_tokens)
+    rnd = self._rounds[p]
     if p not in learner.delivered or r.anchor_version < 0:
       return self._zero_weight(
         r, f"learner has not received fragment {p} since registering (SPEC §3)"
       )
-    late = self.late_reason(p, r.anchor_version)
-    if late is not None:
-      return self.drop_late(r.tokens, late, learner_id=r.learner_id, new_tokens=r.new_tokens)
+    if r.anchor_version != rnd.base_version:
+      return self._zero_weight(
+        r,
+        f"answered against version {r.anchor_version}; round ({p}, {rnd.step}) is based on "
+        f"version {rnd.base_version}",
+      )
     weight = merge_lib.token_weight(r.tokens, r.steps)
     if weight == 0:
       return self._zero_weight(r, "no tokens or steps since the last receipt (SPEC §4.4)")
-    rnd = self._rounds[p]
     prev = rnd.entries.get(r.learner_id)
     status = "accepted"
     new_tokens = r.new_tokens
     if prev is not None:
-      # Counters are cumulative on the learner, so a newer report carries the older one's tokens. A
-      # report from a newer registration also wins: a restarted learner's step may be lower.
-      if prev.epoch == learner.epoch and r.step <= prev.report.step:
+      # One answer per learner and round; a restarted learner (a newer registration) may answer
+      # again, and its answer replaces the lost process's.
+      if prev.epoch == learner.epoch:
         self._counters["duplicate"] += 1
         self._ledger_in(r.learner_id, r.new_tokens, dropped=True)
         return ReportResult(
-          "duplicate", f"step {r.step} <= step {prev.report.step} already in the round", 0.0
+          "duplicate", f"learner {r.learner_id} already answered round ({p}, {rnd.step})", 0.0
         )
       status = "superseded"
       # The newer θ_p holds the older report's progress too: its ledger tokens ride along.
@@ -369,31 +475,33 @@ class SyncerCore(CheckpointMixin):
       sq_norms=sq_norms,
     )
     self._counters[status] += 1
-    if r.step >= self._counters["fleet_step"]:
-      self._counters["fleet_step"], self._fleet_step_time = r.step, self._clock()
     now = self._clock()
-    if rnd.open_time is None:
-      rnd.open_time = now
+    if r.step >= self._counters["fleet_step"]:
+      self._counters["fleet_step"], self._fleet_step_time = r.step, now
+    if rnd.first_time is None:
+      rnd.first_time = now
     if rnd.quorum_time is None and len(rnd.entries) >= self._config.min_quorum:
-      # SPEC §4.1-4.2: the grace window starts at the quorum and is fixed then.
+      # SPEC §4.1-4.2: the grace window starts at the quorum and is fixed then. ξ_quorum is the
+      # wait from the round's first answer to its quorum (0 for K = 1), not from its opening: the
+      # learner that answered first started its τ steps when it answered, so the time before its
+      # answer arrived is not slack it has spent (docs/algorithm.md, "grace window").
       rnd.quorum_time = now
-      self._grace.observe_quorum_wait(now - rnd.open_time)
+      self._grace.observe_quorum_wait(max(now - rnd.first_time, 0.0))
       rnd.grace_s = self._grace.window() if self._config.use_grace else 0.0
       rnd.deadline = now + rnd.grace_s
     return ReportResult(status, "", weight, round_version=self._version[p] + 1)
 
-  def late_reason(self, fragment: int, anchor_version: int) -> str | None:
-    """Why a report of `fragment` anchored at `anchor_version` (>= 0) is late, or None (SPEC §4).
+  def late_reason(self, fragment: int, round_step: int) -> str | None:
+    """Why an answer to round (fragment, round_step) comes too late, or None (see module doc).
 
-    Too stale, or its anchor is no longer kept (e.g. a checkpoint from a smaller keep_versions): it
-    cannot be re-anchored. A transport asks before decoding a delta against that anchor.
+    A transport asks before decoding a push: a closed round's answer is dropped unread.
     """
-    staleness = self._version[fragment] - anchor_version
-    if staleness > self._config.max_staleness:
-      return f"staleness {staleness} > max_staleness {self._config.max_staleness}"
-    if anchor_version not in self._history[fragment]:
-      return f"anchor version {anchor_version} of fragment {fragment} is no longer kept"
-    return None
+    rnd = self._rounds[fragment]
+    if rnd.step >= 0 and round_step == rnd.step:
+      return None
+    if round_step <= self._last_round_step[fragment]:
+      return f"round ({fragment}, {round_step}) is closed"
+    return None  # Never opened: `_invalid_header` rejects it.
 
   def drop_late(
     self, tokens: int, reason: str, *, learner_id: int | None = None, new_tokens: int = 0
@@ -470,7 +578,7 @@ class SyncerCore(CheckpointMixin):
       return f"learner {r.learner_id} is not registered"
     if not learner.alive:
       return f"learner {r.learner_id} is not alive; it must register again"
-    for name in ("tokens", "steps", "step", "anchor_version", "new_tokens"):
+    for name in ("tokens", "steps", "step", "anchor_version", "new_tokens", "round_step"):
       value = getattr(r, name)
       if not isinstance(value, int | np.integer):
         return f"{name} must be an integer, got {value!r}"
@@ -486,6 +594,8 @@ class SyncerCore(CheckpointMixin):
       return (
         f"anchor_version {r.anchor_version} outside [-1, {cur}] (current version of {r.fragment})"
       )
+    if r.round_step > self._last_round_step[r.fragment] or r.round_step < 0:
+      return f"round ({r.fragment}, {r.round_step}) was never opened"
     return None
 
   def _norm_anchor(self, r: Report) -> Mapping[str, np.ndarray] | None:
@@ -493,12 +603,14 @@ class SyncerCore(CheckpointMixin):
 
     None if its norms are not needed (mean merge, weight 0, late): the door then only checks
     finiteness. A None for a report that does join costs time, never bits: the merge computes
-    missing norms itself, from this same anchor (`_merge`).
+    missing norms itself, from the same base (`_merge`).
     """
     p, learner = r.fragment, self._learners[r.learner_id]
-    if self._config.merge_method != "rda" or p not in learner.delivered or r.anchor_version < 0:
+    if self._config.merge_method != "rda" or p not in learner.delivered:
       return None
-    if self.late_reason(p, r.anchor_version) is not None:
+    if self.late_reason(p, r.round_step) is not None:
+      return None
+    if r.anchor_version != self._rounds[p].base_version:
       return None
     if merge_lib.token_weight(r.tokens, r.steps) == 0:
       return None
@@ -553,11 +665,10 @@ class SyncerCore(CheckpointMixin):
     contributors = tuple(sorted(rnd.entries))
     entries = [rnd.entries[i] for i in contributors]
     theta = self._global[p]
-    # SPEC §4.3, re-anchored: v_m = Θ^(anchor) − θ_m in float32 (== Θ_cur − θ_m when on time). Anchors
-    # are kept: staleness <= max_staleness < keep_versions, and the version only moves at a merge.
-    # merge_reports forms each v_m block by block as it merges (no outer gradient is held whole) and
-    # returns 64-byte-aligned arrays, which device_put hands to XLA without a copy (issue 3).
-    anchors = [self._history[p][e.report.anchor_version] for e in entries]
+    # v_m = Θ^(base) − θ_m in float32; the base is Θ_p itself (only this round merges p). merge_reports
+    # forms each v_m block by block as it merges (no outer gradient is held whole) and returns
+    # 64-byte-aligned arrays, which device_put hands to XLA without a copy.
+    anchors = [self._history[p][rnd.base_version]] * len(entries)
     weights = tuple(e.weight for e in entries)
     merged = merge_lib.merge_reports(
       anchors,
@@ -595,7 +706,7 @@ class SyncerCore(CheckpointMixin):
     if len(entries) >= len(self._quorum_hist):
       self._quorum_hist = np.pad(self._quorum_hist, (0, len(entries) + 1 - len(self._quorum_hist)))
     self._quorum_hist[len(entries)] += 1
-    self._rounds[p] = Round()
+    self._rounds[p] = Round()  # Closed: answers to it are late from now on.
     t1 = self._clock()
     self._grace.observe_sync_time(max(t1 - t0, 0.0))
     return MergeEvent(
@@ -631,6 +742,11 @@ class SyncerCore(CheckpointMixin):
     self._history[p][version] = self._global[p]
     for v in sorted(self._history[p])[: -self._config.keep_versions]:
       del self._history[p][v]
+    # An open round moves to the republished version: the same values, which the learners now
+    # fetch and answer against. Left at the old base, every answer would weigh 0 and p would never
+    # merge again. Answers already in the round were made against these values too.
+    if self._rounds[p].step >= 0:
+      self._rounds[p].base_version = version
 
   def kept(self, p: int, version: int) -> bool:
     """Whether `version` of fragment p is kept (a delta anchored at it can be decoded)."""
@@ -720,7 +836,7 @@ class SyncerCore(CheckpointMixin):
     out["quorum_size_counts"] = {n: int(c) for n, c in enumerate(hist) if c}
     merges = int(hist.sum())
     out["mean_quorum_size"] = float(np.arange(len(hist)) @ hist / merges) if merges else 0.0
-    out["open_rounds"] = sum(1 for r in self._rounds if r.entries)
+    out["open_rounds"] = sum(1 for r in self._rounds if r.step >= 0)
     out["versions"] = list(self._version)
     return out
 

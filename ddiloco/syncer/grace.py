@@ -4,7 +4,7 @@ After a round reaches its quorum the syncer keeps accepting reports for
 
   grace = clamp(γ · (τ·ξ_step − ξ_quorum − ξ_sync), 0, grace_max)
 
-where ξ_step is the learners' step time, ξ_quorum the time from round open to quorum and ξ_sync the time
+where ξ_step is the learners' step time, ξ_quorum the time from a round's first answer to its quorum and ξ_sync the time
 to merge and deliver, each an exponential moving average. The overlap τ already hides τ steps of latency
 on the learners; the window spends only (a fraction γ < 1 of) the slack left over, so waiting for a
 straggler never makes a fast learner wait for a merged fragment.
@@ -120,7 +120,7 @@ class GraceModel:
     self.step.update(_check_finite_nonneg("step time", seconds))
 
   def observe_quorum_wait(self, seconds: float) -> None:
-    """Folds in the time from a round's opening to its quorum (ξ_quorum)."""
+    """Folds in the time from a round's first answer to its quorum (ξ_quorum)."""
     self.quorum.update(_check_finite_nonneg("quorum wait", seconds))
 
   def observe_sync_time(self, seconds: float) -> None:

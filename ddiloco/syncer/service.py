@@ -1,8 +1,10 @@
 """The syncer as a gRPC service: the pure core behind a lock, a wall clock and a merge thread.
 
-`SyncerService` implements `ddiloco.v1.Syncer` (transport/proto/syncer.proto). Learners push reports
-and pull merged fragments while a background thread merges rounds as their deadlines come (SPEC §4);
-nothing a learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runtime"):
+`SyncerService` implements `ddiloco.v1.Syncer` (transport/proto/syncer.proto). A background thread
+runs the core's step clock: it opens rounds as they come due and announces each on every learner's
+`Rounds` stream, and merges rounds as their deadlines come, announcing every published version on the
+same streams (SPEC §3-4). Learners answer rounds with pushes and pull what was announced; nothing a
+learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runtime"):
 
 - Validation at the door: every request is checked before it can touch the core, and every refusal has
   a precise status and is counted by status name (`Status.refused`):
@@ -12,9 +14,9 @@ nothing a learner does waits for a merge. Decisions (docs/algorithm.md, "Distrib
     NOT_FOUND           a learner that never registered
     FAILED_PRECONDITION a learner the syncer counts as dead (must register again), a layout digest or
                         fragment count that differs from the syncer's
-    ABORTED             a late (stale) push: its anchor is more than `max_staleness` versions old
-                        or no longer kept (decided from the header, before decoding)
-    ALREADY_EXISTS      a duplicate push: not newer than the learner's report already in the round
+    ABORTED             a late push: its round is closed, or its delta's anchor is no longer kept
+                        (decided from the header, before decoding)
+    ALREADY_EXISTS      a duplicate push: this learner already answered the round
     UNAUTHENTICATED     a missing or wrong shared token (transport/auth.py)
   A refused push leaves the global fragments, versions, optimizer states and rounds as they were.
 - Downlink (SPEC §5): with a lossy downlink codec the syncer sends Θ_new − Θ_old quantized and adopts
@@ -30,6 +32,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -42,7 +45,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ddiloco.fragments import compression
-from ddiloco.syncer.core import MergeEvent, ReportResult, SyncerCore
+from ddiloco.syncer.core import MergeEvent, ReportResult, RoundRequest, SyncerCore
 from ddiloco.transport import auth, messages, wire
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ArrayPool
 from ddiloco.transport.client import fragment_layouts
@@ -69,7 +72,8 @@ class ServiceConfig:
       is 4 MiB, and 1 MiB chunks measured best on loopback).
     heartbeat_interval_s: how often learners call Heartbeat.
     liveness_timeout_s: silence after which a learner is declared dead.
-    max_workers: server threads; each learner holds up to three concurrent calls.
+    max_workers: server threads; each learner holds up to four concurrent calls (its Rounds
+      stream, a push, a pull and a heartbeat).
   """
 
   uplink_codec: str = "bf16"
@@ -118,6 +122,30 @@ _STATUS_CODES = {
 }
 
 
+class _Subscription:
+  """One learner's `Rounds` stream: the events waiting to be sent; None closes it."""
+
+  def __init__(self):
+    self.events: queue.SimpleQueue[syncer_pb2.SyncerEvent | None] = queue.SimpleQueue()
+
+  def close(self) -> None:
+    self.events.put(None)
+
+
+def _round_event(request: RoundRequest) -> syncer_pb2.SyncerEvent:
+  return syncer_pb2.SyncerEvent(
+    round=syncer_pb2.RoundOpen(
+      fragment=request.fragment,
+      round_step=request.round_step,
+      base_version=request.base_version,
+    )
+  )
+
+
+def _published_event(fragment: int, version: int) -> syncer_pb2.SyncerEvent:
+  return syncer_pb2.SyncerEvent(published=syncer_pb2.Published(fragment=fragment, version=version))
+
+
 @dataclasses.dataclass
 class _Member:
   """What the service knows of a learner beyond the core: liveness clock and its own description."""
@@ -161,6 +189,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     self._on_merge = on_merge
     self._cond = threading.Condition()
     self._members: dict[int, _Member] = {}
+    self._subscribers: dict[int, _Subscription] = {}
     states = [core.state(p) for p in range(core.num_fragments)]
     self._layouts = fragment_layouts(
       [list(st.values) for st in states], {k: v for st in states for k, v in st.values.items()}
@@ -196,6 +225,9 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     """Stops the merge thread; with `flush`, first merges every round that has its quorum."""
     with self._cond:
       self._stopping = True
+      for sub in self._subscribers.values():
+        sub.close()
+      self._subscribers.clear()
       self._cond.notify_all()
     if self._thread is not None:
       self._thread.join(timeout=60)
@@ -208,15 +240,17 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     with self._cond:
       while not self._stopping:
         try:
+          for request in self._core.tick():
+            self._broadcast(_round_event(request))
           for event in self._core.poll():
             self._publish(event)
           self._check_liveness()
         except Exception:  # A merge bug must not kill the thread silently; the state is untouched.
           log.exception("merge loop error")
         wait = min(1.0, self._cfg.heartbeat_interval_s)
-        deadline = self._core.next_deadline()
-        if deadline is not None:
-          wait = min(wait, max(deadline - self._clock(), 0.0))
+        for deadline in (self._core.next_deadline(), self._core.next_tick_time()):
+          if deadline is not None:
+            wait = min(wait, max(deadline - self._clock(), 0.0))
         if wait > 0:
           self._cond.wait(wait)
 
@@ -231,8 +265,20 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     self._merge_log.append(event)
     if self._adopter is not None:
       self._adopter.published(event.fragment, event.version, event.digest)
+    self._broadcast(_published_event(event.fragment, event.version))
     if self._on_merge is not None:
       self._on_merge(event)
+
+  def _broadcast(self, event: syncer_pb2.SyncerEvent) -> None:
+    """Queues an event on every learner's Rounds stream (caller holds the lock)."""
+    for sub in self._subscribers.values():
+      sub.events.put(event)
+
+  def _unsubscribe(self, learner_id: int) -> None:
+    """Ends a learner's Rounds stream (caller holds the lock)."""
+    sub = self._subscribers.pop(learner_id, None)
+    if sub is not None:
+      sub.close()
 
   def _check_liveness(self) -> None:
     now = self._clock()
@@ -243,6 +289,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
           "learner %d silent for %.1f s: declared dead", learner_id, now - member.last_seen
         )
         self._core.leave(learner_id)
+        self._unsubscribe(learner_id)
 
   # -- read-only views (launcher, tests) ----------------------------------------------------------
 
@@ -350,11 +397,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         num_devices=request.num_devices,
         batch_size=request.batch_size,
       )
-      # The cadence if the fleet has one (running learners follow it); else the newest report's
-      # step, extrapolated. A learner joining an empty fleet must not run ahead of a frozen cadence.
-      fleet_step = self._core.cadence_step()
-      if fleet_step < 0:
-        fleet_step = self._core.fleet_step()
+      fleet_step = self._core.fleet_step()
     log.info("learner %d registered from %s", request.learner_id, request.host or "?")
     cfg = self._cfg
     return syncer_pb2.RegisterResponse(
@@ -400,14 +443,19 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         f"than {self._max_bytes[p]} bytes, chunks at most {self._cfg.max_chunk_bytes}.",
       )
     with self._cond:
-      late, undecodable = None, False
-      if 0 <= h.anchor_version <= self._core.version(p):
-        late = self._core.late_reason(p, int(h.anchor_version))
-        undecodable = h.delta and not self._core.kept(p, int(h.anchor_version))
-      if late is not None and (undecodable or p in self._core.delivered(int(h.learner_id))):
-        # Decided from the header alone: a delta against an anchor that is no longer kept cannot be
-        # decoded (also after a restore republished p), and a stale report is dropped either way.
-        # Its tokens count as dropped.
+      late = self._core.late_reason(p, int(h.round_step))
+      anchor = int(h.anchor_version)
+      if (
+        late is None
+        and h.delta
+        and 0 <= anchor <= self._core.version(p)
+        and not self._core.kept(p, anchor)
+      ):
+        late = f"anchor version {anchor} of fragment {p} is no longer kept"
+      if late is not None:
+        # Decided from the header alone: an answer to a closed round is dropped unread, and a
+        # delta against an anchor that is no longer kept cannot be decoded (also after a restore
+        # republished p). Its tokens count as dropped.
         self._core.drop_late(
           max(int(h.tokens), 0),
           late,
@@ -514,6 +562,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       if registered:
         member.last_seen = self._clock()
         member.step = int(request.step)
+        # The learner's step on the fleet's schedule: the syncer's step clock runs at these rates.
         self._core.observe_steps(int(request.learner_id), int(request.step))
       return syncer_pb2.HeartbeatResponse(
         registered=registered,
@@ -531,9 +580,38 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       known = int(request.learner_id) in self._members
       if known:
         self._core.leave(int(request.learner_id))
+        self._unsubscribe(int(request.learner_id))
         self._cond.notify_all()
     log.info("learner %d left", request.learner_id)
     return syncer_pb2.LeaveResponse(was_registered=known)
+
+  def Rounds(self, request, context):
+    """Streams a learner's round requests and version announcements (see the proto)."""
+    learner_id = int(request.learner_id)
+    try:
+      with self._cond:
+        self._member(learner_id)
+        self._unsubscribe(learner_id)  # A new subscription replaces the old one.
+        sub = _Subscription()
+        self._subscribers[learner_id] = sub
+        initial = [_round_event(r) for r in self._core.open_rounds()]
+        initial += [_published_event(p, v) for p, v in enumerate(self._versions())]
+    except Refusal as r:
+      context.abort(r.code, r.message)
+    try:
+      yield from initial
+      while context.is_active():
+        try:
+          event = sub.events.get(timeout=0.5)
+        except queue.Empty:
+          continue
+        if event is None:
+          return
+        yield event
+    finally:
+      with self._cond:
+        if self._subscribers.get(learner_id) is sub:
+          del self._subscribers[learner_id]
 
   def Status(self, request, context):
     return _serve(context, lambda _: self.status(), request)

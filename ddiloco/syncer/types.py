@@ -7,13 +7,28 @@ by `ddiloco.syncer.core`, so `from ddiloco.syncer.core import SyncerConfig, Repo
 
 import dataclasses
 import math
-from collections.abc import Mapping
 
 import gin
 import numpy as np
 import optax
 
+from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
 from ddiloco.syncer import merge as merge_lib
+
+# The types learners and the syncer exchange live in `ddiloco.protocol`; re-exported here.
+__all__ = [
+  "COUNTERS",
+  "FragmentState",
+  "LearnerRecord",
+  "MergeEvent",
+  "Report",
+  "ReportResult",
+  "Round",
+  "RoundEntry",
+  "RoundRequest",
+  "SyncerConfig",
+  "readonly",
+]
 
 # The core's counters, reported by `SyncerCore.stats()` and saved by its `state_dict()`.
 COUNTERS = (
@@ -28,6 +43,10 @@ COUNTERS = (
   "merged_tokens",
   "zero_weight_reports",
   "zero_weight_tokens",
+  # Rounds the syncer opened, and the due rounds it could not open because the fragment's previous
+  # round was still open (K not reached within a period: a synchronous quorum waiting).
+  "rounds_opened",
+  "overrun_rounds",
   # The token ledger (docs/resilience.md): every report's `new_tokens` is received once and ends
   # merged or dropped; what is neither sits in an open round. received = merged + dropped + pending.
   "ledger_received",
@@ -35,8 +54,16 @@ COUNTERS = (
   "ledger_dropped",
 )
 
+CLOCKS = ("fleet_rate", "slowest")
+
 # Counters added after checkpoints were first written: an older checkpoint loads them as 0.
-NEW_COUNTERS = ("ledger_received", "ledger_merged", "ledger_dropped")
+NEW_COUNTERS = (
+  "ledger_received",
+  "ledger_merged",
+  "ledger_dropped",
+  "rounds_opened",
+  "overrun_rounds",
+)
 
 
 @gin.configurable(module="ddiloco")
@@ -52,11 +79,15 @@ class SyncerConfig:
     overlap: τ in steps; only the grace model uses it here.
     ema_decay: decay of the ξ EMAs.
     merge_method: "rda" (default) or "mean" for non-embedding tensors (SPEC §4.5).
-    max_staleness: largest cur − anchor_version a report may have to join a round; 0 = SPEC §4 literal.
+    clock: how the syncer's step clock advances. "fleet_rate" (default): at the median step rate
+      of the alive learners, whatever their positions. "slowest": to the lowest schedule step any
+      alive learner has reached, so a round opens once every learner has reached its step; the
+      synchronous baselines use it with blocking learners (lock-step).
     outer_lr: outer SGD learning rate (DiLoCo 0.7, SPEC §4.6).
     outer_momentum: outer momentum; 0 disables it.
     nesterov: Nesterov momentum.
-    keep_versions: recent versions kept per fragment, current included (for re-anchoring, SPEC §4.3).
+    keep_versions: recent versions kept per fragment, current included: the anchors a delta on
+      the wire may be encoded against (a learner that has not applied the newest version yet).
   """
 
   min_quorum: int = 1
@@ -66,7 +97,7 @@ class SyncerConfig:
   overlap: int = 2
   ema_decay: float = 0.8
   merge_method: str = "rda"
-  max_staleness: int = 2
+  clock: str = "fleet_rate"
   outer_lr: float = 0.7
   outer_momentum: float = 0.9
   nesterov: bool = True
@@ -87,66 +118,21 @@ class SyncerConfig:
       raise ValueError(
         f"merge_method must be one of {merge_lib.MERGE_METHODS}, got {self.merge_method!r}."
       )
-    if self.max_staleness < 0:
-      raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}.")
+    if self.clock not in CLOCKS:
+      raise ValueError(f"clock must be one of {CLOCKS}, got {self.clock!r}.")
     if not self.outer_lr > 0:
       raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}.")
     if not 0.0 <= self.outer_momentum < 1.0:
       raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}.")
-    if self.keep_versions < self.max_staleness + 1:
+    if self.keep_versions < 2:
       raise ValueError(
-        f"keep_versions ({self.keep_versions}) must be >= max_staleness + 1 "
-        f"({self.max_staleness + 1}): re-anchoring needs every anchor a report may have."
+        f"keep_versions must be >= 2, got {self.keep_versions}: a learner answering a round may "
+        "still hold the previous version, and its delta is encoded against it."
       )
 
   def outer_optimizer(self) -> optax.GradientTransformation:
     """optax.sgd(outer_lr, momentum or None, nesterov): DiLoCo's outer step (SPEC §4.6)."""
     return optax.sgd(self.outer_lr, momentum=self.outer_momentum or None, nesterov=self.nesterov)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Report:
-  """One learner's report of one fragment (learner → syncer, SPEC §3).
-
-  Attributes:
-    learner_id: the reporting learner.
-    fragment: fragment index p.
-    values: θ_{m,p}, the learner's current parameters of p, {key: array}.
-    tokens: tokens since the learner last had p merged/received (learner resets them, SPEC §3).
-    steps: inner steps over the same period.
-    anchor_version: version of p the learner last applied; -1 if it never received p.
-    step: the learner's inner step when it sent the report (orders re-sends).
-    step_time_s: the learner's step-time EMA, feeds ξ_step; 0 = unknown.
-    new_tokens: tokens trained since the learner's previous report of p (not since it received p):
-      each trained token is in exactly one report, which the token ledger follows to its fate.
-  """
-
-  learner_id: int
-  fragment: int
-  values: Mapping[str, np.ndarray]
-  tokens: int
-  steps: int
-  anchor_version: int
-  step: int
-  step_time_s: float = 0.0
-  new_tokens: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class ReportResult:
-  """What `SyncerCore.report` did: status is accepted | superseded | late | duplicate | rejected.
-
-  `fleet_step` is where the middle of the fleet is on the schedule when the report arrived (see
-  `SyncerCore.cadence_step`); learners follow it to keep their schedule in phase with the fleet.
-  `round_version` is the version the round that took the report will publish (-1 if none took it):
-  once the fragment reaches it, the report was merged, or it was lost (the token ledger).
-  """
-
-  status: str
-  reason: str
-  weight: float
-  fleet_step: int = -1
-  round_version: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,16 +151,6 @@ class MergeEvent:
   digest: str
 
 
-@dataclasses.dataclass(frozen=True)
-class FragmentState:
-  """A version of a fragment's global values Θ_p; the arrays are read-only and shared."""
-
-  fragment: int
-  version: int
-  values: dict[str, np.ndarray]
-  digest: str
-
-
 @dataclasses.dataclass
 class RoundEntry:
   """A weight>0 report filed in an open round."""
@@ -189,8 +165,15 @@ class RoundEntry:
 
 @dataclasses.dataclass
 class Round:
-  """A fragment's open round: its entries and, once it has its quorum, its grace deadline."""
+  """A fragment's round: its entries and, once it has its quorum, its grace deadline.
 
+  `step` is the syncer's schedule step that opened it (-1: no round of this fragment is open) and
+  `base_version` the version it was opened against.
+  """
+
+  step: int = -1
+  base_version: int = -1
+  first_time: float | None = None  # When its first weight>0 answer arrived; not saved.
   entries: dict[int, RoundEntry] = dataclasses.field(default_factory=dict)  # only weight > 0
   open_time: float | None = None
   quorum_time: float | None = None
@@ -211,11 +194,12 @@ class LearnerRecord:
   ledger: dict[str, int] = dataclasses.field(
     default_factory=lambda: {"received": 0, "merged": 0, "dropped": 0}
   )
-  # (schedule step, clock time, step time) from the learner's newest report; not saved.
+  # (schedule step, clock time, step time) from the learner's newest report or heartbeat; not saved.
   progress: tuple[int, float, float] | None = None
   # Its own inner step and clock time at the last rate sample, and its rate EMA in steps/s; not saved.
   steps_seen: tuple[int, float] | None = None
   rate: float = 0.0
+  position: int = -1  # Its newest schedule step (every sample); not saved.
 
 
 def readonly(a: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 import grpc
 import numpy as np
 
-from ddiloco.syncer.types import FragmentState, Report, ReportResult
+from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
 from ddiloco.transport import auth, messages, wire
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
@@ -41,6 +41,8 @@ class SyncerClient:
     deadline_s: deadline of unary calls.
     transfer_deadline_s: deadline of Push and Pull streams.
     max_chunk_bytes: largest chunk payload (the syncer's limit).
+    subscription_s: deadline of a Rounds subscription; the learner subscribes again when it ends
+      (and then gets the open rounds and current versions again, so nothing is missed).
   """
 
   def __init__(
@@ -53,6 +55,7 @@ class SyncerClient:
     deadline_s: float = 10.0,
     transfer_deadline_s: float = 60.0,
     max_chunk_bytes: int = DEFAULT_CHUNK_SIZE,
+    subscription_s: float = 300.0,
   ):
     limit = max_chunk_bytes + _FRAMING_SLACK
     options = [
@@ -83,6 +86,7 @@ class SyncerClient:
     self.deadline_s = deadline_s
     self.transfer_deadline_s = transfer_deadline_s
     self.max_chunk_bytes = max_chunk_bytes
+    self.subscription_s = subscription_s
     self._lock = threading.Lock()
     self.bytes_up = 0
     self.bytes_down = 0
@@ -225,6 +229,19 @@ class SyncerClient:
       metadata=self._md,
     )
 
+  def rounds(self, learner_id: int) -> "RoundStream":
+    """Subscribes to the syncer's round requests and version announcements (SPEC §3).
+
+    Iterate the result for `RoundRequest`s and `(fragment, version)` announcements; `cancel()` ends
+    it. Iterating raises `grpc.RpcError` when the call fails or its deadline passes.
+    """
+    call = self._stub.Rounds(
+      syncer_pb2.RoundsRequest(learner_id=learner_id),
+      timeout=self.subscription_s,
+      metadata=self._md,
+    )
+    return RoundStream(call)
+
   def leave(self, learner_id: int) -> bool:
     resp = self._stub.Leave(
       syncer_pb2.LeaveRequest(learner_id=learner_id), timeout=self.deadline_s, metadata=self._md
@@ -250,3 +267,22 @@ def fragment_layouts(
     )
     for ks in fragments
   ]
+
+
+class RoundStream:
+  """A `Rounds` subscription: yields `RoundRequest`s and (fragment, version) announcements."""
+
+  def __init__(self, call):
+    self._call = call
+
+  def __iter__(self):
+    for event in self._call:
+      kind = event.WhichOneof("event")
+      if kind == "round":
+        r = event.round
+        yield RoundRequest(int(r.fragment), int(r.round_step), int(r.base_version))
+      elif kind == "published":
+        yield (int(event.published.fragment), int(event.published.version))
+
+  def cancel(self) -> None:
+    self._call.cancel()

@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 
 from ddiloco.fragments import compression
 from ddiloco.fragments.digest import values_digest
-from ddiloco.syncer.core import FragmentState, Report
+from ddiloco.protocol import FragmentState, Report
 from ddiloco.transport import wire
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ChunkAssembler
 from ddiloco.transport.errors import WireError
@@ -250,6 +250,7 @@ def _push_header(report: Report, codec: str, total: int, num_chunks: int, delta:
     step=report.step,
     step_time_s=report.step_time_s,
     new_tokens=report.new_tokens,
+    round_step=report.round_step,
     codec=codec,
     total_bytes=total,
     num_chunks=num_chunks,
@@ -386,7 +387,11 @@ def chunks_to_report(
         f"anchor_version {header.anchor_version}."
       )
     _check_scalars(
-      tokens=header.tokens, steps=header.steps, step=header.step, new_tokens=header.new_tokens
+      tokens=header.tokens,
+      steps=header.steps,
+      step=header.step,
+      new_tokens=header.new_tokens,
+      round_step=header.round_step,
     )
     _check_scalars(step_time_s=header.step_time_s)
     if not header.delta:
@@ -414,6 +419,7 @@ def chunks_to_report(
     step=int(header.step),
     step_time_s=float(header.step_time_s),
     new_tokens=int(header.new_tokens),
+    round_step=int(header.round_step),
   )
 
 

@@ -96,9 +96,11 @@ def test_replay_runs_the_tiny_simulator(tmp_path, tiny_gin):
   # rejoins at t = 5. Learner 1's step starting at t = 3 takes 2 s (slow:1@3+1x2). At t = 5:
   # learners 0 and 3 have 5 steps, learner 1 has 4, learner 2 has 1: 15. At t = 5 learner 2's rejoin
   # (queued at t = 1) runs before the others' step completions, so its step is the first to complete
-  # at t = 6: the 16th. Its report lands at 6.05 (uplink latency) and opens a round that closes when
-  # its grace window ends; the final eval follows. Learner 3's slowdown (virtual 9) and learner 0's
-  # crash (virtual 15) come after the end.
+  # at t = 6: the 16th, which ends the budget. The syncer's clock opens round (2, 6) at t = 6; in the
+  # drain every learner is asked at 6.05 (downlink latency) and answers at once, the answers land at
+  # 6.10 (uplink latency) and the round closes early, everyone having answered; its delivery at 6.15
+  # is the last event. Learner 3's slowdown (virtual 9) and learner 0's crash (virtual 15) come
+  # after the end.
   summary = replay.replay(TAPE, workdir=str(tmp_path), real_step_time_s=0.5, tensorboard=False)
   assert summary["replay"]["faults"] == list(EXPECTED)
   assert summary["replay"]["time_scale"] == 2.0
@@ -107,7 +109,8 @@ def test_replay_runs_the_tiny_simulator(tmp_path, tiny_gin):
   assert sum(steps.values()) == 16
   assert steps == {0: 5, 1: 4, 2: 2, 3: 5}
   last = read_events(str(tmp_path), "merge")[-1]
-  assert last["time"] == pytest.approx(6.05 + last["grace_s"])
+  assert (last["fragment"], last["contributors"]) == (2, [0, 1, 2, 3])
+  assert last["time"] == pytest.approx(6.1)
   assert summary["virtual_time_s"] == pytest.approx(last["time"] + 0.05)
   assert summary["digests_agree"]
 

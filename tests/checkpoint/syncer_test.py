@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ddiloco.checkpoint import syncer as ckpt_lib
-from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
+from ddiloco.syncer.core import Report, RoundRequest, SyncerConfig, SyncerCore
 
 KEYS = (("a", "b"), ("c",))
 
@@ -41,10 +41,31 @@ def _core(**cfg) -> SyncerCore:
   return core
 
 
+def _answer(core: SyncerCore, learner: int, request: RoundRequest, values=None, tokens=64):
+  """`learner`'s answer to `request`, anchored at its base."""
+  p = request.fragment
+  if values is None:
+    values = dict(core.values_at(p, request.base_version))
+  return core.report(
+    Report(
+      learner_id=learner,
+      fragment=p,
+      values=values,
+      tokens=tokens,
+      steps=4,
+      anchor_version=request.base_version,
+      step=request.round_step + 1,
+      round_step=request.round_step,
+    )
+  )
+
+
 def _merge_once(core: SyncerCore, p: int, shift: float, learner: int = 0):
-  """One report of fragment p from `learner`, anchored at the current version; K=1 merges it."""
+  """Opens round (p, 10·(version + 1)); one answer from `learner` at its base; K=1 merges it."""
   values = {k: v + np.float32(shift) for k, v in core.state(p).values.items()}
   version = core.version(p)
+  request = core.open_round(p, 10 * (version + 1))
+  assert request == RoundRequest(p, 10 * (version + 1), version)
   result = core.report(
     Report(
       learner_id=learner,
@@ -54,6 +75,7 @@ def _merge_once(core: SyncerCore, p: int, shift: float, learner: int = 0):
       steps=4,
       anchor_version=version,
       step=10 * (version + 1),
+      round_step=request.round_step,
     )
   )
   assert result.status == "accepted"
@@ -81,17 +103,9 @@ def test_checkpoint_round_trip_is_exact(tmp_path):
   _merge_once(core, 1, -0.25)
   # An open round with a report in it is part of the state too.
   assert core.config.min_quorum == 1  # It would merge at the next poll; there is none.
-  core.report(
-    Report(
-      learner_id=1,
-      fragment=0,
-      values=dict(core.state(0).values),
-      tokens=8,
-      steps=2,
-      anchor_version=3,
-      step=40,
-    )
-  )
+  request = core.open_round(0, 40)
+  assert request == RoundRequest(0, 40, 3)
+  assert _answer(core, 1, request, tokens=8).status == "accepted"
   state = core.state_dict()
   ck = ckpt_lib.SyncerCheckpointer(str(tmp_path / "ck"))
   ck.save(4, state)
@@ -102,6 +116,7 @@ def test_checkpoint_round_trip_is_exact(tmp_path):
   fresh = _core()
   fresh.load_state_dict(restored)
   assert [fresh.version(p) for p in (0, 1)] == [3, 1]
+  assert fresh.open_rounds() == [request]
   assert fresh.state(0).digest == core.state(0).digest
   # The restored core continues exactly like the original.
   ev_a, ev_b = _merge_once(core, 1, 0.5), _merge_once(fresh, 1, 0.5)
@@ -151,20 +166,18 @@ def test_restore_moves_versions_past_the_journal(tmp_path):
   # Kept anchors still decode; lost versions 3..5 are not kept.
   assert restarted.kept(0, 2) and restarted.kept(0, 6)
   assert not any(restarted.kept(0, v) for v in (3, 4, 5))
+  # Rounds go on past the checkpoint's newest round of fragment 0 (20), against version 6.
+  assert restarted.open_rounds() == []
+  with pytest.raises(ValueError, match=r"not after its newest round \(20\)"):
+    restarted.open_round(0, 20)
+  request = restarted.open_round(0, 30)
+  assert request == RoundRequest(0, 30, 6)
   # A re-registered learner's reports weigh 0 until it has the restored version.
   restarted.register(0)
-  result = restarted.report(
-    Report(
-      learner_id=0,
-      fragment=0,
-      values=dict(restarted.state(0).values),
-      tokens=64,
-      steps=4,
-      anchor_version=6,
-      step=80,
-    )
-  )
+  result = _answer(restarted, 0, request)
   assert (result.status, result.weight) == ("accepted", 0.0)
+  restarted.fetch(0, 0)
+  assert _answer(restarted, 0, request).weight == 64**2 / 4
 
 
 def test_journal_ignores_a_torn_last_line(tmp_path):
@@ -196,13 +209,112 @@ def test_an_unfinished_save_leaves_the_previous_checkpoint(tmp_path):
 
 
 def test_republish_validates_and_trims_history():
-  core = _core(keep_versions=2, max_staleness=1)
+  core = _core(keep_versions=2)
   _merge_once(core, 0, 0.125)
   with pytest.raises(ValueError, match="needs a version > 1"):
     core.republish(0, 1)
   core.republish(0, 9)
   assert core.version(0) == 9
   assert core.kept(0, 9) and core.kept(0, 1) and not core.kept(0, 0)
+
+
+def _with_open_rounds() -> tuple[SyncerCore, list[RoundRequest]]:
+  """Fragment 0 merged once (round 10); round (0, 20) open with an answer, (1, 30) open with none."""
+  core = _core()
+  _merge_once(core, 0, 0.125)
+  requests = [core.open_round(0, 20), core.open_round(1, 30)]
+  assert requests == [RoundRequest(0, 20, 1), RoundRequest(1, 30, 0)]
+  core.fetch(1, 0)
+  values = {k: v + np.float32(0.25) for k, v in core.state(0).values.items()}
+  assert _answer(core, 1, requests[0], values=values).status == "accepted"
+  return core, requests
+
+
+def test_open_rounds_survive_a_state_dict_round_trip():
+  core, requests = _with_open_rounds()
+  state = core.state_dict()
+  assert (state["fragment/0/round/step"], state["fragment/0/round/base_version"]) == (20, 1)
+  assert (state["fragment/1/round/step"], state["fragment/1/round/base_version"]) == (30, 0)
+  assert (state["fragment/0/round/last_step"], state["fragment/1/round/last_step"]) == (20, 30)
+  assert state["fragment/0/round/1/round_step"] == 20
+  fresh = _core()
+  fresh.load_state_dict(state)
+  _equal_states(fresh.state_dict(), state)
+  assert fresh.open_rounds() == core.open_rounds() == requests
+  # Both continue alike: learner 0 answers both rounds, they merge to the same bits.
+  for c in (core, fresh):
+    for r in requests:
+      values = {k: v - np.float32(0.125) for k, v in c.state(r.fragment).values.items()}
+      assert _answer(c, 0, r, values=values).status == "accepted"
+  events, restored_events = core.poll(), fresh.poll()
+  assert [(e.fragment, e.version, e.contributors) for e in events] == [
+    (0, 2, (0, 1)),
+    (1, 1, (0,)),
+  ]
+  assert [(e.version, e.digest) for e in events] == [(e.version, e.digest) for e in restored_events]
+  # Each fragment's newest round step survives too: round 10 of p0 is closed, 20 cannot reopen.
+  late = _answer(fresh, 0, RoundRequest(0, 10, 0))
+  assert (late.status, late.reason) == ("late", "round (0, 10) is closed")
+  with pytest.raises(ValueError, match=r"not after its newest round \(20\)"):
+    fresh.open_round(0, 20)
+
+
+def test_a_checkpoint_without_round_ids_loads_and_drops_its_open_rounds():
+  """Checkpoints from before syncer-paced rounds: their open rounds cannot be answered."""
+  core, requests = _with_open_rounds()
+  answer = Report(
+    learner_id=0,
+    fragment=1,
+    values={k: v + np.float32(0.5) for k, v in core.state(1).values.items()},
+    tokens=64,
+    steps=4,
+    anchor_version=0,
+    step=31,
+    new_tokens=64,
+    round_step=requests[1].round_step,
+  )
+  assert core.report(answer).status == "accepted"
+  state = core.state_dict()
+  new_keys = [
+    k
+    for k in state
+    if k.endswith(("/round/step", "/round/base_version", "/round/last_step", "/round_step"))
+    or k in ("stats/rounds_opened", "stats/overrun_rounds")
+  ]
+  assert len(new_keys) == 2 * 3 + 2 + 2  # Per fragment 3, one per filed answer, 2 counters.
+  old = {k: v for k, v in state.items() if k not in new_keys}
+  fresh = _core()
+  fresh.load_state_dict(old)
+  assert fresh.open_rounds() == []
+  stats = fresh.stats()
+  assert (stats["open_rounds"], stats["rounds_opened"], stats["overrun_rounds"]) == (0, 0, 0)
+  assert (stats["versions"], stats["merges"]) == ([1, 0], 1)
+  assert [fresh.state(p).digest for p in (0, 1)] == [core.state(p).digest for p in (0, 1)]
+  assert fresh.poll() == [] and fresh.next_deadline() is None
+  # Rounds start afresh: any step opens one, against the restored version.
+  assert fresh.open_round(0, 1) == RoundRequest(0, 1, 1)
+  # The dropped rounds' answers (learner 0's carries 64 ledger tokens) are booked as dropped: the
+  # ledger balances.
+  ledger, before = fresh.ledger(), core.ledger()
+  assert ledger["received"] == ledger["merged"] + ledger["dropped"] + ledger["pending"]
+  assert ledger["pending"] == 0 and before["pending"] == 64
+  assert ledger["dropped"] == before["dropped"] + 64
+  assert ledger["learners"][0]["dropped"] == before["learners"][0]["dropped"] + 64
+
+
+def test_republish_moves_an_open_round_to_the_republished_version():
+  """A restore that republishes p keeps its open round answerable: learners fetch the republished
+  version and answer against it, and the round merges (it would otherwise never reach K)."""
+  core, requests = _with_open_rounds()
+  core.republish(1, 5)
+  assert core.open_rounds() == [requests[0], RoundRequest(1, 30, 5)]
+  for i in (0, 1):
+    core.fetch(i, 1)
+  values = {k: v - np.float32(0.125) for k, v in core.state(1).values.items()}
+  result = _answer(core, 0, RoundRequest(1, 30, 5), values=values)
+  assert (result.status, result.weight > 0) == ("accepted", True)
+  (event,) = [e for e in core.poll() if e.fragment == 1]
+  assert (event.version, event.contributors) == (6, (0,))
 
 
 def test_config_validation():

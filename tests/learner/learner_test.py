@@ -1,4 +1,9 @@
-"""Tests for the learner's side of the fragment protocol (SPEC §3), with hand-built merges."""
+"""Tests for the learner's side of the round protocol (SPEC §3), with hand-built rounds and merges.
+
+The syncer paces the rounds: a learner answers the rounds it was asked for (`ask`), never the
+schedule on its own. `_learner()` is P = 2, H = 4: fragment 1 is due at schedule steps 2, 6, ... and
+fragment 0 at 4, 8, ...; τ = 1 unless told otherwise.
+"""
 
 import jax
 import numpy as np
@@ -13,7 +18,7 @@ from ddiloco.learner.learner import Learner, LearnerConfig
 from ddiloco.models import configs, transformer
 from ddiloco.parallel import mesh as mesh_lib
 from ddiloco.parallel import partitioning
-from ddiloco.syncer.core import FragmentState, ReportResult
+from ddiloco.syncer.core import FragmentState, ReportResult, RoundRequest
 
 B, L, V = 2, 8, 32
 
@@ -50,29 +55,46 @@ def _ok():
   return ReportResult(status="accepted", reason="", weight=1.0)
 
 
-def test_counters_and_due_schedule():
-  learner, _ = _learner()  # P=2, H=4: offsets 0, 2 -> fragment 1 due at t=2, 6; fragment 0 at t=4.
+def test_due_lists_the_rounds_asked_for_not_the_schedule():
+  learner, _ = _learner()
   due = {}
   for t in range(1, 7):
     learner.train_step(_batch(t))
     due[t] = learner.due()
-  assert due == {1: (), 2: (1,), 3: (), 4: (0,), 5: (), 6: (1,)}
+  # Fragments 1 and 0 were due at steps 2, 4 and 6, but no round was opened: nothing to answer.
+  assert due == {t: () for t in range(1, 7)}
   assert list(learner.tokens) == [6 * B * L, 6 * B * L]
   assert list(learner.step_counts) == [6, 6]
+  learner.ask(RoundRequest(1, 6, 0))
+  learner.ask(RoundRequest(0, 4, 0))
+  # A non-blocking learner answers every round asked for at its next step boundary.
+  assert learner.due() == (0, 1)
+  assert learner.pending_rounds() == {0: RoundRequest(0, 4, 0), 1: RoundRequest(1, 6, 0)}
+  report = learner.make_report(1)
+  assert (report.fragment, report.round_step, report.step) == (1, 6, 6)
+  assert learner.due() == (0,)  # Answered once.
+  # A newer round of p replaces an unanswered older one, never the other way round.
+  learner.ask(RoundRequest(0, 8, 0))
+  learner.ask(RoundRequest(0, 4, 0))
+  assert learner.pending_rounds() == {0: RoundRequest(0, 8, 0)}
+  with pytest.raises(ValueError, match="Round request for unknown fragment 2"):
+    learner.ask(RoundRequest(2, 8, 0))
 
 
-def test_report_carries_host_copy_counters_and_anchor():
+def test_report_carries_host_copy_counters_anchor_and_round():
   learner, layout = _learner()
   for t in range(2):
     learner.train_step(_batch(t))
+  learner.ask(RoundRequest(1, 2, 0))
   report = learner.make_report(1, step_time_s=0.5)
-  assert (report.fragment, report.tokens, report.steps, report.anchor_version, report.step) == (
-    1,
-    2 * B * L,
-    2,
-    0,
-    2,
-  )
+  assert (
+    report.fragment,
+    report.tokens,
+    report.steps,
+    report.anchor_version,
+    report.step,
+    report.round_step,
+  ) == (1, 2 * B * L, 2, 0, 2, 2)
   assert set(report.values) == set(layout.fragments[1])
   host = learner.fragment_values(1)
   for k, v in report.values.items():
@@ -80,10 +102,12 @@ def test_report_carries_host_copy_counters_and_anchor():
 
 
 def _sent_and_merged(learner):
-  """Two steps, fragment 1 sent at step 2 (apply step 3) and accepted, version 1 received."""
+  """Two steps, round (1, 2) answered at step 2 (apply step 3) and accepted, version 1 received."""
   for t in range(2):
     learner.train_step(_batch(t))
+  learner.ask(RoundRequest(1, 2, 0))
   report = learner.make_report(1)
+  assert report.round_step == 2
   learner.on_report_result(1, _ok())
   merged = {k: np.full_like(v, 0.25) for k, v in report.values.items()}
   learner.receive(_state(merged, 1, 1))
@@ -120,46 +144,102 @@ def test_apply_digests_are_checked_in_order_at_once_or_when_ready(defer):
   assert learner.applied_digest[1] == values_digest(merged)
 
 
-def test_late_report_keeps_counters_growing():
+def test_counters_reset_at_every_apply_even_after_a_late_answer():
   learner, _ = _learner(overlap=1)
   for t in range(2):
     learner.train_step(_batch(t))
+  learner.ask(RoundRequest(1, 2, 0))
   report = learner.make_report(1)
-  learner.on_report_result(1, ReportResult(status="late", reason="merged already", weight=0.0))
-  learner.receive(_state({k: v * 0 for k, v in report.values.items()}, 1, 1))
+  learner.on_report_result(
+    1, ReportResult(status="late", reason="round (1, 2) is closed", weight=0)
+  )
+  # The round merged without this learner's answer; its version still overwrites θ_1.
+  merged = {k: v * 0 for k, v in report.values.items()}
+  learner.receive(_state(merged, 1, 1))
+  assert learner.apply_ready() == []  # Step 2 < answer + τ = 3, as for a merged answer.
   learner.train_step(_batch(3))
   assert learner.apply_ready() == [(1, 1)]
-  assert learner.step_counts[1] == 3
+  assert learner.digest_of(1) == values_digest(merged)
+  assert (learner.tokens[1], learner.step_counts[1]) == (0, 0)
+  assert (learner.tokens[0], learner.step_counts[0]) == (3 * B * L, 3)
+  # The ledger: the late answer's 2 steps and the step trained since, overwritten, are dropped.
+  assert learner.ledger.fates() == {
+    "unsent": 3 * B * L,
+    "awaiting": 0,
+    "pending": 0,
+    "merged": 0,
+    "dropped": 3 * B * L,
+  }
 
 
-def test_version_without_outstanding_send_is_held():
+def test_version_of_a_round_not_answered_is_applied_at_once():
   learner, layout = _learner()
   learner.train_step(_batch(0))
   values = {k: np.zeros(layout.shapes[k], layout.dtypes[k]) for k in layout.fragments[0]}
   learner.receive(_state(values, 0, 3))
-  learner.train_step(_batch(1))
-  assert learner.apply_ready() == []  # Fragment 0 not sent yet: held until its send + τ.
-  assert learner.anchor[0] == 0
+  assert learner.apply_ready() == [(0, 3)]  # No answer of fragment 0 outstanding: no τ to wait.
+  assert learner.anchor[0] == 3
+  assert learner.digest_of(0) == values_digest(values)
+  assert (learner.tokens[0], learner.step_counts[0]) == (0, 0)
+  assert learner.step_counts[1] == 1
+  learner.receive(_state(values, 0, 2))  # Older than what it holds: ignored.
+  assert learner.apply_ready() == []
 
 
-def test_blocking_learner_waits_for_newer_version():
+def test_unanswered_request_is_dropped_when_a_newer_version_arrives():
+  learner, layout = _learner()
+  learner.train_step(_batch(0))
+  learner.ask(RoundRequest(0, 4, 0))
+  learner.ask(RoundRequest(1, 2, 0))
+  assert learner.due() == (0, 1)
+  values = {k: np.zeros(layout.shapes[k], layout.dtypes[k]) for k in layout.fragments[0]}
+  learner.receive(_state(values, 0, 1))
+  # Round (0, 4) merged without this learner: answering it now would be late.
+  assert learner.due() == (1,)
+  assert learner.pending_rounds() == {1: RoundRequest(1, 2, 0)}
+  assert learner.apply_ready() == [(0, 1)]
+  learner.ask(RoundRequest(0, 4, 0))  # Asked again (a new subscription): its base is behind.
+  assert learner.due() == (1,)
+  learner.ask(RoundRequest(0, 8, 1))  # The next round, based on the version it holds.
+  assert learner.due() == (0, 1)
+  learner.receive(_state(values, 0, 1))  # The same version again drops nothing.
+  assert learner.pending_rounds()[0] == RoundRequest(0, 8, 1)
+  learner.receive(_state(values, 0, 2))
+  assert learner.due() == (1,)
+
+
+def test_blocking_learner_answers_at_the_round_step_and_waits_for_the_merge():
   learner, _ = _learner(overlap=1, config=LearnerConfig(blocking=True))
-  for t in range(2):
-    learner.train_step(_batch(t))
+  learner.train_step(_batch(0))
+  learner.ask(RoundRequest(1, 2, 0))  # Opened by a syncer clock ahead of this learner.
+  assert (learner.schedule_step, learner.due(), learner.blocked()) == (1, (), False)
+  learner.train_step(_batch(1))
+  # Step 2: fragment 1 is due, so the learner answers (and waits until it has).
+  assert (learner.schedule_step, learner.due(), learner.blocked()) == (2, (1,), True)
   report = learner.make_report(1)
   learner.on_report_result(1, _ok())
-  assert not learner.blocked()
+  assert report.round_step == 2 and not learner.blocked()
   learner.train_step(_batch(2))
-  assert learner.blocked()
+  # Step 3 = answer + τ: blocked until the round's merge has arrived.
+  assert (learner.schedule_step, learner.blocked()) == (3, True)
   learner.receive(_state(dict(report.values), 1, 1))
   assert not learner.blocked()
   assert learner.apply_ready() == [(1, 1)]
+  assert not learner.blocked()
+  learner.train_step(_batch(3))
+  # Step 4: fragment 0 is due, and its round was not opened yet: the learner waits for it.
+  assert (learner.schedule_step, learner.due(), learner.blocked()) == (4, (), True)
+  learner.ask(RoundRequest(0, 4, 0))
+  assert (learner.due(), learner.blocked()) == ((0,), True)
+  assert learner.make_report(0).round_step == 4
+  assert not learner.blocked()
 
 
 def test_mixing_alpha():
   learner, _ = _learner(overlap=1, config=LearnerConfig(mixing_alpha=0.5))
   for t in range(2):
     learner.train_step(_batch(t))
+  learner.ask(RoundRequest(1, 2, 0))
   report = learner.make_report(1)
   learner.on_report_result(1, _ok())
   mine = learner.fragment_values(1)
@@ -175,13 +255,30 @@ def test_mixing_alpha():
 
 
 def test_align_phase_moves_the_schedule_not_the_step():
-  learner, _ = _learner()  # P=2, H=4: fragment 1 due at schedule steps 2, 6, ...; fragment 0 at 4.
+  learner, _ = _learner(config=LearnerConfig(blocking=True))
   learner.train_step(_batch(0))
-  learner.align_phase(5)  # The fleet is at step 5: the next step is the fleet's 6th.
+  # The fleet is at step 6, where fragment 1 is due: that round was the fleet's before this
+  # learner (re)joined, so it does not wait for it.
+  learner.align_phase(6)
+  assert (learner.step, learner.schedule_step, learner.blocked()) == (1, 6, False)
+  learner.ask(RoundRequest(0, 8, 0))
   learner.train_step(_batch(1))
-  assert (learner.step, learner.schedule_step, learner.due()) == (2, 6, (1,))
-  report = learner.make_report(1)
-  assert report.step == 6
+  assert (learner.step, learner.schedule_step, learner.due(), learner.blocked()) == (
+    2,
+    7,
+    (),
+    False,
+  )
+  learner.train_step(_batch(2))
+  assert (learner.step, learner.schedule_step, learner.due(), learner.blocked()) == (
+    3,
+    8,
+    (0,),
+    True,
+  )
+  report = learner.make_report(0)
+  assert (report.step, report.round_step, report.steps) == (8, 8, 3)
+  assert not learner.blocked()
 
 
 def test_split_tensors_round_trip_through_the_learner():
@@ -202,36 +299,16 @@ def test_split_tensors_round_trip_through_the_learner():
   assert learner.digest_of(p) == values_digest(new)
 
 
-def test_follow_jumps_forward_and_holds_without_sending_twice():
-  learner, _ = _learner(num_fragments=4, period=4)  # P = H = 4: fragment s mod 4 due at step s.
-  sent = []
-  for t in range(1, 4):
-    learner.train_step(_batch(t))
-    sent.append((learner.schedule_step, learner.due()))
-  assert sent == [(1, (1,)), (2, (2,)), (3, (3,))]
-  # 3 steps behind the cadence: jump to it (the sends of schedule steps 4..5 are skipped).
-  assert learner.follow(6, tolerance=3) == 3
-  assert (learner.schedule_step, learner.due()) == (6, (2,))
-  # 1 step off: within tolerance, nothing moves.
-  assert learner.follow(7, tolerance=3) == 0
-  # Ahead by 3: hold for one step; the held step sends nothing, the next one sends its fragment.
-  learner.train_step(_batch(9))
-  assert learner.schedule_step == 7
-  assert learner.follow(4, tolerance=3) == -1
-  assert (learner.schedule_step, learner.due()) == (6, ())
-  learner.train_step(_batch(10))
-  assert (learner.schedule_step, learner.due()) == (7, (3,))
-  assert learner.step == 5
-
-
 @pytest.mark.parametrize("by_reference", [True, False], ids=["by_reference", "device_copy"])
 def test_snapshot_report_survives_donation_and_matches_make_report(by_reference):
   learner, _ = _learner()
   assert learner.snapshot_by_reference  # The default on CPU devices.
   learner.snapshot_by_reference = by_reference  # False: the GPU/TPU path, an on-device copy.
   learner.train_step(_batch(1))
+  learner.ask(RoundRequest(1, 2, 0))
   report, fetch = learner.snapshot_report(1, step_time_s=0.5)
   assert report.values == {} and report.step_time_s == 0.5 and report.anchor_version == 0
+  assert report.round_step == 2 and learner.due() == ()
   expected = learner.fragment_values(1)
   before = jax.tree_util.tree_leaves(learner.params)
   learner.train_step(_batch(2))  # Would donate the parameters the snapshot was taken from.

@@ -4,9 +4,11 @@ The two-process learner is tests/integration/multiprocess_learner_test.py (slow)
 queues, the follower's client, the factory that initialises on this process's devices, and that the
 shared-step worker trains, applies the syncer's exact bits and stops at a shared step.
 
-Model: one block, d=32, byte vocabulary; P = 2 fragments, H = 2, τ = 1; batches of 8 x 8 tokens.
+Model: one block, d=32, byte vocabulary; P = 2 fragments, H = 2, τ = 1 (fragment 1 is due at odd
+steps, fragment 0 at even ones); batches of 8 x 8 tokens.
 """
 
+import dataclasses
 import queue
 
 import pytest
@@ -15,6 +17,7 @@ from ddiloco.data import text as text_data
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch.job import JobConfig
 from ddiloco.learner import multihost
+from ddiloco.learner.learner import LearnerConfig
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.models import configs
 from ddiloco.syncer import service as service_lib
@@ -82,20 +85,52 @@ def test_process_zero_needs_the_client(tmp_path):
     multihost.make_multihost_worker(JOB, learner_id=0, client=None, workdir=str(tmp_path))
 
 
-def test_one_process_trains_applies_exact_bits_and_digests_params(syncer, tmp_path):
-  svc, address = syncer
-  client = SyncerClient(address, deadline_s=10.0)
-  worker, writer = multihost.make_multihost_worker(
-    JOB, learner_id=0, client=client, workdir=str(tmp_path), connect_timeout_s=30.0
+# Lock-step (the synchronous baselines' pacing): the syncer opens round (p, t) once the learner's
+# heartbeat reports step t, and the learner waits for it, then at t + τ for its merge. So every
+# step has its round and every merge is applied at the step after its answer, whatever the timing.
+LOCK_STEP = dataclasses.replace(
+  JOB,
+  syncer=dataclasses.replace(JOB.syncer, clock="slowest"),
+  learner=LearnerConfig(blocking=True),
+)
+
+
+def test_one_process_trains_applies_exact_bits_and_digests_params(tmp_path):
+  factory = LOCK_STEP.factory()
+  svc = service_lib.make_syncer(
+    fragment_keys=factory.layout.fragments,
+    init_values=factory.global_init_values(),
+    syncer_config=LOCK_STEP.the_syncer(),
+    service_config=LOCK_STEP.the_service(),
+    layout_digest=factory.layout.digest,
+    embedding_keys=factory.embedding_keys(),
   )
-  worker.connect()
-  summary = worker.run(12)
-  writer.close()
-  client.close()
+  srv = service_lib.serve(svc)
+  try:
+    client = SyncerClient(f"127.0.0.1:{srv.port}", deadline_s=10.0)
+    worker, writer = multihost.make_multihost_worker(
+      LOCK_STEP, learner_id=0, client=client, workdir=str(tmp_path), connect_timeout_s=30.0
+    )
+    worker.connect()
+    summary = worker.run(12)
+    writer.close()
+    client.close()
+  finally:
+    srv.stop(grace_s=0.5)
   assert (summary["steps"], summary["process_index"], summary["num_processes"]) == (12, 0, 1)
   assert summary["tokens"] == 12 * B * L
   assert summary["digest_mismatches"] == 0
-  assert summary["applies"]
+  # Before each of steps 2..12 the learner waited for round (p, t) of the step t it had reached,
+  # answered it, and (from t = 2) for the merge of the round it answered at t - 1, which it
+  # applied: fragment 1's versions 1..5 at steps 2, 4, .., 10 and fragment 0's at 3, 5, .., 11.
+  # After step 12 it does not wait: it answers round (0, 12) and applies version 6 of fragment 1
+  # only if they arrived by then.
+  answered = summary["push_status"].get("accepted", 0)
+  assert summary["push_status"] == {"accepted": answered} and answered in (11, 12)
+  assert answered <= summary["rounds_asked"] <= 12 and summary["blocked_s"] > 0
+  applied = [(p, version) for p, version, _ in summary["applies"]]
+  assert applied[:10] == [(p, v) for v in range(1, 6) for p in (1, 0)]
+  assert applied[10:] in ([], [(1, 6)])
   published = svc.published_digests()
   for p, version, digest in summary["applies"]:
     assert published[(p, version)] == digest

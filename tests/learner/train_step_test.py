@@ -184,3 +184,78 @@ def test_aux_metrics_may_not_shadow_step_metrics():
   a = {"inputs": np.ones((2, 1), np.float32), "targets": np.ones(2, np.float32)}
   with pytest.raises(ValueError, match="clash"):
     steps.evaluate_sums(params, steps.put_batch(a))
+
+
+def test_inner_optimizer_may_be_any_optax_transformation():
+  """SGD on the warm-up/cosine schedule: the first update is −lr(0)·g after clipping (lr(0) = 0),
+  the second −lr(1)·g, with lr(1) = peak/warmup."""
+  cfg = train_step.InnerOptConfig(
+    optimizer=optax.sgd, peak_lr=0.5, warmup_steps=2, decay_steps=10, grad_clip_norm=0.0
+  )
+  opt = train_step.make_inner_optimizer(cfg)
+  params = {"w": jnp.ones((2, 2))}
+  grads = {"w": jnp.full((2, 2), 2.0)}
+  state = opt.init(params)
+  updates, state = opt.update(grads, state, params)
+  np.testing.assert_allclose(updates["w"], 0.0)
+  updates, state = opt.update(grads, state, params)
+  np.testing.assert_allclose(updates["w"], -0.25 * 2.0)
+  with pytest.raises(TypeError, match="not an optax transformation"):
+    train_step.make_inner_optimizer(
+      train_step.InnerOptConfig(optimizer=lambda learning_rate: learning_rate)
+    )
+
+
+def test_inner_optimizer_binds_from_gin():
+  import gin
+
+  with gin.unlock_config():
+    gin.parse_config(
+      "ddiloco.InnerOptConfig.optimizer = @optax.sgd\noptax.sgd.momentum = 0.9\n"
+      "ddiloco.InnerOptConfig.warmup_steps = 1\nddiloco.InnerOptConfig.decay_steps = 4\n"
+    )
+  try:
+    cfg = train_step.InnerOptConfig()
+    state = train_step.make_inner_optimizer(cfg).init({"w": jnp.ones(3)})
+    # clip → sgd(momentum) = trace → scale_by_learning_rate(schedule).
+    assert any(isinstance(s, optax.TraceState) for s in jax.tree.leaves(state, is_leaf=_is_state))
+  finally:
+    gin.clear_config()
+
+
+def _is_state(x):
+  return isinstance(x, optax.TraceState | optax.ScaleByScheduleState)
+
+
+def test_schedule_at_least_raises_only_the_schedule_count_and_keeps_its_sharding():
+  _, steps, params = _setup(devices=2)
+  state = steps.init_opt_state(params)
+  joined = train_step.schedule_at_least(state, 50)
+  leaves = jax.tree.leaves(joined, is_leaf=_is_state)
+  (schedule,) = [s for s in leaves if isinstance(s, optax.ScaleByScheduleState)]
+  assert int(schedule.count) == 50
+  old = [
+    s
+    for s in jax.tree.leaves(state, is_leaf=_is_state)
+    if isinstance(s, optax.ScaleByScheduleState)
+  ]
+  assert schedule.count.sharding == old[0].count.sharding
+  # Adam's own count (bias correction) stays the learner's.
+  adam = [
+    s
+    for s in jax.tree.leaves(joined, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+    if isinstance(s, optax.ScaleByAdamState)
+  ]
+  assert adam and all(int(a.count) == 0 for a in adam)
+  # Never lowered: a learner further along keeps its own schedule.
+  again = train_step.schedule_at_least(joined, 10)
+  (kept,) = [
+    s
+    for s in jax.tree.leaves(again, is_leaf=_is_state)
+    if isinstance(s, optax.ScaleByScheduleState)
+  ]
+  assert int(kept.count) == 50
+  # The step still compiles once with the raised count.
+  rng = np.random.default_rng(0)
+  params, joined, _ = steps.train(params, joined, steps.put_batch(_batch(rng)))
+  assert steps.train_cache_size() == 1

@@ -7,11 +7,15 @@ batch between the checkpoint and the crash), report with weight 0 for each fragm
 received it again, and hold the syncer's exact global fragments after `connect`.
 
 Model: one block, d=32, byte vocabulary; P = 2 fragments, H = 2, τ = 1; batches of 8 x 8 tokens, so
-a step trains 64 tokens (8 fake CPU devices: one sequence each).
+a step trains 64 tokens (8 fake CPU devices: one sequence each). Lock-step pacing (the syncer opens
+round (p, t) once the learner's heartbeat reports step t; the learner waits for it, and for its merge
+τ steps after answering), so that the rounds a life of a few fast steps answers do not depend on
+timing.
 """
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -21,12 +25,13 @@ from ddiloco.data import text as text_data
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch import runtime
 from ddiloco.launch.job import JobConfig
+from ddiloco.learner.learner import LearnerConfig
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.learner.worker import LearnerWorker
 from ddiloco.models import configs
 from ddiloco.syncer import service as service_lib
-from ddiloco.syncer.types import SyncerConfig
-from ddiloco.transport.client import SyncerClient
+from ddiloco.syncer.types import Report, SyncerConfig
+from ddiloco.transport.client import SyncerClient, fragment_layouts
 
 pytestmark = pytest.mark.timeout(120)  # Sockets and threads (STYLE.md).
 
@@ -38,8 +43,9 @@ JOB = JobConfig(
   data=text_data.TextDataConfig(seq_len=L, batch_size=B),
   schedule=FragmentSchedule(num_fragments=P, period=2, overlap=1),
   syncer=SyncerConfig(
-    overlap=1, use_grace=False, max_staleness=8, keep_versions=9, outer_momentum=0.0
+    overlap=1, use_grace=False, keep_versions=9, outer_momentum=0.0, clock="slowest"
   ),
+  learner=LearnerConfig(blocking=True),
   inner_opt=InnerOptConfig(warmup_steps=1, decay_steps=50),
   service=service_lib.ServiceConfig(
     uplink_codec="fp32", downlink_codec="fp32", heartbeat_interval_s=0.05, liveness_timeout_s=600
@@ -113,6 +119,68 @@ def _zero_weight_reports(svc) -> int:
     return svc.core.stats()["zero_weight_reports"]
 
 
+def _open_every_round(svc, client) -> list:
+  """Moves the syncer's lock-step clock 2 steps on (a heartbeat): every fragment is due at one of
+  them (H = 2), so each gets a round unless its previous one is still open. Returns them."""
+  with svc.lock:
+    step = svc.core.cadence_step() + 2
+  client.heartbeat(0, step=step)
+  deadline = time.monotonic() + 10.0
+  while time.monotonic() < deadline:
+    with svc.lock:
+      opened = {r.fragment: r for r in svc.core.open_rounds()}
+    if len(opened) == P:
+      return [opened[p] for p in range(P)]
+    time.sleep(0.01)
+  pytest.fail(f"the syncer opened rounds of {sorted(opened)} only")
+
+
+def _close_rounds(svc, client, requests) -> None:
+  """Another learner (id 1, then gone) answers the open rounds with weight > 0: they merge.
+
+  A learner that joins with a round open answers it at once, with no step trained since it loaded
+  the global model: weight 0, and a lone blocking learner would wait for that merge forever.
+  """
+  client.register(1, layout_digest=JOB.factory().layout.digest, num_fragments=P)
+  with svc.lock:
+    states = [svc.core.state(p) for p in range(P)]
+  layouts = fragment_layouts(
+    [list(st.values) for st in states], {k: v for st in states for k, v in st.values.items()}
+  )
+  for request in requests:
+    p, lay = request.fragment, layouts[request.fragment]
+    state = client.pull(
+      1,
+      p,
+      -1,
+      layout_keys=list(lay),
+      shapes={k: v[0] for k, v in lay.items()},
+      dtypes={k: v[1] for k, v in lay.items()},
+    )
+    assert state.version == request.base_version
+    values = {k: v + np.asarray(0.01, v.dtype) for k, v in state.values.items()}
+    report = Report(
+      learner_id=1,
+      fragment=p,
+      values=values,
+      tokens=TOKENS_PER_STEP,
+      steps=1,
+      anchor_version=state.version,
+      step=request.round_step,
+      round_step=request.round_step,
+    )
+    assert client.push(report, "fp32").round_version == request.base_version + 1
+  deadline = time.monotonic() + 10.0
+  while time.monotonic() < deadline:
+    with svc.lock:
+      if not svc.core.open_rounds():
+        break
+    time.sleep(0.01)
+  assert client.leave(1)
+  with svc.lock:
+    assert not svc.core.open_rounds()
+
+
 def _assert_same_batch(a, b):
   np.testing.assert_array_equal(a["inputs"], b["inputs"])
   np.testing.assert_array_equal(a["targets"], b["targets"])
@@ -141,17 +209,26 @@ def test_crash_at_step_7_resumes_at_6_with_weight_0_until_received(syncer, tmp_p
     6 * TOKENS_PER_STEP,
   )
 
-  # Registered but nothing pulled yet: a report of every fragment weighs 0 (SPEC §3).
+  # Registered but nothing pulled yet: its answer to every fragment's open round weighs 0 (SPEC
+  # §3), so the rounds stay open.
   zero_before = _zero_weight_reports(svc)
   b.register()
+  requests = _open_every_round(svc, b_client)
+  for request in requests:
+    b.learner.ask(request)
+  assert b.learner.pending_rounds() == dict(enumerate(requests))
   for p in range(P):
-    result = b_client.push(b.learner.make_report(p), "fp32")
+    report = b.learner.make_report(p)
+    assert report.round_step == requests[p].round_step
+    result = b_client.push(report, "fp32")
     assert (result.status, result.weight) == ("accepted", 0.0)
     assert "has not received fragment" in result.reason
   assert _zero_weight_reports(svc) == zero_before + P
+  _close_rounds(svc, b_client, requests)
 
   b.connect()  # Registers again, pulls every fragment; the restore is not repeated.
   assert b.learner.step == 6 and b.restored_from == "own:6"
+  joined = _count(b)  # Its inner LR schedule continues from the fleet's step if that is further.
   with svc.lock:
     states = [svc.core.state(p) for p in range(P)]
   for p, state in enumerate(states):
@@ -167,22 +244,32 @@ def test_crash_at_step_7_resumes_at_6_with_weight_0_until_received(syncer, tmp_p
   assert summary["restored_from"] == "own:6" and summary["resumed_step"] == 6
   assert (summary["steps"], summary["tokens"]) == (11, 11 * TOKENS_PER_STEP)
   assert summary["checkpoint_steps"] == [9, 11]
-  # After receiving, no report weighs 0 any more, and some carried weight.
+  # After receiving, no answer weighs 0 any more. It joined at the fleet's step S (where the
+  # heartbeat above moved the clock) and answered, waiting for each, a round at each of its
+  # schedule steps S + 1 .. S + 4; the round of its last step only if it arrived in time.
+  fleet = max(r.round_step for r in requests)
+  answered = summary["push_status"].get("accepted", 0)
+  assert summary["push_status"] == {"accepted": answered} and answered in (4, 5)
+  assert answered <= summary["rounds_asked"] <= 5 and summary["blocked_s"] > 0
+  assert summary["fleet_step"] >= fleet + 4
   assert summary["zero_weight_pushes"] == 0
   assert summary["digest_mismatches"] == 0  # At connect and at every apply.
+  assert summary["applies"]
   assert _zero_weight_reports(svc) == zero_before + P
-  assert summary["push_status"].get("accepted", 0) + summary["push_status"].get("superseded", 0) > 0
   with open(tmp_path / "learner_0" / "metrics.jsonl") as f:
     events = [json.loads(line) for line in f]
   restores = [(e["restored_from"], e["step"]) for e in events if e["kind"] == "restore"]
   assert restores == [("fresh", 0), ("own:6", 6)]
+  connected = [e["fleet_step"] for e in events if e["kind"] == "connected"]
+  assert len(connected) == 2 and joined == max(6, connected[1])
   saves = [e["step"] for e in events if e["kind"] == "checkpoint"]
   assert saves == [3, 6, 9, 11]
 
   # A graceful stop repeats nothing: the next life starts with the batch after step 11.
   c, c_data, c_writer, c_client = _worker(address, tmp_path)
   assert c.restore() == "own:11"
-  assert (c.learner.step, _count(c), c.tokens_trained) == (11, 11, 11 * TOKENS_PER_STEP)
+  # The optimizer state of step 11 as saved: 5 updates after the schedule count b joined with.
+  assert (c.learner.step, _count(c), c.tokens_trained) == (11, joined + 5, 11 * TOKENS_PER_STEP)
   next(c_data)
   fresh = _Recording(0)
   for _ in range(12):

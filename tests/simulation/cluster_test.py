@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from ddiloco.data import text as text_data
@@ -33,7 +34,13 @@ def test_identity_reproduces_plain_training():
     model_config=_model(), data_config=DATA, inner_opt=INNER, num_fragments=1, num_shards=1
   )
   syncer = SyncerConfig(
-    min_quorum=1, overlap=0, use_grace=False, outer_lr=1.0, outer_momentum=0.0, nesterov=False
+    min_quorum=1,
+    overlap=0,
+    use_grace=False,
+    outer_lr=1.0,
+    outer_momentum=0.0,
+    nesterov=False,
+    clock="slowest",
   )
   sim = SimulatedCluster(
     factory=factory,
@@ -69,7 +76,9 @@ def _sim_summary(tmp_path, name, *, faults=(), min_quorum=1, blocking=False, ste
     data=DATA,
     cluster=ClusterConfig(num_learners=3, steps_per_learner=steps, faults=faults, log_every=4),
     schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
-    syncer=SyncerConfig(min_quorum=min_quorum, overlap=1),
+    syncer=SyncerConfig(
+      min_quorum=min_quorum, overlap=1, clock="slowest" if blocking else "fleet_rate"
+    ),
     learner=LearnerConfig(blocking=blocking),
     inner_opt=INNER,
     tensorboard=False,
@@ -189,7 +198,7 @@ def test_synchronous_stall_on_a_permanent_crash_is_reported(tmp_path):
       log_every=4,
     ),
     schedule=FragmentSchedule(num_fragments=2, period=4, overlap=1),
-    syncer=SyncerConfig(min_quorum=2, overlap=1, use_grace=False),
+    syncer=SyncerConfig(min_quorum=2, overlap=1, use_grace=False, clock="slowest"),
     learner=LearnerConfig(blocking=True),
     inner_opt=INNER,
     tensorboard=False,
@@ -331,3 +340,77 @@ def test_shipped_task_runs_train(tmp_path, run):
     gin.clear_config()
   assert summary["tokens_trained"] == 2 * 2 * units  # LEARNERS x STEPS x units per step
   assert np.isfinite(summary["final_eval_loss"])
+
+
+def test_an_18_percent_slower_learner_is_in_every_merge_once_per_period(tmp_path):
+  """Rounds paced by the syncer: with learner 2 18 % slower, K = 1 and the grace window, each
+  fragment merges once per period of its schedule, and (after the first period, while the grace
+  window's step-time estimate forms) with all three learners; no answer is late."""
+  workdir = tmp_path / "hetero"
+  summary = simulate(
+    workdir=str(workdir),
+    model=_model(),
+    data=DATA,
+    cluster=ClusterConfig(num_learners=3, steps_per_learner=24, slow_learners=1, log_every=4),
+    schedule=FragmentSchedule(num_fragments=4, period=4, overlap=2),
+    syncer=SyncerConfig(min_quorum=1, overlap=2),
+    inner_opt=INNER,
+    tensorboard=False,
+  )
+  rounds = read_events(str(workdir), "round")
+  merges = read_events(str(workdir), "merge")
+  assert summary["syncer"]["late"] == 0
+  assert summary["syncer"]["overrun_rounds"] == 0
+  # Round (p, t) opens only where the schedule says p is due, every step once.
+  schedule = FragmentSchedule(num_fragments=4, period=4, overlap=2)
+  assert [r["step"] for r in rounds] == sorted({r["step"] for r in rounds})
+  assert all(schedule.due(r["step"]) == (r["fragment"],) for r in rounds)
+  per_fragment = {p: [m for m in merges if m["fragment"] == p] for p in range(4)}
+  for p, ms in per_fragment.items():
+    # One merge per round, a period (4 steps of about 1 s) apart.
+    assert len(ms) == sum(r["fragment"] == p for r in rounds)
+    gaps = np.diff([m["time"] for m in ms])
+    assert np.all(gaps > 3.0), (p, gaps)
+  late_enough = [m for m in merges if m["time"] > 6.0]
+  assert late_enough and all(m["contributors"] == [0, 1, 2] for m in late_enough)
+
+
+def test_blocking_learners_need_the_lock_step_clock(tmp_path):
+  with pytest.raises(ValueError, match="clock = 'slowest'"):
+    simulate(
+      workdir=str(tmp_path / "x"),
+      model=_model(),
+      data=DATA,
+      cluster=ClusterConfig(num_learners=2, steps_per_learner=4),
+      schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
+      syncer=SyncerConfig(min_quorum=2, overlap=1),
+      learner=LearnerConfig(blocking=True),
+      inner_opt=INNER,
+      tensorboard=False,
+    )
+
+
+def test_a_joining_learner_continues_the_fleets_learning_rate_schedule(tmp_path):
+  """Learner 2 joins at t = 6.5: its inner schedule starts at the fleet's step (about 6), not at 0."""
+  factory = LearnerFactory(
+    model_config=_model(), data_config=DATA, inner_opt=INNER, num_fragments=4, num_shards=3
+  )
+  sim = SimulatedCluster(
+    factory=factory,
+    cluster=ClusterConfig(num_learners=2, steps_per_learner=16, faults=("join:2@6.5",)),
+    schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
+    learner_config=LearnerConfig(),
+    syncer_core_fn=lambda **kw: SyncerCore(config=SyncerConfig(overlap=1), **kw),
+  )
+  sim.run()
+  joiner = sim.slots[2].learner
+  counts = [
+    int(s.count)
+    for s in jax.tree.leaves(
+      joiner.opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState)
+    )
+    if isinstance(s, optax.ScaleByScheduleState)
+  ]
+  # The fleet's step at the join (about 6), plus the steps the joiner trained itself.
+  assert 0 < joiner.step < 16
+  assert counts and counts[0] >= 6 + joiner.step - 1

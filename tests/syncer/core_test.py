@@ -9,11 +9,14 @@ import optax
 import pytest
 
 from ddiloco.fragments.digest import values_digest
+from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.syncer import merge
-from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
+from ddiloco.syncer.core import Report, RoundRequest, SyncerConfig, SyncerCore
 
 # Two fragments: p0 holds "a" (2x3) and "b" (4,), p1 holds "c" (2,).
 KEYS = (("a", "b"), ("c",))
+# The round most tests open (`core.open_round(p, ROUND)`) and answer; `rep` answers it by default.
+ROUND = 10
 
 
 class FakeClock:
@@ -32,13 +35,14 @@ def init_values():
   }
 
 
-def make_core(clock=None, *, learners=(), fetch=True, **cfg):
+def make_core(clock=None, *, learners=(), fetch=True, schedule=None, **cfg):
   cfg.setdefault("use_grace", False)
   core = SyncerCore(
     fragment_keys=KEYS,
     init_values=init_values(),
     config=SyncerConfig(**cfg),
     clock=clock or FakeClock(),
+    schedule=schedule,
   )
   for i in learners:
     core.register(i)
@@ -53,7 +57,18 @@ def theta(shift: float, p: int = 0):
   return {k: v + np.float32(shift) for k, v in init_values().items() if k in KEYS[p]}
 
 
-def rep(learner, *, p=0, values=None, tokens=100, steps=10, anchor=0, step=10, step_time_s=0.0):
+def rep(
+  learner,
+  *,
+  p=0,
+  values=None,
+  tokens=100,
+  steps=10,
+  anchor=0,
+  step=10,
+  step_time_s=0.0,
+  round_step=ROUND,
+):
   return Report(
     learner_id=learner,
     fragment=p,
@@ -63,6 +78,7 @@ def rep(learner, *, p=0, values=None, tokens=100, steps=10, anchor=0, step=10, s
     anchor_version=anchor,
     step=step,
     step_time_s=step_time_s,
+    round_step=round_step,
   )
 
 
@@ -82,20 +98,50 @@ def test_register_returns_versions_and_alive():
 
 
 def test_k1_no_grace_merges_at_first_poll():
-  clock = FakeClock(5.0)
+  clock = FakeClock(4.0)
   core = make_core(clock, learners=(0,), **sgd1())
+  assert core.open_round(0, ROUND) == RoundRequest(0, ROUND, 0)
+  assert core.open_rounds() == [RoundRequest(0, ROUND, 0)]
+  clock.t = 5.0
   result = core.report(rep(0))
-  assert (result.status, result.weight) == ("accepted", 1000.0)  # 100**2 / 10
+  assert (result.status, result.weight, result.round_version) == ("accepted", 1000.0, 1)  # 100²/10
   assert core.next_deadline() == 5.0
   (event,) = core.poll()
   assert (event.fragment, event.version, event.contributors, event.tokens) == (0, 1, (0,), 100)
-  assert (event.open_time, event.quorum_time, event.grace_s, event.time) == (5.0, 5.0, 0.0, 5.0)
+  # Opened at 4.0 by open_round; its quorum is the answer at 5.0.
+  assert (event.open_time, event.quorum_time, event.grace_s, event.time) == (4.0, 5.0, 0.0, 5.0)
   assert core.version(0) == 1
   assert core.version(1) == 0
   assert event.digest == values_digest(core.state(0).values) == core.state(0).digest
   assert core.poll() == []
   assert core.next_deadline() is None
-  assert core.stats()["quorum_size_counts"] == {1: 1}
+  assert core.open_rounds() == []
+  stats = core.stats()
+  assert (stats["quorum_size_counts"], stats["rounds_opened"], stats["open_rounds"]) == (
+    {1: 1},
+    1,
+    0,
+  )
+
+
+def test_open_round_rules():
+  core = make_core(learners=(0,))
+  assert core.open_round(1, 5) == RoundRequest(1, 5, 0)
+  # p1's round is still open: the due round is not opened, and counted as an overrun.
+  assert core.open_round(1, 8) is None
+  assert core.open_round(0, 3) == RoundRequest(0, 3, 0)  # Each fragment has its own rounds.
+  assert core.open_rounds() == [RoundRequest(0, 3, 0), RoundRequest(1, 5, 0)]
+  with pytest.raises(
+    ValueError, match=r"Round step 5 of fragment 1 is not after its newest round \(5\)"
+  ):
+    core.open_round(1, 5)
+  with pytest.raises(ValueError, match="Unknown fragment 2"):
+    core.open_round(2, 9)
+  stats = core.stats()
+  assert (stats["rounds_opened"], stats["overrun_rounds"], stats["open_rounds"]) == (2, 1, 2)
+  # The overrun round 8 was never opened: p1's newest round is still 5, so 6 is not a valid answer.
+  result = core.report(rep(0, p=1, round_step=6))
+  assert (result.status, result.reason) == ("rejected", "round (1, 6) was never opened")
 
 
 def test_m1_sgd_lr1_overwrites_with_the_learner_values_exactly():
@@ -104,6 +150,7 @@ def test_m1_sgd_lr1_overwrites_with_the_learner_values_exactly():
   rng = np.random.default_rng(0)
   values = {k: rng.uniform(1.0, 2.0, v.shape).astype(np.float32) for k, v in theta(0).items()}
   core = make_core(learners=(0,), **sgd1())
+  core.open_round(0, ROUND)
   core.report(rep(0, values=values))
   core.poll()
   for k, v in values.items():
@@ -121,9 +168,19 @@ def test_bfloat16_parameters_round_trip_exactly():
   )
   core.register(0)
   core.fetch(0, 0)
+  core.open_round(0, 1)
   new = np.array([1.25, 1.75, 1.0], bf16)
   core.report(
-    Report(learner_id=0, fragment=0, values={"w": new}, tokens=4, steps=1, anchor_version=0, step=1)
+    Report(
+      learner_id=0,
+      fragment=0,
+      values={"w": new},
+      tokens=4,
+      steps=1,
+      anchor_version=0,
+      step=1,
+      round_step=1,
+    )
   )
   core.poll()
   out = core.state(0).values["w"]
@@ -134,6 +191,7 @@ def test_bfloat16_parameters_round_trip_exactly():
 def test_k2_waits_for_the_second_report():
   clock = FakeClock()
   core = make_core(clock, learners=(0, 1, 2), min_quorum=2)
+  core.open_round(0, ROUND)
   core.report(rep(0))
   clock.t = 100.0
   assert core.poll() == []
@@ -147,14 +205,18 @@ def test_k2_waits_for_the_second_report():
 
 
 def test_grace_deadline_is_exact_on_the_fake_clock():
-  clock = FakeClock(10.0)
+  clock = FakeClock(9.0)
   core = make_core(
     clock, learners=(0, 1, 2), min_quorum=2, use_grace=True, grace_gamma=0.8, overlap=2
   )
-  core.report(rep(0, step_time_s=1.0))  # opens the round at 10.0; ξ_step = 1.0
+  core.open_round(0, ROUND)  # Opened at 9.0.
+  clock.t = 10.0
+  core.report(rep(0, step_time_s=1.0))  # The round's first answer at 10.0; ξ_step = 1.0
   clock.t = 10.5
-  core.report(rep(1, step_time_s=1.0))  # quorum at 10.5: ξ_quorum = 0.5, ξ_sync unknown = 0
-  # window = 0.8 * (2*1.0 - 0.5 - 0) = 1.2; learner 2 has not reported, so no early close.
+  core.report(rep(1, step_time_s=1.0))  # Quorum at 10.5; ξ_sync unknown = 0.
+  # ξ_quorum is timed from the round's first answer (10.0), not its opening (9.0): 0.5, not 1.5
+  # (docs/algorithm.md, "Quorum and grace window"). window = 0.8 * (2*1.0 - 0.5 - 0) = 1.2; learner 2
+  # has not reported, so no early close.
   deadline = 10.5 + 0.8 * (2 * 1.0 - 0.5)
   assert core.next_deadline() == deadline
   clock.t = np.nextafter(deadline, 0.0)
@@ -162,12 +224,13 @@ def test_grace_deadline_is_exact_on_the_fake_clock():
   clock.t = deadline
   (event,) = core.poll()
   assert event.grace_s == pytest.approx(1.2)
-  assert (event.open_time, event.quorum_time, event.time) == (10.0, 10.5, deadline)
+  assert (event.open_time, event.quorum_time, event.time) == (9.0, 10.5, deadline)
 
 
 def test_grace_max_caps_the_window():
   clock = FakeClock()
   core = make_core(clock, learners=(0, 1), use_grace=True, grace_max_s=3.0)
+  core.open_round(0, ROUND)
   core.report(rep(0, step_time_s=100.0))  # 0.8 * 2 * 100 = 160 > 3
   assert core.next_deadline() == 3.0
 
@@ -176,6 +239,7 @@ def test_early_close_when_every_alive_receiver_has_reported():
   clock = FakeClock()
   core = make_core(clock, learners=(0, 1), use_grace=True)
   core.register(2)  # alive but never received p0: weighs 0, so nobody waits for it
+  core.open_round(0, ROUND)
   core.report(rep(0, step_time_s=5.0))  # window = min(0.8 * 2 * 5, 10) = 8
   assert core.next_deadline() == 8.0
   assert core.poll() == []
@@ -190,6 +254,7 @@ def test_early_close_when_every_alive_receiver_has_reported():
 def test_early_close_when_the_missing_learner_leaves():
   clock = FakeClock()
   core = make_core(clock, learners=(0, 1), use_grace=True)
+  core.open_round(0, ROUND)
   core.report(rep(0, step_time_s=5.0))
   assert core.poll() == []
   core.leave(1)
@@ -201,6 +266,7 @@ def test_k_equals_m_with_a_dead_learner_stalls():
   clock = FakeClock()
   core = make_core(clock, learners=(0, 1, 2), min_quorum=3)
   core.leave(2)
+  core.open_round(0, ROUND)
   core.report(rep(0))
   core.report(rep(1))
   clock.t = 1e6
@@ -208,6 +274,10 @@ def test_k_equals_m_with_a_dead_learner_stalls():
   assert core.next_deadline() is None
   assert core.version(0) == 0
   assert core.stats()["open_rounds"] == 1
+  # p0's next due round cannot open while this one waits: an overrun, every period.
+  assert core.open_round(0, 2 * ROUND) is None
+  assert core.stats()["overrun_rounds"] == 1
+  assert core.open_rounds() == [RoundRequest(0, ROUND, 0)]
 
 
 def test_k1_keeps_advancing_with_a_dead_learner():
@@ -215,9 +285,11 @@ def test_k1_keeps_advancing_with_a_dead_learner():
   core = make_core(clock, learners=(0, 1, 2), min_quorum=1)
   core.leave(2)
   for v in range(3):
+    s = 10 * (v + 1)
+    assert core.open_round(0, s) == RoundRequest(0, s, v)
     for i in (0, 1):
       assert core.fetch(i, 0).version == v
-      assert core.report(rep(i, anchor=v, step=10 * (v + 1))).status == "accepted"
+      assert core.report(rep(i, anchor=v, step=s, round_step=s)).status == "accepted"
     clock.t += 1.0
     (event,) = core.poll()
     assert (event.version, event.contributors) == (v + 1, (0, 1))
@@ -228,6 +300,7 @@ def test_k1_keeps_advancing_with_a_dead_learner():
 
 def test_report_before_death_stays_in_its_round():
   core = make_core(learners=(0, 1), min_quorum=2)
+  core.open_round(0, ROUND)
   core.report(rep(1))
   core.leave(1)
   core.report(rep(0))
@@ -235,75 +308,140 @@ def test_report_before_death_stays_in_its_round():
   assert event.contributors == (0, 1)
 
 
-def test_late_report_is_dropped_and_counted():
-  core = make_core(learners=(0, 1), max_staleness=0)  # SPEC §4 literal.
+def test_an_answer_to_a_closed_round_is_late_and_opens_nothing():
+  core = make_core(learners=(0, 1), **sgd1())
+  core.open_round(0, ROUND)
   core.report(rep(0))
-  core.poll()
-  digest = core.state(0).digest
-  result = core.report(rep(1, tokens=70))  # anchored at 0, current is 1: staleness 1 > 0
-  assert result.status == "late"
-  assert "staleness 1" in result.reason
-  stats = core.stats()
-  assert (stats["late"], stats["dropped_tokens"], stats["open_rounds"]) == (1, 70, 0)
-  assert core.poll() == []
-  assert core.state(0).digest == digest
-
-
-def test_max_staleness_admits_a_stale_report():
-  core = make_core(learners=(0, 1), max_staleness=1)
-  core.report(rep(0))
-  core.poll()
-  assert core.report(rep(1)).status == "accepted"
   (event,) = core.poll()
-  assert (event.version, event.contributors) == (2, (1,))
+  assert event.version == 1
+  core.fetch(1, 0)  # Learner 1 even holds the new version: its answer is still to a closed round.
+  digest = core.state(0).digest
+  late = dataclasses.replace(rep(1, tokens=70, anchor=1), new_tokens=30)
+  result = core.report(late)
+  assert (result.status, result.reason, result.weight) == ("late", "round (0, 10) is closed", 0.0)
+  assert core.late_reason(0, ROUND) == "round (0, 10) is closed"
+  stats = core.stats()
+  assert (stats["late"], stats["dropped_tokens"], stats["open_rounds"], stats["rounds_opened"]) == (
+    1,
+    70,
+    0,
+    1,
+  )
+  assert (stats["accepted"], stats["merges"], stats["zero_weight_reports"]) == (1, 1, 0)
+  # It opened no round: nothing to merge, ever.
+  assert core.open_rounds() == []
+  assert core.poll() == []
+  assert core.next_deadline() is None
+  assert (core.version(0), core.state(0).digest) == (1, digest)
+  assert core.ledger()["learners"][1] == {"received": 30, "merged": 0, "dropped": 30, "pending": 0}
+  # An answer to an older round while a newer one is open is late too, and leaves the open one alone.
+  assert core.open_round(0, 13) == RoundRequest(0, 13, 1)
+  assert core.late_reason(0, 13) is None
+  result = core.report(dataclasses.replace(late, new_tokens=5))
+  assert (result.status, result.reason) == ("late", "round (0, 10) is closed")
+  assert core.open_rounds() == [RoundRequest(0, 13, 1)]
+  book = core.ledger()
+  assert (book["received"], book["dropped"], book["pending"]) == (35, 35, 0)
+  assert (core.stats()["late"], core.stats()["dropped_tokens"]) == (2, 140)
+  assert (core.version(0), core.state(0).digest) == (1, digest)
 
 
-def test_stale_report_is_re_anchored_at_its_own_version():
-  """v_m = Θ^(anchor) − θ_m: a stale report adds its progress on top of the merge it missed.
+def test_an_answer_to_a_round_never_opened_is_rejected():
+  core = make_core(learners=(0,), **sgd1())
+  # No round of p0 was ever opened: no answer can be to one.
+  for round_step in (-1, 0, ROUND):
+    result = core.report(rep(0, round_step=round_step))
+    assert (result.status, result.weight) == ("rejected", 0.0)
+    assert result.reason == f"round (0, {round_step}) was never opened"
+  assert core.open_rounds() == []
+  core.open_round(0, ROUND)
+  before = core.state_dict()
+  # Past p0's newest round: the answer is to a round that does not exist (yet).
+  result = core.report(dataclasses.replace(rep(0, round_step=ROUND + 1), new_tokens=50))
+  assert (result.status, result.reason) == ("rejected", "round (0, 11) was never opened")
+  after = core.state_dict()
+  assert after["stats/rejected"] == before["stats/rejected"] + 1 == 4
+  after["stats/rejected"] = before["stats/rejected"]
+  _assert_state_dicts_equal(after, before)  # Untouched: no round, no ledger, no EMA moved.
+  assert core.open_rounds() == [RoundRequest(0, ROUND, 0)]
+  stats = core.stats()
+  assert (stats["accepted"], stats["late"], stats["rounds_opened"], stats["versions"]) == (
+    0,
+    0,
+    1,
+    [0, 0],
+  )
+  assert core.ledger()["received"] == 0
 
-  Outer SGD lr 1, mean. Θ0 = init. Learner 0 (anchor 0) sends init + 0.125 -> Θ1 = init + 0.125.
-  Learner 1 (anchor 0, one merge behind) sends init + 0.25: its outer gradient is Θ0 − θ1 = −0.25,
-  so Θ2 = Θ1 + 0.25 = init + 0.375. (Anchoring at Θ1 instead would give Θ2 = init + 0.25, undoing
-  learner 0's merge.)
+
+def test_an_answer_anchored_off_the_round_base_weighs_zero():
+  """v_m = Θ^(base) − θ_m: an answer holding another version would move Θ by the wrong difference.
+
+  Outer SGD lr 1, mean. Round 10: learner 0 sends init + 0.125 -> Θ1 = init + 0.125. Round 13 is
+  opened on version 1. Learner 1 still holds version 0 and sends init + 0.25: weight 0, so it
+  neither counts toward K = 1 nor touches the merge. Learner 0 (anchor 1) sends init + 0.375:
+  Θ2 = Θ1 − (Θ1 − θ0) = init + 0.375 exactly.
   """
-  core = make_core(learners=(0, 1), max_staleness=1, merge_method="mean", **sgd1())
+  core = make_core(learners=(0, 1), merge_method="mean", **sgd1())
+  core.open_round(0, ROUND)
   core.report(rep(0, values=theta(0.125)))
   core.poll()
-  assert core.report(rep(1, values=theta(0.25))).status == "accepted"
-  core.poll()
+  core.fetch(0, 0)
+  assert core.open_round(0, 13) == RoundRequest(0, 13, 1)
+  stale = rep(1, values=theta(0.25), anchor=0, tokens=70, round_step=13)
+  result = core.report(dataclasses.replace(stale, new_tokens=70))
+  assert (result.status, result.weight, result.round_version) == ("accepted", 0.0, -1)
+  assert (
+    result.reason == "weight 0: answered against version 0; round (0, 13) is based on version 1"
+  )
+  assert core.poll() == []
+  assert core.next_deadline() is None
+  stats = core.stats()
+  assert (stats["zero_weight_reports"], stats["zero_weight_tokens"]) == (1, 70)
+  book = core.ledger()
+  assert (book["dropped"], book["pending"]) == (70, 0)
+  # The same learner answering again, now at the base, is not a duplicate: weight 0 filed nothing.
+  core.fetch(1, 0)
+  assert core.report(rep(1, values=theta(0.375), anchor=1, round_step=13)).weight == 1000.0
+  core.report(rep(0, values=theta(0.375), anchor=1, round_step=13))
+  (event,) = core.poll()
+  assert (event.version, event.contributors, event.weights) == (2, (0, 1), (1000.0, 1000.0))
   for k, v in core.state(0).values.items():
     np.testing.assert_array_equal(v, init_values()[k] + np.float32(0.375))
 
 
-def test_staleness_beyond_kept_versions_is_a_config_error():
-  with pytest.raises(ValueError, match="keep_versions"):
-    SyncerConfig(max_staleness=3, keep_versions=3)
-
-
 def test_duplicate_and_superseded():
   core = make_core(learners=(0, 1), min_quorum=2, **sgd1(), merge_method="mean")
+  core.open_round(0, ROUND)
   assert core.report(rep(0, step=10, values=theta(0.125))).status == "accepted"
-  assert core.report(rep(0, step=10)).status == "duplicate"
-  assert core.report(rep(0, step=9)).status == "duplicate"
-  newer = core.report(rep(0, step=12, tokens=200, values=theta(0.25)))
-  assert (newer.status, newer.weight) == ("superseded", 4000.0)  # 200**2 / 10
-  # A restarted learner (new registration) supersedes even with a lower step.
+  dup = core.report(rep(0, step=10))
+  assert (dup.status, dup.reason, dup.weight) == (
+    "duplicate",
+    "learner 0 already answered round (0, 10)",
+    0.0,
+  )
+  # One answer per learner and round: a later step of the same registration is a duplicate too.
+  assert core.report(rep(0, step=12, tokens=200, values=theta(0.25))).status == "duplicate"
+  # A restarted learner (new registration) supersedes its lost process's answer, whatever its step.
   core.register(0)
   core.fetch(0, 0)
-  assert core.report(rep(0, step=3, tokens=100, values=theta(0.5))).status == "superseded"
+  newer = core.report(rep(0, step=3, tokens=100, values=theta(0.5)))
+  assert (newer.status, newer.weight) == ("superseded", 1000.0)
+  assert core.report(rep(0, step=4)).status == "duplicate"  # Its second answer in that epoch.
   core.report(rep(1, tokens=100, values=theta(0.5)))
   (event,) = core.poll()
   assert event.weights == (1000.0, 1000.0)
   assert event.tokens == 200
-  # Both rounds' survivors are theta(0.5): mean = theta(0.5); lr 1 gives it back exactly.
+  # Both survivors are theta(0.5): mean = theta(0.5); lr 1 gives it back exactly.
   np.testing.assert_array_equal(core.state(0).values["a"], theta(0.5)["a"])
   stats = core.stats()
-  assert (stats["accepted"], stats["superseded"], stats["duplicate"]) == (2, 2, 2)
+  assert (stats["accepted"], stats["superseded"], stats["duplicate"]) == (2, 1, 3)
 
 
 def test_weight_zero_learner_never_changes_the_global_state():
   clock = FakeClock()
   core = make_core(clock, learners=(0,), fetch=False, **sgd1())
+  core.open_round(0, ROUND)
   digest = core.state(0).digest
   # Never received p0: weight 0 whatever its anchor and counters say (SPEC §3).
   for anchor in (-1, 0):
@@ -327,6 +465,7 @@ def test_weight_zero_learner_never_changes_the_global_state():
 
 def test_zero_counters_give_weight_zero():
   core = make_core(learners=(0,))
+  core.open_round(0, ROUND)
   assert core.report(rep(0, tokens=0, steps=0)).weight == 0.0
   assert core.poll() == []
 
@@ -334,6 +473,7 @@ def test_zero_counters_give_weight_zero():
 def test_mark_delivered_counts_as_received():
   core = make_core(learners=(0,), fetch=False)
   core.mark_delivered(0, 0, 0)
+  core.open_round(0, ROUND)
   assert core.report(rep(0)).weight == 1000.0
   with pytest.raises(ValueError, match="does not exist"):
     core.mark_delivered(0, 0, 1)
@@ -368,6 +508,9 @@ BAD_REPORTS = {
   "bad step time": (_bad("step_time_s", float("nan")), "step_time_s"),
   "anchor ahead": (_bad("anchor_version", 1), "anchor_version 1 outside [-1, 0]"),
   "anchor below -1": (_bad("anchor_version", -2), "anchor_version -2"),
+  "non-int round": (_bad("round_step", 10.0), "round_step must be an integer"),
+  "round never opened": (_bad("round_step", ROUND + 1), "round (0, 11) was never opened"),
+  "no round": (_bad("round_step", -1), "round (0, -1) was never opened"),
 }
 
 
@@ -376,19 +519,22 @@ def test_rejections_leave_the_state_untouched(case):
   make, reason = BAD_REPORTS[case]
   core = make_core(learners=(0, 1))
   core.leave(1)
+  core.open_round(0, ROUND)
   before = [core.state(p).digest for p in range(2)]
   result = core.report(make())
   assert (result.status, result.weight) == ("rejected", 0.0)
   assert reason in result.reason
   assert core.poll() == []
   assert [core.state(p).digest for p in range(2)] == before
+  assert core.open_rounds() == [RoundRequest(0, ROUND, 0)]
   stats = core.stats()
   assert (stats["rejected"], stats["accepted"], stats["open_rounds"], stats["versions"]) == (
     1,
     0,
-    0,
+    1,
     [0, 0],
   )
+  assert core.ledger()["received"] == 0
 
 
 def test_outer_step_matches_optax_sgd_nesterov_over_two_rounds():
@@ -400,6 +546,8 @@ def test_outer_step_matches_optax_sgd_nesterov_over_two_rounds():
   hand = {k: v.astype(np.float64) for k, v in params.items()}
   rng = np.random.default_rng(1)
   for v in range(2):
+    s = 10 * (v + 1)
+    core.open_round(0, s)
     thetas = [
       {
         k: (x + rng.normal(0, 0.1, x.shape)).astype(np.float32)
@@ -409,7 +557,7 @@ def test_outer_step_matches_optax_sgd_nesterov_over_two_rounds():
     ]
     for i in (0, 1):
       core.fetch(i, 0)
-      core.report(rep(i, values=thetas[i], anchor=v, step=10 * (v + 1), tokens=100 * (i + 1)))
+      core.report(rep(i, values=thetas[i], anchor=v, step=s, round_step=s, tokens=100 * (i + 1)))
     glob = core.state(0).values
     grads = [{k: glob[k] - t[k] for k in glob} for t in thetas]
     merged = merge.merge_outer_gradients(grads, [1000.0, 4000.0])  # 100²/10, 200²/10
@@ -431,6 +579,7 @@ def test_outer_step_matches_optax_sgd_nesterov_over_two_rounds():
 
 def test_token_weights_shape_the_mean():
   core = make_core(learners=(0, 1), min_quorum=2, merge_method="mean", **sgd1())
+  core.open_round(0, ROUND)
   theta1 = theta(0.0)
   theta1["a"][0, 0] += (
     0.25  # not collinear with learner 0's shift, so RDA would differ from the mean
@@ -458,6 +607,7 @@ def test_embedding_keys_use_the_mean(embedding_keys, expected):
     clock=FakeClock(),
     embedding_keys=embedding_keys,
   )
+  core.open_round(1, ROUND)
   for i, c in enumerate(([1.5, 1.0], [1.0, 1.5])):
     core.register(i)
     core.fetch(i, 1)
@@ -469,10 +619,11 @@ def test_embedding_keys_use_the_mean(embedding_keys, expected):
 
 
 def test_keep_versions():
-  core = make_core(learners=(0,), keep_versions=2, max_staleness=1)
+  core = make_core(learners=(0,), keep_versions=2)
   for v in range(3):
     core.fetch(0, 0)
-    core.report(rep(0, anchor=v, step=v + 1))
+    core.open_round(0, v + 1)
+    core.report(rep(0, anchor=v, step=v + 1, round_step=v + 1))
     core.poll()
   assert core.state_at(0, 3).digest == core.state(0).digest
   assert core.state_at(0, 2).version == 2
@@ -481,28 +632,31 @@ def test_keep_versions():
 
 
 def _scenario(clock):
-  """A core with history, momentum, an open round, a dead learner and EMAs set."""
-  core = make_core(
-    clock, learners=(0, 1, 2), min_quorum=2, use_grace=True, keep_versions=2, max_staleness=1
-  )
+  """A core with history, momentum, two open rounds, a dead learner and EMAs set."""
+  core = make_core(clock, learners=(0, 1, 2), min_quorum=2, use_grace=True, keep_versions=2)
   for v in range(3):
+    s = 10 * (v + 1)
     clock.t += 1.0
+    core.open_round(0, s)
     for i in (0, 1):
       core.fetch(i, 0)
-      core.report(
-        rep(i, values=theta(0.1 * (i + 1) + 0.01 * v), anchor=v, step=v + 1, step_time_s=0.5)
-      )
+      values = theta(0.1 * (i + 1) + 0.01 * v)
+      core.report(rep(i, values=values, anchor=v, step=s + 1, round_step=s, step_time_s=0.5))
     clock.t += 5.0
     assert len(core.poll()) == 1
   core.fetch(0, 0)
-  core.report(rep(0, values=theta(0.3), anchor=3, step=9, tokens=50))  # open round, below quorum
+  core.open_round(0, 40)  # Open on version 3, below quorum.
+  core.report(rep(0, values=theta(0.3), anchor=3, step=41, round_step=40, tokens=50))
   core.leave(2)
   core.observe_sync_time(0.25)
   # p1: quorum met, grace window running (learner 3 received p1 and has not reported).
   core.register(3)
   core.fetch(3, 1)
+  core.open_round(1, 20)
   for i in (0, 1):
-    core.report(rep(i, p=1, values=theta(0.05 * (i + 1), 1), step=20, step_time_s=0.5))
+    core.report(
+      rep(i, p=1, values=theta(0.05 * (i + 1), 1), step=21, round_step=20, step_time_s=0.5)
+    )
   return core
 
 
@@ -519,17 +673,31 @@ def test_state_dict_round_trip_is_exact_and_continues_identically():
   core_a = _scenario(clock_a)
   sd = core_a.state_dict()
   assert sd["fragment/0/version"] == 3
-  core_b = make_core(clock_b, use_grace=True, min_quorum=2, keep_versions=2, max_staleness=1)
+  assert (sd["fragment/0/round/step"], sd["fragment/0/round/base_version"]) == (40, 3)
+  assert (sd["fragment/1/round/step"], sd["fragment/1/round/base_version"]) == (20, 0)
+  core_b = make_core(clock_b, use_grace=True, min_quorum=2, keep_versions=2)
   core_b.load_state_dict(sd)
   _assert_state_dicts_equal(core_b.state_dict(), sd)
   assert core_b.alive() == frozenset({0, 1, 3})
+  assert (
+    core_b.open_rounds()
+    == core_a.open_rounds()
+    == [
+      RoundRequest(0, 40, 3),
+      RoundRequest(1, 20, 0),
+    ]
+  )
   assert core_b.state(0).digest == core_a.state(0).digest
   assert core_b.grace_window() == core_a.grace_window()
   clock_b.t = clock_a.t
   assert core_b.next_deadline() == core_a.next_deadline() > clock_a.t  # p1's grace window
   for core, clock in ((core_a, clock_a), (core_b, clock_b)):
     core.fetch(1, 0)
-    assert core.report(rep(1, values=theta(0.2), anchor=3, step=9)).status == "accepted"
+    result = core.report(rep(1, values=theta(0.2), anchor=3, step=41, round_step=40))
+    assert result.status == "accepted"
+    # The restored rounds' steps hold: round 30 of p0 is closed, round 41 was never opened.
+    assert core.report(rep(0, anchor=3, round_step=30)).status == "late"
+    assert core.report(rep(0, anchor=3, round_step=41)).status == "rejected"
     clock.t += 10.0
   events_a, events_b = core_a.poll(), core_b.poll()
   assert events_a == events_b
@@ -572,6 +740,12 @@ def test_constructor_validation():
       config=SyncerConfig(),
       clock=FakeClock(),
     )
+  with pytest.raises(ValueError, match=r"schedule \(P=3, τ=2\) does not fit this syncer \(P=2"):
+    make_core(schedule=FragmentSchedule(num_fragments=3, period=4, overlap=2))
+  with pytest.raises(
+    ValueError, match=r"schedule \(P=2, τ=1\) does not fit this syncer \(P=2, τ=2"
+  ):
+    make_core(schedule=FragmentSchedule(num_fragments=2, period=4, overlap=1))
 
 
 def test_config_validation_and_gin():
@@ -579,6 +753,9 @@ def test_config_validation_and_gin():
     SyncerConfig(min_quorum=0)
   with pytest.raises(ValueError, match="merge_method"):
     SyncerConfig(merge_method="median")
+  # A learner answering a round may still hold the previous version: two versions at least.
+  with pytest.raises(ValueError, match="keep_versions must be >= 2"):
+    SyncerConfig(keep_versions=1)
   with gin.unlock_config():
     gin.parse_config("ddiloco.SyncerConfig.min_quorum = 3")
   try:
@@ -588,31 +765,45 @@ def test_config_validation_and_gin():
   assert SyncerConfig().min_quorum == 1
 
 
-def test_fleet_step_extrapolates_from_the_latest_report():
-  """Latest accepted report: step 12, arrived at t = 12.05, step time 1.0 s.
+def test_fleet_step_is_the_step_clock():
+  """fleet_step is the step clock once it runs; before, the largest step of a weight>0 answer.
 
-  At t = 13.0 the fleet has done round(0.95 / 1.0) = 1 more step: 13. A stale report with a lower
-  step never moves it back; a checkpoint round trip keeps it.
+  Learner 0 answers round 12 at step 12 (t = 12): the clock starts there. Step times do not move it,
+  measured rates do: both learners at 2 steps/s from t = 13 give step 14 at t = 14. A lower step
+  never moves it back. A restored core has no clock until a learner is seen again, and then
+  restarts it past every round it had opened.
   """
-  clock = FakeClock(12.05)
-  core = make_core(clock, learners=(0, 1), max_staleness=1)
-  core.report(rep(0, step=12, step_time_s=1.0))
+  clock = FakeClock(12.0)
+  core = make_core(clock, learners=(0, 1))
+  assert (core.cadence_step(), core.fleet_step()) == (-1, 0)
+  core.open_round(0, 12)
+  core.report(rep(0, step=12, round_step=12, step_time_s=1.0))
   assert core.fleet_step() == 12
   clock.t = 13.0
-  assert core.fleet_step() == 13
-  core.report(rep(1, step=7, step_time_s=1.0))
-  assert core.fleet_step() == 13
-  other = make_core(FakeClock(13.0))
+  assert core.fleet_step() == 12  # No rate measured yet: the clock holds.
+  for i in (0, 1):
+    core.observe_steps(i, 50)
+  clock.t = 14.0
+  for i in (0, 1):
+    core.observe_steps(i, 52)
+  assert core.fleet_step() == 14
+  assert core.report(rep(1, step=7, round_step=12, step_time_s=1.0)).status == "accepted"
+  assert core.fleet_step() == 14
+  other = make_core(FakeClock(14.0))
   other.load_state_dict(core.state_dict())
-  assert other.fleet_step() == 13
+  assert (other.cadence_step(), other.fleet_step()) == (-1, 12)
+  other.observe_steps(1, 3)  # A learner restarted from its own older checkpoint.
+  assert other.cadence_step() == 12  # Not 3: past p0's round 12.
 
 
 def test_cadence_is_a_clock_at_the_median_learner_rate():
-  """cadence_step starts at the first report's schedule step and advances at the median rate of
+  """cadence_step starts at the first answer's schedule step and advances at the median rate of
   the alive learners' own step counts, whatever their schedules do (no feedback)."""
   clock = FakeClock(0.0)
-  core = make_core(clock, learners=(0, 1, 2), max_staleness=1)
+  core = make_core(clock, learners=(0, 1, 2))
   assert core.cadence_step() == -1  # No report yet.
+  core.open_round(0, ROUND)
+  assert core.cadence_step() == -1  # Opening a round observes no learner.
   core.report(rep(0, step=10))
   assert core.cadence_step() == 10
   # Own step counts: learner 0 at 2 steps/s, learner 1 at 4 steps/s, learner 2 at 10 steps/s.
@@ -626,58 +817,279 @@ def test_cadence_is_a_clock_at_the_median_learner_rate():
   core.leave(1)  # Median of {2, 10} = 6 steps/s from now on.
   assert core.cadence_step() == 18 + 6
   # A learner's schedule jumping ahead does not move the cadence.
-  core.report(rep(2, step=500))
+  assert core.report(rep(2, step=500)).status == "accepted"
   assert core.cadence_step() == 24
 
 
 def test_observe_steps_ignores_unknown_dead_and_too_frequent_samples():
   clock = FakeClock(0.0)
-  core = make_core(clock, learners=(0,))
+  core = make_core(clock, learners=(0, 1))
+  core.leave(1)
   core.observe_steps(7, 10)  # Unknown learner: ignored.
+  core.observe_steps(1, 5000)  # Dead learner: ignored.
+  assert core.cadence_step() == -1
   core.observe_steps(0, 10)
   clock.t = 0.5
   core.observe_steps(0, 1000)  # Within min_interval_s: no rate sample.
   clock.t = 1.0
   core.observe_steps(0, 20)
-  core.report(rep(0, step=3))
-  assert core.cadence_step() == 3
+  assert core.cadence_step() == 20  # The largest step seen; 1000 never was a sample.
   clock.t = 2.0
-  assert core.cadence_step() == 3 + 10  # 10 steps/s from the one valid sample.
+  assert core.cadence_step() == 20 + 10  # 10 steps/s from the one valid sample.
+
+
+def _tick_core(clock):
+  """P = 2, H = 4, τ = 2 (p1 due at steps 2, 6, 10, ..., p0 at 4, 8, ...), K = 1, learners 0-2."""
+  schedule = FragmentSchedule(num_fragments=2, period=4, overlap=2)
+  return make_core(clock, learners=(0, 1, 2), schedule=schedule, merge_method="mean", **sgd1())
+
+
+def _answer(core, request):
+  """Learner 0 answers `request` at its base and the round merges at once (K = 1)."""
+  p = request.fragment
+  result = core.report(
+    rep(0, p=p, values=theta(0.125, p), anchor=request.base_version, round_step=request.round_step)
+  )
+  assert (result.status, result.weight) == ("accepted", 1000.0)
+  (event,) = core.poll()
+  assert (event.fragment, event.version) == (p, request.base_version + 1)
+  core.fetch(0, p)
+
+
+def test_tick_opens_exactly_the_rounds_due_on_the_step_clock():
+  """Learners 0, 1, 2 step at 1, 2 and 4 steps/s from step 1 at t = 0: the clock runs at the median,
+  2 steps/s, and reaches step s at t = (s − 1) / 2 (every time here is exact in binary).
+
+  Learner 0 answers every round at once except round (1, 6), which it answers only at step 11: p1's
+  round is still open when p1 is due at step 10, so round (1, 10) is not opened (an overrun).
+  """
+  clock = FakeClock(0.0)
+  core = _tick_core(clock)
+  assert (core.cadence_step(), core.tick(), core.next_tick_time()) == (-1, [], None)
+  for i in range(3):
+    core.observe_steps(i, 1)
+  assert core.tick() == []  # Step 1: nothing due.
+  assert core.cadence_step() == 1
+  assert core.next_tick_time() is None  # No rate measured yet: the clock holds.
+  clock.t = 1.0
+  for i, rate in enumerate((1, 2, 4)):
+    core.observe_steps(i, 1 + rate)
+  # The first rates cover the second since t = 0: the clock is at step 3, and step 2 is due now.
+  assert core.cadence_step() == 3
+  assert core.next_tick_time() == 1.0
+  assert core.tick() == [RoundRequest(1, 2, 0)]
+  _answer(core, RoundRequest(1, 2, 0))
+  # By hand: (fragment, step, base version) opened at each step; p1's round 6 overruns step 10.
+  expected = {
+    4: [RoundRequest(0, 4, 0)],
+    5: [],
+    6: [RoundRequest(1, 6, 1)],
+    7: [],
+    8: [RoundRequest(0, 8, 1)],
+    9: [],
+    10: [],
+    11: [],
+    12: [RoundRequest(0, 12, 2)],
+    13: [],
+    14: [RoundRequest(1, 14, 2)],
+    15: [],
+    16: [RoundRequest(0, 16, 3)],
+  }
+  overrun = {10: 1}
+  held = None  # Round (1, 6) until step 11.
+  for step, requests in expected.items():
+    t = (step - 1) / 2
+    assert core.next_tick_time() == t
+    clock.t = t - 0.25
+    assert core.tick() == []
+    clock.t = t
+    opened = core.tick()
+    assert opened == requests
+    # Every fragment due at this step got its round, or overran an open one.
+    assert {r.fragment for r in opened} | ({1} if step in overrun else set()) == set(
+      core.schedule.due(step)
+    )
+    assert core.stats()["overrun_rounds"] == sum(n for s, n in overrun.items() if s <= step)
+    for r in opened:
+      if r == RoundRequest(1, 6, 1):
+        held = r
+      else:
+        assert core.open_rounds().count(r) == 1
+        _answer(core, r)
+    # At most one open round per fragment: only the held one.
+    assert core.open_rounds() == ([held] if held else [])
+    if step == 11:
+      _answer(core, held)
+      held = None
+  stats = core.stats()
+  assert (stats["rounds_opened"], stats["overrun_rounds"], stats["versions"]) == (7, 1, [4, 3])
+  # A clock that jumped (a slow tick) opens every round due since, in due order.
+  clock.t = (20 - 1) / 2
+  assert core.tick() == [RoundRequest(1, 18, 3), RoundRequest(0, 20, 4)]
+  assert core.next_tick_time() == 10.0
+
+
+def _run_fleet(*, use_grace, until):
+  """Learners 0-2 step every 1.0 s, learner 3 every 1.18 s, from t = 0 (P = 2, H = 4, K = 1).
+
+  Each learner sends a heartbeat (`observe_steps`) at every step boundary and answers there every
+  round opened since its previous boundary, at the version it holds (every merge is delivered to
+  all at once). Returns the core, the rounds opened as (time, request), the merges, and each
+  learner's answer times as {(fragment, round step): {learner: time}}.
+  """
+  clock = FakeClock(0.0)
+  schedule = FragmentSchedule(num_fragments=2, period=4, overlap=2)
+  core = make_core(
+    clock, learners=range(4), schedule=schedule, use_grace=use_grace, merge_method="mean", **sgd1()
+  )
+  step_s = (1.0, 1.0, 1.0, 1.18)
+  inner = [0, 0, 0, 0]
+  since = [[0, 0] for _ in range(4)]  # Per learner and fragment: inner step at its last answer.
+  held = [[0, 0] for _ in range(4)]  # Per learner and fragment: the version it holds.
+  pending = [[] for _ in range(4)]
+  for i in range(4):
+    core.observe_steps(i, 0)
+  opened, merges, answers = [], [], {}
+  while clock.t < until:
+    boundary = [(inner[i] + 1) * step_s[i] for i in range(4)]
+    due = [t for t in (core.next_tick_time(), core.next_deadline()) if t is not None]
+    clock.t = max(min(boundary + due), clock.t)
+    for i in range(4):
+      if boundary[i] > clock.t:
+        continue
+      inner[i] += 1
+      core.observe_steps(i, inner[i])
+      for r in pending[i]:
+        p, steps = r.fragment, inner[i] - since[i][r.fragment]
+        since[i][p] = inner[i]
+        result = core.report(
+          rep(
+            i,
+            p=p,
+            values=theta(0.001 * (i + 1), p),
+            tokens=100 * steps,
+            steps=steps,
+            anchor=held[i][p],
+            step=inner[i],
+            step_time_s=step_s[i],
+            round_step=r.round_step,
+          )
+        )
+        answers.setdefault((p, r.round_step), {})[i] = (clock.t, result.status)
+      pending[i] = []
+    for r in core.tick():
+      opened.append((clock.t, r))
+      for i in range(4):
+        pending[i].append(r)
+    for e in core.poll():
+      merges.append(e)
+      for i in range(4):
+        held[i][e.fragment] = core.fetch(i, e.fragment).version
+  return core, opened, merges, answers
+
+
+def test_a_straggler_joins_every_round_within_the_grace_window():
+  """Learner 3 is 18 % slower. The clock runs at the median rate (1 step/s): each fragment is due
+  every 4 s. A round opened at t gets the fast learners' answers at t + 1 and learner 3's at its
+  next boundary, within t + 1.18. With K = 1 the first answer makes the quorum and fixes the window
+  at 0.8 · (2 · ξ_step − 0 − 0) >= 1.6 s (ξ_step >= 1 s, ξ_quorum = 0 for K = 1, ξ_sync = 0 on a
+  fake clock): every learner answers in it, and the round closes early at the last answer.
+  """
+  core, opened, merges, answers = _run_fleet(use_grace=True, until=42.0)
+  # Rounds at steps 2, 4, ..., 42 (the last still open); the clock ticks on the whole seconds.
+  assert [(t, r.round_step) for t, r in opened] == [(float(s), s) for s in range(2, 43, 2)]
+  assert core.open_rounds() == [RoundRequest(1, 42, 10)]
+  by_round = {(e.fragment, e.version): e for e in merges}
+  assert len(by_round) == len(merges) == 20  # Every closed round merged exactly once.
+  for p in (0, 1):
+    steps = [r.round_step for _, r in opened if r.fragment == p]
+    # Every period the fragment's round: none skipped (no overrun), none twice.
+    assert steps == list(range(core.schedule.next_due(p, 0), 43, 4))
+    assert [r.base_version for _, r in opened if r.fragment == p] == list(range(len(steps)))
+  warm_up = 8.0  # Two periods: rates measured, every EMA set.
+  rounds = [(t, r) for t, r in opened if warm_up <= t < 42.0]
+  assert len(rounds) == 17
+  for t, r in rounds:
+    event = by_round[(r.fragment, r.base_version + 1)]  # Merged from its base.
+    assert event.contributors == (0, 1, 2, 3)
+    times = answers[(r.fragment, r.round_step)]
+    assert {i: status for i, (_, status) in times.items()} == dict.fromkeys(range(4), "accepted")
+    first, last = min(a for a, _ in times.values()), max(a for a, _ in times.values())
+    assert times[0][0] == t + 1.0 and t < times[3][0] <= t + 1.18
+    # Quorum at the first answer; early close at the last, inside the window.
+    assert (event.open_time, event.quorum_time, event.time) == (t, first, last)
+    assert event.time - event.quorum_time < event.grace_s
+  stats = core.stats()
+  assert (stats["late"], stats["overrun_rounds"], stats["duplicate"], stats["rejected"]) == (
+    0,
+    0,
+    0,
+    0,
+  )
+  assert (stats["rounds_opened"], stats["merges"], stats["zero_weight_reports"]) == (21, 20, 0)
+
+
+def test_without_grace_the_straggler_splits_every_round():
+  """The same fleet without the grace window: K = 1 merges at the first answer. Learner 3's next
+  boundary usually comes before the fast learners' (t + 1), so it merges alone and they are late;
+  otherwise they merge and it is late. No round ever has all four."""
+  core, opened, merges, answers = _run_fleet(use_grace=False, until=42.0)
+  by_round = {(e.fragment, e.version): e for e in merges}
+  for t, r in opened[:-1]:
+    times = answers[(r.fragment, r.round_step)]
+    straggler_first = times[3][0] < t + 1.0
+    on_time = (3,) if straggler_first else (0, 1, 2)
+    assert by_round[(r.fragment, r.base_version + 1)].contributors == on_time
+    assert {i for i, (_, status) in times.items() if status == "late"} == set(range(4)) - set(
+      on_time
+    )
+  stats = core.stats()
+  assert (stats["quorum_size_counts"], stats["late"], stats["overrun_rounds"]) == (
+    {1: 17, 3: 3},
+    17 * 3 + 3 * 1,
+    0,
+  )
 
 
 def test_token_ledger_books_every_report_once():
   """received = merged + dropped + pending after each kind of answer; merged_steps per learner."""
-  core = make_core(learners=(0, 1), max_staleness=0, min_quorum=2, **sgd1())
+  core = make_core(learners=(0, 1), min_quorum=2, **sgd1())
+  core.open_round(0, ROUND)
+  core.open_round(1, ROUND)
   ledger_rep = lambda i, n, **kw: dataclasses.replace(rep(i, **kw), new_tokens=n)  # noqa: E731
   assert core.report(ledger_rep(0, 30, step=10)).round_version == 1
-  assert core.report(ledger_rep(0, 5, step=12)).status == "superseded"  # Carries the 30 along.
   assert core.report(ledger_rep(0, 7, step=11)).status == "duplicate"  # Dropped: 7.
+  core.register(0)  # Restarted: its answer supersedes the lost process's and carries its 30 along.
+  core.fetch(0, 0)
+  assert core.report(ledger_rep(0, 5, step=12)).status == "superseded"
   assert core.report(ledger_rep(1, 40, p=1, step=10)).status == "accepted"  # p1 needs K = 2.
   book = core.ledger()
   assert (book["received"], book["merged"], book["dropped"], book["pending"]) == (82, 0, 7, 75)
-  core.report(ledger_rep(1, 20, step=10))  # The second report of p0: quorum, merge.
+  core.report(ledger_rep(1, 20, step=10))  # The second answer of round (0, 10): quorum, merge.
   assert [e.version for e in core.poll()] == [1]
   book = core.ledger()
   assert (book["received"], book["merged"], book["dropped"], book["pending"]) == (102, 55, 7, 40)
   assert book["learners"][0] == {"received": 42, "merged": 35, "dropped": 7, "pending": 0}
   assert book["learners"][1] == {"received": 60, "merged": 20, "dropped": 0, "pending": 40}
   assert core.merged_steps(0) == [12, -1] and core.merged_steps(1) == [10, -1]
-  # Late (anchor 0 < version 1 with max_staleness 0) and weight 0 (never received p): dropped.
+  # Late (round (0, 10) is closed) and weight 0 (never received p): dropped.
   assert core.report(ledger_rep(0, 9, step=20)).status == "late"
   core.register(2)
-  assert core.report(ledger_rep(2, 11, step=20)).weight == 0.0
+  core.open_round(0, 13)
+  assert core.report(ledger_rep(2, 11, step=20, anchor=1, round_step=13)).weight == 0.0
   core.drop_late(100, "stale header", learner_id=1, new_tokens=3)  # The service's early refusal.
   book = core.ledger()
   assert (book["received"], book["merged"], book["dropped"], book["pending"]) == (125, 55, 30, 40)
   assert book["received"] == book["merged"] + book["dropped"] + book["pending"]
   # The ledger survives a checkpoint round trip, per learner too.
-  other = make_core(max_staleness=0, min_quorum=2, **sgd1())
+  other = make_core(min_quorum=2, **sgd1())
   other.load_state_dict(core.state_dict())
   assert other.ledger() == core.ledger() and other.merged_steps(0) == [12, -1]
 
 
 def test_token_ledger_rejects_negative_new_tokens():
   core = make_core(learners=(0,))
+  core.open_round(0, ROUND)
   bad = dataclasses.replace(rep(0), new_tokens=-1)
   result = core.report(bad)
   assert result.status == "rejected" and "new_tokens" in result.reason
@@ -691,27 +1103,32 @@ def _norms_of(core, p=0):
 def test_filing_sums_rda_norms_and_the_merge_keeps_its_bits():
   """Norms summed at the door (issue 3) give the merge the bits it gets when it sums them itself."""
   clock = FakeClock()
-  core = make_core(clock, learners=(0, 1, 2), min_quorum=3, max_staleness=1)
-  core.report(rep(0, values=theta(0.25), step=1))
-  core.report(rep(1, values=theta(0.5), step=1))
-  core.report(rep(2, values=theta(0.75), step=1))
+  core = make_core(clock, learners=(0, 1, 2), min_quorum=3)
+  core.open_round(0, 1)
+  core.report(rep(0, values=theta(0.25), step=1, round_step=1))
+  core.report(rep(1, values=theta(0.5), step=1, round_step=1))
+  core.report(rep(2, values=theta(0.75), step=1, round_step=1))
   (event,) = core.poll()
   assert event.version == 1
   v1 = core.state(0).values
-  # Round 2: learner 0 on time, learner 1 one version stale (re-anchored at v0, SPEC §4.3).
+  # Round 2, opened on version 1: the norms are taken against the round's base, Θ1.
+  core.open_round(0, 2)
+  for i in range(3):
+    core.fetch(i, 0)
   fresh = {k: v - np.float32(0.125) for k, v in v1.items()}
-  core.report(rep(0, values=fresh, anchor=1, step=2))
-  core.report(rep(1, values=theta(0.375), anchor=0, step=2))
+  other = {k: v + np.float32(0.25) for k, v in v1.items()}
+  core.report(rep(0, values=fresh, anchor=1, step=2, round_step=2))
+  core.report(rep(1, values=other, anchor=1, step=2, round_step=2))
   norms = _norms_of(core)
-  # a: 6 values of (Θ − θ) = −0.125 → 6/64; b: 4 values → 4/64. Learner 1: (−0.375)² × 6 and × 4.
+  # a: 6 values of (Θ − θ) = 0.125 → 6/64; b: 4 values → 4/64.
   assert norms[0] == merge.outer_sq_norms(v1, fresh) == {"a": 6 / 64, "b": 4 / 64}
-  assert norms[1] == {"a": 6 * 0.375**2, "b": 4 * 0.375**2}
+  assert norms[1] == merge.outer_sq_norms(v1, other)
   # A twin core restored from a checkpoint holds the same round without norms (not saved).
-  twin = make_core(FakeClock(clock.t), min_quorum=3, max_staleness=1)
+  twin = make_core(FakeClock(clock.t), min_quorum=3)
   twin.load_state_dict(core.state_dict())
   assert _norms_of(twin) == {0: None, 1: None}
-  core.report(rep(2, values=theta(0.0625), anchor=1, step=2))
-  twin.report(rep(2, values=theta(0.0625), anchor=1, step=2))
+  core.report(rep(2, values=theta(0.0625), anchor=1, step=2, round_step=2))
+  twin.report(rep(2, values=theta(0.0625), anchor=1, step=2, round_step=2))
   (a,), (b,) = core.poll(), twin.poll()
   assert a.digest == b.digest
   for k, v in core.state(0).values.items():
@@ -740,6 +1157,7 @@ def test_norms_are_summed_only_for_reports_that_join_an_rda_round(cfg, report, e
   core.register(0)
   core.fetch(0, 0)
   core.register(3)
+  core.open_round(0, ROUND)
   assert core.report(report).status == "accepted"
   norms = _norms_of(core)
   assert (norms[0] if norms else "no entry") == expected
@@ -749,6 +1167,7 @@ def test_norms_are_summed_only_for_reports_that_join_an_rda_round(cfg, report, e
 @pytest.mark.parametrize("anchor_ok", [True, False])
 def test_non_finite_values_are_rejected_with_or_without_norms(method, anchor_ok):
   core = make_core(learners=(0,), merge_method=method)
+  core.open_round(0, ROUND)
   values = theta(0.125)
   values["b"][3] = np.nan
   r = rep(0, values=values, anchor=0 if anchor_ok else -1)
@@ -763,12 +1182,15 @@ def test_non_finite_values_are_rejected_with_or_without_norms(method, anchor_ok)
 def test_reused_merge_memory_never_reaches_published_versions():
   """The core merges into one reused buffer (issue 3): versions published before stay as they were."""
   core = make_core(learners=(0,), **sgd1())
-  core.report(rep(0, values=theta(0.25), step=1))
+  core.open_round(0, 1)
+  core.report(rep(0, values=theta(0.25), step=1, round_step=1))
   (e1,) = core.flush()
   v1 = {k: v.copy() for k, v in core.state(0).values.items()}
   np.testing.assert_array_equal(v1["b"], init_values()["b"] + np.float32(0.25))  # Θ − (Θ − θ).
   core.fetch(0, 0)
-  core.report(rep(0, values={k: v + np.float32(0.5) for k, v in v1.items()}, anchor=1, step=2))
+  core.open_round(0, 2)
+  values = {k: v + np.float32(0.5) for k, v in v1.items()}
+  core.report(rep(0, values=values, anchor=1, step=2, round_step=2))
   (e2,) = core.flush()
   assert (e1.version, e2.version) == (1, 2)
   old = core.state_at(0, 1)

@@ -6,7 +6,9 @@ other, and (d) that the global state did not move: every fragment's version and 
 core's stats apart from the counters that count a refusal ("late", "duplicate", "rejected",
 "dropped_tokens"), whose exact increments each test states.
 
-Fragments: 0 = {"a/w": f32[64, 32]}, 1 = {"b/w": f32[300]}. Wire sizes by hand (transport/wire.py):
+Fragments: 0 = {"a/w": f32[64, 32]}, 1 = {"b/w": f32[300]}; P = 2, H = 3 (the core's default
+schedule for τ = 2), so fragment 0 is due at steps 3, 6, ... and fragment 1 at 1, 4, .... Unless told
+otherwise a server opens rounds (0, 3) and (1, 4) at once, and pushes answer them. Wire sizes by hand (transport/wire.py):
 file header 4 + 2 + 4 = 10 bytes; an entry's framing is u16 key length + key + u8 codec + u8 dtype
 length + "float32" + u8 ndim + 8 per dim + u32/u64/u64 lengths = 2 + 3 + 1 + 1 + 7 + 1 + 8·ndim + 20.
   fragment 0 in fp32: 10 + 35 + 16 + 4·2048 = 8253 bytes; int4 (block 64): 10 + 51 + 1024 + 4·32 = 1213.
@@ -24,7 +26,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ddiloco.syncer.core import FragmentState, Report, SyncerConfig
+from ddiloco.syncer.core import FragmentState, Report, RoundRequest, SyncerConfig
 from ddiloco.syncer.service import (
   SERVICE_NAME,
   ServiceConfig,
@@ -48,6 +50,7 @@ RPC_TIMEOUT_S = 10
 # Core counters that legitimately count a refused report; every other stat must not move.
 REFUSAL_COUNTERS = ("late", "duplicate", "rejected", "dropped_tokens")
 STEPS, TOKENS = 2, 100  # Token weight 100² / 2 = 5000 (SPEC §4.4).
+ROUNDS = {0: 3, 1: 4}  # The round each fragment's pushes answer: its first due step from 3 on.
 
 
 def _init_values() -> dict[str, np.ndarray]:
@@ -82,7 +85,8 @@ class _Env:
     self.srv.stop(grace_s=0.5)
 
 
-def _start(syncer_config: SyncerConfig, **service_kwargs) -> _Env:
+def _start(syncer_config: SyncerConfig, *, open_rounds: bool = True, **service_kwargs) -> _Env:
+  """A server with learner 0 registered and holding version 0; rounds `ROUNDS` opened."""
   # A long liveness timeout: no test may lose learner 0 to the liveness check midway.
   kwargs = {"uplink_codec": "int4", "downlink_codec": "int4", "liveness_timeout_s": 600.0}
   service_config = ServiceConfig(**(kwargs | service_kwargs))
@@ -99,6 +103,9 @@ def _start(syncer_config: SyncerConfig, **service_kwargs) -> _Env:
   client.wait_ready(10)
   client.register(0, layout_digest=DIGEST, num_fragments=len(FRAGMENTS))
   held = {p: _pull(client, p, -1) for p in range(len(FRAGMENTS))}
+  if open_rounds:
+    for p, step in ROUNDS.items():
+      _open_round(svc, p, step)
   channel = grpc.insecure_channel(address)
   return _Env(svc, srv, channel, syncer_pb2_grpc.SyncerStub(channel), client, held)
 
@@ -114,6 +121,15 @@ def _pull(client: SyncerClient, p: int, known: int, held: FragmentState | None =
     dtypes={k: d for k, (_, d) in layout.items()},
     base_lookup=None if held is None else (lambda v: held.values),
   )
+
+
+def _open_round(svc: SyncerService, p: int, step: int) -> RoundRequest:
+  """Opens round (p, step) as the merge thread's clock would (no learner is streaming rounds)."""
+  with svc.lock:
+    request = svc.core.open_round(p, step)
+    version = svc.core.version(p)
+  assert request == RoundRequest(p, step, version)
+  return request
 
 
 def _wait_version(svc: SyncerService, p: int, version: int, timeout_s: float = 10.0) -> None:
@@ -143,21 +159,26 @@ def small_chunks():
 
 
 @pytest.fixture(scope="module")
-def stale():
-  """Fragment 0 merged twice (now version 2) with max_staleness 0 and keep_versions 2: {1, 2} kept."""
-  env = _start(SyncerConfig(min_quorum=1, use_grace=False, max_staleness=0, keep_versions=2))
-  for version in (0, 1):
-    # A non-delta fp32 push anchored at the current version joins the round and merges at once.
-    response = _push(env, _chunks(_report(anchor=version, step=2 * version + 2), "fp32"))
-    assert response.status == "accepted"
+def closed():
+  """Rounds (0, 3) and (0, 6) merged (fragment 0 at version 2), none of fragment 0 open; with
+  keep_versions 2, versions {1, 2} are kept."""
+  env = _start(SyncerConfig(min_quorum=1, use_grace=False, keep_versions=2))
+  for version, round_step in ((0, 3), (1, 6)):
+    if version:
+      _open_round(env.svc, 0, round_step)
+    # A non-delta fp32 push anchored at the round's base joins the round and merges at once.
+    report = _report(anchor=version, step=round_step, round_step=round_step)
+    assert _push(env, _chunks(report, "fp32")).status == "accepted"
     _wait_version(env.svc, 0, version + 1)
+  with env.svc.lock:
+    assert [r.fragment for r in env.svc.core.open_rounds()] == [1]
   yield env
   env.close()
 
 
 @pytest.fixture(scope="module")
 def open_round():
-  """K = 2 with one learner: learner 0's report (step 2) of fragment 0 waits in an open round."""
+  """K = 2 with one learner: learner 0's answer (step 2) to round (0, 3) waits in the open round."""
   env = _start(SyncerConfig(min_quorum=2, grace_max_s=0.2))
   result = env.client.push(_report(), "int4", anchor_values=env.held[0].values)
   assert (result.status, result.weight) == ("accepted", TOKENS**2 / STEPS)
@@ -168,8 +189,11 @@ def open_round():
 # -- requests -----------------------------------------------------------------------------------
 
 
-def _report(*, fragment: int = 0, learner: int = 0, anchor: int = 0, step: int = 2) -> Report:
-  """θ = Θ^(0) + small noise: a plausible outer gradient (SPEC §3)."""
+def _report(
+  *, fragment: int = 0, learner: int = 0, anchor: int = 0, step: int = 2, round_step=None
+) -> Report:
+  """θ = Θ^(0) + small noise: a plausible outer gradient (SPEC §3), answering round
+  `round_step` (default `ROUNDS[fragment]`)."""
   rng = np.random.default_rng(100 + step)
   values = {
     k: (INIT[k] + 0.01 * rng.normal(size=INIT[k].shape)).astype(np.float32)
@@ -183,6 +207,7 @@ def _report(*, fragment: int = 0, learner: int = 0, anchor: int = 0, step: int =
     steps=STEPS,
     anchor_version=anchor,
     step=step,
+    round_step=ROUNDS[fragment] if round_step is None else round_step,
   )
 
 
@@ -202,6 +227,7 @@ def _raw_chunks(data: bytes, *, fragment: int, codec: str, chunk_size: int = 1 <
     tokens=TOKENS,
     steps=STEPS,
     step=2,
+    round_step=ROUNDS[fragment],
     codec=codec,
     total_bytes=len(data),
     num_chunks=len(pieces),
@@ -386,6 +412,7 @@ def test_reordered_chunks_are_reassembled_by_index():
     )
     reference.core.register(0)
     reference.core.mark_delivered(0, 0, 0)
+    reference.core.open_round(0, ROUNDS[0])
     assert reference.core.report(report).status == "accepted"
     (event,) = reference.core.flush()
     assert env.svc.published_digests()[(0, 1)] == event.digest
@@ -667,91 +694,125 @@ def test_header_field_out_of_range(door, field, value, message):
   _assert_refused(door, lambda: _push(door, chunks), grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-# -- 9. stale and duplicate pushes --------------------------------------------------------------
+# -- 9. late, never-opened and duplicate answers -----------------------------------------------
 
 
-def test_stale_push_is_aborted(stale):
-  # Non-delta, anchored at version 0 while fragment 0 is at 2: staleness 2 > max_staleness 0.
-  chunks = _chunks(_report(anchor=0, step=10), "fp32")
+def test_push_for_a_closed_round_is_aborted(closed):
+  # Anchored at the current version 2, but round (0, 6) has merged: lateness is by round.
+  chunks = _chunks(_report(anchor=2, step=7, round_step=6), "fp32")
   _assert_refused(
-    stale,
-    lambda: _push(stale, chunks),
+    closed,
+    lambda: _push(closed, chunks),
     grpc.StatusCode.ABORTED,
-    "late: staleness 2 > max_staleness 0",
+    "late: round (0, 6) is closed",
     late=1,
     dropped_tokens=TOKENS,
   )
 
 
-def test_stale_delta_push_with_a_kept_anchor_is_aborted(stale):
-  # Version 1 is still kept (keep_versions 2), so the payload decodes; staleness 1 > 0.
-  with stale.svc.lock:
-    anchor = stale.svc.core.state_at(0, 1).values
-  chunks = _chunks(_report(anchor=1, step=10), anchor_values=anchor)
+def test_late_delta_push_with_a_kept_anchor_is_aborted(closed):
+  # Version 1 is still kept (keep_versions 2), so the payload would decode; its round is closed.
+  with closed.svc.lock:
+    anchor = closed.svc.core.state_at(0, 1).values
+  chunks = _chunks(_report(anchor=1, step=7, round_step=6), anchor_values=anchor)
   _assert_refused(
-    stale,
-    lambda: _push(stale, chunks),
+    closed,
+    lambda: _push(closed, chunks),
     grpc.StatusCode.ABORTED,
-    "late: staleness 1 > max_staleness 0",
+    "late: round (0, 6) is closed",
     late=1,
     dropped_tokens=TOKENS,
   )
 
 
-def test_stale_delta_push_whose_anchor_is_no_longer_kept_is_aborted(stale):
+def test_late_delta_push_whose_anchor_is_no_longer_kept_is_aborted(closed):
   # Version 0 fell out of the kept versions {1, 2}, so this delta could not even be decoded: the
   # service decides "late" from the header alone, before reading the payload.
-  with stale.svc.lock, pytest.raises(KeyError):
-    stale.svc.core.state_at(0, 0)
-  chunks = _chunks(_report(anchor=0, step=10), anchor_values=stale.held[0].values)
+  with closed.svc.lock, pytest.raises(KeyError):
+    closed.svc.core.state_at(0, 0)
+  chunks = _chunks(_report(anchor=0, step=4, round_step=3), anchor_values=closed.held[0].values)
   _assert_refused(
-    stale,
-    lambda: _push(stale, chunks),
+    closed,
+    lambda: _push(closed, chunks),
     grpc.StatusCode.ABORTED,
-    "late: staleness 2 > max_staleness 0",
+    "late: round (0, 3) is closed",
     late=1,
     dropped_tokens=TOKENS,
   )
 
 
-def test_stale_push_with_a_garbage_payload_is_aborted_from_the_header(stale):
-  # Decided before the payload is read: a stale report is dropped whatever it carries.
-  header = _chunks(_report(anchor=0, step=10))[0].header
+def test_late_push_with_a_garbage_payload_is_aborted_from_the_header(closed):
+  # Decided before the payload is read: an answer to a closed round is dropped whatever it carries.
+  header = _chunks(_report(anchor=0, step=4, round_step=3))[0].header
   header.total_bytes, header.num_chunks = 3, 1
   chunks = [syncer_pb2.PushChunk(header=header, index=0, data=b"bad")]
   _assert_refused(
-    stale,
-    lambda: _push(stale, chunks),
+    closed,
+    lambda: _push(closed, chunks),
     grpc.StatusCode.ABORTED,
-    "late: staleness 2 > max_staleness 0",
+    "late: round (0, 3) is closed",
     late=1,
     dropped_tokens=TOKENS,
+  )
+
+
+def test_push_for_a_round_never_opened(door):
+  # Round (0, 3) is the newest of fragment 0: (0, 6) was never opened, so nothing can answer it.
+  chunks = _chunks(_report(round_step=6), "fp32")
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    "rejected: round (0, 6) was never opened",
+    rejected=1,
+  )
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="SyncerCore.late_reason calls round_step -1 (no round) closed: the service aborts it as "
+  "late before decoding, while the core rejects it as never opened.",
+)
+def test_push_answering_no_round(door):
+  # A report made without a pending request carries round_step -1: it answers no round at all.
+  chunks = _chunks(_report(), "fp32")
+  chunks[0].header.round_step = -1
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    "Header field round_step must be finite and >= 0, got -1.",
   )
 
 
 def test_delta_push_whose_anchor_a_restored_checkpoint_no_longer_keeps():
-  """Staleness 1 is within max_staleness 2, but version 0 is gone (SyncerCore.late_reason).
+  """Round (0, 9) is open, but the delta's anchor, version 0, is gone (SyncerCore.kept).
 
-  The server's core is restored from a checkpoint written with keep_versions 1 after one merge of
-  fragment 0, so only version 1 is kept: the delta cannot be re-anchored, and it is late.
+  The server's core is restored from a checkpoint written with keep_versions 2 after two merges of
+  fragment 0, so only versions 1 and 2 are kept: the delta cannot be re-anchored, and it is late.
   """
-  env = _start(SyncerConfig(min_quorum=1, use_grace=False, max_staleness=2, keep_versions=4))
+  env = _start(SyncerConfig(min_quorum=1, use_grace=False, keep_versions=4))
   try:
     source = make_syncer(
       fragment_keys=FRAGMENTS,
       init_values=INIT,
-      syncer_config=SyncerConfig(min_quorum=1, use_grace=False, max_staleness=0, keep_versions=1),
+      syncer_config=SyncerConfig(min_quorum=1, use_grace=False, keep_versions=2),
       service_config=ServiceConfig(uplink_codec="int4", downlink_codec="int4"),
       layout_digest=DIGEST,
     ).core
     source.register(0)
-    source.mark_delivered(0, 0, 0)
-    assert source.report(_report()).status == "accepted"
-    assert [e.version for e in source.flush()] == [1]
+    for version, round_step in ((0, 3), (1, 6)):
+      source.mark_delivered(0, 0, version)
+      source.open_round(0, round_step)
+      report = _report(anchor=version, step=round_step, round_step=round_step)
+      assert source.report(report).status == "accepted"
+      assert [e.version for e in source.flush()] == [version + 1]
+    assert source.open_round(0, 9) == RoundRequest(0, 9, 2)
     with env.svc.lock:
       env.svc.core.load_state_dict(source.state_dict())
-      assert env.svc.core.version(0) == 1 and 0 in env.svc.core.alive()
-    chunks = _chunks(_report(anchor=0, step=10), anchor_values=env.held[0].values)
+      assert env.svc.core.version(0) == 2 and 0 in env.svc.core.alive()
+      assert not env.svc.core.kept(0, 0)
+    chunks = _chunks(_report(anchor=0, step=10, round_step=9), anchor_values=env.held[0].values)
     _assert_refused(
       env,
       lambda: _push(env, chunks),
@@ -767,26 +828,28 @@ def test_delta_push_whose_anchor_a_restored_checkpoint_no_longer_keeps():
 def test_delta_push_anchored_at_a_version_lost_in_a_syncer_restart(tmp_path):
   """After a restore republished fragment 0, a delta against a lost version is late, not invalid.
 
-  The learner re-registered (nothing delivered yet), so its report would weigh 0 anyway; the push
+  The learner re-registered (nothing delivered yet), so its answer would weigh 0 anyway; the push
   is still refused as late from the header: version 2 is lost and cannot be decoded against.
   """
   from ddiloco.checkpoint import syncer as ckpt_lib
 
-  env = _start(SyncerConfig(min_quorum=1, use_grace=False, max_staleness=2, keep_versions=4))
+  env = _start(SyncerConfig(min_quorum=1, use_grace=False, keep_versions=4))
   try:
     source = make_syncer(
       fragment_keys=FRAGMENTS,
       init_values=INIT,
-      syncer_config=SyncerConfig(min_quorum=1, use_grace=False, max_staleness=2, keep_versions=4),
+      syncer_config=SyncerConfig(min_quorum=1, use_grace=False, keep_versions=4),
       service_config=ServiceConfig(uplink_codec="int4", downlink_codec="int4"),
       layout_digest=DIGEST,
     ).core
     source.register(0)
     journal = ckpt_lib.MergeJournal(str(tmp_path / ckpt_lib.JOURNAL_NAME))
     checkpointer = ckpt_lib.SyncerCheckpointer(str(tmp_path / "ck"))
-    for version in (0, 1):
+    for version, round_step in ((0, 3), (1, 6)):
       source.mark_delivered(0, 0, version)
-      assert source.report(_report(anchor=version, step=2 * version + 2)).status == "accepted"
+      source.open_round(0, round_step)
+      report = _report(anchor=version, step=round_step, round_step=round_step)
+      assert source.report(report).status == "accepted"
       (event,) = source.flush()
       journal.append(event)
       if version == 0:
@@ -798,7 +861,8 @@ def test_delta_push_anchored_at_a_version_lost_in_a_syncer_restart(tmp_path):
     checkpointer.close()
     assert info.republished == {0: (1, 2, 3)}
     env.client.register(0, layout_digest=DIGEST, num_fragments=len(FRAGMENTS))
-    chunks = _chunks(_report(anchor=2, step=10), anchor_values=env.held[0].values)
+    _open_round(env.svc, 0, 9)  # Past the restored rounds: a fresh round, based on version 3.
+    chunks = _chunks(_report(anchor=2, step=10, round_step=9), anchor_values=env.held[0].values)
     _assert_refused(
       env,
       lambda: _push(env, chunks),
@@ -811,14 +875,15 @@ def test_delta_push_anchored_at_a_version_lost_in_a_syncer_restart(tmp_path):
     env.close()
 
 
-@pytest.mark.parametrize("step", [2, 1], ids=["same_step", "older_step"])
+@pytest.mark.parametrize("step", [2, 5], ids=["same_step", "newer_step"])
 def test_duplicate_push(open_round, step):
+  # One answer per learner and round, even a newer θ: only a restarted learner may answer again.
   chunks = _chunks(_report(step=step), anchor_values=open_round.held[0].values)
   _assert_refused(
     open_round,
     lambda: _push(open_round, chunks),
     grpc.StatusCode.ALREADY_EXISTS,
-    f"duplicate: step {step} <= step 2 already in the round",
+    "duplicate: learner 0 already answered round (0, 3)",
     duplicate=1,
   )
 
@@ -868,7 +933,69 @@ def test_pull_of_an_unknown_fragment(door):
   )
 
 
-# -- 11. after all that, the door still opens ---------------------------------------------------
+# -- 11. the Rounds stream ----------------------------------------------------------------------
+
+
+def test_rounds_stream_of_an_unregistered_learner(door):
+  _assert_refused(
+    door,
+    lambda: next(iter(door.client.rounds(99))),
+    grpc.StatusCode.NOT_FOUND,
+    "Learner 99 is not registered; call Register first.",
+  )
+
+
+def test_rounds_stream_announces_open_rounds_new_rounds_and_published_versions():
+  """The merge thread's step clock ("slowest": learner 0's heartbeat step) opens the rounds due."""
+  env = _start(SyncerConfig(min_quorum=1, use_grace=False, clock="slowest"), open_rounds=False)
+  stream = None
+  try:
+    _open_round(env.svc, 0, 3)
+    stream = env.client.rounds(0)
+    events = iter(stream)
+    # At subscription: the rounds open now, then every fragment's current version.
+    assert [next(events) for _ in range(3)] == [RoundRequest(0, 3, 0), (0, 0), (1, 0)]
+    # Learner 0 reaches schedule step 4: fragment 1 is due (its offset is 1, H = 3).
+    env.client.heartbeat(0, step=4)
+    assert next(events) == RoundRequest(1, 4, 0)
+    # Its answer merges at once (K = 1, no grace): version 1 of fragment 1 is announced.
+    result = env.client.push(_report(fragment=1, step=4), "int4", anchor_values=env.held[1].values)
+    assert (result.status, result.weight, result.round_version) == ("accepted", 5000.0, 1)
+    assert next(events) == (1, 1)
+    result = env.client.push(_report(step=4), "int4", anchor_values=env.held[0].values)
+    assert (result.status, result.round_version) == ("accepted", 1)
+    assert next(events) == (0, 1)
+    # Step 6: fragment 0 is due again; its new round is based on the version just published.
+    env.client.heartbeat(0, step=6)
+    assert next(events) == RoundRequest(0, 6, 1)
+    with env.svc.lock:
+      stats = env.svc.core.stats()
+      digests = [env.svc.core.state(p).digest for p in range(2)]
+    assert (stats["rounds_opened"], stats["overrun_rounds"], stats["merges"]) == (3, 0, 2)
+    assert [env.svc.published_digests()[(p, 1)] for p in range(2)] == digests
+    assert env.svc.refused() == {}
+  finally:
+    if stream is not None:
+      stream.cancel()
+    env.close()
+
+
+def test_rounds_stream_is_replaced_by_a_new_subscription_and_ends_when_the_learner_leaves(door):
+  door.client.register(8, layout_digest=DIGEST, num_fragments=2)
+  first = iter(door.client.rounds(8))
+  with door.svc.lock:
+    opened = door.svc.core.open_rounds()
+    versions = [door.svc.core.version(p) for p in range(2)]
+  initial = [*opened, *enumerate(versions)]
+  assert [next(first) for _ in initial] == initial
+  second = iter(door.client.rounds(8))
+  assert [next(second) for _ in initial] == initial
+  assert list(first) == []  # Ended by the new subscription.
+  assert door.client.leave(8)
+  assert list(second) == []  # Ended by Leave.
+
+
+# -- 12. after all that, the door still opens ---------------------------------------------------
 
 
 def test_valid_push_still_merges(door):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ddiloco.fragments.compression import RUN_VALUES
-from ddiloco.syncer.core import Report, SyncerConfig
+from ddiloco.syncer.core import Report, RoundRequest, SyncerConfig
 from ddiloco.syncer.service import ServiceConfig, make_syncer, serve
 from ddiloco.transport import messages
 from ddiloco.transport.client import SyncerClient
@@ -20,6 +20,7 @@ CHUNK = 1 << 16
 N = 2 * RUN_VALUES + 100
 INIT = {"w": np.random.default_rng(0).standard_normal(N).astype(np.float32)}
 SHAPES, DTYPES = {"w": (N,)}, {"w": np.float32}
+ROUND = 3  # One fragment, τ = 2: the core's schedule has H = 3, so fragment 0 is due at step 3.
 
 
 @pytest.fixture
@@ -38,6 +39,8 @@ def env():
   client = SyncerClient(f"127.0.0.1:{srv.port}", token=TOKEN, max_chunk_bytes=CHUNK)
   client.wait_ready(10)
   client.register(0, layout_digest="D", num_fragments=1)
+  with svc.lock:
+    assert svc.core.open_round(0, ROUND) == RoundRequest(0, ROUND, 0)
   yield svc, srv, client
   client.close()
   srv.stop(grace_s=0.5)
@@ -49,7 +52,14 @@ def _pull(client, known=-1):
 
 def _report(values, step=1):
   return Report(
-    learner_id=0, fragment=0, values=values, tokens=64, steps=2, anchor_version=0, step=step
+    learner_id=0,
+    fragment=0,
+    values=values,
+    tokens=64,
+    steps=2,
+    anchor_version=0,
+    step=step,
+    round_step=ROUND,
   )
 
 
@@ -95,7 +105,7 @@ def test_nan_found_midway_raises_and_files_nothing(env):
   # The short stream is refused as incomplete at the door; the round stays empty.
   assert dict(status.refused) == {"INVALID_ARGUMENT": 1}
   assert status.counters["accepted"] == 0 and client.bytes_up == 0
-  assert svc.core.stats()["open_rounds"] == 0
+  assert svc.core.stats()["open_rounds"] == 1 and svc.core._rounds[0].entries == {}
   good = client.push(_report({"w": INIT["w"] + 1}, step=2), "fp32", anchor_values=INIT)
   assert good.status == "accepted"  # The channel is fine afterwards.
 
@@ -105,10 +115,13 @@ def test_superseded_push_memory_is_recycled_and_filed_values_are_intact(env):
   only when the core dropped the report that held it."""
   svc, _, client = env
   pool = svc._pool
-  state = _pull(client)
   thetas = [{"w": INIT["w"] - np.float32(0.25 * (s + 1))} for s in range(3)]
   for s, theta in enumerate(thetas):
-    assert client.push(_report(theta, step=s + 1), "fp32", anchor_values=state.values).weight > 0
+    if s:  # A restarted learner (a new registration) may answer the round again, once per life.
+      client.register(0, layout_digest="D", num_fragments=1)
+    state = _pull(client)  # After a registration its answers weigh 0 until it has pulled.
+    result = client.push(_report(theta, step=s + 1), "fp32", anchor_values=state.values)
+    assert (result.status, result.weight) == ("superseded" if s else "accepted", 64**2 / 2)
   # Push 1 took a fresh buffer; push 2 too (push 1's report was still in the round while it was
   # decoded); push 2 superseded push 1, so push 3 reused push 1's buffer.
   assert pool.reused == 1
@@ -118,3 +131,26 @@ def test_superseded_push_memory_is_recycled_and_filed_values_are_intact(env):
   # What the round holds is push 3's θ exactly: the recycled memory was not touched since.
   (entry,) = svc.core._rounds[0].entries.values()
   assert entry.report.values["w"].tobytes() == thetas[2]["w"].tobytes()
+
+
+def test_rounds_stream_yields_round_requests_and_versions_until_cancelled(env):
+  svc, srv, client = env
+  stream = client.rounds(0)
+  events = iter(stream)
+  # The open round, then the fragment's current version.
+  assert [next(events), next(events)] == [RoundRequest(0, ROUND, 0), (0, 0)]
+  stream.cancel()
+  with pytest.raises(grpc.RpcError) as info:
+    next(events)
+  assert info.value.code() == grpc.StatusCode.CANCELLED
+  # A subscription ends at its deadline: the learner subscribes again (and misses nothing).
+  short = SyncerClient(f"127.0.0.1:{srv.port}", token=TOKEN, subscription_s=0.5)
+  try:
+    events = iter(short.rounds(0))
+    assert [next(events), next(events)] == [RoundRequest(0, ROUND, 0), (0, 0)]
+    with pytest.raises(grpc.RpcError) as info:
+      next(events)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+  finally:
+    short.close()
+  assert svc.refused() == {}

@@ -20,7 +20,13 @@ from ddiloco.transport.errors import WireError
 from ddiloco.transport.proto import syncer_pb2
 
 _PUSH_HEADER = syncer_pb2.PushHeader(
-  learner_id=7, fragment=3, anchor_version=-1, tokens=4096, step_time_s=0.25, codec="int4"
+  learner_id=7,
+  fragment=3,
+  anchor_version=-1,
+  tokens=4096,
+  step_time_s=0.25,
+  codec="int4",
+  round_step=12,
 )
 _FRAGMENT_HEADER = syncer_pb2.FragmentHeader(fragment=1, version=9, digest="d", base_version=-1)
 
@@ -35,6 +41,7 @@ def _report(values, anchor_version=0):
     anchor_version=anchor_version,
     step=11,
     step_time_s=0.5,
+    round_step=10,
   )
 
 
@@ -143,6 +150,7 @@ def test_push_messages_are_report_to_chunks_serialized(codec, chunk_size):
     expect = wire.received_values(vals, codec, block_size=5, base=base)
     assert all(back.values[k].tobytes() == expect[k].tobytes() for k in vals)
     assert (back.tokens, back.steps, back.step, back.step_time_s) == (300, 3, 11, 0.5)
+    assert back.round_step == 10
 
 
 def test_push_messages_fail_at_once_on_bad_input_and_midway_on_nan():

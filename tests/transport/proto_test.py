@@ -46,6 +46,7 @@ def test_grpc_module_imports_messages_relatively():
     "Heartbeat": (False, False),
     "Leave": (False, False),
     "Status": (False, False),
+    "Rounds": (False, True),
   }
 
 
@@ -72,7 +73,9 @@ def test_messages_carry_the_agreed_fields():
     "total_bytes",
     "num_chunks",
     "new_tokens",
+    "round_step",
   } <= fields(syncer_pb2.PushHeader)
+  assert syncer_pb2.PushHeader.DESCRIPTOR.fields_by_name["round_step"].number == 13
   assert fields(syncer_pb2.PushChunk) == {"header", "index", "data"}
   assert fields(syncer_pb2.PushResponse) == {
     "status",
@@ -93,3 +96,15 @@ def test_messages_carry_the_agreed_fields():
   back = syncer_pb2.PushChunk.FromString(chunk.SerializeToString())
   assert back.HasField("header") and back.header.fragment == 3 and back.header.tokens == 7
   assert not syncer_pb2.PushChunk(index=1).HasField("header")
+  # The Rounds stream: a subscription by learner, then round requests or version announcements.
+  assert fields(syncer_pb2.RoundsRequest) == {"learner_id"}
+  assert fields(syncer_pb2.RoundOpen) == {"fragment", "round_step", "base_version"}
+  assert fields(syncer_pb2.Published) == {"fragment", "version"}
+  oneof = syncer_pb2.SyncerEvent.DESCRIPTOR.oneofs_by_name["event"]
+  assert {f.name for f in oneof.fields} == {"round", "published"}
+  event = syncer_pb2.SyncerEvent(
+    round=syncer_pb2.RoundOpen(fragment=2, round_step=9, base_version=4)
+  )
+  back = syncer_pb2.SyncerEvent.FromString(event.SerializeToString())
+  assert back.WhichOneof("event") == "round"
+  assert (back.round.fragment, back.round.round_step, back.round.base_version) == (2, 9, 4)

@@ -70,7 +70,9 @@ def test_report_over_seven_byte_chunks_in_any_order(codec):
     "h": rng.standard_normal(9).astype(np.float16),
   }
   anchor = {k: (v + np.float32(0.25)).astype(v.dtype) for k, v in vals.items()}
-  r = Report(learner_id=0, fragment=0, values=vals, tokens=1, steps=1, anchor_version=0, step=0)
+  r = Report(
+    learner_id=0, fragment=0, values=vals, tokens=1, steps=1, anchor_version=0, step=0, round_step=0
+  )
   chunks = report_to_chunks(r, codec, block_size=5, chunk_size=7, anchor_values=anchor)
   rest = chunks[1:]
   rng.shuffle(rest)
@@ -119,7 +121,9 @@ def test_encode_runs_concatenate_to_encode(codec, block_size):
 
 def test_nan_in_a_later_chunk_is_refused_with_the_exact_count():
   vals = {"w": np.zeros(1000, np.float32)}
-  r = Report(learner_id=0, fragment=0, values=vals, tokens=1, steps=1, anchor_version=0, step=0)
+  r = Report(
+    learner_id=0, fragment=0, values=vals, tokens=1, steps=1, anchor_version=0, step=0, round_step=0
+  )
   chunks = report_to_chunks(r, "fp32", chunk_size=1024)
   data = bytearray(chunks[2].data)
   # Chunk 2 starts at stream byte 2048; values start at 51, so byte 103 of it begins value 525.
@@ -172,7 +176,14 @@ def test_reader_decodes_into_the_allocator_arrays():
   values = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, np.float32)}
   base = {k: np.full_like(v, 0.5) for k, v in values.items()}
   report = Report(
-    learner_id=0, fragment=0, values=values, tokens=1, steps=1, anchor_version=0, step=1
+    learner_id=0,
+    fragment=0,
+    values=values,
+    tokens=1,
+    steps=1,
+    anchor_version=0,
+    step=1,
+    round_step=1,
   )
   chunks = report_to_chunks(report, "fp32", chunk_size=7, anchor_values=base)
   got = chunks_to_report(

@@ -65,12 +65,13 @@ def test_report_fp32_round_trip_is_bit_exact():
     anchor_version=5,
     step=123,
     step_time_s=0.25,
+    round_step=120,
   )
   chunks = report_to_chunks(r, "fp32")
   assert len(chunks) == 1 and chunks[0].header.num_chunks == 1 and not chunks[0].header.delta
   back = chunks_to_report(chunks, *_layout(vals))
   assert (back.learner_id, back.fragment, back.tokens, back.steps) == (3, 7, 4096, 24)
-  assert (back.anchor_version, back.step, back.step_time_s) == (5, 123, 0.25)
+  assert (back.anchor_version, back.step, back.step_time_s, back.round_step) == (5, 123, 0.25, 120)
   assert sorted(back.values) == ["b", "w"]
   for k in vals:
     assert _bits_equal(back.values[k], vals[k]), k
@@ -89,7 +90,9 @@ def test_state_fp32_round_trip_is_bit_exact_and_digest_checked():
 
 def test_three_mib_fragment_is_four_chunks_of_at_most_one_mib():
   vals = {"w": np.ones((768, 1024), np.float32)}  # 786432 values = exactly 3 MiB of float32.
-  r = Report(learner_id=0, fragment=0, values=vals, tokens=1, steps=1, anchor_version=0, step=0)
+  r = Report(
+    learner_id=0, fragment=0, values=vals, tokens=1, steps=1, anchor_version=0, step=0, round_step=0
+  )
   chunks = report_to_chunks(r, "fp32")
   # Framing: file header 10 + entry 2 (key len) + 1 ("w") + 1 (codec) + 1 + 7 ("float32")
   # + 1 (ndim) + 16 (dims) + 20 (block, lengths) = 59 bytes beyond the 3 MiB payload.
@@ -108,7 +111,16 @@ def test_three_mib_fragment_is_four_chunks_of_at_most_one_mib():
 def test_int4_report_round_trip_within_block_bound(block_size):
   rng = np.random.default_rng(2)
   w = rng.standard_normal(1000).astype(np.float32)
-  r = Report(learner_id=1, fragment=0, values={"w": w}, tokens=8, steps=2, anchor_version=0, step=0)
+  r = Report(
+    learner_id=1,
+    fragment=0,
+    values={"w": w},
+    tokens=8,
+    steps=2,
+    anchor_version=0,
+    step=0,
+    round_step=0,
+  )
   chunks = report_to_chunks(r, "int4", block_size=block_size)
   back = chunks_to_report(chunks, ["w"], [(1000,)], ["float32"]).values["w"]
   # Block-wise absmax: scale s = absmax/7, rounding error <= s/2 = absmax/14 per block (+1 ulp slack).
@@ -138,7 +150,16 @@ def test_int8_delta_push_adds_back_the_anchor():
   rng = np.random.default_rng(4)
   anchor = {"w": rng.standard_normal(256).astype(np.float32)}
   theta = {"w": anchor["w"] + np.float32(1e-3) * rng.standard_normal(256).astype(np.float32)}
-  r = Report(learner_id=2, fragment=1, values=theta, tokens=1, steps=1, anchor_version=4, step=9)
+  r = Report(
+    learner_id=2,
+    fragment=1,
+    values=theta,
+    tokens=1,
+    steps=1,
+    anchor_version=4,
+    step=9,
+    round_step=8,
+  )
   chunks = report_to_chunks(r, "int8", anchor_values=anchor)
   assert chunks[0].header.delta
   asked = []
@@ -301,7 +322,16 @@ def test_oversized_and_lying_lengths():
 
 
 def _push(values, **kw):
-  r = Report(learner_id=0, fragment=0, values=values, tokens=1, steps=1, anchor_version=0, step=0)
+  r = Report(
+    learner_id=0,
+    fragment=0,
+    values=values,
+    tokens=1,
+    steps=1,
+    anchor_version=0,
+    step=0,
+    round_step=0,
+  )
   return report_to_chunks(r, "fp32", **kw)
 
 
@@ -358,6 +388,7 @@ def test_push_header_errors():
   for field, value, msg in [
     ("codec", "int2", "Unknown codec 'int2'"),
     ("steps", -1, "Header field steps must be finite and >= 0, got -1."),
+    ("round_step", -1, "Header field round_step must be finite and >= 0, got -1."),
     ("step_time_s", float("nan"), "Header field step_time_s must be finite and >= 0, got nan."),
     ("learner_id", -2, "Header ids out of range: learner_id -2"),
     ("codec", "int8", "'w': encoded with 'fp32', the header says 'int8'."),
@@ -370,7 +401,9 @@ def test_push_header_errors():
 
 
 def test_delta_needs_its_anchor():
-  r = Report(learner_id=0, fragment=0, values=_W, tokens=1, steps=1, anchor_version=2, step=0)
+  r = Report(
+    learner_id=0, fragment=0, values=_W, tokens=1, steps=1, anchor_version=2, step=0, round_step=0
+  )
   chunks = report_to_chunks(r, "fp32", anchor_values=_W)
   with _raises("A delta push needs its base values; the receiver was given no lookup."):
     chunks_to_report(chunks, *_L)

@@ -64,6 +64,11 @@ class SyncerStub:
                 request_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.StatusRequest.SerializeToString,
                 response_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Rounds = channel.unary_stream(
+                '/ddiloco.v1.Syncer/Rounds',
+                request_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.RoundsRequest.SerializeToString,
+                response_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.SyncerEvent.FromString,
+                _registered_method=True)
 
 
 class SyncerServicer:
@@ -112,6 +117,15 @@ class SyncerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rounds(self, request, context):
+        """Syncer -> learner, for as long as the learner is connected: the rounds the syncer opens (answer
+        each with a Push at the next step boundary) and every newly published version (pull it). On
+        subscribing, the learner first gets the rounds open now and every fragment's current version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SyncerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +158,11 @@ def add_SyncerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.StatusRequest.FromString,
                     response_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.StatusResponse.SerializeToString,
+            ),
+            'Rounds': grpc.unary_stream_rpc_method_handler(
+                    servicer.Rounds,
+                    request_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.RoundsRequest.FromString,
+                    response_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.SyncerEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +327,33 @@ class Syncer:
             '/ddiloco.v1.Syncer/Status',
             ddiloco_dot_transport_dot_proto_dot_syncer__pb2.StatusRequest.SerializeToString,
             ddiloco_dot_transport_dot_proto_dot_syncer__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rounds(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ddiloco.v1.Syncer/Rounds',
+            ddiloco_dot_transport_dot_proto_dot_syncer__pb2.RoundsRequest.SerializeToString,
+            ddiloco_dot_transport_dot_proto_dot_syncer__pb2.SyncerEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,90 @@
+"""What learners and the syncer exchange, whatever carries it (in-process or gRPC).
+
+A learner answers the syncer's `RoundRequest`s with `Report`s and hears back a `ReportResult`; the
+syncer publishes each merged fragment as a `FragmentState`. The simulated cluster hands these objects
+over directly; the gRPC runtime encodes them (`ddiloco.transport.messages`). Nothing here knows how.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundRequest:
+  """The syncer asks every live learner for fragment p: round (p, t) is open (syncer → learner).
+
+  Attributes:
+    fragment: p.
+    round_step: t, the step of the syncer's schedule clock at which p was due; the round's id.
+    base_version: the version of p the round was opened against; an answer anchored elsewhere
+      weighs 0, and the merge moves Θ_p from this version.
+  """
+
+  fragment: int
+  round_step: int
+  base_version: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Report:
+  """One learner's report of one fragment (learner → syncer).
+
+  Attributes:
+    learner_id: the reporting learner.
+    fragment: fragment index p.
+    values: θ_{m,p}, the learner's current parameters of p, {key: array}.
+    tokens: tokens since the learner last applied p (it resets them at every apply).
+    steps: inner steps since then.
+    anchor_version: version of p the learner last applied; -1 if it never received p. It weighs
+      more than 0 only if this is the round's base version.
+    step: the learner's schedule step when it answered (orders a restarted learner's answers).
+    step_time_s: the learner's step-time EMA, feeds ξ_step; 0 = unknown.
+    new_tokens: tokens trained since the learner's previous report of p (not since it received p):
+      each trained token is in exactly one report, which the token ledger follows to its fate.
+    round_step: the round it answers, by the syncer's schedule step that opened it
+      (`RoundRequest.round_step`).
+  """
+
+  learner_id: int
+  fragment: int
+  values: Mapping[str, np.ndarray]
+  tokens: int
+  steps: int
+  anchor_version: int
+  step: int
+  step_time_s: float = 0.0
+  new_tokens: int = 0
+  round_step: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportResult:
+  """What `SyncerCore.report` did: status is accepted | superseded | late | duplicate | rejected.
+
+  `fleet_step` is the syncer's schedule clock when the report arrived (`SyncerCore.cadence_step`).
+  `round_version` is the version the round that took the report will publish (-1 if none took it):
+  once the fragment reaches it, the report was merged, or it was lost (the token ledger).
+  """
+
+  status: str
+  reason: str
+  weight: float
+  fleet_step: int = -1
+  round_version: int = -1
+
+  @property
+  def merged_weight(self) -> bool:
+    """Whether the report joined its round with a weight > 0 (it will be merged)."""
+    return self.status in ("accepted", "superseded") and self.weight > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class FragmentState:
+  """A version of a fragment's global values Θ_p; the arrays are read-only and shared."""
+
+  fragment: int
+  version: int
+  values: dict[str, np.ndarray]
+  digest: str
