@@ -230,13 +230,19 @@ class Learner:
   def due(self) -> tuple[int, ...]:
     """Fragments whose round this learner answers now, at this step boundary.
 
-    Every pending request; a `blocking` learner answers only rounds whose step its own schedule
-    step has reached.
+    Every pending request whose base version this learner has applied (until the base arrives, an
+    answer would weigh 0), once it has trained p since its last apply (a learner that has just
+    joined has nothing to contribute yet); a `blocking` learner answers only rounds whose step its
+    own schedule step has reached.
     """
     s = self.schedule_step
     return tuple(
       sorted(
-        p for p, req in self._requests.items() if not self.config.blocking or req.round_step <= s
+        p
+        for p, req in self._requests.items()
+        if req.base_version <= self.anchor[p]
+        and self.step_counts[p] > 0
+        and (not self.config.blocking or req.round_step <= s)
       )
     )
 
@@ -354,8 +360,13 @@ class Learner:
     applied = []
     for p in sorted(self._inbox):
       out = self._outstanding.get(p)
-      if out is not None and self.schedule_step < out.apply_step:
-        continue
+      request = self._requests.get(p)
+      if (
+        out is not None
+        and self.schedule_step < out.apply_step
+        and (request is None or request.base_version > self._inbox[p].version)
+      ):
+        continue  # Not before τ steps, unless a round of p based on it already waits for us.
       state = self._inbox.pop(p)
       self._write_fragment(p, state.values)
       if self.config.mixing_alpha == 0:  # α > 0 keeps part of the unsent progress: not dropped.

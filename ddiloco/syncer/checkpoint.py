@@ -5,6 +5,7 @@
 `core.py` short. The flat {name: numpy array | python scalar} form needs no pytree structure to save.
 """
 
+import collections
 import hashlib
 import math
 from collections.abc import Callable, Mapping
@@ -58,6 +59,8 @@ class CheckpointMixin:
   _rounds: list[Round]
   _last_round_step: list[int]
   _next_round_step: int | None
+  _recent_rounds: list[collections.deque]
+  _rounds_known_after: list[int]
   _cadence: float | None
   _learners: dict[int, LearnerRecord]
   _counters: dict[str, int]
@@ -192,8 +195,10 @@ class CheckpointMixin:
       max(int(d.get(f"fragment/{p}/round/last_step", -1)), rounds[p].step)
       for p in range(self.num_fragments)
     ]
-    # The step clock restarts past every restored round.
+    # The step clock restarts past every restored round; rounds before are too old to tell apart.
     self._next_round_step, self._cadence = None, None
+    self._recent_rounds = [collections.deque(maxlen=r.maxlen) for r in self._recent_rounds]
+    self._rounds_known_after = list(self._last_round_step)
     self._counters = {
       name: int(d.get("stats/" + name, 0) if name in NEW_COUNTERS else d["stats/" + name])
       for name in COUNTERS

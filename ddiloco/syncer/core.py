@@ -32,6 +32,7 @@ The value types live in `types.py` (re-exported here) and `state_dict` / `load_s
 `checkpoint.py` (inherited).
 """
 
+import collections
 import dataclasses
 import functools
 import math
@@ -70,6 +71,9 @@ __all__ = [
   "SyncerConfig",
   "SyncerCore",
 ]
+
+
+_RECENT_ROUNDS = 16  # Round steps remembered per fragment (`late_reason`).
 
 
 def _outer_step(opt, params, grads, opt_state):
@@ -172,6 +176,11 @@ class SyncerCore(CheckpointMixin):
     self._opt_state = [self._opt.init(self._params32(p)) for p in range(num)]
     self._rounds = [Round() for _ in range(num)]
     self._last_round_step = [-1] * num  # Step of each fragment's newest round, open or closed.
+    # Steps of each fragment's recent rounds: an answer to one of them (closed) is late, one to any
+    # other step was never asked for. Steps up to `_rounds_known_after` are too old to tell (or
+    # from before a restore) and count as closed. Not saved.
+    self._recent_rounds = [collections.deque(maxlen=_RECENT_ROUNDS) for _ in range(num)]
+    self._rounds_known_after = [-1] * num
     self._next_round_step: int | None = None  # First clock step `tick` has not yet processed.
     self._learners: dict[int, LearnerRecord] = {}
     self._counters = dict.fromkeys(COUNTERS, 0)
@@ -261,8 +270,20 @@ class SyncerCore(CheckpointMixin):
     return int(self._cadence + 1e-9)  # A tick at the computed time lands on its step.
 
   def _fleet_rate(self) -> float:
-    """The median inner-step rate of the alive learners (0: none measured yet)."""
-    rates = [lr.rate for lr in self._learners.values() if lr.alive and lr.rate > 0]
+    """The median inner-step rate of the alive learners heard from lately (0: none).
+
+    A learner silent for 4 of its steps (at least 2 s: paused, crashed, partitioned) does not pace
+    the clock until it is heard again; the liveness timeout that declares it dead is much longer.
+    """
+    now = self._clock()
+    rates = [
+      lr.rate
+      for lr in self._learners.values()
+      if lr.alive
+      and lr.rate > 0
+      and lr.heard is not None
+      and now - lr.heard <= max(2.0, 4.0 / lr.rate)
+    ]
     return float(np.median(rates)) if rates else 0.0
 
   def tick(self) -> list[RoundRequest]:
@@ -284,6 +305,8 @@ class SyncerCore(CheckpointMixin):
       if t < 1:
         continue
       for p in self._schedule.due(t):
+        if t <= self._last_round_step[p]:
+          continue  # Opened already (`open_round` called directly, or a restored round).
         request = self.open_round(p, t)
         if request is not None:
           opened.append(request)
@@ -320,6 +343,10 @@ class SyncerCore(CheckpointMixin):
       return None
     self._rounds[p] = Round(step=step, base_version=self._version[p], open_time=self._clock())
     self._last_round_step[p] = step
+    recent = self._recent_rounds[p]
+    if len(recent) == recent.maxlen:
+      self._rounds_known_after[p] = recent[0]
+    recent.append(step)
     self._counters["rounds_opened"] += 1
     return RoundRequest(p, step, self._version[p])
 
@@ -341,13 +368,27 @@ class SyncerCore(CheckpointMixin):
     if learner.progress is None or step >= learner.progress[0]:
       learner.progress = (int(step), self._clock(), float(step_time_s))
 
-  def observe_steps(self, learner_id: int, inner_step: int, *, min_interval_s: float = 1.0) -> None:
-    """Samples an alive learner's own inner step count (heartbeats) for its rate (cadence_step)."""
+  def observe_steps(
+    self,
+    learner_id: int,
+    inner_step: int,
+    *,
+    step_time_s: float = 0.0,
+    min_interval_s: float = 1.0,
+  ) -> None:
+    """Samples an alive learner's schedule step (heartbeats) for its rate (cadence_step).
+
+    `step_time_s`, the learner's own measure of its step time, sets its rate until two samples
+    `min_interval_s` apart have measured it: the clock then starts with the first heartbeats
+    instead of a second later.
+    """
     learner = self._learners.get(learner_id)
     if learner is None or not learner.alive or inner_step < 0:
       return
-    learner.position = int(inner_step)
     now = self._clock()
+    learner.position, learner.heard = int(inner_step), now
+    if learner.rate == 0 and math.isfinite(step_time_s) and step_time_s > 0:
+      learner.rate = 1.0 / step_time_s
     if learner.steps_seen is None or inner_step < learner.steps_seen[0]:
       learner.steps_seen = (int(inner_step), now)
       return
@@ -496,12 +537,20 @@ class SyncerCore(CheckpointMixin):
 
     A transport asks before decoding a push: a closed round's answer is dropped unread.
     """
-    rnd = self._rounds[fragment]
-    if rnd.step >= 0 and round_step == rnd.step:
-      return None
-    if round_step <= self._last_round_step[fragment]:
+    if self._round_status(fragment, round_step) == "closed":
       return f"round ({fragment}, {round_step}) is closed"
-    return None  # Never opened: `_invalid_header` rejects it.
+    return None  # Open, or never opened (`_invalid_header` rejects that).
+
+  def _round_status(self, p: int, round_step: int) -> str:
+    """ "open", "closed" or "never" (opened) for round (p, round_step)."""
+    rnd = self._rounds[p]
+    if round_step < 0 or round_step > self._last_round_step[p]:
+      return "never"
+    if rnd.step >= 0 and round_step == rnd.step:
+      return "open"
+    if round_step in self._recent_rounds[p] or round_step <= self._rounds_known_after[p]:
+      return "closed"  # Or too old to tell (then it cannot be open either).
+    return "never"
 
   def drop_late(
     self, tokens: int, reason: str, *, learner_id: int | None = None, new_tokens: int = 0
@@ -594,7 +643,7 @@ class SyncerCore(CheckpointMixin):
       return (
         f"anchor_version {r.anchor_version} outside [-1, {cur}] (current version of {r.fragment})"
       )
-    if r.round_step > self._last_round_step[r.fragment] or r.round_step < 0:
+    if self._round_status(r.fragment, r.round_step) == "never":
       return f"round ({r.fragment}, {r.round_step}) was never opened"
     return None
 

@@ -563,7 +563,9 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         member.last_seen = self._clock()
         member.step = int(request.step)
         # The learner's step on the fleet's schedule: the syncer's step clock runs at these rates.
-        self._core.observe_steps(int(request.learner_id), int(request.step))
+        self._core.observe_steps(
+          int(request.learner_id), int(request.step), step_time_s=float(request.step_time_s)
+        )
       return syncer_pb2.HeartbeatResponse(
         registered=registered,
         versions=self._versions(),

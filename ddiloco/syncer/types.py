@@ -200,6 +200,7 @@ class LearnerRecord:
   steps_seen: tuple[int, float] | None = None
   rate: float = 0.0
   position: int = -1  # Its newest schedule step (every sample); not saved.
+  heard: float | None = None  # Clock time of its newest sample; not saved.
 
 
 def readonly(a: np.ndarray) -> np.ndarray:

@@ -200,7 +200,9 @@ def test_unanswered_request_is_dropped_when_a_newer_version_arrives():
   assert learner.apply_ready() == [(0, 1)]
   learner.ask(RoundRequest(0, 4, 0))  # Asked again (a new subscription): its base is behind.
   assert learner.due() == (1,)
-  learner.ask(RoundRequest(0, 8, 1))  # The next round, based on the version it holds.
+  learner.ask(RoundRequest(0, 8, 1))  # The next round, based on the version it holds...
+  assert learner.due() == (1,)  # ...answered once it has trained p0 since applying it.
+  learner.train_step(_batch(1))
   assert learner.due() == (0, 1)
   learner.receive(_state(values, 0, 1))  # The same version again drops nothing.
   assert learner.pending_rounds()[0] == RoundRequest(0, 8, 1)
@@ -324,3 +326,26 @@ def test_snapshot_report_survives_donation_and_matches_make_report(by_reference)
   assert set(values) == set(expected)
   assert all(np.array_equal(values[k], expected[k]) for k in expected)
   assert not all(np.array_equal(values[k], v) for k, v in learner.fragment_values(1).items())
+
+
+def test_a_round_waits_for_its_base_and_for_training_since_the_last_apply():
+  """An answer anchored off the round's base, or with nothing trained since the learner (re)loaded,
+  would weigh 0: the learner answers once it holds the base and has trained p."""
+  learner, layout = _learner()
+  learner.ask(RoundRequest(0, 4, 0))
+  assert learner.due() == ()  # Just loaded: nothing trained to contribute.
+  learner.train_step(_batch(0))
+  assert learner.due() == (0,)
+  report = learner.make_report(0)
+  assert (report.round_step, report.anchor_version, report.steps) == (4, 0, 1)
+  # The next round of p0 is based on version 1, which is still being pulled: wait for it.
+  learner.ask(RoundRequest(0, 8, 1))
+  assert learner.due() == ()
+  values = {k: np.zeros(layout.shapes[k], layout.dtypes[k]) for k in layout.fragments[0]}
+  learner.receive(_state(values, 0, 1))
+  # τ = 1 step has not passed since the answer, but a round based on version 1 waits: apply now.
+  assert learner.apply_ready() == [(0, 1)]
+  learner.train_step(_batch(1))
+  assert learner.due() == (0,)
+  report = learner.make_report(0)
+  assert (report.round_step, report.anchor_version, report.steps) == (8, 1, 1)

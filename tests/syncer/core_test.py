@@ -903,6 +903,9 @@ def test_tick_opens_exactly_the_rounds_due_on_the_step_clock():
     clock.t = t - 0.25
     assert core.tick() == []
     clock.t = t
+    # Heartbeats: each learner's step at its rate. Learner 1's are exact, so the median stays 2.
+    for i, rate in enumerate((1, 2, 4)):
+      core.observe_steps(i, int(1 + rate * t))
     opened = core.tick()
     assert opened == requests
     # Every fragment due at this step got its round, or overran an open one.
@@ -1198,3 +1201,34 @@ def test_reused_merge_memory_never_reaches_published_versions():
   for k, v in v1.items():
     assert old.values[k].tobytes() == v.tobytes()
     np.testing.assert_array_equal(core.state(0).values[k], v + np.float32(0.5))
+
+
+def test_tick_skips_a_round_opened_directly_and_keeps_merging():
+  """A round opened by hand at a step the clock has not reached yet is not opened again (it used to
+  raise in `tick` at every call, which stopped a service's merge loop)."""
+  clock = FakeClock(0.0)
+  core = _tick_core(clock)
+  for i in range(3):
+    core.observe_steps(i, 1)
+  assert core.tick() == []  # The clock starts at step 1; no rate yet.
+  assert core.open_round(0, 4) == RoundRequest(0, 4, 0)
+  clock.t = 2.0
+  for i in range(3):
+    core.observe_steps(i, 5)  # 2 steps/s: the clock is at step 5 (p1 due at 2, p0 at 4).
+  assert core.tick() == [RoundRequest(1, 2, 0)]
+  assert core.stats()["rounds_opened"] == 2
+
+
+def test_the_step_time_a_learner_reports_starts_the_clock_and_a_silent_one_stops_pacing_it():
+  clock = FakeClock(0.0)
+  core = _tick_core(clock)
+  core.observe_steps(0, 3, step_time_s=0.5)  # 2 steps/s, before two samples could measure it.
+  core.observe_steps(1, 3, step_time_s=0.125)  # 8 steps/s.
+  assert core.cadence_step() == 3
+  clock.t = 0.5
+  assert core.cadence_step() == 5  # 3 + 0.5 s at the median, 5 steps/s: 5.5.
+  # Learner 1 is silent (paused, crashed) for more than max(2 s, 4 of its steps): from then on
+  # only learner 0 paces the clock, at its measured rate 0.5 x 2 + 0.5 x (8 − 3) / 3 = 1.8333.
+  clock.t = 3.0
+  core.observe_steps(0, 8)
+  assert core.cadence_step() == 10  # 5.5 + 2.5 s x 1.8333 = 10.08 (with learner 1: 17.8).

@@ -768,11 +768,18 @@ def test_push_for_a_round_never_opened(door):
   )
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="SyncerCore.late_reason calls round_step -1 (no round) closed: the service aborts it as "
-  "late before decoding, while the core rejects it as never opened.",
-)
+def test_push_for_a_step_below_the_newest_round_that_never_had_one(door):
+  # Round (0, 3) is open and is fragment 0's first: step 2 had no round of fragment 0.
+  chunks = _chunks(_report(round_step=2), "fp32")
+  _assert_refused(
+    door,
+    lambda: _push(door, chunks),
+    grpc.StatusCode.INVALID_ARGUMENT,
+    "rejected: round (0, 2) was never opened",
+    rejected=1,
+  )
+
+
 def test_push_answering_no_round(door):
   # A report made without a pending request carries round_step -1: it answers no round at all.
   chunks = _chunks(_report(), "fp32")
