@@ -116,8 +116,8 @@ class SimulatedCluster:
     self.lost_reports = 0
     self.merge_events: list[MergeEvent] = []
     self.evals: list[tuple[float, float]] = []
-    self._merge_check_at: float | None = None
-    self._tick_at: float | None = None
+    # The one pending time of each self-rescheduling event (see `_schedule_once`).
+    self._pending_at: dict[str, float] = {}
     self._finished = False
     self._finish_time = math.inf
 
@@ -226,8 +226,7 @@ class SimulatedCluster:
         for other in self.slots.values():
           if other.alive and other is not slot:
             self._boundary(other)
-        self._tick_at = self.now
-        self._push(self.now, "tick")
+        self._schedule_once("tick", self.now)
       return
     self._continue(slot)
 
@@ -243,22 +242,28 @@ class SimulatedCluster:
         self.now + self._transfer_s(nbytes, self.cfg.uplink_latency_s), "arrive", report, slot.gen
       )
 
-  def _schedule_tick(self) -> None:
-    """Schedules the syncer's next clock tick (a round may come due then)."""
-    at = self.core.next_tick_time()
+  def _schedule_once(self, kind: str, at: float | None) -> None:
+    """Schedules a `kind` event ("tick", "merge_check") at `at` unless one is pending sooner.
+
+    Only the pending one runs: `run` drops the others when they come up, so that they never move
+    the clock.
+    """
     if at is None:
       return
     at = max(at, self.now)
-    if self._tick_at is None or at < self._tick_at:
-      self._tick_at = at
-      self._push(at, "tick")
+    pending = self._pending_at.get(kind)
+    if pending is None or at < pending:
+      self._pending_at[kind] = at
+      self._push(at, kind)
+
+  def _schedule_tick(self) -> None:
+    """Schedules the syncer's next clock tick (a round may come due then)."""
+    self._schedule_once("tick", self.core.next_tick_time())
 
   def _on_tick(self) -> None:
-    if self._tick_at is not None and self.now < self._tick_at:
-      return  # Superseded by an earlier tick.
+    del self._pending_at["tick"]
     if self._finished and self.now > self._finish_time:
       return  # The drain answers the rounds of steps trained, not later ones.
-    self._tick_at = None
     requests = self.core.tick()
     for request in requests:
       self._event(
@@ -325,18 +330,10 @@ class SimulatedCluster:
     return dataclasses.replace(report, values=values)
 
   def _schedule_merge_check(self) -> None:
-    deadline = self.core.next_deadline()
-    if deadline is None:
-      return
-    deadline = max(deadline, self.now)
-    if self._merge_check_at is None or deadline < self._merge_check_at:
-      self._merge_check_at = deadline
-      self._push(deadline, "merge_check")
+    self._schedule_once("merge_check", self.core.next_deadline())
 
   def _on_merge_check(self) -> None:
-    if self._merge_check_at is not None and self.now < self._merge_check_at:
-      return
-    self._merge_check_at = None
+    del self._pending_at["merge_check"]
     for ev in self.core.poll():
       self.merge_events.append(ev)
       self._event(
@@ -466,10 +463,8 @@ class SimulatedCluster:
         break
       if self._finished and kind not in drain_kinds:
         continue
-      if (kind == "merge_check" and t != self._merge_check_at) or (
-        kind == "tick" and t != self._tick_at
-      ):
-        continue  # Superseded by an earlier one: it must not move the clock.
+      if kind in ("tick", "merge_check") and t != self._pending_at.get(kind):
+        continue  # Superseded by an earlier one (`_schedule_once`): it must not move the clock.
       self.now = t
       handlers[kind](*payload)
       if progress is not None and time.perf_counter() - last_progress > 2.0:
