@@ -6,9 +6,41 @@ over directly; the gRPC runtime encodes them (`ddiloco.transport.messages`). Not
 """
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 import numpy as np
+
+# Bounds on the counters a learner sends. They are far above any real run (2^40 steps is ~35,000
+# years at one step per second) and far below int64, so every sum the syncer forms of them (its
+# ledger, its counters, its checkpoint) stays exact.
+MAX_STEP = 2**40
+MAX_TOKENS = 2**50
+
+
+def counter_error(**counters: int) -> str | None:
+  """Why learner-sent counters (steps, tokens, ...) are invalid, or None.
+
+  Every counter must be an integer in [0, MAX_STEP] (names with "tokens": [0, MAX_TOKENS]).
+  """
+  for name, value in counters.items():
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+      return f"{name} must be an integer, got {value!r}"
+    bound = MAX_TOKENS if "tokens" in name else MAX_STEP
+    if value < 0:
+      return f"negative counter: {name}={value}"
+    if value > bound:
+      return f"implausible counter: {name}={value} exceeds {bound}"
+  return None
+
+
+def step_time_error(step_time_s: float) -> str | None:
+  """Why a learner's reported step time is invalid (it must be finite and >= 0), or None."""
+  if not isinstance(step_time_s, int | float | np.floating) or not math.isfinite(step_time_s):
+    return f"step_time_s must be finite and >= 0, got {step_time_s!r}"
+  if step_time_s < 0:
+    return f"step_time_s must be finite and >= 0, got {step_time_s!r}"
+  return None
 
 
 @dataclasses.dataclass(frozen=True)

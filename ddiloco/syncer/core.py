@@ -35,6 +35,7 @@ The value types live in `types.py` (re-exported here) and `state_dict` / `load_s
 import collections
 import dataclasses
 import functools
+import logging
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 
@@ -45,6 +46,7 @@ import optax
 
 from ddiloco.fragments.digest import values_digest
 from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.protocol import MAX_STEP, counter_error, step_time_error
 from ddiloco.syncer import merge as merge_lib
 from ddiloco.syncer.checkpoint import CheckpointMixin
 from ddiloco.syncer.grace import GraceModel
@@ -62,6 +64,8 @@ from ddiloco.syncer.types import (
   readonly,
 )
 
+log = logging.getLogger(__name__)
+
 __all__ = [
   "FragmentState",
   "MergeEvent",
@@ -74,11 +78,58 @@ __all__ = [
 
 
 _RECENT_ROUNDS = 16  # Round steps remembered per fragment (`late_reason`).
+_RECENT_NORMS = 32  # Merged answers' outer-gradient norms remembered per fragment.
+_ANSWERS_PER_FRAGMENT = 4  # Recent answers remembered per learner and fragment (retries).
+_INT64_MAX = 2**63 - 1
 
 
-def _outer_step(opt, params, grads, opt_state):
-  updates, opt_state = opt.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state
+def _checked_add(total: int, n: int) -> int:
+  """total + n for a counter that is saved as int64: saturates at int64's maximum (never reached
+  with the learners' counters bounded, `protocol.MAX_TOKENS`), so it can never break a save."""
+  return min(int(total) + int(n), _INT64_MAX)
+
+
+def _norm(values: Mapping[str, np.ndarray]) -> float:
+  """‖values‖ over all tensors: float32 blocks (no full-size temporary), summed in float64."""
+  sq = 0.0
+  with np.errstate(over="ignore"):
+    for v in values.values():
+      flat = np.asarray(v).reshape(-1)
+      for start in range(0, flat.size, merge_lib.BLOCK_VALUES):
+        block = flat[start : start + merge_lib.BLOCK_VALUES].astype(np.float32)
+        sq += float(np.dot(block, block))
+  return math.sqrt(sq)
+
+
+def _outer_step(opt, limits, params, grads, opt_state):
+  """One outer step, all or nothing: (new params, optimizer state, ok).
+
+  ok is False if a new value is non-finite or beyond `limits[key]` (a bound that keeps the cast to
+  the tensor's own dtype and the downlink codec's arithmetic finite), or the new optimizer state
+  has a non-finite value; the state returned is then the old one (its buffers were donated, so
+  the old values come back through the output), and the caller discards the new params.
+  """
+  updates, new_state = opt.update(grads, opt_state, params)
+  new = optax.apply_updates(params, updates)
+  ok = jnp.array(True)
+  for k, v in new.items():
+    ok &= jnp.all(jnp.abs(v) <= limits[k])  # False for NaN too.
+  for leaf in jax.tree_util.tree_leaves(new_state):
+    if jnp.issubdtype(leaf.dtype, jnp.inexact):
+      ok &= jnp.all(jnp.isfinite(leaf))
+  state = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new_state, opt_state)
+  return new, state, ok
+
+
+def _value_limit(dtype: np.dtype) -> float:
+  """The largest magnitude a merged value of `dtype` may take: a quarter of the dtype's range,
+  so that casting it, and the downlink's Θ_new − Θ_old and its decoding, cannot overflow."""
+  return float(jnp.finfo(dtype).max) / 4
+
+
+def _fingerprint(r: Report) -> tuple:
+  """What makes two answers to one round the same answer (a retry): their counters."""
+  return (r.step, r.tokens, r.steps, r.new_tokens, r.anchor_version)
 
 
 def _non_finite(key: str, v: np.ndarray) -> str:
@@ -152,7 +203,6 @@ class SyncerCore(CheckpointMixin):
     self._opt = outer_optimizer if outer_optimizer is not None else config.outer_optimizer()
     # Params (a fresh copy, `_params32`) and the optimizer state are donated: XLA writes the new
     # values into their buffers instead of fresh ones (measured 2-4x faster on 16 MiB, issue 3).
-    self._step_fn = jax.jit(functools.partial(_outer_step, self._opt), donate_argnums=(0, 2))
     self._merge_out = merge_lib.OutputBuffer()  # The merged outer gradients, every merge's.
     self._grace = GraceModel(
       gamma=config.grace_gamma,
@@ -169,9 +219,18 @@ class SyncerCore(CheckpointMixin):
           raise ValueError(f"{k!r} has dtype {a.dtype}; only floating parameters can be synced.")
         vals[k] = readonly(a)
       self._global.append(vals)
+    limits = {k: _value_limit(v.dtype) for vals in self._global for k, v in vals.items()}
+    self._step_fn = jax.jit(
+      functools.partial(_outer_step, self._opt, limits), donate_argnums=(0, 2)
+    )
     num = len(self._keys)
     self._version = [0] * num
     self._digest = [values_digest(v) for v in self._global]
+    # ‖Θ_p‖ of each current version, and the outer-gradient norms of recent merged answers: the
+    # scales of the plausibility bound (`_implausible`). Not saved: a restored syncer starts the
+    # recent norms afresh.
+    self._theta_norm = [_norm(v) for v in self._global]
+    self._recent_norms = [collections.deque(maxlen=_RECENT_NORMS) for _ in range(num)]
     self._history: list[dict[int, dict[str, np.ndarray]]] = [{0: v} for v in self._global]
     self._opt_state = [self._opt.init(self._params32(p)) for p in range(num)]
     self._rounds = [Round() for _ in range(num)]
@@ -251,21 +310,24 @@ class SyncerCore(CheckpointMixin):
       return -1 if self._cadence is None else int(self._cadence)
     if self._cadence is None:
       seen = [
-        s
-        for lr in self._learners.values()
-        if lr.alive
-        for s in (
+        max(
           lr.progress[0] if lr.progress is not None else -1,
           lr.steps_seen[0] if lr.steps_seen is not None else -1,
         )
+        for lr in self._learners.values()
+        if lr.alive
       ]
-      if not seen or max(seen) < 0:
+      seen = [s for s in seen if s >= 0]
+      if not seen:
         return -1
-      self._cadence = float(max(*seen, *self._last_round_step))
+      # The median learner's step (the larger middle one): a single learner claiming a far-off
+      # step cannot move the clock of a fleet, and none moves it past a round already opened.
+      start = sorted(seen)[len(seen) // 2]
+      self._cadence = float(max(start, *self._last_round_step))
     else:
       rate = self._fleet_rate()
       if rate:
-        self._cadence += (now - self._cadence_time) * rate
+        self._cadence = min(self._cadence + (now - self._cadence_time) * rate, float(MAX_STEP))
     self._cadence_time = now
     return int(self._cadence + 1e-9)  # A tick at the computed time lands on its step.
 
@@ -339,7 +401,7 @@ class SyncerCore(CheckpointMixin):
         f"Round step {step} of fragment {p} is not after its newest round ({self._last_round_step[p]})."
       )
     if self._rounds[p].step >= 0:
-      self._counters["overrun_rounds"] += 1
+      self._count("overrun_rounds")
       return None
     self._rounds[p] = Round(step=step, base_version=self._version[p], open_time=self._clock())
     self._last_round_step[p] = step
@@ -347,7 +409,7 @@ class SyncerCore(CheckpointMixin):
     if len(recent) == recent.maxlen:
       self._rounds_known_after[p] = recent[0]
     recent.append(step)
-    self._counters["rounds_opened"] += 1
+    self._count("rounds_opened")
     return RoundRequest(p, step, self._version[p])
 
   def open_rounds(self) -> list[RoundRequest]:
@@ -361,7 +423,7 @@ class SyncerCore(CheckpointMixin):
   def observe_progress(self, learner_id: int, step: int, step_time_s: float) -> None:
     """Records an alive learner's schedule step and step time now (from its reports)."""
     learner = self._learners.get(learner_id)
-    if learner is None or not learner.alive or step < 0:
+    if learner is None or not learner.alive or not 0 <= step <= MAX_STEP:
       return
     if not math.isfinite(step_time_s) or step_time_s < 0:
       step_time_s = 0.0
@@ -383,19 +445,20 @@ class SyncerCore(CheckpointMixin):
     instead of a second later.
     """
     learner = self._learners.get(learner_id)
-    if learner is None or not learner.alive or inner_step < 0:
+    if learner is None or not learner.alive or not 0 <= inner_step <= MAX_STEP:
       return
     now = self._clock()
     learner.position, learner.heard = int(inner_step), now
+    max_rate = self._config.max_step_rate
     if learner.rate == 0 and math.isfinite(step_time_s) and step_time_s > 0:
-      learner.rate = 1.0 / step_time_s
+      learner.rate = min(1.0 / step_time_s, max_rate)
     if learner.steps_seen is None or inner_step < learner.steps_seen[0]:
       learner.steps_seen = (int(inner_step), now)
       return
     step0, t0 = learner.steps_seen
     if now - t0 < min_interval_s:
       return
-    rate = (inner_step - step0) / (now - t0)
+    rate = min((inner_step - step0) / (now - t0), max_rate)
     # Half-weight samples: the first ones include compilation, and a slow EMA kept the cadence
     # behind a lone learner for dozens of steps (measured: 40 holds in 128 steps).
     learner.rate = rate if learner.rate == 0 else 0.5 * learner.rate + 0.5 * rate
@@ -467,10 +530,76 @@ class SyncerCore(CheckpointMixin):
     return dataclasses.replace(self._file_report(r, copy), fleet_step=self.cadence_step())
 
   def _file_report(self, r: Report, copy: bool = True) -> ReportResult:
-    reason, sq_norms = self._invalid_reason(r)
+    reason = self._invalid_header(r)
     if reason is not None:
-      self._counters["rejected"] += 1
+      self._count("rejected")
       return ReportResult("rejected", reason, 0.0)
+    replay = self.replayed(r.learner_id, r.fragment, r.round_step, _fingerprint(r))
+    if replay is not None:
+      return replay
+    reason, sq_norms = self._invalid_values(r)
+    if reason is None and sq_norms is not None:
+      reason = self._implausible(r.fragment, sq_norms)
+      if reason is not None:
+        self._count("implausible")
+    if reason is not None:
+      self._count("rejected")
+      return ReportResult("rejected", reason, 0.0)
+    result = self._file_valid(r, sq_norms, copy)
+    if result.status != "duplicate":
+      self._remember(r, result)
+    return result
+
+  def replayed(
+    self, learner_id: int, fragment: int, round_step: int, fingerprint: tuple
+  ) -> ReportResult | None:
+    """The result a learner's earlier, identical answer to this round got, or None.
+
+    A learner that lost the reply to an answer (a timeout, a dropped connection) sends it again:
+    the retry gets the first answer's result and is neither filed, merged nor booked twice
+    (counted as "replayed"). Identical means the same registration, round and counters
+    (`fingerprint`: step, tokens, steps, new tokens, anchor version), with nothing delivered to
+    the learner since (a weight-0 answer may be answered again once the learner holds the
+    fragment); a different second answer to the same round is a duplicate. A transport may ask
+    before decoding a push.
+    """
+    learner = self._learners.get(learner_id)
+    if learner is None:
+      return None
+    seen = learner.answers.get((fragment, round_step))
+    now = (learner.epoch, tuple(fingerprint), learner.delivered.get(fragment))
+    if seen is None or seen[:3] != now:
+      return None
+    self._count("replayed")
+    return dataclasses.replace(seen[3], fleet_step=self.cadence_step())
+
+  def _remember(self, r: Report, result: ReportResult) -> None:
+    learner = self._learners[r.learner_id]
+    answers = learner.answers
+    key = (r.fragment, r.round_step)
+    answers[key] = (learner.epoch, _fingerprint(r), learner.delivered.get(r.fragment), result)
+    answers.move_to_end(key)
+    while len(answers) > _ANSWERS_PER_FRAGMENT * self.num_fragments:
+      answers.popitem(last=False)
+
+  def _implausible(self, p: int, sq_norms: Mapping[str, float]) -> str | None:
+    """Why an answer's outer gradient is out of scale (`SyncerConfig.max_update_ratio`), or None."""
+    norm = math.sqrt(sum(sq_norms.values()))
+    if not math.isfinite(norm):
+      return f"the outer gradient of fragment {p} overflows (its norm is not finite)"
+    ratio = self._config.max_update_ratio
+    recent = self._recent_norms[p]
+    scale = max(self._theta_norm[p], float(np.median(recent)) if recent else 0.0)
+    if ratio > 0 and scale > 0 and norm > ratio * scale:
+      return (
+        f"implausible outer gradient: its norm {norm:.4g} exceeds {ratio:g} x {scale:.4g}, the "
+        f"larger of the norm of fragment {p} and the median norm of its recent merged answers"
+      )
+    return None
+
+  def _file_valid(
+    self, r: Report, sq_norms: Mapping[str, float] | None, copy: bool
+  ) -> ReportResult:
     if r.step_time_s > 0:
       self._grace.observe_step_time(r.step_time_s)
     self.observe_progress(r.learner_id, r.step, r.step_time_s)
@@ -499,7 +628,7 @@ class SyncerCore(CheckpointMixin):
       # One answer per learner and round; a restarted learner (a newer registration) may answer
       # again, and its answer replaces the lost process's.
       if prev.epoch == learner.epoch:
-        self._counters["duplicate"] += 1
+        self._count("duplicate")
         self._ledger_in(r.learner_id, r.new_tokens, dropped=True)
         return ReportResult(
           "duplicate", f"learner {r.learner_id} already answered round ({p}, {rnd.step})", 0.0
@@ -509,13 +638,17 @@ class SyncerCore(CheckpointMixin):
       new_tokens += prev.report.new_tokens
     self._ledger_in(r.learner_id, r.new_tokens, dropped=False)
     values = {k: np.array(v, copy=True) if copy else v for k, v in r.values.items()}
+    rda_norms = None
+    if sq_norms is not None and self._config.merge_method == "rda":
+      rda_norms = {k: sq for k, sq in sq_norms.items() if k not in self._embedding_keys}
     rnd.entries[r.learner_id] = RoundEntry(
       dataclasses.replace(r, values=values, new_tokens=new_tokens),
       weight,
       learner.epoch,
-      sq_norms=sq_norms,
+      sq_norms=rda_norms,
+      norm=None if sq_norms is None else math.sqrt(sum(sq_norms.values())),
     )
-    self._counters[status] += 1
+    self._count(status)
     now = self._clock()
     if r.step >= self._counters["fleet_step"]:
       self._counters["fleet_step"], self._fleet_step_time = r.step, now
@@ -559,16 +692,16 @@ class SyncerCore(CheckpointMixin):
 
     `learner_id` and `new_tokens` book the report in the token ledger (a registered learner's).
     """
-    self._counters["late"] += 1
-    self._counters["dropped_tokens"] += int(tokens)
+    self._count("late")
+    self._count("dropped_tokens", int(tokens))
     if learner_id in self._learners:
       self._ledger_in(learner_id, max(int(new_tokens), 0), dropped=True)
     return ReportResult("late", reason, 0.0, self.cadence_step())
 
   def _zero_weight(self, r: Report, reason: str) -> ReportResult:
-    self._counters["accepted"] += 1
-    self._counters["zero_weight_reports"] += 1
-    self._counters["zero_weight_tokens"] += r.tokens
+    self._count("accepted")
+    self._count("zero_weight_reports")
+    self._count("zero_weight_tokens", r.tokens)
     # Weight 0 never touches the merge, so its ledger tokens are dropped (SPEC §3).
     self._ledger_in(r.learner_id, r.new_tokens, dropped=True)
     return ReportResult("accepted", f"weight 0: {reason}", 0.0)
@@ -576,22 +709,19 @@ class SyncerCore(CheckpointMixin):
   def _ledger_in(self, learner_id: int, new_tokens: int, *, dropped: bool) -> None:
     """Books a report's ledger tokens as received, and as dropped at once if it joins no round."""
     ledger = self._learners[learner_id].ledger
-    ledger["received"] += new_tokens
-    self._counters["ledger_received"] += new_tokens
+    ledger["received"] = _checked_add(ledger["received"], new_tokens)
+    self._count("ledger_received", new_tokens)
     if dropped:
-      ledger["dropped"] += new_tokens
-      self._counters["ledger_dropped"] += new_tokens
+      ledger["dropped"] = _checked_add(ledger["dropped"], new_tokens)
+      self._count("ledger_dropped", new_tokens)
 
-  def _invalid_reason(self, r: Report) -> tuple[str | None, dict[str, float] | None]:
-    """Validates a report at the door (ARCHITECTURE "payload validation").
+  def _invalid_values(self, r: Report) -> tuple[str | None, dict[str, float] | None]:
+    """Validates a valid-header report's values at the door.
 
     Returns:
-      (why it must be rejected, or None; its RDA tensors' squared outer-gradient norms if it will
-      join a round under RDA (`_norm_anchor`), else None).
+      (why it must be rejected, or None; every tensor's squared outer-gradient norm if it will
+      join a round (`_norm_anchor`), else None).
     """
-    reason = self._invalid_header(r)
-    if reason is not None:
-      return reason, None
     expected = self._global[r.fragment]
     missing = sorted(set(expected) - set(r.values))
     extra = sorted(set(r.values) - set(expected))
@@ -601,15 +731,16 @@ class SyncerCore(CheckpointMixin):
         None,
       )
     # The finiteness check is the door's one pass over the values. For a report that will join a
-    # round it also sums ‖Θ^(anchor) − θ_m‖² per RDA tensor (issue 3), so the merge needs one pass
-    # over the contributions instead of two; the anchor is fixed once filed (SPEC §4.3).
+    # round it also sums ‖Θ^(anchor) − θ_m‖² per tensor: the plausibility bound needs them, and
+    # RDA's tensors' norms spare the merge its first pass over the contributions (the anchor is
+    # fixed once filed).
     anchor = self._norm_anchor(r)
     sq_norms = None if anchor is None else {}
     for k, ref in expected.items():
       v = np.asarray(r.values[k])
       if v.shape != ref.shape or v.dtype != ref.dtype:
         return f"{k!r} is {v.dtype}{list(v.shape)}, expected {ref.dtype}{list(ref.shape)}", None
-      if sq_norms is not None and k not in self._embedding_keys:
+      if sq_norms is not None:
         sq = merge_lib.finite_sq_norm(anchor[k], v)  # None iff v has a NaN/Inf.
         if sq is None:
           return _non_finite(k, v), None
@@ -627,17 +758,21 @@ class SyncerCore(CheckpointMixin):
       return f"learner {r.learner_id} is not registered"
     if not learner.alive:
       return f"learner {r.learner_id} is not alive; it must register again"
-    for name in ("tokens", "steps", "step", "anchor_version", "new_tokens", "round_step"):
+    for name in ("anchor_version", "round_step"):
       value = getattr(r, name)
-      if not isinstance(value, int | np.integer):
+      if isinstance(value, bool) or not isinstance(value, int | np.integer):
         return f"{name} must be an integer, got {value!r}"
-    if r.tokens < 0 or r.steps < 0 or r.step < 0 or r.new_tokens < 0:
+    reason = counter_error(
+      tokens=r.tokens, steps=r.steps, step=r.step, new_tokens=r.new_tokens
+    ) or step_time_error(r.step_time_s)
+    if reason is not None:
+      return reason
+    per_step = self._config.max_tokens_per_step
+    if per_step is not None and r.tokens > r.steps * per_step:
       return (
-        f"negative counter: tokens={r.tokens}, steps={r.steps}, step={r.step}, "
-        f"new_tokens={r.new_tokens}"
+        f"{r.tokens} tokens in {r.steps} steps: more than the {per_step} tokens per step a "
+        "learner's batch can hold"
       )
-    if not math.isfinite(r.step_time_s) or r.step_time_s < 0:
-      return f"step_time_s must be finite and >= 0, got {r.step_time_s}"
     cur = self._version[r.fragment]
     if r.anchor_version < -1 or r.anchor_version > cur:
       return (
@@ -648,14 +783,13 @@ class SyncerCore(CheckpointMixin):
     return None
 
   def _norm_anchor(self, r: Report) -> Mapping[str, np.ndarray] | None:
-    """Θ^(anchor) of a valid-header report that `_file_report` will put in a round under RDA.
+    """Θ^(anchor) of a valid-header report that `_file_report` will put in a round.
 
-    None if its norms are not needed (mean merge, weight 0, late): the door then only checks
-    finiteness. A None for a report that does join costs time, never bits: the merge computes
+    None if its norms are not needed (weight 0, late): the door then only checks finiteness. A None for a report that does join costs time, never bits: the merge computes
     missing norms itself, from the same base (`_merge`).
     """
     p, learner = r.fragment, self._learners[r.learner_id]
-    if self._config.merge_method != "rda" or p not in learner.delivered:
+    if p not in learner.delivered:
       return None
     if self.late_reason(p, r.round_step) is not None:
       return None
@@ -668,19 +802,23 @@ class SyncerCore(CheckpointMixin):
   # -- merging ------------------------------------------------------------------------------------
 
   def poll(self) -> list[MergeEvent]:
-    """Performs every merge whose time has come at clock(), earliest due first, and returns them."""
+    """Performs every merge whose time has come at clock(), earliest due first, and returns them.
+
+    A round whose merge fails (`_merge`) is closed without a merge and is not returned.
+    """
     now = self._clock()
     due = []
     for p in range(self.num_fragments):
       t = self._due_time(p, now)
       if t is not None and t <= now:
         due.append((t, p))
-    return [self._merge(p) for _, p in sorted(due)]
+    return [e for _, p in sorted(due) if (e := self._merge(p)) is not None]
 
   def flush(self) -> list[MergeEvent]:
     """Merges every round that has its quorum now, grace windows or not (shutdown, end of run)."""
     now = self._clock()
-    return [self._merge(p) for p in range(self.num_fragments) if self._due_time(p, now) is not None]
+    due = [p for p in range(self.num_fragments) if self._due_time(p, now) is not None]
+    return [e for p in due if (e := self._merge(p)) is not None]
 
   def next_deadline(self) -> float | None:
     """Earliest clock time at which poll() would merge something; None if no round has its quorum.
@@ -707,50 +845,66 @@ class SyncerCore(CheckpointMixin):
     entries = self._rounds[p].entries
     return all(i in entries for i, lr in self._learners.items() if lr.alive and p in lr.delivered)
 
-  def _merge(self, p: int) -> MergeEvent:
-    """Merges p's round into Θ_p (SPEC §4.3-4.6), publishes version + 1 and opens a new round."""
+  def _merge(self, p: int) -> MergeEvent | None:
+    """Merges p's round into Θ_p (SPEC §4.3-4.6), publishes version + 1 and closes the round.
+
+    All or nothing: if the merge raises, or the outer step would produce a non-finite or
+    out-of-range value (`_outer_step`), nothing is updated, the round closes without a merge, its
+    answers are dropped and counted (`failed_merges`), and None is returned.
+    """
     t0 = self._clock()
     rnd = self._rounds[p]
     contributors = tuple(sorted(rnd.entries))
     entries = [rnd.entries[i] for i in contributors]
     theta = self._global[p]
-    # v_m = Θ^(base) − θ_m in float32; the base is Θ_p itself (only this round merges p). merge_reports
-    # forms each v_m block by block as it merges (no outer gradient is held whole) and returns
-    # 64-byte-aligned arrays, which device_put hands to XLA without a copy.
-    anchors = [self._history[p][rnd.base_version]] * len(entries)
     weights = tuple(e.weight for e in entries)
-    merged = merge_lib.merge_reports(
-      anchors,
-      [e.report.values for e in entries],
-      weights,
-      method=self._config.merge_method,
-      embedding_keys=self._embedding_keys,
-      sq_norms=[e.sq_norms for e in entries],  # From filing: RDA's first pass is done (issue 3).
-      out=self._merge_out,  # Reused: the outer step below is done with it when _merge returns.
-    )
-    new32, self._opt_state[p] = self._step_fn(
-      self._params32(p), jax.device_put(merged), self._opt_state[p]
-    )
-    # A view of XLA's output for float32 (no copy); other dtypes are cast.
-    new = {k: np.asarray(new32[k], dtype=theta[k].dtype) for k in theta}
-    if self._adopt is not None:
-      new = self._adopt(p, new, theta)
-    new = {k: readonly(np.asarray(new[k], dtype=theta[k].dtype)) for k in theta}
+    try:
+      # v_m = Θ^(base) − θ_m in float32; the base is Θ_p itself (only this round merges p).
+      # merge_reports forms each v_m block by block as it merges (no outer gradient is held whole)
+      # and returns 64-byte-aligned arrays, which device_put hands to XLA without a copy.
+      anchors = [self._history[p][rnd.base_version]] * len(entries)
+      merged = merge_lib.merge_reports(
+        anchors,
+        [e.report.values for e in entries],
+        weights,
+        method=self._config.merge_method,
+        embedding_keys=self._embedding_keys,
+        sq_norms=[e.sq_norms for e in entries],  # From filing: RDA's first pass is done.
+        out=self._merge_out,  # Reused: the outer step below is done with it when _merge returns.
+      )
+      new32, self._opt_state[p], ok = self._step_fn(
+        self._params32(p), jax.device_put(merged), self._opt_state[p]
+      )
+      if not bool(ok):
+        raise FloatingPointError("the outer step produced a non-finite or out-of-range value")
+      # A view of XLA's output for float32 (no copy); other dtypes are cast.
+      new = {k: np.asarray(new32[k], dtype=theta[k].dtype) for k in theta}
+      if self._adopt is not None:
+        new = self._adopt(p, new, theta)
+      new = {k: readonly(np.asarray(new[k], dtype=theta[k].dtype)) for k in theta}
+      bad = [k for k, v in new.items() if not merge_lib.all_finite(v)]
+      if bad:
+        raise FloatingPointError(f"the published values of {bad[:3]} are not finite")
+    except Exception as e:  # Any failure leaves Θ_p as it was.
+      self._fail_round(p, e)
+      return None
     self._global[p] = new
+    self._theta_norm[p] = _norm(new)
+    self._recent_norms[p].extend(e.norm for e in entries if e.norm is not None)
     self._version[p] += 1
     self._digest[p] = values_digest(new)
     self._history[p][self._version[p]] = new
     for v in sorted(self._history[p])[: -self._config.keep_versions]:
       del self._history[p][v]
     tokens = sum(e.report.tokens for e in entries)
-    self._counters["merges"] += 1
-    self._counters["merged_tokens"] += tokens
+    self._count("merges")
+    self._count("merged_tokens", tokens)
     for i, e in zip(contributors, entries):
       # The ledger: the report's new tokens reached Θ_p. Learners hear merged_step in heartbeats.
-      self._counters["ledger_merged"] += e.report.new_tokens
+      self._count("ledger_merged", e.report.new_tokens)
       record = self._learners.get(i)
       if record is not None:
-        record.ledger["merged"] += e.report.new_tokens
+        record.ledger["merged"] = _checked_add(record.ledger["merged"], e.report.new_tokens)
         record.merged_step[p] = max(e.report.step, record.merged_step.get(p, -1))
     if len(entries) >= len(self._quorum_hist):
       self._quorum_hist = np.pad(self._quorum_hist, (0, len(entries) + 1 - len(self._quorum_hist)))
@@ -770,6 +924,26 @@ class SyncerCore(CheckpointMixin):
       grace_s=rnd.grace_s,
       digest=self._digest[p],
     )
+
+  def _fail_round(self, p: int, error: Exception) -> None:
+    """Closes p's round without a merge: its answers are dropped and counted; Θ_p is untouched."""
+    rnd = self._rounds[p]
+    log.error(
+      "merge of fragment %d (round step %d, %d answers) failed, nothing was updated and its "
+      "answers are dropped: %s",
+      p,
+      rnd.step,
+      len(rnd.entries),
+      error,
+    )
+    self._count("failed_merges")
+    for i, e in rnd.entries.items():
+      self._count("dropped_tokens", e.report.tokens)
+      self._count("ledger_dropped", e.report.new_tokens)
+      record = self._learners.get(i)
+      if record is not None:
+        record.ledger["dropped"] = _checked_add(record.ledger["dropped"], e.report.new_tokens)
+    self._rounds[p] = Round()
 
   def republish(self, p: int, version: int) -> None:
     """Publishes Θ_p's current values again as `version` (a restore, docs/resilience.md).
@@ -890,6 +1064,9 @@ class SyncerCore(CheckpointMixin):
     return out
 
   # -- helpers ------------------------------------------------------------------------------------
+
+  def _count(self, name: str, n: int = 1) -> None:
+    self._counters[name] = _checked_add(self._counters[name], n)
 
   def _params32(self, p: int) -> dict[str, jax.Array]:
     # copy=True: these buffers are donated to the outer step and must never alias the global values.

@@ -9,7 +9,8 @@ learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runti
 - Validation at the door: every request is checked before it can touch the core, and every refusal has
   a precise status and is counted by status name (`Status.refused`):
     INVALID_ARGUMENT    malformed chunks or header, unknown fragment, wrong keys/shapes/dtypes, NaN/Inf,
-                        a codec other than the negotiated one (or fp32)
+                        counters out of their bounds (`protocol.counter_error`), an implausible
+                        outer gradient, a codec other than the negotiated one (or fp32)
     RESOURCE_EXHAUSTED  a payload larger than the fragment can ever need, or a chunk above the limit
     NOT_FOUND           a learner that never registered
     FAILED_PRECONDITION a learner the syncer counts as dead (must register again), a layout digest or
@@ -19,6 +20,10 @@ learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runti
     ALREADY_EXISTS      a duplicate push: this learner already answered the round
     UNAUTHENTICATED     a missing or wrong shared token (transport/auth.py)
   A refused push leaves the global fragments, versions, optimizer states and rounds as they were.
+  A retry of an answer already filed (same learner, round and counters) gets the first answer's
+  reply, decided from the header: it is never filed twice.
+- A merge is all or nothing (`SyncerCore._merge`), and the merge thread never retries a failing
+  step with the lock held: RPCs and a signal's `stop()` always get through.
 - Downlink (SPEC §5): with a lossy downlink codec the syncer sends Θ_new − Θ_old quantized and adopts
   what a receiver decodes (`adopt`, wired into the core), so learners and syncer hold bit-identical
   fragments. The encoded delta is kept for the newest version only; a learner that holds an older
@@ -45,6 +50,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ddiloco.fragments import compression
+from ddiloco.protocol import counter_error, step_time_error
 from ddiloco.syncer.core import MergeEvent, ReportResult, RoundRequest, SyncerCore
 from ddiloco.transport import auth, messages, wire
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ArrayPool
@@ -245,8 +251,10 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
           for event in self._core.poll():
             self._publish(event)
           self._check_liveness()
-        except Exception:  # A merge bug must not kill the thread silently; the state is untouched.
+        except Exception:  # A bug must not kill the thread silently (a failed merge is atomic).
           log.exception("merge loop error")
+          # Never spin on a failing step with the lock held: RPCs and a signal's stop() need it.
+          self._cond.wait(0.05)
         wait = min(1.0, self._cfg.heartbeat_interval_s)
         for deadline in (self._core.next_deadline(), self._core.next_tick_time()):
           if deadline is not None:
@@ -442,6 +450,23 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         f"Push of {h.total_bytes} bytes in {h.num_chunks} chunks: fragment {p} never needs more "
         f"than {self._max_bytes[p]} bytes, chunks at most {self._cfg.max_chunk_bytes}.",
       )
+    bad = counter_error(
+      tokens=int(h.tokens), steps=int(h.steps), step=int(h.step), new_tokens=int(h.new_tokens)
+    ) or step_time_error(float(h.step_time_s))
+    if bad is not None:
+      raise self._refuse(grpc.StatusCode.INVALID_ARGUMENT, f"Push refused: {bad}.")
+    with self._cond:
+      # A retry of an answer already filed gets the first answer's result, unread (idempotent).
+      fingerprint = (
+        int(h.step),
+        int(h.tokens),
+        int(h.steps),
+        int(h.new_tokens),
+        int(h.anchor_version),
+      )
+      replay = self._core.replayed(int(h.learner_id), p, int(h.round_step), fingerprint)
+    if replay is not None:
+      return self._push_response(replay)
     with self._cond:
       late = self._core.late_reason(p, int(h.round_step))
       anchor = int(h.anchor_version)
@@ -497,6 +522,9 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       self._member(report.learner_id)  # It may have been declared dead while streaming.
       result = self._core.report(report, copy=False)  # Freshly decoded, ours alone.
       self._cond.notify_all()
+    return self._push_response(result)
+
+  def _push_response(self, result: ReportResult) -> syncer_pb2.PushResponse:
     if result.status in _STATUS_CODES:
       raise self._refuse(_STATUS_CODES[result.status], f"{result.status}: {result.reason}")
     return syncer_pb2.PushResponse(
@@ -559,6 +587,9 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     with self._cond:
       member = self._members.get(int(request.learner_id))
       registered = member is not None and int(request.learner_id) in self._core.alive()
+      bad = counter_error(step=int(request.step)) or step_time_error(float(request.step_time_s))
+      if registered and bad is not None:
+        raise self._refuse(grpc.StatusCode.INVALID_ARGUMENT, f"Heartbeat refused: {bad}.")
       if registered:
         member.last_seen = self._clock()
         member.step = int(request.step)

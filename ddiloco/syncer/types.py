@@ -5,6 +5,7 @@ Also the core's own mutable bookkeeping (`RoundEntry`, `Round`, `LearnerRecord`)
 by `ddiloco.syncer.core`, so `from ddiloco.syncer.core import SyncerConfig, Report, ...` keeps working.
 """
 
+import collections
 import dataclasses
 import math
 
@@ -52,6 +53,13 @@ COUNTERS = (
   "ledger_received",
   "ledger_merged",
   "ledger_dropped",
+  # Plausibility (docs/resilience.md): answers refused because their outer gradient was out of
+  # scale (also counted as "rejected"), rounds whose merge would have produced a non-finite or
+  # out-of-range value (nothing was updated; their answers were dropped), and answers a learner
+  # sent again (a retry) that got the first one's result without being filed twice.
+  "implausible",
+  "failed_merges",
+  "replayed",
 )
 
 CLOCKS = ("fleet_rate", "slowest")
@@ -63,6 +71,9 @@ NEW_COUNTERS = (
   "ledger_dropped",
   "rounds_opened",
   "overrun_rounds",
+  "implausible",
+  "failed_merges",
+  "replayed",
 )
 
 
@@ -88,6 +99,14 @@ class SyncerConfig:
     nesterov: Nesterov momentum.
     keep_versions: recent versions kept per fragment, current included: the anchors a delta on
       the wire may be encoded against (a learner that has not applied the newest version yet).
+    max_update_ratio: plausibility bound on an answer's outer gradient: its norm ‖Θ^(base) − θ_m‖
+      over the fragment may be at most this many times the larger of ‖Θ^(base)‖ and the median
+      norm of the fragment's recent merged answers; larger answers are refused. 0 disables it
+      (non-finite values and merges are refused whatever it is).
+    max_step_rate: the fastest inner-step rate (steps/s) a learner may claim or be measured at;
+      faster samples are clamped, so that no learner can race the syncer's step clock.
+    max_tokens_per_step: if set, an answer may carry at most this many tokens per inner step
+      (a learner's batch in tokens, with slack); None checks only the global counter bounds.
   """
 
   min_quorum: int = 1
@@ -102,6 +121,9 @@ class SyncerConfig:
   outer_momentum: float = 0.9
   nesterov: bool = True
   keep_versions: int = 4
+  max_update_ratio: float = 10.0
+  max_step_rate: float = 1000.0
+  max_tokens_per_step: int | None = None
 
   def __post_init__(self):
     if self.min_quorum < 1:
@@ -129,6 +151,12 @@ class SyncerConfig:
         f"keep_versions must be >= 2, got {self.keep_versions}: a learner answering a round may "
         "still hold the previous version, and its delta is encoded against it."
       )
+    if not math.isfinite(self.max_update_ratio) or self.max_update_ratio < 0:
+      raise ValueError(f"max_update_ratio must be finite and >= 0, got {self.max_update_ratio}.")
+    if not math.isfinite(self.max_step_rate) or self.max_step_rate <= 0:
+      raise ValueError(f"max_step_rate must be finite and > 0, got {self.max_step_rate}.")
+    if self.max_tokens_per_step is not None and self.max_tokens_per_step < 1:
+      raise ValueError(f"max_tokens_per_step must be >= 1 or None, got {self.max_tokens_per_step}.")
 
   def outer_optimizer(self) -> optax.GradientTransformation:
     """optax.sgd(outer_lr, momentum or None, nesterov): DiLoCo's outer step (SPEC §4.6)."""
@@ -161,6 +189,8 @@ class RoundEntry:
   # {key: ‖Θ^(anchor) − θ‖²} of its RDA tensors, summed at the door's finiteness pass, or None: the
   # merge then computes them (`merge.merge_reports`). Not checkpointed: a restored entry has None.
   sq_norms: dict[str, float] | None = None
+  # ‖Θ^(anchor) − θ‖ over the fragment, from the door (the plausibility bound's recent norms).
+  norm: float | None = None
 
 
 @dataclasses.dataclass
@@ -201,6 +231,12 @@ class LearnerRecord:
   rate: float = 0.0
   position: int = -1  # Its newest schedule step (every sample); not saved.
   heard: float | None = None  # Clock time of its newest sample; not saved.
+  # Its recent answers: (fragment, round step) -> (registration epoch, the answer's counters, the
+  # version of the fragment delivered to it then, the result it got). A retry of the same answer
+  # gets the same result and is not filed again. Bounded (`SyncerCore` evicts the oldest); not saved.
+  answers: "collections.OrderedDict[tuple[int, int], tuple[int, tuple, int | None, ReportResult]]" = dataclasses.field(
+    default_factory=collections.OrderedDict
+  )
 
 
 def readonly(a: np.ndarray) -> np.ndarray:

@@ -17,7 +17,6 @@ Only the small header submessage goes through protobuf.
 """
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -25,7 +24,7 @@ from google.protobuf.message import DecodeError
 
 from ddiloco.fragments import compression
 from ddiloco.fragments.digest import values_digest
-from ddiloco.protocol import FragmentState, Report
+from ddiloco.protocol import FragmentState, Report, counter_error, step_time_error
 from ddiloco.transport import wire
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ChunkAssembler
 from ddiloco.transport.errors import WireError
@@ -165,12 +164,6 @@ def as_frame(chunk: object, header_type: type) -> ChunkFrame:
     return parse_chunk(chunk, header_type)
   header = chunk.header if chunk.HasField("header") else None
   return ChunkFrame(header, chunk.index, memoryview(chunk.data), chunk.ByteSize())
-
-
-def _check_scalars(**fields: float) -> None:
-  for name, value in fields.items():
-    if not math.isfinite(value) or value < 0:
-      raise WireError(f"Header field {name} must be finite and >= 0, got {value}.")
 
 
 def _read_stream(
@@ -386,14 +379,15 @@ def chunks_to_report(
         f"Header ids out of range: learner_id {header.learner_id}, fragment {header.fragment}, "
         f"anchor_version {header.anchor_version}."
       )
-    _check_scalars(
-      tokens=header.tokens,
-      steps=header.steps,
-      step=header.step,
-      new_tokens=header.new_tokens,
-      round_step=header.round_step,
-    )
-    _check_scalars(step_time_s=header.step_time_s)
+    bad = counter_error(
+      tokens=int(header.tokens),
+      steps=int(header.steps),
+      step=int(header.step),
+      new_tokens=int(header.new_tokens),
+      round_step=int(header.round_step),
+    ) or step_time_error(float(header.step_time_s))
+    if bad is not None:
+      raise WireError(f"Bad header: {bad}.")
     if not header.delta:
       return None
     return _lookup(anchor_lookup, header.anchor_version, "delta push", "anchor_version")

@@ -413,8 +413,13 @@ def test_an_answer_anchored_off_the_round_base_weighs_zero():
 def test_duplicate_and_superseded():
   core = make_core(learners=(0, 1), min_quorum=2, **sgd1(), merge_method="mean")
   core.open_round(0, ROUND)
-  assert core.report(rep(0, step=10, values=theta(0.125))).status == "accepted"
-  dup = core.report(rep(0, step=10))
+  first = core.report(rep(0, step=10, values=theta(0.125)))
+  assert first.status == "accepted"
+  # The same answer again (same counters: a retry after a lost reply) gets the first one's result
+  # and is filed once.
+  again = core.report(rep(0, step=10))
+  assert (again.status, again.weight, again.round_version) == ("accepted", first.weight, 1)
+  dup = core.report(rep(0, step=11))
   assert (dup.status, dup.reason, dup.weight) == (
     "duplicate",
     "learner 0 already answered round (0, 10)",
@@ -435,7 +440,12 @@ def test_duplicate_and_superseded():
   # Both survivors are theta(0.5): mean = theta(0.5); lr 1 gives it back exactly.
   np.testing.assert_array_equal(core.state(0).values["a"], theta(0.5)["a"])
   stats = core.stats()
-  assert (stats["accepted"], stats["superseded"], stats["duplicate"]) == (2, 1, 3)
+  assert (stats["accepted"], stats["superseded"], stats["duplicate"], stats["replayed"]) == (
+    2,
+    1,
+    3,
+    1,
+  )
 
 
 def test_weight_zero_learner_never_changes_the_global_state():
@@ -1232,3 +1242,168 @@ def test_the_step_time_a_learner_reports_starts_the_clock_and_a_silent_one_stops
   clock.t = 3.0
   core.observe_steps(0, 8)
   assert core.cadence_step() == 10  # 5.5 + 2.5 s x 1.8333 = 10.08 (with learner 1: 17.8).
+
+
+# -- hostile values and counters: refused whole, the global model untouched ----------------------
+
+
+def _snapshot(core):
+  """Every fragment's version and digest, and the outer optimizer states' arrays."""
+  state = core.state_dict()
+  opt = [np.asarray(v).copy() for k, v in sorted(state.items()) if "/opt/" in k]
+  return [(core.state(p).version, core.state(p).digest) for p in range(2)], opt
+
+
+def _assert_same(before, after):
+  assert before[0] == after[0]
+  assert len(before[1]) == len(after[1])
+  for a, b in zip(before[1], after[1]):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+  "shift",
+  [3e38, -3e38, 1e38, 1e20, 1e4],
+  ids=["+3e38", "-3e38", "1e38", "1e20", "1e4"],
+)
+def test_huge_finite_answer_is_refused_as_implausible(shift):
+  """A finite but far-off θ (an overflowing outer gradient, or one out of scale) is refused."""
+  core = make_core(learners=(0, 1), **sgd1())
+  core.open_round(0, ROUND)
+  before = _snapshot(core)
+  huge = {k: np.full_like(v, shift) for k, v in theta(0.0).items()}
+  result = core.report(rep(0, values=huge))
+  assert (result.status, result.weight) == ("rejected", 0.0)
+  assert "outer gradient" in result.reason
+  assert core.flush() == []
+  _assert_same(before, _snapshot(core))
+  assert (core.stats()["implausible"], core.stats()["rejected"]) == (1, 1)
+  # The fleet goes on: an honest answer to the same round merges.
+  assert core.report(rep(1)).status == "accepted"
+  (event,) = core.flush()
+  assert event.contributors == (1,)
+  assert all(np.isfinite(v).all() for v in core.state(0).values.values())
+
+
+def test_plausibility_bound_follows_recent_merged_answers():
+  """Once answers are merged, the bound is relative to their norms too, and can be disabled."""
+  core = make_core(learners=(0,), **sgd1(), max_update_ratio=2.0)
+  # ‖Θ_0‖ ≈ 4.6; an outer gradient of norm ≈ 0.4 is merged, then one ≈ 20 (> 2 × 4.6) is refused.
+  core.open_round(0, ROUND)
+  assert core.report(rep(0, values=theta(0.125))).weight > 0
+  assert [e.version for e in core.flush()] == [1]
+  core.open_round(0, ROUND + 2)
+  far = rep(0, values=theta(6.0), anchor=1, round_step=ROUND + 2)
+  assert "implausible outer gradient" in core.report(far).reason
+  loose = make_core(learners=(0,), **sgd1(), max_update_ratio=0.0)
+  loose.open_round(0, ROUND)
+  assert loose.report(rep(0, values=theta(6.0))).status == "accepted"
+
+
+def test_merge_that_overflows_changes_nothing():
+  """A plausible answer whose outer step overflows: the merge is atomic, its answers dropped."""
+  clock = FakeClock()
+  core = SyncerCore(
+    fragment_keys=KEYS,
+    init_values=init_values(),
+    config=SyncerConfig(use_grace=False),
+    clock=clock,
+    outer_optimizer=optax.sgd(1e38, momentum=0.9, nesterov=True),
+  )
+  for i in (0, 1):
+    core.register(i)
+    core.fetch(i, 0)
+  core.open_round(0, ROUND)
+  before = _snapshot(core)
+  assert core.report(rep(0, values=theta(1.0))).weight > 0  # Plausible: ‖δ‖ ≈ 3.2, ‖Θ‖ ≈ 4.6.
+  assert core.poll() == []  # Failed: nothing published.
+  _assert_same(before, _snapshot(core))
+  stats, book = core.stats(), core.ledger()
+  assert (stats["failed_merges"], stats["merges"], stats["open_rounds"]) == (1, 0, 0)
+  assert book["pending"] == 0 and book["received"] == book["dropped"] + book["merged"]
+  # The round is closed: its answers are late now; the next round opens and merges normally
+  # once the outer step is sane again (here: it never is, and the state stays intact).
+  assert core.report(rep(1)).status == "late"
+  core.open_round(0, ROUND + 2)
+  assert core.report(rep(1, values=theta(1.0), round_step=ROUND + 2)).weight > 0
+  assert core.poll() == []
+  _assert_same(before, _snapshot(core))
+
+
+def test_merge_that_raises_changes_nothing(monkeypatch):
+  core = make_core(learners=(0,), **sgd1())
+  core.open_round(0, ROUND)
+  core.report(rep(0))
+  before = _snapshot(core)
+
+  def boom(*args, **kwargs):
+    raise RuntimeError("merge bug")
+
+  monkeypatch.setattr(merge, "merge_reports", boom)
+  assert core.poll() == []
+  _assert_same(before, _snapshot(core))
+  assert core.stats()["failed_merges"] == 1
+
+
+@pytest.mark.parametrize(
+  ("field", "value"),
+  [
+    ("tokens", 2**63 - 1),
+    ("steps", 2**63 - 1),
+    ("step", 2**63 - 1),
+    ("tokens", 2**51),
+    ("step", 2**41),
+    ("steps", True),
+  ],
+)
+def test_overflowing_counters_are_refused(field, value):
+  core = make_core(learners=(0,), **sgd1())
+  core.open_round(0, ROUND)
+  before = _snapshot(core)
+  result = core.report(dataclasses.replace(rep(0), **{field: value}))
+  assert result.status == "rejected"
+  _assert_same(before, _snapshot(core))
+  core.state_dict()  # Saving still works.
+
+
+def test_tokens_per_step_bound():
+  core = make_core(learners=(0,), **sgd1(), max_tokens_per_step=8)
+  core.open_round(0, ROUND)
+  assert "tokens per step" in core.report(rep(0, tokens=100, steps=10)).reason
+  assert core.report(rep(0, tokens=80, steps=10)).weight > 0
+
+
+def test_step_clock_resists_a_learner_claiming_a_far_step():
+  """Heartbeats claiming a huge step or rate can neither overflow nor race the step clock."""
+  clock = FakeClock(100.0)
+  core = make_core(clock, learners=(0, 1, 2), max_step_rate=100.0)
+  core.observe_steps(0, 2**63 - 1, step_time_s=1e-300)  # Out of range: ignored.
+  core.observe_steps(1, 2**40, step_time_s=1e-9)  # Within range, but one of three.
+  core.observe_steps(0, 50, step_time_s=0.5)
+  core.observe_steps(2, 50, step_time_s=0.5)
+  assert core.cadence_step() == 50  # The median learner's step, not the liar's.
+  clock.t += 2.0
+  core.observe_steps(1, 2**40, step_time_s=1e-9)
+  # The fleet's median rate (2/s; the liar's rate is clamped to 100/s): ~4 steps in 2 s.
+  assert 50 <= core.cadence_step() <= 60
+  for i in (0, 1, 2):
+    core.observe_steps(i, 2**40)
+  clock.t += 1e12  # Even at the clamped rate for ages the clock stays a valid step.
+  assert core.cadence_step() <= 2**40
+  core.state_dict()
+
+
+def test_retry_after_merge_is_not_filed_or_booked_twice():
+  core = make_core(learners=(0,), **sgd1())
+  core.open_round(0, ROUND)
+  first = core.report(dataclasses.replace(rep(0), new_tokens=100))
+  (event,) = core.flush()
+  book = core.ledger()
+  again = core.report(dataclasses.replace(rep(0), new_tokens=100))
+  assert (again.status, again.weight, again.round_version) == (
+    first.status,
+    first.weight,
+    event.version,
+  )
+  assert core.ledger() == book
+  assert (core.stats()["replayed"], core.stats()["late"], core.stats()["merges"]) == (1, 0, 1)

@@ -48,7 +48,7 @@ FRAGMENTS = [["a/w"], ["b/w"]]
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 RPC_TIMEOUT_S = 10
 # Core counters that legitimately count a refused report; every other stat must not move.
-REFUSAL_COUNTERS = ("late", "duplicate", "rejected", "dropped_tokens")
+REFUSAL_COUNTERS = ("late", "duplicate", "rejected", "dropped_tokens", "replayed", "implausible")
 STEPS, TOKENS = 2, 100  # Token weight 100² / 2 = 5000 (SPEC §4.4).
 ROUNDS = {0: 3, 1: 4}  # The round each fragment's pushes answer: its first due step from 3 on.
 
@@ -683,8 +683,13 @@ def test_header_codec_differs_from_the_payload_codec(door):
 @pytest.mark.parametrize(
   ("field", "value", "message"),
   [
-    ("tokens", -1, "Header field tokens must be finite and >= 0, got -1."),
-    ("step_time_s", math.nan, "Header field step_time_s must be finite and >= 0, got nan."),
+    ("tokens", -1, "Push refused: negative counter: tokens=-1."),
+    ("tokens", 2**63 - 1, "Push refused: implausible counter: tokens=9223372036854775807"),
+    ("new_tokens", 2**62, "Push refused: implausible counter: new_tokens="),
+    ("steps", 2**63 - 1, "Push refused: implausible counter: steps="),
+    ("step", 2**41, "Push refused: implausible counter: step=2199023255552 exceeds"),
+    ("step_time_s", math.nan, "Push refused: step_time_s must be finite and >= 0, got nan."),
+    ("step_time_s", math.inf, "Push refused: step_time_s must be finite and >= 0, got inf."),
     ("anchor_version", -2, "Header ids out of range"),
   ],
 )
@@ -788,7 +793,7 @@ def test_push_answering_no_round(door):
     door,
     lambda: _push(door, chunks),
     grpc.StatusCode.INVALID_ARGUMENT,
-    "Header field round_step must be finite and >= 0, got -1.",
+    "Bad header: negative counter: round_step=-1.",
   )
 
 
@@ -882,7 +887,7 @@ def test_delta_push_anchored_at_a_version_lost_in_a_syncer_restart(tmp_path):
     env.close()
 
 
-@pytest.mark.parametrize("step", [2, 5], ids=["same_step", "newer_step"])
+@pytest.mark.parametrize("step", [3, 5], ids=["next_step", "newer_step"])
 def test_duplicate_push(open_round, step):
   # One answer per learner and round, even a newer θ: only a restarted learner may answer again.
   chunks = _chunks(_report(step=step), anchor_values=open_round.held[0].values)
@@ -893,6 +898,36 @@ def test_duplicate_push(open_round, step):
     "duplicate: learner 0 already answered round (0, 3)",
     duplicate=1,
   )
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["round_open", "round_merged"])
+def test_replayed_push_is_filed_once(open_round, merged):
+  # A learner that lost the reply sends the same answer again (a retry): it gets the first
+  # answer's result, and nothing is filed, merged or booked twice.
+  env = open_round
+  if merged:  # Learner 1's answer completes the quorum: the round merges.
+    env.client.register(1, layout_digest=DIGEST, num_fragments=len(FRAGMENTS))
+    with env.svc.lock:
+      env.svc.core.mark_delivered(1, 0, 0)
+    env.client.push(_report(learner=1), "int4", anchor_values=env.held[0].values)
+    deadline = time.monotonic() + 10
+    while env.svc.core.version(0) == 0 and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert env.svc.core.version(0) == 1
+  fragments, stats, counted = _snapshot(env.svc)
+  book = env.svc.core.ledger()
+  for _ in range(2):
+    result = env.client.push(_report(), "int4", anchor_values=env.held[0].values)
+    assert (result.status, result.weight, result.round_version) == (
+      "accepted",
+      TOKENS**2 / STEPS,
+      1,
+    )
+  fragments_after, stats_after, counted_after = _snapshot(env.svc)
+  assert (fragments_after, stats_after) == (fragments, stats)
+  assert counted_after - counted == Counter(replayed=2)
+  assert env.svc.core.ledger() == book
+  assert env.svc.core.stats()["merges"] == int(merged)
 
 
 # -- 10. versions from the future ---------------------------------------------------------------
@@ -1021,3 +1056,32 @@ def test_valid_push_still_merges(door):
     assert door.svc.core.version(0) == 0
     assert door.svc.core.stats()["merges"] == 1
   assert door.svc.refused() == refused
+
+
+def test_a_failing_merge_loop_never_holds_the_lock(monkeypatch):
+  # A bug in the merge loop is logged and retried, but the loop releases its lock between tries:
+  # every RPC still answers and stop() (what a signal calls) returns.
+  env = _start(SyncerConfig(min_quorum=1, grace_max_s=0.2))
+  try:
+    calls = []
+
+    def broken_poll():
+      calls.append(time.monotonic())
+      raise RuntimeError("merge loop bug")
+
+    versions = list(env.client.status().versions)
+    monkeypatch.setattr(env.svc.core, "poll", broken_poll)
+    monkeypatch.setattr(env.svc.core, "next_deadline", lambda: 0.0)  # "Overdue": retry at once.
+    with env.svc.lock:
+      env.svc.lock.notify_all()
+    deadline = time.monotonic() + 10
+    while len(calls) < 3 and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert len(calls) >= 3
+    for _ in range(5):
+      assert list(env.client.status().versions) == versions
+    t0 = time.monotonic()
+    env.svc.stop(flush=False)
+    assert time.monotonic() - t0 < 10
+  finally:
+    env.close()

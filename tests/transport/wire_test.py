@@ -387,9 +387,10 @@ def test_push_header_errors():
   chunks = _push(_W)
   for field, value, msg in [
     ("codec", "int2", "Unknown codec 'int2'"),
-    ("steps", -1, "Header field steps must be finite and >= 0, got -1."),
-    ("round_step", -1, "Header field round_step must be finite and >= 0, got -1."),
-    ("step_time_s", float("nan"), "Header field step_time_s must be finite and >= 0, got nan."),
+    ("steps", -1, "Bad header: negative counter: steps=-1."),
+    ("round_step", -1, "Bad header: negative counter: round_step=-1."),
+    ("tokens", 2**63 - 1, "Bad header: implausible counter: tokens=9223372036854775807 exceeds"),
+    ("step_time_s", float("nan"), "Bad header: step_time_s must be finite and >= 0, got nan."),
     ("learner_id", -2, "Header ids out of range: learner_id -2"),
     ("codec", "int8", "'w': encoded with 'fp32', the header says 'int8'."),
   ]:
