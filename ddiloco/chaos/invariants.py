@@ -283,6 +283,24 @@ def check_eval(tape: Tape, *, baseline_loss: float, tolerance: float = 0.03) -> 
   return InvariantResult(name, ok, detail)
 
 
+def check_schedule_on_time(tape: Tape, *, max_late_s: float = 1.0) -> InvariantResult:
+  """Every injected fault fired within `max_late_s` of its planned time (`scheduled_t`).
+
+  A driver that blocks (on a restarting syncer, say) fires later faults late, and they overlap:
+  the run then tests another schedule than the one planned.
+  """
+  injected = [r for r in tape if "scheduled_t" in r]
+  if not injected:
+    return InvariantResult("faults_on_time", True, "no fault was scheduled")
+  late = [(r["t"] - r["scheduled_t"], r) for r in injected]
+  worst, record = max(late, key=lambda lr: lr[0])
+  detail = f"{len(injected)} faults, latest {worst:.2f} s after its planned time ({record['kind']})"
+  over = [lr for lr in late if lr[0] > max_late_s]
+  if over:
+    detail += f"; {len(over)} later than {max_late_s:g} s"
+  return InvariantResult("faults_on_time", not over, detail)
+
+
 def check_all(
   tape: Tape,
   *,
@@ -290,8 +308,9 @@ def check_all(
   max_gap_s: float,
   baseline_loss: float | None,
   eval_tolerance: float = 0.03,
+  max_late_s: float = 1.0,
 ) -> list[InvariantResult]:
-  """Every invariant of issue 4, in a fixed order.
+  """Every invariant of a chaos run, in a fixed order.
 
   Args:
     tape: the records.
@@ -299,6 +318,7 @@ def check_all(
     max_gap_s: the merge-gap bound (ChaosConfig.max_gap_s).
     baseline_loss: the fault-free run's final eval loss; None leaves the eval check out.
     eval_tolerance: relative bound on the eval loss (ChaosConfig.eval_tolerance).
+    max_late_s: how late after its planned time a fault may fire.
 
   Returns:
     The results.
@@ -309,6 +329,7 @@ def check_all(
     check_digests(tape),
     check_ledger(tape),
     check_training_finished(tape),
+    check_schedule_on_time(tape, max_late_s=max_late_s),
   ]
   if baseline_loss is not None:
     results.append(check_eval(tape, baseline_loss=baseline_loss, tolerance=eval_tolerance))

@@ -20,6 +20,7 @@ its latency is fixed per run); they are listed in `ReplayPlan.skipped`.
 import dataclasses
 import glob
 import json
+import math
 import os
 import statistics
 from collections import defaultdict
@@ -202,7 +203,8 @@ def replay(
     **simulate_kwargs: more simulate() arguments (e.g. tensorboard=False).
 
   Returns:
-    simulate()'s summary, plus "replay": {"faults", "skipped", "time_scale"}.
+    simulate()'s summary, plus "replay": {"faults", "skipped", "time_scale", "outside_run" (the
+    faults planned after the simulated run had ended, which never fired), "end_s"}.
 
   Raises:
     ValueError: for a non-positive step time or a tape learner outside the simulated fleet.
@@ -225,9 +227,13 @@ def replay(
     )
   cluster = dataclasses.replace(cluster, faults=plan.faults)
   summary = simulate(workdir=workdir, cluster=cluster, progress=progress, **simulate_kwargs)
+  end = float(summary.get("virtual_time_s", math.inf))
   summary["replay"] = {
     "faults": list(plan.faults),
     "skipped": list(plan.skipped),
     "time_scale": plan.time_scale,
+    # Faults planned after the simulated run ended never fired: the replay is then not the tape.
+    "outside_run": [f for f in plan.faults if parse_fault(f).time_s > end],
+    "end_s": end,
   }
   return summary

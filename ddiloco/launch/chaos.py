@@ -81,6 +81,7 @@ class ChaosRun:
     self._killed: set[int] = set()  # Learners down by our hand, waiting for their restart.
     self._done: dict[int, int] = {}
     self._syncer_down = False
+    self._syncer_starting = False  # Spawned by the schedule, not serving yet.
 
   # -- helpers ----------------------------------------------------------------------------------
 
@@ -133,55 +134,64 @@ class ChaosRun:
       summary = self._learner_summary(i) or {}
       self._done[i] = int(summary.get("steps", -1))
       tape.record("learner_done", learner=i, step=self._done[i], target=self.job.steps_per_learner)
+    if self._syncer_starting and self.cluster.syncer_ready():  # Raises if it exited instead.
+      self._syncer_starting = self._syncer_down = False
+      tape.record("syncer_up", port=self.cluster.port)
     if not self._syncer_down and self.cluster.syncer.proc.poll() is not None:
       raise RuntimeError(f"The syncer exited on its own:\n{self.cluster.tail(self.cluster.syncer)}")
 
   def _execute(self, ev: ChaosEvent, tape: TapeWriter) -> None:
     c, i = self.cluster, ev.learner
     kind = ev.kind
+    late_s = tape.now() - ev.t  # Recorded with every fault fired; see check_schedule_on_time.
     if kind == "kill_learner":
       if i in self._done or i in self._killed:
         return  # Finished (or already down): nothing to kill.
       c.kill(c.learners[i])
       self._killed.add(i)
-      tape.record_event(ev)
+      tape.record_event(ev, late_s=round(late_s, 3))
       tape.record("learner_down", learner=i, reason="killed")
     elif kind == "start_learner":
       if i not in self._killed:
         return
       self._killed.discard(i)
       self._start_learner(i)
-      tape.record_event(ev)
+      tape.record_event(ev, late_s=round(late_s, 3))
       tape.record("learner_up", learner=i)
     elif kind in ("pause_learner", "resume_learner"):
       if i in self._done or i in self._killed:
         return
       c.signal(c.learners[i], signal.SIGSTOP if kind == "pause_learner" else signal.SIGCONT)
-      tape.record_event(ev)
+      tape.record_event(ev, late_s=round(late_s, 3))
     elif kind == "kill_syncer":
-      self._syncer_down = True
+      if c.syncer.proc.poll() is not None:
+        return  # Down already: nothing to kill. (One still starting up is killed: a real case.)
+      self._syncer_down, self._syncer_starting = True, False
       c.kill(c.syncer)
-      tape.record_event(ev)
+      tape.record_event(ev, late_s=round(late_s, 3))
       tape.record("syncer_down", port=c.port)
     elif kind == "start_syncer":
-      c.start_syncer(port=c.port)
-      self._syncer_down = False
-      tape.record_event(ev)
-      tape.record("syncer_up", port=c.port)
+      if not self._syncer_down or self._syncer_starting:
+        return
+      # Not waited for: restoring and compiling takes seconds, and the schedule goes on meanwhile.
+      # `_observe` records syncer_up once it serves.
+      c.spawn_syncer(port=c.port)
+      self._syncer_starting = True
+      tape.record_event(ev, late_s=round(late_s, 3))
     elif kind == "net_delay":
       self.proxy.set_latency(float(ev.params.get("latency_s", self.chaos.net_latency_s)))
-      tape.record_event(ev)
+      tape.record_event(ev, late_s=round(late_s, 3))
     elif kind == "net_clear":
       self.proxy.set_latency(0.0)
-      tape.record_event(ev)
+      tape.record_event(ev, late_s=round(late_s, 3))
     elif kind == "net_drop":
-      tape.record_event(ev, connections=self.proxy.drop())
+      tape.record_event(ev, connections=self.proxy.drop(), late_s=round(late_s, 3))
     elif kind == "net_partition":
       self.proxy.partition(mode=ev.params.get("mode", self.chaos.net_partition_mode))
-      tape.record_event(ev)
+      tape.record_event(ev, late_s=round(late_s, 3))
     elif kind == "net_heal":
       self.proxy.heal()
-      tape.record_event(ev)
+      tape.record_event(ev, late_s=round(late_s, 3))
 
   # -- the run ----------------------------------------------------------------------------------
 
@@ -228,8 +238,14 @@ class ChaosRun:
         time.sleep(0.1)
       # Wake anything still paused and bring the syncer back if the run ended during an outage.
       if self._syncer_down:
-        c.start_syncer(port=c.port)
-        self._syncer_down = False
+        if not self._syncer_starting:
+          c.spawn_syncer(port=c.port)
+        deadline_up = time.monotonic() + 180
+        while not c.syncer_ready():
+          if time.monotonic() > deadline_up:
+            raise TimeoutError(f"The syncer did not serve within 180 s:\n{c.tail(c.syncer)}")
+          time.sleep(0.1)
+        self._syncer_starting = self._syncer_down = False
         tape.record("syncer_up", port=c.port)
       self.proxy.heal()
       self.proxy.set_latency(0.0)

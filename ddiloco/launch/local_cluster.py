@@ -178,7 +178,20 @@ class LocalCluster:
     A restart passes the previous `port` so that learners reconnect to the same address; the syncer
     restores its checkpoint from its workdir (docs/resilience.md).
     """
-    port_file = os.path.join(self.workdir, "syncer", "port")
+    self.spawn_syncer(port=port)
+    deadline = time.monotonic() + timeout_s
+    while not self.syncer_ready():
+      if time.monotonic() > deadline:
+        raise TimeoutError(
+          f"The syncer did not serve within {timeout_s} s:\n{self.tail(self.syncer)}"
+        )
+      time.sleep(0.1)
+    return self.port
+
+  def spawn_syncer(self, *, port: int = 0) -> None:
+    """Starts the syncer without waiting: `syncer_ready` tells when it serves (a chaos driver
+    keeps its schedule meanwhile)."""
+    port_file = self._port_file()
     if os.path.exists(port_file):
       os.remove(port_file)
     self.syncer = self._spawn(
@@ -187,20 +200,29 @@ class LocalCluster:
       [f"--port_file={port_file}", f"--port={port}"],
       self._env(1),
     )
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(port_file):
+
+  def syncer_ready(self) -> bool:
+    """Whether the syncer started by `spawn_syncer` serves; sets `port` when it does.
+
+    Raises:
+      RuntimeError: if it exited instead.
+    """
+    port_file = self._port_file()
+    if not os.path.exists(port_file):
       if self.syncer.proc.poll() is not None:
         raise RuntimeError(
           f"The syncer exited with {self.syncer.proc.returncode}:\n{self.tail(self.syncer)}"
         )
-      if time.monotonic() > deadline:
-        raise TimeoutError(
-          f"The syncer did not serve within {timeout_s} s:\n{self.tail(self.syncer)}"
-        )
-      time.sleep(0.1)
+      return False
     with open(port_file) as f:
-      self.port = int(f.read())
-    return self.port
+      text = f.read()
+    if not text.strip():
+      return False  # Being written.
+    self.port = int(text)
+    return True
+
+  def _port_file(self) -> str:
+    return os.path.join(self.workdir, "syncer", "port")
 
   def start_learner(
     self,

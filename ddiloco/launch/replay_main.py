@@ -54,6 +54,11 @@ def main(argv: list[str]) -> None:
   print(f"replayed {len(plan['faults'])} faults (time scale {plan['time_scale']:.3f}):")
   print("  " + " ".join(plan["faults"]))
   print(f"skipped {len(plan['skipped'])} events without a simulator counterpart")
+  if plan["outside_run"]:
+    print(
+      f"WARNING: {len(plan['outside_run'])} of the tape's faults fall after the simulated run ended "
+      f"at {plan['end_s']:.1f} s and never fired: " + " ".join(plan["outside_run"])
+    )
   print("summary:", {k: summary[k] for k in HEADLINE_KEYS})
   path = os.path.join(_WORKDIR.value, "summary.json")
   with open(path) as f:

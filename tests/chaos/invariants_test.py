@@ -218,15 +218,16 @@ def test_check_all_table_and_exit_code():
     "digests_agree",
     "ledger_balances",
     "training_finished",
+    "faults_on_time",
     "eval_within_tolerance",
   ]
   assert inv.all_ok(results)
   table = inv.format_table(results).splitlines()
-  assert len(table) == 2 + 6 and all(" PASS " in line for line in table[2:])
-  assert len(inv.check_all(tape, min_quorum=1, max_gap_s=10.0, baseline_loss=None)) == 5
+  assert len(table) == 2 + 7 and all(" PASS " in line for line in table[2:])
+  assert len(inv.check_all(tape, min_quorum=1, max_gap_s=10.0, baseline_loss=None)) == 6
   failing = inv.check_all(tape, min_quorum=1, max_gap_s=5.0, baseline_loss=3.0)
   assert not inv.all_ok(failing)
-  assert [r.ok for r in failing] == [False, True, True, True, True, True]
+  assert [r.ok for r in failing] == [False, True, True, True, True, True, True]
   assert " FAIL " in inv.format_table(failing).splitlines()[2]
 
 
@@ -249,3 +250,22 @@ def test_ledger_per_learner_and_syncer():
   bad_syncer = inv.check_ledger([learner(0, 10, 6, 3, 1), {**syncer, "pending": 2}])
   assert not bad_syncer.ok and "syncer: received 9 != 6 + 2 + 2" in bad_syncer.detail
   assert not inv.check_ledger([syncer]).ok  # The learners' books are what the invariant is about.
+
+
+def test_faults_on_time():
+  """Every injected fault (a record with scheduled_t) fired within max_late_s of its plan."""
+  on_time = [
+    {"t": 5.1, "kind": "kill_learner", "learner": 0, "scheduled_t": 5.0},
+    {"t": 9.0, "kind": "kill_syncer", "scheduled_t": 8.5},
+    {"t": 9.5, "kind": "syncer_up"},  # Not a scheduled fault.
+  ]
+  result = inv.check_schedule_on_time(on_time)
+  assert (
+    result.ok and "2 faults, latest 0.50 s after its planned time (kill_syncer)" in result.detail
+  )
+  # A driver blocked by a syncer restart fires the next fault 6 s late.
+  late = [*on_time, {"t": 16.0, "kind": "kill_learner", "learner": 1, "scheduled_t": 10.0}]
+  result = inv.check_schedule_on_time(late)
+  assert not result.ok and "1 later than 1 s" in result.detail
+  assert inv.check_schedule_on_time(late, max_late_s=7.0).ok
+  assert inv.check_schedule_on_time([{"t": 1.0, "kind": "merge"}]).ok

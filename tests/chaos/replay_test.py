@@ -113,6 +113,9 @@ def test_replay_runs_the_tiny_simulator(tmp_path, tiny_gin):
   assert last["time"] == pytest.approx(6.1)
   assert summary["virtual_time_s"] == pytest.approx(last["time"] + 0.05)
   assert summary["digests_agree"]
+  # Said, not hidden: those two faults fall after the run and never fired.
+  assert summary["replay"]["outside_run"] == ["slow:3@9+2.5x2", "crash:0@15"]
+  assert summary["replay"]["end_s"] == pytest.approx(summary["virtual_time_s"])
 
 
 def test_replay_rejects_learners_beyond_the_fleet(tmp_path, tiny_gin):

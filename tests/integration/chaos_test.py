@@ -54,6 +54,7 @@ def test_chaos_smoke_keeps_every_invariant(tmp_path):
     "digests_agree",
     "ledger_balances",
     "training_finished",
+    "faults_on_time",
   }
   assert summary["ok"], summary["table"]
   assert summary["merges"] > 0

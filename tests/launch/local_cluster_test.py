@@ -252,3 +252,63 @@ def test_chaos_kills_and_restarts_every_process_of_a_learner(tmp_path):
     tape.close()
     cluster.stop_all(grace_s=5)
   assert all(_gone(p) for p in cluster.learners[0].proc.procs)
+
+
+def _slow_syncer_python(tmp_path, ready_after_s: float) -> str:
+  """An 'interpreter' whose syncer serves (writes its port file) only after `ready_after_s`, as a
+  real one restoring a checkpoint and compiling does; learners just sleep."""
+  path = tmp_path / "fake_python"
+  path.write_text(
+    "#!/bin/sh\n"
+    'for a in "$@"; do case $a in --port_file=*) f=${a#--port_file=};; esac; done\n'
+    f'if [ -n "$f" ]; then sleep {ready_after_s}; echo 4321 > "$f"; fi\n'
+    "exec sleep 60\n"
+  )
+  path.chmod(0o755)
+  return str(path)
+
+
+def test_chaos_schedule_goes_on_while_the_syncer_restarts(tmp_path):
+  """A syncer restart is not waited for: the next fault fires on time, and syncer_up is recorded
+  once the new syncer serves."""
+  from ddiloco.chaos.schedule import ChaosConfig, ChaosEvent
+  from ddiloco.chaos.tape import TapeWriter, read_tape
+  from ddiloco.launch.chaos import ChaosRun, _Tail
+
+  cluster = _cluster(tmp_path, processes=1)
+  cluster.python = _slow_syncer_python(tmp_path, ready_after_s=3.0)
+  run = ChaosRun(None, ChaosConfig(), cluster)
+  run.proxy = type("Proxy", (), {"address": "127.0.0.1:9"})()
+  tape = TapeWriter(tmp_path / "tape.jsonl")
+  tail = _Tail(str(tmp_path / "syncer" / "metrics.jsonl"))
+  try:
+    cluster.spawn_syncer(port=4321)  # The syncer that the schedule kills.
+    cluster.start_learner(0)
+    now = tape.now()
+    run._execute(ChaosEvent(t=now, kind="kill_syncer"), tape)
+    run._execute(ChaosEvent(t=now, kind="start_syncer"), tape)
+    run._execute(ChaosEvent(t=now, kind="kill_learner", learner=0), tape)
+    assert tape.now() - now < 1.0  # Nothing waited for the syncer.
+    run._observe(tape, tail)
+    assert run._syncer_starting
+    deadline = time.monotonic() + 30
+    while run._syncer_starting and time.monotonic() < deadline:
+      run._observe(tape, tail)
+      time.sleep(0.05)
+    assert not run._syncer_starting and not run._syncer_down
+  finally:
+    tape.close()
+    cluster.stop_all(grace_s=5)
+  records = read_tape(str(tmp_path / "tape.jsonl"))
+  kinds = [r["kind"] for r in records]
+  assert kinds == [
+    "kill_syncer",
+    "syncer_down",
+    "start_syncer",
+    "kill_learner",
+    "learner_down",
+    "syncer_up",
+  ]
+  assert all(r["late_s"] < 1.0 for r in records if "scheduled_t" in r)
+  up = records[-1]["t"] - records[2]["t"]
+  assert up >= 2.5  # The syncer took its 3 s; the kill of learner 0 did not wait for it.
