@@ -101,20 +101,22 @@ def _cut_torn_tail(path: str) -> None:
   )
 
 
-def read_journal_records(path: str) -> dict[int, dict[int, str]]:
+def read_journal_records(path: str) -> dict[int, dict[int, str | None]]:
   """{fragment: {version: digest}} of every journaled version; a missing file is empty.
 
-  Unreadable lines (a torn last line, garbage) are skipped with a warning.
+  Unreadable lines (a torn last line, garbage) are skipped with a warning; a line without a digest
+  records its version with None (nothing to check against).
   """
-  records: dict[int, dict[int, str]] = {}
+  records: dict[int, dict[int, str | None]] = {}
   if not os.path.exists(path):
     return records
   with open(path, "rb") as f:
     for raw in f:
       try:
         entry = json.loads(raw)
-        p, v, digest = int(entry["fragment"]), int(entry["version"]), str(entry["digest"])
-      except (ValueError, KeyError, TypeError):
+        p, v, digest = int(entry["fragment"]), int(entry["version"]), entry.get("digest")
+        digest = None if digest is None else str(digest)
+      except (ValueError, KeyError, TypeError, AttributeError):
         log.warning("merge journal %s: skipping unreadable line %r", path, raw[:80])
         continue
       records.setdefault(p, {})[v] = digest

@@ -333,7 +333,7 @@ def restore_core(
 def _load_newest_intact(
   core: SyncerCore,
   checkpointer: SyncerCheckpointer,
-  journal: Mapping[int, Mapping[int, str]],
+  journal: Mapping[int, Mapping[int, str | None]],
   initial: Mapping[int, str],
 ) -> tuple[int | None, list[int]]:
   """Loads the newest intact step into `core`: (its step or None, the newer unusable steps)."""
@@ -369,7 +369,7 @@ def _load_newest_intact(
 def _contradiction(
   core: SyncerCore,
   state: Mapping[str, Any],
-  journal: Mapping[int, Mapping[int, str]],
+  journal: Mapping[int, Mapping[int, str | None]],
   initial: Mapping[int, str],
 ) -> str | None:
   """Why `state`'s kept fragment values are not what was published, or None if they are.

@@ -26,8 +26,9 @@ learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runti
 - Liveness: a learner that neither pushed, pulled nor sent a heartbeat for `liveness_timeout_s` is
   declared dead (`SyncerCore.leave`); its next call gets FAILED_PRECONDITION and it registers again.
 - Durability: a merged version is served (announced, pulled, listed in Register, Heartbeat and
-  Status) only once `record` (the merge journal) has made it durable; the service keeps the served
-  version of each fragment apart from the core's. If `record` fails (a full disk), the version is
+  Status) only once `record` (the merge journal) has made it durable and `on_merge` returned; the
+  service keeps the served version of each fragment apart from the core's. If either raises an
+  OSError (a full disk), the version is
   never served and the service halts: it merges and opens no more rounds and keeps serving the
   last durable versions; `halted()` says why, and the syncer process then stops (launch/runtime.py).
 """
@@ -179,7 +180,8 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     layout_digest: the fragment layout's digest; Register refuses any other.
     config: wire and liveness settings.
     clock: the core's clock (wall, monotonic).
-    on_merge: called with each published MergeEvent (under the lock; keep it short).
+    on_merge: called with each merge's MergeEvent after `record`, before its version is served
+      (under the lock; keep it short); an OSError from it halts the service too.
     record: makes a merge durable (the merge journal), under the lock, before its version is
       served; an OSError from it halts the service (see the module docstring).
   """
@@ -281,12 +283,14 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       self._publish(event)
 
   def _publish(self, event: MergeEvent) -> None:
-    """Serves a merged version once it is durable; halts the service if it cannot be made so."""
-    if self._halted is None and self._record is not None:
+    """Serves a merged version once `record` and `on_merge` returned; an OSError halts instead."""
+    if self._halted is None:
       try:
-        self._record(event)
-      except OSError as e:
-        self._halted = f"the merge journal could not record a merge ({e})"
+        for hook in (self._record, self._on_merge):
+          if hook is not None:
+            hook(event)
+      except OSError as e:  # A full disk: the version may not be durable.
+        self._halted = f"a merge could not be recorded ({e})"
         log.error("syncer halted: %s; serving the last durable versions", self._halted)
     if self._halted is not None:
       log.error(
@@ -300,8 +304,6 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     if self._adopter is not None:
       self._adopter.published(event.fragment, event.version, event.digest)
     self._broadcast(_published_event(event.fragment, event.version))
-    if self._on_merge is not None:
-      self._on_merge(event)
 
   def _broadcast(self, event: syncer_pb2.SyncerEvent) -> None:
     """Queues an event on every learner's Rounds stream (caller holds the lock)."""

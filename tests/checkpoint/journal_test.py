@@ -132,8 +132,12 @@ def _read_into(stream, events: list) -> None:
     events.append(e.code())
 
 
+@pytest.mark.parametrize("hook", ["record", "on_merge"])
 @pytest.mark.parametrize("failing", ["fsync", "write"])
-def test_a_merge_the_journal_cannot_record_is_never_served(tmp_path, monkeypatch, caplog, failing):
+def test_a_merge_the_journal_cannot_record_is_never_served(
+  tmp_path, monkeypatch, caplog, failing, hook
+):
+  """Either hook runs before the version is served; an OSError from either halts the service."""
   journal = journal_lib.MergeJournal(str(tmp_path / journal_lib.JOURNAL_NAME))
   svc = make_syncer(
     fragment_keys=FRAGMENTS,
@@ -143,7 +147,7 @@ def test_a_merge_the_journal_cannot_record_is_never_served(tmp_path, monkeypatch
       uplink_codec="fp32", downlink_codec="int8", liveness_timeout_s=600.0
     ),
     layout_digest=DIGEST,
-    record=journal.append,
+    **{hook: journal.append},
   )
   srv = serve(svc)
   client = SyncerClient(f"127.0.0.1:{srv.port}", deadline_s=10.0)
