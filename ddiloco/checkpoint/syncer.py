@@ -5,21 +5,25 @@ A syncer killed at any moment restarts from two things in its workdir:
 - **Checkpoints** (`SyncerCheckpointer`): the core's whole `state_dict()` (kept versions of every
   fragment, outer optimizer states, open rounds with their reports, membership, counters, grace EMAs),
   written asynchronously by orbax every `every_s` seconds and at shutdown. Orbax writes into a
-  temporary directory and renames it when complete, so a kill mid-save leaves the previous checkpoint.
-- **The merge journal** (`MergeJournal`): one line per published merge, (fragment, version, digest),
-  appended before the version is served to any learner. After a restore it says which versions the
-  learners may already hold that the checkpoint lacks.
+  temporary directory and renames it when complete, so a kill mid-save leaves the previous checkpoint;
+  the next start removes the temporary directory.
+- **The merge journal** (`MergeJournal`): one line per published version, (fragment, version,
+  digest), written and fsync'd before the version is served to any learner. It says which versions
+  the learners may hold, and which digest each has.
 
-`restore_core` loads the newest checkpoint and then publishes each fragment whose journal is ahead of
-the checkpoint again, as version journal + 1 with the checkpoint's values: versions stay monotonic
-for every learner, and a learner holding a lost version pulls the restored values in full. The
-recovery point is therefore the merges since the last checkpoint (docs/resilience.md).
+`restore_core` loads the newest intact checkpoint: one that orbax can read and whose kept versions
+have the digests the journal recorded for them (unreadable or mismatching steps are set aside, with a
+log line, and an older step is tried). Each fragment whose journal is ahead of the restored state is
+then published again as version journal + 1 with the restored values, also when there is no
+checkpoint at all (the initial values): versions stay monotonic for every learner, and a learner
+holding a lost version pulls the restored values in full. The recovery point is therefore the merges
+since the last checkpoint (docs/resilience.md).
 """
 
 import dataclasses
-import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -28,9 +32,48 @@ import gin
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ddiloco.syncer.core import MergeEvent, SyncerCore
+from ddiloco.checkpoint.journal import (
+  JOURNAL_NAME,
+  MergeJournal,
+  read_journal,
+  read_journal_records,
+)
+from ddiloco.fragments.digest import values_digest
+from ddiloco.syncer.core import SyncerCore
 
 log = logging.getLogger(__name__)
+
+# Re-exported: the journal's names have always been reached through this module.
+__all__ = [
+  "JOURNAL_NAME",
+  "MergeJournal",
+  "RestoreError",
+  "RestoreInfo",
+  "SyncerCheckpointConfig",
+  "SyncerCheckpointer",
+  "quiet_orbax_logs",
+  "read_journal",
+  "read_journal_records",
+  "remove_partial_saves",
+  "restore_core",
+]
+
+PARTIAL_MARK = ".orbax-checkpoint-tmp"  # In the name of orbax's folders of a save not yet complete.
+UNUSABLE_DIR = "unusable"  # Steps a restore could not use are moved here (kept for inspection).
+
+
+def remove_partial_saves(directory: str) -> list[str]:
+  """Deletes the folders of saves that never completed (a kill mid-save); returns their paths."""
+  if not os.path.isdir(directory):
+    return []
+  removed = []
+  for name in sorted(os.listdir(directory)):
+    path = os.path.join(directory, name)
+    if PARTIAL_MARK in name and os.path.isdir(path):
+      shutil.rmtree(path)
+      removed.append(path)
+      log.warning("removed %s: a syncer checkpoint save that never completed", path)
+  return removed
 
 
 @gin.configurable(module="ddiloco")
@@ -60,9 +103,6 @@ class SyncerCheckpointConfig:
       raise ValueError(f"subdir must be a relative folder name, got {self.subdir!r}.")
 
 
-JOURNAL_NAME = "merge_journal.jsonl"
-
-
 class _OrbaxInfoFilter(logging.Filter):
   """Drops orbax's INFO records (about 40 lines per save); its warnings and errors pass."""
 
@@ -76,50 +116,6 @@ def quiet_orbax_logs() -> None:
   if not any(isinstance(f, _OrbaxInfoFilter) for h in root.handlers for f in h.filters):
     for handler in root.handlers:
       handler.addFilter(_OrbaxInfoFilter())
-
-
-class MergeJournal:
-  """Append-only record of published merges: {"fragment", "version", "digest", "time"} per line.
-
-  Each line goes to the OS in one `os.write` on an O_APPEND descriptor before the merge is served,
-  so a killed process loses none (a machine crash may lose what the OS had not written; the
-  checkpoint is still consistent). No fsync per merge: merges are frequent, kills are the threat.
-  """
-
-  def __init__(self, path: str):
-    self.path = path
-    self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-  def append(self, event: MergeEvent) -> None:
-    line = {
-      "fragment": event.fragment,
-      "version": event.version,
-      "digest": event.digest,
-      "time": round(time.time(), 4),
-    }
-    os.write(self._fd, (json.dumps(line) + "\n").encode())
-
-  def close(self) -> None:
-    if self._fd >= 0:
-      os.close(self._fd)
-      self._fd = -1
-
-
-def read_journal(path: str) -> dict[int, int]:
-  """{fragment: newest journaled version}; a missing file is empty, a torn last line is ignored."""
-  newest: dict[int, int] = {}
-  if not os.path.exists(path):
-    return newest
-  with open(path, "rb") as f:
-    for raw in f:
-      try:
-        entry = json.loads(raw)
-        p, v = int(entry["fragment"]), int(entry["version"])
-      except (ValueError, KeyError, TypeError):
-        log.warning("merge journal %s: skipping unreadable line %r", path, raw[:80])
-        continue
-      newest[p] = max(v, newest.get(p, -1))
-  return newest
 
 
 def _split(state: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -153,6 +149,8 @@ def _join(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> dict[str
 class SyncerCheckpointer:
   """Asynchronous, atomic orbax checkpoints of a `SyncerCore.state_dict()`.
 
+  Opening one removes the folders of saves a kill left unfinished (`remove_partial_saves`).
+
   Args:
     directory: where checkpoints go (one sub-folder per step, written by orbax).
     max_to_keep: complete checkpoints kept.
@@ -160,6 +158,7 @@ class SyncerCheckpointer:
 
   def __init__(self, directory: str, *, max_to_keep: int = 2):
     self.directory = os.path.abspath(directory)
+    self.removed_partial = remove_partial_saves(self.directory)
     options = ocp.CheckpointManagerOptions(
       max_to_keep=max_to_keep, enable_async_checkpointing=True, create=True
     )
@@ -168,20 +167,31 @@ class SyncerCheckpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    """Steps of the complete checkpoints, oldest first."""
+    return sorted(self._manager.all_steps())
+
   def save(self, step: int, state: Mapping[str, Any]) -> None:
     """Starts writing `state` as `step` in the background (waits for the previous write first).
 
-    `state` must not be mutated afterwards: `state_dict()` returns copies, so that holds.
+    `state` must not be mutated afterwards: `state_dict()` returns copies, so that holds. The
+    metadata carries a digest of all arrays, which `restore` checks.
     """
     arrays, meta = _split(state)
     meta["saved_at"] = time.time()
+    meta["arrays_digest"] = values_digest(arrays)
     self._manager.save(
       step,
       args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
     )
 
   def restore(self, step: int | None = None) -> tuple[int, dict[str, Any]] | None:
-    """(step, state) of checkpoint `step` (default the newest complete one), or None if none."""
+    """(step, state) of checkpoint `step` (default the newest complete one), or None if none.
+
+    Raises:
+      ValueError: if the arrays do not have the digest saved with them (corrupt files); orbax's
+        own errors if the step cannot be read at all.
+    """
     step = self._manager.latest_step() if step is None else step
     if step is None:
       return None
@@ -189,7 +199,23 @@ class SyncerCheckpointer:
       step,
       args=ocp.args.Composite(arrays=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
     )
-    return step, _join(restored["arrays"], restored["meta"])
+    arrays, meta = restored["arrays"] or {}, restored["meta"]
+    expected = meta.get("arrays_digest")  # Absent in checkpoints written before it was added.
+    if expected is not None and values_digest(arrays) != expected:
+      raise ValueError(f"checkpoint {step}: its arrays do not match the digest saved with them")
+    return step, _join(arrays, meta)
+
+  def set_aside(self, step: int) -> str:
+    """Moves an unusable step out of orbax's sight into `unusable/`; returns where it went.
+
+    Later saves may then reuse the step number, and `max_to_keep` never counts it.
+    """
+    self._manager.wait_until_finished()
+    dest = os.path.join(self.directory, UNUSABLE_DIR, f"{step}-{int(time.time() * 1000)}")
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    os.rename(os.path.join(self.directory, str(step)), dest)
+    self._manager.reload()
+    return dest
 
   def wait(self) -> None:
     """Blocks until the background write (if any) is complete."""
@@ -205,51 +231,168 @@ class RestoreInfo:
   """What `restore_core` did.
 
   Attributes:
-    step: the checkpoint's step (the core's merge counter when it was saved).
+    step: the checkpoint's step (the core's merge counter when it was saved); -1 if there was no
+      checkpoint and the versions were moved past the journal from the initial values.
     versions: each fragment's version after the restore (republished ones included).
-    republished: {fragment: (checkpoint version, journal version, new version)} for fragments whose
-      journal was ahead of the checkpoint.
-    lost_merges: merges published before the kill that the restored state lacks (the recovery point).
+    republished: {fragment: (restored version, journal version, new version)} for fragments whose
+      journal was ahead of the restored state.
+    lost_merges: journaled versions newer than the restored state with other values: the merges
+      published before the kill that it lacks (the recovery point).
+    unusable_steps: newer checkpoints that could not be used (unreadable, or contradicting the
+      journal's digests), newest first; they were moved to `unusable/`.
   """
 
   step: int
   versions: tuple[int, ...]
   republished: dict[int, tuple[int, int, int]]
   lost_merges: int
+  unusable_steps: tuple[int, ...] = ()
+
+
+class RestoreError(ValueError):
+  """No usable state: checkpoints exist, none is intact, and the journal says versions were served."""
 
 
 def restore_core(
   core: SyncerCore, checkpointer: SyncerCheckpointer, journal_path: str
 ) -> RestoreInfo | None:
-  """Loads the newest checkpoint into `core` and moves its versions past the journal's.
+  """Loads the newest intact checkpoint into `core` and moves its versions past the journal's.
 
-  Every learner is marked not alive: they all re-register (their heartbeats say so), which resets
-  what was delivered to them, so their next reports of a fragment weigh 0 until they have its
-  restored version (SPEC §3).
+  A step is intact if orbax reads it, its arrays have the digest saved with them, and each kept
+  version of each fragment has the digest the journal recorded for it (version 0: the initial
+  values' digest, which `core` must still hold). Newer steps that are not intact are logged and
+  moved to `unusable/`. Without any checkpoint, `core`'s initial values are kept. Then every
+  fragment whose journal is ahead is republished as journal version + 1, and that version is
+  journaled (durably) before anything is served. Every learner is marked not alive: they all
+  re-register (their heartbeats say so), which resets what was delivered to them, so their next
+  reports of a fragment weigh 0 until they have its restored version (SPEC §3).
 
   Returns:
-    What was restored, or None if there is no checkpoint (a fresh start; the journal is ignored).
+    What was restored, or None on a fresh start: no usable checkpoint and an empty journal.
 
   Raises:
-    ValueError: if the checkpoint does not fit the core's layout.
+    RestoreError: if checkpoints exist but none is intact while the journal holds versions.
+    ValueError: if a checkpoint or the journal does not fit the core's layout.
+    OSError: if the republished versions cannot be journaled.
   """
-  found = checkpointer.restore()
-  if found is None:
-    return None
-  step, state = found
-  core.load_state_dict(state)
-  for learner_id in core.alive():
-    core.leave(learner_id)
-  journal = read_journal(journal_path)
-  republished = {}
-  lost = 0
-  for p, newest in sorted(journal.items()):
+  journal = read_journal_records(journal_path)
+  for p in journal:
     if not 0 <= p < core.num_fragments:
       raise ValueError(f"Merge journal names fragment {p}; the layout has {core.num_fragments}.")
-    current = core.version(p)
+  initial = {p: core.state(p).digest for p in range(core.num_fragments) if core.version(p) == 0}
+  step, unusable = _load_newest_intact(core, checkpointer, journal, initial)
+  if step is None and unusable and journal:
+    raise RestoreError(
+      f"No intact syncer checkpoint in {checkpointer.directory} (steps "
+      f"{', '.join(map(str, unusable))} unusable, see the log) while the merge journal records "
+      "served versions: restore a good checkpoint there, or start in a fresh workdir."
+    )
+  for s in unusable:
+    log.warning("syncer checkpoint %d set aside in %s", s, checkpointer.set_aside(s))
+  if step is None and not journal:
+    return None
+  if step is None:
+    log.warning(
+      "no syncer checkpoint, but the merge journal records versions: starting from the initial "
+      "values, published past the journal's versions"
+    )
+  for learner_id in core.alive():
+    core.leave(learner_id)
+  republished = {}
+  lost = 0
+  fresh = {}
+  for p, records in sorted(journal.items()):
+    current, newest = core.version(p), max(records)
     if newest > current:
-      core.republish(p, newest + 1)
-      republished[p] = (current, newest, newest + 1)
-      lost += newest - current
+      # The newest journaled version may hold the restored values already (a restart that
+      # republished them and merged nothing since): it is taken as it is, not published again.
+      digest = core.state(p).digest
+      new = newest if records[newest] == digest else newest + 1
+      core.republish(p, new)
+      republished[p] = (current, newest, new)
+      lost += sum(1 for v, d in records.items() if v > current and d != digest)
+      if new > newest:
+        fresh[p] = current
+  if fresh:
+    out = MergeJournal(journal_path)
+    try:
+      for p, current in fresh.items():
+        out.record(p, core.version(p), core.state(p).digest, republished_from=current)
+    finally:
+      out.close()
   versions = tuple(core.version(p) for p in range(core.num_fragments))
-  return RestoreInfo(step=step, versions=versions, republished=republished, lost_merges=lost)
+  return RestoreInfo(
+    step=-1 if step is None else step,
+    versions=versions,
+    republished=republished,
+    lost_merges=lost,
+    unusable_steps=tuple(unusable),
+  )
+
+
+def _load_newest_intact(
+  core: SyncerCore,
+  checkpointer: SyncerCheckpointer,
+  journal: Mapping[int, Mapping[int, str | None]],
+  initial: Mapping[int, str],
+) -> tuple[int | None, list[int]]:
+  """Loads the newest intact step into `core`: (its step or None, the newer unusable steps)."""
+  unusable: list[int] = []
+  for step in reversed(checkpointer.all_steps()):
+    try:
+      _, state = checkpointer.restore(step)
+    # A damaged step fails inside orbax, tensorstore or the JSON parser with many exception
+    # types; each is logged, and the step is passed over for an older one.
+    except Exception as e:
+      problem = f"unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    else:
+      if state.get("layout_fingerprint") != core.layout_fingerprint():
+        raise ValueError(
+          f"Syncer checkpoint {step} in {checkpointer.directory} was written for a different "
+          "fragment layout (another model or fragment count?)."
+        )
+      problem = _contradiction(core, state, journal, initial)
+      if problem is None:
+        try:
+          core.load_state_dict(state)  # Leaves `core` as it was if it raises.
+        except (ValueError, KeyError) as e:
+          problem = f"does not load ({type(e).__name__}: {e})"
+    if problem is None:
+      if unusable:
+        log.warning("syncer restored from the older checkpoint %d", step)
+      return step, unusable
+    log.warning("syncer checkpoint %d is unusable: %s; trying an older one", step, problem)
+    unusable.append(step)
+  return None, unusable
+
+
+def _contradiction(
+  core: SyncerCore,
+  state: Mapping[str, Any],
+  journal: Mapping[int, Mapping[int, str | None]],
+  initial: Mapping[int, str],
+) -> str | None:
+  """Why `state`'s kept fragment values are not what was published, or None if they are.
+
+  Compares each kept version's digest with the journal's record of it (version 0: the initial
+  values); versions without a record are not checked. Optimizer states and open rounds carry no
+  published digest: the arrays' digest in the metadata covers them against damage only.
+  """
+  for p in range(core.num_fragments):
+    keys = list(core.state(p).values)
+    pre = f"fragment/{p}/"
+    try:
+      kept = [int(v) for v in state[pre + "kept_versions"]]
+      for v in kept:
+        expected = journal.get(p, {}).get(v, initial.get(p) if v == 0 else None)
+        if expected is None:
+          continue
+        digest = values_digest({k: state[f"{pre}v{v}/{k}"] for k in keys})
+        if digest != expected:
+          return (
+            f"fragment {p} version {v} has digest {digest}, the merge journal {expected} "
+            "(tampered or damaged)"
+          )
+    except KeyError as e:
+      return f"lacks entry {e}"
+  return None

@@ -280,7 +280,7 @@ class ChaosRun:
       for line in f:
         e = json.loads(line)
         newest[str(e["fragment"])] = {"version": e["version"], "digest": e["digest"]}
-    for key, digest in syncer["digests"].items():  # Republished versions are not journaled.
+    for key, digest in syncer["digests"].items():  # Newer than the journal: none expected.
       p, v = key.split(":")
       if int(v) >= newest.get(p, {"version": -1})["version"]:
         newest[p] = {"version": int(v), "digest": digest}

@@ -1,7 +1,9 @@
 """The syncer's and a learner's process bodies, shared by the entry points and the tests.
 
-`SyncerRun` builds the initial global model from a `JobConfig`, serves it, evaluates it now and then
-and writes the syncer's `summary.json`. `make_learner_worker` builds one learner's mesh, data and
+`SyncerRun` builds the initial global model from a `JobConfig`, restores it from its workdir, serves
+it, evaluates it now and then and writes the syncer's `summary.json`. Each merge is journaled (and
+fsync'd) before the service serves it; if that fails (a full disk) the service halts, `loop` returns
+and `shutdown` stops without merging or checkpointing the version that was never served. `make_learner_worker` builds one learner's mesh, data and
 `LearnerWorker`. The entry points (syncer_main, learner_main) only parse flags around them.
 """
 
@@ -62,6 +64,7 @@ class SyncerRun:
       layout_digest=self.layout.digest,
       embedding_keys=self.factory.embedding_keys(),
       on_merge=self._on_merge,
+      record=self._record,
     )
     self.server: service_lib.SyncerServer | None = None
     self.merge_times: list[list] = []  # [wall time, fragment, version, contributors]
@@ -77,7 +80,11 @@ class SyncerRun:
       self._restore()
 
   def _restore(self) -> None:
-    """Restores the newest checkpoint (if any) and opens the merge journal (docs/resilience.md)."""
+    """Restores the newest intact checkpoint and the journal's versions, opens the journal.
+
+    Raises:
+      ckpt_lib.RestoreError: if no checkpoint is intact while the journal records served versions.
+    """
     cfg = self.checkpoint
     ckpt_lib.quiet_orbax_logs()
     self._checkpointer = ckpt_lib.SyncerCheckpointer(
@@ -97,10 +104,11 @@ class SyncerRun:
         versions=list(info.versions),
         republished={str(p): list(v) for p, v in info.republished.items()},
         lost_merges=info.lost_merges,
+        unusable_steps=list(info.unusable_steps),
       )
       log.info(
-        "syncer restored from checkpoint %d: %d fragments republished, %d merges lost",
-        info.step,
+        "syncer restored from %s: %d fragments republished, %d merges lost",
+        f"checkpoint {info.step}" if info.step >= 0 else "the initial values (no checkpoint)",
         len(info.republished),
         info.lost_merges,
       )
@@ -108,8 +116,8 @@ class SyncerRun:
 
   def save_checkpoint(self, *, wait: bool = False) -> bool:
     """Starts an asynchronous checkpoint if something merged since the last; True if it did."""
-    if self._checkpointer is None:
-      return False
+    if self._checkpointer is None or self.service.halted() is not None:
+      return False  # Halted: the core holds a version that was never made durable nor served.
     with self.service.lock:
       step = self.service.core.stats()["merges"]
       if step <= self._saved_step:
@@ -122,9 +130,12 @@ class SyncerRun:
       self._checkpointer.wait()
     return True
 
-  def _on_merge(self, ev: MergeEvent) -> None:
-    if self._journal is not None:  # Before any learner can see the version (we hold the lock).
+  def _record(self, ev: MergeEvent) -> None:
+    """Journals a merge (written and fsync'd); the service serves it only after this returns."""
+    if self._journal is not None:
       self._journal.append(ev)
+
+  def _on_merge(self, ev: MergeEvent) -> None:
     self.merge_times.append([round(time.time(), 4), ev.fragment, ev.version, len(ev.contributors)])
     self.writer.event(
       "merge",
@@ -167,6 +178,9 @@ class SyncerRun:
     next_save = time.monotonic() + self.checkpoint.every_s
     while not stop.is_set() and (until is None or time.monotonic() < until):
       stop.wait(0.2)
+      if self.service.halted() is not None:
+        log.error("syncer stopping: %s", self.service.halted())
+        return
       if next_eval is not None and time.monotonic() >= next_eval:
         self.evaluate()
         next_eval = time.monotonic() + every
@@ -209,12 +223,17 @@ class SyncerRun:
       "wall_time_s": time.time() - self._t0,
       "checkpoints_saved": self.checkpoints_saved,
       "restored": None if self.restored is None else dataclasses.asdict(self.restored),
+      # Why the service stopped merging (a merge could not be journaled), or None.
+      "halted": svc.halted(),
       # This syncer's book since its checkpoint (learner/ledger.py): received = merged + dropped +
       # pending. Learner ids become strings in JSON.
       "token_ledger": ledger,
     }
-    write_summary(self.workdir, summary)
-    self.writer.close()
+    try:
+      write_summary(self.workdir, summary)
+      self.writer.close()
+    except OSError as e:  # A full disk halted the service: the summary may not fit either.
+      log.error("could not write the syncer's summary: %s", e)
     return summary
 
 

@@ -5,7 +5,9 @@
 Binds to 127.0.0.1 unless `--host` says otherwise. The shared token comes from `--auth_token_file` or
 the DDILOCO_TOKEN environment variable; TLS is on with `--tls_cert_file` and `--tls_key_file`.
 SIGTERM or SIGINT stops it gracefully: it stops accepting calls, merges every round that has its
-quorum, evaluates the global model and writes `summary.json` to the workdir.
+quorum, evaluates the global model and writes `summary.json` to the workdir. It exits 1 with a
+one-line error if its workdir holds no usable checkpoint although learners were served versions, and
+after writing its summary if a merge could not be journaled (a full disk; docs/resilience.md).
 """
 
 import os
@@ -38,6 +40,7 @@ _MAX_RUNTIME = flags.DEFINE_float("max_runtime_s", 0.0, "stop after this long (0
 def main(argv: list[str]) -> None:
   del argv
   # Imported after flag parsing: these register the gin configurables.
+  from ddiloco.checkpoint.syncer import RestoreError
   from ddiloco.launch import job as job_lib
   from ddiloco.launch import runtime
 
@@ -52,7 +55,10 @@ def main(argv: list[str]) -> None:
   tls = (_TLS_CERT.value, _TLS_KEY.value) if _TLS_CERT.value else None
   from ddiloco.transport import auth
 
-  run = runtime.SyncerRun(job, workdir=workdir)
+  try:
+    run = runtime.SyncerRun(job, workdir=workdir)
+  except RestoreError as e:
+    raise SystemExit(f"ddiloco-syncer: cannot restart: {e}") from None
   server = run.serve(
     f"{_HOST.value}:{_PORT.value}", token=auth.read_token(_TOKEN_FILE.value), tls=tls
   )
@@ -66,6 +72,8 @@ def main(argv: list[str]) -> None:
   run.loop(stop, until=t_end)
   summary = run.shutdown()
   print("syncer summary:", {k: summary[k] for k in ("merges", "final_eval_loss", "refused")})
+  if summary["halted"] is not None:
+    raise SystemExit(f"ddiloco-syncer: halted: {summary['halted']}")
 
 
 def run() -> None:

@@ -30,6 +30,12 @@ learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runti
   version (or none) gets the full values in fp32, which is exact.
 - Liveness: a learner that neither pushed, pulled nor sent a heartbeat for `liveness_timeout_s` is
   declared dead (`SyncerCore.leave`); its next call gets FAILED_PRECONDITION and it registers again.
+- Durability: a merged version is served (announced, pulled, listed in Register, Heartbeat and
+  Status) only once `record` (the merge journal) has made it durable and `on_merge` returned; the
+  service keeps the served version of each fragment apart from the core's. If either raises an
+  OSError (a full disk), the version is
+  never served and the service halts: it merges and opens no more rounds and keeps serving the
+  last durable versions; `halted()` says why, and the syncer process then stops (launch/runtime.py).
 """
 
 import collections
@@ -51,7 +57,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ddiloco.fragments import compression
 from ddiloco.protocol import counter_error, step_time_error
-from ddiloco.syncer.core import MergeEvent, ReportResult, RoundRequest, SyncerCore
+from ddiloco.syncer.core import (
+  FragmentState,
+  MergeEvent,
+  ReportResult,
+  RoundRequest,
+  SyncerCore,
+)
 from ddiloco.transport import auth, messages, wire
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ArrayPool
 from ddiloco.transport.client import fragment_layouts
@@ -174,7 +186,10 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     layout_digest: the fragment layout's digest; Register refuses any other.
     config: wire and liveness settings.
     clock: the core's clock (wall, monotonic).
-    on_merge: called with each published MergeEvent (under the lock; keep it short).
+    on_merge: called with each merge's MergeEvent after `record`, before its version is served
+      (under the lock; keep it short); an OSError from it halts the service too.
+    record: makes a merge durable (the merge journal), under the lock, before its version is
+      served; an OSError from it halts the service (see the module docstring).
   """
 
   def __init__(
@@ -186,6 +201,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     adopter: "DownlinkAdopter | None" = None,
     clock: Callable[[], float] = time.monotonic,
     on_merge: Callable[[MergeEvent], None] | None = None,
+    record: Callable[[MergeEvent], None] | None = None,
   ):
     self._core = core
     self._cfg = config
@@ -193,6 +209,10 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     self._adopter = adopter
     self._clock = clock
     self._on_merge = on_merge
+    self._record = record
+    # What learners may see of each fragment: the core's version once `record` made it durable.
+    self._served = [core.version(p) for p in range(core.num_fragments)]
+    self._halted: str | None = None
     self._cond = threading.Condition()
     self._members: dict[int, _Member] = {}
     self._subscribers: dict[int, _Subscription] = {}
@@ -246,10 +266,11 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     with self._cond:
       while not self._stopping:
         try:
-          for request in self._core.tick():
-            self._broadcast(_round_event(request))
-          for event in self._core.poll():
-            self._publish(event)
+          if self._halted is None:  # Halted: rounds stay as they are, nothing merges.
+            for request in self._core.tick():
+              self._broadcast(_round_event(request))
+            for event in self._core.poll():
+              self._publish(event)
           self._check_liveness()
         except Exception:  # A bug must not kill the thread silently (a failed merge is atomic).
           log.exception("merge loop error")
@@ -257,25 +278,40 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
           self._cond.wait(0.05)
         wait = min(1.0, self._cfg.heartbeat_interval_s)
         for deadline in (self._core.next_deadline(), self._core.next_tick_time()):
-          if deadline is not None:
+          if deadline is not None and self._halted is None:  # Halted: overdue rounds stay so.
             wait = min(wait, max(deadline - self._clock(), 0.0))
         if wait > 0:
           self._cond.wait(wait)
 
   def _flush(self) -> None:
     """Merges every round that has its quorum, ignoring grace deadlines (shutdown)."""
+    if self._halted is not None:
+      return
     for event in self._core.flush():
       self._publish(event)
 
   def _publish(self, event: MergeEvent) -> None:
+    """Serves a merged version once `record` and `on_merge` returned; an OSError halts instead."""
+    if self._halted is None:
+      try:
+        for hook in (self._record, self._on_merge):
+          if hook is not None:
+            hook(event)
+      except OSError as e:  # A full disk: the version may not be durable.
+        self._halted = f"a merge could not be recorded ({e})"
+        log.error("syncer halted: %s; serving the last durable versions", self._halted)
+    if self._halted is not None:
+      log.error(
+        "version %d of fragment %d is not durable: never served", event.version, event.fragment
+      )
+      return
+    self._served[event.fragment] = event.version
     self._merges += 1
     self._digests[(event.fragment, event.version)] = event.digest
     self._merge_log.append(event)
     if self._adopter is not None:
       self._adopter.published(event.fragment, event.version, event.digest)
     self._broadcast(_published_event(event.fragment, event.version))
-    if self._on_merge is not None:
-      self._on_merge(event)
 
   def _broadcast(self, event: syncer_pb2.SyncerEvent) -> None:
     """Queues an event on every learner's Rounds stream (caller holds the lock)."""
@@ -323,11 +359,22 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       return dict(self._digests)
 
   def refresh_published(self) -> None:
-    """Records the core's current versions as published (after its state was restored)."""
+    """Records and serves the core's current versions (after its state was restored)."""
     with self._cond:
       for p in range(self._core.num_fragments):
         st = self._core.state(p)
         self._digests[(p, st.version)] = st.digest
+        self._served[p] = st.version
+
+  def halted(self) -> str | None:
+    """Why the service stopped merging (a version could not be made durable), or None."""
+    with self._cond:
+      return self._halted
+
+  def served_versions(self) -> list[int]:
+    """Each fragment's version as learners see it (durable; the core may hold one more)."""
+    with self._cond:
+      return self._versions()
 
   def merge_log(self) -> list[MergeEvent]:
     with self._cond:
@@ -374,7 +421,13 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       )
 
   def _versions(self) -> list[int]:
-    return [self._core.version(p) for p in range(self._core.num_fragments)]
+    return list(self._served)
+
+  def _served_state(self, p: int) -> FragmentState:
+    """Fragment p at its served version (caller holds the lock)."""
+    if self._served[p] == self._core.version(p):
+      return self._core.state(p)
+    return self._core.state_at(p, self._served[p])  # Kept: keep_versions >= 2.
 
   # -- RPCs -------------------------------------------------------------------------------------
 
@@ -398,7 +451,8 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         grpc.StatusCode.INVALID_ARGUMENT, f"learner_id must be >= 0, got {request.learner_id}."
       )
     with self._cond:
-      versions = self._core.register(int(request.learner_id))
+      self._core.register(int(request.learner_id))
+      versions = self._versions()
       self._members[int(request.learner_id)] = _Member(
         last_seen=self._clock(),
         host=request.host,
@@ -558,7 +612,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     p, known = int(request.fragment), int(request.known_version)
     with self._cond:
       self._member(int(request.learner_id))
-      state = self._core.state(p)
+      state = self._served_state(p)
       cached = self._adopter.delta_chunks(p, state.version) if self._adopter else None
     if known > state.version:
       raise self._refuse(
@@ -750,6 +804,7 @@ def make_syncer(
   embedding_keys=(),
   clock: Callable[[], float] = time.monotonic,
   on_merge: Callable[[MergeEvent], None] | None = None,
+  record: Callable[[MergeEvent], None] | None = None,
 ) -> SyncerService:
   """A SyncerCore and its SyncerService wired together (adoption for a lossy downlink codec)."""
   adopter = None
@@ -774,6 +829,7 @@ def make_syncer(
     adopter=adopter,
     clock=clock,
     on_merge=on_merge,
+    record=record,
   )
 
 

@@ -1,7 +1,8 @@
 """Tests of ddiloco.checkpoint.syncer: orbax checkpoints, the merge journal and the restore rule."""
 
-import json
+import logging
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -123,14 +124,68 @@ def test_checkpoint_round_trip_is_exact(tmp_path):
   assert (ev_a.version, ev_a.digest) == (ev_b.version, ev_b.digest)
 
 
-def test_restore_without_checkpoint_is_a_fresh_start(tmp_path):
+def _published(core: SyncerCore, events) -> dict[tuple[int, int], str]:
+  """{(fragment, version): digest} a learner may hold: version 0 and every journaled merge."""
+  out = {(p, 0): _core().state(p).digest for p in range(core.num_fragments)}
+  out.update({(e.fragment, e.version): e.digest for e in events})
+  return out
+
+
+def _assert_never_behind(core: SyncerCore, published: dict[tuple[int, int], str]) -> None:
+  """No fragment went back, and a version learners may hold was not reissued with other values."""
+  for p in range(core.num_fragments):
+    newest = max(v for q, v in published if q == p)
+    assert core.version(p) >= newest, (p, core.version(p), newest)
+    if (p, core.version(p)) in published:
+      assert core.state(p).digest == published[(p, core.version(p))], p
+
+
+def test_restore_without_checkpoint_or_journal_is_a_fresh_start(tmp_path):
   core = _core()
-  journal = tmp_path / ckpt_lib.JOURNAL_NAME
-  journal.write_text(json.dumps({"fragment": 0, "version": 5, "digest": "x"}) + "\n")
   ck = ckpt_lib.SyncerCheckpointer(str(tmp_path / "ck"))
-  assert ckpt_lib.restore_core(core, ck, str(journal)) is None
-  assert core.version(0) == 0  # The journal alone changes nothing.
+  assert ckpt_lib.restore_core(core, ck, str(tmp_path / ckpt_lib.JOURNAL_NAME)) is None
   ck.close()
+  assert [core.version(p) for p in (0, 1)] == [0, 0]
+
+
+def test_restore_without_checkpoint_moves_versions_past_the_journal(tmp_path):
+  """Killed before its first checkpoint: the learners hold journaled versions the syncer lost."""
+  core = _core()
+  journal = ckpt_lib.MergeJournal(str(tmp_path / ckpt_lib.JOURNAL_NAME))
+  events = [_merge_once(core, 0, 0.125 * (i + 1)) for i in range(3)] + [_merge_once(core, 1, 0.5)]
+  for e in events:
+    journal.append(e)
+  journal.close()
+  published = _published(core, events)
+  ck = ckpt_lib.SyncerCheckpointer(str(tmp_path / "ck"))
+
+  restarted = _core()
+  info = ckpt_lib.restore_core(restarted, ck, journal.path)
+  # From the initial values, published past the journal: 3 -> 4 and 1 -> 2 (4 merges lost).
+  assert (info.step, info.versions, info.lost_merges) == (-1, (4, 2), 4)
+  assert info.republished == {0: (0, 3, 4), 1: (0, 1, 2)}
+  assert restarted.alive() == frozenset()
+  _assert_never_behind(restarted, published)
+  assert restarted.state(0).digest == published[(0, 0)]
+  # The republished versions are journaled before they are served, with their digests.
+  records = ckpt_lib.read_journal_records(journal.path)
+  assert records[0][4] == published[(0, 0)] and records[1][2] == published[(1, 0)]
+  served = {(p, v): records[p][v] for p in records for v in records[p]}
+
+  # It merges once more and is killed again, still before a checkpoint: nothing goes back, and the
+  # values of version 4 of fragment 0, unchanged, keep their version.
+  again = ckpt_lib.MergeJournal(journal.path)
+  restarted.register(0)
+  restarted.fetch(0, 1)
+  event = _merge_once(restarted, 1, 0.25)
+  again.append(event)
+  again.close()
+  served[(1, event.version)] = event.digest
+  third = _core()
+  info = ckpt_lib.restore_core(third, ck, journal.path)
+  ck.close()
+  assert info.versions == (4, 4) and info.republished == {0: (0, 4, 4), 1: (0, 3, 4)}
+  _assert_never_behind(third, {**published, **served})
 
 
 def test_restore_moves_versions_past_the_journal(tmp_path):
@@ -191,7 +246,7 @@ def test_journal_ignores_a_torn_last_line(tmp_path):
   assert ckpt_lib.read_journal(str(tmp_path / "missing")) == {}
 
 
-def test_an_unfinished_save_leaves_the_previous_checkpoint(tmp_path):
+def test_an_unfinished_save_leaves_the_previous_checkpoint_and_is_removed(tmp_path, caplog):
   core = _core()
   _merge_once(core, 0, 0.125)
   ck = ckpt_lib.SyncerCheckpointer(str(tmp_path / "ck"))
@@ -201,10 +256,125 @@ def test_an_unfinished_save_leaves_the_previous_checkpoint(tmp_path):
   tmp = tmp_path / "ck" / "2.orbax-checkpoint-tmp-1234567"
   (tmp / "arrays").mkdir(parents=True)
   (tmp / "arrays" / "garbage").write_bytes(b"\x00" * 10)
-  ck = ckpt_lib.SyncerCheckpointer(str(tmp_path / "ck"))
+  with caplog.at_level(logging.WARNING, logger=ckpt_lib.__name__):
+    ck = ckpt_lib.SyncerCheckpointer(str(tmp_path / "ck"))
+  assert not tmp.exists()
+  assert ck.removed_partial == [str(tmp)]
+  assert f"removed {tmp}: a syncer checkpoint save that never completed" in caplog.text
   assert ck.latest_step() == 1
   step, state = ck.restore()
   assert step == 1 and state["fragment/0/version"] == 1
+  # Step 2 can be written now.
+  _merge_once(core, 0, 0.25)
+  ck.save(2, core.state_dict())
+  ck.close()
+  assert sorted(os.listdir(tmp_path / "ck")) == ["1", "2"]
+
+
+def _two_checkpoints(tmp_path):
+  """Steps 1 (fragment 0 at version 1) and 2 (at version 2), all merges journaled; 3 is not saved."""
+  core = _core()
+  journal = ckpt_lib.MergeJournal(str(tmp_path / ckpt_lib.JOURNAL_NAME))
+  ck = ckpt_lib.SyncerCheckpointer(str(tmp_path / "ck"))
+  events = []
+  for step, shift in ((1, 0.125), (2, 0.25), (3, 0.375)):
+    events.append(_merge_once(core, 0, shift))
+    journal.append(events[-1])
+    if step < 3:
+      ck.save(step, core.state_dict())
+      ck.wait()
+  ck.close()
+  journal.close()
+  return core, journal.path, _published(core, events)
+
+
+def _garble_meta(step_dir):
+  path = step_dir / "meta" / "metadata"
+  path.write_bytes(path.read_bytes()[:40])  # Cut mid-JSON.
+
+
+def _garble_arrays(step_dir):
+  for f in (step_dir / "arrays").rglob("*"):
+    if f.is_file() and f.parent.name == "d":
+      f.write_bytes(b"\x5a" * f.stat().st_size)
+
+
+def _drop_array_index(step_dir):
+  (step_dir / "arrays" / "_METADATA").unlink()
+
+
+@pytest.mark.parametrize("damage", [_garble_meta, _garble_arrays, _drop_array_index])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one(tmp_path, caplog, damage):
+  _, journal_path, published = _two_checkpoints(tmp_path)
+  damage(tmp_path / "ck" / "2")
+  ck = ckpt_lib.SyncerCheckpointer(str(tmp_path / "ck"))
+  restarted = _core()
+  with caplog.at_level(logging.WARNING, logger=ckpt_lib.__name__):
+    info = ckpt_lib.restore_core(restarted, ck, journal_path)
+  assert "syncer checkpoint 2 is unusable: unreadable" in caplog.text
+  assert "syncer restored from the older checkpoint 1" in caplog.text
+  # Step 1 holds version 1; the journal's 3 is newer: published again as 4.
+  assert (info.step, info.unusable_steps, info.republished) == (1, (2,), {0: (1, 3, 4)})
+  _assert_never_behind(restarted, published)
+  assert restarted.state(0).digest == published[(0, 1)]
+  # The damaged step is set aside: step 2 can be written again and is what the next start reads.
+  assert ck.all_steps() == [1]
+  assert os.listdir(tmp_path / "ck" / ckpt_lib.UNUSABLE_DIR)[0].startswith("2-")
+  ck.save(2, restarted.state_dict())
+  ck.close()
+  ck = ckpt_lib.SyncerCheckpointer(str(tmp_path / "ck"))
+  assert ckpt_lib.restore_core(_core(), ck, journal_path).step == 2
+  ck.close()
+
+
+@pytest.mark.parametrize("where", ["newest_version", "initial_values"])
+def test_a_tampered_checkpoint_is_caught_by_the_journal_digests(tmp_path, caplog, where):
+  """Step 2 is rewritten with one value changed and a consistent structure (its own arrays digest
+  matches): only the journal's digests can tell, and the restore falls back to step 1."""
+  _, journal_path, published = _two_checkpoints(tmp_path)
+  ck = ckpt_lib.SyncerCheckpointer(str(tmp_path / "ck"))
+  _, state = ck.restore(2)
+  key = "fragment/0/v2/a" if where == "newest_version" else "fragment/1/v0/c"
+  state[key] = state[key].copy()
+  state[key].flat[1] += np.float32(1.0)
+  ck.close()
+  shutil.rmtree(tmp_path / "ck" / "2")
+  ck = ckpt_lib.SyncerCheckpointer(str(tmp_path / "ck"))
+  ck.save(2, state)
+  ck.wait()
+  restarted = _core()
+  with caplog.at_level(logging.WARNING, logger=ckpt_lib.__name__):
+    info = ckpt_lib.restore_core(restarted, ck, journal_path)
+  ck.close()
+  version = 2 if where == "newest_version" else 0
+  fragment = 0 if where == "newest_version" else 1
+  assert f"syncer checkpoint 2 is unusable: fragment {fragment} version {version} has digest" in (
+    caplog.text
+  )
+  assert (info.step, info.unusable_steps) == (1, (2,))
+  _assert_never_behind(restarted, published)
+  assert [restarted.state(p).digest for p in (0, 1)] == [published[(0, 1)], published[(1, 0)]]
+
+
+def test_no_intact_checkpoint_with_served_versions_is_a_clear_error(tmp_path):
+  _, journal_path, _ = _two_checkpoints(tmp_path)
+  for step in ("1", "2"):
+    _garble_meta(tmp_path / "ck" / step)
+  ck = ckpt_lib.SyncerCheckpointer(str(tmp_path / "ck"))
+  restarted = _core()
+  with pytest.raises(
+    ckpt_lib.RestoreError, match=r"No intact syncer checkpoint .*\(steps 2, 1 unusable"
+  ) as e:
+    ckpt_lib.restore_core(restarted, ck, journal_path)
+  assert "\n" not in str(e.value)
+  assert ck.all_steps() == [1, 2]  # Nothing set aside: the operator decides.
+  assert restarted.version(0) == 0  # Untouched.
+  ck.close()
+  # With an empty journal nothing was ever served: a fresh start, the damaged steps set aside.
+  os.remove(journal_path)
+  ck = ckpt_lib.SyncerCheckpointer(str(tmp_path / "ck"))
+  assert ckpt_lib.restore_core(restarted, ck, journal_path) is None
+  assert ck.all_steps() == []
   ck.close()
 
 

@@ -1,0 +1,113 @@
+"""Tests of ddiloco.launch.runtime.SyncerRun's durability: journal before serving, halt, restart.
+
+Fault injection: the merge journal's fsync raises ENOSPC at the third merge. The run must halt
+(its loop returns), never serve nor checkpoint that version, write its summary, and a restart in the
+same workdir must serve no fragment at a version below one served before.
+
+Model: the tiny one-block transformer of tests/learner/worker_test.py; P = 2 fragments, K = 1, no
+grace, so an answer filed in an open round merges at the merge thread's next poll.
+"""
+
+import errno
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ddiloco.checkpoint import journal as journal_lib
+from ddiloco.checkpoint import syncer as ckpt_lib
+from ddiloco.data import text as text_data
+from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.launch import runtime
+from ddiloco.launch.job import JobConfig
+from ddiloco.models import configs
+from ddiloco.syncer import service as service_lib
+from ddiloco.syncer.types import Report, SyncerConfig
+
+pytestmark = pytest.mark.timeout(120)  # Sockets and threads (STYLE.md).
+
+L, B = 8, 8
+ONE_BLOCK = {"num_layers": 1, "d_model": 32, "num_heads": 2, "head_dim": 16, "mlp_dim": 64}
+JOB = JobConfig(
+  model=configs.transformer_config("tiny", vocab_size=256, max_len=L, **ONE_BLOCK),
+  data=text_data.TextDataConfig(seq_len=L, batch_size=B),
+  schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
+  syncer=SyncerConfig(overlap=1, use_grace=False, min_quorum=1),
+  service=service_lib.ServiceConfig(
+    uplink_codec="fp32", downlink_codec="fp32", liveness_timeout_s=600
+  ),
+  num_learners=1,
+  eval_batches=1,
+)
+CHECKPOINT = ckpt_lib.SyncerCheckpointConfig(every_s=3600.0)  # Saved only when the test says.
+
+
+def _merge(run: runtime.SyncerRun, p: int, step: int) -> None:
+  """Learner 0 answers a new round of p; the merge thread merges it (K = 1, no grace)."""
+  svc = run.service
+  with svc.lock:
+    if 0 not in svc.core.alive():
+      svc.core.register(0)
+    svc.core.mark_delivered(0, p, svc.core.version(p))
+    request = svc.core.open_round(p, step)
+    values = {k: v + np.float32(0.01) for k, v in svc.core.state(p).values.items()}
+    report = Report(
+      learner_id=0,
+      fragment=p,
+      values=values,
+      tokens=64,
+      steps=4,
+      anchor_version=request.base_version,
+      step=step + 1,
+      round_step=step,
+    )
+    assert svc.core.report(report).status == "accepted"
+    svc.lock.notify_all()
+  deadline = time.monotonic() + 20
+  while svc.core.version(p) == request.base_version:
+    assert time.monotonic() < deadline, "the merge thread did not merge"
+    time.sleep(0.01)
+
+
+def test_a_full_disk_halts_the_syncer_and_a_restart_never_goes_back(tmp_path, monkeypatch):
+  workdir = str(tmp_path / "syncer")
+  run = runtime.SyncerRun(JOB, workdir=workdir, checkpoint=CHECKPOINT)
+  run.serve("127.0.0.1:0")
+  try:
+    _merge(run, 0, 1)
+    assert run.save_checkpoint(wait=True)  # Step 1: fragment 0 at version 1.
+    _merge(run, 1, 2)  # Journaled, not checkpointed.
+    published = run.service.published_digests()
+    assert run.service.served_versions() == [1, 1]
+
+    def no_space(fd):
+      raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(journal_lib.os, "fsync", no_space)
+    _merge(run, 0, 3)
+    monkeypatch.undo()
+    stop = threading.Event()
+    run.loop(stop, until=time.monotonic() + 60)  # Returns at once: the service halted.
+    assert not stop.is_set()
+    assert run.service.served_versions() == [1, 1]
+    assert not run.save_checkpoint()  # Version 2 of fragment 0 was never served: never saved.
+  finally:
+    summary = run.shutdown()
+  assert "No space left on device" in summary["halted"]
+  assert summary["checkpoints_saved"] == 1
+  assert summary["merges"] == 2 and "0:2" not in summary["digests"]
+
+  restarted = runtime.SyncerRun(JOB, workdir=workdir, checkpoint=CHECKPOINT)
+  info = restarted.restored
+  assert info.step == 1
+  versions = restarted.service.served_versions()
+  for (p, v), digest in published.items():
+    assert versions[p] >= v
+    if versions[p] == v:
+      assert restarted.service.published_digests()[(p, v)] == digest
+  # Fragment 1's version 1 (after the checkpoint) is lost: published again past it. Fragment 0's
+  # version 2 reached the journal file before its fsync failed: it is skipped too.
+  assert info.republished == {0: (1, 2, 3), 1: (0, 1, 2)}
+  assert versions == [3, 2]
+  restarted.shutdown()
