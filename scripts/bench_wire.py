@@ -58,7 +58,7 @@ from absl import app, flags
 from ddiloco.fragments import layout as layout_lib
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
 from ddiloco.syncer.service import ServiceConfig, make_syncer, serve
-from ddiloco.transport import auth, messages
+from ddiloco.transport import messages
 from ddiloco.transport.chunks import ArrayPool
 from ddiloco.transport.client import SyncerClient
 from ddiloco.transport.proto import syncer_pb2
@@ -348,7 +348,7 @@ class _Service:
     chunks = self.chunks(self.report())
     self._peer.restart_learner()
     with _Stopwatch(self._peer) as watch:
-      resp = self._push_raw(iter(chunks), timeout=300.0, metadata=auth.token_metadata(_TOKEN))
+      resp = self._push_raw(iter(chunks), timeout=300.0, metadata=self.client.learner_metadata(0))
     if resp.status not in ("accepted", "superseded"):
       raise RuntimeError(f"Pre-built push was not filed: {resp}")
     return watch.seconds

@@ -152,9 +152,13 @@ class SyncerRun:
       digest=ev.digest,
     )
 
-  def serve(self, address: str, *, token: str | None = None, tls=None) -> service_lib.SyncerServer:
+  def serve(
+    self, address: str, *, token: str | None = None, tls=None, insecure: bool = False
+  ) -> service_lib.SyncerServer:
     self.evaluate()  # Version 0, before any learner connects.
-    self.server = service_lib.serve(self.service, address=address, token=token, tls=tls)
+    self.server = service_lib.serve(
+      self.service, address=address, token=token, tls=tls, insecure=insecure
+    )
     return self.server
 
   def global_flat(self) -> dict[str, np.ndarray]:

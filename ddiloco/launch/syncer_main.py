@@ -3,7 +3,9 @@
   ddiloco-syncer --gin_file=gin_configs/local_tiny.gin --workdir=/tmp/run/syncer --port=50051
 
 Binds to 127.0.0.1 unless `--host` says otherwise. The shared token comes from `--auth_token_file` or
-the DDILOCO_TOKEN environment variable; TLS is on with `--tls_cert_file` and `--tls_key_file`.
+the DDILOCO_TOKEN environment variable; TLS is on with `--tls_cert_file` and `--tls_key_file`. A
+non-loopback `--host` without a token is refused unless `--insecure` is given. A port in use (by
+another syncer, say) ends the program with one line on stderr and exit status 1.
 SIGTERM or SIGINT stops it gracefully: it stops accepting calls, merges every round that has its
 quorum, evaluates the global model and writes `summary.json` to the workdir. It exits 1 with a
 one-line error if its workdir holds no usable checkpoint although learners were served versions, and
@@ -18,6 +20,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # The syncer is a CPU service (be
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import signal
+import sys
 import threading
 import time
 
@@ -35,6 +38,9 @@ _TOKEN_FILE = flags.DEFINE_string(
 _TLS_CERT = flags.DEFINE_string("tls_cert_file", None, "PEM certificate chain for TLS")
 _TLS_KEY = flags.DEFINE_string("tls_key_file", None, "PEM private key for TLS")
 _MAX_RUNTIME = flags.DEFINE_float("max_runtime_s", 0.0, "stop after this long (0: until signalled)")
+_INSECURE = flags.DEFINE_bool(
+  "insecure", False, "serve a non-loopback --host without a shared token (logs a warning)"
+)
 
 
 def main(argv: list[str]) -> None:
@@ -53,8 +59,10 @@ def main(argv: list[str]) -> None:
   if bool(_TLS_CERT.value) != bool(_TLS_KEY.value):
     raise app.UsageError("--tls_cert_file and --tls_key_file go together.")
   tls = (_TLS_CERT.value, _TLS_KEY.value) if _TLS_CERT.value else None
+  from ddiloco.syncer import service as service_lib
   from ddiloco.transport import auth
 
+<<<<<<< HEAD
   try:
     run = runtime.SyncerRun(job, workdir=workdir)
   except RestoreError as e:
@@ -62,6 +70,18 @@ def main(argv: list[str]) -> None:
   server = run.serve(
     f"{_HOST.value}:{_PORT.value}", token=auth.read_token(_TOKEN_FILE.value), tls=tls
   )
+=======
+  address = f"{_HOST.value}:{_PORT.value}"
+  if ":" in _HOST.value and not _HOST.value.startswith("["):
+    address = f"[{_HOST.value}]:{_PORT.value}"  # An IPv6 literal.
+  run = runtime.SyncerRun(job, workdir=workdir)
+  try:
+    server = run.serve(
+      address, token=auth.read_token(_TOKEN_FILE.value), tls=tls, insecure=_INSECURE.value
+    )
+  except (service_lib.BindError, service_lib.InsecureServeError) as e:
+    sys.exit(f"ddiloco-syncer: {e}")  # One line, no traceback: the operator's mistake.
+>>>>>>> hard-door
   logging.info("syncer serving on %s:%d", _HOST.value, server.port)
   if _PORT_FILE.value:
     tmp = f"{_PORT_FILE.value}.tmp"

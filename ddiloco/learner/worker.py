@@ -63,8 +63,13 @@ _TRANSIENT = (
   grpc.StatusCode.UNKNOWN,
   grpc.StatusCode.INTERNAL,
 )
-# The syncer does not know this learner (restarted, or declared it dead): register again.
-_UNREGISTERED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+# The syncer does not know this learner (restarted, or declared it dead), or no longer takes its
+# session (another registration of the id replaced it): register again.
+_UNREGISTERED = (
+  grpc.StatusCode.NOT_FOUND,
+  grpc.StatusCode.FAILED_PRECONDITION,
+  grpc.StatusCode.PERMISSION_DENIED,
+)
 
 
 _WARMUP_STEPS = 2  # Steps left out of the step-time EMA (compilation).
@@ -330,6 +335,17 @@ class LearnerWorker:
     self._need_register.clear()
     return resp
 
+  def _unregistered(self, error: grpc.RpcError, epoch: int) -> bool:
+    """Whether a failed call means this learner must register again.
+
+    A call refused PERMISSION_DENIED carried a stale session; if this learner registered since the
+    call began (`epoch`: `registrations` then), the new session already fixes it, and registering
+    once more would only void the session of the calls now in flight.
+    """
+    if error.code() == grpc.StatusCode.PERMISSION_DENIED:
+      return self.registrations == epoch
+    return error.code() in _UNREGISTERED
+
   def _announce(self, p: int, version: int) -> None:
     """Asks the puller for version `version` of p (or newer), unless it is held already."""
     if not 0 <= p < len(self._layouts):
@@ -417,6 +433,7 @@ class LearnerWorker:
       if self._need_register.is_set():
         self._stop.wait(0.05)  # The comm thread registers; a stream before that is refused.
         continue
+      epoch = self.registrations
       stream = self._client.rounds(self.id)
       self._stream = stream
       try:
@@ -431,7 +448,7 @@ class LearnerWorker:
       except grpc.RpcError as e:
         if self._stop.is_set():
           break
-        if e.code() in _UNREGISTERED:
+        if self._unregistered(e, epoch):
           self._need_register.set()
         elif e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # A subscription's end: renew it.
           self._stop.wait(backoff.next_delay())
@@ -447,6 +464,7 @@ class LearnerWorker:
           self._announce_cv.wait(0.5)
         announced, self._announced = self._announced, {}
         known = {p: self._newest[p] for p in announced}
+      epoch = self.registrations
       try:
         for p, version in announced.items():
           if version > known[p]:
@@ -455,7 +473,7 @@ class LearnerWorker:
               self._received.put(state)
         backoff.reset()
       except grpc.RpcError as e:  # The heartbeat announces the version again once it answers.
-        if e.code() in _UNREGISTERED:
+        if self._unregistered(e, epoch):
           self._need_register.set()
         self._stop.wait(backoff.next_delay())
       except WireError as e:  # A corrupt or mismatching fragment: fetch it in full next time.
@@ -476,12 +494,15 @@ class LearnerWorker:
         p = min(self._jobs, key=lambda q: self._jobs[q].report.step)
         job = self._jobs.pop(p)
         self._in_flight += 1
+      epoch = self.registrations
       try:
         result = self._push(job)
         self._record_latency(job)
       except grpc.RpcError as e:
         result = None
-        if e.code() in _UNREGISTERED:
+        if e.code() == grpc.StatusCode.PERMISSION_DENIED and not self._unregistered(e, epoch):
+          pass  # Sent with the session a new registration replaced: push it again (unfiled).
+        elif e.code() in _UNREGISTERED:
           self._need_register.set()
           result = ReportResult("rejected", e.details() or "", 0.0)
         elif e.code() not in _TRANSIENT:

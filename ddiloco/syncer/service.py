@@ -19,11 +19,42 @@ learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runti
                         (decided from the header, before decoding)
     ALREADY_EXISTS      a duplicate push: this learner already answered the round
     UNAUTHENTICATED     a missing or wrong shared token (transport/auth.py)
+    PERMISSION_DENIED   a missing or wrong learner session (below)
+    INVALID_ARGUMENT    also: request bytes that do not decode, a text field over its bound (host
+                        255 characters, layout digest 128, codec 16, any other 256; syncer/door.py)
+    RESOURCE_EXHAUSTED  also: a Push or Pull beyond `max_data_streams` open (or
+                        `max_data_streams_per_learner` for one learner), the oldest push still
+                        without its first chunk when `max_unclaimed_streams` are (it is cut to
+                        admit a new one), a Rounds stream beyond
+                        `max_rounds_streams`, a new learner id beyond `max_members`
+    DEADLINE_EXCEEDED   a push stream with no chunk for `stream_idle_s`, a push or pull stream open
+                        past `stream_deadline_s`
+    CANCELLED           a Pull or Rounds stream whose client stopped reading: a send stuck for
+                        `stream_idle_s` is cut by the watchdog (the client sees CANCELLED)
   A refused push leaves the global fragments, versions, optimizer states and rounds as they were.
   A retry of an answer already filed (same learner, round and counters) gets the first answer's
   reply, decided from the header: it is never filed twice.
 - A merge is all or nothing (`SyncerCore._merge`), and the merge thread never retries a failing
   step with the lock held: RPCs and a signal's `stop()` always get through.
+- Sessions: Register issues a random session credential bound to the learner id and that
+  registration (RegisterResponse.session); every later Push, Pull, Heartbeat, Leave and Rounds call
+  for the id must carry it as `ddiloco-session` metadata, or is refused PERMISSION_DENIED (distinct
+  from the shared token's UNAUTHENTICATED: re-registering fixes it, so learners register again on
+  it). The shared token still admits Register for any id, which voids the previous session: a
+  restarted learner must be able to rejoin without its old credential.
+- Capacity (syncer/door.py): the server is synchronous, every call holding a thread for its life.
+  Its pool has `control_workers + max_data_streams + max_rounds_streams` threads; data streams and
+  Rounds streams are admitted within their bounds, so at least `control_workers` threads always
+  remain for Register, Heartbeat, Status, Leave and quick refusals. A push is read through a helper
+  thread so that a stalled stream is cut at its idle deadline with DEADLINE_EXCEEDED; stuck sends
+  are cut by a watchdog. Calls beyond the pool wait in gRPC's queue, bounded by `max_pending_calls`
+  (beyond it gRPC itself refuses RESOURCE_EXHAUSTED, not counted here).
+- Members: the service forgets a learner that left or was declared dead `member_retention_s` ago
+  (and the longest-gone first once `max_members` are known); its next call finds it unregistered and
+  it registers again. The core's per-learner records (token ledger) are kept.
+- Serving: the port is never shared (`grpc.so_reuseport` off): a second syncer on a port in use
+  fails with a one-line `BindError`. A non-loopback address without a shared token is refused
+  unless `insecure=True` (`ddiloco-syncer --insecure`), which logs a warning.
 - Downlink (SPEC §5): with a lossy downlink codec the syncer sends Θ_new − Θ_old quantized and adopts
   what a receiver decodes (`adopt`, wired into the core), so learners and syncer hold bit-identical
   fragments. The encoded delta is kept for the newest version only; a learner that holds an older
@@ -40,10 +71,12 @@ learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runti
 
 import collections
 import dataclasses
+import hmac
 import itertools
 import logging
 import math
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -57,6 +90,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ddiloco.fragments import compression
 from ddiloco.protocol import counter_error, step_time_error
+from ddiloco.syncer import door
 from ddiloco.syncer.core import (
   FragmentState,
   MergeEvent,
@@ -75,6 +109,8 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "ddiloco.v1.Syncer"
 # Room for a chunk's protobuf framing and header on top of its payload bytes.
 _FRAMING_SLACK = 64 * 1024
+# Call metadata a client may send (both tokens are a few dozen bytes); gRPC refuses more.
+_MAX_METADATA_BYTES = 8 * 1024
 
 
 @gin.configurable(module="ddiloco")
@@ -90,8 +126,22 @@ class ServiceConfig:
       is 4 MiB, and 1 MiB chunks measured best on loopback).
     heartbeat_interval_s: how often learners call Heartbeat.
     liveness_timeout_s: silence after which a learner is declared dead.
-    max_workers: server threads; each learner holds up to four concurrent calls (its Rounds
-      stream, a push, a pull and a heartbeat).
+    control_workers: server threads that data and Rounds streams can never take: they serve
+      Register, Heartbeat, Status, Leave and refusals however many streams are open.
+    max_data_streams: Push and Pull streams open at once (each holds a server thread).
+    max_data_streams_per_learner: Push and Pull streams open at once for one learner id (a learner
+      pushes one fragment and pulls one at a time; the rest is room for a retry overlapping the end
+      of its predecessor).
+    max_unclaimed_streams: Push streams open at once that have not sent their first chunk, which
+      names the learner: streams stalled before it keep at most this share from the learners.
+    max_rounds_streams: Rounds streams open at once: one per learner (a new subscription replaces
+      the learner's previous one), so this bounds the fleet that can subscribe.
+    stream_idle_s: longest wait for a push's next chunk, and longest a send may be stuck.
+    stream_deadline_s: longest a push or pull stream may stay open.
+    max_pending_calls: calls that may wait for a server thread (gRPC refuses any beyond).
+    max_members: learner ids the service keeps a record of; a new id beyond it is refused while
+      none of the known ones has left.
+    member_retention_s: how long a learner that left or was declared dead stays in the record.
   """
 
   uplink_codec: str = "bf16"
@@ -100,7 +150,16 @@ class ServiceConfig:
   max_chunk_bytes: int = DEFAULT_CHUNK_SIZE
   heartbeat_interval_s: float = 0.25
   liveness_timeout_s: float = 30.0
-  max_workers: int = 32
+  control_workers: int = 8
+  max_data_streams: int = 32
+  max_data_streams_per_learner: int = 4
+  max_unclaimed_streams: int = 8
+  max_rounds_streams: int = 64
+  stream_idle_s: float = 15.0
+  stream_deadline_s: float = 300.0
+  max_pending_calls: int = 256
+  max_members: int = 1024
+  member_retention_s: float = 600.0
 
   def __post_init__(self):
     for name in ("uplink_codec", "downlink_codec"):
@@ -114,13 +173,45 @@ class ServiceConfig:
       raise ValueError(f"max_chunk_bytes must be >= 1024, got {self.max_chunk_bytes}.")
     if not 0 < self.heartbeat_interval_s < self.liveness_timeout_s:
       raise ValueError("Need 0 < heartbeat_interval_s < liveness_timeout_s.")
-    if self.max_workers < 4:
-      raise ValueError(f"max_workers must be >= 4, got {self.max_workers}.")
+    # Two control threads at least: a heartbeat must not wait behind a slow Register.
+    if self.control_workers < 2:
+      raise ValueError(f"control_workers must be >= 2, got {self.control_workers}.")
+    if self.max_data_streams < 1 or self.max_rounds_streams < 1:
+      raise ValueError("max_data_streams and max_rounds_streams must be >= 1.")
+    if not 1 <= self.max_data_streams_per_learner <= self.max_data_streams:
+      raise ValueError(
+        f"max_data_streams_per_learner must be in [1, max_data_streams={self.max_data_streams}], "
+        f"got {self.max_data_streams_per_learner}."
+      )
+    if not 1 <= self.max_unclaimed_streams <= self.max_data_streams:
+      raise ValueError(
+        f"max_unclaimed_streams must be in [1, max_data_streams={self.max_data_streams}], "
+        f"got {self.max_unclaimed_streams}."
+      )
+    if not 0 < self.stream_idle_s <= self.stream_deadline_s:
+      raise ValueError("Need 0 < stream_idle_s <= stream_deadline_s.")
+    if self.max_pending_calls < 0:
+      raise ValueError(f"max_pending_calls must be >= 0, got {self.max_pending_calls}.")
+    if self.max_members < 1 or self.member_retention_s < 0:
+      raise ValueError("Need max_members >= 1 and member_retention_s >= 0.")
+
+  @property
+  def server_threads(self) -> int:
+    """The server's thread pool: streams within their bounds leave `control_workers` free."""
+    return self.control_workers + self.max_data_streams + self.max_rounds_streams
 
   def channel_options(self) -> list[tuple[str, int]]:
     """Explicit message size limits for both ends (gRPC's default receive limit is 4 MiB)."""
     limit = self.max_chunk_bytes + _FRAMING_SLACK
     return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+class BindError(OSError):
+  """The syncer could not bind its address (most often: the port is in use)."""
+
+
+class InsecureServeError(ValueError):
+  """Refused to serve a network address without a shared token (see `serve`)."""
 
 
 class Refusal(Exception):
@@ -166,9 +257,11 @@ def _published_event(fragment: int, version: int) -> syncer_pb2.SyncerEvent:
 
 @dataclasses.dataclass
 class _Member:
-  """What the service knows of a learner beyond the core: liveness clock and its own description."""
+  """What the service knows of a learner beyond the core: liveness clock, session, description."""
 
   last_seen: float
+  session: str = ""
+  left_at: float | None = None  # When it left or was declared dead (None: alive, or not noticed).
   host: str = ""
   num_devices: int = 0
   batch_size: int = 0
@@ -235,6 +328,12 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       (p, 0): core.state(p).digest for p in range(core.num_fragments)
     }
     self._merge_log: list[MergeEvent] = []
+    self._gate = door.StreamGate(
+      config.max_data_streams,
+      config.max_data_streams_per_learner,
+      config.max_unclaimed_streams,
+    )
+    self._watchdog = door.Watchdog(config.stream_idle_s, self._count_cut)
     self._started = clock()
     self._stopping = False
     self._thread: threading.Thread | None = None
@@ -246,6 +345,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     if self._thread is None:
       self._thread = threading.Thread(target=self._merge_loop, name="syncer-merge", daemon=True)
       self._thread.start()
+    self._watchdog.start()
 
   def stop(self, *, flush: bool = True) -> None:
     """Stops the merge thread; with `flush`, first merges every round that has its quorum."""
@@ -258,6 +358,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     if self._thread is not None:
       self._thread.join(timeout=60)
       self._thread = None
+    self._watchdog.stop()
     if flush:
       with self._cond:
         self._flush()
@@ -325,15 +426,32 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       sub.close()
 
   def _check_liveness(self) -> None:
+    """Declares silent learners dead and forgets those gone for `member_retention_s`."""
     now = self._clock()
     alive = self._core.alive()
-    for learner_id, member in self._members.items():
-      if learner_id in alive and now - member.last_seen > self._cfg.liveness_timeout_s:
-        log.warning(
-          "learner %d silent for %.1f s: declared dead", learner_id, now - member.last_seen
-        )
-        self._core.leave(learner_id)
-        self._unsubscribe(learner_id)
+    for learner_id, member in list(self._members.items()):
+      if learner_id in alive:
+        if now - member.last_seen > self._cfg.liveness_timeout_s:
+          log.warning(
+            "learner %d silent for %.1f s: declared dead", learner_id, now - member.last_seen
+          )
+          self._core.leave(learner_id)
+          self._unsubscribe(learner_id)
+          member.left_at = now
+      elif member.left_at is None:
+        member.left_at = now  # Left the core another way (e.g. a restored checkpoint).
+      elif now - member.left_at > self._cfg.member_retention_s:
+        del self._members[learner_id]
+
+  def _make_room(self) -> bool:
+    """Frees a place in a full member table, forgetting the longest-gone learner (caller holds
+    the lock). False if every known learner is alive."""
+    alive = self._core.alive()
+    gone = [(m.left_at or 0.0, i) for i, m in self._members.items() if i not in alive]
+    if not gone:
+      return False
+    del self._members[min(gone)[1]]
+    return True
 
   # -- read-only views (launcher, tests) ----------------------------------------------------------
 
@@ -392,14 +510,59 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       self._refused[code.name] += 1
     return Refusal(code, message)
 
+  def _count_cut(self, reason: str) -> None:
+    """The watchdog cut a stream whose send was stuck ("idle") or that ran too long ("total")."""
+    log.warning("a stream was cut by the watchdog (%s)", reason)
+    self.count_refusal(grpc.StatusCode.CANCELLED, "")
+
+  def refuse_garbled(self, request: door.Garbled) -> Refusal:
+    """The refusal of a request that did not decode or is out of bounds (`door.parse_request`)."""
+    return self._refuse(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+
+  def open_streams(self) -> dict[str, int]:
+    """Streams open now: {"data": Push and Pull, "rounds": Rounds subscriptions}."""
+    data, _ = self._gate.open_streams()
+    with self._cond:
+      return {"data": data, "rounds": len(self._subscribers)}
+
+  def members(self) -> frozenset[int]:
+    """Ids in the member table (alive or gone but not yet forgotten)."""
+    with self._cond:
+      return frozenset(self._members)
+
+  def _admit(self, learner_id: int | None = None, on_evict=None) -> door.StreamTicket:
+    """A place for a new data stream (of `learner_id` if known), or a refusal when none is left."""
+    ticket = self._gate.enter(learner_id, on_evict)
+    if ticket is None:
+      if learner_id is not None and self._gate.open_streams()[0] < self._cfg.max_data_streams:
+        self._claim_refused(learner_id)
+      raise self._refuse(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"The syncer's push and pull streams are all taken (at most {self._cfg.max_data_streams}, "
+        f"{self._cfg.max_unclaimed_streams} of them before their first chunk); retry later.",
+      )
+    return ticket
+
+  def _claim(self, ticket: door.StreamTicket, learner_id: int) -> None:
+    if not ticket.claim(learner_id):
+      self._claim_refused(learner_id)
+
+  def _claim_refused(self, learner_id: int):
+    raise self._refuse(
+      grpc.StatusCode.RESOURCE_EXHAUSTED,
+      f"Learner {learner_id} has {self._cfg.max_data_streams_per_learner} push and pull "
+      "streams open; retry later.",
+    )
+
   def count_refusal(self, code: grpc.StatusCode, method: str) -> None:
     """For interceptors (e.g. the token check), which refuse before a servicer method runs."""
     del method
     with self._cond:
       self._refused[code.name] += 1
 
-  def _member(self, learner_id: int) -> _Member:
-    """The learner's record if it is registered and alive (caller holds the lock)."""
+  def _member(self, learner_id: int, session: str) -> _Member:
+    """The learner's record if it is registered, alive and `session` is its own (caller holds the
+    lock)."""
     member = self._members.get(learner_id)
     if member is None:
       raise self._refuse(
@@ -410,8 +573,22 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         grpc.StatusCode.FAILED_PRECONDITION,
         f"Learner {learner_id} is not alive at the syncer (left or timed out); register again.",
       )
+    self._check_session(learner_id, member, session)
     member.last_seen = self._clock()
     return member
+
+  def _check_session(self, learner_id: int, member: _Member, session: str) -> None:
+    if not session:
+      raise self._refuse(
+        grpc.StatusCode.PERMISSION_DENIED,
+        f"Missing '{auth.SESSION_METADATA_KEY}' metadata for learner {learner_id}: send the "
+        "session its Register returned.",
+      )
+    if not hmac.compare_digest(session.encode(), member.session.encode()):
+      raise self._refuse(
+        grpc.StatusCode.PERMISSION_DENIED,
+        f"Wrong session for learner {learner_id}: it registered again since; register again.",
+      )
 
   def _check_fragment(self, fragment: int) -> None:
     if not 0 <= fragment < self._core.num_fragments:
@@ -450,17 +627,31 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       raise self._refuse(
         grpc.StatusCode.INVALID_ARGUMENT, f"learner_id must be >= 0, got {request.learner_id}."
       )
+    learner_id = int(request.learner_id)
     with self._cond:
-      self._core.register(int(request.learner_id))
+      if (
+        learner_id not in self._members
+        and len(self._members) >= self._cfg.max_members
+        and not self._make_room()
+      ):
+        raise self._refuse(
+          grpc.StatusCode.RESOURCE_EXHAUSTED,
+          f"{self._cfg.max_members} learners are registered and alive; no room for learner "
+          f"{learner_id}.",
+        )
+      self._core.register(learner_id)
       versions = self._versions()
-      self._members[int(request.learner_id)] = _Member(
+      # A new session voids the previous registration's: its calls are refused from now on.
+      session = secrets.token_urlsafe(24)
+      self._members[learner_id] = _Member(
         last_seen=self._clock(),
+        session=session,
         host=request.host,
         num_devices=request.num_devices,
         batch_size=request.batch_size,
       )
       fleet_step = self._core.fleet_step()
-    log.info("learner %d registered from %s", request.learner_id, request.host or "?")
+    log.info("learner %d registered from %s", learner_id, door.clip(request.host or "?"))
     cfg = self._cfg
     return syncer_pb2.RegisterResponse(
       learner_id=request.learner_id,
@@ -472,13 +663,43 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       overlap=self._core.config.overlap,
       max_chunk_bytes=cfg.max_chunk_bytes,
       heartbeat_interval_s=cfg.heartbeat_interval_s,
+      session=session,
     )
 
   def Push(self, request_iterator, context):
-    return _serve(context, self._push, request_iterator)
+    return _serve(context, self._admitted_push, (request_iterator, _session(context)))
 
-  def _push(self, request_iterator):
-    it = iter(request_iterator)
+  def _admitted_push(self, args):
+    """A push within the stream bounds, read with the idle and total deadlines (syncer/door.py)."""
+    request_iterator, session = args
+    cfg = self._cfg
+    stream = door.PacedStream(
+      request_iterator, idle_s=cfg.stream_idle_s, total_s=cfg.stream_deadline_s
+    )
+    try:
+      ticket = self._admit(on_evict=stream.interrupt)
+    except Refusal:
+      stream.close()
+      raise
+    try:
+      return self._push(stream, session, ticket)
+    except door.StreamTimeout as e:
+      if str(e) == "evicted":
+        raise self._refuse(
+          grpc.StatusCode.RESOURCE_EXHAUSTED,
+          f"No first push chunk yet while {cfg.max_unclaimed_streams} pushes waited for theirs: "
+          "this one, the oldest, was cut to make room.",
+        ) from None
+      if str(e) == "idle":
+        message = f"No push chunk for {cfg.stream_idle_s} s: the stream was cut."
+      else:
+        message = f"Push stream open for more than {cfg.stream_deadline_s} s: it was cut."
+      raise self._refuse(grpc.StatusCode.DEADLINE_EXCEEDED, message) from None
+    finally:
+      stream.close()
+      ticket.close()
+
+  def _push(self, it: Iterator, session: str, ticket: door.StreamTicket):
     first = next(it, None)
     if first is not None:
       first = self._push_frame(first)
@@ -487,8 +708,12 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         grpc.StatusCode.INVALID_ARGUMENT, "A push must start with chunk 0 carrying the header."
       )
     h = first.header
+    fault = door.text_fault(h)
+    if fault is not None:
+      raise self._refuse(grpc.StatusCode.INVALID_ARGUMENT, f"Push header: {fault}")
     with self._cond:
-      self._member(int(h.learner_id))
+      self._member(int(h.learner_id), session)
+    self._claim(ticket, int(h.learner_id))
     self._check_fragment(h.fragment)
     p = int(h.fragment)
     if h.codec not in (self._cfg.uplink_codec, "fp32"):
@@ -573,7 +798,8 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       raise self._refuse(code, f"Push of fragment {p} refused: {e}") from e
     with self._cond:
       self._bytes_up += nbytes
-      self._member(report.learner_id)  # It may have been declared dead while streaming.
+      # It may have been declared dead, or registered again, while streaming.
+      self._member(report.learner_id, session)
       result = self._core.report(report, copy=False)  # Freshly decoded, ours alone.
       self._cond.notify_all()
     return self._push_response(result)
@@ -601,17 +827,26 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       return self._core.values_at(p, version)  # KeyError -> WireError in messages.
 
   def Pull(self, request, context):
+    ticket = None
     try:
-      yield from self._pull(request)
+      ticket = self._admit(int(request.learner_id))  # Named at once: never "unclaimed".
+      context.add_callback(ticket.close)  # Also freed if gRPC drops the generator unfinished.
+      chunks = self._pull(request, _session(context))
+      # A client that stops reading blocks a send: the watchdog cuts it after stream_idle_s.
+      yield from self._watchdog.watched(context, chunks)
     except Refusal as r:
       context.abort(r.code, r.message)
+    finally:
+      if ticket is not None:
+        ticket.close()
 
-  def _pull(self, request) -> Iterator[bytes]:
+  def _pull(self, request, session: str) -> Iterator[bytes]:
     """The serialized FragmentChunk messages of p's newest version (sent without a serializer)."""
+    deadline = time.monotonic() + self._cfg.stream_deadline_s
     self._check_fragment(request.fragment)
     p, known = int(request.fragment), int(request.known_version)
     with self._cond:
-      self._member(int(request.learner_id))
+      self._member(int(request.learner_id), session)
       state = self._served_state(p)
       cached = self._adopter.delta_chunks(p, state.version) if self._adopter else None
     if known > state.version:
@@ -627,6 +862,11 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       chunks = messages.state_messages(state, "fp32", chunk_size=self._cfg.max_chunk_bytes)
     sent = 0
     for c in chunks:
+      if time.monotonic() > deadline:
+        raise self._refuse(
+          grpc.StatusCode.DEADLINE_EXCEEDED,
+          f"Pull stream open for more than {self._cfg.stream_deadline_s} s: it was cut.",
+        )
       sent += len(c)
       yield c
     with self._cond:
@@ -635,16 +875,19 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         self._core.mark_delivered(int(request.learner_id), p, state.version)
 
   def Heartbeat(self, request, context):
-    return _serve(context, self._heartbeat, request)
+    return _serve(context, self._heartbeat, (request, _session(context)))
 
-  def _heartbeat(self, request):
+  def _heartbeat(self, args):
+    request, session = args
     with self._cond:
       member = self._members.get(int(request.learner_id))
       registered = member is not None and int(request.learner_id) in self._core.alive()
-      bad = counter_error(step=int(request.step)) or step_time_error(float(request.step_time_s))
-      if registered and bad is not None:
-        raise self._refuse(grpc.StatusCode.INVALID_ARGUMENT, f"Heartbeat refused: {bad}.")
       if registered:
+        # Only the registration's holder keeps a learner alive: not any token holder.
+        self._check_session(int(request.learner_id), member, session)
+        bad = counter_error(step=int(request.step)) or step_time_error(float(request.step_time_s))
+        if bad is not None:
+          raise self._refuse(grpc.StatusCode.INVALID_ARGUMENT, f"Heartbeat refused: {bad}.")
         member.last_seen = self._clock()
         member.step = int(request.step)
         # The learner's step on the fleet's schedule: the syncer's step clock runs at these rates.
@@ -660,14 +903,18 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       )
 
   def Leave(self, request, context):
-    return _serve(context, self._leave, request)
+    return _serve(context, self._leave, (request, _session(context)))
 
-  def _leave(self, request):
+  def _leave(self, args):
+    request, session = args
     with self._cond:
-      known = int(request.learner_id) in self._members
+      member = self._members.get(int(request.learner_id))
+      known = member is not None
       if known:
+        self._check_session(int(request.learner_id), member, session)
         self._core.leave(int(request.learner_id))
         self._unsubscribe(int(request.learner_id))
+        member.left_at = self._clock()
         self._cond.notify_all()
     log.info("learner %d left", request.learner_id)
     return syncer_pb2.LeaveResponse(was_registered=known)
@@ -677,7 +924,13 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     learner_id = int(request.learner_id)
     try:
       with self._cond:
-        self._member(learner_id)
+        self._member(learner_id, _session(context))
+        limit = self._cfg.max_rounds_streams
+        if learner_id not in self._subscribers and len(self._subscribers) >= limit:
+          raise self._refuse(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{limit} Rounds streams are open, one per learner; no room for learner {learner_id}.",
+          )
         self._unsubscribe(learner_id)  # A new subscription replaces the old one.
         sub = _Subscription()
         self._subscribers[learner_id] = sub
@@ -686,15 +939,8 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     except Refusal as r:
       context.abort(r.code, r.message)
     try:
-      yield from initial
-      while context.is_active():
-        try:
-          event = sub.events.get(timeout=0.5)
-        except queue.Empty:
-          continue
-        if event is None:
-          return
-        yield event
+      # A client that stops reading blocks a send: the watchdog cuts it after stream_idle_s.
+      yield from self._watchdog.watched(context, _events(initial, sub, context))
     finally:
       with self._cond:
         if self._subscribers.get(learner_id) is sub:
@@ -722,11 +968,32 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       )
 
 
+def _events(initial, sub: _Subscription, context) -> Iterator[syncer_pb2.SyncerEvent]:
+  """A Rounds stream's events: `initial`, then the subscription's until it closes."""
+  yield from initial
+  while context.is_active():
+    try:
+      event = sub.events.get(timeout=0.5)
+    except queue.Empty:
+      continue
+    if event is None:
+      return
+    yield event
+
+
 def _serve(context, fn, request):
   try:
     return fn(request)
   except Refusal as r:
     context.abort(r.code, r.message)
+
+
+def _session(context) -> str:
+  """The learner session a call carries (`auth.SESSION_METADATA_KEY`), or ""."""
+  for key, value in context.invocation_metadata() or ():
+    if key == auth.SESSION_METADATA_KEY and isinstance(value, str):
+      return value
+  return ""
 
 
 class DownlinkAdopter:
@@ -852,20 +1119,63 @@ def _add_servicer(service: SyncerService, server: grpc.Server) -> None:
   Pull sends chunks made serialized (`messages.state_messages`) or cached serialized (the
   downlink deltas every learner pulls), so protobuf neither builds nor serializes them per pull.
   The bytes on the wire are the same; clients need not change.
+
+  Every unary request is decoded by `door.parse_request`, which never raises: bytes that do not
+  decode, or text over its bound, reach the method as `door.Garbled` and are refused with a counted
+  INVALID_ARGUMENT (a raising deserializer would make gRPC answer an uncounted INTERNAL).
   """
   collected = _Handlers()
   syncer_pb2_grpc.add_SyncerServicer_to_server(service, collected)
   handlers = collected.handlers
-  push, pull = handlers["Push"], handlers["Pull"]
+  push = handlers["Push"]
   handlers["Push"] = grpc.stream_unary_rpc_method_handler(
     push.stream_unary, request_deserializer=None, response_serializer=push.response_serializer
   )
-  handlers["Pull"] = grpc.unary_stream_rpc_method_handler(
-    pull.unary_stream, request_deserializer=pull.request_deserializer, response_serializer=None
-  )
+  methods = syncer_pb2.DESCRIPTOR.services_by_name["Syncer"].methods_by_name
+  for name, handler in list(handlers.items()):
+    if handler.request_streaming:
+      continue
+    parse = door.parse_request(getattr(syncer_pb2, methods[name].input_type.name))
+    if handler.response_streaming:
+      handlers[name] = grpc.unary_stream_rpc_method_handler(
+        _refusing_garbled_stream(service, handler.unary_stream),
+        request_deserializer=parse,
+        # Pull sends serialized chunks as they are.
+        response_serializer=None if name == "Pull" else handler.response_serializer,
+      )
+    else:
+      handlers[name] = grpc.unary_unary_rpc_method_handler(
+        _refusing_garbled(service, handler.unary_unary),
+        request_deserializer=parse,
+        response_serializer=handler.response_serializer,
+      )
   name = collected.service_name
   server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(name, handlers)])
   server.add_registered_method_handlers(name, handlers)
+
+
+def _refusing_garbled(service: SyncerService, behavior):
+  """A unary method that refuses a `door.Garbled` request before `behavior` sees it."""
+
+  def method(request, context):
+    if isinstance(request, door.Garbled):
+      r = service.refuse_garbled(request)
+      context.abort(r.code, r.message)
+    return behavior(request, context)
+
+  return method
+
+
+def _refusing_garbled_stream(service: SyncerService, behavior):
+  """`_refusing_garbled` for a server-streaming method."""
+
+  def method(request, context):
+    if isinstance(request, door.Garbled):
+      r = service.refuse_garbled(request)
+      context.abort(r.code, r.message)
+    yield from behavior(request, context)
+
+  return method
 
 
 def serve(
@@ -874,6 +1184,7 @@ def serve(
   address: str = "127.0.0.1:0",
   token: str | None = None,
   tls: tuple[str, str] | None = None,
+  insecure: bool = False,
 ) -> SyncerServer:
   """Starts a gRPC server for `service` (and the standard health service) and its merge thread.
 
@@ -882,29 +1193,55 @@ def serve(
     address: host:port; port 0 picks a free one. Loopback unless told otherwise.
     token: shared token required on every call but health checks (None: no authentication).
     tls: (cert_file, key_file) for TLS, or None for plain TCP.
+    insecure: serve a non-loopback address without a token (logged as a warning); without it
+      that is refused, since any host that reaches the port could push into the global model.
 
   Returns:
     The running server, with the bound port.
 
   Raises:
-    RuntimeError: if the address cannot be bound.
+    InsecureServeError: a non-loopback address without a token or `insecure`.
+    BindError: if the address cannot be bound (its port is in use: never shared).
   """
+  if not token and not door.is_loopback(address):
+    if not insecure:
+      raise InsecureServeError(
+        f"Refusing to serve {address} without a shared token: any host that reaches it could "
+        "register and push. Give a token (--auth_token_file or DDILOCO_TOKEN), bind to "
+        "loopback, or pass insecure=True (--insecure)."
+      )
+    log.warning(
+      "serving %s WITHOUT authentication (insecure): anyone who reaches it can push.", address
+    )
+  _, port = door.split_address(address)
+  if door.port_in_use(address):  # Checked first: gRPC's own failure is a vague multi-line log.
+    raise BindError(f"port {port} is in use: cannot serve the syncer on {address}.")
   interceptors = [auth.TokenInterceptor(token, service.count_refusal)] if token else []
   cfg = service.config
   server = grpc.server(
-    futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="syncer-rpc"),
+    futures.ThreadPoolExecutor(max_workers=cfg.server_threads, thread_name_prefix="syncer-rpc"),
     interceptors=interceptors,
-    options=cfg.channel_options(),
+    options=[
+      *cfg.channel_options(),
+      # Never share the port: two syncers on one port would split the fleet between two models.
+      ("grpc.so_reuseport", 0),
+      ("grpc.max_metadata_size", _MAX_METADATA_BYTES),
+    ],
+    maximum_concurrent_rpcs=cfg.server_threads + cfg.max_pending_calls,
   )
   _add_servicer(service, server)
   health_servicer = health.HealthServicer()
   health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-  if tls is None:
-    port = server.add_insecure_port(address)
-  else:
-    port = server.add_secure_port(address, auth.server_credentials(*tls))
-  if port == 0:
-    raise RuntimeError(f"Could not bind the syncer to {address}.")
+  try:
+    if tls is None:
+      bound = server.add_insecure_port(address)
+    else:
+      bound = server.add_secure_port(address, auth.server_credentials(*tls))
+  except RuntimeError as e:  # Newer gRPC raises where older returned 0.
+    raise BindError(f"Could not bind the syncer to {address} (port in use?): {e}") from None
+  if bound == 0:
+    raise BindError(f"Could not bind the syncer to {address} (port in use?).")
+  port = bound
   service.start()
   server.start()
   for name in ("", SERVICE_NAME):

@@ -15,6 +15,9 @@ import grpc
 
 TOKEN_ENV = "DDILOCO_TOKEN"
 AUTH_METADATA_KEY = "authorization"
+# A learner's session credential, issued by Register (RegisterResponse.session) and sent on every
+# later call for that learner id: the shared token admits a caller, the session binds it to one id.
+SESSION_METADATA_KEY = "ddiloco-session"
 # Health checks stay open so that load balancers and launchers can probe without the secret.
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 
@@ -39,6 +42,11 @@ def read_token(token_file: str | None = None, *, env: str = TOKEN_ENV) -> str | 
 def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
   """Call metadata carrying the token (empty without one)."""
   return ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
+
+
+def session_metadata(session: str | None) -> tuple[tuple[str, str], ...]:
+  """Call metadata carrying a learner's session (empty without one)."""
+  return ((SESSION_METADATA_KEY, session),) if session else ()
 
 
 def _aborting_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str):

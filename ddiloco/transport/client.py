@@ -4,6 +4,10 @@ Every call has a deadline; the channel reconnects with gRPC's exponential backof
 ABORTED (late) or ALREADY_EXISTS (duplicate) are protocol outcomes, returned as a `ReportResult`;
 every other failure raises `grpc.RpcError` for the caller to retry or re-register (learner/worker.py).
 
+The client keeps the session each Register returns, per learner id, and sends it on that learner's
+Push, Pull, Heartbeat, Leave and Rounds calls (`auth.SESSION_METADATA_KEY`); a call refused
+PERMISSION_DENIED (another registration of the id voided it) is fixed by registering again.
+
 Push and Pull carry their chunks as serialized messages (issue 3, the wire benchmark): a push's
 messages are made while the stream is sent (`messages.push_messages`, one copy per payload byte,
 no protobuf object), and a pull's are parsed by hand and decoded as they arrive
@@ -82,6 +86,7 @@ class SyncerClient:
       response_deserializer=None,
     )
     self._md = auth.token_metadata(token)
+    self._sessions: dict[int, str] = {}  # learner id -> session of its newest registration.
     self.address = address
     self.deadline_s = deadline_s
     self.transfer_deadline_s = transfer_deadline_s
@@ -98,6 +103,12 @@ class SyncerClient:
     """Blocks until the channel is connected; raises grpc.FutureTimeoutError after `timeout_s`."""
     grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
 
+  def learner_metadata(self, learner_id: int) -> tuple[tuple[str, str], ...]:
+    """Call metadata for `learner_id`'s calls: the shared token and its session, if registered."""
+    with self._lock:
+      session = self._sessions.get(learner_id)
+    return self._md + auth.session_metadata(session)
+
   def register(
     self,
     learner_id: int,
@@ -108,7 +119,8 @@ class SyncerClient:
     batch_size: int = 0,
     host: str = "",
   ) -> syncer_pb2.RegisterResponse:
-    return self._stub.Register(
+    """Registers `learner_id` and keeps the session the syncer issues for its later calls."""
+    resp = self._stub.Register(
       syncer_pb2.RegisterRequest(
         learner_id=learner_id,
         layout_digest=layout_digest,
@@ -120,6 +132,9 @@ class SyncerClient:
       timeout=self.deadline_s,
       metadata=self._md,
     )
+    with self._lock:
+      self._sessions[learner_id] = resp.session
+    return resp
 
   def push(
     self,
@@ -158,7 +173,11 @@ class SyncerClient:
         failed.append(e)
 
     try:
-      resp = self._push_raw(stream(), timeout=self.transfer_deadline_s, metadata=self._md)
+      resp = self._push_raw(
+        stream(),
+        timeout=self.transfer_deadline_s,
+        metadata=self.learner_metadata(report.learner_id),
+      )
     except grpc.RpcError as e:
       if failed:
         raise failed[0] from e
@@ -194,7 +213,7 @@ class SyncerClient:
     stream = self._pull_raw(
       syncer_pb2.PullRequest(learner_id=learner_id, fragment=fragment, known_version=known_version),
       timeout=self.transfer_deadline_s,
-      metadata=self._md,
+      metadata=self.learner_metadata(learner_id),
     )
     first = next(stream, None)
     if first is None:
@@ -226,7 +245,7 @@ class SyncerClient:
     return self._stub.Heartbeat(
       syncer_pb2.HeartbeatRequest(learner_id=learner_id, step=step, step_time_s=step_time_s),
       timeout=self.deadline_s,
-      metadata=self._md,
+      metadata=self.learner_metadata(learner_id),
     )
 
   def rounds(self, learner_id: int) -> "RoundStream":
@@ -238,13 +257,15 @@ class SyncerClient:
     call = self._stub.Rounds(
       syncer_pb2.RoundsRequest(learner_id=learner_id),
       timeout=self.subscription_s,
-      metadata=self._md,
+      metadata=self.learner_metadata(learner_id),
     )
     return RoundStream(call)
 
   def leave(self, learner_id: int) -> bool:
     resp = self._stub.Leave(
-      syncer_pb2.LeaveRequest(learner_id=learner_id), timeout=self.deadline_s, metadata=self._md
+      syncer_pb2.LeaveRequest(learner_id=learner_id),
+      timeout=self.deadline_s,
+      metadata=self.learner_metadata(learner_id),
     )
     return resp.was_registered
 

@@ -236,13 +236,17 @@ def _raw_chunks(data: bytes, *, fragment: int, codec: str, chunk_size: int = 1 <
   return out + [syncer_pb2.PushChunk(index=i, data=d) for i, d in enumerate(pieces[1:], start=1)]
 
 
-def _push(env: _Env, chunks, metadata=AUTH) -> syncer_pb2.PushResponse:
+def _push(env: _Env, chunks, metadata=None) -> syncer_pb2.PushResponse:
+  """A raw push with the token and learner 0's session (unless `metadata` says otherwise)."""
+  metadata = env.client.learner_metadata(0) if metadata is None else metadata
   return env.stub.Push(iter(chunks), timeout=RPC_TIMEOUT_S, metadata=metadata)
 
 
 def _pull_raw(env: _Env, fragment: int, known: int) -> list[syncer_pb2.FragmentChunk]:
   request = syncer_pb2.PullRequest(learner_id=0, fragment=fragment, known_version=known)
-  return list(env.stub.Pull(request, timeout=RPC_TIMEOUT_S, metadata=AUTH))
+  return list(
+    env.stub.Pull(request, timeout=RPC_TIMEOUT_S, metadata=env.client.learner_metadata(0))
+  )
 
 
 # -- the four checks ----------------------------------------------------------------------------

@@ -89,7 +89,7 @@ def test_generated_stub_still_pushes_protobuf_messages(env):
   )
   with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
     stub = syncer_pb2_grpc.SyncerStub(channel)
-    resp = stub.Push(iter(chunks), timeout=10, metadata=(("authorization", f"Bearer {TOKEN}"),))
+    resp = stub.Push(iter(chunks), timeout=10, metadata=client.learner_metadata(0))
   assert isinstance(resp, syncer_pb2.PushResponse) and resp.status == "accepted"
   assert svc.status().counters["accepted"] == 1
 
@@ -146,6 +146,7 @@ def test_rounds_stream_yields_round_requests_and_versions_until_cancelled(env):
   # A subscription ends at its deadline: the learner subscribes again (and misses nothing).
   short = SyncerClient(f"127.0.0.1:{srv.port}", token=TOKEN, subscription_s=0.5)
   try:
+    short.register(0, layout_digest="D", num_fragments=1)  # Its own session for learner 0.
     events = iter(short.rounds(0))
     assert [next(events), next(events)] == [RoundRequest(0, ROUND, 0), (0, 0)]
     with pytest.raises(grpc.RpcError) as info:
