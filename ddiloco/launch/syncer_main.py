@@ -62,26 +62,19 @@ def main(argv: list[str]) -> None:
   from ddiloco.syncer import service as service_lib
   from ddiloco.transport import auth
 
-<<<<<<< HEAD
+  address = f"{_HOST.value}:{_PORT.value}"
+  if ":" in _HOST.value and not _HOST.value.startswith("["):
+    address = f"[{_HOST.value}]:{_PORT.value}"  # An IPv6 literal.
   try:
     run = runtime.SyncerRun(job, workdir=workdir)
   except RestoreError as e:
     raise SystemExit(f"ddiloco-syncer: cannot restart: {e}") from None
-  server = run.serve(
-    f"{_HOST.value}:{_PORT.value}", token=auth.read_token(_TOKEN_FILE.value), tls=tls
-  )
-=======
-  address = f"{_HOST.value}:{_PORT.value}"
-  if ":" in _HOST.value and not _HOST.value.startswith("["):
-    address = f"[{_HOST.value}]:{_PORT.value}"  # An IPv6 literal.
-  run = runtime.SyncerRun(job, workdir=workdir)
   try:
     server = run.serve(
       address, token=auth.read_token(_TOKEN_FILE.value), tls=tls, insecure=_INSECURE.value
     )
   except (service_lib.BindError, service_lib.InsecureServeError) as e:
     sys.exit(f"ddiloco-syncer: {e}")  # One line, no traceback: the operator's mistake.
->>>>>>> hard-door
   logging.info("syncer serving on %s:%d", _HOST.value, server.port)
   if _PORT_FILE.value:
     tmp = f"{_PORT_FILE.value}.tmp"
