@@ -52,6 +52,8 @@ OBSERVED_KINDS = (
   "final_digests",
   "ledger",
   "eval",
+  "syncer_restore",  # A restarted syncer's restore: the merges its checkpoint lacked.
+  "syncer_recovery",  # A lost version handed back by a learner, or republished without.
 )
 TAPE_KINDS = INJECTED_KINDS + OBSERVED_KINDS
 

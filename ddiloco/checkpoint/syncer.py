@@ -86,17 +86,23 @@ class SyncerCheckpointConfig:
     every_s: seconds between checkpoints (only when something merged since the last one). The
       recovery point: at most the merges of the last `every_s` seconds are lost to a kill.
     max_to_keep: checkpoints kept on disk (older ones are deleted after a newer one is complete).
+    recovery_window_s: after a restart that lost merges (the journal is ahead of the checkpoint),
+      how long the syncer waits for a learner to hand back the newest versions before it
+      republishes the restored values past them; 0 republishes at once.
     subdir: folder under the syncer's workdir.
   """
 
   enabled: bool = True
   every_s: float = 5.0
   max_to_keep: int = 2
+  recovery_window_s: float = 20.0
   subdir: str = "checkpoints"
 
   def __post_init__(self):
     if not self.every_s > 0:
       raise ValueError(f"every_s must be > 0, got {self.every_s}.")
+    if not 0 <= self.recovery_window_s < float("inf"):
+      raise ValueError(f"recovery_window_s must be finite and >= 0, got {self.recovery_window_s}.")
     if self.max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1, got {self.max_to_keep}.")
     if not self.subdir or os.path.isabs(self.subdir) or ".." in self.subdir.split(os.sep):
@@ -240,6 +246,10 @@ class RestoreInfo:
       published before the kill that it lacks (the recovery point).
     unusable_steps: newer checkpoints that could not be used (unreadable, or contradicting the
       journal's digests), newest first; they were moved to `unusable/`.
+    to_recover: with `defer=True`, {fragment: (journal version, its digest, restored version,
+      merges lost unless it is taken back)} for fragments left at their restored version, to be
+      taken back from a learner that still holds the journal version
+      (`SyncerService.begin_recovery`), or republished if none does.
   """
 
   step: int
@@ -247,6 +257,7 @@ class RestoreInfo:
   republished: dict[int, tuple[int, int, int]]
   lost_merges: int
   unusable_steps: tuple[int, ...] = ()
+  to_recover: dict[int, tuple[int, str, int, int]] = dataclasses.field(default_factory=dict)
 
 
 class RestoreError(ValueError):
@@ -254,7 +265,7 @@ class RestoreError(ValueError):
 
 
 def restore_core(
-  core: SyncerCore, checkpointer: SyncerCheckpointer, journal_path: str
+  core: SyncerCore, checkpointer: SyncerCheckpointer, journal_path: str, *, defer: bool = False
 ) -> RestoreInfo | None:
   """Loads the newest intact checkpoint into `core` and moves its versions past the journal's.
 
@@ -266,6 +277,11 @@ def restore_core(
   journaled (durably) before anything is served. Every learner is marked not alive: they all
   re-register (their heartbeats say so), which resets what was delivered to them, so their next
   reports of a fragment weigh 0 until they have its restored version (SPEC §3).
+
+  With `defer`, a fragment whose newest journaled version has other values than the restored ones
+  (a merge the kill lost) is not republished but left at its restored version and listed in
+  `to_recover`: the service first asks the learners for that version (they hold bit-identical
+  copies, checked against the journal's digest), and republishes only if none has it.
 
   Returns:
     What was restored, or None on a fresh start: no usable checkpoint and an empty journal.
@@ -299,6 +315,7 @@ def restore_core(
   for learner_id in core.alive():
     core.leave(learner_id)
   republished = {}
+  to_recover = {}
   lost = 0
   fresh = {}
   for p, records in sorted(journal.items()):
@@ -307,10 +324,14 @@ def restore_core(
       # The newest journaled version may hold the restored values already (a restart that
       # republished them and merged nothing since): it is taken as it is, not published again.
       digest = core.state(p).digest
+      lost_p = sum(1 for v, d in records.items() if v > current and d != digest)
+      lost += lost_p
+      if defer and records[newest] is not None and records[newest] != digest:
+        to_recover[p] = (newest, records[newest], current, lost_p)
+        continue
       new = newest if records[newest] == digest else newest + 1
       core.republish(p, new)
       republished[p] = (current, newest, new)
-      lost += sum(1 for v, d in records.items() if v > current and d != digest)
       if new > newest:
         fresh[p] = current
   if fresh:
@@ -327,6 +348,7 @@ def restore_core(
     republished=republished,
     lost_merges=lost,
     unusable_steps=tuple(unusable),
+    to_recover=to_recover,
   )
 
 

@@ -123,6 +123,21 @@ class ChaosRun:
         )
       elif kind == "eval":
         tape.record("eval", t=self._t(ev["time"]), loss=ev["loss"], merges=ev["merges"])
+      elif kind == "restore":  # A restarted syncer: what its checkpoint lacked.
+        tape.record(
+          "syncer_restore",
+          t=self._t(ev["time"]),
+          lost_merges=ev["lost_merges"],
+          to_recover=ev.get("to_recover", {}),
+        )
+      elif kind == "recovery":  # A lost version handed back by a learner, or republished.
+        tape.record(
+          "syncer_recovery",
+          t=self._t(ev["time"]),
+          fragment=ev["fragment"],
+          version=ev["version"],
+          how=ev["how"],
+        )
     for i, child in self.cluster.learners.items():
       if i in self._done or i in self._killed:
         continue
@@ -372,6 +387,7 @@ class ChaosRun:
       "goodput": useful / provisioned if provisioned > 0 else 0.0,
       "merged_fraction": merged / trained if trained else 0.0,
       "learners": learners,
+      "merges_lost_at_restarts": merges_lost_at_restarts(tape),
       "learner_kills": count(tape, "kill_learner"),
       "syncer_kills": count(tape, "kill_syncer"),
       "pauses": count(tape, "pause_learner"),
@@ -381,6 +397,29 @@ class ChaosRun:
 
 
 _SYNCER_BOOK = ("received", "merged", "dropped", "pending")
+
+
+def merges_lost_at_restarts(tape: Sequence[dict]) -> list[int]:
+  """Per syncer restart, the merges it lost: those its checkpoint lacked, less the ones the
+  learners handed back (a fragment not handed back by the run's end counts as lost)."""
+  out: list[int] = []
+  recovered: set[str] = set()
+  restore = None
+  for r in sorted(tape, key=lambda r: r["t"]):
+    if r["kind"] == "syncer_restore":
+      if restore is not None:
+        out.append(_lost(restore, recovered))
+      restore, recovered = r, set()
+    elif r["kind"] == "syncer_recovery" and r["how"] == "recovered":
+      recovered.add(str(r["fragment"]))
+  if restore is not None:
+    out.append(_lost(restore, recovered))
+  return out
+
+
+def _lost(restore: dict, recovered: set[str]) -> int:
+  back = sum(v[3] for p, v in restore["to_recover"].items() if p in recovered and len(v) > 3)
+  return int(restore["lost_merges"]) - back
 
 
 def count(tape: Sequence[dict], kind: str) -> int:

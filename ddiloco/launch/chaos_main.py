@@ -89,7 +89,7 @@ def main(argv: list[str]) -> None:
     "goodput",
     "merged_fraction",
   )
-  keys += ("learner_kills", "syncer_kills", "pauses", "net_events")
+  keys += ("learner_kills", "syncer_kills", "merges_lost_at_restarts", "pauses", "net_events")
   print("summary:", {k: summary[k] for k in keys})
   print("per learner:", summary["learners"])
   path = os.path.join(workdir, "chaos_summary.json")

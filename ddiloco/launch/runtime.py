@@ -65,6 +65,7 @@ class SyncerRun:
       embedding_keys=self.factory.embedding_keys(),
       on_merge=self._on_merge,
       record=self._record,
+      on_recovery=self._on_recovery,
     )
     self.server: service_lib.SyncerServer | None = None
     self.merge_times: list[list] = []  # [wall time, fragment, version, contributors]
@@ -92,8 +93,15 @@ class SyncerRun:
     )
     journal_path = os.path.join(self.workdir, ckpt_lib.JOURNAL_NAME)
     with self.service.lock:
-      self.restored = ckpt_lib.restore_core(self.service.core, self._checkpointer, journal_path)
+      self.restored = ckpt_lib.restore_core(
+        self.service.core, self._checkpointer, journal_path, defer=cfg.recovery_window_s > 0
+      )
       self.service.refresh_published()
+    if self.restored is not None and self.restored.to_recover:
+      # Versions the kill lost: the learners hold them, digest-checked against the journal.
+      self.service.begin_recovery(
+        {p: (v, d) for p, (v, d, _, _) in self.restored.to_recover.items()}, cfg.recovery_window_s
+      )
     if self.restored is not None:
       info = self.restored
       self._saved_step = info.step
@@ -105,6 +113,7 @@ class SyncerRun:
         republished={str(p): list(v) for p, v in info.republished.items()},
         lost_merges=info.lost_merges,
         unusable_steps=list(info.unusable_steps),
+        to_recover={str(p): list(v) for p, v in info.to_recover.items()},
       )
       log.info(
         "syncer restored from %s: %d fragments republished, %d merges lost",
@@ -134,6 +143,18 @@ class SyncerRun:
     """Journals a merge (written and fsync'd); the service serves it only after this returns."""
     if self._journal is not None:
       self._journal.append(ev)
+
+  def _on_recovery(self, fragment: int, version: int, how: str) -> None:
+    """A fragment a restart lost was handed back by a learner, or republished without."""
+    lost = self.restored.to_recover.get(fragment) if self.restored is not None else None
+    self.writer.event(
+      "recovery",
+      time=round(time.time(), 4),
+      fragment=fragment,
+      version=version,
+      how=how,
+      lost_merges=0 if how == "recovered" or lost is None else lost[3],
+    )
 
   def _on_merge(self, ev: MergeEvent) -> None:
     self.merge_times.append([round(time.time(), 4), ev.fragment, ev.version, len(ev.contributors)])
@@ -227,6 +248,8 @@ class SyncerRun:
       "wall_time_s": time.time() - self._t0,
       "checkpoints_saved": self.checkpoints_saved,
       "restored": None if self.restored is None else dataclasses.asdict(self.restored),
+      # Fragments a restart lost: handed back by learners, or republished from the checkpoint.
+      "recovery": svc.recovery(),
       # Why the service stopped merging (a merge could not be journaled), or None.
       "halted": svc.halted(),
       # This syncer's book since its checkpoint (learner/ledger.py): received = merged + dropped +

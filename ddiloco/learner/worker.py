@@ -203,6 +203,7 @@ class LearnerWorker:
     self.blocked_s = 0.0  # Time waiting for merges (`blocking` only).
     self._waits = 0  # Iterations of `_wait_for_merges` (a multi-process learner shares at each).
     self.registrations = 0
+    self.recoveries = 0  # Fragments handed back to a restarted syncer that had lost them.
     self.unreachable_s = 0.0
     self.losses: list[tuple[int, float, float]] = []  # (step, time, loss)
     self.zero_weight_pushes = 0  # Accepted with weight 0 (SPEC §3: not received since registering).
@@ -314,6 +315,13 @@ class LearnerWorker:
     Returns:
       The RegisterResponse (versions, cadence, codecs).
     """
+    with self._lock:
+      held = {}
+      for p, versions in enumerate(self._held):
+        if versions:
+          v = max(versions)
+          if (p, v) in self._digests:
+            held[p] = (v, self._digests[(p, v)])
     resp = self._client.register(
       self.id,
       layout_digest=self._digest,
@@ -321,7 +329,17 @@ class LearnerWorker:
       num_devices=len(self.learner.steps.mesh.devices.flat),
       batch_size=self._batch_size,
       host=socket.gethostname(),
+      held=held,
     )
+    for p in resp.recover:  # A restarted syncer lost these versions: hand them back.
+      if p in held:
+        version = held[p][0]
+        with self._lock:
+          values = self._held[p].get(version)
+        if values is not None:
+          answer = self._client.recover(self.id, p, version, values)
+          self.recoveries += int(answer.adopted)
+          self._event("recover", fragment=p, version=version, adopted=answer.adopted)
     self.codec, self.block_size = resp.uplink_codec, resp.block_size
     self.heartbeat_interval_s = resp.heartbeat_interval_s
     if resp.overlap != self.learner.schedule.overlap:
@@ -791,6 +809,7 @@ class LearnerWorker:
       "applies": [list(a) for a in self.applies],
       "digest_mismatches": self.digest_mismatches,
       "registrations": self.registrations,
+      "recoveries": self.recoveries,
       "rounds_asked": self.rounds_asked,
       "answer_latency_s": self.answer_latency(),
       "blocked_s": self.blocked_s,

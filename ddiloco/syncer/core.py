@@ -241,6 +241,7 @@ class SyncerCore(CheckpointMixin):
     self._recent_rounds = [collections.deque(maxlen=_RECENT_ROUNDS) for _ in range(num)]
     self._rounds_known_after = [-1] * num
     self._next_round_step: int | None = None  # First clock step `tick` has not yet processed.
+    self._frozen: set[int] = set()  # Fragments `tick` opens no round for (`freeze`).
     self._learners: dict[int, LearnerRecord] = {}
     self._counters = dict.fromkeys(COUNTERS, 0)
     self._fleet_step_time: float | None = None  # When the report that set fleet_step arrived.
@@ -367,8 +368,8 @@ class SyncerCore(CheckpointMixin):
       if t < 1:
         continue
       for p in self._schedule.due(t):
-        if t <= self._last_round_step[p]:
-          continue  # Opened already (`open_round` called directly, or a restored round).
+        if t <= self._last_round_step[p] or p in self._frozen:
+          continue  # Opened already (`open_round` called directly, or a restored round); frozen.
         request = self.open_round(p, t)
         if request is not None:
           opened.append(request)
@@ -937,13 +938,7 @@ class SyncerCore(CheckpointMixin):
       error,
     )
     self._count("failed_merges")
-    for i, e in rnd.entries.items():
-      self._count("dropped_tokens", e.report.tokens)
-      self._count("ledger_dropped", e.report.new_tokens)
-      record = self._learners.get(i)
-      if record is not None:
-        record.ledger["dropped"] = _checked_add(record.ledger["dropped"], e.report.new_tokens)
-    self._rounds[p] = Round()
+    self._drop_round(p)
 
   def republish(self, p: int, version: int) -> None:
     """Publishes Θ_p's current values again as `version` (a restore, docs/resilience.md).
@@ -970,6 +965,76 @@ class SyncerCore(CheckpointMixin):
     # merge again. Answers already in the round were made against these values too.
     if self._rounds[p].step >= 0:
       self._rounds[p].base_version = version
+
+  def freeze(self, p: int) -> None:
+    """Opens no more rounds of p until `unfreeze(p)`; an open round of p is closed, its answers
+    dropped and counted (a restored syncer waiting to take a lost version back from a learner)."""
+    self._check_fragment(p)
+    self._frozen.add(p)
+    if self._rounds[p].step >= 0:
+      self._drop_round(p)
+
+  def unfreeze(self, p: int) -> None:
+    """Lets `tick` open rounds of p again (from its next due step)."""
+    self._check_fragment(p)
+    self._frozen.discard(p)
+
+  def frozen(self) -> frozenset[int]:
+    return frozenset(self._frozen)
+
+  def recover(self, p: int, version: int, values: Mapping[str, np.ndarray], digest: str) -> None:
+    """Takes `values` back as `version` of p: a version this syncer published, then lost in a kill.
+
+    A restored syncer holds p at an older version than it had published (its checkpoint predates
+    the newest merges); a learner still holds the newest, bit-identical, and the merge journal has
+    its digest. If `values` have that digest, they become Θ_p at `version`: no merge is lost. The
+    outer optimizer state stays the checkpoint's (the lost merges' momentum is not recovered). An
+    open round of p is closed without a merge (its base moved).
+
+    Raises:
+      ValueError: if `version` is not newer than p's, the keys, shapes or dtypes differ, a value is
+        not finite, or the values' digest is not `digest`. Nothing changes then.
+    """
+    self._check_fragment(p)
+    if version <= self._version[p]:
+      raise ValueError(f"Fragment {p} is at version {self._version[p]}; {version} is not newer.")
+    expected = self._global[p]
+    if set(values) != set(expected):
+      raise ValueError(f"The keys of the recovered fragment {p} differ from the layout's.")
+    copies = {}
+    for k, ref in expected.items():
+      v = np.asarray(values[k])
+      if v.shape != ref.shape or v.dtype != ref.dtype:
+        raise ValueError(
+          f"{k!r} is {v.dtype}{list(v.shape)}, expected {ref.dtype}{list(ref.shape)}"
+        )
+      if not merge_lib.all_finite(v):
+        raise ValueError(_non_finite(k, v))
+      copies[k] = readonly(np.array(v, copy=True))
+    got = values_digest(copies)
+    if got != digest:
+      raise ValueError(
+        f"The recovered values of fragment {p} have digest {got}, not version {version}'s {digest}."
+      )
+    if self._rounds[p].step >= 0:
+      self._drop_round(p)
+    self._global[p] = copies
+    self._version[p] = version
+    self._digest[p] = digest
+    self._theta_norm[p] = _norm(copies)
+    self._history[p][version] = copies
+    for v in sorted(self._history[p])[: -self._config.keep_versions]:
+      del self._history[p][v]
+
+  def _drop_round(self, p: int) -> None:
+    """Closes p's open round without a merge; its answers' tokens are dropped."""
+    for i, e in self._rounds[p].entries.items():
+      self._count("dropped_tokens", e.report.tokens)
+      self._count("ledger_dropped", e.report.new_tokens)
+      record = self._learners.get(i)
+      if record is not None:
+        record.ledger["dropped"] = _checked_add(record.ledger["dropped"], e.report.new_tokens)
+    self._rounds[p] = Round()
 
   def kept(self, p: int, version: int) -> bool:
     """Whether `version` of fragment p is kept (a delta anchored at it can be decoded)."""

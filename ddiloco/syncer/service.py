@@ -283,6 +283,8 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       (under the lock; keep it short); an OSError from it halts the service too.
     record: makes a merge durable (the merge journal), under the lock, before its version is
       served; an OSError from it halts the service (see the module docstring).
+    on_recovery: called with (fragment, version, "recovered" | "republished") when a version a
+      restart lost was handed back by a learner or republished without (`begin_recovery`).
   """
 
   def __init__(
@@ -295,6 +297,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     clock: Callable[[], float] = time.monotonic,
     on_merge: Callable[[MergeEvent], None] | None = None,
     record: Callable[[MergeEvent], None] | None = None,
+    on_recovery: Callable[[int, int, str], None] | None = None,
   ):
     self._core = core
     self._cfg = config
@@ -303,9 +306,16 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     self._clock = clock
     self._on_merge = on_merge
     self._record = record
+    self._on_recovery = on_recovery
     # What learners may see of each fragment: the core's version once `record` made it durable.
     self._served = [core.version(p) for p in range(core.num_fragments)]
     self._halted: str | None = None
+    # Fragments a restart left behind the versions it had published ({p: (version, digest)}), to be
+    # taken back from a learner holding them until `_recovery_deadline` (`begin_recovery`).
+    self._recovering: dict[int, tuple[int, str]] = {}
+    self._recovery_deadline = 0.0
+    self._recovered: list[int] = []  # Fragments taken back from learners.
+    self._republished: list[int] = []  # Fragments republished when no learner had them.
     self._cond = threading.Condition()
     self._members: dict[int, _Member] = {}
     self._subscribers: dict[int, _Subscription] = {}
@@ -367,6 +377,8 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     with self._cond:
       while not self._stopping:
         try:
+          if self._recovering and self._clock() >= self._recovery_deadline:
+            self._end_recovery()
           if self._halted is None:  # Halted: rounds stay as they are, nothing merges.
             for request in self._core.tick():
               self._broadcast(_round_event(request))
@@ -475,6 +487,84 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     """{(fragment, version): digest} of every version published since start."""
     with self._cond:
       return dict(self._digests)
+
+  def begin_recovery(self, lost: Mapping[int, tuple[int, str]], window_s: float) -> None:
+    """Waits up to `window_s` for learners to hand back versions a restart lost.
+
+    `lost` is {fragment: (version, digest)}: the newest version the journal records, which the
+    restored state lacks. Such a fragment opens no rounds meanwhile (`SyncerCore.freeze`); a learner
+    that registers holding that version with that digest is asked for it (RegisterResponse.recover)
+    and uploads it (Recover), and it becomes the fragment's version again: no merge is lost. A
+    fragment nobody handed back by the deadline is republished from the restored values past the
+    journal's version (versions never go back; the merges since the checkpoint are lost).
+    """
+    with self._cond:
+      for p, (version, digest) in lost.items():
+        self._core.freeze(p)
+        self._recovering[int(p)] = (int(version), str(digest))
+      self._recovery_deadline = self._clock() + max(window_s, 0.0)
+      if self._recovering:
+        log.warning(
+          "syncer restored behind the journal for fragments %s: asking the learners for them "
+          "for %.0f s",
+          sorted(self._recovering),
+          window_s,
+        )
+      self._cond.notify_all()
+
+  def recovery(self) -> dict[str, list[int]]:
+    """Fragments still waiting to be handed back, handed back, and republished without."""
+    with self._cond:
+      return {
+        "waiting": sorted(self._recovering),
+        "recovered": list(self._recovered),
+        "republished": list(self._republished),
+      }
+
+  def _end_recovery(self) -> None:
+    """Republishes every fragment no learner handed back (caller holds the lock)."""
+    for p, (version, _) in sorted(self._recovering.items()):
+      new = version + 1
+      self._core.republish(p, new)
+      state = self._core.state(p)
+      event = MergeEvent(
+        fragment=p,
+        version=new,
+        time=self._clock(),
+        contributors=(),
+        weights=(),
+        tokens=0,
+        open_time=self._clock(),
+        quorum_time=self._clock(),
+        grace_s=0.0,
+        digest=state.digest,
+      )
+      try:
+        if self._record is not None:
+          self._record(event)
+      except OSError as e:
+        self._halted = f"a republished version could not be recorded ({e})"
+        log.error("syncer halted: %s", self._halted)
+        return
+      log.warning(
+        "no learner handed back version %d of fragment %d: republished as %d from the "
+        "restored values",
+        version,
+        p,
+        new,
+      )
+      del self._recovering[p]
+      self._core.unfreeze(p)
+      self._republished.append(p)
+      self._serve_version(p, new, state.digest)
+      if self._on_recovery is not None:
+        self._on_recovery(p, new, "republished")
+
+  def _serve_version(self, p: int, version: int, digest: str) -> None:
+    """Makes a (durable) version of p visible: served, digest recorded, announced."""
+    self._served[p] = version
+    self._digests[(p, version)] = digest
+    self._broadcast(_published_event(p, version))
 
   def refresh_published(self) -> None:
     """Records and serves the core's current versions (after its state was restored)."""
@@ -639,8 +729,21 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
           f"{self._cfg.max_members} learners are registered and alive; no room for learner "
           f"{learner_id}.",
         )
+      if len(request.held) > self._core.num_fragments:
+        raise self._refuse(
+          grpc.StatusCode.INVALID_ARGUMENT,
+          f"{len(request.held)} held fragments; the layout has {self._core.num_fragments}.",
+        )
       self._core.register(learner_id)
       versions = self._versions()
+      # It holds a version a restart lost, with the journal's digest: ask for it back.
+      recover = sorted(
+        {
+          int(h.fragment)
+          for h in request.held
+          if self._recovering.get(int(h.fragment)) == (int(h.version), h.digest)
+        }
+      )
       # A new session voids the previous registration's: its calls are refused from now on.
       session = secrets.token_urlsafe(24)
       self._members[learner_id] = _Member(
@@ -664,14 +767,20 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       max_chunk_bytes=cfg.max_chunk_bytes,
       heartbeat_interval_s=cfg.heartbeat_interval_s,
       session=session,
+      recover=recover,
     )
 
   def Push(self, request_iterator, context):
-    return _serve(context, self._admitted_push, (request_iterator, _session(context)))
+    return _serve(context, self._admitted_push, (request_iterator, _session(context), self._push))
+
+  def Recover(self, request_iterator, context):
+    return _serve(
+      context, self._admitted_push, (request_iterator, _session(context), self._recover)
+    )
 
   def _admitted_push(self, args):
     """A push within the stream bounds, read with the idle and total deadlines (syncer/door.py)."""
-    request_iterator, session = args
+    request_iterator, session, body = args
     cfg = self._cfg
     stream = door.PacedStream(
       request_iterator, idle_s=cfg.stream_idle_s, total_s=cfg.stream_deadline_s
@@ -682,7 +791,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       stream.close()
       raise
     try:
-      return self._push(stream, session, ticket)
+      return body(stream, session, ticket)
     except door.StreamTimeout as e:
       if str(e) == "evicted":
         raise self._refuse(
@@ -698,6 +807,76 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     finally:
       stream.close()
       ticket.close()
+
+  def _recover(self, it: Iterator, session: str, ticket: door.StreamTicket):
+    """A learner hands back a version a restart lost (`begin_recovery`)."""
+    first = next(it, None)
+    if first is not None:
+      first = self._push_frame(first)
+    if first is None or first.index != 0 or first.header is None:
+      raise self._refuse(
+        grpc.StatusCode.INVALID_ARGUMENT, "A recovery must start with chunk 0 carrying the header."
+      )
+    h = first.header
+    fault = door.text_fault(h)
+    if fault is not None:
+      raise self._refuse(grpc.StatusCode.INVALID_ARGUMENT, f"Recovery header: {fault}")
+    with self._cond:
+      self._member(int(h.learner_id), session)
+    self._claim(ticket, int(h.learner_id))
+    self._check_fragment(h.fragment)
+    p, version = int(h.fragment), int(h.anchor_version)
+    if h.codec != "fp32" or h.delta:
+      raise self._refuse(
+        grpc.StatusCode.INVALID_ARGUMENT, "A recovery carries the full values in 'fp32' (exact)."
+      )
+    if h.total_bytes > self._max_bytes[p]:
+      raise self._refuse(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"Recovery of {h.total_bytes} bytes: fragment {p} never needs more than "
+        f"{self._max_bytes[p]}.",
+      )
+    with self._cond:
+      wanted = self._recovering.get(p)
+      served = self._served[p]
+    if wanted is None or wanted[0] != version:
+      return syncer_pb2.RecoverResponse(
+        adopted=False, reason=f"version {version} of fragment {p} is not wanted", version=served
+      )
+    layout = self._layouts[p]
+    try:
+      report = messages.chunks_to_report(
+        itertools.chain([first], it),
+        list(layout),
+        {k: s for k, (s, _) in layout.items()},
+        {k: d for k, (_, d) in layout.items()},
+        anchor_lookup=lambda v: None,
+        max_bytes=self._max_bytes[p],
+        max_chunk_bytes=self._cfg.max_chunk_bytes,
+      )
+    except WireError as e:
+      raise self._refuse(grpc.StatusCode.INVALID_ARGUMENT, f"Recovery of {p} refused: {e}") from e
+    with self._cond:
+      wanted = self._recovering.get(p)
+      if wanted is None or wanted[0] != version:  # Another learner's copy came first.
+        return syncer_pb2.RecoverResponse(
+          adopted=False, reason="taken back already", version=self._served[p]
+        )
+      try:
+        self._core.recover(p, version, report.values, wanted[1])
+      except ValueError as e:
+        raise self._refuse(
+          grpc.StatusCode.INVALID_ARGUMENT, f"Recovery of fragment {p} refused: {e}"
+        ) from e
+      del self._recovering[p]
+      self._core.unfreeze(p)
+      self._recovered.append(p)
+      self._serve_version(p, version, wanted[1])  # Journaled before the restart.
+      if self._on_recovery is not None:
+        self._on_recovery(p, version, "recovered")
+      self._cond.notify_all()
+    log.info("fragment %d: version %d handed back by learner %d", p, version, h.learner_id)
+    return syncer_pb2.RecoverResponse(adopted=True, version=version)
 
   def _push(self, it: Iterator, session: str, ticket: door.StreamTicket):
     first = next(it, None)
@@ -1072,6 +1251,7 @@ def make_syncer(
   clock: Callable[[], float] = time.monotonic,
   on_merge: Callable[[MergeEvent], None] | None = None,
   record: Callable[[MergeEvent], None] | None = None,
+  on_recovery: Callable[[int, int, str], None] | None = None,
 ) -> SyncerService:
   """A SyncerCore and its SyncerService wired together (adoption for a lossy downlink codec)."""
   adopter = None
@@ -1097,6 +1277,7 @@ def make_syncer(
     clock=clock,
     on_merge=on_merge,
     record=record,
+    on_recovery=on_recovery,
   )
 
 
@@ -1127,10 +1308,11 @@ def _add_servicer(service: SyncerService, server: grpc.Server) -> None:
   collected = _Handlers()
   syncer_pb2_grpc.add_SyncerServicer_to_server(service, collected)
   handlers = collected.handlers
-  push = handlers["Push"]
-  handlers["Push"] = grpc.stream_unary_rpc_method_handler(
-    push.stream_unary, request_deserializer=None, response_serializer=push.response_serializer
-  )
+  for name in ("Push", "Recover"):
+    push = handlers[name]
+    handlers[name] = grpc.stream_unary_rpc_method_handler(
+      push.stream_unary, request_deserializer=None, response_serializer=push.response_serializer
+    )
   methods = syncer_pb2.DESCRIPTOR.services_by_name["Syncer"].methods_by_name
   for name, handler in list(handlers.items()):
     if handler.request_streaming:

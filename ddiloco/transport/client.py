@@ -80,6 +80,11 @@ class SyncerClient:
       request_serializer=None,
       response_deserializer=syncer_pb2.PushResponse.FromString,
     )
+    self._recover_raw = self._channel.stream_unary(
+      "/ddiloco.v1.Syncer/Recover",
+      request_serializer=None,
+      response_deserializer=syncer_pb2.RecoverResponse.FromString,
+    )
     self._pull_raw = self._channel.unary_stream(
       "/ddiloco.v1.Syncer/Pull",
       request_serializer=syncer_pb2.PullRequest.SerializeToString,
@@ -118,8 +123,13 @@ class SyncerClient:
     num_devices: int = 0,
     batch_size: int = 0,
     host: str = "",
+    held: Mapping[int, tuple[int, str]] | None = None,
   ) -> syncer_pb2.RegisterResponse:
-    """Registers `learner_id` and keeps the session the syncer issues for its later calls."""
+    """Registers `learner_id` and keeps the session the syncer issues for its later calls.
+
+    `held` is {fragment: (version, digest)} of the newest versions the learner holds: a restarted
+    syncer that lost one asks for it back (`RegisterResponse.recover`, then `recover`).
+    """
     resp = self._stub.Register(
       syncer_pb2.RegisterRequest(
         learner_id=learner_id,
@@ -128,6 +138,10 @@ class SyncerClient:
         num_devices=num_devices,
         batch_size=batch_size,
         host=host,
+        held=[
+          syncer_pb2.HeldFragment(fragment=p, version=v, digest=d)
+          for p, (v, d) in sorted((held or {}).items())
+        ],
       ),
       timeout=self.deadline_s,
       metadata=self._md,
@@ -190,6 +204,29 @@ class SyncerClient:
       raise failed[0]
     self._count(up=sent)
     return ReportResult(resp.status, resp.reason, resp.weight, resp.fleet_step, resp.round_version)
+
+  def recover(
+    self, learner_id: int, fragment: int, version: int, values: Mapping[str, np.ndarray]
+  ) -> syncer_pb2.RecoverResponse:
+    """Hands `version` of `fragment` (its exact values, as received) back to a restarted syncer."""
+    report = Report(
+      learner_id=learner_id,
+      fragment=fragment,
+      values=values,
+      tokens=0,
+      steps=0,
+      anchor_version=version,
+      step=0,
+      round_step=0,
+    )
+    outgoing = list(messages.push_messages(report, "fp32", chunk_size=self.max_chunk_bytes))
+    resp = self._recover_raw(
+      iter(outgoing),
+      timeout=self.transfer_deadline_s,
+      metadata=self.learner_metadata(learner_id),
+    )
+    self._count(up=sum(len(m) for m in outgoing))
+    return resp
 
   def pull(
     self,

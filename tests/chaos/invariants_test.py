@@ -269,3 +269,17 @@ def test_faults_on_time():
   assert not result.ok and "1 later than 1 s" in result.detail
   assert inv.check_schedule_on_time(late, max_late_s=7.0).ok
   assert inv.check_schedule_on_time([{"t": 1.0, "kind": "merge"}]).ok
+
+
+def test_merges_lost_at_restarts():
+  from ddiloco.launch.chaos import merges_lost_at_restarts
+
+  tape = [
+    {"t": 1.0, "kind": "syncer_restore", "lost_merges": 5, "to_recover": {"0": [9, "d", 6, 3], "1": [4, "e", 2, 2]}},
+    {"t": 2.0, "kind": "syncer_recovery", "fragment": 0, "version": 9, "how": "recovered"},
+    {"t": 3.0, "kind": "syncer_recovery", "fragment": 1, "version": 5, "how": "republished"},
+    {"t": 9.0, "kind": "syncer_restore", "lost_merges": 1, "to_recover": {"1": [7, "f", 6, 1]}},
+    {"t": 9.5, "kind": "syncer_recovery", "fragment": 1, "version": 7, "how": "recovered"},
+  ]  # fmt: skip
+  assert merges_lost_at_restarts(tape) == [2, 0]
+  assert merges_lost_at_restarts([]) == []

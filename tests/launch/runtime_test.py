@@ -8,10 +8,13 @@ Model: the tiny one-block transformer of tests/learner/worker_test.py; P = 2 fra
 grace, so an answer filed in an open round merges at the merge thread's next poll.
 """
 
+import dataclasses
 import errno
+import os
 import threading
 import time
 
+import grpc
 import numpy as np
 import pytest
 
@@ -24,6 +27,7 @@ from ddiloco.launch.job import JobConfig
 from ddiloco.models import configs
 from ddiloco.syncer import service as service_lib
 from ddiloco.syncer.types import Report, SyncerConfig
+from ddiloco.transport.client import SyncerClient
 
 pytestmark = pytest.mark.timeout(120)  # Sockets and threads (STYLE.md).
 
@@ -98,7 +102,9 @@ def test_a_full_disk_halts_the_syncer_and_a_restart_never_goes_back(tmp_path, mo
   assert summary["checkpoints_saved"] == 1
   assert summary["merges"] == 2 and "0:2" not in summary["digests"]
 
-  restarted = runtime.SyncerRun(JOB, workdir=workdir, checkpoint=CHECKPOINT)
+  # No waiting for learners to hand lost versions back: the restore republishes at once.
+  at_once = dataclasses.replace(CHECKPOINT, recovery_window_s=0.0)
+  restarted = runtime.SyncerRun(JOB, workdir=workdir, checkpoint=at_once)
   info = restarted.restored
   assert info.step == 1
   versions = restarted.service.served_versions()
@@ -111,3 +117,92 @@ def test_a_full_disk_halts_the_syncer_and_a_restart_never_goes_back(tmp_path, mo
   assert info.republished == {0: (1, 2, 3), 1: (0, 1, 2)}
   assert versions == [3, 2]
   restarted.shutdown()
+
+
+def test_a_restart_takes_lost_versions_back_from_a_learner(tmp_path):
+  """Merges after the last checkpoint are not lost: a learner holding them hands them back."""
+  workdir = str(tmp_path / "syncer")
+  run = runtime.SyncerRun(JOB, workdir=workdir, checkpoint=CHECKPOINT)
+  run.serve("127.0.0.1:0")
+  try:
+    _merge(run, 0, 1)
+    assert run.save_checkpoint(wait=True)  # Step 1: fragment 0 at version 1.
+    _merge(run, 1, 2)  # Journaled, not checkpointed: lost to a kill.
+    _merge(run, 0, 3)
+    held = {p: run.service.core.state(p) for p in range(2)}  # What the learner holds.
+  finally:  # A kill: no final checkpoint.
+    run.server.stop(flush=False)
+    run._checkpointer.close()
+    run._journal.close()
+  assert [held[p].version for p in range(2)] == [2, 1]
+
+  restarted = runtime.SyncerRun(
+    JOB, workdir=workdir, checkpoint=dataclasses.replace(CHECKPOINT, recovery_window_s=60.0)
+  )
+  server = restarted.serve("127.0.0.1:0")
+  client = SyncerClient(f"127.0.0.1:{server.port}")
+  try:
+    assert restarted.restored.to_recover.keys() == {0, 1}
+    assert restarted.service.served_versions() == [1, 0]  # The checkpoint's, until handed back.
+    # A learner holding a different copy of version 2 of fragment 0 is not asked for it.
+    resp = client.register(
+      0,
+      layout_digest=restarted.layout.digest,
+      num_fragments=2,
+      held={0: (2, "0" * 32), 1: (0, held[1].digest)},
+    )
+    assert list(resp.recover) == []
+    resp = client.register(
+      0,
+      layout_digest=restarted.layout.digest,
+      num_fragments=2,
+      held={p: (st.version, st.digest) for p, st in held.items()},
+    )
+    assert list(resp.recover) == [0, 1]
+    # Tampered values are refused (their digest is not the journal's); the true ones are taken.
+    bad = {k: v + np.float32(1.0) for k, v in held[0].values.items()}
+    with pytest.raises(grpc.RpcError) as e:
+      client.recover(0, 0, 2, bad)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for p in (0, 1):
+      assert client.recover(0, p, held[p].version, held[p].values).adopted
+    assert not client.recover(0, 0, 2, held[0].values).adopted  # Taken already.
+    assert restarted.service.served_versions() == [2, 1]
+    for p in (0, 1):
+      assert restarted.service.core.state(p).digest == held[p].digest
+    assert restarted.service.recovery() == {"waiting": [], "recovered": [0, 1], "republished": []}
+    # Rounds of both fragments open again, and the next merge continues from the handed-back version.
+    _merge(restarted, 0, 10)
+    assert restarted.service.served_versions()[0] == 3
+  finally:
+    client.close()
+    summary = restarted.shutdown()
+  assert summary["recovery"]["recovered"] == [0, 1]
+
+
+def test_a_restart_republishes_what_no_learner_hands_back(tmp_path):
+  workdir = str(tmp_path / "syncer")
+  run = runtime.SyncerRun(JOB, workdir=workdir, checkpoint=CHECKPOINT)
+  run.serve("127.0.0.1:0")
+  try:
+    _merge(run, 0, 1)
+    assert run.save_checkpoint(wait=True)
+    _merge(run, 0, 2)
+  finally:  # A kill: no final checkpoint.
+    run.server.stop(flush=False)
+    run._checkpointer.close()
+    run._journal.close()
+  restarted = runtime.SyncerRun(
+    JOB, workdir=workdir, checkpoint=dataclasses.replace(CHECKPOINT, recovery_window_s=0.5)
+  )
+  restarted.serve("127.0.0.1:0")
+  try:
+    assert restarted.service.served_versions() == [1, 0]
+    deadline = time.monotonic() + 20
+    while restarted.service.recovery()["waiting"] and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert restarted.service.recovery()["republished"] == [0]
+    assert restarted.service.served_versions() == [3, 0]  # Past the journal's version 2.
+  finally:
+    restarted.shutdown()
+  assert ckpt_lib.read_journal(os.path.join(workdir, ckpt_lib.JOURNAL_NAME))[0] == 3

@@ -47,6 +47,7 @@ def test_grpc_module_imports_messages_relatively():
     "Leave": (False, False),
     "Status": (False, False),
     "Rounds": (False, True),
+    "Recover": (True, False),
   }
 
 

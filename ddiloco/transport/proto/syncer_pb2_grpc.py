@@ -69,6 +69,11 @@ class SyncerStub:
                 request_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.RoundsRequest.SerializeToString,
                 response_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.SyncerEvent.FromString,
                 _registered_method=True)
+        self.Recover = channel.stream_unary(
+                '/ddiloco.v1.Syncer/Recover',
+                request_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.PushChunk.SerializeToString,
+                response_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.RecoverResponse.FromString,
+                _registered_method=True)
 
 
 class SyncerServicer:
@@ -126,6 +131,16 @@ class SyncerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Recover(self, request_iterator, context):
+        """Learner -> syncer, after a syncer restart lost merges: the learner uploads its copy of a
+        version the syncer journaled but no longer holds (RegisterResponse.recover). The syncer adopts
+        it only if its digest is the journal's. The chunks are a full-values Push whose header names
+        the version in anchor_version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SyncerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +178,11 @@ def add_SyncerServicer_to_server(servicer, server):
                     servicer.Rounds,
                     request_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.RoundsRequest.FromString,
                     response_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.SyncerEvent.SerializeToString,
+            ),
+            'Recover': grpc.stream_unary_rpc_method_handler(
+                    servicer.Recover,
+                    request_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.PushChunk.FromString,
+                    response_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.RecoverResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +374,33 @@ class Syncer:
             '/ddiloco.v1.Syncer/Rounds',
             ddiloco_dot_transport_dot_proto_dot_syncer__pb2.RoundsRequest.SerializeToString,
             ddiloco_dot_transport_dot_proto_dot_syncer__pb2.SyncerEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Recover(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/ddiloco.v1.Syncer/Recover',
+            ddiloco_dot_transport_dot_proto_dot_syncer__pb2.PushChunk.SerializeToString,
+            ddiloco_dot_transport_dot_proto_dot_syncer__pb2.RecoverResponse.FromString,
             options,
             channel_credentials,
             insecure,
