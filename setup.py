@@ -39,7 +39,7 @@ setuptools.setup(
       "pytest-timeout>=2.4,<3",
       "ruff>=0.17,<0.18",
       "grpcio-tools>=1.85,<2",
-      # docs/colab/quickstart.ipynb is executed by a test so it cannot rot (issue 6).
+      # docs/colab/quickstart.ipynb is executed by a test so it cannot rot.
       "nbclient>=0.11,<0.12",
       "nbformat>=5.11,<6",
       "ipykernel>=7.4,<8",

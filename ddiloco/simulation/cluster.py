@@ -1,6 +1,6 @@
 """A simulated cluster: M learners and the syncer core in one process, on a virtual clock.
 
-ARCHITECTURE.md "two ways to run": the gradient steps are real (each learner is a real `Learner` with
+docs/architecture.md "two ways to run": the gradient steps are real (each learner is a real `Learner` with
 its own mesh over a slice of the local devices), so model quality is real; time is virtual, so quorum,
 grace window, stragglers, crashes and joins are reproducible on any machine. Only the transport
 (in-process events with latency) and the clock differ from the distributed runtime.
@@ -155,7 +155,7 @@ class SimulatedCluster:
     slot.alive, slot.blocked = True, False
     slot.gen += 1
     if self.core is not None:
-      # Register, then restore every fragment from the global copy (SPEC §6 rejoin). The inner
+      # Register, then restore every fragment from the global copy (docs/algorithm.md §6 rejoin). The inner
       # optimizer state is kept, as if restored from the learner's own per-step checkpoint.
       self.core.register(index)
       slot.learner.ledger.restored()  # Reports lost in a crash settle at the next delivery.
@@ -347,7 +347,7 @@ class SimulatedCluster:
       )
       state = self.core.state(ev.fragment)
       nbytes = sum(v.nbytes for v in state.values.values())
-      # ξ_sync includes delivering the merge (SPEC §4.2), which the core's clock cannot see here.
+      # ξ_sync includes delivering the merge (docs/algorithm.md §4.2), which the core's clock cannot see here.
       self.core.observe_sync_time(self._transfer_s(nbytes, self.cfg.downlink_latency_s))
       for slot in self.slots.values():
         if slot.alive:

@@ -4,7 +4,7 @@ Every call has a deadline; the channel reconnects with gRPC's exponential backof
 ABORTED (late) or ALREADY_EXISTS (duplicate) are protocol outcomes, returned as a `ReportResult`;
 every other failure raises `grpc.RpcError` for the caller to retry or re-register (learner/worker.py).
 
-Push and Pull carry their chunks as serialized messages (issue 3, the wire benchmark): a push's
+Push and Pull carry their chunks as serialized messages (scripts/bench_wire.py): a push's
 messages are made while the stream is sent (`messages.push_messages`, one copy per payload byte,
 no protobuf object), and a pull's are parsed by hand and decoded as they arrive
 (`messages.parse_chunk`, the payload never copied out of the received bytes).
@@ -129,7 +129,7 @@ class SyncerClient:
     block_size: int = 64,
     anchor_values: Mapping[str, np.ndarray] | None = None,
   ) -> ReportResult:
-    """Streams one report; `anchor_values` (Θ^(anchor) as held) makes it a delta (SPEC §5).
+    """Streams one report; `anchor_values` (Θ^(anchor) as held) makes it a delta (docs/algorithm.md §5).
 
     The chunks are encoded while the stream is sent (`messages.push_messages`).
 
@@ -230,7 +230,7 @@ class SyncerClient:
     )
 
   def rounds(self, learner_id: int) -> "RoundStream":
-    """Subscribes to the syncer's round requests and version announcements (SPEC §3).
+    """Subscribes to the syncer's round requests and version announcements (docs/algorithm.md §3).
 
     Iterate the result for `RoundRequest`s and `(fragment, version)` announcements; `cancel()` ends
     it. Iterating raises `grpc.RpcError` when the call fails or its deadline passes.

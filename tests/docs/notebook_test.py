@@ -1,4 +1,4 @@
-"""Executes docs/colab/quickstart.ipynb with nbclient, so the quick start cannot rot (issue 6).
+"""Executes docs/colab/quickstart.ipynb with nbclient, so the quick start cannot rot.
 
 The notebook runs in a fresh kernel of this interpreter with the repository root as its working
 directory, writes its runs and a results.json under $DDILOCO_NOTEBOOK_OUT, and the test checks

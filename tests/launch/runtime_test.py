@@ -25,7 +25,7 @@ from ddiloco.models import configs
 from ddiloco.syncer import service as service_lib
 from ddiloco.syncer.types import Report, SyncerConfig
 
-pytestmark = pytest.mark.timeout(120)  # Sockets and threads (STYLE.md).
+pytestmark = pytest.mark.timeout(120)  # Sockets and threads: a hang must fail the test.
 
 L, B = 8, 8
 ONE_BLOCK = {"num_layers": 1, "d_model": 32, "num_heads": 2, "head_dim": 16, "mlp_dim": 64}

@@ -217,7 +217,7 @@ def test_synchronous_stall_on_a_permanent_crash_is_reported(tmp_path):
 
 
 def test_int4_on_the_wire_keeps_digests_and_changes_the_values(tmp_path):
-  """SPEC §5 in the simulator: int4 reports and int4 downlink deltas that the syncer adopts.
+  """docs/algorithm.md §5 in the simulator: int4 reports and int4 downlink deltas that the syncer adopts.
 
   Learners hold exactly the adopted bits after every apply (digests agree), and the global model is
   not the fp32 one (the codec really ran), yet it trains about as well.
