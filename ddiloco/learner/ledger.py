@@ -21,7 +21,7 @@ merged_steps[p] >= s; once version(p) >= r without that, the round was lost (a r
 
 Counts are in token-fragments; `totals` also gives them per fragment on average (divide by P), and
 `merged_fraction`, the share of trained work that reached the global model: the learner's goodput in
-the issue's sense of "steps that reached the global model".
+the sense of "steps that reached the global model".
 """
 
 import dataclasses

@@ -279,7 +279,8 @@ def make_multihost_worker(
       layout_digest=factory.layout.digest,
       group=group,
     )
-  writer = MetricsWriter(workdir, tensorboard=False)
+  # One TensorBoard run per learner: process 0's (the others' curves would repeat it).
+  writer = MetricsWriter(workdir, tensorboard=jax.process_index() == 0)
   worker = MultihostWorker(
     group=group,
     learner=learner,

@@ -198,6 +198,7 @@ class LearnerWorker:
     self.blocked_s = 0.0  # Time waiting for merges (`blocking` only).
     self._waits = 0  # Iterations of `_wait_for_merges` (a multi-process learner shares at each).
     self.registrations = 0
+    self.last_staleness_steps = 0
     self.unreachable_s = 0.0
     self.losses: list[tuple[int, float, float]] = []  # (step, time, loss)
     self.zero_weight_pushes = (
@@ -570,6 +571,8 @@ class LearnerWorker:
   def _send_due(self) -> None:
     for p in self.learner.due():
       report, fetch = self.learner.snapshot_report(p, step_time_s=self.step_time_s)
+      # Inner steps θ_p trained away from the last global version applied (TensorBoard).
+      self.last_staleness_steps = report.steps
       now = time.monotonic()
       asked_at = self._asked_at.pop((p, report.round_step), None)
       for key in [k for k in self._asked_at if k[0] == p and k[1] < report.round_step]:
@@ -684,7 +687,7 @@ class LearnerWorker:
           schedule_step=self.learner.schedule_step,
         )
         if self._writer is not None:
-          self._writer.scalars(self.learner.step, {"loss": loss})
+          self._write_scalars(loss)
           self._writer.flush()  # The launcher tails metrics.jsonl for its progress lines.
     if previous is not None:  # The last step's boundary: answers and applies.
       jax.block_until_ready(previous)
@@ -789,6 +792,27 @@ class LearnerWorker:
       "checkpoint_steps": list(self.checkpointer.saved_steps) if self.checkpointer else [],
       "ledger": learner.ledger.totals(),
     }
+
+  def _write_scalars(self, loss: float) -> None:
+    """This learner's TensorBoard scalars, against the tokens it trained (and its step)."""
+    tag = f"learner_{self.id}"
+    rate = 1.0 / self.step_time_s if self.step_time_s > 0 else 0.0
+    self._writer.scalars(
+      {f"{tag}/loss": loss, f"{tag}/step_rate": rate},
+      tokens=self.tokens_trained,
+      step=self.learner.step,
+    )
+    self._writer.scalars(
+      {
+        f"{tag}/staleness_steps": self.last_staleness_steps,
+        f"{tag}/late_reports": self.push_status["late"],
+        f"{tag}/merged_fraction": self.learner.ledger.totals().get("merged_fraction", 0.0),
+        f"{tag}/blocked_s": self.blocked_s,
+        f"{tag}/bytes_up": self._client.bytes_up,
+        f"{tag}/bytes_down": self._client.bytes_down,
+      },
+      tokens=self.tokens_trained,
+    )
 
   def _event(self, kind: str, **fields: Any) -> None:
     if self._writer is not None:

@@ -7,7 +7,7 @@ _ROOT = pathlib.Path(__file__).resolve().parents[2]
 _SUFFIXES = {".py", ".md", ".gin", ".ipynb", ".proto", ".sh", ".toml", ".txt", ".cfg"}
 _SKIP_DIRS = {".venv", ".git", "build", "dist", "__pycache__", ".ruff_cache", ".pytest_cache"}
 # A specification file that is not in the repository, and tracker issue numbers.
-_DANGLING = re.compile(r"\bSPEC(\.md)?\b|\b[Ii]ssues? #?\d+")
+_DANGLING = re.compile(r"\bSPEC(\.md)?\b|\b[Ii]ssues?[ -]#?\d+")
 _SECTION = re.compile(r"docs/algorithm\.md §(\d+(?:\.\d+)?)")
 
 
