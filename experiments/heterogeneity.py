@@ -1,4 +1,4 @@
-"""Heterogeneity study (issue 6): half the learners 18 % slower; K = M vs K = 1 vs K = 1 + grace.
+"""Heterogeneity study: half the learners 18 % slower; K = M vs K = 1 vs K = 1 + grace.
 
 The paper: with heterogeneous learners, K = M (wait for all) reaches 84 % goodput; K = 1
 alone keeps 100 % goodput but loses quality (51.4 vs 54.4 text average); K = 1 + the grace window

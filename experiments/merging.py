@@ -1,10 +1,10 @@
-"""Merging study (issue 6): RDA vs plain weighted mean for M = 4, 8, 16; wire codecs fp32 to int4.
+"""Merging study: RDA vs plain weighted mean for M = 4, 8, 16; wire codecs fp32 to int4.
 
 gin_configs/studies/merging.gin is sim_tiny without faults. Every row has the same global batch (32
 sequences) and token budget: M learners with 32 / M sequences each. Merge rows differ only in
-`SyncerConfig.merge_method` (SPEC §4.5; RDA keeps the update norm from shrinking like 1/√M when
+`SyncerConfig.merge_method` (docs/algorithm.md §4.5; RDA keeps the update norm from shrinking like 1/√M when
 outer gradients are near-orthogonal). Codec rows are the M = 4 RDA row with both the uplink (θ −
-Θ^(anchor)) and the downlink (Θ_new − Θ_old) in one codec (SPEC §5; the paper: int4 costs ≈ 0.1 %).
+Θ^(anchor)) and the downlink (Θ_new − Θ_old) in one codec (docs/algorithm.md §5; the paper: int4 costs ≈ 0.1 %).
 
 Writes docs/results/merging.{md,png,json} and prints the command that reproduces them.
 
@@ -136,7 +136,7 @@ def report(store: study.ResultStore, seeds: list[int]) -> None:
       "",
       "gin_configs/studies/merging.gin: sim_tiny's tiny model, no faults, global batch 32",
       "sequences of 64 bytes (M learners x 32 / M), 96 steps, token budget 196,608 for every",
-      "row; SPEC defaults otherwise (K = 1 + grace, P = H = 24, τ = 2, outer Nesterov",
+      "row; default settings otherwise (K = 1 + grace, P = H = 24, τ = 2, outer Nesterov",
       "0.7 / 0.9). Mean ± 95 %",
       "t-interval where there are several seeds; relative gaps are paired by seed.",
       "",
@@ -144,7 +144,7 @@ def report(store: study.ResultStore, seeds: list[int]) -> None:
       "",
       f"    {cmd}",
       "",
-      "## RDA vs plain weighted mean (SPEC §4.5)",
+      "## RDA vs plain weighted mean (docs/algorithm.md §4.5)",
       "",
       study.markdown_table(
         [
@@ -159,7 +159,7 @@ def report(store: study.ResultStore, seeds: list[int]) -> None:
         merge_rows,
       ),
       "",
-      "## Codecs, both directions (SPEC §5), M = 4, RDA",
+      "## Codecs, both directions (docs/algorithm.md §5), M = 4, RDA",
       "",
       study.markdown_table(["codec", "eval loss", "vs fp32", "seeds"], codec_rows),
       "",

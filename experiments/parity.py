@@ -1,13 +1,13 @@
-"""Parity study (issue 6): data-parallel vs DiLoCo vs Streaming vs Decoupled DiLoCo at equal tokens.
+"""Parity study: data-parallel vs DiLoCo vs Streaming vs Decoupled DiLoCo at equal tokens.
 
 Three domains, each a shipped run file: dense text (sim_tiny.gin), MoE text (runs/sim_moe_tiny.gin)
-and vision (runs/sim_vit_tiny.gin). Decoupled DiLoCo runs the run file as is: SPEC defaults, K = 1 +
+and vision (runs/sim_vit_tiny.gin). Decoupled DiLoCo runs the run file as is: default settings, K = 1 +
 grace, with crashes (M = 4: the run file's one crash; M = 8: that one and a second, later one). The
 baselines stack gin_configs/baselines/*.gin on the same run file and run without faults. M = 8 keeps
 the global batch and the token budget of M = 4 (half the per-learner batch, same steps), so every
 row of a domain shares one data-parallel reference.
 
-Goal (issue 6): Decoupled DiLoCo with failures within 2 % of data-parallel's eval loss (text) and
+Goal: Decoupled DiLoCo with failures within 2 % of data-parallel's eval loss (text) and
 within 2 points of its accuracy (vision). Headline rows (M = 4, data-parallel and Decoupled) run for
 every seed; the other rows ("extra" tier) for the first seed only.
 
@@ -161,7 +161,7 @@ def report(store: study.ResultStore, seeds: list[int]) -> None:
     "# Parity at equal tokens: data-parallel vs DiLoCo vs Streaming vs Decoupled DiLoCo",
     "",
     "Run files: dense `sim_tiny.gin`, MoE `runs/sim_moe_tiny.gin`, vision `runs/sim_vit_tiny.gin`",
-    "(SPEC defaults: P = H = 24, τ = 2, K = 1 + grace, RDA, outer Nesterov 0.7 / 0.9). Decoupled",
+    "(default settings: P = H = 24, τ = 2, K = 1 + grace, RDA, outer Nesterov 0.7 / 0.9). Decoupled",
     "DiLoCo has crashes (M = 4: one learner down 20 s; M = 8: two); the baselines have none. M = 8",
     "halves the per-learner batch, so the global batch and token budget equal M = 4's and",
     "data-parallel's. Mean ± 95 % t-interval over seeds; 'vs data-parallel' is paired by seed.",

@@ -1,14 +1,14 @@
-"""Scavenging study (issue 6): extra learners for part of the run; virtual time to the same loss.
+"""Scavenging study: extra learners for part of the run; virtual time to the same loss.
 
 gin_configs/studies/scavenging.gin is sim_tiny without crashes (4 learners, 96 steps each, 1 s per
 step), evaluated every 8 virtual seconds. The scavenged row adds 4 learners (indices 4-7) that join
 at t = 16 s and leave at t = 48 s; the token budget is the same, so the run ends earlier. A joining
-learner loads the global model (SPEC §6) and starts its own inner LR schedule from warm-up
+learner loads the global model (docs/algorithm.md §6) and starts its own inner LR schedule from warm-up
 (docs/algorithm.md, known limits). "Time to the same loss" is read off each eval curve, linearly
 interpolated, at the higher of the two rows' final eval losses (the lowest loss both reach), and
 at the baseline's final loss (which the scavenged row may not reach).
 
-The paper (SPEC §7): +100 % compute gives 0.75x the wall-clock time for Decoupled DiLoCo, where
+The paper (docs/algorithm.md §7): +100 % compute gives 0.75x the wall-clock time for Decoupled DiLoCo, where
 data-parallel barely gains. Data-parallel is not elastic in the simulator (one learner), so it has
 no row here.
 
@@ -119,7 +119,7 @@ def report(store: study.ResultStore, seeds: list[int]) -> None:
       "# Scavenging: extra learners for part of the run",
       "",
       "gin_configs/studies/scavenging.gin: 4 tiny learners (sim_tiny, no crashes), 96 steps",
-      f"of 1 s, SPEC defaults. Scavenged: learners {EXTRA[0]}-{EXTRA[-1]} join at t = {JOIN_S} s",
+      f"of 1 s, default settings. Scavenged: learners {EXTRA[0]}-{EXTRA[-1]} join at t = {JOIN_S} s",
       f"and leave at t = {LEAVE_S} s; same token budget. Times are virtual seconds read off",
       "eval curves (every 8 s),",
       "linearly interpolated. 'Common level' is the higher of the two final losses.",

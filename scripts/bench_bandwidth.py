@@ -2,7 +2,7 @@
 
 Model: `transformer_config("small")` (~14M float32 parameters), initialised for real (Θ_old), then
 trained for `--inner_steps` real AdamW steps on the text pipeline (θ). The balanced layout
-(SPEC §2, P = 24) cuts it into fragments, and one SyncerCore outer step over θ gives Θ_new: the
+(docs/algorithm.md §2, P = 24) cuts it into fragments, and one SyncerCore outer step over θ gives Θ_new: the
 core opens a round of every fragment at step `--inner_steps`, θ_p answers it, and a flush merges
 them.
 
@@ -10,13 +10,13 @@ them.
                   2(n−1)/n × G bytes and receives as many (G = 4 bytes × params for fp32
                   gradients, 2 for bf16). Computed from the parameter count, not measured.
                   n = --dp_workers: 8 is the same fleet as M = 8 learners, 2 is the paper's
-                  two-site setting (SPEC §7), where a ring sends exactly one G per step.
+                  two-site setting (docs/algorithm.md §7), where a ring sends exactly one G per step.
   Decoupled       per inner step P/H fragments (one, with P = H = 24) go up and come down. Sizes
   DiLoCo          are measured: the `ByteSize()` of the real chunk streams a learner and the syncer
                   send, i.e. `messages.report_to_chunks` of θ_p as a delta θ − Θ_old with the
                   codec (what the worker pushes; wire.serialize_fragment inside) and
                   `messages.state_to_chunks` of Θ_new with base Θ_old (the downlink update
-                  Θ_new − Θ_old, SPEC §5), framing, headers and 1 MiB chunking included, averaged
+                  Θ_new − Θ_old, docs/algorithm.md §5), framing, headers and 1 MiB chunking included, averaged
                   over all P fragments.
 
 Both sides are counted per worker (a DP replica, or a learner) per inner step and per direction;
@@ -100,7 +100,7 @@ def _measure(
   layout = layout_lib.make_layout(init, num_fragments=_P.value)
   old_frags, new_frags = layout.split(init), layout.split(theta)
 
-  # One real outer step (SPEC §4.3-4.6) over every fragment: Θ_new for the downlink update.
+  # One real outer step (docs/algorithm.md §4.3-4.6) over every fragment: Θ_new for the downlink update.
   core = SyncerCore(
     fragment_keys=layout.fragments,
     init_values={k: v for frag in old_frags for k, v in frag.items()},
@@ -158,7 +158,9 @@ def main(argv: list[str]) -> None:
   init, theta = _train(model, mesh, _SEQ.value)
   frag_params, up, down = _measure(init, theta)
   n_params = sum(v.size for v in init.values())
-  per_step = _P.value / _H.value  # Fragments sent per inner step (SPEC §2: one with P = H).
+  per_step = (
+    _P.value / _H.value
+  )  # Fragments sent per inner step (docs/algorithm.md §2: one with P = H).
   print(
     f"model {_SIZE.value}: {n_params:,} params ({4 * n_params / 2**20:.1f} MiB fp32); balanced "
     f"layout P={_P.value}, H={_H.value} ({per_step:g} fragment/step); fragment params min/mean/max "

@@ -1,6 +1,6 @@
-"""Benchmark: simulate 2.4M chips for one simulated week (budget: 10 s, issue 5).
+"""Benchmark: simulate 2.4M chips for one simulated week (budget: 10 s).
 
-Runs every system of the paper's table (SPEC.md §7) on 2.4M chips with the fitted defaults and
+Runs every system of the paper's table (docs/algorithm.md §7) on 2.4M chips with the fitted defaults and
 prints the wall-clock time of each, the total, and the ratio to the 10 s budget. The best of
 --repeat runs is reported (the machine is shared).
 

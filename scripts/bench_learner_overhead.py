@@ -4,7 +4,7 @@
 
 Each round starts a fresh syncer subprocess (`ddiloco.launch.syncer_main` via
 `LocalCluster.start_syncer`, CPU only) for the job of gin_configs/local_tiny.gin with LEARNERS = 1
-and P = H = 24 (SPEC §2: the syncer's step clock makes exactly one fragment due every step and
+and P = H = 24 (docs/algorithm.md §2: the syncer's step clock makes exactly one fragment due every step and
 opens its round; the learner answers it at its next step boundary). This process parses the same
 gin files and bindings, builds a learner with `make_learner_worker` on `--devices` fake CPU devices
 and trains it through `LearnerWorker.run` as the fleet's first and only learner, so the syncer's
@@ -25,7 +25,7 @@ Four loops are measured per round (medians over rounds):
   bare_async  the same, blocking only at the end (JAX's asynchronous dispatch runs ahead).
   bare_sync   the same, blocking on step t itself (nothing in flight). Diagnostic: on the CPU
               backend an on-device copy of the due fragment waited for step t to finish, so the
-              worker's loop degenerated to this one (measured; see the report of issue 3); on CPU
+              worker's loop degenerated to this one (measured; see docs/results.md); on CPU
               the worker now snapshots by reference (`Learner.snapshot_by_reference`).
   bare_keep   `bare` with the step variant that does not donate the parameters, which the worker
               runs after a snapshot by reference or an apply whose digest is read back later.
@@ -48,7 +48,7 @@ clock takes its pace); in the rounds thread, the `Rounds` stream of round reques
 announcements; in the puller, the pull and decoding of every announced version; on the training
 thread, draining push results, feeding received fragments and round requests to the learner,
 applying fragments τ = 2 steps after answering their round (a `device_put` per tensor) with a
-digest read back from the devices (SPEC §4.7), and every `JobConfig.log_every` steps a loss read
+digest read back from the devices (docs/algorithm.md §4.7), and every `JobConfig.log_every` steps a loss read
 (it blocks on the current step) and a metrics line. The background threads hold the GIL for their
 Python work and compete for the 2 cores with XLA's compute threads and with the syncer process
 (step clock, merge, outer step, encoding).
@@ -131,7 +131,7 @@ def _bindings() -> list[str]:
     f"transformer_config.max_len = {_SEQ.value}",
     f'UPLINK = "{_CODEC.value}"',
     f'DOWNLINK = "{_CODEC.value}"',
-    # SPEC §2 with P = H: the syncer opens fragment p's round at clock steps t ≡ p (mod 24).
+    # docs/algorithm.md §2 with P = H: the syncer opens fragment p's round at clock steps t ≡ p (mod 24).
     "FragmentSchedule.num_fragments = 24",
     "FragmentSchedule.period = 24",
     "JobConfig.eval_every_s = 0.0",

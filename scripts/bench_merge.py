@@ -4,23 +4,23 @@ Everything runs in one process, interleaved in rounds so machine noise hits ever
 the median of the rounds is reported. Each round opens the next round of one fragment of 4 tensors
 of 1M float32 (16 MiB) (`SyncerCore.open_round`, untimed), files 8 answers to it (learners 0..7,
 each registered and marked delivered, anchored at the round's base, so each weighs > 0) and times
-`SyncerCore.flush()`, i.e. one merge (SPEC §4.3–4.7): the per-tensor merge of the 8 outer
+`SyncerCore.flush()`, i.e. one merge (docs/algorithm.md §4.3–4.7): the per-tensor merge of the 8 outer
 gradients Θ^(anchor) − θ_m (`merge.merge_reports`, float32, each v_m formed block by block as it is
 used, written into the core's reused `merge.OutputBuffer`), the optax outer step (Nesterov SGD,
 jitted), the new values, the digest of the new version and its history entry. RDA's first pass, the squared norms ‖v_m‖², is no longer in the merge: the core sums them
 when it files each report, in the same pass as the door's NaN/Inf check (`merge.finite_sq_norm`),
-so the merge takes one pass over the contributions and filing takes the other (issue 3). Rows:
+so the merge takes one pass over the contributions and filing takes the other. Rows:
   read         the floor: one pass over the 8 × 16 MiB of contributions, a float32 sum into one
                accumulator (`np.add(acc, θ_m, out=acc)`). A sum rather than `np.copy`: any merge
                must read every contribution once but need not write 8 copies, so a reduction is the
                least work a merge can do; a copy would also write 128 MiB and flatter the ratio.
   file         `SyncerCore.report` of the 8 reports: validation, the NaN/Inf check fused with the
                RDA norms (for the mean merge's core it is the check alone), a copy of each.
-  rda merge    SyncerCore with merge_method="rda" (the default, SPEC §4.5)
+  rda merge    SyncerCore with merge_method="rda" (the default, docs/algorithm.md §4.5)
   mean merge   SyncerCore with merge_method="mean" (the ablation)
   rda + int4   the same RDA merge in a `make_syncer` service with an int4 downlink codec: the
                merge plus `DownlinkAdopter` (encode Θ_new − Θ_old, decode it as a learner will,
-               adopt it; then cut the encoded bytes into chunks at publication, SPEC §5). The
+               adopt it; then cut the encoded bytes into chunks at publication, docs/algorithm.md §5). The
                service's public `stop(flush=True)` performs exactly that flush-and-publish; its
                merge thread is never started.
   int4 adopt   the adoption alone, timed directly: a fresh `DownlinkAdopter("int4")` called on the
@@ -135,7 +135,8 @@ class _Bench:
           learner_id=m,
           fragment=0,
           values=theta,
-          tokens=4096 * (m + 1),  # Unequal token weights (SPEC §4.4): nothing cancels out.
+          tokens=4096
+          * (m + 1),  # Unequal token weights (docs/algorithm.md §4.4): nothing cancels out.
           steps=24,
           anchor_version=version,
           step=self._step,
@@ -182,7 +183,7 @@ def _adopt_int4(bench: _Bench) -> tuple[float, float]:
 
 
 class _OuterStep:
-  """The core's outer step, as `SyncerCore._merge` runs it (SPEC §4.6): a float32 copy of Θ and
+  """The core's outer step, as `SyncerCore._merge` runs it (docs/algorithm.md §4.6): a float32 copy of Θ and
   the optimizer state donated to the jitted optax update, the merged gradient handed over by
   `device_put` (no copy: it is 64-byte aligned), the new values read back as views."""
 

@@ -30,7 +30,7 @@ processes (both ends, gRPC's threads, the kernel's socket copies) and is what co
 other processes spares, so on a loaded machine it is the steadier figure; wall time counts when
 "CPU/wall" in the header is at most 2 (both ends busy at once). It prints the throughputs, the ratios push/raw (goal
 >= 0.5), bare/raw and push/bare for both, the pull throughput of the same fragment (a learner
-pulls it before it may push, SPEC §3), and the push's time split: client serialization with each
+pulls it before it may push, docs/algorithm.md §3), and the push's time split: client serialization with each
 chunk dropped as it is made (as the client streams them), then a Push of pre-built chunk messages
 on a second channel (everything after serialization), of which the parsing of the chunk messages,
 the server's reassembly/decode/validation and the core's filing, each timed offline in this process
@@ -66,7 +66,9 @@ from ddiloco.transport.proto import syncer_pb2
 _MIB = flags.DEFINE_integer("mib", 64, "fragment size in MiB (float32 values)")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "timed rounds (median reported)")
 _DELTA = flags.DEFINE_bool(
-  "delta", True, "push θ − Θ^(anchor) as the worker does once it holds the fragment (SPEC §5)"
+  "delta",
+  True,
+  "push θ − Θ^(anchor) as the worker does once it holds the fragment (docs/algorithm.md §5)",
 )
 _PIECE = 1 << 20  # Raw TCP: sendall of 1 MiB pieces, the service's chunk size.
 _KEY = "w"
@@ -294,7 +296,7 @@ class _Service:
       response_deserializer=syncer_pb2.PushResponse.FromString,
     )
     self.shapes, self.dtypes = {_KEY: (n,)}, {_KEY: np.float32}
-    self.pull()  # Registered and delivered: the learner's reports now weigh > 0 (SPEC §3).
+    self.pull()  # Registered and delivered: the learner's reports now weigh > 0 (docs/algorithm.md §3).
     anchor = self._pulled.values
     noise = np.random.default_rng(1).standard_normal(n, dtype=np.float32)
     self._theta = {_KEY: anchor[_KEY] + np.float32(1e-3) * noise}

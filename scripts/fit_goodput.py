@@ -1,4 +1,4 @@
-"""Fits the goodput simulator's unpublished constants to the paper's table (SPEC.md §7).
+"""Fits the goodput simulator's unpublished constants to the paper's table (docs/algorithm.md §7).
 
 The paper gives per-chip MTBI (1 year), Poisson failures and an exponentiated-Weibull recovery
 delay, but not its detection, downscale, upscale and restart times, recovery parameters or

@@ -1,9 +1,9 @@
-"""Invariants of a chaos run, checked on its event tape (ddiloco.chaos.tape; issue 4).
+"""Invariants of a chaos run, checked on its event tape (ddiloco.chaos.tape).
 
 Each check is a pure function of the tape records (and the fault-free baseline loss) returning an
 `InvariantResult`; `check_all` runs them, `format_table` prints them, `all_ok` is the exit code.
 
-Merge gaps (SPEC §4 "zero global downtime": the syncer never stalls while >= K learners are alive).
+Merge gaps (docs/algorithm.md §4 "zero global downtime": the syncer never stalls while >= K learners are alive).
 A gap is a maximal interval with no merge during which >= K learners were up throughout:
   - "up" is from learner_up to learner_down or learner_done (a paused process is up);
   - the time before the first merge is start-up (processes start, compile, and the first fragment
@@ -96,7 +96,7 @@ def merge_gaps(tape: Tape, *, min_quorum: int) -> list[Gap]:
 
   Args:
     tape: the records.
-    min_quorum: K (SPEC §4.1).
+    min_quorum: K (docs/algorithm.md §4.1).
 
   Returns:
     Gaps from the first merge on; empty if there was no merge.

@@ -1,7 +1,7 @@
 """`LoopbackProxy`: a TCP proxy between learners and the syncer with runtime-controllable faults.
 
 The chaos driver points the learners at the proxy (127.0.0.1:<port>) instead of the syncer, then
-injects network faults while they train (issue 4; SPEC §6: learners keep training through an outage
+injects network faults while they train (docs/algorithm.md §6: learners keep training through an outage
 and reconnect with backoff):
   set_latency(d)        every forwarded read is delayed by d seconds, both directions, order kept
                         (a chunk's due time is fixed when it is read; a later, smaller latency never

@@ -1,4 +1,4 @@
-"""Replay of a chaos run's event tape on the simulated cluster (issue 4, part 6).
+"""Replay of a chaos run's event tape on the simulated cluster.
 
 The injected learner events of a tape become `ddiloco.simulation.faults` strings, with wall times
 scaled to virtual times so that a real step and a simulated step line up:

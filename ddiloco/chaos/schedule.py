@@ -1,7 +1,7 @@
 """Fault schedules for the chaos harness: a seeded, time-sorted, causal list of injected events.
 
-`ChaosConfig` states the fault rates of one chaos run (issue 4); `make_schedule` turns it into the
-events the driver executes on a real `LocalCluster` (SPEC §6: learners crash and rejoin, the syncer
+`ChaosConfig` states the fault rates of one chaos run; `make_schedule` turns it into the
+events the driver executes on a real `LocalCluster` (docs/algorithm.md §6: learners crash and rejoin, the syncer
 crashes and resumes, the network misbehaves).
 
 Fault processes, each its own Poisson stream with its own RNG (so turning one rate up does not move the
@@ -13,14 +13,14 @@ others' arrival times), arrivals in [start_s, duration_s):
                     already slowed. A slowdown is SIGSTOP/SIGCONT duty-cycled over a window of
                     `slowdown_s`: every `slowdown_period_s` the learner is stopped for
                     `slowdown_fraction` of the period (it runs at ≈ 1 − fraction of its speed, a
-                    straggler, SPEC §4.2). fraction = 1 is one plain pause of `slowdown_s`.
+                    straggler, docs/algorithm.md §4.2). fraction = 1 is one plain pause of `slowdown_s`.
   network delay     windows of `net_delay_s` with `net_latency_s` of added one-way latency.
   network drops     every connection through the proxy reset at once (skipped during a partition).
   partitions        windows of `net_partition_s`; params carry the proxy's partition mode.
   syncer kills      at explicit times, restarted after syncer_restart_delay_s.
 Completions (restart, resume, clear, heal) always follow their cause, also past duration_s.
 
-Why `min_up` counts learners that are up (a paused process is up): with min_up ≥ K (SPEC §4.1) a
+Why `min_up` counts learners that are up (a paused process is up): with min_up ≥ K (docs/algorithm.md §4.1) a
 quorum of K stays possible whenever the syncer is up, which is what "zero global downtime" asks for.
 """
 

@@ -1,6 +1,6 @@
-"""One learner's orbax checkpoints: inner optimizer state, data position and counters (SPEC §6).
+"""One learner's orbax checkpoints: inner optimizer state, data position and counters (docs/algorithm.md §6).
 
-A restarted learner takes its parameters from the syncer's global fragments (SPEC §6) and the rest of
+A restarted learner takes its parameters from the syncer's global fragments (docs/algorithm.md §6) and the rest of
 its state from here. What a checkpoint holds, and why:
 
 - **Inner optimizer state** (`opt_state`): the sharded AdamW moments and schedule count, saved and
@@ -12,7 +12,7 @@ its state from here. What a checkpoint holds, and why:
   (the layout covers the whole tree, and `Learner.load_global` never mixes, whatever α), so saved
   parameters would never be read; leaving them out makes a checkpoint a third smaller.
 - **Not the per-fragment counters.** A restarted learner has received no fragment yet, so its reports
-  weigh 0 until it has (SPEC §3); `load_global` restarts the counters from that receipt.
+  weigh 0 until it has (docs/algorithm.md §3); `load_global` restarts the counters from that receipt.
 
 Saves are asynchronous (orbax copies the arrays to host memory before `save` returns, so the next
 train step may donate them) and atomic (orbax writes `<step>.orbax-checkpoint-tmp` and renames it

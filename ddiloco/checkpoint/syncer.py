@@ -1,4 +1,4 @@
-"""The syncer's durable state: orbax checkpoints of the whole core plus a merge journal (SPEC §6).
+"""The syncer's durable state: orbax checkpoints of the whole core plus a merge journal (docs/algorithm.md §6).
 
 A syncer killed at any moment restarts from two things in its workdir:
 
@@ -276,7 +276,7 @@ def restore_core(
   fragment whose journal is ahead is republished as journal version + 1, and that version is
   journaled (durably) before anything is served. Every learner is marked not alive: they all
   re-register (their heartbeats say so), which resets what was delivered to them, so their next
-  reports of a fragment weigh 0 until they have its restored version (SPEC §3).
+  reports of a fragment weigh 0 until they have its restored version (docs/algorithm.md §3).
 
   With `defer`, a fragment whose newest journaled version has other values than the restored ones
   (a merge the kill lost) is not republished but left at its restored version and listed in

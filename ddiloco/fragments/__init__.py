@@ -1,6 +1,6 @@
 """ddiloco.fragments: flat parameter views, fragment layouts, the streaming schedule, wire codecs.
 
-SPEC §2 (layouts, schedule), §4.7 (digests), §5 (compression).
+docs/algorithm.md §2 (layouts, schedule), §4.7 (digests), §5 (compression).
 """
 
 from ddiloco.fragments.compression import (

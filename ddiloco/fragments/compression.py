@@ -1,18 +1,18 @@
-"""Wire codecs for outer gradients and fragment updates: fp32, bf16, int8, int4 (SPEC §5).
+"""Wire codecs for outer gradients and fragment updates: fp32, bf16, int8, int4 (docs/algorithm.md §5).
 
 Integer codecs quantize block-wise: the array is flattened (C order) and cut into blocks of
 `block_size` values (the last block may be partial); each block has one absmax scale
 s = absmax / qmax (qmax = 127 for int8, 7 for int4) and values are rounded to q = rint(x / s) in the
 symmetric range [-qmax, qmax]. Decoding is q · s in float32.
 
-Decisions (SPEC §5):
+Decisions (docs/algorithm.md §5):
   * Scales are float32 (4 bytes per block, 0.5 bit/value at block 64): bf16 scales would add a
     relative error of up to 2^-9 on every value of a block for 2 bytes saved per block.
   * int4 packs two values per byte over the whole flattened array (not per block): value 2i in the
     low nibble, 2i+1 in the high nibble, stored as q + 8 (so 8 is zero and 0 is never produced); an
     odd count pads the last high nibble with 8.
   * All bytes are little-endian and decoding is a single IEEE float32 multiply per value, so every
-    process decodes bit-identical values: the syncer adopts exactly what learners decode (SPEC §5).
+    process decodes bit-identical values: the syncer adopts exactly what learners decode (docs/algorithm.md §5).
   * Non-finite input raises ValueError: a NaN must never reach the global state silently.
   * `Encoded.nbytes` counts payload and scales only; names, shapes and framing are the transport's.
   * Large arrays are encoded and decoded in runs of `RUN_VALUES` values (`encode_runs`,
@@ -319,7 +319,7 @@ class Codec:
       raise ValueError(f"{what} has {nbytes} bytes, expected {expected}.")
 
   def roundtrip(self, x: np.ndarray) -> np.ndarray:
-    """Returns decode(encode(x)): the value the receiver will hold (SPEC §5 "adopt the dequantized")."""
+    """Returns decode(encode(x)): the value the receiver will hold (docs/algorithm.md §5 "adopt the dequantized")."""
     return self.decode(self.encode(x))
 
 

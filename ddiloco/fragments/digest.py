@@ -1,12 +1,12 @@
 """Digests of parameter fragments, so learners and the syncer can prove they hold identical bits.
 
-SPEC §4.7: every published fragment carries a digest; learners recompute it on what they applied.
+docs/algorithm.md §4.7: every published fragment carries a digest; learners recompute it on what they applied.
 
 The digest guards against accidental divergence (a codec, dtype, sharding or apply bug; corrupted
 bytes), not against an adversary: the channel itself is authenticated (token, optional TLS). So it
 is XXH3-128, a non-cryptographic 128-bit hash made for checksumming, rather than SHA-256: on a
 16 MiB fragment it takes ~0.35 ms here against ~9.9 ms, and the syncer hashes every merged version
-and every learner every applied one (issue 3's merge benchmark: the digest was a quarter of a merge).
+and every learner every applied one (scripts/bench_merge.py: the digest was a quarter of a merge).
 """
 
 from collections.abc import Mapping

@@ -1,4 +1,4 @@
-"""Fragment layouts: which parameter tensors (or pieces of them) travel together (SPEC §2).
+"""Fragment layouts: which parameter tensors (or pieces of them) travel together (docs/algorithm.md §2).
 
 A layout partitions the flat parameter dict ({"block_0/attn/query/kernel": array, ...}, see tree.py)
 into P fragments. It is a pure function of the leaves' names, shapes and dtypes, so every learner and
@@ -11,7 +11,7 @@ key "path@start:stop" (rows [start, stop) of the leaf). `split`/`select` cut lea
 may not appear in leaf paths.
 
 Strategies (`make_layout`):
-  * "balanced": LPT greedy bin packing by bytes (SPEC §2): items sorted by size descending, ties by
+  * "balanced": LPT greedy bin packing by bytes (docs/algorithm.md §2): items sorted by size descending, ties by
     key, each put into the currently smallest fragment, ties by lowest index. The peak fragment is
     within 4/3 of the optimal peak.
   * "layer": strided blocks as Streaming DiLoCo. A leaf whose path has a component "block_<i>" (the
@@ -60,7 +60,7 @@ def _digest(
   shapes: Mapping[str, tuple[int, ...]],
   dtypes: Mapping[str, str],
 ) -> str:
-  # Canonical JSON of names, shapes, dtypes and assignment (SPEC §2). The strategy name is left out on
+  # Canonical JSON of names, shapes, dtypes and assignment (docs/algorithm.md §2). The strategy name is left out on
   # purpose: two layouts with the same assignment are interchangeable on the wire.
   doc = {
     "fragments": [list(f) for f in fragments],
@@ -107,7 +107,9 @@ class FragmentLayout:
     owner: dict[str, int] = {}
     for p, keys in enumerate(fragments):
       if not keys:
-        raise ValueError(f"Fragment {p} is empty; empty fragments are not allowed (SPEC §2).")
+        raise ValueError(
+          f"Fragment {p} is empty; empty fragments are not allowed (docs/algorithm.md §2)."
+        )
       for k in keys:
         if k in owner:
           raise ValueError(f"Key {k!r} is in fragments {owner[k]} and {p}.")
@@ -251,7 +253,7 @@ class FragmentLayout:
     return out
 
   def assign(self, flat: Mapping[str, Any], p: int, values: Mapping[str, Any]) -> dict[str, Any]:
-    """Returns a copy of `flat` (full leaves) with fragment `p` replaced by `values` (SPEC §3 overwrite).
+    """Returns a copy of `flat` (full leaves) with fragment `p` replaced by `values` (docs/algorithm.md §3 overwrite).
 
     Pieces are written into their rows of the full leaf (numpy arrays are copied, never mutated).
 
@@ -366,14 +368,14 @@ def make_layout(
   strategy: str = "balanced",
   split_large: bool = False,
 ) -> FragmentLayout:
-  """Builds a deterministic fragment layout from leaf shapes and dtypes alone (SPEC §2).
+  """Builds a deterministic fragment layout from leaf shapes and dtypes alone (docs/algorithm.md §2).
 
   Args:
     shapes: leaf path -> anything with `.shape` and `.dtype` (np/jax arrays, jax.ShapeDtypeStruct).
     num_fragments: P >= 1; for "tensor", 0 means one fragment per leaf.
     strategy: "balanced", "layer" or "tensor" (see the module docstring).
     split_large: cut every leaf larger than total/P bytes along axis 0 into ceil(bytes·P/total)
-      near-equal pieces (at most one per row) before assigning (SPEC §2 decision: off by default).
+      near-equal pieces (at most one per row) before assigning (docs/algorithm.md §2 decision: off by default).
 
   Returns:
     The layout.

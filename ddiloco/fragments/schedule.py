@@ -1,4 +1,4 @@
-"""When each fragment is sent, and when the merged result is applied (SPEC §2, §3).
+"""When each fragment is sent, and when the merged result is applied (docs/algorithm.md §2, §3).
 
 Steps count *completed* inner steps: after the learner's first optimizer update t = 1. Fragment p has
 offset t_p = floor(p·H/P) and is due after step t when t >= 1 and (t − t_p) mod H == 0. So fragment 0
@@ -17,7 +17,7 @@ import gin
 @gin.configurable(module="ddiloco")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FragmentSchedule:
-  """The streaming schedule: P fragments, period H, overlap τ (SPEC §2 defaults P = H = 24, τ = 2).
+  """The streaming schedule: P fragments, period H, overlap τ (docs/algorithm.md §2 defaults P = H = 24, τ = 2).
 
   Attributes:
     num_fragments: P >= 1.

@@ -1,4 +1,4 @@
-"""`ChaosRun`: a `LocalCluster` driven through a fault schedule, recorded on an event tape (issue 4).
+"""`ChaosRun`: a `LocalCluster` driven through a fault schedule, recorded on an event tape.
 
 The driver starts the syncer, a loopback proxy in front of it (learners reach the syncer only
 through the proxy, so network faults hit them) and M learners; then it executes the schedule of
@@ -326,7 +326,7 @@ class ChaosRun:
   def summary(self, baseline_loss: float | None = None) -> dict[str, Any]:
     """Invariants and headline figures from the tape and the processes' summaries.
 
-    Goodput of a learner (issue 4: the fraction of its time spent on steps that reached the global
+    Goodput of a learner (the fraction of its time spent on steps that reached the global
     model) is `time_fraction` × `merged_fraction`: the time its surviving steps took (final step
     count times its median logged step time: repeated, paused, blocked and down time excluded) over its
     provisioned time (first start to done), times the share of those steps' work that its token

@@ -1,6 +1,6 @@
 """The fleet control channel: `ddiloco-fleet` asks a running `ddiloco-local` to add/remove learners.
 
-Elastic scavenging (SPEC §6: "extra learners may join mid-run and leave again") needs a way to
+Elastic scavenging (docs/algorithm.md §6: "extra learners may join mid-run and leave again") needs a way to
 reach a launcher that is already running. This is a spool folder, `<workdir>/control/`, chosen
 over a socket because it needs no port, no auth beyond file permissions (the workdir is the job's)
 and survives either side crashing:

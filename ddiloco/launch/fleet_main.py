@@ -4,7 +4,7 @@
   ddiloco-fleet --workdir=W remove --learner_id=4 [--timeout_s=60]
   ddiloco-fleet --workdir=W list
 
-Elastic scavenging (SPEC §6): spare compute joins the job as extra learners, with their own device
+Elastic scavenging (docs/algorithm.md §6): spare compute joins the job as extra learners, with their own device
 count, batch size and step count, and leaves again. The command talks to the launcher through the
 workdir's control folder (launch/fleet.py); it fails at once when no launcher runs there, and the
 launcher refuses bad requests (unknown learner, id in use, a batch that does not split over the

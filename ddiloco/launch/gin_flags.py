@@ -11,6 +11,8 @@ from collections.abc import Sequence
 import gin
 from absl import flags
 
+from ddiloco.launch import configs
+
 _GIN_FILE = flags.DEFINE_multi_string("gin_file", [], "gin config file(s); repeatable.")
 _GIN_BINDINGS = flags.DEFINE_multi_string(
   "gin_bindings", [], "gin bindings KEY=VALUE; `--gin.KEY=VALUE` is the short form."
@@ -65,7 +67,7 @@ def flags_parser(argv: Sequence[str]) -> list[str]:
 
 def forwarded_args() -> list[str]:
   """This command line's gin flags, with absolute paths, to forward verbatim to child processes."""
-  out = [f"--gin_file={os.path.abspath(f)}" for f in _GIN_FILE.value]
+  out = [f"--gin_file={configs.resolve(f)}" for f in _GIN_FILE.value]
   out += [f"--gin_bindings={b}" for b in _GIN_BINDINGS.value]
   out += [f"--gin_search_paths={os.path.abspath(p)}" for p in _GIN_SEARCH_PATHS.value]
   return out
@@ -79,16 +81,19 @@ def parse_gin(workdir: str | None = None) -> str:
   """
   for path in _GIN_SEARCH_PATHS.value:
     gin.add_config_file_search_path(path)
+  # A name like "local_tiny.gin" is a shipped config when no such file is here (launch/configs.py).
+  files = [configs.resolve(f) for f in _GIN_FILE.value]
   # Includes are written relative to the config folder ("models/tiny.gin"), so a file and its parent
   # folder are searched too: gin_configs/runs/x.gin can include "models/tiny.gin".
-  for path in _GIN_FILE.value:
+  for path in files:
     folder = os.path.dirname(os.path.abspath(path))
     gin.add_config_file_search_path(folder)
     gin.add_config_file_search_path(os.path.dirname(folder))
-  if not _GIN_FILE.value:
+  configs.add_search_path()  # Last: the shipped configs' includes, from any folder.
+  if not files:
     raise ValueError("At least one --gin_file is required.")
   register_configurables()
-  gin.parse_config_files_and_bindings(_GIN_FILE.value, _GIN_BINDINGS.value, finalize_config=False)
+  gin.parse_config_files_and_bindings(files, _GIN_BINDINGS.value, finalize_config=False)
   text = gin.config_str()
   if workdir:
     os.makedirs(workdir, exist_ok=True)

@@ -1,4 +1,4 @@
-r"""`ddiloco-goodput`: fleet-scale goodput simulator and bandwidth model (SPEC.md §7).
+r"""`ddiloco-goodput`: fleet-scale goodput simulator and bandwidth model (docs/algorithm.md §7).
 
   ddiloco-goodput --workdir=/tmp/goodput --gin_file=gin_configs/goodput/paper_table.gin
   ddiloco-goodput --workdir=/tmp/bandwidth --gin_file=gin_configs/goodput/bandwidth.gin

@@ -30,7 +30,7 @@ class JobConfig:
     model: the transformer of a text run (vocab is set from the tokenizer); with `data`.
     data: the text pipeline of a text run; with `model`.
     task: what to train (`ddiloco.tasks`), instead of `model` and `data`.
-    schedule: fragments P, period H, overlap τ (default SPEC §2's 24/24/2).
+    schedule: fragments P, period H, overlap τ (default docs/algorithm.md §2's 24/24/2).
     syncer: quorum, grace, merge, outer optimizer.
     learner: α and blocking.
     inner_opt: inner AdamW.
@@ -82,7 +82,7 @@ class JobConfig:
     if self.the_syncer().overlap != overlap:
       raise ValueError(
         f"SyncerConfig.overlap ({self.the_syncer().overlap}) must equal FragmentSchedule.overlap "
-        f"({overlap}): the grace window spends the slack that τ hides (SPEC §4.2)."
+        f"({overlap}): the grace window spends the slack that τ hides (docs/algorithm.md §4.2)."
       )
 
   def the_schedule(self) -> FragmentSchedule:

@@ -13,13 +13,13 @@ of `ddiloco-simulate`) and `loss.png` (loss over time per learner, with merge ev
 A run starts fresh: the previous run's process folders in `--workdir` are removed first. With
 `--resume` they are kept, and the syncer and learners continue from their checkpoints.
 
-Elastic scavenging (SPEC §6): while it runs, `ddiloco-fleet --workdir=W add|remove|list` adds
+Elastic scavenging (docs/algorithm.md §6): while it runs, `ddiloco-fleet --workdir=W add|remove|list` adds
 learners (own devices, batch size, steps), removes them gracefully and lists the fleet
 (launch/fleet.py; docs/resilience.md). The job ends when every learner still in the fleet has
 finished; summary.json's "membership" lists every join and leave and "syncer_alive_at_end" the
 syncer's last membership.
 
-Multi-process learners (a learner on a multi-host slice, SPEC §1):
+Multi-process learners (a learner on a multi-host slice, docs/algorithm.md §1):
 `JobConfig.processes_per_learner = N` (or `--processes_per_learner=N`) starts every learner as N
 processes joined by jax.distributed, each with `JobConfig.devices_per_learner` fake CPU devices. A
 learner is one unit: when one of its processes dies the launcher kills the others, and progress

@@ -5,7 +5,7 @@ terminal's Ctrl-C reaches only the launcher, which then stops them in order) wit
 (so they die with the launcher even if it is SIGKILLed): launch/processes.py. `stop_all` sends
 SIGTERM, waits, then SIGKILLs whatever is left.
 
-Elastic scavenging (SPEC §6): learners can join a running job (`add_learner`, with their own device
+Elastic scavenging (docs/algorithm.md §6): learners can join a running job (`add_learner`, with their own device
 count, batch size and steps) and leave it again (`remove_learner`: SIGTERM, so the learner saves,
 flushes, calls Leave and exits 0). `run` serves `ddiloco-fleet` requests (launch/fleet.py) from its
 progress loop, ends when every learner still in the fleet has finished, and records every join and
@@ -13,7 +13,7 @@ leave in summary.json's "membership". An added learner with id m reads data shar
 JobConfig.num_learners): the shard of learner m mod M, so scavenged compute repeats data that the
 fleet also reads (docs/resilience.md "Elastic scavenging (real processes)").
 
-Multi-process learners (`JobConfig.processes_per_learner` = N > 1; SPEC §1, a learner on a
+Multi-process learners (`JobConfig.processes_per_learner` = N > 1; docs/algorithm.md §1, a learner on a
 multi-host slice): learner m is N `ddiloco-learner` processes joined by `jax.distributed` (a fresh
 coordinator port per start), each with `devices_per_learner` fake CPU devices, process i writing to
 `learner_m/process_i` (process 0 to `learner_m`). The learner is a unit (`processes.ProcessUnit`,
@@ -303,7 +303,7 @@ class LocalCluster:
       for i in range(n)
     ]
 
-  # -- elastic membership (SPEC §6 scavenging) ---------------------------------------------------
+  # -- elastic membership (docs/algorithm.md §6 scavenging) ---------------------------------------------------
 
   def _record(self, event: str, learner_id: int, **fields: Any) -> None:
     now = time.time()
@@ -357,7 +357,7 @@ class LocalCluster:
     steps: int | None = None,
     extra_args: Sequence[str] = (),
   ) -> int:
-    """Adds a learner to the running job (scavenging, SPEC §6); returns its id.
+    """Adds a learner to the running job (scavenging, docs/algorithm.md §6); returns its id.
 
     The new learner registers with the syncer, takes the current global fragments and trains
     until `steps` or `remove_learner`. Its crash is recorded, not raised: spare compute may vanish.
@@ -462,7 +462,7 @@ class LocalCluster:
   def remove_learner(
     self, learner_id: int, *, timeout_s: float = fleet_lib.DEFAULT_REMOVE_TIMEOUT_S
   ) -> dict[str, Any]:
-    """Removes a learner gracefully and waits until it is gone (SPEC §6: learners may leave).
+    """Removes a learner gracefully and waits until it is gone (docs/algorithm.md §6: learners may leave).
 
     SIGTERM makes the learner finish its step, save a checkpoint, flush its pushes, call Leave
     (the syncer drops it from its membership at once) and exit 0; after `timeout_s` it is

@@ -3,7 +3,7 @@
 `Launch` is one process to start. `spawn` starts it in its own session (a terminal's Ctrl-C reaches
 only the launcher, which then stops its children in order) with PR_SET_PDEATHSIG (so it dies with
 the launcher even if that is SIGKILLed). `ProcessUnit` holds the N processes of a multi-process
-learner (SPEC §1, a learner on a multi-host slice) and acts as one Popen: `signal_group` reaches all
+learner (docs/algorithm.md §1, a learner on a multi-host slice) and acts as one Popen: `signal_group` reaches all
 N; once one exits with an error or is killed, the rest are SIGKILLed at once (a process waiting in
 a collective for a dead peer would hang forever), and once one exits 0 the others get
 `ProcessUnit.exit_grace_s` to finish too. Used by launch/local_cluster.py.

@@ -1,4 +1,4 @@
-"""`ddiloco-replay`: replays a real chaos run's event tape on the simulated cluster (issue 4, part 6).
+"""`ddiloco-replay`: replays a real chaos run's event tape on the simulated cluster.
 
   ddiloco-replay --tape=workdirs/chaos10/k1/chaos/tape.jsonl --gin_file=gin_configs/sim_tiny.gin \
       --workdir=workdirs/replay_k1

@@ -48,7 +48,7 @@ class SyncerRun:
     os.makedirs(workdir, exist_ok=True)
     self.factory = job.factory()
     self.layout = self.factory.layout
-    self.writer = MetricsWriter(workdir, tensorboard=False)
+    self.writer = MetricsWriter(workdir)
     self.writer.event(
       "config",
       time=time.time(),
@@ -156,8 +156,28 @@ class SyncerRun:
       lost_merges=0 if how == "recovered" or lost is None else lost[3],
     )
 
+  def _fleet_tokens(self) -> int:
+    """The tokens the fleet reported so far: the x-axis of the syncer's TensorBoard scalars.
+
+    The token ledger counts token-fragments (learner/ledger.py): divided by P, tokens. Read without
+    the service's lock (a merge hook runs under it); a counter read is atomic.
+    """
+    return self.service.core.stats()["ledger_received"] // self.layout.num_fragments
+
   def _on_merge(self, ev: MergeEvent) -> None:
     self.merge_times.append([round(time.time(), 4), ev.fragment, ev.version, len(ev.contributors)])
+    stats = self.service.core.stats()
+    self.writer.scalars(
+      {
+        "syncer/merges": len(self.merge_times),
+        "syncer/quorum_size": len(ev.contributors),
+        "syncer/grace_window_s": ev.grace_s,
+        "syncer/quorum_s": ev.quorum_time - ev.open_time,
+        "syncer/late_reports": stats["late"],
+        "syncer/rejected_reports": stats["rejected"],
+      },
+      tokens=stats["ledger_received"] // self.layout.num_fragments,
+    )
     self.writer.event(
       "merge",
       time=round(time.time(), 4),
@@ -194,6 +214,17 @@ class SyncerRun:
     self.evals.append((time.time(), merges, loss))
     aux = {k: float(v) for k, v in metrics.items() if k != "loss"}  # e.g. accuracy, moe_aux_loss
     self.writer.event("eval", time=round(time.time(), 4), merges=merges, loss=loss, **aux)
+    up, down = self.service.traffic()
+    self.writer.scalars(
+      {
+        "eval/loss": loss,
+        **{f"eval/{k}": v for k, v in aux.items()},
+        "traffic/bytes_up": up,
+        "traffic/bytes_down": down,
+      },
+      tokens=self._fleet_tokens(),
+    )
+    self.writer.flush()
     return loss
 
   def loop(self, stop: threading.Event, *, until: float | None = None) -> None:
@@ -294,7 +325,7 @@ def make_learner_worker(
       opt_target=abstract_opt_state(learner.steps, learner.params),
       layout_digest=factory.layout.digest,
     )
-  writer = MetricsWriter(workdir, tensorboard=False)
+  writer = MetricsWriter(workdir)
   worker = LearnerWorker(
     learner=learner,
     data=data,

@@ -1,4 +1,4 @@
-"""One learner's state and its side of the round protocol (SPEC §3), free of transports and clocks.
+"""One learner's state and its side of the round protocol (docs/algorithm.md §3), free of transports and clocks.
 
 The simulated cluster and the learner process both drive this object:
 
@@ -51,7 +51,7 @@ class LearnerConfig:
   """Learner-side protocol knobs.
 
   Attributes:
-    mixing_alpha: θ_p ← (1 − α)·Θ_p + α·θ_p on apply (SPEC §3); 0 overwrites.
+    mixing_alpha: θ_p ← (1 − α)·Θ_p + α·θ_p on apply (docs/algorithm.md §3); 0 overwrites.
     blocking: answer a round when this learner's own step reaches the round's step, and wait at
       answer + τ until the merge has arrived. True only for the synchronous baselines (DiLoCo,
       Streaming DiLoCo, K = M); Decoupled DiLoCo never waits.
@@ -128,8 +128,8 @@ class Learner:
     self.step = 0
     self.phase = 0  # Schedule offset: this learner's step on the fleet's clock (align_phase).
     num = layout.num_fragments
-    self.tokens = np.zeros(num, np.int64)  # SPEC §3 counters[p].tokens
-    self.step_counts = np.zeros(num, np.int64)  # SPEC §3 counters[p].steps
+    self.tokens = np.zeros(num, np.int64)  # docs/algorithm.md §3 counters[p].tokens
+    self.step_counts = np.zeros(num, np.int64)  # docs/algorithm.md §3 counters[p].steps
     self.anchor = np.full(num, -1, np.int64)  # Version of p last applied; -1 = never received.
     self.applied_digest: dict[int, str] = {}  # p -> digest of θ_p read back after an α = 0 apply.
     self.ledger = TokenLedger(num)  # Where each trained token went (ledger.py).
@@ -142,7 +142,7 @@ class Learner:
     self._shardings = jax.tree_util.tree_leaves(
       steps.param_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
     )
-    # The leaves each fragment touches (split tensors are keyed "path@start:stop"; SPEC §2).
+    # The leaves each fragment touches (split tensors are keyed "path@start:stop"; docs/algorithm.md §2).
     self._leaf_names = [
       sorted({layout_lib.parse_key(k)[0] for k in keys}) for keys in layout.fragments
     ]
@@ -158,7 +158,7 @@ class Learner:
     devices = jax.tree_util.tree_leaves(params)[0].sharding.device_set if self._index else set()
     self.snapshot_by_reference = all(d.platform == "cpu" for d in devices)
     self._keep_params = False  # The next train step must not donate the parameters.
-    # Digest checks of applies (SPEC §4.7): read back at once, or, with `defer_digests` on CPU
+    # Digest checks of applies (docs/algorithm.md §4.7): read back at once, or, with `defer_digests` on CPU
     # (snapshot_by_reference; a learner process sets it), once the written arrays are ready: the
     # read-back waited there for the step in flight, like the snapshot's copy. `verified_applies`
     # hands the checks out in apply order.
@@ -211,7 +211,7 @@ class Learner:
     self.opt_state = train_step_lib.schedule_at_least(self.opt_state, max(int(fleet_step), 0))
 
   def ask(self, request: RoundRequest) -> None:
-    """Records that the syncer asked for fragment p in round (p, t) (SPEC §3).
+    """Records that the syncer asked for fragment p in round (p, t) (docs/algorithm.md §3).
 
     Ignored if this learner already holds (or has received) a version newer than the round's base:
     that round has merged. A newer round of p replaces an unanswered older one.
@@ -264,7 +264,7 @@ class Learner:
     return self.layout.select({k: np.asarray(v) for k, v in zip(self._leaf_names[p], host)}, p)
 
   def make_report(self, p: int, *, step_time_s: float = 0.0) -> Report:
-    """The report of fragment p (SPEC §3 send), recording it as outstanding."""
+    """The report of fragment p (docs/algorithm.md §3 send), recording it as outstanding."""
     return self._record_send(p, self.fragment_values(p), step_time_s)
 
   def snapshot_report(
@@ -380,7 +380,7 @@ class Learner:
     return applied
 
   def load_global(self, states: Iterable[FragmentState]) -> None:
-    """Overwrites fragments with the syncer's global values (start, rejoin): SPEC §6.
+    """Overwrites fragments with the syncer's global values (start, rejoin): docs/algorithm.md §6.
 
     Counters restart, nothing is outstanding, and each fragment's anchor becomes the given version.
     """
@@ -406,7 +406,9 @@ class Learner:
     pieces: dict[str, list[tuple[int, int, np.ndarray]]] = {}
     for key, value in values.items():
       leaf_key, start, stop = layout_lib.parse_key(key)
-      if start is not None:  # A piece of a tensor split along axis 0 (SPEC §2, off by default).
+      if (
+        start is not None
+      ):  # A piece of a tensor split along axis 0 (docs/algorithm.md §2, off by default).
         pieces.setdefault(leaf_key, []).append((start, stop, value))
         continue
       i = self._index[leaf_key]
@@ -420,7 +422,7 @@ class Learner:
     self.params = jax.tree_util.tree_unflatten(self._treedef, leaves)
 
   def _record_digest(self, p: int, *, mixed: bool = True) -> None:
-    """Digest of what this learner now holds for p, read back from its devices (SPEC §4.7).
+    """Digest of what this learner now holds for p, read back from its devices (docs/algorithm.md §4.7).
 
     Comparing it with the syncer's digest proves the bits arrived intact (pieces, dtypes, shardings).
     After an α > 0 mix the learner holds its own blend, so there is nothing to compare.

@@ -1,6 +1,6 @@
 """A learner's token ledger: where every token it trained went, fragment by fragment.
 
-Each inner step trains every fragment on the batch's tokens (SPEC §3), so for each fragment p the
+Each inner step trains every fragment on the batch's tokens (docs/algorithm.md §3), so for each fragment p the
 learner's trained tokens are followed, as `new_tokens` of the reports that carry them, to one fate:
 
   unsent      trained since the last report of p; still only on this learner.
@@ -10,7 +10,7 @@ learner's trained tokens are followed, as `new_tokens` of the reports that carry
               published: the tokens' progress on p reached the global model.
   dropped     never will: the report was late, a duplicate, weight 0 or refused; the round was lost in
               a syncer restart; or the learner overwrote its unsent progress on p with the global values
-              (an α = 0 apply, SPEC §3, or a (re)load at registration).
+              (an α = 0 apply, docs/algorithm.md §3, or a (re)load at registration).
 
 so that, for every p, trained = unsent + awaiting + pending + merged + dropped, where "in flight" is
 unsent + awaiting + pending. The syncer books the same reports on its side (`SyncerCore.ledger`):
@@ -21,7 +21,7 @@ merged_steps[p] >= s; once version(p) >= r without that, the round was lost (a r
 
 Counts are in token-fragments; `totals` also gives them per fragment on average (divide by P), and
 `merged_fraction`, the share of trained work that reached the global model: the learner's goodput in
-the issue's sense of "steps that reached the global model".
+the sense of "steps that reached the global model".
 """
 
 import dataclasses

@@ -1,6 +1,6 @@
 """One learner formed by several JAX processes: process 0 talks to the syncer, the others follow.
 
-A learner on a multi-host slice is one multi-controller JAX job (SPEC §1): its mesh spans the devices
+A learner on a multi-host slice is one multi-controller JAX job (docs/algorithm.md §1): its mesh spans the devices
 of all its processes, so every process must launch the same computations (train steps, snapshot
 copies, digest read-backs: collectives) in the same order, and all must hold bit-identical parameters.
 `MultihostWorker` keeps that invariant on top of `LearnerWorker`:
@@ -117,7 +117,7 @@ class MultihostWorker(LearnerWorker):
   # -- connection -----------------------------------------------------------------------------
 
   def connect(self) -> None:
-    """Leader: registers and pulls; then every process loads the same global fragments (SPEC §6).
+    """Leader: registers and pulls; then every process loads the same global fragments (docs/algorithm.md §6).
 
     Raises:
       RuntimeError: on a follower, if the leader failed to connect.
@@ -279,7 +279,8 @@ def make_multihost_worker(
       layout_digest=factory.layout.digest,
       group=group,
     )
-  writer = MetricsWriter(workdir, tensorboard=False)
+  # One TensorBoard run per learner: process 0's (the others' curves would repeat it).
+  writer = MetricsWriter(workdir, tensorboard=jax.process_index() == 0)
   worker = MultihostWorker(
     group=group,
     learner=learner,

@@ -1,8 +1,8 @@
-"""The learner's inner step: a pure, jitted, sharded AdamW update (SPEC §3).
+"""The learner's inner step: a pure, jitted, sharded AdamW update (docs/algorithm.md §3).
 
 The step is compiled once with pinned input and output shardings (parameters, optimizer state, batch),
 so later steps never recompile (a test asserts the jit cache holds one entry after several steps).
-It knows nothing about fragments, syncers or clocks (ARCHITECTURE.md "dependency rule"), and nothing
+It knows nothing about fragments, syncers or clocks (docs/architecture.md "dependency rule"), and nothing
 about what is trained: the loss comes from a `ddiloco.tasks.Task` (a bare language-model module is
 still accepted and trained with `loss_fn`, the text task's loss).
 """
@@ -166,7 +166,7 @@ class CompiledSteps:
   leaves (step counts) are replicated. Without pinning both sides, the second call recompiles.
 
   The train step's metrics are {"loss": the objective, "tokens": the batch's count of merge units
-  (target tokens or examples; the name is kept because it feeds token-weighted merging, SPEC
+  (target tokens or examples; the name is kept because it feeds token-weighted merging, docs/algorithm.md
   §4.4), "grad_norm", **the task's aux metrics}.
 
   Args:

@@ -1,4 +1,4 @@
-"""A learner process's loop: train without ever waiting on the network (SPEC §3, ARCHITECTURE.md).
+"""A learner process's loop: train without ever waiting on the network (docs/algorithm.md §3, docs/architecture.md).
 
 Five threads share one `Learner`, which only the training thread touches:
 
@@ -25,7 +25,7 @@ fetches the global model, waits (up to `connect_timeout_s`).
 
 With a `LearnerCheckpointer`, `connect` first restores the step, inner optimizer state and data
 position (own checkpoint, a peer's, or fresh: checkpoint/learner.py), then loads the global fragments,
-which overwrite every parameter (SPEC §6). The training thread saves every `save_every_steps` steps
+which overwrite every parameter (docs/algorithm.md §6). The training thread saves every `save_every_steps` steps
 (asynchronously) and once more when it stops gracefully; docs/resilience.md states what a crash
 repeats and loses.
 """
@@ -204,9 +204,12 @@ class LearnerWorker:
     self._waits = 0  # Iterations of `_wait_for_merges` (a multi-process learner shares at each).
     self.registrations = 0
     self.recoveries = 0  # Fragments handed back to a restarted syncer that had lost them.
+    self.last_staleness_steps = 0
     self.unreachable_s = 0.0
     self.losses: list[tuple[int, float, float]] = []  # (step, time, loss)
-    self.zero_weight_pushes = 0  # Accepted with weight 0 (SPEC §3: not received since registering).
+    self.zero_weight_pushes = (
+      0  # Accepted with weight 0 (docs/algorithm.md §3: not received since registering).
+    )
     self.checkpointer = checkpointer
     # "own:<step>", "peer:<id>:<step>" or "fresh" once restored; None before.
     self.restored_from: str | None = None
@@ -216,7 +219,7 @@ class LearnerWorker:
   # -- connection -----------------------------------------------------------------------------
 
   def restore(self) -> str:
-    """Restores step, inner optimizer state, data position and token count (SPEC §6).
+    """Restores step, inner optimizer state, data position and token count (docs/algorithm.md §6).
 
     Along the checkpointer's chain own → peer → fresh (checkpoint/learner.py); without a
     checkpointer the learner starts fresh. The parameters are not restored: `connect` loads the
@@ -253,7 +256,7 @@ class LearnerWorker:
     return self.restored_from
 
   def connect(self) -> None:
-    """Restores (once), registers and loads the global model (blocking, the only wait; SPEC §6).
+    """Restores (once), registers and loads the global model (blocking, the only wait; docs/algorithm.md §6).
 
     Raises:
       TimeoutError: if the syncer did not answer within `connect_timeout_s`.
@@ -298,7 +301,9 @@ class LearnerWorker:
     talk to the syncer, load the same fragments (learner/multihost.py).
     """
     self.learner.load_global(loaded)
-    for state in loaded:  # What the devices now hold must be the syncer's bits (SPEC §4.7).
+    for (
+      state
+    ) in loaded:  # What the devices now hold must be the syncer's bits (docs/algorithm.md §4.7).
       if self.learner.applied_digest.get(state.fragment) != state.digest:
         self.digest_mismatches += 1
         log.error("learner %d: global fragment %d digest mismatch", self.id, state.fragment)
@@ -309,7 +314,7 @@ class LearnerWorker:
   def register(self):
     """Registers with the syncer: a new epoch there, so nothing counts as delivered until pulled.
 
-    Until this learner has pulled fragment p again, its reports of p weigh 0 (SPEC §3). `connect`
+    Until this learner has pulled fragment p again, its reports of p weigh 0 (docs/algorithm.md §3). `connect`
     registers and pulls everything; the comm thread re-registers when the syncer forgot us.
 
     Returns:
@@ -445,7 +450,7 @@ class LearnerWorker:
         self._stop.wait(backoff.next_delay())
 
   def _round_loop(self) -> None:
-    """Holds the Rounds stream: queues round requests, pulls announced versions (SPEC §3)."""
+    """Holds the Rounds stream: queues round requests, pulls announced versions (docs/algorithm.md §3)."""
     backoff = Backoff(seed=2000 + self.id)
     while not self._stop.is_set():
       if self._need_register.is_set():
@@ -605,6 +610,8 @@ class LearnerWorker:
   def _send_due(self) -> None:
     for p in self.learner.due():
       report, fetch = self.learner.snapshot_report(p, step_time_s=self.step_time_s)
+      # Inner steps θ_p trained away from the last global version applied (TensorBoard).
+      self.last_staleness_steps = report.steps
       now = time.monotonic()
       asked_at = self._asked_at.pop((p, report.round_step), None)
       for key in [k for k in self._asked_at if k[0] == p and k[1] < report.round_step]:
@@ -626,7 +633,7 @@ class LearnerWorker:
     self._check_applies()
 
   def _wait_for_merges(self) -> None:
-    """`blocking` only: waits at answer + τ until the round's merge has arrived (SPEC §3)."""
+    """`blocking` only: waits at answer + τ until the round's merge has arrived (docs/algorithm.md §3)."""
     t0 = time.monotonic()
     while self.learner.blocked() and not self._stop_requested and not self._stop.is_set():
       self._stop.wait(0.002)
@@ -641,7 +648,7 @@ class LearnerWorker:
     self._send_due()
 
   def _check_applies(self, *, block: bool = False) -> None:
-    """Compares the digests of applies read back so far with the syncer's (SPEC §4.7)."""
+    """Compares the digests of applies read back so far with the syncer's (docs/algorithm.md §4.7)."""
     for p, version, got in self.learner.verified_applies(block=block):
       expected = self._digests.get((p, version))
       if got is not None and got != expected:
@@ -719,7 +726,7 @@ class LearnerWorker:
           schedule_step=self.learner.schedule_step,
         )
         if self._writer is not None:
-          self._writer.scalars(self.learner.step, {"loss": loss})
+          self._write_scalars(loss)
           self._writer.flush()  # The launcher tails metrics.jsonl for its progress lines.
     if previous is not None:  # The last step's boundary: answers and applies.
       jax.block_until_ready(previous)
@@ -729,7 +736,7 @@ class LearnerWorker:
     return time.monotonic() - t_first
 
   def save_checkpoint(self) -> bool:
-    """Starts an asynchronous save of the current step (training thread only; SPEC §6).
+    """Starts an asynchronous save of the current step (training thread only; docs/algorithm.md §6).
 
     Returns:
       False without a checkpointer, at step 0, or if this step is already saved.
@@ -825,6 +832,27 @@ class LearnerWorker:
       "checkpoint_steps": list(self.checkpointer.saved_steps) if self.checkpointer else [],
       "ledger": learner.ledger.totals(),
     }
+
+  def _write_scalars(self, loss: float) -> None:
+    """This learner's TensorBoard scalars, against the tokens it trained (and its step)."""
+    tag = f"learner_{self.id}"
+    rate = 1.0 / self.step_time_s if self.step_time_s > 0 else 0.0
+    self._writer.scalars(
+      {f"{tag}/loss": loss, f"{tag}/step_rate": rate},
+      tokens=self.tokens_trained,
+      step=self.learner.step,
+    )
+    self._writer.scalars(
+      {
+        f"{tag}/staleness_steps": self.last_staleness_steps,
+        f"{tag}/late_reports": self.push_status["late"],
+        f"{tag}/merged_fraction": self.learner.ledger.totals().get("merged_fraction", 0.0),
+        f"{tag}/blocked_s": self.blocked_s,
+        f"{tag}/bytes_up": self._client.bytes_up,
+        f"{tag}/bytes_down": self._client.bytes_down,
+      },
+      tokens=self.tokens_trained,
+    )
 
   def _event(self, kind: str, **fields: Any) -> None:
     if self._writer is not None:

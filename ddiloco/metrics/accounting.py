@@ -65,10 +65,16 @@ class TimeLedger:
     """Seconds spent per state by one learner (after `close`, or up to its last change)."""
     return dict(self._slots[learner].totals)
 
-  def goodput(self) -> float:
-    """Σ busy / Σ provisioned over all slots (provisioned = busy + blocked + down)."""
+  def goodput(self, now: float | None = None) -> float:
+    """Σ busy / Σ provisioned over all slots (provisioned = busy + blocked + down).
+
+    With `now`, each slot's current state counts up to `now` too (goodput so far, mid-run).
+    """
     busy = provisioned = 0.0
     for slot in self._slots.values():
-      busy += slot.totals.get(BUSY, 0.0)
-      provisioned += sum(v for k, v in slot.totals.items() if k != GONE)
+      totals = dict(slot.totals)
+      if now is not None and slot.state != GONE:
+        totals[slot.state] = totals.get(slot.state, 0.0) + max(now - slot.since, 0.0)
+      busy += totals.get(BUSY, 0.0)
+      provisioned += sum(v for k, v in totals.items() if k != GONE)
     return busy / provisioned if provisioned > 0 else 0.0

@@ -2,8 +2,16 @@
 
 Every event carries a `kind` ("train", "eval", "merge", "fault", ...) and a `time` (seconds on the run's
 clock: virtual in simulations, wall in distributed runs), so one file serves plots and audits alike.
+
+TensorBoard scalars share one x-axis, tokens trained (`scalars(..., tokens=)`): the fleet's in a
+simulation; in a distributed run the syncer's writer counts the tokens the fleet reported and each
+learner's its own. Per-learner curves also appear under `steps/` against the learner's step. Each
+writer opens a new run folder, `<workdir>/tb/run_000`, `run_001`, ...: a second run (or a restarted
+process) in the same workdir never appends to the first one's curves. Events are written with
+tensorboardX (no TensorFlow); `tensorboard --logdir <workdir>` shows them.
 """
 
+import glob
 import json
 import math
 import os
@@ -27,30 +35,53 @@ def _plain(value: Any) -> Any:
   return value
 
 
+TB_DIR = "tb"
+
+
+def new_run_dir(workdir: str) -> str:
+  """Creates and returns the next free `workdir/tb/run_NNN` (mkdir is atomic: no two writers share)."""
+  root = os.path.join(workdir, TB_DIR)
+  os.makedirs(root, exist_ok=True)
+  n = len(glob.glob(os.path.join(root, "run_*")))
+  while True:
+    path = os.path.join(root, f"run_{n:03d}")
+    try:
+      os.mkdir(path)
+      return path
+    except FileExistsError:
+      n += 1
+
+
 class MetricsWriter:
-  """Appends events to `workdir/metrics.jsonl` and scalars to TensorBoard under `workdir/tb`.
+  """Appends events to `workdir/metrics.jsonl` and scalars to TensorBoard under `workdir/tb/run_NNN`.
 
   Args:
     workdir: output folder (created if missing).
-    tensorboard: also write TensorBoard event files.
+    tensorboard: also write TensorBoard event files, in a new run folder (`tb_dir`).
   """
 
   def __init__(self, workdir: str, *, tensorboard: bool = True):
     os.makedirs(workdir, exist_ok=True)
     self.workdir = workdir
     self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115
-    self._tb = SummaryWriter(os.path.join(workdir, "tb")) if tensorboard else None
+    self.tb_dir = new_run_dir(workdir) if tensorboard else None
+    self._tb = SummaryWriter(self.tb_dir, flush_secs=10) if self.tb_dir else None
 
   def event(self, kind: str, **fields: Any) -> None:
     """Writes one event line."""
     self._jsonl.write(json.dumps({"kind": kind, **_plain(fields)}) + "\n")
 
-  def scalars(self, step: int, values: Mapping[str, float], *, prefix: str = "") -> None:
-    """Writes TensorBoard scalars (no-op without TensorBoard)."""
+  def scalars(self, values: Mapping[str, float], *, tokens: int, step: int | None = None) -> None:
+    """Writes TensorBoard scalars at x = `tokens`; with `step`, also as `steps/<tag>` at x = step.
+
+    A no-op without TensorBoard; non-finite values are written as they are (TensorBoard shows them).
+    """
     if self._tb is None:
       return
-    for name, value in values.items():
-      self._tb.add_scalar(f"{prefix}{name}", float(value), step)
+    for tag, value in values.items():
+      self._tb.add_scalar(tag, float(value), int(tokens))
+      if step is not None:
+        self._tb.add_scalar(f"steps/{tag}", float(value), int(step))
 
   def flush(self) -> None:
     self._jsonl.flush()
@@ -98,3 +129,18 @@ def read_events(workdir: str, kind: str | None = None) -> list[dict[str, Any]]:
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     events = [json.loads(line) for line in f if line.strip()]
   return [e for e in events if kind is None or e.get("kind") == kind]
+
+
+def read_scalars(path: str) -> dict[str, list[tuple[int, float]]]:
+  """TensorBoard scalars under `path` (a workdir or one run folder), read back with TensorBoard's
+  own event reader: {tag: [(x, value), ...]} in the order written, runs in name order."""
+  from tensorboard.backend.event_processing import event_accumulator
+
+  out: dict[str, list[tuple[int, float]]] = {}
+  files = glob.glob(os.path.join(path, "**", "events.out.tfevents.*"), recursive=True)
+  for folder in sorted({os.path.dirname(f) for f in files}):
+    acc = event_accumulator.EventAccumulator(folder, size_guidance={event_accumulator.SCALARS: 0})
+    acc.Reload()
+    for tag in acc.Tags()["scalars"]:
+      out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+  return out

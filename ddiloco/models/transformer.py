@@ -7,9 +7,9 @@ rules are in context (see `ddiloco.parallel.partitioning.partitioning_context`).
 
 Parameter naming is part of the contract with the rest of the system:
 - one submodule per layer, `block_0`, `block_1`, ... (no `nn.scan`), because the layer fragment
-  layout (SPEC.md §2) strides over these names;
+  layout (docs/algorithm.md §2) strides over these names;
 - `token_embed/embedding` and `unembed/kernel` are the embedding tensors that the syncer merges with
-  the weighted mean instead of RDA (SPEC.md §4.5), recognised by `is_embedding_path`;
+  the weighted mean instead of RDA (docs/algorithm.md §4.5), recognised by `is_embedding_path`;
 - a mixture-of-experts layer (`num_experts > 0`, every `moe_every`-th block) holds its feed-forward
   weights under `block_{i}/moe/...` instead of `block_{i}/mlp/...` (see `ddiloco.models.moe`).
 
@@ -149,7 +149,7 @@ class TransformerConfig:
 def is_embedding_path(path: str) -> bool:
   """Whether a flat parameter path ("token_embed/embedding") names an embedding tensor.
 
-  SPEC.md §4.5: embedding tensors (input embedding and unembedding) are merged with the weighted
+  docs/algorithm.md §4.5: embedding tensors (input embedding and unembedding) are merged with the weighted
   mean; every other tensor with RDA.
 
   Args:

@@ -1,11 +1,11 @@
-"""One learner's device mesh (SPEC.md §1: each learner owns its own mesh).
+"""One learner's device mesh (docs/algorithm.md §1: each learner owns its own mesh).
 
 A learner's mesh has two axes, `data` (batch sharding) and `model` (tensor/expert sharding), laid
 out by `jax.experimental.mesh_utils` so that on TPU/GPU the `model` axis, which carries the most
 traffic, maps to the closest devices. The axes are `AxisType.Auto` (GSPMD propagation from the
 logical sharding annotations, t5x style), not the `Explicit` default of `jax.make_mesh`.
 
-In the simulated cluster (ARCHITECTURE.md "two ways to run") several learners live in one process;
+In the simulated cluster (docs/architecture.md "two ways to run") several learners live in one process;
 `learner_devices` hands each a slice of `jax.devices()`.
 """
 

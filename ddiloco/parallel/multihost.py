@@ -1,6 +1,6 @@
 """The processes of one multi-host learner: start-up, the leader's broadcasts and host reads.
 
-SPEC §1: a learner is one data/tensor-parallel job on its own slice. On a pod slice that job spans
+docs/algorithm.md §1: a learner is one data/tensor-parallel job on its own slice. On a pod slice that job spans
 several hosts, one JAX process each (multi-controller JAX): the learner's mesh covers the global
 devices of all its processes, its parameters and optimizer state are global arrays, and every process
 must launch the same computations in the same order. This module holds the JAX side of that:
@@ -11,7 +11,7 @@ must launch the same computations in the same order. This module holds the JAX s
   the syncer) to the others: a small int32 header gathered from every process (so any process may
   raise a flag, e.g. a stop request) and an optional byte payload broadcast from the leader. Bytes,
   not floats: `multihost_utils.broadcast_one_to_all` sums the leader's values with zeros, and
-  -0.0 + 0.0 = +0.0 would change the bits the syncer's digests check (SPEC §4.7).
+  -0.0 + 0.0 = +0.0 would change the bits the syncer's digests check (docs/algorithm.md §4.7).
 - `ProcessGroup.gather` hands every process's bytes to every process (each process's data position
   for a learner checkpoint).
 - `ProcessGroup.replicate` makes device arrays readable on every host (an all-gather of the leaves
@@ -19,7 +19,7 @@ must launch the same computations in the same order. This module holds the JAX s
 - `GlobalBatches` turns the learner's host batches into global arrays, each process placing only
   the rows of its own devices.
 
-Nothing here knows about syncers or gRPC (ARCHITECTURE.md "dependency rule"); learner/multihost.py
+Nothing here knows about syncers or gRPC (docs/architecture.md "dependency rule"); learner/multihost.py
 drives the protocol on top of it.
 """
 

@@ -1,4 +1,4 @@
-"""Bandwidth that data-parallel and Decoupled DiLoCo need between two sites (SPEC.md §7).
+"""Bandwidth that data-parallel and Decoupled DiLoCo need between two sites (docs/algorithm.md §7).
 
 Assumptions (docs/goodput.md, "Bandwidth model", derives each figure):
 
@@ -13,14 +13,14 @@ Assumptions (docs/goodput.md, "Bandwidth model", derives each figure):
   needs 102.9 Gbit/s (`exact_required_gbps`).
 - Decoupled DiLoCo sends one fragment (1/P of the parameters) every H/P steps, upstream as an
   outer gradient and downstream as the merged update, each in its own direction. A learner never
-  waits for the syncer (SPEC.md §3): a fragment that arrives late is applied late. A fragment
+  waits for the syncer (docs/algorithm.md §3): a fragment that arrives late is applied late. A fragment
   must therefore cross within its τ steps of overlap (the *deadline* figure, F / (τ·step)), and the
   link must keep up with one fragment every H/P steps (the *sustained* figure,
   F / (H/P · step)); the requirement is the larger of the two.
 - Values are `bits_per_value` wide; quantized codecs add one `scale_bits` scale per `block_size`
-  values (SPEC.md §5).
+  values (docs/algorithm.md §5).
 
-With P = H = 24 and τ = 2 (SPEC.md §2) the sustained figure is twice the deadline figure: one
+With P = H = 24 and τ = 2 (docs/algorithm.md §2) the sustained figure is twice the deadline figure: one
 fragment is due every step but each has two steps to arrive, so two share the link. The paper's
 1.7 and 0.43 Gbit/s are the deadline figures, i.e. what is needed when a fragment is due every
 τ steps (H = τ·P). gin_configs/goodput/bandwidth.gin reproduces them that way and prints the
@@ -37,7 +37,7 @@ _GIGA = 1e9
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Wire:
-  """Encoding of values on the wire (SPEC.md §5).
+  """Encoding of values on the wire (docs/algorithm.md §5).
 
   Attributes:
     bits_per_value: bits of each value (16 for bf16, 4 for int4).

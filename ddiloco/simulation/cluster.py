@@ -1,6 +1,6 @@
 """A simulated cluster: M learners and the syncer core in one process, on a virtual clock.
 
-ARCHITECTURE.md "two ways to run": the gradient steps are real (each learner is a real `Learner` with
+docs/architecture.md "two ways to run": the gradient steps are real (each learner is a real `Learner` with
 its own mesh over a slice of the local devices), so model quality is real; time is virtual, so quorum,
 grace window, stragglers, crashes and joins are reproducible on any machine. Only the transport
 (in-process events with latency) and the clock differ from the distributed runtime.
@@ -130,6 +130,11 @@ class SimulatedCluster:
     if self.writer is not None:
       self.writer.event(kind, time=round(self.now, 6), **fields)
 
+  def _scalars(self, values: dict[str, float], *, step: int | None = None) -> None:
+    """TensorBoard scalars against the fleet's tokens trained (metrics/writer.py)."""
+    if self.writer is not None:
+      self.writer.scalars(values, tokens=self.tokens_trained, step=step)
+
   def _step_duration(self, slot: _Slot) -> float:
     base = slot.spec.step_time_s * slot.slow_factor
     if slot.spec.jitter > 0:
@@ -155,7 +160,7 @@ class SimulatedCluster:
     slot.alive, slot.blocked = True, False
     slot.gen += 1
     if self.core is not None:
-      # Register, then restore every fragment from the global copy (SPEC §6 rejoin). The inner
+      # Register, then restore every fragment from the global copy (docs/algorithm.md §6 rejoin). The inner
       # optimizer state is kept, as if restored from the learner's own per-step checkpoint.
       self.core.register(index)
       slot.learner.ledger.restored()  # Reports lost in a crash settle at the next delivery.
@@ -209,8 +214,11 @@ class SimulatedCluster:
       loss = float(slot.last_metrics["loss"])
       slot.losses.append(loss)
       self._event("train", learner=index, step=learner.step, loss=loss, tokens=slot.tokens_done)
-      if self.writer is not None:
-        self.writer.scalars(learner.step, {f"learner_{index}/loss": loss})
+      # Steps per virtual second: a slowdown or a straggler shows here.
+      rate = 1.0 / step_time if step_time > 0 else 0.0
+      self._scalars(
+        {f"learner_{index}/loss": loss, f"learner_{index}/step_rate": rate}, step=learner.step
+      )
     if self.core is not None:
       # Per-step metadata: the syncer's clock runs at the fleet's measured step rate.
       self.core.observe_steps(index, learner.schedule_step)
@@ -236,6 +244,8 @@ class SimulatedCluster:
     learner.apply_ready()
     for p in learner.due():
       report = learner.make_report(p, step_time_s=slot.step_time_ema)
+      # Staleness: inner steps θ_p trained away from the last global version the learner applied.
+      self._scalars({f"learner_{slot.index}/staleness_steps": report.steps})
       nbytes = sum(v.nbytes for v in report.values.values())
       self.bytes_up += nbytes
       self._push(
@@ -313,6 +323,10 @@ class SimulatedCluster:
       self._event(
         "report", learner=report.learner_id, fragment=report.fragment, status=result.status
       )
+      stats = self.core.stats()
+      self._scalars(
+        {"syncer/late_reports": stats["late"], "syncer/rejected_reports": stats["rejected"]}
+      )
     self._schedule_merge_check()
 
   def _through_uplink(self, report: Any) -> Any:
@@ -345,9 +359,16 @@ class SimulatedCluster:
         tokens=ev.tokens,
         grace_s=round(ev.grace_s, 6),
       )
+      self._scalars(
+        {
+          "syncer/merges": len(self.merge_events),
+          "syncer/quorum_size": len(ev.contributors),
+          "syncer/grace_window_s": ev.grace_s,
+        }
+      )
       state = self.core.state(ev.fragment)
       nbytes = sum(v.nbytes for v in state.values.values())
-      # ξ_sync includes delivering the merge (SPEC §4.2), which the core's clock cannot see here.
+      # ξ_sync includes delivering the merge (docs/algorithm.md §4.2), which the core's clock cannot see here.
       self.core.observe_sync_time(self._transfer_s(nbytes, self.cfg.downlink_latency_s))
       for slot in self.slots.values():
         if slot.alive:
@@ -399,10 +420,7 @@ class SimulatedCluster:
     self.evals.append((self.now, loss))
     aux = self._eval_aux()
     self._event("eval", loss=loss, tokens=self.tokens_trained, **aux)
-    if self.writer is not None:
-      self.writer.scalars(
-        self.tokens_trained, {"eval/loss": loss, **{f"eval/{k}": v for k, v in aux.items()}}
-      )
+    self._eval_scalars(loss, aux, self.ledger.goodput(self.now))
     if not self._finished:
       self._push(self.now + self.cfg.eval_every_s, "eval")
 
@@ -473,8 +491,23 @@ class SimulatedCluster:
     self.ledger.close(self.now)  # No-op for slots already closed when the budget was reached.
     final = self.evaluate_global()
     self.evals.append((self.now, final))
-    self._event("eval", loss=final, tokens=self.tokens_trained, final=True, **self._eval_aux())
+    aux = self._eval_aux()
+    self._event("eval", loss=final, tokens=self.tokens_trained, final=True, **aux)
+    self._eval_scalars(final, aux, self.ledger.goodput())
     return self.summary(final, time.perf_counter() - wall0)
+
+  def _eval_scalars(self, loss: float, aux: dict[str, float], goodput: float) -> None:
+    """An evaluation's scalars, with the run's goodput and traffic so far."""
+    self._scalars(
+      {
+        "eval/loss": loss,
+        **{f"eval/{k}": v for k, v in aux.items()},
+        "goodput/goodput": goodput,
+        "goodput/global_downtime_s": self.ledger.global_downtime_s,
+        "traffic/bytes_up": self.bytes_up,
+        "traffic/bytes_down": self.bytes_down,
+      }
+    )
 
   def progress_line(self) -> str:
     versions = (

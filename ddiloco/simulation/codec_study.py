@@ -1,5 +1,5 @@
 """The compression study's pieces (experiments/compression_quality.py): codec entries, paired
-ratios, the verdict on issue 3's goal, the table and the figure.
+ratios, the verdict on the compression goal, the table and the figure.
 
 Kept out of the script, which defines absl flags, so tests can import them in one process with
 every other module (two modules defining the same flag name cannot both be imported).
@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 from ddiloco.simulation import study
 
 STUDY = "compression"
-CODECS = ("fp32", "bf16", "int8", "int4")  # The wire codecs of SPEC §5.
+CODECS = ("fp32", "bf16", "int8", "int4")  # The wire codecs of docs/algorithm.md §5.
 HEADLINE = ("bf16", "int4")
 EXTRA = ("fp32", "int8")
 # The bindings of session 4's single-seed run: sim_small's model and fleet, 96 steps of 4 x 64.
@@ -29,7 +29,7 @@ QUICK_BINDINGS = (
   "InnerOptConfig.warmup_steps = 1",
   "simulate.eval_batches = 1",
 )
-GOAL = 1.005  # Issue 3: int4 eval loss within 0.5 % of bf16.
+GOAL = 1.005  # The goal: int4 eval loss within 0.5 % of bf16.
 RATIOS = (("int4", "bf16"), ("int8", "bf16"), ("bf16", "fp32"), ("int4", "fp32"))
 # Session 4's one run (default seed 0, the same bindings), kept as history in the report.
 HISTORY = (
@@ -88,7 +88,7 @@ def paired_ratio(values: Mapping[int, float], reference: Mapping[int, float]) ->
 
 
 def verdict(ratio: study.Interval, goal: float = GOAL) -> str:
-  """Issue 3's reading of a ratio interval against `goal` (e.g. int4 / bf16 <= 1.005)."""
+  """The verdict of a ratio interval against `goal` (e.g. int4 / bf16 <= 1.005)."""
   if ratio.n == 0:
     return "not run"
   if ratio.n == 1:
@@ -155,10 +155,10 @@ def report_markdown(
   ]
   return "\n".join(
     [
-      "# Quality cost of compression on the wire (issue 3)",
+      "# Quality cost of compression on the wire",
       "",
       setup,
-      "Both directions in one codec unless the row says otherwise (SPEC §5). Final held-out eval",
+      "Both directions in one codec unless the row says otherwise (docs/algorithm.md §5). Final held-out eval",
       "loss of the global model, mean ± 95 % Student-t interval over seeds; ratios are per seed",
       f'(paired), then averaged. Goal: int4 / bf16 <= {GOAL}; "met" when the interval\'s upper',
       'end is within it, "not met" when its lower end is above it, inconclusive otherwise.',

@@ -29,7 +29,7 @@ class LearnerSpec:
 @gin.configurable(module="ddiloco")
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
-  """A simulated fleet (ARCHITECTURE.md "simulated cluster").
+  """A simulated fleet (docs/architecture.md "simulated cluster").
 
   Attributes:
     num_learners: learners at the start (M).
@@ -37,7 +37,7 @@ class ClusterConfig:
       the fleet has trained that many tokens, so runs with faults or baselines compare at equal tokens.
     step_time_s: nominal virtual step time.
     jitter: log-normal sigma of step times.
-    slow_learners: how many learners (the last ones) are slower, by `slow_factor` (SPEC §6: 18 %).
+    slow_learners: how many learners (the last ones) are slower, by `slow_factor` (docs/algorithm.md §6: 18 %).
     devices_per_learner: size of each learner's mesh (slices of jax.devices(); see parallel.mesh).
     batch_size: per-learner batch override (None: the data config's).
     faults: fault strings (ddiloco.simulation.faults), e.g. ("crash:1@30+20",).
@@ -47,7 +47,7 @@ class ClusterConfig:
     max_time_s: hard stop in virtual seconds.
     log_every: steps between logged training losses.
     seed: jitter RNG seed.
-    uplink_codec: codec the reports go through (SPEC §5): the syncer sees what a `ddiloco-syncer`
+    uplink_codec: codec the reports go through (docs/algorithm.md §5): the syncer sees what a `ddiloco-syncer`
       would decode from θ − Θ^(anchor) in this codec. "fp32" is exact.
     downlink_codec: codec of fragment updates Θ_new − Θ_old; the syncer adopts the decoded values,
       as the service does.

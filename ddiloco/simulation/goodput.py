@@ -1,4 +1,4 @@
-"""Fleet-scale goodput simulator (SPEC.md §7).
+"""Fleet-scale goodput simulator (docs/algorithm.md §7).
 
 Chips are grouped into slices; a slice fails when any of its chips is interrupted (Poisson,
 per-chip MTBI) and comes back after an exponentiated-Weibull recovery delay. A synchronous job
@@ -12,7 +12,7 @@ per-chip MTBI) and comes back after an exponentiated-Weibull recovery delay. A s
   accounts for them) and do not extend it;
 - a synchronous job runs at the pace of its slowest slice.
 
-Decoupled DiLoCo is M such elastic jobs that never wait for each other (SPEC.md §1); they only
+Decoupled DiLoCo is M such elastic jobs that never wait for each other (docs/algorithm.md §1); they only
 couple through the quorum K (a learner blocks once fewer than K learners run for longer than
 the overlap hides) and, with heterogeneous learners, through the pace of the K-th fastest
 learner. Nothing in here encodes the "M learners on N chips ≈ one elastic job on N/M chips"
@@ -129,7 +129,7 @@ def coupled_work(
   running = rate > 0
   count = running.sum(axis=0)
   merging = count >= quorum
-  # Below quorum, learners block once the overlap no longer hides the wait (SPEC.md §2, §4).
+  # Below quorum, learners block once the overlap no longer hides the wait (docs/algorithm.md §2, §4).
   below = ~merging
   episode_start = below & np.concatenate([[True], merging[:-1]])
   episode_time = np.maximum.accumulate(np.where(episode_start, left, -np.inf))

@@ -1,4 +1,4 @@
-"""One synchronous job's reaction to its slices' failures (SPEC.md §7; see goodput.py).
+"""One synchronous job's reaction to its slices' failures (docs/algorithm.md §7; see goodput.py).
 
 Every slice alternates between up (exponential, rate slice_chips / chip MTBI: Poisson failures)
 and down (an exponentiated-Weibull recovery delay). The failure and recovery times of all slices

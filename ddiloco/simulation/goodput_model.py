@@ -1,4 +1,4 @@
-"""Configuration of the fleet-scale goodput simulator (SPEC.md §7).
+"""Configuration of the fleet-scale goodput simulator (docs/algorithm.md §7).
 
 Plain frozen dataclasses, validated in their constructors; `ddiloco.launch.goodput_main` registers
 them with gin. The defaults are the constants fitted to the paper's goodput table by
@@ -14,7 +14,7 @@ from scipy import stats
 
 _HOUR_S = 3600.0
 
-# Fitted by scripts/fit_goodput.py to SPEC.md §7's table (docs/goodput.md). The rejoin window is
+# Fitted by scripts/fit_goodput.py to docs/algorithm.md §7's table (docs/goodput.md). The rejoin window is
 # fitted per kind of job: elastic jobs batch re-admissions over ~2.5 minutes; a job that must
 # restart to re-admit slices does so after a short rendezvous (cf. torchelastic's 30 s last call).
 ELASTIC_REJOIN_WINDOW_S = 146.0
@@ -24,7 +24,7 @@ RESTART_CHECKPOINT_INTERVAL_S = 2.25
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RecoveryDelay:
-  """How long a failed slice stays out: an exponentiated Weibull (SPEC.md §7).
+  """How long a failed slice stays out: an exponentiated Weibull (docs/algorithm.md §7).
 
   Same parameterization as `scipy.stats.exponweib(a, c, scale=scale_s)`:
   CDF(x) = (1 - exp(-(x / scale_s) ** c)) ** a.
@@ -57,7 +57,7 @@ class Fleet:
 
   Attributes:
     slice_chips: chips per slice, the unit that fails and that elastic jobs add or drop.
-    chip_mtbi_hours: per-chip mean time between interruptions (SPEC.md §7: one year);
+    chip_mtbi_hours: per-chip mean time between interruptions (docs/algorithm.md §7: one year);
       `math.inf` switches failures off.
     recovery: distribution of the time a failed slice stays out.
     slice_speed_cv: relative spread (std/mean) of the slices' static speeds; a synchronous job
@@ -155,7 +155,7 @@ class DataParallel:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Scavenging:
-  """Temporary learners added for a while on spare chips (SPEC.md §6).
+  """Temporary learners added for a while on spare chips (docs/algorithm.md §6).
 
   Attributes:
     learners: number of temporary learners.
@@ -185,12 +185,12 @@ class DecoupledDiLoCo:
   Attributes:
     name: label in tables and plots.
     learners: M; the chips are split evenly between them.
-    quorum: K, learners that must report a fragment before the syncer merges it (SPEC.md §4).
+    quorum: K, learners that must report a fragment before the syncer merges it (docs/algorithm.md §4).
     rejoin_window_s: as `DataParallel.rejoin_window_s`, inside each (elastic) learner.
     learner_speeds: relative pace of each learner (heterogeneous hardware); empty means all 1.
       A learner faster than the K-th fastest running learner waits for the quorum.
     overlap_slack_s: how long learners keep computing while fewer than K learners run (τ steps
-      of overlap hide that long a wait, SPEC.md §2).
+      of overlap hide that long a wait, docs/algorithm.md §2).
     scavenging: optional temporary learners.
   """
 
@@ -257,7 +257,7 @@ class Result:
     return dataclasses.asdict(self)
 
 
-# SPEC.md §7: the paper's goodput table (percent), fleet sizes in chips.
+# docs/algorithm.md §7: the paper's goodput table (percent), fleet sizes in chips.
 PAPER_CHIPS: tuple[int, ...] = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
 PAPER_GOODPUT: tuple[tuple[str, int, tuple[float, ...]], ...] = (
   ("data-parallel, no elasticity", 1, (72, 57, 38, 27, 18)),
@@ -270,7 +270,7 @@ PAPER_GOODPUT: tuple[tuple[str, int, tuple[float, ...]], ...] = (
 
 
 def paper_systems() -> tuple[System, ...]:
-  """The six systems of SPEC.md §7's table, with the fitted defaults."""
+  """The six systems of docs/algorithm.md §7's table, with the fitted defaults."""
   (ne, _, _), (el, _, _), *diloco = PAPER_GOODPUT
   return (
     DataParallel(name=ne, elastic=False, checkpoint_interval_s=RESTART_CHECKPOINT_INTERVAL_S),

@@ -1,4 +1,4 @@
-"""Studies behind `ddiloco-goodput`: run, print, write JSON and plot (SPEC.md §7).
+"""Studies behind `ddiloco-goodput`: run, print, write JSON and plot (docs/algorithm.md §7).
 
 Plain Python: `ddiloco.launch.goodput_main` binds these dataclasses with gin.
 """
@@ -28,7 +28,7 @@ class GoodputStudy:
     fleet: failure, recovery and speed model.
     costs: pause lengths.
     seed: random seed.
-    compare_with_paper: also print and plot SPEC.md §7's table (systems matched by name).
+    compare_with_paper: also print and plot docs/algorithm.md §7's table (systems matched by name).
   """
 
   systems: Sequence[System]
@@ -67,7 +67,7 @@ class BandwidthStudy:
 
 
 def paper_goodput(name: str) -> tuple[float, ...] | None:
-  """SPEC.md §7's row for a system name, or None."""
+  """docs/algorithm.md §7's row for a system name, or None."""
   for row_name, _, row in goodput_model.PAPER_GOODPUT:
     if row_name == name:
       return row
@@ -80,7 +80,9 @@ def format_table(results: Sequence[Result], *, compare_with_paper: bool = False)
   names = list(dict.fromkeys(r.system for r in results))
   by_key = {(r.system, r.chips): r for r in results}
   width = max(len(n) for n in names) + 2
-  head = "goodput % (uptime %)".ljust(width) + "".join(f"{_chips_label(c):>16}" for c in chips)
+  # With the paper's figures the cells read "goodput [paper]"; otherwise "goodput (uptime)".
+  title = "goodput % [paper %]" if compare_with_paper else "goodput % (uptime %)"
+  head = title.ljust(width) + "".join(f"{_chips_label(c):>16}" for c in chips)
   lines = [head]
   for name in names:
     cells = []
@@ -90,13 +92,16 @@ def format_table(results: Sequence[Result], *, compare_with_paper: bool = False)
       if r is None:
         cells.append(f"{'-':>16}")
         continue
-      cell = f"{100 * r.goodput:5.1f} ({100 * r.uptime:5.1f})"
-      if paper is not None and j < len(paper) and c == goodput_model.PAPER_CHIPS[j]:
+      if not compare_with_paper:
+        cell = f"{100 * r.goodput:5.1f} ({100 * r.uptime:5.1f})"
+      elif paper is not None and j < len(paper) and c == goodput_model.PAPER_CHIPS[j]:
         cell = f"{100 * r.goodput:5.1f} [{paper[j]:3.0f}]"
+      else:  # No paper figure for this system or fleet size.
+        cell = f"{100 * r.goodput:5.1f}"
       cells.append(f"{cell:>16}")
     lines.append(name.ljust(width) + "".join(cells))
   if compare_with_paper:
-    lines.append("[n] = SPEC.md §7 (paper); uptime is in goodput.json.")
+    lines.append("[n] = the paper's goodput (docs/algorithm.md §7); uptime is in goodput.json.")
   lines.append("useful work, million chip-hours")
   for name in names:
     cells = [by_key.get((name, c)) for c in chips]

@@ -50,7 +50,7 @@ class LearnerFactory:
     inner_opt: the inner AdamW config.
     num_fragments: P.
     layout_strategy: "balanced" | "layer" | "tensor".
-    split_large: allow splitting tensors larger than total/P (SPEC §2 decision, off by default).
+    split_large: allow splitting tensors larger than total/P (docs/algorithm.md §2 decision, off by default).
     num_shards: disjoint data shards (one per learner slot).
     seed: parameter-initialisation seed (every learner starts from the same global init).
     eval_batches: held-out batches used for every evaluation.
@@ -128,7 +128,7 @@ class LearnerFactory:
     return {k: v for frag in self.layout.split(self._init_flat) for k, v in frag.items()}
 
   def embedding_keys(self) -> frozenset[str]:
-    """Layout keys merged with the weighted mean (SPEC §4.5 decision; `Task.mean_merged`)."""
+    """Layout keys merged with the weighted mean (docs/algorithm.md §4.5 decision; `Task.mean_merged`)."""
     keys = (k for frag in self.layout.fragments for k in frag)
     return frozenset(k for k in keys if self.task.mean_merged(layout_lib.parse_key(k)[0]))
 

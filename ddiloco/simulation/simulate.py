@@ -55,7 +55,7 @@ def simulate(
     data: the text pipeline, for a text run (with `model`).
     task: what to train (`ddiloco.tasks`, e.g. `VisionTask`), instead of `model` and `data`.
     cluster: fleet, faults, network, token budget.
-    schedule: fragments P, period H, overlap τ (default: SPEC §2's 24/24/2).
+    schedule: fragments P, period H, overlap τ (default: docs/algorithm.md §2's 24/24/2).
     syncer: quorum, grace, merge and outer optimizer (default: SyncerConfig()).
     learner: α and blocking (default: LearnerConfig()).
     inner_opt: inner AdamW (default: InnerOptConfig()).
@@ -79,7 +79,7 @@ def simulate(
   if syncer.overlap != schedule.overlap:
     raise ValueError(
       f"SyncerConfig.overlap ({syncer.overlap}) must equal FragmentSchedule.overlap "
-      f"({schedule.overlap}): the grace window spends the slack that τ hides (SPEC §4.2)."
+      f"({schedule.overlap}): the grace window spends the slack that τ hides (docs/algorithm.md §4.2)."
     )
   if not sync and cluster.num_learners != 1:
     raise ValueError("The data-parallel baseline (sync=False) runs exactly one learner.")
@@ -98,7 +98,9 @@ def simulate(
   )
 
   adopt = None
-  if cluster.downlink_codec != "fp32":  # The syncer adopts what learners decode (SPEC §5).
+  if (
+    cluster.downlink_codec != "fp32"
+  ):  # The syncer adopts what learners decode (docs/algorithm.md §5).
 
     def adopt(p, new, prev):
       del p

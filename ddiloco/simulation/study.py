@@ -1,4 +1,4 @@
-"""Shared pieces of the issue-6 studies (experiments/*.py): run systems over seeds, report them.
+"""Shared pieces of the simulated studies (experiments/*.py): run systems over seeds, report them.
 
 A *system* is a stack of gin files plus bindings; a run is (system, seed) through `simulate`, so
 every study row uses the same code as `ddiloco-simulate`. Seeds change the parameter

@@ -1,4 +1,4 @@
-"""ddiloco.syncer: the pure, clock-injected syncer core (SPEC §4) and its merge and timing pieces."""
+"""ddiloco.syncer: the pure, clock-injected syncer core (docs/algorithm.md §4) and its merge and timing pieces."""
 
 from ddiloco.syncer.core import SyncerCore
 from ddiloco.syncer.grace import Ema, GraceModel

@@ -1,4 +1,4 @@
-"""Checkpointing of the syncer core: its whole state as a flat dict of arrays and scalars (SPEC §6).
+"""Checkpointing of the syncer core: its whole state as a flat dict of arrays and scalars (docs/algorithm.md §6).
 
 `SyncerCore` inherits `CheckpointMixin`, so `SyncerCore.state_dict()` / `load_state_dict()` /
 `layout_fingerprint()` are its public methods; they live here to keep the round and merge logic in

@@ -163,11 +163,11 @@ class SyncerCore(CheckpointMixin):
       init_values: initial value of every key (floating dtypes); copied.
       config: syncer settings.
       clock: returns the current time in seconds (wall or virtual).
-      embedding_keys: keys merged with the weighted mean (SPEC §4.5); others may be absent.
+      embedding_keys: keys merged with the weighted mean (docs/algorithm.md §4.5); others may be absent.
       outer_optimizer: overrides `config.outer_optimizer()`.
       adopt: maps (fragment, merged values, previous version's values) to the values published.
         A lossy downlink codec passes "what a learner holding the previous version decodes" here, so
-        the syncer adopts the dequantized values and every copy stays bit-identical (SPEC §5).
+        the syncer adopts the dequantized values and every copy stays bit-identical (docs/algorithm.md §5).
       schedule: when each fragment is due on the syncer's step clock; its overlap must equal
         `config.overlap`. Default: P = H = the number of fragments (at least τ + 1).
 
@@ -202,7 +202,7 @@ class SyncerCore(CheckpointMixin):
     self._adopt = adopt
     self._opt = outer_optimizer if outer_optimizer is not None else config.outer_optimizer()
     # Params (a fresh copy, `_params32`) and the optimizer state are donated: XLA writes the new
-    # values into their buffers instead of fresh ones (measured 2-4x faster on 16 MiB, issue 3).
+    # values into their buffers instead of fresh ones (measured 2-4x faster on 16 MiB, scripts/bench_merge.py).
     self._merge_out = merge_lib.OutputBuffer()  # The merged outer gradients, every merge's.
     self._grace = GraceModel(
       gamma=config.grace_gamma,
@@ -250,7 +250,7 @@ class SyncerCore(CheckpointMixin):
     # Merges per quorum size (index = number of weight>0 contributors): bounded, unlike a list.
     self._quorum_hist = np.zeros(1, np.int64)
 
-  # -- membership and delivery (SPEC §3, §6) -------------------------------------------------------
+  # -- membership and delivery (docs/algorithm.md §3, §6) -------------------------------------------------------
 
   @property
   def num_fragments(self) -> int:
@@ -261,10 +261,10 @@ class SyncerCore(CheckpointMixin):
     return self._config
 
   def register(self, learner_id: int) -> dict[int, int]:
-    """Marks a learner alive and returns {fragment: current version} (its "vector clock", SPEC §6).
+    """Marks a learner alive and returns {fragment: current version} (its "vector clock", docs/algorithm.md §6).
 
     Re-registering (after a crash) forgets what was delivered to it: until it fetches p again its
-    reports of p weigh 0 (SPEC §3). Its reports already in open rounds stay there.
+    reports of p weigh 0 (docs/algorithm.md §3). Its reports already in open rounds stay there.
 
     Raises:
       ValueError: if learner_id is negative.
@@ -611,7 +611,7 @@ class SyncerCore(CheckpointMixin):
     rnd = self._rounds[p]
     if p not in learner.delivered or r.anchor_version < 0:
       return self._zero_weight(
-        r, f"learner has not received fragment {p} since registering (SPEC §3)"
+        r, f"learner has not received fragment {p} since registering (docs/algorithm.md §3)"
       )
     if r.anchor_version != rnd.base_version:
       return self._zero_weight(
@@ -621,7 +621,9 @@ class SyncerCore(CheckpointMixin):
       )
     weight = merge_lib.token_weight(r.tokens, r.steps)
     if weight == 0:
-      return self._zero_weight(r, "no tokens or steps since the last receipt (SPEC §4.4)")
+      return self._zero_weight(
+        r, "no tokens or steps since the last receipt (docs/algorithm.md §4.4)"
+      )
     prev = rnd.entries.get(r.learner_id)
     status = "accepted"
     new_tokens = r.new_tokens
@@ -656,7 +658,7 @@ class SyncerCore(CheckpointMixin):
     if rnd.first_time is None:
       rnd.first_time = now
     if rnd.quorum_time is None and len(rnd.entries) >= self._config.min_quorum:
-      # SPEC §4.1-4.2: the grace window starts at the quorum and is fixed then. ξ_quorum is the
+      # docs/algorithm.md §4.1-4.2: the grace window starts at the quorum and is fixed then. ξ_quorum is the
       # wait from the round's first answer to its quorum (0 for K = 1), not from its opening: the
       # learner that answered first started its τ steps when it answered, so the time before its
       # answer arrived is not slack it has spent (docs/algorithm.md, "grace window").
@@ -689,7 +691,7 @@ class SyncerCore(CheckpointMixin):
   def drop_late(
     self, tokens: int, reason: str, *, learner_id: int | None = None, new_tokens: int = 0
   ) -> ReportResult:
-    """Counts a late report and its tokens as dropped (SPEC §4); the state is otherwise untouched.
+    """Counts a late report and its tokens as dropped (docs/algorithm.md §4); the state is otherwise untouched.
 
     `learner_id` and `new_tokens` book the report in the token ledger (a registered learner's).
     """
@@ -703,7 +705,7 @@ class SyncerCore(CheckpointMixin):
     self._count("accepted")
     self._count("zero_weight_reports")
     self._count("zero_weight_tokens", r.tokens)
-    # Weight 0 never touches the merge, so its ledger tokens are dropped (SPEC §3).
+    # Weight 0 never touches the merge, so its ledger tokens are dropped (docs/algorithm.md §3).
     self._ledger_in(r.learner_id, r.new_tokens, dropped=True)
     return ReportResult("accepted", f"weight 0: {reason}", 0.0)
 
@@ -746,7 +748,7 @@ class SyncerCore(CheckpointMixin):
         if sq is None:
           return _non_finite(k, v), None
         sq_norms[k] = sq
-      elif not merge_lib.all_finite(v):  # Blockwise: no full-size bool temporary (issue 3).
+      elif not merge_lib.all_finite(v):  # Blockwise: no full-size bool temporary.
         return _non_finite(k, v), None
     return None, sq_norms
 
@@ -841,13 +843,13 @@ class SyncerCore(CheckpointMixin):
   def _everyone_reported(self, p: int) -> bool:
     """Whether every alive learner that has received p has a weight>0 report in p's round.
 
-    Learners that never received p weigh 0 (SPEC §3), so waiting for them gains nothing.
+    Learners that never received p weigh 0 (docs/algorithm.md §3), so waiting for them gains nothing.
     """
     entries = self._rounds[p].entries
     return all(i in entries for i, lr in self._learners.items() if lr.alive and p in lr.delivered)
 
   def _merge(self, p: int) -> MergeEvent | None:
-    """Merges p's round into Θ_p (SPEC §4.3-4.6), publishes version + 1 and closes the round.
+    """Merges p's round into Θ_p (docs/algorithm.md §4.3-4.6), publishes version + 1 and closes the round.
 
     All or nothing: if the merge raises, or the outer step would produce a non-finite or
     out-of-range value (`_outer_step`), nothing is updated, the round closes without a merge, its
@@ -1042,7 +1044,7 @@ class SyncerCore(CheckpointMixin):
     return version in self._history[p]
 
   def observe_sync_time(self, seconds: float) -> None:
-    """A transport reports how long delivering a merge took (feeds ξ_sync, SPEC §4.2)."""
+    """A transport reports how long delivering a merge took (feeds ξ_sync, docs/algorithm.md §4.2)."""
     self._grace.observe_sync_time(seconds)
 
   # -- reading state ------------------------------------------------------------------------------
@@ -1058,7 +1060,7 @@ class SyncerCore(CheckpointMixin):
     return FragmentState(p, self._version[p], dict(self._global[p]), self._digest[p])
 
   def state_at(self, p: int, version: int) -> FragmentState:
-    """A recent version of Θ_p (the last `keep_versions`), for re-anchoring deltas (SPEC §4.3).
+    """A recent version of Θ_p (the last `keep_versions`), for re-anchoring deltas (docs/algorithm.md §4.3).
 
     Raises:
       KeyError: if that version is no longer (or not yet) kept.
@@ -1114,7 +1116,7 @@ class SyncerCore(CheckpointMixin):
     }
 
   def grace_window(self) -> float:
-    """The grace window a round reaching its quorum now would get (SPEC §4.2)."""
+    """The grace window a round reaching its quorum now would get (docs/algorithm.md §4.2)."""
     return self._grace.window() if self._config.use_grace else 0.0
 
   def stats(self) -> dict:

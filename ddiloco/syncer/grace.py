@@ -1,4 +1,4 @@
-"""The adaptive grace window's timing model, SPEC §4.2.
+"""The adaptive grace window's timing model, docs/algorithm.md §4.2.
 
 After a round reaches its quorum the syncer keeps accepting reports for
 
@@ -81,7 +81,7 @@ class Ema:
 
 
 class GraceModel:
-  """Tracks ξ_step, ξ_quorum and ξ_sync and turns them into the grace window (SPEC §4.2)."""
+  """Tracks ξ_step, ξ_quorum and ξ_sync and turns them into the grace window (docs/algorithm.md §4.2)."""
 
   def __init__(
     self,
@@ -94,9 +94,9 @@ class GraceModel:
     """Creates the model with all three EMAs unknown.
 
     Args:
-      gamma: fraction of the slack the window may spend (decision: 0.8, SPEC §4.2), in [0, 1].
+      gamma: fraction of the slack the window may spend (decision: 0.8, docs/algorithm.md §4.2), in [0, 1].
       grace_max_s: upper bound of the window, seconds.
-      overlap: τ, the learners' overlap in steps (SPEC §2).
+      overlap: τ, the learners' overlap in steps (docs/algorithm.md §2).
       decay: decay of the three EMAs.
 
     Raises:

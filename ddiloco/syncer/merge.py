@@ -1,19 +1,19 @@
-"""Merging learners' outer gradients: token weights, weighted mean and RDA (SPEC §4.4–4.5).
+"""Merging learners' outer gradients: token weights, weighted mean and RDA (docs/algorithm.md §4.4–4.5).
 
 Pure numpy (and scipy's BLAS), no JAX: the syncer is a CPU service and these functions must be easy
-to check by hand. Decisions (issue 3, the merge benchmark):
+to check by hand. Decisions (scripts/bench_merge.py):
 
 - Precision: values are accumulated in their own precision, at least float32 (float32 for float32,
   bfloat16 and float16 inputs; float64 for float64). Squared norms are summed in float64 from
   per-block dot products. Against a float64 computation the float32 merge differs by a few float32
   ulps times the number of contributions (tests/syncer/merge_test.py states and checks the bound);
-  the float32 outer step that follows rounds to float32 anyway (SPEC §4.6).
+  the float32 outer step that follows rounds to float32 anyway (docs/algorithm.md §4.6).
 - Speed: no full-size temporaries. Each tensor is processed in blocks of `BLOCK_VALUES` values
   that stay in cache: per block, every contribution's v_m is formed in one scratch buffer and used
   at once (its squared norm, or `out += c_m · v_m` with BLAS axpy). RDA needs two passes over the
   contributions (the norms must be known before the direction is summed); the weighted mean one.
 - `merge_reports` takes the anchors and the learners' values and forms v_m = Θ^(a_m) − θ_m block by
-  block, so the core never materialises the outer gradients (SPEC §4.3). Its outputs are 64-byte
+  block, so the core never materialises the outer gradients (docs/algorithm.md §4.3). Its outputs are 64-byte
   aligned, which lets `jax.device_put` use them without a copy on the CPU backend, and may be
   written into a reused `OutputBuffer` (fresh memory costs page faults and zeroing).
 - RDA's first pass can move out of the merge: `finite_sq_norm` sums ‖v_m‖² in the same pass as a
@@ -37,7 +37,7 @@ _AXPY = {np.dtype(np.float32): blas.saxpy, np.dtype(np.float64): blas.daxpy}
 
 
 def token_weight(tokens: int, steps: int) -> float:
-  """Token weight ("quantity x quality") of one report, SPEC §4.4: tokens² / steps.
+  """Token weight ("quantity x quality") of one report, docs/algorithm.md §4.4: tokens² / steps.
 
   `tokens / steps` is the learner's batch size (quality: a learner that lost chips runs a smaller batch)
   and `tokens` is how much it trained since it last received the fragment (quantity).
@@ -118,7 +118,7 @@ class OutputBuffer:
   """Memory that `merge_reports` writes its results into, reused from one merge to the next.
 
   Fresh memory is paid for in page faults and the kernel's zeroing: reusing one buffer took a
-  16 MiB, 8-contribution flush from ~42 to ~35 ms of CPU (issue 3, scripts/bench_merge.py). A
+  16 MiB, 8-contribution flush from ~42 to ~35 ms of CPU (scripts/bench_merge.py). A
   merge's results are views into it and are overwritten by the next merge that uses the same
   buffer, so the caller must be done with them first (`SyncerCore._merge` is: the outer step has
   read them when it returns). Not thread-safe. It keeps the largest size asked for.
@@ -299,7 +299,7 @@ def outer_sq_norms(
 def finite_sq_norm(anchor: np.ndarray, value: np.ndarray) -> float | None:
   """‖anchor − value‖² exactly as `outer_sq_norms` computes it, or None if `value` has a NaN/Inf.
 
-  The door's finiteness check and RDA's first pass in one pass over `value` (issue 3): per block,
+  The door's finiteness check and RDA's first pass in one pass over `value`: per block,
   v = anchor − value and its dot product. A finite dot product proves the block of `value` finite
   (a NaN or ±Inf in `value` makes v, then v·v, NaN or Inf, whatever `anchor` holds); a non-finite
   one (also an overflow of finite values) is settled by checking that block of `value` itself. So
@@ -331,7 +331,7 @@ def finite_sq_norm(anchor: np.ndarray, value: np.ndarray) -> float | None:
 
 
 def weighted_mean(vs: Sequence[np.ndarray], ws: Sequence[float]) -> np.ndarray:
-  """Σ w v / Σ w, accumulated in at least float32 (SPEC §4.5, embeddings).
+  """Σ w v / Σ w, accumulated in at least float32 (docs/algorithm.md §4.5, embeddings).
 
   Args:
     vs: arrays of one shape and dtype.
@@ -349,7 +349,7 @@ def weighted_mean(vs: Sequence[np.ndarray], ws: Sequence[float]) -> np.ndarray:
 
 
 def rda(vs: Sequence[np.ndarray], ws: Sequence[float], eps: float = 1e-12) -> np.ndarray:
-  """Radial-Directional Averaging of one tensor, SPEC §4.5.
+  """Radial-Directional Averaging of one tensor, docs/algorithm.md §4.5.
 
   `(Σ w‖v‖ / Σ w) · unit(Σ w unit(v) / Σ w)`: the radius is the weighted mean of the norms and the
   direction the normalised weighted mean of the directions, so near-orthogonal updates do not shrink
@@ -398,14 +398,14 @@ def merge_outer_gradients(
   method: str = "rda",
   embedding_keys: Collection[str] = (),
 ) -> dict[str, np.ndarray]:
-  """Merges per-learner outer gradients of one fragment, tensor by tensor (SPEC §4.5).
+  """Merges per-learner outer gradients of one fragment, tensor by tensor (docs/algorithm.md §4.5).
 
   Args:
     grads: one {key: outer gradient} per learner, all with the same keys.
     weights: one token weight per learner (see `token_weight`).
-    method: "rda" (default, SPEC §4.5) or "mean" (the ablation) for non-embedding tensors.
+    method: "rda" (default, docs/algorithm.md §4.5) or "mean" (the ablation) for non-embedding tensors.
     embedding_keys: keys that always use the weighted mean (input embedding and unembedding: decision,
-      SPEC §4.5). Keys not present in `grads` are ignored, so the full model's set may be passed.
+      docs/algorithm.md §4.5). Keys not present in `grads` are ignored, so the full model's set may be passed.
 
   Returns:
     {key: merged outer gradient}, keys in sorted order, each with its inputs' dtype.
@@ -436,7 +436,7 @@ def merge_reports(
   sq_norms: Sequence[Mapping[str, float] | None] | None = None,
   out: OutputBuffer | None = None,
 ) -> dict[str, np.ndarray]:
-  """Merges the outer gradients v_m = anchors[m] − values[m] without forming them (SPEC §4.3–4.5).
+  """Merges the outer gradients v_m = anchors[m] − values[m] without forming them (docs/algorithm.md §4.3–4.5).
 
   Equal to `merge_outer_gradients([{k: anchors[m][k] − values[m][k]} ...], ...)` with the
   differences taken in the accumulation dtype, but v_m is formed block by block as it is used, so
@@ -448,7 +448,7 @@ def merge_reports(
     values: per learner, its θ_m with the same keys, shapes and dtypes.
     weights: one token weight per learner; learners of weight 0 are not read.
     method: "rda" (default) or "mean" for non-embedding tensors.
-    embedding_keys: keys merged with the weighted mean (SPEC §4.5); absent keys are ignored.
+    embedding_keys: keys merged with the weighted mean (docs/algorithm.md §4.5); absent keys are ignored.
     eps: RDA's zero-norm guard (see `rda`).
     sq_norms: per learner, `outer_sq_norms(anchors[m], values[m])` if already known, or None.
       RDA then skips its first pass for those learners; the result is the same bits.

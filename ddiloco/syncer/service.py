@@ -3,7 +3,7 @@
 `SyncerService` implements `ddiloco.v1.Syncer` (transport/proto/syncer.proto). A background thread
 runs the core's step clock: it opens rounds as they come due and announces each on every learner's
 `Rounds` stream, and merges rounds as their deadlines come, announcing every published version on the
-same streams (SPEC §3-4). Learners answer rounds with pushes and pull what was announced; nothing a
+same streams (docs/algorithm.md §3-4). Learners answer rounds with pushes and pull what was announced; nothing a
 learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runtime"):
 
 - Validation at the door: every request is checked before it can touch the core, and every refusal has
@@ -55,7 +55,7 @@ learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runti
 - Serving: the port is never shared (`grpc.so_reuseport` off): a second syncer on a port in use
   fails with a one-line `BindError`. A non-loopback address without a shared token is refused
   unless `insecure=True` (`ddiloco-syncer --insecure`), which logs a warning.
-- Downlink (SPEC §5): with a lossy downlink codec the syncer sends Θ_new − Θ_old quantized and adopts
+- Downlink (docs/algorithm.md §5): with a lossy downlink codec the syncer sends Θ_new − Θ_old quantized and adopts
   what a receiver decodes (`adopt`, wired into the core), so learners and syncer hold bit-identical
   fragments. The encoded delta is kept for the newest version only; a learner that holds an older
   version (or none) gets the full values in fp32, which is exact.
@@ -119,8 +119,8 @@ class ServiceConfig:
   """Wire and liveness settings of the syncer service, sent to learners at Register.
 
   Attributes:
-    uplink_codec: codec of the learners' outer-gradient pushes (SPEC §5).
-    downlink_codec: codec of fragment updates Θ_new − Θ_old (SPEC §5); fp32 sends full values.
+    uplink_codec: codec of the learners' outer-gradient pushes (docs/algorithm.md §5).
+    downlink_codec: codec of fragment updates Θ_new − Θ_old (docs/algorithm.md §5); fp32 sends full values.
     block_size: values per absmax scale block for int8/int4.
     max_chunk_bytes: largest chunk payload accepted or sent (~1 MiB: gRPC's default message limit
       is 4 MiB, and 1 MiB chunks measured best on loopback).
@@ -324,7 +324,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       [list(st.values) for st in states], {k: v for st in states for k, v in st.values.items()}
     )
     self._max_bytes = [wire.max_wire_bytes(lay) for lay in self._layouts]
-    # Pushes are decoded into recycled memory (issue 3): fresh pages cost the kernel's zeroing.
+    # Pushes are decoded into recycled memory: fresh pages cost the kernel's zeroing.
     # Free buffers all held reports a moment before, so the pool adds nothing to the peak; it is
     # capped at one copy of the model.
     self._pool = ArrayPool(
@@ -1179,7 +1179,7 @@ class DownlinkAdopter:
   """The core's `adopt` hook for a lossy downlink codec, and the cache of the encoded deltas.
 
   At each merge it encodes Θ_new − Θ_old once, decodes it exactly as a learner holding Θ_old will,
-  and returns that as the published value (SPEC §5). The bytes are kept for the newest version.
+  and returns that as the published value (docs/algorithm.md §5). The bytes are kept for the newest version.
   """
 
   def __init__(self, codec: str, *, block_size: int, chunk_size: int):
@@ -1296,7 +1296,7 @@ def _add_servicer(service: SyncerService, server: grpc.Server) -> None:
   serialized bytes.
 
   The Push handler reads them with `messages.parse_chunk`, the payload a view into the received
-  bytes: protobuf's parser would copy every payload byte twice (issue 3, the wire benchmark).
+  bytes: protobuf's parser would copy every payload byte twice (scripts/bench_wire.py).
   Pull sends chunks made serialized (`messages.state_messages`) or cached serialized (the
   downlink deltas every learner pulls), so protobuf neither builds nor serializes them per pull.
   The bytes on the wire are the same; clients need not change.

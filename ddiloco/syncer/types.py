@@ -1,4 +1,4 @@
-"""The syncer's value types: its config, reports, merge events, fragment states (SPEC §3, §4).
+"""The syncer's value types: its config, reports, merge events, fragment states (docs/algorithm.md §3, §4).
 
 Also the core's own mutable bookkeeping (`RoundEntry`, `Round`, `LearnerRecord`), shared by
 `core.py` and `checkpoint.py` but not part of the package's API. Everything public here is re-exported
@@ -80,21 +80,21 @@ NEW_COUNTERS = (
 @gin.configurable(module="ddiloco")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SyncerConfig:
-  """Syncer settings (SPEC §4). Bound from gin as `ddiloco.SyncerConfig.<field>`.
+  """Syncer settings (docs/algorithm.md §4). Bound from gin as `ddiloco.SyncerConfig.<field>`.
 
   Attributes:
-    min_quorum: K, weight>0 reports needed before a round may merge (SPEC §4.1).
-    use_grace: whether to keep a round open for the adaptive grace window after quorum (SPEC §4.2).
+    min_quorum: K, weight>0 reports needed before a round may merge (docs/algorithm.md §4.1).
+    use_grace: whether to keep a round open for the adaptive grace window after quorum (docs/algorithm.md §4.2).
     grace_gamma: γ, the fraction of slack the window spends (decision 0.8).
     grace_max_s: upper bound of the window, seconds.
     overlap: τ in steps; only the grace model uses it here.
     ema_decay: decay of the ξ EMAs.
-    merge_method: "rda" (default) or "mean" for non-embedding tensors (SPEC §4.5).
+    merge_method: "rda" (default) or "mean" for non-embedding tensors (docs/algorithm.md §4.5).
     clock: how the syncer's step clock advances. "fleet_rate" (default): at the median step rate
       of the alive learners, whatever their positions. "slowest": to the lowest schedule step any
       alive learner has reached, so a round opens once every learner has reached its step; the
       synchronous baselines use it with blocking learners (lock-step).
-    outer_lr: outer SGD learning rate (DiLoCo 0.7, SPEC §4.6).
+    outer_lr: outer SGD learning rate (DiLoCo 0.7, docs/algorithm.md §4.6).
     outer_momentum: outer momentum; 0 disables it.
     nesterov: Nesterov momentum.
     keep_versions: recent versions kept per fragment, current included: the anchors a delta on
@@ -159,13 +159,13 @@ class SyncerConfig:
       raise ValueError(f"max_tokens_per_step must be >= 1 or None, got {self.max_tokens_per_step}.")
 
   def outer_optimizer(self) -> optax.GradientTransformation:
-    """optax.sgd(outer_lr, momentum or None, nesterov): DiLoCo's outer step (SPEC §4.6)."""
+    """optax.sgd(outer_lr, momentum or None, nesterov): DiLoCo's outer step (docs/algorithm.md §4.6)."""
     return optax.sgd(self.outer_lr, momentum=self.outer_momentum or None, nesterov=self.nesterov)
 
 
 @dataclasses.dataclass(frozen=True)
 class MergeEvent:
-  """One published merge: fragment p went to `version` at `time` (SPEC §4.7)."""
+  """One published merge: fragment p went to `version` at `time` (docs/algorithm.md §4.7)."""
 
   fragment: int
   version: int

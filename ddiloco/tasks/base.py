@@ -3,12 +3,12 @@
 The learner step (`ddiloco.learner.train_step`), the learner factory (`ddiloco.simulation.runtime`),
 the simulator and the distributed `JobConfig` only talk to a `Task`, so a dense language model, a
 mixture of experts and a vision transformer go through the same learners, fragments, compression,
-RDA merge and syncer unchanged (ARCHITECTURE.md "dependency rule": a task knows nothing of
+RDA merge and syncer unchanged (docs/architecture.md "dependency rule": a task knows nothing of
 fragments, syncers or clocks).
 
 Contract:
 - A batch is a dict of host arrays with at least "inputs" and "targets". The number of elements of
-  "targets" is the batch's count of merge units (SPEC §4.4's "tokens": target tokens for text,
+  "targets" is the batch's count of merge units (docs/algorithm.md §4.4's "tokens": target tokens for text,
   examples for classification); `units_in_batch` computes it, and the learner and the simulator
   count a batch the same way.
 - `loss(params, batch, train=...)` is traced inside the jitted steps. It returns (loss, count, aux):
@@ -17,7 +17,7 @@ Contract:
   metrics, each a mean over the batch's units, so that means over several batches are
   count-weighted.
 - `mean_merged(path)` names the flat parameter paths the syncer merges with the weighted mean
-  instead of RDA (SPEC §4.5).
+  instead of RDA (docs/algorithm.md §4.5).
 """
 
 import abc
@@ -72,7 +72,7 @@ class Task(abc.ABC):
 
   @abc.abstractmethod
   def mean_merged(self, path: str) -> bool:
-    """Whether the syncer merges this flat parameter path with the weighted mean (SPEC §4.5)."""
+    """Whether the syncer merges this flat parameter path with the weighted mean (docs/algorithm.md §4.5)."""
 
   @abc.abstractmethod
   def units_per_step(self, batch_size: int | None = None) -> int:

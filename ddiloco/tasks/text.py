@@ -89,7 +89,7 @@ class TextTask(Task):
     return text_data.eval_batches(self.data_config, num_batches=num_batches, batch_size=batch_size)
 
   def mean_merged(self, path: str) -> bool:
-    """Input embedding and unembedding (SPEC §4.5 decision; `transformer.is_embedding_path`)."""
+    """Input embedding and unembedding (docs/algorithm.md §4.5 decision; `transformer.is_embedding_path`)."""
     return transformer.is_embedding_path(path)
 
   def units_per_step(self, batch_size: int | None = None) -> int:

@@ -1,9 +1,9 @@
 """`VisionTask`: image classification with the small ViT on scikit-learn's digits.
 
-Loss: softmax cross-entropy; count: examples (the merge weight unit, SPEC §4.4); aux: top-1
+Loss: softmax cross-entropy; count: examples (the merge weight unit, docs/algorithm.md §4.4); aux: top-1
 accuracy.
 
-Mean-merged tensors (SPEC §4.5 decision, carried over by role): text merges its *input embedding*
+Mean-merged tensors (docs/algorithm.md §4.5 decision, carried over by role): text merges its *input embedding*
 and its *output projection* with the weighted mean and everything else with RDA. The ViT's
 counterparts are the input side — `patch_embed` (the linear map from pixels into the residual
 stream), `pos_embed` and the `cls_token` — and the output side, the class `head` (the unembedding

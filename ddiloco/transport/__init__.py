@@ -1,4 +1,4 @@
-"""ddiloco.transport: the wire format, chunking and the gRPC protocol (ARCHITECTURE.md)."""
+"""ddiloco.transport: the wire format, chunking and the gRPC protocol (docs/architecture.md)."""
 
 from ddiloco.transport.chunks import (
   DEFAULT_CHUNK_SIZE,

@@ -1,4 +1,4 @@
-"""Shared-token authentication and TLS credentials for the syncer service (ARCHITECTURE.md).
+"""Shared-token authentication and TLS credentials for the syncer service (docs/architecture.md).
 
 Every call except the standard health service must carry the metadata `authorization: Bearer <token>`.
 The token comes from a file (`--auth_token_file`) or the `DDILOCO_TOKEN` environment variable; a

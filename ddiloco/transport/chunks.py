@@ -1,11 +1,11 @@
 """Cutting serialized payloads into ~1 MiB chunks and putting them back together, checked.
 
 gRPC messages have a size cap and large messages stall a stream, so payloads travel as chunks
-(ARCHITECTURE.md: ~1 MiB measured best on loopback). The receiver learns `num_chunks` and
+(docs/architecture.md: ~1 MiB measured best on loopback). The receiver learns `num_chunks` and
 `total_bytes` from the first chunk's header and checks every chunk against them *before* buffering,
 so an oversized or malformed stream is rejected without holding its bytes.
 
-Copies (issue 3, the wire benchmark): gRPC sends `bytes` objects, so the sender's one copy per byte
+Copies (scripts/bench_wire.py): gRPC sends `bytes` objects, so the sender's one copy per byte
 is the chunk's: `ChunkWriter` cuts a stream of writes straight into them, no full-size buffer, and
 with a `prefix` each chunk is a whole serialized chunk message (`messages.push_messages`), so
 protobuf does not copy it again. The receiver decodes each chunk as `ChunkAssembler` hands it on
@@ -252,7 +252,7 @@ def reassemble(
 class ArrayPool:
   """Recycles the memory of received arrays: `empty` reuses a buffer whose last array is gone.
 
-  Why (issue 3, the wire benchmark): a receiver decodes every push into fresh arrays, and the
+  Why (scripts/bench_wire.py): a receiver decodes every push into fresh arrays, and the
   kernel zeroes fresh pages on first touch; glibc maps allocations above 32 MiB anew each time,
   so zeroing took ~19 % of a 64 MiB push's CPU (perf, scripts/bench_wire.py). A buffer comes back
   when every array made from it has died (a `weakref.finalize` on the array handed out, which its

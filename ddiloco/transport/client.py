@@ -8,7 +8,7 @@ The client keeps the session each Register returns, per learner id, and sends it
 Push, Pull, Heartbeat, Leave and Rounds calls (`auth.SESSION_METADATA_KEY`); a call refused
 PERMISSION_DENIED (another registration of the id voided it) is fixed by registering again.
 
-Push and Pull carry their chunks as serialized messages (issue 3, the wire benchmark): a push's
+Push and Pull carry their chunks as serialized messages (scripts/bench_wire.py): a push's
 messages are made while the stream is sent (`messages.push_messages`, one copy per payload byte,
 no protobuf object), and a pull's are parsed by hand and decoded as they arrive
 (`messages.parse_chunk`, the payload never copied out of the received bytes).
@@ -158,7 +158,7 @@ class SyncerClient:
     block_size: int = 64,
     anchor_values: Mapping[str, np.ndarray] | None = None,
   ) -> ReportResult:
-    """Streams one report; `anchor_values` (Θ^(anchor) as held) makes it a delta (SPEC §5).
+    """Streams one report; `anchor_values` (Θ^(anchor) as held) makes it a delta (docs/algorithm.md §5).
 
     The chunks are encoded while the stream is sent (`messages.push_messages`).
 
@@ -286,7 +286,7 @@ class SyncerClient:
     )
 
   def rounds(self, learner_id: int) -> "RoundStream":
-    """Subscribes to the syncer's round requests and version announcements (SPEC §3).
+    """Subscribes to the syncer's round requests and version announcements (docs/algorithm.md §3).
 
     Iterate the result for `RoundRequest`s and `(fragment, version)` announcements; `cancel()` ends
     it. Iterating raises `grpc.RpcError` when the call fails or its deadline passes.

@@ -5,7 +5,7 @@ class WireError(ValueError):
   """Malformed, inconsistent or oversized data from the wire.
 
   A ValueError, so callers that validate with ValueError catch it; the service maps it to
-  INVALID_ARGUMENT and never lets the data touch the global state (ARCHITECTURE.md).
+  INVALID_ARGUMENT and never lets the data touch the global state (docs/architecture.md).
   """
 
 

@@ -2,10 +2,10 @@
 
 Builds on `wire` (payload format) and `chunks` (cutting and reassembly). The first chunk carries the
 header; the receiver checks the header's sizes against its limits before buffering the rest, so a
-service can reject a bad stream at the door (ARCHITECTURE.md). A service that needs the fragment id
+service can reject a bad stream at the door (docs/architecture.md). A service that needs the fragment id
 to pick the layout reads the first chunk itself and passes `itertools.chain([first], rest)`.
 
-Copies (issue 3, the wire benchmark): the sender encodes straight into the chunks' bytes
+Copies (scripts/bench_wire.py): the sender encodes straight into the chunks' bytes
 (`wire.FragmentEncoder`); the receiver checks the header (and looks up a delta's base) from chunk
 0, then decodes each chunk as it comes, in order, straight into the output arrays
 (`wire.FragmentReader`): chunks are never joined. On the Push path protobuf is bypassed for the
@@ -274,7 +274,7 @@ def push_messages(
   chunk_size: int = DEFAULT_CHUNK_SIZE,
   anchor_values: Mapping[str, np.ndarray] | None = None,
 ) -> Iterator[bytes]:
-  """A learner's report as the serialized PushChunk messages of a Push stream (SPEC §3).
+  """A learner's report as the serialized PushChunk messages of a Push stream (docs/algorithm.md §3).
 
   The bytes of `[m.SerializeToString() for m in report_to_chunks(...)]`, but each message is
   encoded only when it is asked for, in one piece with one copy per payload byte: a client can
@@ -287,7 +287,7 @@ def push_messages(
     block_size: int8/int4 scale block size.
     chunk_size: payload bytes per chunk (the receiver's limit must be at least this).
     anchor_values: Θ^(anchor) as the learner holds it; if given, the payload is the delta
-      θ − Θ^(anchor) (SPEC §5) and the header says `delta`.
+      θ − Θ^(anchor) (docs/algorithm.md §5) and the header says `delta`.
 
   Returns:
     An iterator over the messages' bytes.
@@ -311,7 +311,7 @@ def report_to_chunks(
   chunk_size: int = DEFAULT_CHUNK_SIZE,
   anchor_values: Mapping[str, np.ndarray] | None = None,
 ) -> list[syncer_pb2.PushChunk]:
-  """A learner's report as a Push stream of protobuf messages: chunk 0 carries the header (SPEC §3).
+  """A learner's report as a Push stream of protobuf messages: chunk 0 carries the header (docs/algorithm.md §3).
 
   The messages `push_messages` serializes (the client sends those; these are for inspection,
   accounting and tests).
@@ -322,7 +322,7 @@ def report_to_chunks(
     block_size: int8/int4 scale block size.
     chunk_size: bytes per chunk (the receiver's limit must be at least this).
     anchor_values: Θ^(anchor) as the learner holds it; if given, the payload is the delta
-      θ − Θ^(anchor) (SPEC §5) and the header says `delta`.
+      θ − Θ^(anchor) (docs/algorithm.md §5) and the header says `delta`.
 
   Raises:
     ValueError: if the values cannot be encoded (NaN/Inf) or a delta has no valid anchor version.
@@ -346,7 +346,7 @@ def chunks_to_report(
   alloc: wire.Allocator | None = None,
   check_finite: bool = True,
 ) -> Report:
-  """Rebuilds a Report from a Push stream, validating everything (ARCHITECTURE.md).
+  """Rebuilds a Report from a Push stream, validating everything (docs/architecture.md).
 
   The layout (keys, shapes, dtypes) is that of the fragment named in the header: a service reads the
   first chunk, picks the layout of `header.fragment` and passes `itertools.chain([first], rest)`.
@@ -431,7 +431,7 @@ def _lookup(lookup: BaseLookup | None, version: int, what: str, field: str) -> M
 def _state_encoder(
   state: FragmentState, codec: str, block_size: int, base: FragmentState | None
 ) -> tuple[wire.FragmentEncoder, str]:
-  """(the encoder of a Pull payload, the digest of what the receiver will hold; SPEC §4.7)."""
+  """(the encoder of a Pull payload, the digest of what the receiver will hold; docs/algorithm.md §4.7)."""
   if base is not None and base.fragment != state.fragment:
     raise ValueError(f"base is fragment {base.fragment}, state is fragment {state.fragment}.")
   base_values = None if base is None else base.values
@@ -477,7 +477,7 @@ def state_messages(
     codec: the downlink codec name.
     block_size: int8/int4 scale block size.
     chunk_size: payload bytes per chunk.
-    base: an older version the receiver holds; if given the payload is state − base (SPEC §5).
+    base: an older version the receiver holds; if given the payload is state − base (docs/algorithm.md §5).
 
   Raises:
     ValueError: at once if `base` is another fragment; while iterating, if the values cannot be
@@ -504,19 +504,19 @@ def state_to_chunks(
   chunk_size: int = DEFAULT_CHUNK_SIZE,
   base: FragmentState | None = None,
 ) -> list[syncer_pb2.FragmentChunk]:
-  """A global fragment version as a Pull stream of protobuf messages (SPEC §4.7).
+  """A global fragment version as a Pull stream of protobuf messages (docs/algorithm.md §4.7).
 
   The messages `state_messages` serializes (a service sends those; these are for inspection,
   accounting and tests). The header digest is that of `received_values(...)`, what the receiver
   will hold: with "fp32" and no base that is `state.digest`; otherwise the syncer must hold
-  (adopt) those values for the digests to agree (SPEC §5).
+  (adopt) those values for the digests to agree (docs/algorithm.md §5).
 
   Args:
     state: the version to send.
     codec: the downlink codec name.
     block_size: int8/int4 scale block size.
     chunk_size: bytes per chunk.
-    base: an older version the receiver holds; if given the payload is state − base (SPEC §5).
+    base: an older version the receiver holds; if given the payload is state − base (docs/algorithm.md §5).
 
   Raises:
     ValueError: if the values cannot be encoded or `base` is another fragment.
@@ -537,7 +537,7 @@ def encoded_state_messages(
   """A Pull stream of already-serialized payload pieces (e.g. a delta the syncer encoded once),
   as serialized FragmentChunk messages (`state_messages`); one copy of each piece.
 
-  `digest` must be that of what the receiver will hold after decoding (SPEC §4.7).
+  `digest` must be that of what the receiver will hold after decoding (docs/algorithm.md §4.7).
   """
   pieces = list(pieces) or [b""]
   header = _fragment_header(
@@ -562,7 +562,7 @@ def chunks_to_state(
   max_bytes: int | None = None,
   max_chunk_bytes: int = DEFAULT_CHUNK_SIZE,
 ) -> FragmentState:
-  """Rebuilds a FragmentState from a Pull stream and checks its digest (SPEC §4.7).
+  """Rebuilds a FragmentState from a Pull stream and checks its digest (docs/algorithm.md §4.7).
 
   Args:
     chunks: the stream, as FragmentChunk messages, their serialized bytes or ChunkFrames; chunk 0

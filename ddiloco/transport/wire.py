@@ -1,7 +1,7 @@
 """Fragments on the wire: a self-describing, versioned binary format for a fragment's arrays.
 
-Pure functions, no gRPC: `messages` wraps them into Push/Pull chunk streams (ARCHITECTURE.md,
-"Process and protocol sketch"). Arrays are encoded with `ddiloco.fragments.compression` (SPEC §5).
+Pure functions, no gRPC: `messages` wraps them into Push/Pull chunk streams (docs/architecture.md,
+"Process and protocol sketch"). Arrays are encoded with `ddiloco.fragments.compression` (docs/algorithm.md §5).
 
 Fragment format (version 1), all integers little-endian, never pickle:
   file:  magic b"DDWF" | u16 format version | u32 number of entries | entries, sorted by key
@@ -10,17 +10,17 @@ Fragment format (version 1), all integers little-endian, never pickle:
          u64 scales length | payload | scales
 
 Decisions:
-  * Validation at the door (ARCHITECTURE.md): every length is checked against the expected layout
+  * Validation at the door (docs/architecture.md): every length is checked against the expected layout
     *before* bytes are sliced, the payload and scales must be exactly what the codec needs for the
     expected shape, no bytes may trail, and decoded values must be finite after the cast to the
     layout dtype. Every failure is a `WireError` (a ValueError) whose message names the key or chunk.
-  * Deltas (SPEC §5): with a `base`, the payload is `values − base` (float32) and the receiver holds
+  * Deltas (docs/algorithm.md §5): with a `base`, the payload is `values − base` (float32) and the receiver holds
     `cast(base + decoded)`. One sign convention for both directions; a learner's outer gradient
     δ = Θ^(anchor) − θ is its negation, so no information differs. Without a base the receiver
     holds `cast(decoded)`; with "fp32" that is bit-exact for float32/bfloat16/float16 layouts.
   * `received_values` gives the sender exactly what the receiver will hold, so the syncer can adopt
-    the dequantized value and both sides stay bit-identical (SPEC §5, §4.7).
-  * Copies (issue 3, the wire benchmark): both ends stream. The sender encodes each array in
+    the dequantized value and both sides stay bit-identical (docs/algorithm.md §5, §4.7).
+  * Copies (scripts/bench_wire.py): both ends stream. The sender encodes each array in
     cache-sized runs (delta, float32 cast, NaN/Inf check and encoding in one pass) straight into
     the chunks' bytes (`FragmentEncoder`, which knows the exact size before encoding, so a stream's
     header can announce it and the chunks be made while they are sent). The receiver (`FragmentReader`) parses each chunk as it
@@ -220,9 +220,9 @@ def serialize_fragment(
 
   Args:
     values: {key: float array}; the dtype recorded for each key is the array's own.
-    codec_name: "fp32", "bf16", "int8" or "int4" (SPEC §5).
+    codec_name: "fp32", "bf16", "int8" or "int4" (docs/algorithm.md §5).
     block_size: values per absmax scale block for int8/int4.
-    base: if given, `values − base` is encoded (a delta, SPEC §5); dtypes recorded are still those
+    base: if given, `values − base` is encoded (a delta, docs/algorithm.md §5); dtypes recorded are still those
       of `values`.
 
   Returns:
@@ -291,7 +291,7 @@ class FragmentReader:
       layout: from `make_layout`.
       codec_name: if given, every entry must use this codec.
       max_bytes: size limit; defaults to `max_wire_bytes(layout)`.
-      base: if given, the data is a delta and the result is `cast(base + decoded)` (SPEC §5).
+      base: if given, the data is a delta and the result is `cast(base + decoded)` (docs/algorithm.md §5).
       raw: decode to float32 with no base and no NaN/Inf check (`decode_layout`).
       alloc: makes each output array, (number of values, dtype) -> flat writable array; default
         `np.empty`. A receiver recycles memory with `chunks.ArrayPool.empty`.
@@ -483,7 +483,7 @@ def read_layout(
   max_bytes: int | None,
   base: Mapping[str, np.ndarray] | None,
 ) -> dict[str, np.ndarray]:
-  """Parses, checks and decodes to what the receiver holds: cast(base + decoded) (SPEC §5).
+  """Parses, checks and decodes to what the receiver holds: cast(base + decoded) (docs/algorithm.md §5).
 
   Equal to `finish_layout(decode_layout(data, ...), layout, base)`, in one pass per array.
 
@@ -534,7 +534,7 @@ def decode_layout(
 def finish_layout(
   decoded: Mapping[str, np.ndarray], layout: Layout, base: Mapping[str, np.ndarray] | None
 ) -> dict[str, np.ndarray]:
-  """Returns cast(base + decoded) per key, what the receiver holds (SPEC §5).
+  """Returns cast(base + decoded) per key, what the receiver holds (docs/algorithm.md §5).
 
   Raises:
     WireError: if the base lacks a key or shape, or a value is NaN/Inf after the cast.
@@ -575,7 +575,7 @@ def deserialize_fragment(
     shapes: expected shape per key (in `layout_keys` order, or a mapping by key).
     dtypes: expected dtype per key (names like "bfloat16" or numpy dtypes), likewise.
     codec_name: if given, every entry must use this codec.
-    base: if given, the data is a delta and the result is `cast(base + decoded)` (SPEC §5).
+    base: if given, the data is a delta and the result is `cast(base + decoded)` (docs/algorithm.md §5).
     max_bytes: size limit; defaults to `max_wire_bytes` of the layout.
 
   Returns:
@@ -596,7 +596,7 @@ def received_values(
   block_size: int = 64,
   base: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
-  """What a receiver holds after `values` went over the wire: the sender adopts it (SPEC §5).
+  """What a receiver holds after `values` went over the wire: the sender adopts it (docs/algorithm.md §5).
 
   Equal to `deserialize_fragment(serialize_fragment(values, ...), ...)` bit for bit, without the
   framing: each run is encoded and decoded by the same functions as on the wire. With "fp32", no

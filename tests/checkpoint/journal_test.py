@@ -20,7 +20,7 @@ from ddiloco.syncer.core import Report, SyncerConfig
 from ddiloco.syncer.service import ServiceConfig, make_syncer, serve
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 
-pytestmark = pytest.mark.timeout(60)  # Sockets and threads (STYLE.md).
+pytestmark = pytest.mark.timeout(60)  # Sockets and threads: a hang must fail the test.
 
 DIGEST = "L"
 FRAGMENTS = [["a/w"], ["b/w"]]

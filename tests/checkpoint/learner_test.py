@@ -1,4 +1,4 @@
-"""Tests for a learner's orbax checkpoints (ddiloco/checkpoint/learner.py; SPEC §6).
+"""Tests for a learner's orbax checkpoints (ddiloco/checkpoint/learner.py; docs/algorithm.md §6).
 
 A one-block model (d=32) on the byte vocabulary with the real Shakespeare shard iterator. The
 optimizer is clip -> AdamW with a schedule, so its state holds a count at `[1][2].count` (optax

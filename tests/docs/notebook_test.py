@@ -1,20 +1,24 @@
-"""Executes docs/colab/quickstart.ipynb with nbclient, so the quick start cannot rot (issue 6).
+"""Executes docs/colab/quickstart.ipynb with nbclient, so the quick start cannot rot.
 
-The notebook runs in a fresh kernel of this interpreter with the repository root as its working
-directory, writes its runs and a results.json under $DDILOCO_NOTEBOOK_OUT, and the test checks
-both the numbers it reports and, independently, the metrics.jsonl files its runs wrote.
+The notebook runs in a fresh kernel of this interpreter in a temporary folder outside the repository
+(with this checkout first on PYTHONPATH), writes its runs and a results.json under
+$DDILOCO_NOTEBOOK_OUT, and the test checks both the numbers it reports and, independently, the
+metrics.jsonl files and TensorBoard events its runs wrote.
 """
 
+import importlib.metadata
 import json
 import math
+import os
 import pathlib
+import subprocess
 import sys
 
 import nbclient
 import nbformat
 import pytest
 
-from ddiloco.metrics.writer import read_events
+from ddiloco.metrics.writer import read_events, read_scalars
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOK = REPO / "docs" / "colab" / "quickstart.ipynb"
@@ -51,13 +55,16 @@ def executed(tmp_path_factory):
     mp.setenv("IPYTHONDIR", str(tmp / "ipython"))
     mp.delenv("MPLBACKEND", raising=False)  # ipykernel's inline backend puts figures in outputs.
     mp.setenv("DDILOCO_NOTEBOOK_OUT", str(out))
-    mp.delenv("DDILOCO_REPO_URL", raising=False)
+    # This checkout, not another installed copy; the kernel works in a folder without any configs.
+    mp.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    elsewhere = tmp / "elsewhere"
+    elsewhere.mkdir()
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(
       nb,
       kernel_name=KERNEL,
       timeout=CELL_TIMEOUT_S,
-      resources={"metadata": {"path": str(REPO)}},  # The kernel's working directory.
+      resources={"metadata": {"path": str(elsewhere)}},  # The kernel's working directory.
     )
     client.execute()  # Raises CellExecutionError if any cell fails.
   return nb, out
@@ -115,3 +122,45 @@ def test_crash_is_visible_in_the_run_metrics(executed):
   train2 = read_events(workdir, "train")
   assert not [e for e in train2 if e["learner"] == 2 and 16.0 < e["time"] < 28.0]
   assert [e for e in train2 if e["learner"] == 2 and e["time"] > 28.0]
+
+
+@pytest.mark.timeout(1200)
+def test_runs_wrote_tensorboard_scalars_against_tokens(executed):
+  _, out = executed
+  scalars = read_scalars(str(out / "decoupled_diloco"))
+  assert {"learner_0/loss", "eval/loss", "syncer/quorum_size", "goodput/goodput"} <= scalars.keys()
+  eval_tokens = [x for x, _ in scalars["eval/loss"]]
+  assert eval_tokens[-1] == 98_304  # The final evaluation, at the run's token budget.
+
+
+def _setup_cell() -> str:
+  nb = nbformat.read(NOTEBOOK, as_version=4)
+  return next(c.source for c in nb.cells if c.cell_type == "code")
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_setup_cell_installs_once_from_the_checkout_or_by_name(tmp_path, monkeypatch, inside):
+  """Not installed: pip installs the checkout it runs in, else the package by name; rerun: nothing."""
+  monkeypatch.chdir(REPO / "docs" / "colab" if inside else tmp_path)
+  monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+  state = {"installed": False}
+  calls = []
+
+  def distribution(name):
+    if not state["installed"]:
+      raise importlib.metadata.PackageNotFoundError(name)
+
+  def run(cmd, check):
+    calls.append(cmd)
+    state["installed"] = True
+
+  monkeypatch.setattr(importlib.metadata, "distribution", distribution)
+  monkeypatch.setattr(subprocess, "run", run)
+  for _ in range(2):
+    exec(compile(_setup_cell(), "setup_cell", "exec"), {"__name__": "notebook"})
+  assert calls == [
+    [sys.executable, "-m", "pip", "install", "--quiet", str(REPO) if inside else "ddiloco"]
+  ]
+  text = _setup_cell()
+  assert "git clone" not in text and "://" not in text  # Nothing fetched from a host by URL.

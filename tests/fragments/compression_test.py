@@ -1,4 +1,4 @@
-"""Tests for ddiloco.fragments.compression (SPEC §5)."""
+"""Tests for ddiloco.fragments.compression (docs/algorithm.md §5)."""
 
 import hashlib
 import pickle

@@ -1,4 +1,4 @@
-"""Tests for ddiloco.fragments.digest (SPEC §4.7)."""
+"""Tests for ddiloco.fragments.digest (docs/algorithm.md §4.7)."""
 
 import ml_dtypes
 import numpy as np

@@ -1,4 +1,4 @@
-"""Tests for ddiloco.fragments.layout (SPEC §2)."""
+"""Tests for ddiloco.fragments.layout (docs/algorithm.md §2)."""
 
 import itertools
 import json

@@ -1,4 +1,4 @@
-"""Tests for ddiloco.fragments.schedule (SPEC §2, §3)."""
+"""Tests for ddiloco.fragments.schedule (docs/algorithm.md §2, §3)."""
 
 import gin
 import pytest

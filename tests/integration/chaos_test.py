@@ -1,4 +1,4 @@
-"""The chaos smoke test (issue 4): real processes, learner kills, a network drop, a syncer restart.
+"""The chaos smoke test: real processes, learner kills, a network drop, a syncer restart.
 
 Slow (about two minutes here): `bash scripts/run_slow_tests.sh` runs it. It drives
 `ddiloco.launch.chaos.ChaosRun` with gin_configs/chaos/smoke.gin and checks the invariants on the tape.

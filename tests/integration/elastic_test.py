@@ -1,10 +1,10 @@
-"""Elastic scavenging, real processes (issue 4, SPEC §6): a learner joins a running job and leaves.
+"""Elastic scavenging, real processes (docs/algorithm.md §6): a learner joins a running job and leaves.
 
 A `LocalCluster` runs a syncer and two learners (batch 8, one device each). While it runs, the
 `ddiloco-fleet` command adds a third learner with another batch size (4) and device count (2); the
 test waits until the syncer lists it alive and it trained a few fragment periods, removes it
 through the same channel, and checks that it left the syncer's membership, that its pushes were
-merged with weight > 0 (it had received the fragments at registration, SPEC §3), and that the job
+merged with weight > 0 (it had received the fragments at registration, docs/algorithm.md §3), and that the job
 still finished ok with every join and leave in summary.json. No process is left behind.
 """
 

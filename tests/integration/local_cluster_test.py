@@ -1,4 +1,4 @@
-"""A real syncer and two learner processes on 127.0.0.1 (issue 3's integration test).
+"""A real syncer and two learner processes on 127.0.0.1 .
 
 Starts `ddiloco.launch.syncer_main` and two `ddiloco.launch.learner_main` subprocesses through
 `LocalCluster` (what `ddiloco-local` runs), trains a few dozen steps and checks that merges happened,

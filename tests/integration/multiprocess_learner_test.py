@@ -1,4 +1,4 @@
-"""A real syncer and ONE learner formed by two processes (issue 3: multi-host learners on CPU).
+"""A real syncer and ONE learner formed by two processes (multi-host learners on CPU).
 
 Each learner process has 2 fake CPU devices; `jax.distributed` joins them (gloo collectives) into one
 learner whose mesh spans the 4 devices. Process 0 talks to the syncer, process 1 follows its applies.

@@ -16,7 +16,7 @@ RUNS = ["sim_tiny.gin", "runs/sim_small.gin", "runs/sim_vit_tiny.gin", "runs/sim
 DISTRIBUTED = ["local_tiny.gin"]
 CHAOS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/chaos/*.gin"))
 BASELINES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/baselines/*.gin"))
-# Issue-6 study bases (experiments/*.py stack bindings on them); each is a simulated run file.
+# Study bases (experiments/*.py stack bindings on them); each is a simulated run file.
 STUDIES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/studies/*.gin"))
 FAST = [
   "STEPS = 3",

@@ -46,7 +46,7 @@ def test_shipped_config_runs(config, tmp_path):
   assert (tmp_path / "config.gin").stat().st_size > 0
   if config.name == "bandwidth.gin":
     out = json.loads((tmp_path / "bandwidth.json").read_text())
-    # SPEC.md §7: 104, 1.7 and 0.43 Gbit/s.
+    # docs/algorithm.md §7: 104, 1.7 and 0.43 Gbit/s.
     assert round(out["data_parallel"]["gbps"]) == 104
     assert [round(d["gbps"], 2) for d in out["diloco"][:2]] == [1.67, 0.43]
     assert (tmp_path / "bandwidth.png").stat().st_size > 0

@@ -24,12 +24,14 @@ from ddiloco.data import text as text_data
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch import runtime
 from ddiloco.launch.job import JobConfig
+from ddiloco.learner.learner import LearnerConfig
+from ddiloco.metrics.writer import read_scalars
 from ddiloco.models import configs
 from ddiloco.syncer import service as service_lib
 from ddiloco.syncer.types import Report, SyncerConfig
 from ddiloco.transport.client import SyncerClient
 
-pytestmark = pytest.mark.timeout(120)  # Sockets and threads (STYLE.md).
+pytestmark = pytest.mark.timeout(120)  # Sockets and threads: a hang must fail the test.
 
 L, B = 8, 8
 ONE_BLOCK = {"num_layers": 1, "d_model": 32, "num_heads": 2, "head_dim": 16, "mlp_dim": 64}
@@ -206,3 +208,50 @@ def test_a_restart_republishes_what_no_learner_hands_back(tmp_path):
   finally:
     restarted.shutdown()
   assert ckpt_lib.read_journal(os.path.join(workdir, ckpt_lib.JOURNAL_NAME))[0] == 3
+
+
+def test_syncer_and_learner_write_tensorboard_scalars_on_tokens(tmp_path):
+  """A SyncerRun and one learner in this process: both workdirs hold TensorBoard runs whose scalars
+  (loss, step rate, staleness; merges, quorum sizes, grace windows, late reports, bytes, eval) are
+  against tokens, read back with TensorBoard's own reader; a second run gets its own folder."""
+  # Blocking, on the slowest learner's clock (as tests/learner/worker_test.py): every round merges.
+  job = dataclasses.replace(
+    JOB,
+    log_every=2,
+    syncer=SyncerConfig(overlap=1, use_grace=False, min_quorum=1, clock="slowest"),
+    learner=LearnerConfig(blocking=True),
+    service=dataclasses.replace(JOB.service, heartbeat_interval_s=0.05),
+  )
+  run = runtime.SyncerRun(job, workdir=str(tmp_path / "syncer"))
+  server = run.serve("127.0.0.1:0")
+  client = SyncerClient(f"127.0.0.1:{server.port}", deadline_s=10.0)
+  worker, writer = runtime.make_learner_worker(
+    job, learner_id=0, client=client, workdir=str(tmp_path / "learner_0"), connect_timeout_s=30.0
+  )
+  try:
+    worker.connect()
+    summary = worker.run(8)
+  finally:
+    writer.close()
+    client.close()
+    syncer_summary = run.shutdown()
+  learner = read_scalars(str(tmp_path / "learner_0"))
+  tokens = summary["tokens"]
+  assert tokens == 8 * B * L
+  assert [x for x, _ in learner["learner_0/loss"]] == [2 * B * L, 4 * B * L, 6 * B * L, tokens]
+  assert [x for x, _ in learner["steps/learner_0/loss"]] == [2, 4, 6, 8]
+  for tag in ("step_rate", "staleness_steps", "late_reports", "bytes_up", "merged_fraction"):
+    assert f"learner_0/{tag}" in learner, tag
+  assert learner["learner_0/bytes_up"][-1][1] > 0 and learner["learner_0/bytes_down"][-1][1] > 0
+  syncer = read_scalars(str(tmp_path / "syncer"))
+  assert syncer_summary["merges"] > 0
+  assert syncer["syncer/merges"][-1][1] == syncer_summary["merges"]
+  assert {v for _, v in syncer["syncer/quorum_size"]} == {1.0}
+  assert {"syncer/grace_window_s", "syncer/late_reports", "traffic/bytes_up"} <= set(syncer)
+  evals = syncer["eval/loss"]
+  assert len(evals) == 2 and evals[0][0] == 0  # Version 0 before any report; the final one.
+  assert 0 < evals[-1][0] <= tokens  # The tokens the learner reported by then.
+  assert evals[-1][1] == pytest.approx(syncer_summary["final_eval_loss"])
+  again = runtime.SyncerRun(job, workdir=str(tmp_path / "syncer"))
+  again.shutdown()
+  assert sorted(os.listdir(tmp_path / "syncer" / "tb")) == ["run_000", "run_001"]

@@ -1,4 +1,4 @@
-"""Tests for the learner's side of the round protocol (SPEC §3), with hand-built rounds and merges.
+"""Tests for the learner's side of the round protocol (docs/algorithm.md §3), with hand-built rounds and merges.
 
 The syncer paces the rounds: a learner answers the rounds it was asked for (`ask`), never the
 schedule on its own. `_learner()` is P = 2, H = 4: fragment 1 is due at schedule steps 2, 6, ... and
@@ -285,7 +285,7 @@ def test_align_phase_moves_the_schedule_not_the_step():
 
 def test_split_tensors_round_trip_through_the_learner():
   """With split_large, a fragment holds row ranges of big tensors: reading and writing them back
-  must touch exactly those rows (SPEC §2 decision)."""
+  must touch exactly those rows (docs/algorithm.md §2 decision)."""
   learner, layout = _learner(num_fragments=24, period=24, split_large=True)
   pieces = [k for frag in layout.fragments for k in frag if "@" in k]
   assert pieces  # The MLP kernels (128 x 512) are larger than total / 24.

@@ -1,4 +1,4 @@
-"""Learner crash and rejoin against a real in-process syncer on port 0 (issue 4; SPEC §3, §6).
+"""Learner crash and rejoin against a real in-process syncer on port 0 (docs/algorithm.md §3, §6).
 
 Fault injection at (learner 0, step 7): the worker trains 7 steps, saving every 3 (steps 3 and 6),
 then is abandoned: no flush, no final save, no Leave, as after a SIGKILL. A new worker with the same
@@ -33,7 +33,7 @@ from ddiloco.syncer import service as service_lib
 from ddiloco.syncer.types import Report, SyncerConfig
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 
-pytestmark = pytest.mark.timeout(120)  # Sockets and threads (STYLE.md).
+pytestmark = pytest.mark.timeout(120)  # Sockets and threads: a hang must fail the test.
 
 P, L, B = 2, 8, 8
 TOKENS_PER_STEP = B * L  # 64
@@ -209,7 +209,7 @@ def test_crash_at_step_7_resumes_at_6_with_weight_0_until_received(syncer, tmp_p
     6 * TOKENS_PER_STEP,
   )
 
-  # Registered but nothing pulled yet: its answer to every fragment's open round weighs 0 (SPEC
+  # Registered but nothing pulled yet: its answer to every fragment's open round weighs 0 (docs/algorithm.md
   # §3), so the rounds stay open.
   zero_before = _zero_weight_reports(svc)
   b.register()

@@ -1,11 +1,11 @@
-"""Tests for ddiloco.simulation.bandwidth: SPEC.md §7's figures, derived by hand."""
+"""Tests for ddiloco.simulation.bandwidth: docs/algorithm.md §7's figures, derived by hand."""
 
 import numpy as np
 import pytest
 
 from ddiloco.simulation import bandwidth
 
-# A 5B-parameter model at a 1 s step, between two sites (SPEC.md §7).
+# A 5B-parameter model at a 1 s step, between two sites (docs/algorithm.md §7).
 _PARAMS = 5e9
 _INT4 = bandwidth.Wire(bits_per_value=4, block_size=128, scale_bits=16)
 
@@ -60,7 +60,7 @@ def test_diloco_deadline_figures_match_the_paper():
 
 
 def test_diloco_with_one_fragment_per_step_needs_the_sustained_rate():
-  # P = H = 24 (SPEC.md §2): a fragment is due every step, so the link must carry 80/24
+  # P = H = 24 (docs/algorithm.md §2): a fragment is due every step, so the link must carry 80/24
   # Gbit per second even though each fragment has two steps.
   link = bandwidth.DiLoCoLink(params=_PARAMS, fragments=24, inner_steps=24)
   assert link.sustained_gbps == pytest.approx(80 / 24)

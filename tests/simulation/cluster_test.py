@@ -1,5 +1,7 @@
 """End-to-end tests of the simulated cluster with real (tiny) training steps."""
 
+import os
+
 import jax
 import numpy as np
 import optax
@@ -10,7 +12,7 @@ from ddiloco.fragments import tree
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner import train_step
 from ddiloco.learner.learner import LearnerConfig
-from ddiloco.metrics.writer import read_events
+from ddiloco.metrics.writer import read_events, read_scalars
 from ddiloco.models import configs
 from ddiloco.simulation.cluster import SimulatedCluster
 from ddiloco.simulation.config import ClusterConfig
@@ -69,7 +71,9 @@ def test_identity_reproduces_plain_training():
     np.testing.assert_allclose(global_flat[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-def _sim_summary(tmp_path, name, *, faults=(), min_quorum=1, blocking=False, steps=24):
+def _sim_summary(
+  tmp_path, name, *, faults=(), min_quorum=1, blocking=False, steps=24, tensorboard=False
+):
   return simulate(
     workdir=str(tmp_path / name),
     model=_model(),
@@ -81,8 +85,37 @@ def _sim_summary(tmp_path, name, *, faults=(), min_quorum=1, blocking=False, ste
     ),
     learner=LearnerConfig(blocking=blocking),
     inner_opt=INNER,
-    tensorboard=False,
+    tensorboard=tensorboard,
   )
+
+
+def test_tensorboard_scalars_share_the_tokens_axis(tmp_path):
+  """Every scalar is against the fleet's tokens; the final eval, merges and goodput are there."""
+  summary = _sim_summary(tmp_path, "tb", faults=("crash:1@3+2",), steps=8, tensorboard=True)
+  workdir = tmp_path / "tb"
+  assert sorted(os.listdir(workdir / "tb")) == ["run_000"]
+  scalars = read_scalars(str(workdir))
+  for i in range(3):
+    assert {f"learner_{i}/loss", f"learner_{i}/step_rate", f"learner_{i}/staleness_steps"} <= set(
+      scalars
+    )
+    assert {f"steps/learner_{i}/loss", f"steps/learner_{i}/step_rate"} <= set(scalars)
+  tokens = summary["tokens_trained"]
+  for tag, points in scalars.items():
+    if not tag.startswith("steps/"):
+      assert all(0 < x <= tokens for x, _ in points), tag  # Tokens, never steps or seconds.
+  assert scalars["eval/loss"][-1] == (tokens, pytest.approx(summary["final_eval_loss"]))
+  assert scalars["syncer/merges"][-1][1] == summary["merges"]
+  assert {v for _, v in scalars["syncer/quorum_size"]} <= {1.0, 2.0, 3.0}
+  assert "syncer/grace_window_s" in scalars
+  assert scalars["goodput/goodput"][-1][1] == pytest.approx(summary["goodput"])
+  assert summary["goodput"] < 1.0  # Learner 1 was down for 2 s.
+  assert scalars["traffic/bytes_up"][-1][1] == summary["bytes_up"]
+  assert [x for x, _ in scalars["steps/learner_0/loss"]] == [4, 8]  # log_every = 4.
+  # A second run in the same workdir writes its own run folder.
+  _sim_summary(tmp_path, "tb", steps=4, tensorboard=True)
+  assert sorted(os.listdir(workdir / "tb")) == ["run_000", "run_001"]
+  assert len(read_scalars(str(workdir / "tb" / "run_000"))["steps/learner_0/loss"]) == 2
 
 
 def test_crashed_learner_does_not_stop_the_global_model(tmp_path):
@@ -217,7 +250,7 @@ def test_synchronous_stall_on_a_permanent_crash_is_reported(tmp_path):
 
 
 def test_int4_on_the_wire_keeps_digests_and_changes_the_values(tmp_path):
-  """SPEC §5 in the simulator: int4 reports and int4 downlink deltas that the syncer adopts.
+  """docs/algorithm.md §5 in the simulator: int4 reports and int4 downlink deltas that the syncer adopts.
 
   Learners hold exactly the adopted bits after every apply (digests agree), and the global model is
   not the fp32 one (the codec really ran), yet it trains about as well.

@@ -1,4 +1,4 @@
-"""Tests for the fleet-scale goodput simulator (SPEC.md §7)."""
+"""Tests for the fleet-scale goodput simulator (docs/algorithm.md §7)."""
 
 import dataclasses
 import math
@@ -23,7 +23,7 @@ _CHIPS = goodput_model.PAPER_CHIPS
 
 @pytest.fixture(scope="module")
 def paper_table() -> np.ndarray:
-  """The fitted defaults' table (percent), shaped like SPEC.md §7's; ~1 s."""
+  """The fitted defaults' table (percent), shaped like docs/algorithm.md §7's; ~1 s."""
   results = goodput.run_table(
     goodput_model.paper_systems(), _CHIPS, fleet=Fleet(), costs=Costs(), seed=0
   )

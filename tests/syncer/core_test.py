@@ -1,4 +1,4 @@
-"""Tests of ddiloco.syncer.core.SyncerCore on a hand-advanced fake clock (SPEC §3, §4)."""
+"""Tests of ddiloco.syncer.core.SyncerCore on a hand-advanced fake clock (docs/algorithm.md §3, §4)."""
 
 import dataclasses
 
@@ -453,7 +453,7 @@ def test_weight_zero_learner_never_changes_the_global_state():
   core = make_core(clock, learners=(0,), fetch=False, **sgd1())
   core.open_round(0, ROUND)
   digest = core.state(0).digest
-  # Never received p0: weight 0 whatever its anchor and counters say (SPEC §3).
+  # Never received p0: weight 0 whatever its anchor and counters say (docs/algorithm.md §3).
   for anchor in (-1, 0):
     result = core.report(rep(0, anchor=anchor, values=theta(0.5), tokens=10**6))
     assert (result.status, result.weight) == ("accepted", 0.0)
@@ -1114,7 +1114,7 @@ def _norms_of(core, p=0):
 
 
 def test_filing_sums_rda_norms_and_the_merge_keeps_its_bits():
-  """Norms summed at the door (issue 3) give the merge the bits it gets when it sums them itself."""
+  """Norms summed at the door give the merge the bits it gets when it sums them itself."""
   clock = FakeClock()
   core = make_core(clock, learners=(0, 1, 2), min_quorum=3)
   core.open_round(0, 1)
@@ -1154,7 +1154,7 @@ def test_filing_sums_rda_norms_and_the_merge_keeps_its_bits():
     ({"merge_method": "mean"}, rep(0), None),  # The mean needs no norms: finiteness only.
     ({"embedding_keys": ("a",)}, rep(0), {"b": 4 * 0.125**2}),  # "a" uses the mean.
     ({}, rep(0, tokens=0), "no entry"),  # Weight 0: never merged.
-    ({}, rep(3), "no entry"),  # Never received p (SPEC §3): weight 0.
+    ({}, rep(3), "no entry"),  # Never received p (docs/algorithm.md §3): weight 0.
   ],
 )
 def test_norms_are_summed_only_for_reports_that_join_an_rda_round(cfg, report, expected):
@@ -1193,7 +1193,7 @@ def test_non_finite_values_are_rejected_with_or_without_norms(method, anchor_ok)
 
 
 def test_reused_merge_memory_never_reaches_published_versions():
-  """The core merges into one reused buffer (issue 3): versions published before stay as they were."""
+  """The core merges into one reused buffer: versions published before stay as they were."""
   core = make_core(learners=(0,), **sgd1())
   core.open_round(0, 1)
   core.report(rep(0, values=theta(0.25), step=1, round_step=1))

@@ -1,4 +1,4 @@
-"""Tests of ddiloco.syncer.grace: the EMA and the adaptive grace window (SPEC §4.2)."""
+"""Tests of ddiloco.syncer.grace: the EMA and the adaptive grace window (docs/algorithm.md §4.2)."""
 
 import pytest
 

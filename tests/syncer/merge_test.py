@@ -1,4 +1,4 @@
-"""Tests of ddiloco.syncer.merge: token weights, weighted mean and RDA (SPEC §4.4-4.5)."""
+"""Tests of ddiloco.syncer.merge: token weights, weighted mean and RDA (docs/algorithm.md §4.4-4.5)."""
 
 import math
 
@@ -111,7 +111,7 @@ def test_merge_outer_gradients_rejects():
     merge.merge_outer_gradients([{"a": np.zeros(1)}, {"b": np.zeros(1)}], [1.0, 1.0])
 
 
-# -- blockwise finiteness (the core's door check, issue 3) ----------------------------------------
+# -- blockwise finiteness (the core's door check) ----------------------------------------
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -144,7 +144,7 @@ U32 = 2.0**-24  # float32 unit roundoff.
 
 
 def _ref64(anchors, thetas, ws, method):
-  """The merge in float64 from explicit outer gradients v_m = a_m − θ_m (SPEC §4.5)."""
+  """The merge in float64 from explicit outer gradients v_m = a_m − θ_m (docs/algorithm.md §4.5)."""
   vs = [a.astype(np.float64) - t.astype(np.float64) for a, t in zip(anchors, thetas)]
   total = sum(ws)
   if method == "mean":

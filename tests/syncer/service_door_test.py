@@ -1,4 +1,4 @@
-"""Validation at the door of the gRPC syncer service (ARCHITECTURE.md "payload validation").
+"""Validation at the door of the gRPC syncer service (docs/architecture.md "payload validation").
 
 One test per bad input. Each asserts (a) the exact gRPC status of the refusal, (b) a precise part of
 its message, (c) that `SyncerService.refused()` counted exactly one refusal of that status and no
@@ -39,7 +39,7 @@ from ddiloco.transport import messages, wire
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
 
-# Every test here opens sockets (STYLE.md: pytest-timeout on those).
+# Every test here opens sockets (a hang must fail the test, not stall the suite).
 pytestmark = pytest.mark.timeout(60)
 
 TOKEN = "tok"
@@ -49,7 +49,7 @@ AUTH = (("authorization", f"Bearer {TOKEN}"),)
 RPC_TIMEOUT_S = 10
 # Core counters that legitimately count a refused report; every other stat must not move.
 REFUSAL_COUNTERS = ("late", "duplicate", "rejected", "dropped_tokens", "replayed", "implausible")
-STEPS, TOKENS = 2, 100  # Token weight 100² / 2 = 5000 (SPEC §4.4).
+STEPS, TOKENS = 2, 100  # Token weight 100² / 2 = 5000 (docs/algorithm.md §4.4).
 ROUNDS = {0: 3, 1: 4}  # The round each fragment's pushes answer: its first due step from 3 on.
 
 
@@ -192,7 +192,7 @@ def open_round():
 def _report(
   *, fragment: int = 0, learner: int = 0, anchor: int = 0, step: int = 2, round_step=None
 ) -> Report:
-  """θ = Θ^(0) + small noise: a plausible outer gradient (SPEC §3), answering round
+  """θ = Θ^(0) + small noise: a plausible outer gradient (docs/algorithm.md §3), answering round
   `round_step` (default `ROUNDS[fragment]`)."""
   rng = np.random.default_rng(100 + step)
   values = {

@@ -1,5 +1,5 @@
 """SyncerClient against a served syncer: pushes streamed as raw chunk messages, pulls decoded as
-they arrive (issue 3), byte counts, and a report that cannot be encoded midway."""
+they arrive, byte counts, and a report that cannot be encoded midway."""
 
 import grpc
 import numpy as np
@@ -111,7 +111,7 @@ def test_nan_found_midway_raises_and_files_nothing(env):
 
 
 def test_superseded_push_memory_is_recycled_and_filed_values_are_intact(env):
-  """Decoded pushes go into recycled buffers (chunks.ArrayPool, issue 3); a buffer comes back
+  """Decoded pushes go into recycled buffers (chunks.ArrayPool); a buffer comes back
   only when the core dropped the report that held it."""
   svc, _, client = env
   pool = svc._pool

@@ -1,4 +1,4 @@
-"""Chunk messages without protobuf objects (issue 3): hand-made and hand-parsed, byte-exact.
+"""Chunk messages without protobuf objects: hand-made and hand-parsed, byte-exact.
 
 `messages.chunk_prefix` + data must be what protobuf serializes, `messages.parse_chunk` must read
 what protobuf reads (and refuse what it cannot), and `messages.push_messages` must send the bytes

@@ -1,4 +1,4 @@
-"""Streaming wire paths: chunks cut and decoded across unit boundaries, in any order (issue 3).
+"""Streaming wire paths: chunks cut and decoded across unit boundaries, in any order.
 
 Proposed as tests/transport/wire_stream_test.py (it only needs numpy and the transport package).
 """

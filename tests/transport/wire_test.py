@@ -130,7 +130,7 @@ def test_int4_report_round_trip_within_block_bound(block_size):
   bound = np.repeat(np.abs(padded.reshape(n_blocks, -1)).max(1) / 14, block_size)[:1000]
   assert np.all(np.abs(back - w) <= bound * (1 + 1e-6))
   assert np.abs(back - w).max() > 0  # Really lossy.
-  # The sender can predict the receiver's values bit for bit (SPEC §5: adopt the dequantized value).
+  # The sender can predict the receiver's values bit for bit (docs/algorithm.md §5: adopt the dequantized value).
   assert _bits_equal(back, received_values({"w": w}, "int4", block_size=block_size)["w"])
 
 

@@ -80,21 +80,21 @@ class SyncerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Register(self, request, context):
-        """Joins (or rejoins after a crash) the fleet; rejects a mismatched layout digest (SPEC §2, §6).
+        """Joins (or rejoins after a crash) the fleet; rejects a mismatched layout digest (docs/algorithm.md §2, §6).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request_iterator, context):
-        """Learner -> syncer: one fragment's values or outer-gradient delta, streamed in chunks (SPEC §3).
+        """Learner -> syncer: one fragment's values or outer-gradient delta, streamed in chunks (docs/algorithm.md §3).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Pull(self, request, context):
-        """Syncer -> learner: the newest version of one fragment, streamed in chunks (SPEC §4.7). The
+        """Syncer -> learner: the newest version of one fragment, streamed in chunks (docs/algorithm.md §4.7). The
         stream is empty when known_version is already the newest.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -109,7 +109,7 @@ class SyncerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Leave(self, request, context):
-        """A learner leaves the fleet on purpose (done, or scaled down); its open reports stay (SPEC §6).
+        """A learner leaves the fleet on purpose (done, or scaled down); its open reports stay (docs/algorithm.md §6).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
