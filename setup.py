@@ -6,6 +6,12 @@ setuptools.setup(
   name="ddiloco",
   version="0.1.0",
   description="Decoupled DiLoCo: resilient distributed pre-training in JAX.",
+  license="Apache-2.0",
+  classifiers=[
+    "License :: OSI Approved :: Apache Software License",
+    "Programming Language :: Python :: 3",
+    "Programming Language :: Python :: 3.11",
+  ],
   packages=setuptools.find_packages(include=["ddiloco", "ddiloco.*"]),
   # The gin configs ship with the package (ddiloco/configs; `gin_configs` in a checkout links there).
   package_data={

@@ -17,7 +17,7 @@ import os
 import signal
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ddiloco.chaos import invariants, replay
@@ -277,10 +277,12 @@ class ChaosRun:
       tape.close()
 
   def _line(self, now: float) -> str:
-    ups = [i for i in range(self.cluster.num_learners) if i not in self._killed]
-    return (
-      f"t={now:6.1f}s done {sorted(self._done)} down {sorted(self._killed)} "
-      f"syncer {'DOWN' if self._syncer_down else 'up'} up {ups}"
+    if self._syncer_starting:
+      syncer = "starting"  # Restarted by the schedule, not serving yet.
+    else:
+      syncer = "down" if self._syncer_down else "up"
+    return status_line(
+      now, syncer=syncer, num_learners=self.cluster.num_learners, down=self._killed, done=self._done
     )
 
   def _finish(self, tape: TapeWriter) -> None:
@@ -425,3 +427,13 @@ def _lost(restore: dict, recovered: set[str]) -> int:
 def count(tape: Sequence[dict], kind: str) -> int:
   """Records of `kind` on a tape."""
   return sum(1 for r in tape if r["kind"] == kind)
+
+
+def status_line(
+  now: float, *, syncer: str, num_learners: int, down: Iterable[int], done: Iterable[int]
+) -> str:
+  """The chaos driver's progress line: the syncer's state ("up", "down", "starting") and which
+  learners train, are down by the schedule's hand, or have finished."""
+  down, done = sorted(down), sorted(done)
+  up = [i for i in range(num_learners) if i not in down and i not in done]
+  return f"t={now:6.1f}s syncer {syncer} | learners up {up} down {down} done {done}"

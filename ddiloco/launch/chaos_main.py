@@ -16,10 +16,12 @@ import sys
 
 from absl import app, flags
 
-from ddiloco.launch import gin_flags
+from ddiloco.launch import cli, gin_flags
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "output folder", required=True)
-_TIMEOUT = flags.DEFINE_float("timeout_s", 3600.0, "stop everything after this long")
+_TIMEOUT = flags.DEFINE_float(
+  "timeout_s", 3600.0, "stop everything after this long", lower_bound=0.0
+)
 _BASELINE_LOSS = flags.DEFINE_float("baseline_loss", None, "fault-free final eval loss")
 _RUN_BASELINE = flags.DEFINE_bool("run_baseline", False, "run the job without faults first")
 _SUMMARIZE_ONLY = flags.DEFINE_bool(
@@ -28,16 +30,22 @@ _SUMMARIZE_ONLY = flags.DEFINE_bool(
 
 
 def main(argv: list[str]) -> None:
-  del argv
-  from ddiloco.chaos.schedule import ChaosConfig
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  from ddiloco.chaos.schedule import ChaosConfig, make_schedule
   from ddiloco.launch import job as job_lib
   from ddiloco.launch import local_cluster
   from ddiloco.launch.chaos import ChaosRun
 
   workdir = os.path.abspath(_WORKDIR.value)
-  gin_flags.parse_gin(workdir)
-  job = job_lib.JobConfig()
-  chaos = ChaosConfig()
+  if _SUMMARIZE_ONLY.value and not os.path.isdir(workdir):
+    raise app.UsageError(f"--summarize_only: no run in {workdir}")
+  with cli.bad_config():
+    config_text = gin_flags.parse_gin()
+    job = job_lib.JobConfig()
+    chaos = ChaosConfig()
+    make_schedule(chaos, job.num_learners)  # A bad fault schedule is refused before anything runs.
+  cli.make_workdir(workdir, config_text)
   args = gin_flags.forwarded_args()
 
   def say(line: str) -> None:
@@ -102,7 +110,7 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
   """Console-script entry point."""
-  app.run(main, flags_parser=gin_flags.flags_parser)
+  cli.run(main, prog="ddiloco-chaos", module=__name__)
 
 
 if __name__ == "__main__":

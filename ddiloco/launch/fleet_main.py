@@ -17,7 +17,7 @@ import sys
 
 from absl import app, flags
 
-from ddiloco.launch import fleet
+from ddiloco.launch import cli, fleet
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "the running job's workdir", required=True)
 _LEARNER_ID = flags.DEFINE_integer("learner_id", None, "add: its id (default: a new one); remove")
@@ -28,7 +28,9 @@ _GIN = flags.DEFINE_multi_string("learner_gin", [], "add: gin binding KEY=VALUE 
 _TIMEOUT = flags.DEFINE_float(
   "timeout_s", fleet.DEFAULT_REMOVE_TIMEOUT_S, "remove: graceful wait before SIGKILL"
 )
-_WAIT = flags.DEFINE_float("wait_s", 60.0, "how long to wait for the launcher's answer")
+_WAIT = flags.DEFINE_float(
+  "wait_s", 60.0, "how long to wait for the launcher's answer", lower_bound=0.0
+)
 _JSON = flags.DEFINE_bool("json", False, "print the launcher's answer as JSON")
 
 
@@ -36,8 +38,8 @@ def main(argv: list[str]) -> None:
   if len(argv) != 2 or argv[1] not in fleet.ACTIONS:
     raise app.UsageError(f"Give exactly one command: {' | '.join(fleet.ACTIONS)}.")
   action = argv[1]
-  client = fleet.FleetClient(_WORKDIR.value, timeout_s=_WAIT.value)
   try:
+    client = fleet.FleetClient(_WORKDIR.value, timeout_s=_WAIT.value)
     if action == "add":
       result = client.add(
         learner_id=_LEARNER_ID.value,
@@ -52,7 +54,9 @@ def main(argv: list[str]) -> None:
       result = client.remove(_LEARNER_ID.value, timeout_s=_TIMEOUT.value)
     else:
       result = client.list()
-  except (fleet.FleetError, ValueError) as e:
+  except ValueError as e:  # A bad request, refused before it was sent.
+    raise app.UsageError(f"{action}: {e}") from e
+  except fleet.FleetError as e:  # Refused by the launcher, or no launcher answered.
     print(f"ddiloco-fleet {action}: {e}", file=sys.stderr)
     sys.exit(1)
   print(json.dumps(result, indent=1) if _JSON.value else fleet.format_answer(action, result))
@@ -60,7 +64,7 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
   """Console-script entry point."""
-  app.run(main)
+  cli.run(main, prog="ddiloco-fleet", module=__name__, gin=False)
 
 
 if __name__ == "__main__":

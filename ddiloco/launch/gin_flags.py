@@ -65,6 +65,15 @@ def flags_parser(argv: Sequence[str]) -> list[str]:
   return flags.FLAGS(rewrite_gin_args(list(argv)))
 
 
+def add_bindings(bindings: Sequence[str]) -> None:
+  """Appends bindings after the command line's (a launcher's own flags, as `--gin.KEY=VALUE`).
+
+  They are parsed, checked and forwarded to child processes like the user's, so a flag such as
+  `--num_learners` goes through the same validation as `JobConfig.num_learners` in a file.
+  """
+  flags.FLAGS.gin_bindings = [*_GIN_BINDINGS.value, *bindings]
+
+
 def forwarded_args() -> list[str]:
   """This command line's gin flags, with absolute paths, to forward verbatim to child processes."""
   out = [f"--gin_file={configs.resolve(f)}" for f in _GIN_FILE.value]

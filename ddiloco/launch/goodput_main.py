@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import gin
 from absl import app, flags
 
-from ddiloco.launch import gin_flags
+from ddiloco.launch import cli, gin_flags
 from ddiloco.simulation import bandwidth, goodput_model, goodput_report
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder.", required=True)
@@ -57,10 +57,11 @@ def experiment(
 
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  workdir = _WORKDIR.value
-  gin_flags.parse_gin(workdir)
-  goodput_study, bandwidth_study = experiment()
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  with cli.bad_config():
+    config_text = gin_flags.parse_gin()
+    goodput_study, bandwidth_study = experiment()
+  workdir = cli.make_workdir(_WORKDIR.value, config_text)
   if goodput_study is not None:
     goodput_report.run_goodput_study(goodput_study, workdir)
   if bandwidth_study is not None:
@@ -69,7 +70,7 @@ def main(argv: Sequence[str]) -> None:
 
 def run() -> None:
   """Console-script entry point (`ddiloco-goodput`)."""
-  app.run(main, flags_parser=gin_flags.flags_parser)
+  cli.run(main, prog="ddiloco-goodput", module=__name__)
 
 
 if __name__ == "__main__":

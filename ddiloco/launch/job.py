@@ -73,8 +73,9 @@ class JobConfig:
   def __post_init__(self):
     self.the_task()  # Exactly one of a task and a (model, data) pair.
     counts = ("num_learners", "steps_per_learner", "devices_per_learner", "processes_per_learner")
-    if any(getattr(self, name) < 1 for name in counts):
-      raise ValueError(f"{', '.join(counts)} must be >= 1.")
+    bad = [f"{name}={getattr(self, name)}" for name in counts if getattr(self, name) < 1]
+    if bad:
+      raise ValueError(f"{', '.join(bad)}: {', '.join(counts)} must be >= 1.")
     if self.eval_every_s < 0 or self.log_every < 1:
       raise ValueError("eval_every_s must be >= 0 and log_every >= 1.")
     check_pacing(self.learner or LearnerConfig(), self.syncer or SyncerConfig())

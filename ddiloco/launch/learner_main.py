@@ -31,20 +31,28 @@ import sys
 
 from absl import app, flags, logging
 
-from ddiloco.launch import gin_flags
+from ddiloco.launch import cli, gin_flags
 
-_LEARNER_ID = flags.DEFINE_integer("learner_id", None, "this learner's id (>= 0)", required=True)
+_LEARNER_ID = flags.DEFINE_integer(
+  "learner_id", None, "this learner's id (>= 0)", required=True, lower_bound=0
+)
 _ADDRESS = flags.DEFINE_string("syncer_address", None, "syncer host:port", required=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "output folder", required=True)
-_NUM_DEVICES = flags.DEFINE_integer("num_devices", None, "fake CPU devices (if XLA_FLAGS lacks it)")
+_NUM_DEVICES = flags.DEFINE_integer(
+  "num_devices", None, "fake CPU devices (if XLA_FLAGS lacks it)", lower_bound=1
+)
 _TOKEN_FILE = flags.DEFINE_string(
   "auth_token_file", None, "shared token file (else $DDILOCO_TOKEN)"
 )
 _TLS_CA = flags.DEFINE_string("tls_ca_file", None, "PEM CA to trust; turns TLS on")
-_CONNECT_TIMEOUT = flags.DEFINE_float("connect_timeout_s", 120.0, "first registration timeout")
+_CONNECT_TIMEOUT = flags.DEFINE_float(
+  "connect_timeout_s", 120.0, "first registration timeout", lower_bound=0.0
+)
 _STEPS = flags.DEFINE_integer("steps", None, "override JobConfig.steps_per_learner")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "jax.distributed coordinator")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "processes of this learner's slice")
+_NUM_PROCESSES = flags.DEFINE_integer(
+  "num_processes", 1, "processes of this learner's slice", lower_bound=1
+)
 _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "this process's index in the slice")
 _RESTORE = flags.DEFINE_enum(
   "restore",
@@ -55,7 +63,8 @@ _RESTORE = flags.DEFINE_enum(
 
 
 def main(argv: list[str]) -> None:
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if _NUM_DEVICES.value and "xla_force_host_platform_device_count" not in os.environ.get(
     "XLA_FLAGS", ""
   ):
@@ -92,11 +101,15 @@ def main(argv: list[str]) -> None:
   workdir = learner_workdir = _WORKDIR.value
   if _PROCESS_ID.value > 0:
     workdir = os.path.join(workdir, f"process_{_PROCESS_ID.value}")
-  gin_flags.parse_gin(workdir)
-  job = job_lib.JobConfig()
-  checkpoint = LearnerCheckpointConfig()
-  if _RESTORE.value:
-    checkpoint = dataclasses.replace(checkpoint, init_from=_RESTORE.value)
+  with cli.bad_config():
+    config_text = gin_flags.parse_gin()
+    job = job_lib.JobConfig()
+    if _STEPS.value is not None:  # Checked as JobConfig.steps_per_learner is (__post_init__).
+      job = dataclasses.replace(job, steps_per_learner=_STEPS.value)
+    checkpoint = LearnerCheckpointConfig()
+    if _RESTORE.value:
+      checkpoint = dataclasses.replace(checkpoint, init_from=_RESTORE.value)
+  cli.make_workdir(workdir, config_text)
   svc = job.the_service()
   client = None
   if _PROCESS_ID.value == 0:  # The other processes of a learner never talk to the syncer.
@@ -137,7 +150,7 @@ def main(argv: list[str]) -> None:
     jax.process_count(),
   )
   worker.connect()
-  summary = worker.run(_STEPS.value or job.steps_per_learner)
+  summary = worker.run(job.steps_per_learner)
   write_summary(workdir, summary)
   writer.close()
   if client is not None:
@@ -151,7 +164,7 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
   """Console-script entry point."""
-  app.run(main, flags_parser=gin_flags.flags_parser)
+  cli.run(main, prog="ddiloco-learner", module=__name__)
 
 
 if __name__ == "__main__":

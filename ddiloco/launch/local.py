@@ -8,7 +8,8 @@ the syncer's versions, merges and quorum sizes (its Status RPC) and each learner
 metrics.jsonl). Ctrl-C, SIGTERM, a failed process or `--timeout_s` stops everything: learners and
 syncer get SIGTERM, then SIGKILL after a grace period, and every child also dies with the launcher
 (PR_SET_PDEATHSIG), so no process is ever left behind. At the end it writes `summary.json` (the keys
-of `ddiloco-simulate`) and `loss.png` (loss over time per learner, with merge events).
+of `ddiloco-simulate`) and `loss.png` (loss over time per learner, with merge events); after Ctrl-C
+too, for the partial run, with "interrupted": true (exit status 130).
 
 A run starts fresh: the previous run's process folders in `--workdir` are removed first. With
 `--resume` they are kept, and the syncer and learners continue from their checkpoints.
@@ -31,11 +32,15 @@ import sys
 
 from absl import app, flags
 
-from ddiloco.launch import gin_flags
+from ddiloco.launch import cli, gin_flags
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "output folder", required=True)
-_TIMEOUT = flags.DEFINE_float("timeout_s", 1800.0, "stop everything after this long")
-_PROGRESS_EVERY = flags.DEFINE_float("progress_every_s", 2.0, "seconds between progress lines")
+_TIMEOUT = flags.DEFINE_float(
+  "timeout_s", 1800.0, "stop everything after this long", lower_bound=0.0
+)
+_PROGRESS_EVERY = flags.DEFINE_float(
+  "progress_every_s", 2.0, "seconds between progress lines", lower_bound=0.0
+)
 _LEARNERS = flags.DEFINE_integer("num_learners", None, "override JobConfig.num_learners")
 _PROCESSES = flags.DEFINE_integer(
   "processes_per_learner", None, "override JobConfig.processes_per_learner"
@@ -46,20 +51,28 @@ _RESUME = flags.DEFINE_bool(
 
 
 def main(argv: list[str]) -> None:
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   from ddiloco.launch import job as job_lib  # After flags: gin registrations.
   from ddiloco.launch import local_cluster
   from ddiloco.metrics.writer import HEADLINE_KEYS
 
-  workdir = os.path.abspath(_WORKDIR.value)
-  gin_flags.parse_gin(workdir)
-  job = job_lib.JobConfig()
+  # The overrides are gin bindings, so they are checked as JobConfig's fields are and every child
+  # process (which parses the same gin flags) agrees with the launcher.
+  overrides = {"num_learners": _LEARNERS.value, "processes_per_learner": _PROCESSES.value}
+  gin_flags.add_bindings(
+    [f"ddiloco.JobConfig.{k} = {v}" for k, v in overrides.items() if v is not None]
+  )
+  with cli.bad_config():
+    config_text = gin_flags.parse_gin()
+    job = job_lib.JobConfig()
+  workdir = cli.make_workdir(_WORKDIR.value, config_text)
   cluster = local_cluster.LocalCluster(
     workdir=workdir,
     gin_args=gin_flags.forwarded_args(),
-    num_learners=_LEARNERS.value or job.num_learners,
+    num_learners=job.num_learners,
     devices_per_learner=job.devices_per_learner,
-    processes_per_learner=_PROCESSES.value or job.processes_per_learner,
+    processes_per_learner=job.processes_per_learner,
   )
   print(
     f"fleet control: ddiloco-fleet --workdir={workdir} list | add [--devices=N] [--batch_size=B] "
@@ -67,6 +80,7 @@ def main(argv: list[str]) -> None:
     file=sys.stderr,
     flush=True,
   )
+  files = f"{os.path.join(workdir, 'summary.json')} and {os.path.join(workdir, 'loss.png')}"
   try:
     summary = cluster.run(
       job,
@@ -75,20 +89,24 @@ def main(argv: list[str]) -> None:
       progress=lambda line: print(line, file=sys.stderr, flush=True),
       resume=_RESUME.value,
     )
-  except KeyboardInterrupt:
-    sys.exit(130)  # LocalCluster.run stopped every process and said so.
+  except local_cluster.RunInterrupted as e:  # Every process was stopped and said so.
+    print("summary (interrupted):", {k: e.summary.get(k) for k in HEADLINE_KEYS})
+    print(f"wrote {files} of the partial run")
+    sys.exit(130)
+  except KeyboardInterrupt:  # Before anything ran, or a second Ctrl-C while summarizing.
+    sys.exit(130)
   except (RuntimeError, TimeoutError) as e:
     print(f"ddiloco-local: {e}\nevery process was stopped; logs are in {workdir}", file=sys.stderr)
     sys.exit(1)
   print("summary:", {k: summary[k] for k in HEADLINE_KEYS})
-  print(f"wrote {os.path.join(workdir, 'summary.json')} and {os.path.join(workdir, 'loss.png')}")
+  print(f"wrote {files}")
   if not summary["ok"]:
     sys.exit(1)
 
 
 def run() -> None:
   """Console-script entry point."""
-  app.run(main, flags_parser=gin_flags.flags_parser)
+  cli.run(main, prog="ddiloco-local", module=__name__)
 
 
 if __name__ == "__main__":

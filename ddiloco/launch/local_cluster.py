@@ -38,6 +38,15 @@ from ddiloco.launch import fleet as fleet_lib
 from ddiloco.launch import processes
 from ddiloco.launch.job import JobConfig
 from ddiloco.launch.run_summary import plot, read_json, summarize
+from ddiloco.metrics import progress as progress_fields
+
+
+class RunInterrupted(KeyboardInterrupt):
+  """Ctrl-C (SIGINT) stopped `LocalCluster.run`; `summary` is the partial run's, already written."""
+
+  def __init__(self, summary: dict[str, Any]):
+    super().__init__("interrupted")
+    self.summary = summary
 
 
 @dataclasses.dataclass
@@ -608,6 +617,8 @@ class LocalCluster:
     finished; removed learners and crashed added ones are not waited for.
 
     Raises:
+      RunInterrupted: on Ctrl-C (a KeyboardInterrupt), after everything was stopped and the partial
+        run's summary.json and loss.png were written ("interrupted": true).
       RuntimeError: if the syncer or a learner the job started with fails (everything is stopped
         first).
       TimeoutError: after `timeout_s` (everything is stopped first).
@@ -660,14 +671,13 @@ class LocalCluster:
         raise RuntimeError(f"The syncer failed at shutdown:\n{self.tail(self.syncer)}")
     except KeyboardInterrupt:
       interrupted = True
-      raise
     finally:
       if self.control is not None:
         self.control.close()
         self.control = None
-      self.stop_all()
+      self.stop_all()  # SIGTERM first: the syncer and learners write their summaries.
       if interrupted and progress is not None:
-        progress("interrupted: every process stopped")
+        progress("interrupted: every process stopped; summarizing the partial run")
     summary = summarize(
       self.workdir,
       job,
@@ -676,8 +686,11 @@ class LocalCluster:
       learner_ids=sorted(self.fleet),
       membership=self.membership,
       syncer_alive_at_end=self.syncer_alive_at_end,
+      interrupted=interrupted,
     )
-    plot(self.workdir)
+    plot(self.workdir, interrupted=interrupted)
+    if interrupted:
+      raise RunInterrupted(summary)
     return summary
 
   @staticmethod
@@ -757,18 +770,39 @@ class LocalCluster:
       )
     except grpc.RpcError as e:
       head = f"t={time.time() - t0:6.1f}s syncer {e.code().name}"
-    parts = []
+    parts, paces = [], []
     for i, c in sorted(self.learners.items()):
       member = self.fleet.get(i)
       if member is not None and member.state in ("removed", "failed"):
         parts.append(f"L{i}:{member.state}")
         continue
       c.poll_metrics()
-      state = "done" if c.proc.poll() == 0 else "up"
+      rc = c.proc.poll()
+      state = "up" if rc is None else ("done" if rc == 0 else "down")
       if member is not None and member.state == "removing":
         state = "leaving"
-      if c.last:
-        parts.append(f"L{i}:{state} step {c.last['step']} loss {c.last['loss']:.3f}")
-      else:
+      if not c.last:
         parts.append(f"L{i}:{state} starting")
-    return head + " | " + " ".join(parts)
+      else:
+        parts.append(progress_fields.learner(i, state, c.last.get("step"), c.last.get("loss")))
+      if rc is None:
+        paces.append(self._pace(c, member))
+    if paces and None not in paces:
+      steps_per_s = sum(p[0] for p in paces)
+      rates = progress_fields.throughput(
+        steps_per_s, sum(p[1] for p in paces), max(p[2] for p in paces)
+      )
+    else:  # A running learner is still compiling (or none runs): the fleet's pace is unknown.
+      rates = progress_fields.throughput(None, None, None)
+    return f"{head} | {rates} | " + " ".join(parts)
+
+  def _pace(self, child: Child, member: FleetMember | None) -> tuple[float, float, float] | None:
+    """A running learner's (steps/s, tokens/s, seconds left), from the step time it logged over its
+    last steps; None while that is unknown (no train event yet, or 0 while it compiles)."""
+    step_time = child.last.get("step_time_s") or 0.0
+    if step_time <= 0 or self.job is None:
+      return None
+    target = (member.steps if member else None) or self.job.steps_per_learner
+    batch = (member.batch_size if member else None) or self.job.batch_size
+    left = max(0, target - child.last.get("step", 0)) * step_time
+    return 1.0 / step_time, self.job.the_task().units_per_step(batch) / step_time, left

@@ -25,7 +25,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 
 from absl import app, flags
 
-from ddiloco.launch import gin_flags
+from ddiloco.launch import cli, gin_flags
 
 _TAPE = flags.DEFINE_string("tape", None, "a chaos run's tape.jsonl", required=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "output folder", required=True)
@@ -35,21 +35,37 @@ _STEP_TIME = flags.DEFINE_float(
 
 
 def main(argv: list[str]) -> None:
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   from ddiloco.chaos.replay import logged_step_time, replay
   from ddiloco.chaos.tape import read_tape
   from ddiloco.metrics.writer import HEADLINE_KEYS
   from ddiloco.simulation import simulate as _  # noqa: F401 - its gin configurables, before parsing.
 
-  gin_flags.parse_gin(_WORKDIR.value)
-  tape = read_tape(_TAPE.value)
-  step_time = _STEP_TIME.value or logged_step_time(os.path.dirname(os.path.abspath(_TAPE.value)))
-  summary = replay(
-    tape,
-    workdir=_WORKDIR.value,
-    real_step_time_s=step_time,
-    progress=lambda line: print(line, file=sys.stderr, flush=True),
-  )
+  with cli.bad_config():
+    config_text = gin_flags.parse_gin()
+    tape = read_tape(_TAPE.value)
+    tape_dir = os.path.dirname(os.path.abspath(_TAPE.value))
+    step_time = _STEP_TIME.value or logged_step_time(tape_dir)
+  started = False
+
+  def start() -> None:  # The replay's arguments were checked: from here on errors are the run's.
+    nonlocal started
+    started = True
+    cli.make_workdir(_WORKDIR.value, config_text)
+
+  try:
+    summary = replay(
+      tape,
+      workdir=_WORKDIR.value,
+      real_step_time_s=step_time,
+      progress=lambda line: print(line, file=sys.stderr, flush=True),
+      on_start=start,
+    )
+  except (ValueError, TypeError) as e:
+    if started:
+      raise
+    raise app.UsageError(cli.describe_config_error(e)) from e
   plan = summary["replay"]
   print(f"replayed {len(plan['faults'])} faults (time scale {plan['time_scale']:.3f}):")
   print("  " + " ".join(plan["faults"]))
@@ -71,7 +87,7 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
   """Console-script entry point."""
-  app.run(main, flags_parser=gin_flags.flags_parser)
+  cli.run(main, prog="ddiloco-replay", module=__name__)
 
 
 if __name__ == "__main__":

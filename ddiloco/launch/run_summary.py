@@ -15,11 +15,35 @@ import numpy as np
 from ddiloco.launch.job import JobConfig
 from ddiloco.metrics.writer import write_summary
 
+# What a syncer summary holds before the syncer wrote one (a run interrupted while it started).
+_NO_SYNCER = {
+  "final_eval_loss": float("nan"),
+  "initial_eval_loss": float("nan"),
+  "merges": 0,
+  "mean_quorum_size": 0.0,
+  "stats": {},
+  "bytes_up": 0,
+  "bytes_down": 0,
+  "digests": {},
+  "refused": {},
+  "quorum_size_counts": {},
+  "uplink_codec": None,
+  "downlink_codec": None,
+  "evals": [],
+  "merge_times": [],
+  "num_params": None,
+}
+
 
 def read_json(path: str) -> dict:
   """A JSON file's content (a process's summary.json)."""
   with open(path) as f:
     return json.load(f)
+
+
+def _syncer_summary(workdir: str) -> dict:
+  path = os.path.join(workdir, "syncer", "summary.json")
+  return {**_NO_SYNCER, **read_json(path)} if os.path.exists(path) else dict(_NO_SYNCER)
 
 
 def summarize(
@@ -31,6 +55,7 @@ def summarize(
   learner_ids: Sequence[int] | None = None,
   membership: Sequence[dict[str, Any]] | None = None,
   syncer_alive_at_end: Sequence[int] | None = None,
+  interrupted: bool = False,
 ) -> dict:
   """The run's summary.json from the syncer's and learners' summaries (the keys of simulate).
 
@@ -42,8 +67,10 @@ def summarize(
     learner_ids: every learner of the fleet, added ones included.
     membership: `LocalCluster.membership` (join, leave, finish, fail events), kept as is.
     syncer_alive_at_end: the syncer's `alive` learners just before it was stopped.
+    interrupted: the run was stopped by Ctrl-C: a partial run, never "ok" (the processes that had
+      not written their summaries yet count as empty).
   """
-  syncer = read_json(os.path.join(workdir, "syncer", "summary.json"))
+  syncer = _syncer_summary(workdir)
   learners = {}
   for i in range(num_learners) if learner_ids is None else learner_ids:
     path = os.path.join(workdir, f"learner_{i}", "summary.json")
@@ -106,22 +133,27 @@ def summarize(
     "num_params": syncer["num_params"],
     "membership": list(membership or []),
     "syncer_alive_at_end": None if syncer_alive_at_end is None else list(syncer_alive_at_end),
+    "interrupted": interrupted,
   }
   summary["ok"] = bool(
-    agree and summary["budget_reached"] and np.isfinite(summary["final_eval_loss"])
+    agree
+    and summary["budget_reached"]
+    and np.isfinite(summary["final_eval_loss"])
+    and not interrupted
   )
   write_summary(workdir, summary)
   return summary
 
 
-def plot(workdir: str) -> str:
-  """loss.png: training loss over time per learner, the global eval loss, and merge events."""
+def plot(workdir: str, *, interrupted: bool = False) -> str:
+  """loss.png: training loss over time per learner, the global eval loss, and merge events (the
+  title says when the run was interrupted)."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  syncer = read_json(os.path.join(workdir, "syncer", "summary.json"))
+  syncer = _syncer_summary(workdir)
   t0 = min([e[0] for e in syncer["evals"]] or [0.0])
   fig, ax = plt.subplots(figsize=(9, 4.5))
   ids = sorted(
@@ -151,6 +183,7 @@ def plot(workdir: str) -> str:
   ax.set_ylabel("loss (nats/token)")
   ax.set_title(
     f"{syncer['merges']} merges, uplink {syncer['uplink_codec']}, downlink {syncer['downlink_codec']}"
+    + (" (interrupted)" if interrupted else "")
   )
   ax.legend(fontsize=8)
   fig.tight_layout()

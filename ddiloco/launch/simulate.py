@@ -16,30 +16,45 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   ).strip()
 
-from absl import app, flags, logging
+from absl import app, flags
 
-from ddiloco.launch import gin_flags
+from ddiloco.launch import cli, gin_flags
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "output folder", required=True)
 
 
 def main(argv: list[str]) -> None:
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   from ddiloco.metrics.writer import HEADLINE_KEYS
   from ddiloco.simulation import simulate as simulate_lib  # After flags: gin registrations.
 
-  gin_flags.parse_gin(_WORKDIR.value)
-  logging.info("workdir: %s", _WORKDIR.value)
-  summary = simulate_lib.simulate(
-    workdir=_WORKDIR.value, progress=lambda line: print(line, file=sys.stderr, flush=True)
-  )
+  with cli.bad_config():
+    config_text = gin_flags.parse_gin()
+  started = False
+
+  def start() -> None:  # simulate() checked its arguments: from here on errors are the run's.
+    nonlocal started
+    started = True
+    cli.make_workdir(_WORKDIR.value, config_text)
+
+  try:
+    summary = simulate_lib.simulate(
+      workdir=_WORKDIR.value,
+      progress=lambda line: print(line, file=sys.stderr, flush=True),
+      on_start=start,
+    )
+  except (ValueError, TypeError) as e:
+    if started:
+      raise
+    raise app.UsageError(cli.describe_config_error(e)) from e
   print("summary:", {k: summary[k] for k in HEADLINE_KEYS})
   print(f"wrote {os.path.join(_WORKDIR.value, 'summary.json')}")
 
 
 def run() -> None:
   """Console-script entry point."""
-  app.run(main, flags_parser=gin_flags.flags_parser)
+  cli.run(main, prog="ddiloco-simulate", module=__name__)
 
 
 if __name__ == "__main__":

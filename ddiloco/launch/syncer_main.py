@@ -26,38 +26,44 @@ import time
 
 from absl import app, flags, logging
 
-from ddiloco.launch import gin_flags
+from ddiloco.launch import cli, gin_flags
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "output folder", required=True)
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "address to bind; loopback unless told otherwise")
-_PORT = flags.DEFINE_integer("port", 0, "port to bind; 0 picks a free one (see --port_file)")
+_PORT = flags.DEFINE_integer(
+  "port", 0, "port to bind; 0 picks a free one (see --port_file)", lower_bound=0, upper_bound=65535
+)
 _PORT_FILE = flags.DEFINE_string("port_file", None, "write the bound port here once serving")
 _TOKEN_FILE = flags.DEFINE_string(
   "auth_token_file", None, "shared token file (else $DDILOCO_TOKEN)"
 )
 _TLS_CERT = flags.DEFINE_string("tls_cert_file", None, "PEM certificate chain for TLS")
 _TLS_KEY = flags.DEFINE_string("tls_key_file", None, "PEM private key for TLS")
-_MAX_RUNTIME = flags.DEFINE_float("max_runtime_s", 0.0, "stop after this long (0: until signalled)")
+_MAX_RUNTIME = flags.DEFINE_float(
+  "max_runtime_s", 0.0, "stop after this long (0: until signalled)", lower_bound=0.0
+)
 _INSECURE = flags.DEFINE_bool(
   "insecure", False, "serve a non-loopback --host without a shared token (logs a warning)"
 )
 
 
 def main(argv: list[str]) -> None:
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   # Imported after flag parsing: these register the gin configurables.
   from ddiloco.checkpoint.syncer import RestoreError
   from ddiloco.launch import job as job_lib
   from ddiloco.launch import runtime
 
-  workdir = _WORKDIR.value
-  gin_flags.parse_gin(workdir)
-  job = job_lib.JobConfig()
+  if bool(_TLS_CERT.value) != bool(_TLS_KEY.value):
+    raise app.UsageError("--tls_cert_file and --tls_key_file go together.")
+  with cli.bad_config():
+    config_text = gin_flags.parse_gin()
+    job = job_lib.JobConfig()
+  workdir = cli.make_workdir(_WORKDIR.value, config_text)
   stop = threading.Event()
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: stop.set())
-  if bool(_TLS_CERT.value) != bool(_TLS_KEY.value):
-    raise app.UsageError("--tls_cert_file and --tls_key_file go together.")
   tls = (_TLS_CERT.value, _TLS_KEY.value) if _TLS_CERT.value else None
   from ddiloco.syncer import service as service_lib
   from ddiloco.transport import auth
@@ -91,7 +97,7 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
   """Console-script entry point."""
-  app.run(main, flags_parser=gin_flags.flags_parser)
+  cli.run(main, prog="ddiloco-syncer", module=__name__)
 
 
 if __name__ == "__main__":

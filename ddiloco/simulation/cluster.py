@@ -33,6 +33,7 @@ from ddiloco.fragments import tree
 from ddiloco.fragments.layout import FragmentLayout
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner.learner import Learner, LearnerConfig
+from ddiloco.metrics import progress as progress_fields
 from ddiloco.metrics.accounting import BLOCKED, BUSY, DOWN, GONE, TimeLedger
 from ddiloco.metrics.writer import MetricsWriter
 from ddiloco.protocol import FragmentState, RoundRequest
@@ -487,7 +488,7 @@ class SimulatedCluster:
       handlers[kind](*payload)
       if progress is not None and time.perf_counter() - last_progress > 2.0:
         last_progress = time.perf_counter()
-        progress(self.progress_line())
+        progress(self.progress_line(wall_s=time.perf_counter() - wall0))
     self.ledger.close(self.now)  # No-op for slots already closed when the budget was reached.
     final = self.evaluate_global()
     self.evals.append((self.now, final))
@@ -509,21 +510,30 @@ class SimulatedCluster:
       }
     )
 
-  def progress_line(self) -> str:
+  def progress_line(self, wall_s: float | None = None) -> str:
+    """One status line; with `wall_s` (real seconds since the start) also the real steps/s,
+    tokens/s and the ETA of the token budget at that pace."""
     versions = (
       sum(self.core.version(p) for p in range(self.layout.num_fragments)) if self.core else 0
     )
-    parts = []
-    for slot in self.slots.values():
-      loss = slot.losses[-1] if slot.losses else float("nan")
-      state = "up" if slot.alive else "down"
-      parts.append(
-        f"L{slot.index}:{state} step {slot.learner.step if slot.learner else 0} loss {loss:.3f}"
+    parts = [
+      progress_fields.learner(
+        slot.index,
+        "up" if slot.alive else "down",
+        slot.learner.step if slot.learner else 0,
+        slot.losses[-1] if slot.losses else None,
       )
+      for slot in self.slots.values()
+    ]
+    steps_per_s = tokens_per_s = eta_s = None
+    if wall_s and wall_s > 0 and self.tokens_trained > 0:
+      steps_per_s = sum(slot.steps_done for slot in self.slots.values()) / wall_s
+      tokens_per_s = self.tokens_trained / wall_s
+      eta_s = max(0, self.token_budget - self.tokens_trained) / tokens_per_s
     pct = 100.0 * self.tokens_trained / self.token_budget
     return (
       f"t={self.now:8.1f}s tokens {pct:5.1f}% merges {len(self.merge_events)} v_sum {versions} | "
-      + " ".join(parts)
+      f"{progress_fields.throughput(steps_per_s, tokens_per_s, eta_s)} | " + " ".join(parts)
     )
 
   def digests_agree(self) -> bool:

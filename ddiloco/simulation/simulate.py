@@ -46,6 +46,7 @@ def simulate(
   eval_batches: int = 8,
   tensorboard: bool = True,
   progress: Callable[[str], None] | None = None,
+  on_start: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
   """Runs one simulated Decoupled DiLoCo (or baseline) training and writes its outputs.
 
@@ -66,6 +67,8 @@ def simulate(
     eval_batches: held-out batches per evaluation.
     tensorboard: write TensorBoard events too.
     progress: called with a one-line status every couple of seconds.
+    on_start: called once the arguments are checked, before anything is written (the command line
+      writes its config.gin then; an error before it is a configuration error).
 
   Returns:
     The summary (also written to workdir/summary.json). "final_eval_metrics" holds the final
@@ -114,6 +117,8 @@ def simulate(
   def core_fn(**kwargs):
     return SyncerCore(config=syncer, adopt=adopt, **kwargs)
 
+  if on_start is not None:
+    on_start()
   os.makedirs(workdir, exist_ok=True)
   with MetricsWriter(workdir, tensorboard=tensorboard) as writer:
     writer.event(

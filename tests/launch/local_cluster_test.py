@@ -4,6 +4,7 @@ The unit tests use `sleep`/`sh` children (each in its own session, as the launch
 the kills are real and fast. tests/integration/multiprocess_learner_test.py runs real learners.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -312,3 +313,71 @@ def test_chaos_schedule_goes_on_while_the_syncer_restarts(tmp_path):
   assert all(r["late_s"] < 1.0 for r in records if "scheduled_t" in r)
   up = records[-1]["t"] - records[2]["t"]
   assert up >= 2.5  # The syncer took its 3 s; the kill of learner 0 did not wait for it.
+
+
+# -- progress lines ----------------------------------------------------------------------------
+
+
+class _FakeProc:
+  def __init__(self, rc=None):
+    self.rc, self.pid = rc, 1
+
+  def poll(self):
+    return self.rc
+
+
+class _FakeStatus:
+  versions, merges, quorum_histogram, alive = [3, 4], 7, [0, 4, 3], [0, 1]
+
+
+class _FakeClient:
+  def status(self):
+    return _FakeStatus()
+
+
+def _child(tmp_path, name, rc, *events):
+  path = tmp_path / f"{name}.jsonl"
+  path.write_text("".join(json.dumps({"kind": "train", **e}) + "\n" for e in events))
+  return local_cluster.Child(name, _FakeProc(rc), str(tmp_path / "log"), str(path))
+
+
+def _progress_cluster(tmp_path, *children):
+  from ddiloco.data.text import TextDataConfig
+  from ddiloco.launch.job import JobConfig
+  from ddiloco.models import configs
+
+  cluster = _cluster(tmp_path, processes=1)
+  cluster.job = JobConfig(
+    model=configs.transformer_config("tiny", max_len=64),
+    data=TextDataConfig(seq_len=64, batch_size=8),  # 512 tokens per step.
+    num_learners=len(children),
+    steps_per_learner=100,
+  )
+  cluster.learners = dict(enumerate(children))
+  return cluster
+
+
+def test_progress_line_shows_rates_and_eta_once_every_learner_has_a_step_time(tmp_path):
+  cluster = _progress_cluster(
+    tmp_path,
+    _child(tmp_path, "a", None, {"step": 40, "loss": 2.5, "step_time_s": 0.5}),
+    _child(tmp_path, "b", None, {"step": 80, "loss": 2.25, "step_time_s": 0.25}),
+  )
+  line = cluster.progress_line(_FakeClient(), time.time())
+  # 2 + 4 steps/s, x 512 tokens; learner 0 has the most left: 60 steps x 0.5 s.
+  assert "| 6 steps/s 3.07k tok/s eta 30s |" in line
+  assert line.endswith("L0:up step 40 loss 2.500 L1:up step 80 loss 2.250")
+  assert "merges    7 quorum 1.43 alive [0, 1]" in line
+
+
+def test_progress_line_before_the_first_loss_and_after_a_crash(tmp_path):
+  cluster = _progress_cluster(
+    tmp_path,
+    _child(tmp_path, "a", None),  # No train event yet.
+    _child(tmp_path, "b", None, {"step": 8, "loss": 3.0, "step_time_s": 0.0}),  # Compiling.
+    _child(tmp_path, "c", 1, {"step": 8, "loss": 3.5, "step_time_s": 0.2}),
+  )
+  line = cluster.progress_line(_FakeClient(), time.time())
+  assert "nan" not in line
+  assert "| - steps/s - tok/s eta - |" in line
+  assert line.endswith("L0:up starting L1:up step 8 loss 3.000 L2:down step 8 loss 3.500")

@@ -447,3 +447,25 @@ def test_a_joining_learner_continues_the_fleets_learning_rate_schedule(tmp_path)
   # The fleet's step at the join (about 6), plus the steps the joiner trained itself.
   assert 0 < joiner.step < 16
   assert counts and counts[0] >= 6 + joiner.step - 1
+
+
+def test_progress_line_shows_rates_and_dashes_for_unknown_values():
+  factory = LearnerFactory(
+    model_config=_model(), data_config=DATA, inner_opt=INNER, num_fragments=1, num_shards=2
+  )
+  sim = SimulatedCluster(
+    factory=factory,
+    cluster=ClusterConfig(num_learners=2, steps_per_learner=3, log_every=2),
+    schedule=FragmentSchedule(num_fragments=1, period=1, overlap=0),
+    learner_config=LearnerConfig(),
+    syncer_core_fn=lambda **kw: SyncerCore(config=SyncerConfig(overlap=0), **kw),
+  )
+  sim.run()
+  tokens = sim.tokens_trained  # 2 learners x 3 steps x 4 x 32.
+  assert tokens == 2 * 3 * 4 * SEQ
+  line = sim.progress_line(wall_s=2.0)
+  assert "| 3 steps/s 384 tok/s eta 0s |" in line  # 6 steps and 768 tokens in 2 s.
+  assert "L0:up step 3 loss " in line and "nan" not in line
+  sim.slots[1].losses.clear()  # As before its first logged loss.
+  line = sim.progress_line()
+  assert "| - steps/s - tok/s eta - |" in line and line.endswith("L1:up step 3 loss -")

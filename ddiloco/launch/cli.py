@@ -1,0 +1,213 @@
+"""What every `ddiloco-*` console script shares: its help, one-line errors and a quiet start.
+
+A console script's wrapper is a `__main__` module without a docstring that calls `sys.exit(run())`,
+so absl's own `--help` printed a bare "USAGE" line and exited 1. `run` prints the entry point's module
+docstring and its flags (`--helpfull`: every flag) and exits 0.
+
+A bad command line or configuration ends in one line and exit status 2, before anything is written:
+an unknown or missing flag, a missing or unparsable gin file, a misspelled binding (with the closest
+registered name), a value a config refuses (`__post_init__`), an unwritable workdir. Entry points
+check their configuration inside `bad_config()` and only then create their workdir
+(`make_workdir`). Errors after that are bugs or failures of the run and keep their traceback.
+
+`quiet_logs` drops the start-up noise of libraries: gin's "Path not found" for every include it
+first looks for as a Python package, jax's "Unable to initialize backend 'tpu'" on a host without
+one, and orbax's per-save INFO lines. Warnings and errors still show.
+"""
+
+import contextlib
+import difflib
+import inspect
+import logging
+import os
+import re
+import sys
+import tokenize
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn
+
+from absl import app, flags
+
+from ddiloco.launch import gin_flags
+
+USAGE_ERROR = 2  # The exit status of a bad command line (as argparse).
+_HELP = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort")
+_HELPFULL = ("--helpfull", "-helpfull")
+
+
+def run(main: Callable[[list[str]], Any], *, prog: str, module: str, gin: bool = True) -> None:
+  """Runs `main` under absl with this module's help, one-line errors and quiet logs.
+
+  Args:
+    main: the entry point's main(argv).
+    prog: the console script's name, for messages ("ddiloco-local").
+    module: the entry point's `__name__`: its docstring is the help, its flags are listed.
+    gin: whether the command takes --gin_file/--gin.KEY=VALUE.
+  """
+  quiet_logs()
+  entry = sys.modules[module]
+  # absl registers a module's flags under sys.argv[0] when it runs as __main__ (python -m).
+  flag_modules = [sys.argv[0] if module == "__main__" else module]
+  if gin:
+    flag_modules.append(gin_flags.__name__)
+
+  def parse(argv: Sequence[str]) -> list[str]:
+    args = list(argv)
+    head = args[: args.index("--")] if "--" in args else args
+    if any(a in _HELPFULL for a in head):
+      _print_help(entry.__doc__, flags.FLAGS.get_help())
+    if any(a in _HELP for a in head):
+      helps = [flags.FLAGS.module_help(m) for m in flag_modules]
+      _print_help(entry.__doc__, "\n\n".join(h for h in helps if h), short=True)
+    try:
+      return gin_flags.flags_parser(args) if gin else flags.FLAGS(args)
+    except (flags.Error, ValueError) as e:
+      fail(prog, f"{_one_line(str(e))} (see {prog} --help)")
+
+  def checked_main(argv: list[str]) -> Any:
+    try:
+      return main(argv)
+    except app.UsageError as e:
+      fail(prog, str(e))
+
+  app.run(checked_main, flags_parser=parse)
+
+
+def _print_help(doc: str | None, flag_help: str, *, short: bool = False) -> NoReturn:
+  out = [(doc or "").strip(), "", "flags:", flag_help]
+  if short:
+    out += ["", "--helpfull lists every flag, the libraries' too."]
+  try:
+    print("\n".join(out), flush=True)
+  except BrokenPipeError:  # `ddiloco-local --help | head`: the reader left; exit quietly.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # As the Python docs advise.
+  sys.exit(0)
+
+
+def fail(prog: str, message: str) -> NoReturn:
+  """Prints `prog: error: message` (one line) to stderr and exits with status 2."""
+  print(f"{prog}: error: {_one_line(message)}", file=sys.stderr, flush=True)
+  sys.exit(USAGE_ERROR)
+
+
+def _one_line(text: str) -> str:
+  return "; ".join(line.strip() for line in text.strip().splitlines() if line.strip())
+
+
+# -- configuration errors ---------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def bad_config() -> Iterator[None]:
+  """Turns the errors of parsing and checking a configuration into one-line `app.UsageError`s.
+
+  Wrap the parsing of gin files and the building of config objects, nothing that runs: a ValueError
+  from inside a run is a bug and keeps its traceback.
+  """
+  try:
+    yield
+  except (ValueError, TypeError, SyntaxError, OSError, tokenize.TokenError) as e:
+    raise app.UsageError(describe_config_error(e)) from e
+
+
+def describe_config_error(error: BaseException) -> str:
+  """One line for a gin or config error: the problem, a suggestion, and where it was bound."""
+  text = str(error)
+  if isinstance(error, tokenize.TokenError):  # gin's tokenizer: unbalanced brackets or quotes.
+    return f"cannot parse a gin file or binding: {error.args[0]}"
+  if isinstance(error, SyntaxError) and error.msg:  # gin's parser: file, line and offending text.
+    where = f"{error.filename or 'a binding'} line {error.lineno}"
+    return f"cannot parse {where}: {error.msg}: {(error.text or '').strip()}"
+  lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+  if not lines:
+    return type(error).__name__
+  message, where = lines[0], ""
+  # gin appends where a binding came from ("In file "x.gin" line 3", the binding itself) or which
+  # configurable refused its arguments ("In call to configurable 'JobConfig' (<class ...>)").
+  for i, line in enumerate(lines[1:], start=1):
+    if line.startswith("In call to configurable"):
+      name = re.search(r"'([^']+)'", line)
+      where = where or (f"in {name.group(1)}" if name else "")
+    elif line.startswith("In bindings string"):
+      where = f"in --gin.{lines[i + 1]}" if i + 1 < len(lines) else "in a --gin binding"
+    elif line.startswith("In file"):
+      binding = f": {lines[i + 1]}" if i + 1 < len(lines) else ""
+      where = f"in {line[len('In ') :]}{binding}"
+  hint = _suggestion(message)
+  return " ".join(part for part in (message, hint, f"({where})" if where else "") if part)
+
+
+def _suggestion(message: str) -> str:
+  """A "Did you mean" for gin's unknown configurable or parameter errors, or an empty string."""
+  m = re.match(r"No configurable matching (?:reference )?'@?([^'()]+)", message)
+  if m:
+    names = sorted({sel.split(".")[-1] for sel, _ in _registry().items()})
+    close = difflib.get_close_matches(m.group(1).split(".")[-1], names, n=2)
+    return f"Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+  m = re.match(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", message)
+  if m:
+    configurable = _registry().get_match(m.group(1))
+    if configurable is None:
+      return ""
+    try:
+      params = list(inspect.signature(configurable.wrapped).parameters)
+    except (TypeError, ValueError):
+      return ""
+    close = difflib.get_close_matches(m.group(2), params, n=2)
+    if close:
+      return f"Did you mean {' or '.join(repr(c) for c in close)}?"
+    return f"{m.group(1)} takes: {', '.join(p for p in params if p != 'self')}."
+  return ""
+
+
+def _registry() -> Any:
+  import gin
+
+  # gin has no public listing of its configurables; its registry is a SelectorMap of them.
+  return gin.config._REGISTRY
+
+
+def make_workdir(workdir: str, config_text: str | None = None) -> str:
+  """Creates `workdir` (absolute path returned) and writes the operative gin config into it.
+
+  Raises:
+    app.UsageError: if it cannot be created or written (nothing is left behind).
+  """
+  workdir = os.path.abspath(workdir)
+  existed = os.path.isdir(workdir)
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    if config_text is not None:
+      with open(os.path.join(workdir, "config.gin"), "w") as f:
+        f.write(config_text)
+  except OSError as e:
+    if not existed and os.path.isdir(workdir) and not os.listdir(workdir):
+      os.rmdir(workdir)
+    raise app.UsageError(f"cannot write the workdir {workdir}: {e.strerror or e}") from e
+  return workdir
+
+
+# -- logs -------------------------------------------------------------------------------------
+
+
+class _StartupNoise(logging.Filter):
+  """Drops the library log records listed in the module docstring."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    path = record.pathname.replace(os.sep, "/")
+    if path.endswith("gin/resource_reader.py") and record.levelno <= logging.ERROR:
+      return False  # gin falls back to the search paths after these; a missing file still fails.
+    if record.name.startswith("jax") and str(record.msg).startswith("Unable to initialize backend"):
+      return record.levelno > logging.INFO  # INFO: a platform this host lacks (jax moves on).
+    return not ("/orbax/" in path and record.levelno < logging.WARNING)
+
+
+_FILTER = _StartupNoise()
+
+
+def quiet_logs() -> None:
+  """Installs the filter on the loggers that gin (root), orbax (absl) and jax log through."""
+  for name in ("", "absl", "jax._src.xla_bridge"):
+    logger = logging.getLogger(name)
+    if _FILTER not in logger.filters:
+      logger.addFilter(_FILTER)

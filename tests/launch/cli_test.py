@@ -1,0 +1,261 @@
+"""Tests for launch/cli.py: every console script's --help, and one-line errors for bad input.
+
+The scripts run as their generated wrappers do: `sys.exit(run())` from a `__main__` module without a
+docstring, under the script's name. Every bad input must end in exactly one `error:` line on stderr,
+exit status 2, and no workdir.
+"""
+
+import ast
+import logging
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from ddiloco.launch import cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+LOCAL_GIN = str(ROOT / "gin_configs" / "local_tiny.gin")
+SIM_GIN = str(ROOT / "gin_configs" / "sim_tiny.gin")
+
+# Console script -> (module, a flag of the module's own, one its --help must list).
+SCRIPTS = {
+  "ddiloco-simulate": ("simulate", "--workdir"),
+  "ddiloco-goodput": ("goodput_main", "--workdir"),
+  "ddiloco-syncer": ("syncer_main", "--port_file"),
+  "ddiloco-learner": ("learner_main", "--syncer_address"),
+  "ddiloco-local": ("local", "--num_learners"),
+  "ddiloco-chaos": ("chaos_main", "--baseline_loss"),
+  "ddiloco-replay": ("replay_main", "--tape"),
+  "ddiloco-fleet": ("fleet_main", "--learner_gin"),
+}
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _script(prog: str, *args: str) -> subprocess.CompletedProcess:
+  """Runs console script `prog` as its setup.py wrapper would."""
+  module = SCRIPTS[prog][0]
+  code = (
+    f"import sys; from ddiloco.launch.{module} import run; sys.argv[0] = {prog!r}; sys.exit(run())"
+  )
+  return subprocess.run(
+    [sys.executable, "-c", code, *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=90,
+    check=False,
+  )
+
+
+def test_setup_declares_exactly_these_scripts():
+  text = (ROOT / "setup.py").read_text()
+  for prog, (module, _) in SCRIPTS.items():
+    assert f'"{prog}=ddiloco.launch.{module}:run"' in text
+  assert text.count("=ddiloco.launch.") == len(SCRIPTS)
+
+
+@pytest.mark.parametrize("prog", sorted(SCRIPTS))
+def test_help_prints_the_docstring_and_the_flags(prog):
+  module, flag = SCRIPTS[prog]
+  proc = _script(prog, "--help")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  source = (ROOT / "ddiloco" / "launch" / f"{module}.py").read_text()
+  doc = ast.get_docstring(ast.parse(source))  # Not imported here: its flags would clash.
+  assert proc.stdout.startswith(doc.strip().splitlines()[0])
+  assert proc.stdout.startswith(f"`{prog}`")
+  assert f"  {flag}" in proc.stdout
+  if prog != "ddiloco-fleet":
+    assert "  --gin_file" in proc.stdout  # The shared gin flags are the command's flags too.
+  assert (
+    "--verbosity" not in proc.stdout and "USAGE" not in proc.stdout
+  )  # Not the libraries' flags.
+
+
+def test_helpfull_lists_every_flag_and_exits_0():
+  proc = _script("ddiloco-local", "--helpfull")
+  assert proc.returncode == 0
+  assert "--num_learners" in proc.stdout and "--verbosity" in proc.stdout
+
+
+def test_help_as_a_module_lists_the_flags():
+  proc = subprocess.run(
+    [sys.executable, "-m", "ddiloco.launch.local", "--help"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=90,
+    check=False,
+  )
+  assert proc.returncode == 0 and "  --num_learners" in proc.stdout
+
+
+def _assert_one_line_error(proc, prog, workdir, *expected):
+  assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+  assert "Traceback" not in proc.stderr
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1, proc.stderr  # Also: no library noise (gin's "Path not found" ERRORs).
+  assert lines[0].startswith(f"{prog}: error: ")
+  for text in expected:
+    assert text in lines[0]
+  assert not workdir.exists()
+
+
+def test_unknown_flag(tmp_path):
+  w = tmp_path / "w"
+  proc = _script("ddiloco-local", f"--workdir={w}", f"--gin_file={LOCAL_GIN}", "--num_lerners=2")
+  _assert_one_line_error(proc, "ddiloco-local", w, "num_lerners", "--help")
+
+
+def test_missing_workdir(tmp_path):
+  proc = _script("ddiloco-local", f"--gin_file={LOCAL_GIN}")
+  _assert_one_line_error(proc, "ddiloco-local", tmp_path / "w", "--workdir")
+
+
+def test_missing_gin_file(tmp_path):
+  w = tmp_path / "w"
+  _assert_one_line_error(_script("ddiloco-local", f"--workdir={w}"), "ddiloco-local", w, "gin_file")
+
+
+def test_gin_file_not_found(tmp_path):
+  w = tmp_path / "w"
+  proc = _script("ddiloco-local", f"--workdir={w}", "--gin_file=no_such_config.gin")
+  _assert_one_line_error(proc, "ddiloco-local", w, "no_such_config.gin")
+
+
+def test_misspelled_parameter_suggests_the_closest(tmp_path):
+  w = tmp_path / "w"
+  proc = _script(
+    "ddiloco-local", f"--workdir={w}", f"--gin_file={LOCAL_GIN}", "--gin.JobConfig.num_lerners=2"
+  )
+  _assert_one_line_error(
+    proc, "ddiloco-local", w, "'num_lerners'", "Did you mean 'num_learners'", "JobConfig"
+  )
+
+
+def test_misspelled_configurable_suggests_the_closest(tmp_path):
+  w = tmp_path / "w"
+  proc = _script(
+    "ddiloco-local", f"--workdir={w}", f"--gin_file={LOCAL_GIN}", "--gin.JobConfg.num_learners=2"
+  )
+  _assert_one_line_error(proc, "ddiloco-local", w, "'JobConfg'", "Did you mean 'JobConfig'")
+
+
+def test_bad_line_in_a_gin_file_names_the_file(tmp_path):
+  w = tmp_path / "w"
+  bad = tmp_path / "bad.gin"
+  bad.write_text("# A typo on line 2.\nJobConfig.log_evry = 3\n")
+  proc = _script("ddiloco-local", f"--workdir={w}", f"--gin_file={bad}")
+  _assert_one_line_error(proc, "ddiloco-local", w, str(bad), "line 2", "Did you mean 'log_every'")
+
+
+def test_bad_fault_string(tmp_path):
+  w = tmp_path / "w"
+  proc = _script(
+    "ddiloco-simulate", f"--workdir={w}", f"--gin_file={SIM_GIN}", '--gin.FAULTS=("crash:x",)'
+  )
+  _assert_one_line_error(
+    proc, "ddiloco-simulate", w, "'crash:x'", "KIND:LEARNER@TIME", "ClusterConfig"
+  )
+
+
+def test_unwritable_workdir(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  w = blocker / "w"  # Under a regular file: cannot be created (even by root).
+  proc = _script("ddiloco-local", f"--workdir={w}", f"--gin_file={LOCAL_GIN}")
+  _assert_one_line_error(proc, "ddiloco-local", w, "cannot write the workdir", str(w))
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_num_learners_is_checked_as_jobconfig_is(tmp_path, value):
+  w = tmp_path / "w"
+  proc = _script(
+    "ddiloco-local", f"--workdir={w}", f"--gin_file={LOCAL_GIN}", f"--num_learners={value}"
+  )
+  _assert_one_line_error(proc, "ddiloco-local", w, f"num_learners={value}", "must be >= 1")
+
+
+def test_simulate_refuses_a_bad_value(tmp_path):
+  w = tmp_path / "w"
+  proc = _script("ddiloco-simulate", f"--workdir={w}", f"--gin_file={SIM_GIN}", "--gin.LEARNERS=0")
+  _assert_one_line_error(proc, "ddiloco-simulate", w, "num_learners must be >= 1, got 0")
+
+
+def test_learner_steps_are_checked_as_jobconfig_is(tmp_path):
+  w = tmp_path / "w"
+  proc = _script(
+    "ddiloco-learner",
+    f"--workdir={w}",
+    f"--gin_file={LOCAL_GIN}",
+    "--learner_id=0",
+    "--syncer_address=127.0.0.1:1",
+    "--steps=0",
+  )
+  _assert_one_line_error(proc, "ddiloco-learner", w, "steps_per_learner=0")
+
+
+@pytest.mark.parametrize(
+  ("prog", "args", "expected"),
+  [
+    ("ddiloco-syncer", ["--port=70000"], "--port"),
+    ("ddiloco-learner", ["--learner_id=-1", "--syncer_address=x:1"], "--learner_id"),
+    ("ddiloco-local", ["--timeout_s=-5"], "--timeout_s"),
+    ("ddiloco-fleet", ["--devices=0", "add"], "devices must be in [1, "),
+    ("ddiloco-fleet", ["frobnicate"], "add | remove | list"),
+  ],
+)
+def test_launcher_flags_are_checked(tmp_path, prog, args, expected):
+  w = tmp_path / "w"
+  gin = [] if prog == "ddiloco-fleet" else [f"--gin_file={LOCAL_GIN}"]
+  proc = _script(prog, f"--workdir={w}", *gin, *args)
+  _assert_one_line_error(proc, prog, w, expected)
+
+
+# -- in-process units -------------------------------------------------------------------------
+
+
+def test_describe_config_error_of_a_failed_configurable():
+  import gin
+
+  @gin.configurable("cli_test_thing")
+  def thing(size=1):
+    if size < 1:
+      raise ValueError(f"size must be >= 1, got {size}.")
+
+  gin.clear_config()
+  try:
+    gin.parse_config("cli_test_thing.size = 0")
+    with pytest.raises(ValueError) as info:
+      thing()
+    assert cli.describe_config_error(info.value) == (
+      "size must be >= 1, got 0. (in cli_test_thing)"
+    )
+  finally:
+    gin.clear_config()
+
+
+def _record(name, level, msg, pathname):
+  return logging.LogRecord(name, level, pathname, 1, msg, None, None)
+
+
+@pytest.mark.parametrize(
+  ("record", "shown"),
+  [
+    (_record("root", logging.ERROR, "Path not found: x.gin", "/v/gin/resource_reader.py"), False),
+    (
+      _record(
+        "jax._src.xla_bridge", logging.INFO, "Unable to initialize backend 'tpu': no", "/v/x.py"
+      ),
+      False,
+    ),
+    (_record("absl", logging.INFO, "Saving checkpoint", "/v/orbax/checkpoint/x.py"), False),
+    (_record("absl", logging.WARNING, "slow save", "/v/orbax/checkpoint/x.py"), True),
+    (_record("absl", logging.INFO, "learner 0 on 1 device(s)", "/r/ddiloco/x.py"), True),
+    (_record("root", logging.ERROR, "disk full", "/r/ddiloco/x.py"), True),
+  ],
+)
+def test_quiet_logs_drops_only_library_start_up_noise(record, shown):
+  assert cli._FILTER.filter(record) is shown
