@@ -810,21 +810,8 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
 
   def _recover(self, it: Iterator, session: str, ticket: door.StreamTicket):
     """A learner hands back a version a restart lost (`begin_recovery`)."""
-    first = next(it, None)
-    if first is not None:
-      first = self._push_frame(first)
-    if first is None or first.index != 0 or first.header is None:
-      raise self._refuse(
-        grpc.StatusCode.INVALID_ARGUMENT, "A recovery must start with chunk 0 carrying the header."
-      )
+    first = self._stream_header(it, session, ticket, "recovery")
     h = first.header
-    fault = door.text_fault(h)
-    if fault is not None:
-      raise self._refuse(grpc.StatusCode.INVALID_ARGUMENT, f"Recovery header: {fault}")
-    with self._cond:
-      self._member(int(h.learner_id), session)
-    self._claim(ticket, int(h.learner_id))
-    self._check_fragment(h.fragment)
     p, version = int(h.fragment), int(h.anchor_version)
     if h.codec != "fp32" or h.delta:
       raise self._refuse(
@@ -878,22 +865,32 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     log.info("fragment %d: version %d handed back by learner %d", p, version, h.learner_id)
     return syncer_pb2.RecoverResponse(adopted=True, version=version)
 
-  def _push(self, it: Iterator, session: str, ticket: door.StreamTicket):
+  def _stream_header(
+    self, it: Iterator, session: str, ticket: door.StreamTicket, what: str
+  ) -> messages.ChunkFrame:
+    """Chunk 0 of a push or recovery stream, its header checked: text bounds, a registered and
+    alive learner with its session (the stream's ticket is then claimed by it), the fragment."""
     first = next(it, None)
     if first is not None:
       first = self._push_frame(first)
     if first is None or first.index != 0 or first.header is None:
       raise self._refuse(
-        grpc.StatusCode.INVALID_ARGUMENT, "A push must start with chunk 0 carrying the header."
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"A {what} must start with chunk 0 carrying the header.",
       )
     h = first.header
     fault = door.text_fault(h)
     if fault is not None:
-      raise self._refuse(grpc.StatusCode.INVALID_ARGUMENT, f"Push header: {fault}")
+      raise self._refuse(grpc.StatusCode.INVALID_ARGUMENT, f"{what.capitalize()} header: {fault}")
     with self._cond:
       self._member(int(h.learner_id), session)
     self._claim(ticket, int(h.learner_id))
     self._check_fragment(h.fragment)
+    return first
+
+  def _push(self, it: Iterator, session: str, ticket: door.StreamTicket):
+    first = self._stream_header(it, session, ticket, "push")
+    h = first.header
     p = int(h.fragment)
     if h.codec not in (self._cfg.uplink_codec, "fp32"):
       raise self._refuse(

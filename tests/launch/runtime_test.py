@@ -121,6 +121,13 @@ def test_a_full_disk_halts_the_syncer_and_a_restart_never_goes_back(tmp_path, mo
   restarted.shutdown()
 
 
+def _kill(run: runtime.SyncerRun) -> None:
+  """Stops a run as a kill would: no flush, no final checkpoint."""
+  run.server.stop(flush=False)
+  run._checkpointer.close()
+  run._journal.close()
+
+
 def test_a_restart_takes_lost_versions_back_from_a_learner(tmp_path):
   """Merges after the last checkpoint are not lost: a learner holding them hands them back."""
   workdir = str(tmp_path / "syncer")
@@ -132,10 +139,8 @@ def test_a_restart_takes_lost_versions_back_from_a_learner(tmp_path):
     _merge(run, 1, 2)  # Journaled, not checkpointed: lost to a kill.
     _merge(run, 0, 3)
     held = {p: run.service.core.state(p) for p in range(2)}  # What the learner holds.
-  finally:  # A kill: no final checkpoint.
-    run.server.stop(flush=False)
-    run._checkpointer.close()
-    run._journal.close()
+  finally:
+    _kill(run)
   assert [held[p].version for p in range(2)] == [2, 1]
 
   restarted = runtime.SyncerRun(
@@ -190,10 +195,8 @@ def test_a_restart_republishes_what_no_learner_hands_back(tmp_path):
     _merge(run, 0, 1)
     assert run.save_checkpoint(wait=True)
     _merge(run, 0, 2)
-  finally:  # A kill: no final checkpoint.
-    run.server.stop(flush=False)
-    run._checkpointer.close()
-    run._journal.close()
+  finally:
+    _kill(run)
   restarted = runtime.SyncerRun(
     JOB, workdir=workdir, checkpoint=dataclasses.replace(CHECKPOINT, recovery_window_s=0.5)
   )
