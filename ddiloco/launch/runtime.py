@@ -325,7 +325,7 @@ def make_learner_worker(
       opt_target=abstract_opt_state(learner.steps, learner.params),
       layout_digest=factory.layout.digest,
     )
-  writer = MetricsWriter(workdir)
+  writer = MetricsWriter(workdir, deferred=True)  # TensorBoard at the end (MetricsWriter).
   worker = LearnerWorker(
     learner=learner,
     data=data,

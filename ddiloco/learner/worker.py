@@ -207,9 +207,8 @@ class LearnerWorker:
     self.last_staleness_steps = 0
     self.unreachable_s = 0.0
     self.losses: list[tuple[int, float, float]] = []  # (step, time, loss)
-    self.zero_weight_pushes = (
-      0  # Accepted with weight 0 (docs/algorithm.md §3: not received since registering).
-    )
+    # Accepted with weight 0 (docs/algorithm.md §3: not received since registering).
+    self.zero_weight_pushes = 0
     self.checkpointer = checkpointer
     # "own:<step>", "peer:<id>:<step>" or "fresh" once restored; None before.
     self.restored_from: str | None = None
@@ -301,9 +300,8 @@ class LearnerWorker:
     talk to the syncer, load the same fragments (learner/multihost.py).
     """
     self.learner.load_global(loaded)
-    for (
-      state
-    ) in loaded:  # What the devices now hold must be the syncer's bits (docs/algorithm.md §4.7).
+    # What the devices now hold must be the syncer's bits (docs/algorithm.md §4.7).
+    for state in loaded:
       if self.learner.applied_digest.get(state.fragment) != state.digest:
         self.digest_mismatches += 1
         log.error("learner %d: global fragment %d digest mismatch", self.id, state.fragment)

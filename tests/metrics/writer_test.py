@@ -45,3 +45,16 @@ def test_each_writer_gets_its_own_run_folder(tmp_path):
   assert writer.read_scalars(second.tb_dir)["eval/loss"] == [(10, 1.0)]
   assert writer.MetricsWriter(str(tmp_path / "no_tb"), tensorboard=False).tb_dir is None
   assert not os.path.exists(tmp_path / "no_tb" / "tb")
+
+
+def test_deferred_scalars_are_written_at_close(tmp_path):
+  """A deferred writer runs no event writer during the run; its scalars all land at close."""
+  w = writer.MetricsWriter(str(tmp_path), deferred=True)
+  w.scalars({"learner_0/loss": 3.0}, tokens=64, step=1)
+  w.scalars({"learner_0/loss": 2.5}, tokens=128, step=2)
+  w.flush()
+  assert writer.read_scalars(str(tmp_path)) == {}
+  w.close()
+  scalars = writer.read_scalars(str(tmp_path))
+  assert scalars["learner_0/loss"] == [(64, 3.0), (128, 2.5)]
+  assert scalars["steps/learner_0/loss"] == [(1, 3.0), (2, 2.5)]
