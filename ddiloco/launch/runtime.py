@@ -7,6 +7,7 @@ and `shutdown` stops without merging or checkpointing the version that was never
 `LearnerWorker`. The entry points (syncer_main, learner_main) only parse flags around them.
 """
 
+import collections
 import dataclasses
 import logging
 import os
@@ -69,6 +70,8 @@ class SyncerRun:
     )
     self.server: service_lib.SyncerServer | None = None
     self.merge_times: list[list] = []  # [wall time, fragment, version, contributors]
+    # TensorBoard scalars of merges, written outside the service's lock (`_write_scalars`).
+    self._scalars: collections.deque[tuple[dict[str, float], int]] = collections.deque()
     self.evals: list[tuple[float, int, float]] = []  # (time, merges, loss)
     self._t0 = time.time()
     self.checkpoint = checkpoint or ckpt_lib.SyncerCheckpointConfig()
@@ -167,16 +170,20 @@ class SyncerRun:
   def _on_merge(self, ev: MergeEvent) -> None:
     self.merge_times.append([round(time.time(), 4), ev.fragment, ev.version, len(ev.contributors)])
     stats = self.service.core.stats()
-    self.writer.scalars(
-      {
-        "syncer/merges": len(self.merge_times),
-        "syncer/quorum_size": len(ev.contributors),
-        "syncer/grace_window_s": ev.grace_s,
-        "syncer/quorum_s": ev.quorum_time - ev.open_time,
-        "syncer/late_reports": stats["late"],
-        "syncer/rejected_reports": stats["rejected"],
-      },
-      tokens=stats["ledger_received"] // self.layout.num_fragments,
+    # Written by `loop`, not here: this hook runs under the service's lock, and an event writer
+    # that blocks (its queue full while its thread waits for a core) would stall every RPC.
+    self._scalars.append(
+      (
+        {
+          "syncer/merges": len(self.merge_times),
+          "syncer/quorum_size": len(ev.contributors),
+          "syncer/grace_window_s": ev.grace_s,
+          "syncer/quorum_s": ev.quorum_time - ev.open_time,
+          "syncer/late_reports": stats["late"],
+          "syncer/rejected_reports": stats["rejected"],
+        },
+        stats["ledger_received"] // self.layout.num_fragments,
+      )
     )
     self.writer.event(
       "merge",
@@ -234,6 +241,7 @@ class SyncerRun:
     next_save = time.monotonic() + self.checkpoint.every_s
     while not stop.is_set() and (until is None or time.monotonic() < until):
       stop.wait(0.2)
+      self._write_scalars()
       if self.service.halted() is not None:
         log.error("syncer stopping: %s", self.service.halted())
         return
@@ -244,10 +252,17 @@ class SyncerRun:
         self.save_checkpoint()
         next_save = time.monotonic() + self.checkpoint.every_s
 
+  def _write_scalars(self) -> None:
+    """Writes the merges' TensorBoard scalars queued by `_on_merge` (never under the lock)."""
+    while self._scalars:
+      values, tokens = self._scalars.popleft()
+      self.writer.scalars(values, tokens=tokens)
+
   def shutdown(self) -> dict[str, Any]:
     """Stops serving, merges rounds with a quorum, evaluates, writes and returns the summary."""
     if self.server is not None:
       self.server.stop(flush=True)
+    self._write_scalars()
     if self._checkpointer is not None:
       self.save_checkpoint()
       self._checkpointer.close()
