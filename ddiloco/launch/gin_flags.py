@@ -4,9 +4,11 @@
 parses the command line, so users can write overrides the way t5x users do.
 """
 
+import difflib
 import importlib
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import gin
 from absl import flags
@@ -82,6 +84,45 @@ def forwarded_args() -> list[str]:
   return out
 
 
+def _check_macros(bindings: Sequence[str]) -> None:
+  """Refuses a macro set by a binding (`--gin.NAME=VALUE`) that no binding uses (`%NAME`).
+
+  gin takes `--gin.LEARNRS=8` as a new macro and ignores it: the run would silently use the file's
+  value. Such a name is almost always a misspelling.
+
+  Raises:
+    ValueError: naming the macro and the closest macros the configuration uses.
+  """
+  config = gin.config._CONFIG  # gin has no public listing of its bindings.
+  used: set[str] = set()
+
+  def walk(value: Any) -> None:
+    if isinstance(value, gin.config.ConfigurableReference):
+      selector = value.scoped_selector
+      if selector.endswith("/gin.macro"):
+        used.add(selector.split("/")[-2])
+    elif isinstance(value, list | tuple | set):
+      for v in value:
+        walk(v)
+    elif isinstance(value, dict):
+      for v in value.values():
+        walk(v)
+
+  for params in config.values():
+    for value in params.values():
+      walk(value)
+  for binding in bindings:
+    name = binding.split("=", 1)[0].strip()
+    if not name or "." in name or "/" in name or name in used:
+      continue
+    close = difflib.get_close_matches(name, sorted(used), n=2)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    raise ValueError(
+      f"Macro {name!r} is set by a binding but used nowhere in the configuration.{hint} "
+      f"(in --gin.{binding.strip()})"
+    )
+
+
 def parse_gin(workdir: str | None = None) -> str:
   """Parses --gin_file/--gin_bindings, writes the operative config to `workdir`, returns its text.
 
@@ -103,6 +144,7 @@ def parse_gin(workdir: str | None = None) -> str:
     raise ValueError("At least one --gin_file is required.")
   register_configurables()
   gin.parse_config_files_and_bindings(files, _GIN_BINDINGS.value, finalize_config=False)
+  _check_macros(_GIN_BINDINGS.value)
   text = gin.config_str()
   if workdir:
     os.makedirs(workdir, exist_ok=True)

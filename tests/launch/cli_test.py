@@ -143,6 +143,15 @@ def test_misspelled_configurable_suggests_the_closest(tmp_path):
   _assert_one_line_error(proc, "ddiloco-local", w, "'JobConfg'", "Did you mean 'JobConfig'")
 
 
+@pytest.mark.parametrize("script", ["ddiloco-local", "ddiloco-simulate"])
+def test_misspelled_macro_suggests_the_closest(tmp_path, script):
+  # gin would take it as a new macro and ignore it: the run would silently keep LEARNERS = 4.
+  w = tmp_path / "w"
+  gin_file = LOCAL_GIN if script == "ddiloco-local" else "sim_tiny.gin"
+  proc = _script(script, f"--workdir={w}", f"--gin_file={gin_file}", "--gin.LEARNRS=2")
+  _assert_one_line_error(proc, script, w, "'LEARNRS'", "Did you mean 'LEARNERS'")
+
+
 def test_bad_line_in_a_gin_file_names_the_file(tmp_path):
   w = tmp_path / "w"
   bad = tmp_path / "bad.gin"
