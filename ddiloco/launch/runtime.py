@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from typing import Any
 
 import numpy as np
@@ -203,11 +204,25 @@ class SyncerRun:
   def serve(
     self, address: str, *, token: str | None = None, tls=None, insecure: bool = False
   ) -> service_lib.SyncerServer:
+    self.warm_up()
     self.evaluate()  # Version 0, before any learner connects.
     self.server = service_lib.serve(
       self.service, address=address, token=token, tls=tls, insecure=insecure
     )
     return self.server
+
+  def warm_up(self) -> float:
+    """Compiles every fragment's outer step before serving (`SyncerCore.warm_up`): a merge that
+    compiled would hold the service's lock, and every RPC with it, for the compile. Returns the
+    seconds it took; compiles run on two threads (XLA compiles without the GIL)."""
+    t0 = time.monotonic()
+    core = self.service.core
+    with futures.ThreadPoolExecutor(2) as pool:
+      list(pool.map(core.warm_up, range(core.num_fragments)))  # Re-raises a failure.
+    seconds = time.monotonic() - t0
+    log.info("outer steps of %d fragments compiled in %.1f s", core.num_fragments, seconds)
+    self.writer.event("warm_up", time=round(time.time(), 4), seconds=round(seconds, 3))
+    return seconds
 
   def global_flat(self) -> dict[str, np.ndarray]:
     with self.service.lock:
@@ -283,6 +298,9 @@ class SyncerRun:
       "stats": {k: v for k, v in stats.items() if k != "quorum_size_counts"},
       "quorum_size_counts": {str(k): v for k, v in stats["quorum_size_counts"].items()},
       "refused": svc.refused(),
+      # Where pushes spent their time at the syncer (p50/p90 seconds; the learners' summaries
+      # have the whole answer's).
+      "push_latency_s": svc.push_latency(),
       "bytes_up": up,
       "bytes_down": down,
       "digests": {f"{p}:{v}": d for (p, v), d in svc.published_digests().items()},

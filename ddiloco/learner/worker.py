@@ -46,7 +46,7 @@ import numpy as np
 
 from ddiloco.checkpoint.learner import LearnerCheckpointer
 from ddiloco.learner.learner import Learner
-from ddiloco.metrics.writer import MetricsWriter
+from ddiloco.metrics.writer import MetricsWriter, quantiles
 from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
 from ddiloco.transport import wire
 from ddiloco.transport.client import SyncerClient
@@ -99,6 +99,8 @@ class _Job:
   anchor_values: Mapping[str, np.ndarray] | None
   asked_at: float | None = None  # Monotonic times: the round request's arrival, the answer's
   answered_at: float | None = None  # snapshot (for `answer_latency`).
+  picked_at: float | None = None  # The sender took it; its host copy was ready at `copied_at`.
+  copied_at: float | None = None
 
 
 def _fold(older: _Job, newer: _Job) -> _Job:
@@ -171,9 +173,11 @@ class LearnerWorker:
     self._asked_at: dict[tuple[int, int], float] = {}  # (p, round step) -> arrival, until answered.
     # Seconds from a request's arrival to the answer's snapshot, and from the snapshot to the
     # syncer's reply: where an answer that misses its round's grace window lost its time.
+    # `to_reply` splits into `queued` (waiting for the sender), `host_copy` and `push` (encoding,
+    # the stream and the syncer's filing).
     self._latency: dict[str, collections.deque[float]] = {
-      "to_snapshot": collections.deque(maxlen=4096),
-      "to_reply": collections.deque(maxlen=4096),
+      k: collections.deque(maxlen=4096)
+      for k in ("to_snapshot", "to_reply", "queued", "host_copy", "push")
     }
     self._announced: dict[int, int] = {}  # Fragment -> newest version announced, not yet pulled.
     self._announce_cv = threading.Condition(self._lock)
@@ -548,23 +552,27 @@ class LearnerWorker:
   def _record_latency(self, job: _Job) -> None:
     if job.asked_at is not None and job.answered_at is not None:
       with self._lock:
+        now = time.monotonic()
         self._latency["to_snapshot"].append(job.answered_at - job.asked_at)
-        self._latency["to_reply"].append(time.monotonic() - job.answered_at)
+        self._latency["to_reply"].append(now - job.answered_at)
+        if job.picked_at is not None and job.copied_at is not None:
+          self._latency["queued"].append(job.picked_at - job.answered_at)
+          self._latency["host_copy"].append(job.copied_at - job.picked_at)
+          self._latency["push"].append(now - job.copied_at)
 
   def answer_latency(self) -> dict[str, dict[str, float]]:
     """Median and 90th percentile, in seconds, of the answers' `to_snapshot` (a round request's
     arrival to the answer's snapshot at a step boundary) and `to_reply` (the snapshot to the
-    syncer's reply: host copy, encoding, the push and its filing) times."""
+    syncer's reply) times; `to_reply` split into `queued` (waiting for the sender thread),
+    `host_copy` and `push` (encoding, the stream and the syncer's filing)."""
     with self._lock:
-      samples = {k: np.array(v) for k, v in self._latency.items()}
-    return {
-      k: {"p50": round(float(np.median(v)), 4), "p90": round(float(np.quantile(v, 0.9)), 4)}
-      for k, v in samples.items()
-      if v.size
-    }
+      samples = {k: list(v) for k, v in self._latency.items()}
+    return quantiles(samples)
 
   def _push(self, job: _Job) -> ReportResult:
+    job.picked_at = time.monotonic()
     report = dataclasses.replace(job.report, values=job.fetch())
+    job.copied_at = time.monotonic()
     codec, anchor = (
       (self.codec, job.anchor_values) if job.anchor_values is not None else ("fp32", None)
     )

@@ -38,6 +38,19 @@ def _plain(value: Any) -> Any:
 TB_DIR = "tb"
 
 
+def quantiles(samples: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+  """{name: {"p50", "p90"}} of each non-empty sequence of samples (seconds, rounded to 0.1 ms)."""
+  out = {}
+  for name, values in samples.items():
+    v = np.asarray(values, dtype=np.float64)
+    if v.size:
+      out[name] = {
+        "p50": round(float(np.median(v)), 4),
+        "p90": round(float(np.quantile(v, 0.9)), 4),
+      }
+  return out
+
+
 def new_run_dir(workdir: str) -> str:
   """Creates and returns the next free `workdir/tb/run_NNN` (mkdir is atomic: no two writers share)."""
   root = os.path.join(workdir, TB_DIR)

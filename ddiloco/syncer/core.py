@@ -1135,6 +1135,20 @@ class SyncerCore(CheckpointMixin):
   def _count(self, name: str, n: int = 1) -> None:
     self._counters[name] = _checked_add(self._counters[name], n)
 
+  def warm_up(self, p: int) -> None:
+    """Compiles fragment p's outer step now, so that its first merge does not.
+
+    A merge runs under the service's lock: a first merge that compiles holds every push, pull and
+    heartbeat for the compile's time (0.1 s idle, seconds beside starting learners, for each of the
+    P fragments). The step runs once on copies and a zero outer gradient and its results are
+    discarded: nothing changes. Safe to call from several threads for different fragments.
+    """
+    self._check_fragment(p)
+    params = self._params32(p)
+    zeros = {k: jnp.zeros(v.shape, jnp.float32) for k, v in params.items()}
+    state = jax.tree_util.tree_map(jnp.copy, self._opt_state[p])  # Donated: a copy.
+    jax.block_until_ready(self._step_fn(params, zeros, state))
+
   def _params32(self, p: int) -> dict[str, jax.Array]:
     # copy=True: these buffers are donated to the outer step and must never alias the global values.
     return {k: jnp.array(v, jnp.float32, copy=True) for k, v in self._global[p].items()}

@@ -89,6 +89,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ddiloco.fragments import compression
+from ddiloco.metrics.writer import quantiles
 from ddiloco.protocol import counter_error, step_time_error
 from ddiloco.syncer import door
 from ddiloco.syncer.core import (
@@ -333,6 +334,11 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     self._refused: collections.Counter[str] = collections.Counter()
     self._bytes_up = 0
     self._bytes_down = 0
+    # Seconds per filed push: its chunks read and decoded (from chunk 0), waiting for the lock,
+    # and filing in the core (`push_latency`).
+    self._push_times: dict[str, collections.deque[float]] = {
+      k: collections.deque(maxlen=4096) for k in ("read", "lock_wait", "file")
+    }
     self._merges = 0
     self._digests: dict[tuple[int, int], str] = {
       (p, 0): core.state(p).digest for p in range(core.num_fragments)
@@ -587,6 +593,13 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
   def merge_log(self) -> list[MergeEvent]:
     with self._cond:
       return list(self._merge_log)
+
+  def push_latency(self) -> dict[str, dict[str, float]]:
+    """Median and 90th percentile, in seconds, of the filed pushes' `read` (chunk 0 to the decoded
+    report), `lock_wait` (for the service's lock) and `file` (the core's filing) times."""
+    with self._cond:
+      samples = {k: list(v) for k, v in self._push_times.items()}
+    return quantiles(samples)
 
   def traffic(self) -> tuple[int, int]:
     """(bytes received, bytes sent) in chunk messages."""
@@ -890,6 +903,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
 
   def _push(self, it: Iterator, session: str, ticket: door.StreamTicket):
     first = self._stream_header(it, session, ticket, "push")
+    t_first = time.monotonic()
     h = first.header
     p = int(h.fragment)
     if h.codec not in (self._cfg.uplink_codec, "fp32"):
@@ -972,12 +986,18 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       if isinstance(e, WireSizeError):
         code = grpc.StatusCode.RESOURCE_EXHAUSTED
       raise self._refuse(code, f"Push of fragment {p} refused: {e}") from e
+    t_read = time.monotonic()
     with self._cond:
+      t_locked = time.monotonic()
       self._bytes_up += nbytes
       # It may have been declared dead, or registered again, while streaming.
       self._member(report.learner_id, session)
       result = self._core.report(report, copy=False)  # Freshly decoded, ours alone.
       self._cond.notify_all()
+      times = self._push_times
+      times["read"].append(t_read - t_first)
+      times["lock_wait"].append(t_locked - t_read)
+      times["file"].append(time.monotonic() - t_locked)
     return self._push_response(result)
 
   def _push_response(self, result: ReportResult) -> syncer_pb2.PushResponse:

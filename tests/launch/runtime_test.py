@@ -25,7 +25,7 @@ from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch import runtime
 from ddiloco.launch.job import JobConfig
 from ddiloco.learner.learner import LearnerConfig
-from ddiloco.metrics.writer import read_scalars
+from ddiloco.metrics.writer import read_events, read_scalars
 from ddiloco.models import configs
 from ddiloco.syncer import service as service_lib
 from ddiloco.syncer.types import Report, SyncerConfig
@@ -216,7 +216,8 @@ def test_a_restart_republishes_what_no_learner_hands_back(tmp_path):
 def test_syncer_and_learner_write_tensorboard_scalars_on_tokens(tmp_path):
   """A SyncerRun and one learner in this process: both workdirs hold TensorBoard runs whose scalars
   (loss, step rate, staleness; merges, quorum sizes, grace windows, late reports, bytes, eval) are
-  against tokens, read back with TensorBoard's own reader; a second run gets its own folder."""
+  against tokens, read back with TensorBoard's own reader; a second run gets its own folder. Their
+  summaries split the answers' latency into its parts."""
   # Blocking, on the slowest learner's clock (as tests/learner/worker_test.py): every round merges.
   job = dataclasses.replace(
     JOB,
@@ -255,6 +256,14 @@ def test_syncer_and_learner_write_tensorboard_scalars_on_tokens(tmp_path):
   assert len(evals) == 2 and evals[0][0] == 0  # Version 0 before any report; the final one.
   assert 0 < evals[-1][0] <= tokens  # The tokens the learner reported by then.
   assert evals[-1][1] == pytest.approx(syncer_summary["final_eval_loss"])
+  # Where answers spent their time: the learner's split of `to_reply`, the syncer's of a push.
+  latency = summary["answer_latency_s"]
+  assert {"to_snapshot", "to_reply", "queued", "host_copy", "push"} <= set(latency)
+  assert all(0 <= q["p50"] <= q["p90"] for q in latency.values())
+  assert set(syncer_summary["push_latency_s"]) == {"read", "lock_wait", "file"}
+  # The outer steps were compiled before serving (`SyncerRun.warm_up`).
+  (warm,) = read_events(str(tmp_path / "syncer"), "warm_up")
+  assert warm["seconds"] > 0
   again = runtime.SyncerRun(job, workdir=str(tmp_path / "syncer"))
   again.shutdown()
   assert sorted(os.listdir(tmp_path / "syncer" / "tb")) == ["run_000", "run_001"]

@@ -3,6 +3,7 @@
 import dataclasses
 
 import gin
+import jax
 import ml_dtypes
 import numpy as np
 import optax
@@ -1407,3 +1408,25 @@ def test_retry_after_merge_is_not_filed_or_booked_twice():
   )
   assert core.ledger() == book
   assert (core.stats()["replayed"], core.stats()["late"], core.stats()["merges"]) == (1, 0, 1)
+
+
+def test_warm_up_compiles_every_outer_step_and_changes_nothing(caplog):
+  warm, cold = make_core(learners=(0,)), make_core(learners=(0,))
+  for p in range(warm.num_fragments):
+    warm.warm_up(p)
+  assert [warm.state(p).digest for p in (0, 1)] == [cold.state(p).digest for p in (0, 1)]
+  with pytest.raises(ValueError, match="Unknown fragment"):
+    warm.warm_up(2)
+  events = {}
+  for name, core in (("warm", warm), ("cold", cold)):
+    caplog.clear()
+    with caplog.at_level("WARNING"), jax.log_compiles(True):
+      for p in (0, 1):
+        core.open_round(p, ROUND)
+        assert core.report(rep(0, p=p)).status == "accepted"
+      events[name] = core.poll()
+    compiles = [r for r in caplog.records if "Compiling" in r.getMessage()]
+    # The cold core compiles its outer step at each fragment's first merge; the warm one never.
+    assert bool(compiles) == (name == "cold"), [r.getMessage() for r in compiles]
+  assert [e.digest for e in events["warm"]] == [e.digest for e in events["cold"]]
+  assert len(events["warm"]) == 2
