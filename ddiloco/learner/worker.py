@@ -32,6 +32,7 @@ repeats and loses.
 
 import collections
 import dataclasses
+import functools
 import logging
 import queue
 import socket
@@ -126,6 +127,8 @@ class LearnerWorker:
     connect_timeout_s: how long the first registration may take.
     checkpointer: saves and restores this learner's state (None: never checkpoints). `data` must
       then be checkpointable (`get_state`/`set_state`, as the grain iterators are).
+    senders: sender threads, each with one push in flight (of different fragments): with one, an
+      answer waits behind every slower push before it.
 
   Raises:
     ValueError: if a checkpointer is given but `data` cannot report and restore its position.
@@ -144,6 +147,7 @@ class LearnerWorker:
     log_every: int = 10,
     connect_timeout_s: float = 120.0,
     checkpointer: LearnerCheckpointer | None = None,
+    senders: int = 2,
   ):
     if checkpointer is not None and not (hasattr(data, "get_state") and hasattr(data, "set_state")):
       raise ValueError(
@@ -188,6 +192,10 @@ class LearnerWorker:
     self._jobs: dict[int, _Job] = {}
     self._jobs_cv = threading.Condition(self._lock)
     self._in_flight = 0
+    if senders < 1:
+      raise ValueError(f"senders must be >= 1, got {senders}.")
+    self._senders = senders
+    self._sending: set[int] = set()  # Fragments with a push in flight (one push per fragment).
     self._stop = threading.Event()
     self._need_register = threading.Event()
     self._threads: list[threading.Thread] = []
@@ -407,7 +415,7 @@ class LearnerWorker:
 
   def start(self) -> None:
     loops = (
-      (self._send_loop, "sender"),
+      *((functools.partial(self._send_loop, k), f"sender{k}") for k in range(self._senders)),
       (self._comm_loop, "comm"),
       (self._round_loop, "rounds"),
       (self._pull_loop, "puller"),
@@ -508,16 +516,24 @@ class LearnerWorker:
           self._newest = [-1] * len(self._layouts)
         self._stop.wait(backoff.next_delay())
 
-  def _send_loop(self) -> None:
-    backoff = Backoff(seed=1000 + self.id)
+  def _ready_jobs(self) -> list[int]:
+    """Fragments with a queued push and none in flight (caller holds the lock)."""
+    return [q for q in self._jobs if q not in self._sending]
+
+  def _send_loop(self, k: int = 0) -> None:
+    """One of `senders` threads: pushes the oldest queued answer whose fragment has no push in
+    flight. Several pushes in flight keep answers from queueing behind a slow one."""
+    backoff = Backoff(seed=1000 + 100 * k + self.id)
     while True:
       with self._jobs_cv:
-        while not self._jobs and not self._stop.is_set():
+        while not self._ready_jobs() and not self._stop.is_set():
           self._jobs_cv.wait()
-        if not self._jobs:
+        ready = self._ready_jobs()
+        if not ready:  # Stopping: what is left is another sender's to finish.
           return
-        p = min(self._jobs, key=lambda q: self._jobs[q].report.step)
+        p = min(ready, key=lambda q: self._jobs[q].report.step)
         job = self._jobs.pop(p)
+        self._sending.add(p)
         self._in_flight += 1
       epoch = self.registrations
       try:
@@ -535,6 +551,7 @@ class LearnerWorker:
           result = ReportResult("rejected", e.details() or "", 0.0)
       with self._jobs_cv:
         self._in_flight -= 1
+        self._sending.discard(p)
         newer = self._jobs.get(p)
         if result is None and newer is None and not self._stop.is_set():
           self._jobs[p] = job  # Retry unless a newer snapshot of p replaced it.

@@ -15,7 +15,9 @@ timing.
 
 import json
 import os
+import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -25,12 +27,13 @@ from ddiloco.data import text as text_data
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch import runtime
 from ddiloco.launch.job import JobConfig
+from ddiloco.learner import worker as worker_lib
 from ddiloco.learner.learner import LearnerConfig
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.learner.worker import LearnerWorker
 from ddiloco.models import configs
 from ddiloco.syncer import service as service_lib
-from ddiloco.syncer.types import Report, SyncerConfig
+from ddiloco.syncer.types import Report, ReportResult, SyncerConfig
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 
 pytestmark = pytest.mark.timeout(120)  # Sockets and threads: a hang must fail the test.
@@ -304,3 +307,51 @@ def test_without_checkpointer_restore_is_fresh(syncer, tmp_path):
   writer.close()
   client.close()
   assert not os.path.exists(tmp_path / "w" / "checkpoints")
+
+
+@pytest.mark.parametrize("senders", [1, 2])
+def test_a_slow_push_holds_back_other_fragments_only_with_one_sender(senders):
+  """The sender threads: with two, fragment 1's answer goes out while fragment 0's push hangs;
+  with one, it waits behind it (answers queued seconds behind slow pushes under load)."""
+  release, pushed = threading.Event(), []
+
+  class _Client:
+    def push(self, report, codec, *, block_size, anchor_values):
+      del codec, block_size, anchor_values
+      if report.fragment == 0:
+        release.wait(10)
+      pushed.append(report.fragment)
+      return ReportResult("accepted", "", 1.0)
+
+  worker = LearnerWorker(
+    learner=types.SimpleNamespace(learner_id=0),
+    data=iter([]),
+    client=_Client(),
+    layout_digest="",
+    layouts=[{}, {}],
+    senders=senders,
+  )
+  with worker._jobs_cv:
+    for p in (0, 1):  # Fragment 0's answer is the older one: it is sent first.
+      report = Report(
+        learner_id=0, fragment=p, values={}, tokens=1, steps=1, anchor_version=0, step=p
+      )
+      worker._jobs[p] = worker_lib._Job(report, dict, None)
+  threads = [threading.Thread(target=worker._send_loop, args=(k,)) for k in range(senders)]
+  for t in threads:
+    t.start()
+  try:
+    deadline = time.monotonic() + 10
+    while senders == 2 and pushed != [1] and time.monotonic() < deadline:
+      time.sleep(0.01)
+    time.sleep(0.2)  # One sender: fragment 1 must still be waiting.
+    assert pushed == ([1] if senders == 2 else [])
+  finally:
+    release.set()
+    worker._stop.set()
+    with worker._jobs_cv:
+      worker._jobs_cv.notify_all()
+    for t in threads:
+      t.join(10)
+  assert sorted(pushed) == [0, 1] and not any(t.is_alive() for t in threads)
+  assert worker._results.qsize() == 2
