@@ -66,7 +66,8 @@ class Report:
   Attributes:
     learner_id: the reporting learner.
     fragment: fragment index p.
-    values: θ_{m,p}, the learner's current parameters of p, {key: array}.
+    values: θ_{m,p}, the learner's current parameters of p, {key: array}; with `outer_gradient`,
+      its outer gradient δ = Θ^(anchor) − θ_{m,p} instead (as the wire carries it).
     tokens: tokens since the learner last applied p (it resets them at every apply).
     steps: inner steps since then.
     anchor_version: version of p the learner last applied; -1 if it never received p. It weighs
@@ -77,6 +78,8 @@ class Report:
       each trained token is in exactly one report, which the token ledger follows to its fate.
     round_step: the round it answers, by the syncer's schedule step that opened it
       (`RoundRequest.round_step`).
+    outer_gradient: whether `values` is δ = Θ^(anchor) − θ (encoded once by the learner and merged
+      as decoded, docs/algorithm.md §5) rather than θ. Needs anchor_version >= 0.
   """
 
   learner_id: int
@@ -89,6 +92,7 @@ class Report:
   step_time_s: float = 0.0
   new_tokens: int = 0
   round_step: int = -1
+  outer_gradient: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

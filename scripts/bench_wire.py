@@ -370,7 +370,6 @@ class _Service:
         [_KEY],
         self.shapes,
         self.dtypes,
-        anchor_lookup=lambda v: self.anchor_values,
         alloc=self._pool.empty,
         check_finite=False,  # As the service decodes: the core's filing checks every value.
       )

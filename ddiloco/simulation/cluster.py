@@ -331,18 +331,18 @@ class SimulatedCluster:
     self._schedule_merge_check()
 
   def _through_uplink(self, report: Any) -> Any:
-    """The report as the syncer service would decode it: θ − Θ^(anchor) through the uplink codec."""
-    codec = self.cfg.uplink_codec
-    if codec == "fp32" or report.anchor_version < 0:
+    """The report as the syncer service decodes it: the outer gradient δ = Θ^(anchor) − θ through
+    the uplink codec, as a learner that holds its anchor sends it (θ in fp32 otherwise)."""
+    if report.anchor_version < 0:
       return report
-    try:
+    try:  # The learner's copy of Θ^(anchor): the syncer's, bit for bit.
       anchor = self.core.values_at(report.fragment, report.anchor_version)
-    except KeyError:  # No longer kept: the core answers "late" whatever the values.
+    except KeyError:  # No longer kept here: not the round's base, so it weighs 0 whatever it holds.
       return report
-    values = wire.received_values(
-      report.values, codec, block_size=self.cfg.codec_block_size, base=anchor
+    delta = wire.received_outer_gradient(
+      report.values, anchor, self.cfg.uplink_codec, block_size=self.cfg.codec_block_size
     )
-    return dataclasses.replace(report, values=values)
+    return dataclasses.replace(report, values=delta, outer_gradient=True)
 
   def _schedule_merge_check(self) -> None:
     self._schedule_once("merge_check", self.core.next_deadline())

@@ -48,7 +48,7 @@ class ClusterConfig:
     log_every: steps between logged training losses.
     seed: jitter RNG seed.
     uplink_codec: codec the reports go through (docs/algorithm.md §5): the syncer sees what a `ddiloco-syncer`
-      would decode from θ − Θ^(anchor) in this codec. "fp32" is exact.
+      would decode: the outer gradient Θ^(anchor) − θ, encoded in this codec.
     downlink_codec: codec of fragment updates Θ_new − Θ_old; the syncer adopts the decoded values,
       as the service does.
     codec_block_size: values per absmax scale block for int8/int4.

@@ -36,9 +36,11 @@ _REPORT_SCALARS = (
   "step_time_s",
   "new_tokens",
   "round_step",
+  "outer_gradient",
 )
-# Entries added after checkpoints were first written, and their value in an older checkpoint.
-_REPORT_DEFAULTS = {"new_tokens": 0, "round_step": -1}
+# Entries added after checkpoints were first written, and their value in an older checkpoint
+# (whose answers were all θ, none an outer gradient as sent).
+_REPORT_DEFAULTS = {"new_tokens": 0, "round_step": -1, "outer_gradient": 0}
 _LEDGER = ("received", "merged", "dropped")
 
 
@@ -106,6 +108,7 @@ class CheckpointMixin:
         d[q + "weight"], d[q + "epoch"] = e.weight, e.epoch
         for name in _REPORT_SCALARS:
           d[q + name] = getattr(e.report, name)
+        d[q + "outer_gradient"] = int(e.report.outer_gradient)  # Saved as a number.
         for k, a in e.report.values.items():
           d[f"{q}value/{k}"] = np.array(a)
     ids = sorted(self._learners)
@@ -240,6 +243,7 @@ class CheckpointMixin:
         if name != "step_time_s"
       }
       scalars["step_time_s"] = float(d[q + "step_time_s"])
+      scalars["outer_gradient"] = bool(scalars["outer_gradient"])
       report = Report(learner_id=i, fragment=p, values=values, **scalars)
       rnd.entries[i] = RoundEntry(report, float(d[q + "weight"]), int(d[q + "epoch"]))
     return rnd

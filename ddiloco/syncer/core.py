@@ -723,7 +723,7 @@ class SyncerCore(CheckpointMixin):
 
     Returns:
       (why it must be rejected, or None; every tensor's squared outer-gradient norm if it will
-      join a round (`_norm_anchor`), else None).
+      join a round (`_joins`), else None).
     """
     expected = self._global[r.fragment]
     missing = sorted(set(expected) - set(r.values))
@@ -737,14 +737,16 @@ class SyncerCore(CheckpointMixin):
     # round it also sums ‖Θ^(anchor) − θ_m‖² per tensor: the plausibility bound needs them, and
     # RDA's tensors' norms spare the merge its first pass over the contributions (the anchor is
     # fixed once filed).
-    anchor = self._norm_anchor(r)
-    sq_norms = None if anchor is None else {}
+    joins = self._joins(r)
+    # An outer gradient as sent (δ) is its own v_m; for θ, v_m = Θ^(anchor) − θ.
+    anchor = None if not joins or r.outer_gradient else self._history[r.fragment][r.anchor_version]
+    sq_norms = {} if joins else None
     for k, ref in expected.items():
       v = np.asarray(r.values[k])
       if v.shape != ref.shape or v.dtype != ref.dtype:
         return f"{k!r} is {v.dtype}{list(v.shape)}, expected {ref.dtype}{list(ref.shape)}", None
       if sq_norms is not None:
-        sq = merge_lib.finite_sq_norm(anchor[k], v)  # None iff v has a NaN/Inf.
+        sq = merge_lib.finite_sq_norm(None if anchor is None else anchor[k], v)  # None: NaN/Inf.
         if sq is None:
           return _non_finite(k, v), None
         sq_norms[k] = sq
@@ -776,6 +778,10 @@ class SyncerCore(CheckpointMixin):
         f"{r.tokens} tokens in {r.steps} steps: more than the {per_step} tokens per step a "
         "learner's batch can hold"
       )
+    if not isinstance(r.outer_gradient, bool | np.bool_):
+      return f"outer_gradient must be a bool, got {r.outer_gradient!r}"
+    if r.outer_gradient and r.anchor_version < 0:
+      return "an outer gradient needs the anchor version it was taken against (got -1)"
     cur = self._version[r.fragment]
     if r.anchor_version < -1 or r.anchor_version > cur:
       return (
@@ -785,22 +791,19 @@ class SyncerCore(CheckpointMixin):
       return f"round ({r.fragment}, {r.round_step}) was never opened"
     return None
 
-  def _norm_anchor(self, r: Report) -> Mapping[str, np.ndarray] | None:
-    """Θ^(anchor) of a valid-header report that `_file_report` will put in a round.
+  def _joins(self, r: Report) -> bool:
+    """Whether `_file_report` will put a valid-header report in a round with a weight above 0.
 
-    None if its norms are not needed (weight 0, late): the door then only checks finiteness. A None for a report that does join costs time, never bits: the merge computes
-    missing norms itself, from the same base (`_merge`).
+    Only then are its norms needed; otherwise (weight 0, late) the door only checks finiteness.
     """
     p, learner = r.fragment, self._learners[r.learner_id]
     if p not in learner.delivered:
-      return None
+      return False
     if self.late_reason(p, r.round_step) is not None:
-      return None
+      return False
     if r.anchor_version != self._rounds[p].base_version:
-      return None
-    if merge_lib.token_weight(r.tokens, r.steps) == 0:
-      return None
-    return self._history[p][r.anchor_version]
+      return False
+    return merge_lib.token_weight(r.tokens, r.steps) > 0
 
   # -- merging ------------------------------------------------------------------------------------
 
@@ -865,7 +868,9 @@ class SyncerCore(CheckpointMixin):
       # v_m = Θ^(base) − θ_m in float32; the base is Θ_p itself (only this round merges p).
       # merge_reports forms each v_m block by block as it merges (no outer gradient is held whole)
       # and returns 64-byte-aligned arrays, which device_put hands to XLA without a copy.
-      anchors = [self._history[p][rnd.base_version]] * len(entries)
+      # An answer sent as δ is merged as decoded; one sent as θ against the base.
+      base = self._history[p][rnd.base_version]
+      anchors = [None if e.report.outer_gradient else base for e in entries]
       merged = merge_lib.merge_reports(
         anchors,
         [e.report.values for e in entries],
@@ -1039,7 +1044,7 @@ class SyncerCore(CheckpointMixin):
     self._rounds[p] = Round()
 
   def kept(self, p: int, version: int) -> bool:
-    """Whether `version` of fragment p is kept (a delta anchored at it can be decoded)."""
+    """Whether `version` of fragment p is kept (`keep_versions`)."""
     self._check_fragment(p)
     return version in self._history[p]
 

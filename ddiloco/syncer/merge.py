@@ -13,7 +13,8 @@ to check by hand. Decisions (scripts/bench_merge.py):
   at once (its squared norm, or `out += c_m · v_m` with BLAS axpy). RDA needs two passes over the
   contributions (the norms must be known before the direction is summed); the weighted mean one.
 - `merge_reports` takes the anchors and the learners' values and forms v_m = Θ^(a_m) − θ_m block by
-  block, so the core never materialises the outer gradients (docs/algorithm.md §4.3). Its outputs are 64-byte
+  block, so the core never materialises the outer gradients (docs/algorithm.md §4.3); an outer
+  gradient that arrived as such (a learner's δ, with no anchor) is read as it is. Its outputs are 64-byte
   aligned, which lets `jax.device_put` use them without a copy on the CPU backend, and may be
   written into a reused `OutputBuffer` (fresh memory costs page faults and zeroing).
 - RDA's first pass can move out of the merge: `finite_sq_norm` sums ‖v_m‖² in the same pass as a
@@ -296,8 +297,9 @@ def outer_sq_norms(
   return out
 
 
-def finite_sq_norm(anchor: np.ndarray, value: np.ndarray) -> float | None:
-  """‖anchor − value‖² exactly as `outer_sq_norms` computes it, or None if `value` has a NaN/Inf.
+def finite_sq_norm(anchor: np.ndarray | None, value: np.ndarray) -> float | None:
+  """‖anchor − value‖² (‖value‖² for a None anchor: `value` is then the outer gradient itself)
+  exactly as `merge_reports` computes it, or None if `value` has a NaN/Inf.
 
   The door's finiteness check and RDA's first pass in one pass over `value`: per block,
   v = anchor − value and its dot product. A finite dot product proves the block of `value` finite
@@ -306,18 +308,23 @@ def finite_sq_norm(anchor: np.ndarray, value: np.ndarray) -> float | None:
   None means exactly "`value` has a non-finite value", as `all_finite` would say.
 
   Args:
-    anchor: Θ^(anchor) of one tensor.
-    value: θ_m of the same tensor, with the same shape and dtype.
+    anchor: Θ^(anchor) of one tensor, or None.
+    value: θ_m of the same tensor, with the same shape and dtype (or δ_m).
 
   Returns:
-    The squared norm (a float, bit-equal to `outer_sq_norms`'s), or None.
+    The squared norm (a float, bit-equal to `merge_reports`'s), or None.
 
   Raises:
     ValueError: if the shapes or dtypes differ.
   """
-  (a, v), _ = _check_inputs([anchor, value], [1.0, 1.0])
-  diffs = _Diffs([(a, v)], BLOCK_VALUES)
-  flat = diffs.b[0]
+  if anchor is None:
+    (v,), _ = _check_inputs([value], [1.0])
+    diffs = _Diffs([(v, None)], BLOCK_VALUES)
+    flat = diffs.a[0]
+  else:
+    (a, v), _ = _check_inputs([anchor, value], [1.0, 1.0])
+    diffs = _Diffs([(a, v)], BLOCK_VALUES)
+    flat = diffs.b[0]
   sq = 0.0
   with np.errstate(invalid="ignore", over="ignore"):  # Bad input is an answer here, not a warning.
     for start in range(0, diffs.size, BLOCK_VALUES):
@@ -426,7 +433,7 @@ def merge_outer_gradients(
 
 
 def merge_reports(
-  anchors: Sequence[Mapping[str, np.ndarray]],
+  anchors: Sequence[Mapping[str, np.ndarray] | None],
   values: Sequence[Mapping[str, np.ndarray]],
   weights: Sequence[float],
   *,
@@ -441,11 +448,13 @@ def merge_reports(
   Equal to `merge_outer_gradients([{k: anchors[m][k] − values[m][k]} ...], ...)` with the
   differences taken in the accumulation dtype, but v_m is formed block by block as it is used, so
   no outer gradient is ever held whole (see the module docstring). Reports that share an anchor
-  may pass the same mapping.
+  may pass the same mapping. A None anchor means values[m] is the outer gradient itself (as a
+  learner sends it, δ = Θ^(anchor) − θ); it is read as it is.
 
   Args:
-    anchors: per learner, Θ^(anchor) of the fragment, {key: array}.
-    values: per learner, its θ_m with the same keys, shapes and dtypes.
+    anchors: per learner, Θ^(anchor) of the fragment, {key: array}, or None.
+    values: per learner, its θ_m (or its δ_m, for a None anchor) with the same keys, shapes and
+      dtypes.
     weights: one token weight per learner; learners of weight 0 are not read.
     method: "rda" (default) or "mean" for non-embedding tensors.
     embedding_keys: keys merged with the weighted mean (docs/algorithm.md §4.5); absent keys are ignored.
@@ -469,18 +478,25 @@ def merge_reports(
     sq_norms = [None] * len(values)
   if len(sq_norms) != len(values):
     raise ValueError(f"Got {len(sq_norms)} sq_norms but {len(values)} reports.")
-  keys = _check_keys(list(values) + list(anchors), "values and anchors")
+  keys = _check_keys(list(values) + [a for a in anchors if a is not None], "values and anchors")
   inputs = {}
   for key in keys:
     vs, w = _check_inputs([v[key] for v in values], weights)
-    ancs, _ = _check_inputs([a[key] for a in anchors], weights)
-    if ancs[0].shape != vs[0].shape or ancs[0].dtype != vs[0].dtype:
-      raise ValueError(
-        f"{key!r}: anchors are {ancs[0].dtype}{list(ancs[0].shape)}, "
-        f"values {vs[0].dtype}{list(vs[0].shape)}."
-      )
-    inputs[key] = (list(zip(ancs, vs)), w)
-  specs = [(p[0][1].size, np.promote_types(p[0][1].dtype, np.float32)) for p, _ in inputs.values()]
+    pairs = []
+    for anchor, v in zip(anchors, vs):
+      if anchor is None:
+        pairs.append((v, None))  # v_m as given.
+        continue
+      a = np.asarray(anchor[key])
+      if a.shape != v.shape or a.dtype != v.dtype:
+        raise ValueError(
+          f"{key!r}: anchors are {a.dtype}{list(a.shape)}, values {v.dtype}{list(v.shape)}."
+        )
+      pairs.append((a, v))
+    inputs[key] = (pairs, w)
+  # The first pair's array (either element: their sizes and dtypes are checked equal).
+  firsts = [p[0][0] for p, _ in inputs.values()]
+  specs = [(a.size, np.promote_types(a.dtype, np.float32)) for a in firsts]
   flats = _aligned_empties(specs) if out is None else out.arrays(specs)
   merged = {}
   for (key, (pairs, w)), flat in zip(inputs.items(), flats):

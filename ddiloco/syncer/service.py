@@ -15,7 +15,7 @@ learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runti
     NOT_FOUND           a learner that never registered
     FAILED_PRECONDITION a learner the syncer counts as dead (must register again), a layout digest or
                         fragment count that differs from the syncer's
-    ABORTED             a late push: its round is closed, or its delta's anchor is no longer kept
+    ABORTED             a late push: its round is closed
                         (decided from the header, before decoding)
     ALREADY_EXISTS      a duplicate push: this learner already answered the round
     UNAUTHENTICATED     a missing or wrong shared token (transport/auth.py)
@@ -850,7 +850,6 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         list(layout),
         {k: s for k, (s, _) in layout.items()},
         {k: d for k, (_, d) in layout.items()},
-        anchor_lookup=lambda v: None,
         max_bytes=self._max_bytes[p],
         max_chunk_bytes=self._cfg.max_chunk_bytes,
       )
@@ -938,18 +937,9 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       return self._push_response(replay)
     with self._cond:
       late = self._core.late_reason(p, int(h.round_step))
-      anchor = int(h.anchor_version)
-      if (
-        late is None
-        and h.delta
-        and 0 <= anchor <= self._core.version(p)
-        and not self._core.kept(p, anchor)
-      ):
-        late = f"anchor version {anchor} of fragment {p} is no longer kept"
       if late is not None:
-        # Decided from the header alone: an answer to a closed round is dropped unread, and a
-        # delta against an anchor that is no longer kept cannot be decoded (also after a restore
-        # republished p). Its tokens count as dropped.
+        # Decided from the header alone: an answer to a closed round is dropped unread. Its
+        # tokens count as dropped.
         self._core.drop_late(
           max(int(h.tokens), 0),
           late,
@@ -973,7 +963,6 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         list(layout),
         {k: s for k, (s, _) in layout.items()},
         {k: d for k, (_, d) in layout.items()},
-        anchor_lookup=lambda v: self._anchor_values(p, v),
         max_bytes=self._max_bytes[p],
         max_chunk_bytes=self._cfg.max_chunk_bytes,
         alloc=self._pool.empty,
@@ -1017,10 +1006,6 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       return messages.as_frame(chunk, syncer_pb2.PushHeader)
     except WireError as e:
       raise self._refuse(grpc.StatusCode.INVALID_ARGUMENT, f"Push refused: {e}") from e
-
-  def _anchor_values(self, p: int, version: int) -> Mapping[str, np.ndarray]:
-    with self._cond:
-      return self._core.values_at(p, version)  # KeyError -> WireError in messages.
 
   def Pull(self, request, context):
     ticket = None

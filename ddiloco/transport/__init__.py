@@ -20,6 +20,7 @@ from ddiloco.transport.wire import (
   deserialize_fragment,
   make_layout,
   max_wire_bytes,
+  received_outer_gradient,
   received_values,
   serialize_fragment,
 )
@@ -38,6 +39,7 @@ __all__ = [
   "max_wire_bytes",
   "num_chunks_for",
   "reassemble",
+  "received_outer_gradient",
   "received_values",
   "report_to_chunks",
   "serialize_fragment",

@@ -254,9 +254,13 @@ def _push_header(report: Report, codec: str, total: int, num_chunks: int, delta:
 def _push_encoder(
   report: Report, codec: str, block_size: int, anchor_values: Mapping[str, np.ndarray] | None
 ) -> wire.FragmentEncoder:
-  if anchor_values is not None and report.anchor_version < 0:
+  if report.outer_gradient:
+    raise ValueError("A push takes θ (report.values) and Θ^(anchor); it forms δ itself.")
+  if anchor_values is None:
+    return wire.FragmentEncoder(report.values, codec, block_size=block_size)
+  if report.anchor_version < 0:
     raise ValueError("A delta push needs anchor_version >= 0 (the learner never received p).")
-  return wire.FragmentEncoder(report.values, codec, block_size=block_size, base=anchor_values)
+  return wire.outer_gradient_encoder(report.values, anchor_values, codec, block_size=block_size)
 
 
 def _framed(encoder: wire.FragmentEncoder, header: bytes, chunk_size: int) -> Iterator[bytes]:
@@ -286,8 +290,9 @@ def push_messages(
     codec: the uplink codec name.
     block_size: int8/int4 scale block size.
     chunk_size: payload bytes per chunk (the receiver's limit must be at least this).
-    anchor_values: Θ^(anchor) as the learner holds it; if given, the payload is the delta
-      θ − Θ^(anchor) (docs/algorithm.md §5) and the header says `delta`.
+    anchor_values: Θ^(anchor) as the learner holds it; if given, the payload is the outer
+      gradient δ = Θ^(anchor) − θ (docs/algorithm.md §5), which the syncer merges as decoded, and
+      the header says `delta`.
 
   Returns:
     An iterator over the messages' bytes.
@@ -321,8 +326,9 @@ def report_to_chunks(
     codec: the uplink codec name.
     block_size: int8/int4 scale block size.
     chunk_size: bytes per chunk (the receiver's limit must be at least this).
-    anchor_values: Θ^(anchor) as the learner holds it; if given, the payload is the delta
-      θ − Θ^(anchor) (docs/algorithm.md §5) and the header says `delta`.
+    anchor_values: Θ^(anchor) as the learner holds it; if given, the payload is the outer
+      gradient δ = Θ^(anchor) − θ (docs/algorithm.md §5), which the syncer merges as decoded, and
+      the header says `delta`.
 
   Raises:
     ValueError: if the values cannot be encoded (NaN/Inf) or a delta has no valid anchor version.
@@ -340,7 +346,6 @@ def chunks_to_report(
   shapes: Sequence[Sequence[int]] | Mapping[str, Sequence[int]],
   dtypes: Sequence[object] | Mapping[str, object],
   *,
-  anchor_lookup: BaseLookup | None = None,
   max_bytes: int | None = None,
   max_chunk_bytes: int = DEFAULT_CHUNK_SIZE,
   alloc: wire.Allocator | None = None,
@@ -357,7 +362,6 @@ def chunks_to_report(
     layout_keys: keys of the fragment.
     shapes: expected shapes, by key order or mapping.
     dtypes: expected dtypes, likewise.
-    anchor_lookup: version -> Θ^(version) values; required for delta pushes.
     max_bytes: payload size limit; defaults to `max_wire_bytes` of the layout.
     max_chunk_bytes: per-chunk size limit.
     alloc: makes the arrays the values are decoded into (`wire.FragmentReader`); a service passes
@@ -366,11 +370,11 @@ def chunks_to_report(
       `SyncerCore` passes False: the core checks every value, fused with RDA's first pass.
 
   Returns:
-    The report, values cast to the layout dtypes.
+    The report, values cast to the layout dtypes: θ, or for a `delta` header the outer gradient
+    δ = Θ^(anchor) − θ as decoded (`Report.outer_gradient`; no anchor is needed to read it).
 
   Raises:
-    WireError: on any malformed chunk, header, payload or value (NaN/Inf with check_finite), or
-      an unavailable anchor.
+    WireError: on any malformed chunk, header, payload or value (NaN/Inf with check_finite).
   """
 
   def base_for(header) -> Mapping[str, np.ndarray] | None:
@@ -388,9 +392,9 @@ def chunks_to_report(
     ) or step_time_error(float(header.step_time_s))
     if bad is not None:
       raise WireError(f"Bad header: {bad}.")
-    if not header.delta:
-      return None
-    return _lookup(anchor_lookup, header.anchor_version, "delta push", "anchor_version")
+    if header.delta and header.anchor_version < 0:
+      raise WireError("An outer gradient (delta) push needs anchor_version >= 0.")
+    return None  # θ, or δ read as it is.
 
   layout = wire.make_layout(layout_keys, shapes, dtypes)
   header, values = _read_stream(
@@ -414,6 +418,7 @@ def chunks_to_report(
     step_time_s=float(header.step_time_s),
     new_tokens=int(header.new_tokens),
     round_step=int(header.round_step),
+    outer_gradient=bool(header.delta),
   )
 
 

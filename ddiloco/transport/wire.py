@@ -589,14 +589,53 @@ def deserialize_fragment(
   return read_layout(data, layout, codec_name=codec_name, max_bytes=max_bytes, base=base)
 
 
+def outer_gradient_encoder(
+  theta: Mapping[str, np.ndarray],
+  anchor: Mapping[str, np.ndarray],
+  codec_name: str,
+  *,
+  block_size: int = 64,
+) -> FragmentEncoder:
+  """A learner's outer gradient δ = Θ^(anchor) − θ framed for the wire (docs/algorithm.md §5).
+
+  The encoder forms `values − base` in its one pass over the values; with Θ^(anchor) as the values
+  and θ as the base that difference is δ, in the accumulation dtype, never held whole. The
+  receiver reads δ as it is (no base): the syncer merges the decoded δ directly.
+
+  Raises:
+    ValueError: as `FragmentEncoder`; while encoding, on a NaN/Inf in δ (a NaN/Inf θ).
+  """
+  return FragmentEncoder(anchor, codec_name, block_size=block_size, base=theta)
+
+
+def received_outer_gradient(
+  theta: Mapping[str, np.ndarray],
+  anchor: Mapping[str, np.ndarray],
+  codec_name: str,
+  *,
+  block_size: int = 64,
+) -> dict[str, np.ndarray]:
+  """The outer gradient δ = Θ^(anchor) − θ as the syncer decodes it from `outer_gradient_encoder`'s
+  bytes, bit for bit, without the framing (the simulated cluster's uplink).
+
+  Raises:
+    ValueError: as `received_values`.
+  """
+  return received_values(anchor, codec_name, block_size=block_size, base=theta, add_base=False)
+
+
 def received_values(
   values: Mapping[str, np.ndarray],
   codec_name: str,
   *,
   block_size: int = 64,
   base: Mapping[str, np.ndarray] | None = None,
+  add_base: bool = True,
 ) -> dict[str, np.ndarray]:
   """What a receiver holds after `values` went over the wire: the sender adopts it (docs/algorithm.md §5).
+
+  With a `base`, the wire carries `values − base`; the receiver adds `base` back unless
+  `add_base` is False (then it holds the decoded difference itself).
 
   Equal to `deserialize_fragment(serialize_fragment(values, ...), ...)` bit for bit, without the
   framing: each run is encoded and decoded by the same functions as on the wire. With "fp32", no
@@ -620,7 +659,7 @@ def received_values(
       for payload, scales in codec.encode_runs(x, base=b):
         # Runs are whole scale blocks: a run decodes with its own scales, as its own array.
         m = codec.run_values(payload.size, x.size - start)
-        run_base = None if b_flat is None else b_flat[start : start + m]
+        run_base = None if b_flat is None or not add_base else b_flat[start : start + m]
         decoder = compression.RunDecoder(codec, y[start : start + m], scales=scales, base=run_base)
         decoder.feed(payload)
         bad += decoder.close()

@@ -42,8 +42,10 @@ def _core(**cfg) -> SyncerCore:
   return core
 
 
-def _answer(core: SyncerCore, learner: int, request: RoundRequest, values=None, tokens=64):
-  """`learner`'s answer to `request`, anchored at its base."""
+def _answer(
+  core: SyncerCore, learner: int, request: RoundRequest, values=None, *, tokens=64, delta=False
+):
+  """`learner`'s answer to `request`, anchored at its base (`values` are δ if `delta`)."""
   p = request.fragment
   if values is None:
     values = dict(core.values_at(p, request.base_version))
@@ -57,6 +59,7 @@ def _answer(core: SyncerCore, learner: int, request: RoundRequest, values=None, 
       anchor_version=request.base_version,
       step=request.round_step + 1,
       round_step=request.round_step,
+      outer_gradient=delta,
     )
   )
 
@@ -389,14 +392,15 @@ def test_republish_validates_and_trims_history():
 
 
 def _with_open_rounds() -> tuple[SyncerCore, list[RoundRequest]]:
-  """Fragment 0 merged once (round 10); round (0, 20) open with an answer, (1, 30) open with none."""
+  """Fragment 0 merged once (round 10); round (0, 20) open with an answer (an outer gradient, as
+  learners send them), (1, 30) open with none."""
   core = _core()
   _merge_once(core, 0, 0.125)
   requests = [core.open_round(0, 20), core.open_round(1, 30)]
   assert requests == [RoundRequest(0, 20, 1), RoundRequest(1, 30, 0)]
   core.fetch(1, 0)
-  values = {k: v + np.float32(0.25) for k, v in core.state(0).values.items()}
-  assert _answer(core, 1, requests[0], values=values).status == "accepted"
+  delta = {k: np.full_like(v, -0.25) for k, v in core.state(0).values.items()}  # θ = Θ + 0.25.
+  assert _answer(core, 1, requests[0], values=delta, delta=True).status == "accepted"
   return core, requests
 
 
@@ -407,6 +411,7 @@ def test_open_rounds_survive_a_state_dict_round_trip():
   assert (state["fragment/1/round/step"], state["fragment/1/round/base_version"]) == (30, 0)
   assert (state["fragment/0/round/last_step"], state["fragment/1/round/last_step"]) == (20, 30)
   assert state["fragment/0/round/1/round_step"] == 20
+  assert state["fragment/0/round/1/outer_gradient"] == 1
   fresh = _core()
   fresh.load_state_dict(state)
   _equal_states(fresh.state_dict(), state)

@@ -1430,3 +1430,44 @@ def test_warm_up_compiles_every_outer_step_and_changes_nothing(caplog):
     assert bool(compiles) == (name == "cold"), [r.getMessage() for r in compiles]
   assert [e.digest for e in events["warm"]] == [e.digest for e in events["cold"]]
   assert len(events["warm"]) == 2
+
+
+def _as_outer_gradient(core, r):
+  """The report as a learner sends it: δ = Θ^(anchor) − θ (exact in float32)."""
+  anchor = core.values_at(r.fragment, r.anchor_version)
+  delta = {k: np.subtract(anchor[k], v, dtype=np.float32) for k, v in r.values.items()}
+  return dataclasses.replace(r, values=delta, outer_gradient=True)
+
+
+@pytest.mark.parametrize("method", ["rda", "mean"])
+def test_outer_gradient_answers_merge_as_their_thetas(method):
+  # Two learners answer one round, as θ, as δ, or one of each: the merge is bit for bit the same,
+  # and RDA's norms are taken from δ itself.
+  thetas = [theta(0.125), theta(-0.0625)]
+  digests = set()
+  for as_delta in [(False, False), (True, True), (True, False)]:
+    core = make_core(learners=(0, 1), merge_method=method)
+    core.open_round(0, ROUND)
+    for i, (t, d) in enumerate(zip(thetas, as_delta)):
+      r = rep(i, values=t, tokens=100 + 50 * i)
+      r = _as_outer_gradient(core, r) if d else r
+      assert core.report(r).status == "accepted"
+    (event,) = core.poll()
+    digests.add(event.digest)
+  assert len(digests) == 1
+
+
+def test_outer_gradient_answers_are_checked_like_thetas():
+  core = make_core(learners=(0,), max_update_ratio=10.0)
+  core.open_round(0, ROUND)
+  before = core.state(0).digest
+  huge = _as_outer_gradient(core, rep(0))
+  huge = dataclasses.replace(huge, values={k: v * np.float32(1e6) for k, v in huge.values.items()})
+  result = core.report(huge)
+  assert result.status == "rejected" and "implausible outer gradient" in result.reason
+  nan = _as_outer_gradient(core, rep(0))
+  nan.values["b"][1] = np.nan
+  assert "non-finite" in core.report(nan).reason
+  no_anchor = dataclasses.replace(_as_outer_gradient(core, rep(0)), anchor_version=-1)
+  assert "needs the anchor version" in core.report(no_anchor).reason
+  assert core.stats()["rejected"] == 3 and core.state(0).digest == before

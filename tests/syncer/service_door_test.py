@@ -802,10 +802,12 @@ def test_push_answering_no_round(door):
 
 
 def test_delta_push_whose_anchor_a_restored_checkpoint_no_longer_keeps():
-  """Round (0, 9) is open, but the delta's anchor, version 0, is gone (SyncerCore.kept).
+  """Round (0, 9) is open, but the push's anchor, version 0, is gone (SyncerCore.kept).
 
   The server's core is restored from a checkpoint written with keep_versions 2 after two merges of
-  fragment 0, so only versions 1 and 2 are kept: the delta cannot be re-anchored, and it is late.
+  fragment 0, so only versions 1 and 2 are kept. The outer gradient needs no anchor to be read; it
+  was taken against version 0, not the round's base 2, so it is accepted with weight 0 and the
+  global model does not move.
   """
   env = _start(SyncerConfig(min_quorum=1, use_grace=False, keep_versions=4))
   try:
@@ -829,23 +831,30 @@ def test_delta_push_whose_anchor_a_restored_checkpoint_no_longer_keeps():
       assert env.svc.core.version(0) == 2 and 0 in env.svc.core.alive()
       assert not env.svc.core.kept(0, 0)
     chunks = _chunks(_report(anchor=0, step=10, round_step=9), anchor_values=env.held[0].values)
-    _assert_refused(
-      env,
-      lambda: _push(env, chunks),
-      grpc.StatusCode.ABORTED,
-      "late: anchor version 0 of fragment 0 is no longer kept",
-      late=1,
-      dropped_tokens=TOKENS,
-    )
+    _assert_weighs_zero(env, chunks, "answered against version 0")
   finally:
     env.close()
 
 
-def test_delta_push_anchored_at_a_version_lost_in_a_syncer_restart(tmp_path):
-  """After a restore republished fragment 0, a delta against a lost version is late, not invalid.
+def _assert_weighs_zero(env: _Env, chunks, reason: str) -> None:
+  """The push is accepted with weight 0 (`reason`) and changes no fragment."""
+  fragments, stats, counted = _snapshot(env.svc)
+  resp = _push(env, chunks)
+  assert (resp.status, resp.weight) == ("accepted", 0.0)
+  assert reason in resp.reason
+  fragments_after, stats_after, counted_after = _snapshot(env.svc)
+  assert fragments_after == fragments and counted_after == counted
+  assert stats_after["zero_weight_reports"] == stats["zero_weight_reports"] + 1
+  with env.svc.lock:
+    env.svc.core.flush()  # Nothing to merge: a weight-0 answer is never a quorum.
+  assert _snapshot(env.svc)[0] == fragments
 
-  The learner re-registered (nothing delivered yet), so its answer would weigh 0 anyway; the push
-  is still refused as late from the header: version 2 is lost and cannot be decoded against.
+
+def test_delta_push_anchored_at_a_version_lost_in_a_syncer_restart(tmp_path):
+  """After a restore republished fragment 0, an outer gradient against a lost version weighs 0.
+
+  Version 2 is lost; the learner re-registered and has not pulled since, so its answer weighs 0
+  (and would, having pulled: its anchor is not the round's base). It is read, never merged.
   """
   from ddiloco.checkpoint import syncer as ckpt_lib
 
@@ -879,14 +888,7 @@ def test_delta_push_anchored_at_a_version_lost_in_a_syncer_restart(tmp_path):
     env.client.register(0, layout_digest=DIGEST, num_fragments=len(FRAGMENTS))
     _open_round(env.svc, 0, 9)  # Past the restored rounds: a fresh round, based on version 3.
     chunks = _chunks(_report(anchor=2, step=10, round_step=9), anchor_values=env.held[0].values)
-    _assert_refused(
-      env,
-      lambda: _push(env, chunks),
-      grpc.StatusCode.ABORTED,
-      "late: anchor version 2 of fragment 0 is no longer kept",
-      late=1,
-      dropped_tokens=TOKENS,
-    )
+    _assert_weighs_zero(env, chunks, "has not received fragment 0 since registering")
   finally:
     env.close()
 
@@ -944,7 +946,8 @@ def test_delta_push_anchored_after_the_current_version(door):
     door,
     lambda: _push(door, chunks),
     grpc.StatusCode.INVALID_ARGUMENT,
-    f"Base version {current + 5} of this delta push is not available",
+    f"rejected: anchor_version {current + 5} outside [-1, {current}]",
+    rejected=1,
   )
 
 

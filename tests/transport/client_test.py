@@ -128,9 +128,11 @@ def test_superseded_push_memory_is_recycled_and_filed_values_are_intact(env):
   assert pool.free_bytes == 4 * N  # Push 2's buffer, back once push 3 superseded it.
   held = svc.core.stats()
   assert (held["accepted"], held["superseded"], held["open_rounds"]) == (1, 2, 1)
-  # What the round holds is push 3's θ exactly: the recycled memory was not touched since.
+  # What the round holds is push 3's outer gradient Θ^(anchor) − θ exactly (fp32): the recycled
+  # memory was not touched since.
   (entry,) = svc.core._rounds[0].entries.values()
-  assert entry.report.values["w"].tobytes() == thetas[2]["w"].tobytes()
+  assert entry.report.outer_gradient
+  assert entry.report.values["w"].tobytes() == (state.values["w"] - thetas[2]["w"]).tobytes()
 
 
 def test_rounds_stream_yields_round_requests_and_versions_until_cancelled(env):

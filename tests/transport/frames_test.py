@@ -144,10 +144,13 @@ def test_push_messages_are_report_to_chunks_serialized(codec, chunk_size):
       ["b", "w"],
       [(9,), (40, 30)],
       ["bfloat16", "float32"],
-      anchor_lookup=lambda v: anchor,
       max_chunk_bytes=chunk_size,
     )
-    expect = wire.received_values(vals, codec, block_size=5, base=base)
+    if base is None:
+      expect = wire.received_values(vals, codec, block_size=5)
+    else:  # The outer gradient δ = Θ^(anchor) − θ, read as it is.
+      expect = wire.received_outer_gradient(vals, base, codec, block_size=5)
+    assert back.outer_gradient == (base is not None)
     assert all(back.values[k].tobytes() == expect[k].tobytes() for k in vals)
     assert (back.tokens, back.steps, back.step, back.step_time_s) == (300, 3, 11, 0.5)
     assert back.round_step == 10

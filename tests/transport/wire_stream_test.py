@@ -81,10 +81,10 @@ def test_report_over_seven_byte_chunks_in_any_order(codec):
     ["h", "w"],
     [(9,), (301,)],
     ["float16", "float32"],
-    anchor_lookup=lambda v: anchor,
     max_chunk_bytes=7,
   )
-  want = wire.received_values(vals, codec, block_size=5, base=anchor)
+  want = wire.received_outer_gradient(vals, anchor, codec, block_size=5)
+  assert back.outer_gradient
   assert {k: _bits(v) for k, v in back.values.items()} == {k: _bits(v) for k, v in want.items()}
 
 
@@ -191,10 +191,9 @@ def test_reader_decodes_into_the_allocator_arrays():
     ["a", "b"],
     {"a": (2, 3), "b": (4,)},
     {"a": np.float32, "b": np.float32},
-    anchor_lookup=lambda v: base,
     alloc=alloc,
   )
   assert [m.size for m in made] == [6, 4]  # One array per key, in layout order.
   for k, m in zip(("a", "b"), made):
     assert np.shares_memory(got.values[k], m)
-    np.testing.assert_array_equal(got.values[k], values[k])  # base + (θ − base) is exact here.
+    np.testing.assert_array_equal(got.values[k], base[k] - values[k])  # δ, exact in fp32.

@@ -18,6 +18,7 @@ from ddiloco.transport import (
   deserialize_fragment,
   max_wire_bytes,
   reassemble,
+  received_outer_gradient,
   received_values,
   report_to_chunks,
   serialize_fragment,
@@ -146,7 +147,7 @@ def test_bf16_state_round_trip_within_half_ulp_and_digest_of_received_values():
   assert back.digest == values_digest(received_values(vals, "bf16")) != state.digest
 
 
-def test_int8_delta_push_adds_back_the_anchor():
+def test_int8_outer_gradient_push_is_read_as_sent():
   rng = np.random.default_rng(4)
   anchor = {"w": rng.standard_normal(256).astype(np.float32)}
   theta = {"w": anchor["w"] + np.float32(1e-3) * rng.standard_normal(256).astype(np.float32)}
@@ -162,15 +163,12 @@ def test_int8_delta_push_adds_back_the_anchor():
   )
   chunks = report_to_chunks(r, "int8", anchor_values=anchor)
   assert chunks[0].header.delta
-  asked = []
-  back = chunks_to_report(
-    chunks, ["w"], [(256,)], ["float32"], anchor_lookup=lambda v: asked.append(v) or anchor
-  )
-  assert asked == [4]
-  want = received_values(theta, "int8", base=anchor)["w"]
+  back = chunks_to_report(chunks, ["w"], [(256,)], ["float32"])  # δ needs no anchor to read.
+  assert back.outer_gradient and back.anchor_version == 4
+  want = received_outer_gradient(theta, anchor, "int8")["w"]
   assert _bits_equal(back.values["w"], want)
-  # The error scales with the delta (~1e-3), not with θ (~1): int8 step is absmax(δ)/127 per block.
-  assert np.abs(back.values["w"] - theta["w"]).max() < 1e-4
+  # The error scales with δ (~1e-3), not with θ (~1): int8 step is absmax(δ)/127 per block.
+  assert np.abs(back.values["w"] - (anchor["w"] - theta["w"])).max() < 1e-4
 
 
 def test_int4_delta_state_verifies_digest_on_both_sides():
@@ -401,15 +399,14 @@ def test_push_header_errors():
       chunks_to_report([bad], *_L)
 
 
-def test_delta_needs_its_anchor():
+def test_outer_gradient_push_needs_an_anchor_version():
   r = Report(
     learner_id=0, fragment=0, values=_W, tokens=1, steps=1, anchor_version=2, step=0, round_step=0
   )
   chunks = report_to_chunks(r, "fp32", anchor_values=_W)
-  with _raises("A delta push needs its base values; the receiver was given no lookup."):
+  chunks[0].header.anchor_version = -1  # A hand-made header: δ against no version.
+  with _raises("An outer gradient (delta) push needs anchor_version >= 0."):
     chunks_to_report(chunks, *_L)
-  with _raises("Base version 2 of this delta push is not available"):
-    chunks_to_report(chunks, *_L, anchor_lookup={}.__getitem__)
   with pytest.raises(ValueError, match="A delta push needs anchor_version >= 0"):
     report_to_chunks(
       Report(learner_id=0, fragment=0, values=_W, tokens=1, steps=1, anchor_version=-1, step=0),
