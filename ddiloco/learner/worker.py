@@ -10,8 +10,8 @@ Five threads share one `Learner`, which only the training thread touches:
   training thread and hands every announced version to the puller, so that a pull never delays a
   request;
 - the puller pulls each announced version at once (a delta against the version held);
-- the sender copies the snapshot to host memory, encodes the outer gradient Θ^(anchor) − θ with the
-  uplink codec and pushes it;
+- two sender threads (`senders`) copy snapshots to host memory, encode the outer gradient
+  Θ^(anchor) − θ with the uplink codec and push it, at most one push per fragment in flight;
 - the comm thread sends heartbeats (the learner's step, from which the syncer's step clock takes the
   fleet's pace), announces any version it sees that the stream missed, and re-registers when the
   syncer forgot this learner.
