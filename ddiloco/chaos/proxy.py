@@ -348,6 +348,11 @@ class LoopbackProxy:
           tg.create_task(self._pipe(up_reader, writer, "bytes_down"))
       except* OSError:  # A peer reset (ConnectionError is an OSError): the other end sees one too.
         conn.reset()
+    except asyncio.CancelledError:
+      # `_reset_all` cancelled this handler (a reset fault, or the proxy stopping) after resetting
+      # the connection: that is its intended end. Ending quietly keeps asyncio from logging the
+      # cancelled handler as an error with a traceback.
+      pass
     finally:
       with self._stats_lock:
         self._conns.discard(conn)
