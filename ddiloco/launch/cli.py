@@ -16,7 +16,6 @@ one, and orbax's per-save INFO lines. Warnings and errors still show.
 """
 
 import contextlib
-import difflib
 import inspect
 import logging
 import os
@@ -141,9 +140,8 @@ def _suggestion(message: str) -> str:
   """A "Did you mean" for gin's unknown configurable or parameter errors, or an empty string."""
   m = re.match(r"No configurable matching (?:reference )?'@?([^'()]+)", message)
   if m:
-    names = sorted({sel.split(".")[-1] for sel, _ in _registry().items()})
-    close = difflib.get_close_matches(m.group(1).split(".")[-1], names, n=2)
-    return f"Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    names = {sel.split(".")[-1] for sel, _ in _registry().items()}
+    return gin_flags.did_you_mean(m.group(1).split(".")[-1], sorted(names))
   m = re.match(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", message)
   if m:
     configurable = _registry().get_match(m.group(1))
@@ -153,10 +151,8 @@ def _suggestion(message: str) -> str:
       params = list(inspect.signature(configurable.wrapped).parameters)
     except (TypeError, ValueError):
       return ""
-    close = difflib.get_close_matches(m.group(2), params, n=2)
-    if close:
-      return f"Did you mean {' or '.join(repr(c) for c in close)}?"
-    return f"{m.group(1)} takes: {', '.join(p for p in params if p != 'self')}."
+    hint = gin_flags.did_you_mean(m.group(2), params)
+    return hint or f"{m.group(1)} takes: {', '.join(p for p in params if p != 'self')}."
   return ""
 
 

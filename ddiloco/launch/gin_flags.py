@@ -84,6 +84,12 @@ def forwarded_args() -> list[str]:
   return out
 
 
+def did_you_mean(name: str, candidates: Sequence[str]) -> str:
+  """ "Did you mean 'a' or 'b'?" with the closest candidates to a misspelled name, or ""."""
+  close = difflib.get_close_matches(name, sorted(candidates), n=2)
+  return f"Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
 def _check_macros(bindings: Sequence[str]) -> None:
   """Refuses a macro set by a binding (`--gin.NAME=VALUE`) that no binding uses (`%NAME`).
 
@@ -115,11 +121,10 @@ def _check_macros(bindings: Sequence[str]) -> None:
     name = binding.split("=", 1)[0].strip()
     if not name or "." in name or "/" in name or name in used:
       continue
-    close = difflib.get_close_matches(name, sorted(used), n=2)
-    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    hint = did_you_mean(name, used)
     raise ValueError(
-      f"Macro {name!r} is set by a binding but used nowhere in the configuration.{hint} "
-      f"(in --gin.{binding.strip()})"
+      f"Macro {name!r} is set by a binding but used nowhere in the configuration."
+      f"{' ' + hint if hint else ''} (in --gin.{binding.strip()})"
     )
 
 
