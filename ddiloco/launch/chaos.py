@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ddiloco.chaos import invariants, replay
-from ddiloco.chaos.proxy import LoopbackProxy
+from ddiloco.chaos.proxy import ProxyProcess
 from ddiloco.chaos.schedule import ChaosConfig, ChaosEvent, make_schedule
 from ddiloco.chaos.tape import TapeWriter, read_tape
 from ddiloco.checkpoint import syncer as syncer_ckpt
@@ -76,7 +76,7 @@ class ChaosRun:
     self.progress = progress or (lambda line: None)
     self.schedule: list[ChaosEvent] = make_schedule(chaos, cluster.num_learners)
     self.tape_path = os.path.join(cluster.workdir, "tape.jsonl")
-    self.proxy: LoopbackProxy | None = None
+    self.proxy: ProxyProcess | None = None
     self._wall0 = 0.0
     self._killed: set[int] = set()  # Learners down by our hand, waiting for their restart.
     self._done: dict[int, int] = {}
@@ -228,7 +228,8 @@ class ChaosRun:
       tape.record("run_start", learners=c.num_learners, min_quorum=self.job.the_syncer().min_quorum)
       c.start_syncer()
       tape.record("syncer_up", port=c.port)
-      self.proxy = LoopbackProxy(c.port)
+      # A process of its own: traffic never waits for this driver's CPU share or GIL.
+      self.proxy = ProxyProcess(c.port, log_path=os.path.join(c.workdir, "proxy.log"))
       self.proxy.start()
       for i in range(c.num_learners):
         self._start_learner(i)

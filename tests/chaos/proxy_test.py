@@ -5,6 +5,7 @@ Latency bounds are lower bounds only: a unary call crosses the proxy once each w
 one-way latency it cannot finish in under 0.4 s on any machine.
 """
 
+import os
 import socket
 import threading
 import time
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ddiloco.chaos.proxy import LoopbackProxy, parse_address
+from ddiloco.chaos.proxy import LoopbackProxy, ProxyProcess, parse_address
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,9 +58,9 @@ def backend():
   server.stop(0).wait(5)
 
 
-@pytest.fixture
-def proxy(backend):
-  p = LoopbackProxy(backend, control_timeout_s=10.0)
+@pytest.fixture(params=[LoopbackProxy, ProxyProcess], ids=["thread", "process"])
+def proxy(request, backend):
+  p = request.param(backend, control_timeout_s=10.0)
   p.start()
   yield p
   p.stop()
@@ -315,3 +316,41 @@ def test_syncer_service_through_proxy_survives_a_drop():
         client.close()
   finally:
     srv.stop(grace_s=0.5)
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  return True
+
+
+def test_process_proxy_refusals_come_back_and_stop_ends_the_child(backend):
+  proxy = ProxyProcess(backend)
+  with pytest.raises(RuntimeError, match="not started"):
+    proxy.drop()
+  proxy.start()
+  pid = proxy.pid
+  try:
+    assert os.getsid(pid) == pid  # Its own session: scheduled apart from this process.
+    with pytest.raises(RuntimeError, match="unknown operation"):
+      proxy._call("shutdown_everything")
+    with pytest.raises(RuntimeError, match="ValueError"):
+      proxy._call("set_upstream", "nohost")  # Checked again in the child.
+    assert proxy.drop() == 0  # The child still serves after a refusal.
+  finally:
+    proxy.stop()
+  assert not _alive(pid)
+  with pytest.raises(RuntimeError, match="not started"):
+    proxy.drop()
+
+
+def test_process_proxy_exits_when_its_parent_closes_the_pipe(backend):
+  """A driver killed with SIGKILL cannot stop its proxy: the closed stdin ends the child."""
+  proxy = ProxyProcess(backend)
+  proxy.start()
+  proc = proxy._proc
+  proc.stdin.close()  # What the kernel does to a dead parent's end of the pipe.
+  assert proc.wait(10) == 0
+  proxy._proc = None
