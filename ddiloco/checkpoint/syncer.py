@@ -14,10 +14,11 @@ A syncer killed at any moment restarts from two things in its workdir:
 `restore_core` loads the newest intact checkpoint: one that orbax can read and whose kept versions
 have the digests the journal recorded for them (unreadable or mismatching steps are set aside, with a
 log line, and an older step is tried). Each fragment whose journal is ahead of the restored state is
-then published again as version journal + 1 with the restored values, also when there is no
-checkpoint at all (the initial values): versions stay monotonic for every learner, and a learner
-holding a lost version pulls the restored values in full. The recovery point is therefore the merges
-since the last checkpoint (docs/resilience.md).
+then taken back from the version log (checkpoint/version_log.py) or from a learner, or published
+again as version journal + 1 with the restored values, also when there is no checkpoint at all (the
+initial values): versions stay monotonic for every learner, and a learner holding a lost version
+pulls the restored values in full. With the version log the recovery point is zero merges; without
+it, the merges since the last checkpoint that no learner hands back (docs/resilience.md).
 """
 
 import dataclasses
@@ -38,6 +39,7 @@ from ddiloco.checkpoint.journal import (
   read_journal,
   read_journal_records,
 )
+from ddiloco.checkpoint.version_log import VERSION_LOG_DIR, VersionLog
 from ddiloco.fragments.digest import values_digest
 from ddiloco.syncer.core import SyncerCore
 
@@ -46,11 +48,13 @@ log = logging.getLogger(__name__)
 # Re-exported: the journal's names have always been reached through this module.
 __all__ = [
   "JOURNAL_NAME",
+  "VERSION_LOG_DIR",
   "MergeJournal",
   "RestoreError",
   "RestoreInfo",
   "SyncerCheckpointConfig",
   "SyncerCheckpointer",
+  "VersionLog",
   "quiet_orbax_logs",
   "read_journal",
   "read_journal_records",
@@ -89,6 +93,10 @@ class SyncerCheckpointConfig:
     recovery_window_s: after a restart that lost merges (the journal is ahead of the checkpoint),
       how long the syncer waits for a learner to hand back the newest versions before it
       republishes the restored values past them; 0 republishes at once.
+    version_log: write the values of every published version before serving it
+      (checkpoint/version_log.py): a restart then loses no merge, at the cost of one write of
+      each merged fragment. Off: the merges since the last checkpoint are taken back from the
+      learners that hold them, or lost.
     subdir: folder under the syncer's workdir.
   """
 
@@ -96,6 +104,7 @@ class SyncerCheckpointConfig:
   every_s: float = 5.0
   max_to_keep: int = 2
   recovery_window_s: float = 20.0
+  version_log: bool = True
   subdir: str = "checkpoints"
 
   def __post_init__(self):
@@ -250,6 +259,8 @@ class RestoreInfo:
       merges lost unless it is taken back)} for fragments left at their restored version, to be
       taken back from a learner that still holds the journal version
       (`SyncerService.begin_recovery`), or republished if none does.
+    from_log: {fragment: (checkpoint version, journal version, merges since the checkpoint)} for
+      fragments whose journal version was taken back from the version log (nothing lost).
   """
 
   step: int
@@ -258,6 +269,7 @@ class RestoreInfo:
   lost_merges: int
   unusable_steps: tuple[int, ...] = ()
   to_recover: dict[int, tuple[int, str, int, int]] = dataclasses.field(default_factory=dict)
+  from_log: dict[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
 
 
 class RestoreError(ValueError):
@@ -265,7 +277,12 @@ class RestoreError(ValueError):
 
 
 def restore_core(
-  core: SyncerCore, checkpointer: SyncerCheckpointer, journal_path: str, *, defer: bool = False
+  core: SyncerCore,
+  checkpointer: SyncerCheckpointer,
+  journal_path: str,
+  *,
+  defer: bool = False,
+  version_log: VersionLog | None = None,
 ) -> RestoreInfo | None:
   """Loads the newest intact checkpoint into `core` and moves its versions past the journal's.
 
@@ -282,6 +299,9 @@ def restore_core(
   (a merge the kill lost) is not republished but left at its restored version and listed in
   `to_recover`: the service first asks the learners for that version (they hold bit-identical
   copies, checked against the journal's digest), and republishes only if none has it.
+
+  With a `version_log`, a fragment whose newest journaled version is in the log with the journal's
+  digest takes that version back first (listed in `from_log`): no merge of it is lost.
 
   Returns:
     What was restored, or None on a fresh start: no usable checkpoint and an empty journal.
@@ -316,6 +336,7 @@ def restore_core(
     core.leave(learner_id)
   republished = {}
   to_recover = {}
+  from_log = {}
   lost = 0
   fresh = {}
   for p, records in sorted(journal.items()):
@@ -325,6 +346,16 @@ def restore_core(
       # republished them and merged nothing since): it is taken as it is, not published again.
       digest = core.state(p).digest
       lost_p = sum(1 for v, d in records.items() if v > current and d != digest)
+      if version_log is not None and records[newest] is not None and records[newest] != digest:
+        values = version_log.read(p, newest, records[newest])
+        if values is not None:
+          try:
+            core.recover(p, newest, values, records[newest])
+          except ValueError as e:  # Another layout's file: the fallbacks below take over.
+            log.warning("version log: version %d of fragment %d not taken back: %s", newest, p, e)
+          else:
+            from_log[p] = (current, newest, lost_p)
+            continue
       lost += lost_p
       if defer and records[newest] is not None and records[newest] != digest:
         to_recover[p] = (newest, records[newest], current, lost_p)
@@ -338,9 +369,18 @@ def restore_core(
     out = MergeJournal(journal_path)
     try:
       for p, current in fresh.items():
-        out.record(p, core.version(p), core.state(p).digest, republished_from=current)
+        state = core.state(p)
+        if version_log is not None:
+          version_log.write(p, state.version, state.values, state.digest)
+        out.record(p, state.version, state.digest, republished_from=current)
     finally:
       out.close()
+  if from_log:
+    log.info(
+      "syncer took %d fragments back from its version log (%d merges since the checkpoint)",
+      len(from_log),
+      sum(n for _, _, n in from_log.values()),
+    )
   versions = tuple(core.version(p) for p in range(core.num_fragments))
   return RestoreInfo(
     step=-1 if step is None else step,
@@ -349,6 +389,7 @@ def restore_core(
     lost_merges=lost,
     unusable_steps=tuple(unusable),
     to_recover=to_recover,
+    from_log=from_log,
   )
 
 

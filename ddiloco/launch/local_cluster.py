@@ -155,7 +155,9 @@ class LocalCluster:
     env["DDILOCO_TOKEN"] = self.token
     env["JAX_PLATFORMS"] = "cpu"
     env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(self.workdir, "jax_cache"))
-    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    # Every compile: a restarted process beside busy learners finds even its small programs (the
+    # syncer's outer steps, quick on an idle machine) instead of compiling them slowly again.
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     flags_ = [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
     if devices is not None:
       flags_.append(f"--xla_force_host_platform_device_count={devices}")

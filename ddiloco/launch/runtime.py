@@ -79,6 +79,7 @@ class SyncerRun:
     self.restored: ckpt_lib.RestoreInfo | None = None
     self._checkpointer: ckpt_lib.SyncerCheckpointer | None = None
     self._journal: ckpt_lib.MergeJournal | None = None
+    self._version_log: ckpt_lib.VersionLog | None = None
     self._saved_step = -1
     self.checkpoints_saved = 0
     if self.checkpoint.enabled:
@@ -96,16 +97,17 @@ class SyncerRun:
       os.path.join(self.workdir, cfg.subdir), max_to_keep=cfg.max_to_keep
     )
     journal_path = os.path.join(self.workdir, ckpt_lib.JOURNAL_NAME)
+    if cfg.version_log:
+      self._version_log = ckpt_lib.VersionLog(os.path.join(self.workdir, ckpt_lib.VERSION_LOG_DIR))
     with self.service.lock:
       self.restored = ckpt_lib.restore_core(
-        self.service.core, self._checkpointer, journal_path, defer=cfg.recovery_window_s > 0
+        self.service.core,
+        self._checkpointer,
+        journal_path,
+        defer=cfg.recovery_window_s > 0,
+        version_log=self._version_log,
       )
       self.service.refresh_published()
-    if self.restored is not None and self.restored.to_recover:
-      # Versions the kill lost: the learners hold them, digest-checked against the journal.
-      self.service.begin_recovery(
-        {p: (v, d) for p, (v, d, _, _) in self.restored.to_recover.items()}, cfg.recovery_window_s
-      )
     if self.restored is not None:
       info = self.restored
       self._saved_step = info.step
@@ -118,6 +120,7 @@ class SyncerRun:
         lost_merges=info.lost_merges,
         unusable_steps=list(info.unusable_steps),
         to_recover={str(p): list(v) for p, v in info.to_recover.items()},
+        from_log={str(p): list(v) for p, v in info.from_log.items()},
       )
       log.info(
         "syncer restored from %s: %d fragments republished, %d merges lost",
@@ -144,12 +147,26 @@ class SyncerRun:
     return True
 
   def _record(self, ev: MergeEvent) -> None:
-    """Journals a merge (written and fsync'd); the service serves it only after this returns."""
+    """Logs a merge's values, then journals it (each written and fsync'd); the service serves
+    it only after this returns (under its lock)."""
+    if self._version_log is not None:
+      self._log_version(ev.fragment, ev.version)
     if self._journal is not None:
       self._journal.append(ev)
 
+  def _log_version(self, fragment: int, version: int) -> None:
+    state = self.service.core.state(fragment)
+    if state.version != version:  # Never: the core publishes what it holds.
+      raise RuntimeError(f"fragment {fragment} is at version {state.version}, not {version}")
+    self._version_log.write(fragment, version, state.values, state.digest)
+
   def _on_recovery(self, fragment: int, version: int, how: str) -> None:
     """A fragment a restart lost was handed back by a learner, or republished without."""
+    if how == "recovered" and self._version_log is not None:
+      try:  # The next restart finds it in the log too (a republished one went through _record).
+        self._log_version(fragment, version)
+      except OSError as e:
+        log.error("version log: version %d of fragment %d not written: %s", version, fragment, e)
     lost = self.restored.to_recover.get(fragment) if self.restored is not None else None
     self.writer.event(
       "recovery",
@@ -205,7 +222,16 @@ class SyncerRun:
     self, address: str, *, token: str | None = None, tls=None, insecure: bool = False
   ) -> service_lib.SyncerServer:
     self.warm_up()
-    self.evaluate()  # Version 0, before any learner connects.
+    if self.restored is None:
+      self.evaluate()  # Version 0, before any learner connects (a restart evaluates in `loop`).
+    if self.restored is not None and self.restored.to_recover:
+      # Versions the kill lost: the learners hold them, digest-checked against the journal. The
+      # window starts now, when they can reach us: the warm-up above took 19 s at a restart
+      # beside 4 training learners on 2 cores, longer than the whole window.
+      self.service.begin_recovery(
+        {p: (v, d) for p, (v, d, _, _) in self.restored.to_recover.items()},
+        self.checkpoint.recovery_window_s,
+      )
     self.server = service_lib.serve(
       self.service, address=address, token=token, tls=tls, insecure=insecure
     )
@@ -311,6 +337,7 @@ class SyncerRun:
       "downlink_codec": self.job.the_service().downlink_codec,
       "wall_time_s": time.time() - self._t0,
       "checkpoints_saved": self.checkpoints_saved,
+      "version_log_bytes": 0 if self._version_log is None else self._version_log.bytes_written,
       "restored": None if self.restored is None else dataclasses.asdict(self.restored),
       # Fragments a restart lost: handed back by learners, or republished from the checkpoint.
       "recovery": svc.recovery(),

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ddiloco.checkpoint import syncer as ckpt_lib
+from ddiloco.checkpoint.version_log import VersionLog
 from ddiloco.syncer.core import Report, RoundRequest, SyncerConfig, SyncerCore
 
 KEYS = (("a", "b"), ("c",))
@@ -499,3 +500,79 @@ def test_config_validation():
     ckpt_lib.SyncerCheckpointConfig(max_to_keep=0)
   with pytest.raises(ValueError, match="relative"):
     ckpt_lib.SyncerCheckpointConfig(subdir=os.path.join("..", "x"))
+
+
+# -- the version log (checkpoint/version_log.py) -------------------------------------------
+
+
+def _killed_after_checkpoint(tmp_path, *, logged: bool):
+  """Fragment 0 merges twice, a checkpoint is saved, fragment 0 merges three more times (each
+  version logged if `logged`, then journaled), and the process dies. Returns the journal path,
+  the checkpointer and fragment 0's newest state."""
+  core = _core()
+  journal = ckpt_lib.MergeJournal(str(tmp_path / ckpt_lib.JOURNAL_NAME))
+  log = VersionLog(str(tmp_path / ckpt_lib.VERSION_LOG_DIR))
+
+  def publish(event):
+    if logged:
+      state = core.state(event.fragment)
+      log.write(event.fragment, event.version, state.values, state.digest)
+    journal.append(event)
+
+  for shift in (0.125, 0.25):
+    publish(_merge_once(core, 0, shift))
+  publish(_merge_once(core, 1, 0.5))
+  ck = ckpt_lib.SyncerCheckpointer(str(tmp_path / "ck"))
+  ck.save(3, core.state_dict())
+  ck.wait()
+  for shift in (0.375, 0.5, 0.625):
+    publish(_merge_once(core, 0, shift))
+  journal.close()
+  return journal.path, ck, core.state(0)
+
+
+def test_restore_takes_the_newest_version_back_from_the_log(tmp_path):
+  path, ck, newest = _killed_after_checkpoint(tmp_path, logged=True)
+  restarted = _core()
+  log = VersionLog(str(tmp_path / ckpt_lib.VERSION_LOG_DIR))
+  info = ckpt_lib.restore_core(restarted, ck, path, defer=True, version_log=log)
+  ck.close()
+  assert info.step == 3
+  assert info.from_log == {0: (2, 5, 3)}  # Checkpoint version 2, journal 5, 3 merges since.
+  assert info.lost_merges == 0 and info.republished == {} and info.to_recover == {}
+  assert info.versions == (5, 1)
+  state = restarted.state(0)
+  assert (state.version, state.digest) == (5, newest.digest)
+  for k, v in newest.values.items():
+    np.testing.assert_array_equal(state.values[k], v)
+  # Versions go on from there: the next merge of fragment 0 publishes 6.
+  restarted.register(0)
+  restarted.fetch(0, 0)
+  assert _merge_once(restarted, 0, 0.75).version == 6
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_without_a_usable_log_the_restore_falls_back(tmp_path, defer):
+  path, ck, newest = _killed_after_checkpoint(tmp_path, logged=True)
+  (tmp_path / ckpt_lib.VERSION_LOG_DIR / "0-5.npz").write_bytes(b"torn")  # Damaged newest.
+  restarted = _core()
+  log = VersionLog(str(tmp_path / ckpt_lib.VERSION_LOG_DIR))
+  info = ckpt_lib.restore_core(restarted, ck, path, defer=defer, version_log=log)
+  ck.close()
+  assert info.from_log == {} and info.lost_merges == 3
+  if defer:  # The learners are asked for version 5 first.
+    assert info.to_recover == {0: (5, newest.digest, 2, 3)}
+    assert restarted.version(0) == 2
+  else:  # Republished past the journal from the checkpoint's values, and that version logged.
+    assert info.republished == {0: (2, 5, 6)}
+    assert log.versions(0)[-1] == 6
+    assert log.read(0, 6, restarted.state(0).digest) is not None
+
+
+def test_an_unlogged_run_restores_as_before(tmp_path):
+  path, ck, _ = _killed_after_checkpoint(tmp_path, logged=False)
+  restarted = _core()
+  log = VersionLog(str(tmp_path / ckpt_lib.VERSION_LOG_DIR))
+  info = ckpt_lib.restore_core(restarted, ck, path, version_log=log)
+  ck.close()
+  assert info.from_log == {} and info.republished == {0: (2, 5, 6)} and info.lost_merges == 3

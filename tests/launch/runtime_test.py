@@ -46,7 +46,10 @@ JOB = JobConfig(
   num_learners=1,
   eval_batches=1,
 )
-CHECKPOINT = ckpt_lib.SyncerCheckpointConfig(every_s=3600.0)  # Saved only when the test says.
+# Saved only when the test says. Without the version log, so that the fallbacks (learners' hand-back,
+# republishing) are what a restart uses; `test_a_restart_takes_lost_versions_back_from_its_log`
+# turns it on.
+CHECKPOINT = ckpt_lib.SyncerCheckpointConfig(every_s=3600.0, version_log=False)
 
 
 def _merge(run: runtime.SyncerRun, p: int, step: int) -> None:
@@ -187,6 +190,49 @@ def test_a_restart_takes_lost_versions_back_from_a_learner(tmp_path):
   assert summary["recovery"]["recovered"] == [0, 1]
 
 
+def test_a_restart_takes_lost_versions_back_from_its_log(tmp_path, monkeypatch):
+  """With the version log, a kill loses no merge and the restart waits for no learner; a full disk
+  under the log halts the syncer like one under the journal."""
+  logged = dataclasses.replace(CHECKPOINT, version_log=True, recovery_window_s=60.0)
+  workdir = str(tmp_path / "syncer")
+  run = runtime.SyncerRun(JOB, workdir=workdir, checkpoint=logged)
+  run.serve("127.0.0.1:0")
+  try:
+    _merge(run, 0, 1)
+    assert run.save_checkpoint(wait=True)  # Step 1: fragment 0 at version 1.
+    _merge(run, 1, 2)  # Journaled and logged, not checkpointed.
+    _merge(run, 0, 3)
+    served = {p: run.service.core.state(p) for p in range(2)}
+  finally:
+    _kill(run)
+
+  restarted = runtime.SyncerRun(JOB, workdir=workdir, checkpoint=logged)
+  restarted.serve("127.0.0.1:0")
+  try:
+    info = restarted.restored
+    assert info.from_log == {0: (1, 2, 1), 1: (0, 1, 1)}
+    assert info.lost_merges == 0 and info.to_recover == {} and info.republished == {}
+    assert restarted.service.served_versions() == [2, 1]  # At once: nothing to wait for.
+    assert restarted.service.recovery() == {"waiting": [], "recovered": [], "republished": []}
+    for p in (0, 1):
+      assert restarted.service.core.state(p).digest == served[p].digest
+    _merge(restarted, 0, 10)
+    assert restarted.service.served_versions() == [3, 1]
+
+    def no_space(fd):
+      raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt_lib.VersionLog, "write", lambda *a, **k: no_space(0))
+    _merge(restarted, 0, 20)
+    monkeypatch.undo()
+    assert restarted.service.served_versions() == [3, 1]  # Not durable: never served.
+  finally:
+    summary = restarted.shutdown()
+  assert "No space left on device" in summary["halted"]
+  assert summary["version_log_bytes"] > 0
+  assert ckpt_lib.read_journal(os.path.join(workdir, ckpt_lib.JOURNAL_NAME)) == {0: 3, 1: 1}
+
+
 def test_a_restart_republishes_what_no_learner_hands_back(tmp_path):
   workdir = str(tmp_path / "syncer")
   run = runtime.SyncerRun(JOB, workdir=workdir, checkpoint=CHECKPOINT)
@@ -198,11 +244,13 @@ def test_a_restart_republishes_what_no_learner_hands_back(tmp_path):
   finally:
     _kill(run)
   restarted = runtime.SyncerRun(
-    JOB, workdir=workdir, checkpoint=dataclasses.replace(CHECKPOINT, recovery_window_s=0.5)
+    JOB, workdir=workdir, checkpoint=dataclasses.replace(CHECKPOINT, recovery_window_s=2.0)
   )
+  assert restarted.restored.to_recover.keys() == {0}
+  time.sleep(2.5)  # A slow start (restore, compiles) must not eat the learners' window.
   restarted.serve("127.0.0.1:0")
   try:
-    assert restarted.service.served_versions() == [1, 0]
+    assert restarted.service.recovery()["waiting"] == [0]  # The window starts with serving.
     deadline = time.monotonic() + 20
     while restarted.service.recovery()["waiting"] and time.monotonic() < deadline:
       time.sleep(0.05)
