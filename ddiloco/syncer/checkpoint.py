@@ -60,6 +60,7 @@ class CheckpointMixin:
   _opt_state: list[optax.OptState]
   _rounds: list[Round]
   _last_round_step: list[int]
+  _closed_first: list[tuple[int, float] | None]
   _next_round_step: int | None
   _recent_rounds: list[collections.deque]
   _rounds_known_after: list[int]
@@ -99,10 +100,13 @@ class CheckpointMixin:
       d[pre + "round/base_version"] = rnd.base_version
       d[pre + "round/last_step"] = self._last_round_step[p]
       d[pre + "round/learners"] = np.array(sorted(rnd.entries), np.int64)
-      for name in ("open_time", "quorum_time", "deadline"):
+      for name in ("open_time", "quorum_time", "deadline", "first_time"):
         t = getattr(rnd, name)
         d[f"{pre}round/{name}"] = math.nan if t is None else float(t)
       d[pre + "round/grace_s"] = rnd.grace_s
+      closed = self._closed_first[p]
+      d[pre + "closed/step"] = -1 if closed is None else closed[0]
+      d[pre + "closed/first_time"] = math.nan if closed is None else float(closed[1])
       for i, e in rnd.entries.items():
         q = f"{pre}round/{i}/"
         d[q + "weight"], d[q + "epoch"] = e.weight, e.epoch
@@ -202,6 +206,11 @@ class CheckpointMixin:
     self._next_round_step, self._cadence = None, None
     self._recent_rounds = [collections.deque(maxlen=r.maxlen) for r in self._recent_rounds]
     self._rounds_known_after = list(self._last_round_step)
+    self._closed_first = []
+    for p in range(self.num_fragments):
+      step = int(d.get(f"fragment/{p}/closed/step", -1))
+      t = float(d.get(f"fragment/{p}/closed/first_time", math.nan))
+      self._closed_first.append(None if step < 0 or math.isnan(t) else (step, t))
     self._counters = {
       name: int(d.get("stats/" + name, 0) if name in NEW_COUNTERS else d["stats/" + name])
       for name in COUNTERS
@@ -220,8 +229,8 @@ class CheckpointMixin:
   def _load_round(self, d: Mapping[str, Any], p: int) -> Round:
     pre = f"fragment/{p}/round/"
     times = {}
-    for name in ("open_time", "quorum_time", "deadline"):
-      t = float(d[pre + name])
+    for name in ("open_time", "quorum_time", "deadline", "first_time"):
+      t = float(d.get(pre + name, math.nan))  # No first_time in older checkpoints.
       times[name] = None if math.isnan(t) else t
     # A checkpoint from before syncer-paced rounds has no round ids: its open round cannot be
     # answered, so it comes back with step -1 and entries, and `load_state_dict` drops it and books

@@ -209,7 +209,11 @@ class SyncerCore(CheckpointMixin):
       grace_max_s=config.grace_max_s,
       overlap=config.overlap,
       decay=config.ema_decay,
+      spread_cover=config.grace_spread,
     )
+    # Per fragment, (round step, first answer's time) of its last closed round: a late answer to it
+    # still tells the grace window how long answers take (`GraceModel.observe_answer_delay`).
+    self._closed_first: list[tuple[int, float] | None] = [None] * len(self._keys)
     self._global: list[dict[str, np.ndarray]] = []
     for ks in self._keys:
       vals = {}
@@ -607,7 +611,14 @@ class SyncerCore(CheckpointMixin):
     p, learner = r.fragment, self._learners[r.learner_id]
     late = self.late_reason(p, r.round_step)
     if late is not None:
-      return self.drop_late(r.tokens, late, learner_id=r.learner_id, new_tokens=r.new_tokens)
+      return self.drop_late(
+        r.tokens,
+        late,
+        learner_id=r.learner_id,
+        new_tokens=r.new_tokens,
+        fragment=p,
+        round_step=r.round_step,
+      )
     rnd = self._rounds[p]
     if p not in learner.delivered or r.anchor_version < 0:
       return self._zero_weight(
@@ -657,6 +668,8 @@ class SyncerCore(CheckpointMixin):
       self._counters["fleet_step"], self._fleet_step_time = r.step, now
     if rnd.first_time is None:
       rnd.first_time = now
+    else:
+      self._grace.observe_answer_delay(max(now - rnd.first_time, 0.0))
     if rnd.quorum_time is None and len(rnd.entries) >= self._config.min_quorum:
       # docs/algorithm.md §4.1-4.2: the grace window starts at the quorum and is fixed then. ξ_quorum is the
       # wait from the round's first answer to its quorum (0 for K = 1), not from its opening: the
@@ -689,12 +702,25 @@ class SyncerCore(CheckpointMixin):
     return "never"
 
   def drop_late(
-    self, tokens: int, reason: str, *, learner_id: int | None = None, new_tokens: int = 0
+    self,
+    tokens: int,
+    reason: str,
+    *,
+    learner_id: int | None = None,
+    new_tokens: int = 0,
+    fragment: int | None = None,
+    round_step: int | None = None,
   ) -> ReportResult:
     """Counts a late report and its tokens as dropped (docs/algorithm.md §4); the state is otherwise untouched.
 
     `learner_id` and `new_tokens` book the report in the token ledger (a registered learner's).
+    `fragment` and `round_step` name its round: if that is p's last closed round, the answer's
+    delay after the round's first answer feeds the grace window's spread (syncer/grace.py), which
+    would otherwise only ever see the answers that made it.
     """
+    closed = self._closed_first[fragment] if fragment in range(self.num_fragments) else None
+    if closed is not None and closed[0] == round_step:
+      self._grace.observe_answer_delay(max(self._clock() - closed[1], 0.0))
     self._count("late")
     self._count("dropped_tokens", int(tokens))
     if learner_id in self._learners:
@@ -917,7 +943,7 @@ class SyncerCore(CheckpointMixin):
     if len(entries) >= len(self._quorum_hist):
       self._quorum_hist = np.pad(self._quorum_hist, (0, len(entries) + 1 - len(self._quorum_hist)))
     self._quorum_hist[len(entries)] += 1
-    self._rounds[p] = Round()  # Closed: answers to it are late from now on.
+    self._close(p)  # Answers to it are late from now on.
     t1 = self._clock()
     self._grace.observe_sync_time(max(t1 - t0, 0.0))
     return MergeEvent(
@@ -1041,6 +1067,12 @@ class SyncerCore(CheckpointMixin):
       record = self._learners.get(i)
       if record is not None:
         record.ledger["dropped"] = _checked_add(record.ledger["dropped"], e.report.new_tokens)
+    self._close(p)
+
+  def _close(self, p: int) -> None:
+    rnd = self._rounds[p]
+    if rnd.first_time is not None:
+      self._closed_first[p] = (rnd.step, rnd.first_time)
     self._rounds[p] = Round()
 
   def kept(self, p: int, version: int) -> bool:

@@ -2,15 +2,30 @@
 
 After a round reaches its quorum the syncer keeps accepting reports for
 
-  grace = clamp(γ · (τ·ξ_step − ξ_quorum − ξ_sync), 0, grace_max)
+  slack = τ·ξ_step − ξ_quorum − ξ_sync
+  grace = clamp(max(γ · slack, min(spread, slack)), 0, grace_max)
 
 where ξ_step is the learners' step time, ξ_quorum the time from a round's first answer to its quorum and ξ_sync the time
 to merge and deliver, each an exponential moving average. The overlap τ already hides τ steps of latency
-on the learners; the window spends only (a fraction γ < 1 of) the slack left over, so waiting for a
+on the learners; the window spends a fraction γ < 1 of the slack left over, so waiting for a
 straggler never makes a fast learner wait for a merged fragment.
+
+`spread` is how long after a round's first answer the others arrive: the 98th percentile of the
+last 256 answers' delays (late answers included). When answers need more than γ · slack to arrive, the window spends up to the whole slack on them, never more. A missed answer costs its
+learner a whole period of progress on the fragment; the slack costs nobody anything. Measured in the
+main job on 2 cores: the last answer of a complete round came 0.29 s after the first at the median
+and 0.51 s at p98, against γ · slack ≈ 0.42 s: 4-9 % of answers were late. `spread_cover = False`
+gives γ · slack alone.
 """
 
+import collections
 import math
+
+import numpy as np
+
+_SPREAD_SAMPLES = 256  # Recent answers' delays kept for the spread.
+_SPREAD_QUANTILE = 0.98
+_MIN_SPREAD_SAMPLES = 8  # Answers' delays seen before the spread counts.
 
 
 def _check_finite_nonneg(name: str, x: float) -> float:
@@ -90,6 +105,7 @@ class GraceModel:
     grace_max_s: float = 10.0,
     overlap: int = 2,
     decay: float = 0.8,
+    spread_cover: bool = True,
   ):
     """Creates the model with all three EMAs unknown.
 
@@ -98,6 +114,7 @@ class GraceModel:
       grace_max_s: upper bound of the window, seconds.
       overlap: τ, the learners' overlap in steps (docs/algorithm.md §2).
       decay: decay of the three EMAs.
+      spread_cover: let the window cover the answers' spread, up to the whole slack.
 
     Raises:
       ValueError: on an out-of-range argument.
@@ -114,6 +131,8 @@ class GraceModel:
     self.step = Ema(decay)
     self.quorum = Ema(decay)
     self.sync = Ema(decay)
+    self.spread_cover = bool(spread_cover)
+    self.delays: collections.deque[float] = collections.deque(maxlen=_SPREAD_SAMPLES)
 
   def observe_step_time(self, seconds: float) -> None:
     """Folds in a learner's step time (ξ_step)."""
@@ -127,26 +146,49 @@ class GraceModel:
     """Folds in the time to merge and deliver a fragment (ξ_sync)."""
     self.sync.update(_check_finite_nonneg("sync time", seconds))
 
+  def observe_answer_delay(self, seconds: float) -> None:
+    """Folds in how long after its round's first answer an answer arrived (late ones too)."""
+    self.delays.append(_check_finite_nonneg("answer delay", seconds))
+
+  def spread(self) -> float:
+    """The 98th percentile of the recent answers' delays; 0 before _MIN_SPREAD_SAMPLES."""
+    if len(self.delays) < _MIN_SPREAD_SAMPLES:
+      return 0.0
+    return float(np.quantile(np.fromiter(self.delays, float), _SPREAD_QUANTILE))
+
   def window(self) -> float:
-    """clamp(γ·(τ·ξ_step − ξ_quorum − ξ_sync), 0, grace_max), an unknown EMA counting as 0.
+    """clamp(max(γ·slack, min(spread, slack)), 0, grace_max), slack = τ·ξ_step − ξ_quorum − ξ_sync,
+    an unknown EMA counting as 0 (see the module doc).
 
     With no step time known yet the window is 0: there is no evidence of slack to spend.
     """
     xi_step = self.step.value or 0.0
     xi_quorum = self.quorum.value or 0.0
     xi_sync = self.sync.value or 0.0
-    slack = self.gamma * (self.overlap * xi_step - xi_quorum - xi_sync)
-    return min(max(slack, 0.0), self.grace_max_s)
+    slack = self.overlap * xi_step - xi_quorum - xi_sync
+    window = self.gamma * slack
+    if self.spread_cover:
+      window = max(window, min(self.spread(), slack))
+    return min(max(window, 0.0), self.grace_max_s)
 
-  def state_dict(self) -> dict[str, float | int]:
-    """The three EMAs as python scalars, keys "step/value", "step/count", ..."""
-    out: dict[str, float | int] = {}
-    for name, ema in (("step", self.step), ("quorum", self.quorum), ("sync", self.sync)):
+  def _emas(self) -> tuple[tuple[str, Ema], ...]:
+    return (("step", self.step), ("quorum", self.quorum), ("sync", self.sync))
+
+  def state_dict(self) -> dict[str, float | int | np.ndarray]:
+    """The EMAs as python scalars, keys "step/value", "step/count", ..., and the answers' recent
+    delays as "delays" (float64)."""
+    out: dict[str, float | int | np.ndarray] = {}
+    for name, ema in self._emas():
       for k, v in ema.state_dict().items():
         out[f"{name}/{k}"] = v
+    out["delays"] = np.fromiter(self.delays, np.float64, len(self.delays))
     return out
 
-  def load_state_dict(self, d: dict[str, float | int]) -> None:
-    """Restores what `state_dict` returned."""
-    for name, ema in (("step", self.step), ("quorum", self.quorum), ("sync", self.sync)):
+  def load_state_dict(self, d: dict[str, float | int | np.ndarray]) -> None:
+    """Restores what `state_dict` returned (a state saved before the delays were kept has none)."""
+    for name, ema in self._emas():
       ema.load_state_dict({"value": d[f"{name}/value"], "count": d[f"{name}/count"]})
+    delays = np.asarray(d.get("delays", ()), np.float64).reshape(-1)
+    if not np.all(np.isfinite(delays)) or np.any(delays < 0):
+      raise ValueError("The grace window's answer delays must be finite and >= 0.")
+    self.delays = collections.deque(delays.tolist(), maxlen=_SPREAD_SAMPLES)

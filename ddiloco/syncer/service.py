@@ -945,6 +945,8 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
           late,
           learner_id=int(h.learner_id),
           new_tokens=max(int(h.new_tokens), 0),
+          fragment=p,
+          round_step=int(h.round_step),
         )
         raise self._refuse(grpc.StatusCode.ABORTED, f"late: {late}")
     nbytes = 0

@@ -87,6 +87,8 @@ class SyncerConfig:
     use_grace: whether to keep a round open for the adaptive grace window after quorum (docs/algorithm.md §4.2).
     grace_gamma: γ, the fraction of slack the window spends (decision 0.8).
     grace_max_s: upper bound of the window, seconds.
+    grace_spread: let the window cover the observed spread of the answers, up to the whole slack
+      (syncer/grace.py); False: γ · slack alone.
     overlap: τ in steps; only the grace model uses it here.
     ema_decay: decay of the ξ EMAs.
     merge_method: "rda" (default) or "mean" for non-embedding tensors (docs/algorithm.md §4.5).
@@ -113,6 +115,7 @@ class SyncerConfig:
   use_grace: bool = True
   grace_gamma: float = 0.8
   grace_max_s: float = 10.0
+  grace_spread: bool = True
   overlap: int = 2
   ema_decay: float = 0.8
   merge_method: str = "rda"

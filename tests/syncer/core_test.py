@@ -1043,6 +1043,84 @@ def test_a_straggler_joins_every_round_within_the_grace_window():
   assert (stats["rounds_opened"], stats["merges"], stats["zero_weight_reports"]) == (21, 20, 0)
 
 
+def _rounds_with_a_late_answerer(delays, *, grace_spread=True, rounds=16):
+  """Learners 0 and 1 (step time 1 s, τ = 2, K = 1: slack 2 s, γ · slack 1.6 s) answer each round of
+  fragment 0; learner 1's answer comes `delays[k % len(delays)]` seconds after learner 0's. Returns
+  learner 1's statuses and the merges."""
+  clock = FakeClock(0.0)
+  core = make_core(
+    clock, learners=(0, 1), use_grace=True, grace_spread=grace_spread, overlap=2, **sgd1()
+  )
+  statuses, merges = [], []
+  for k in range(rounds):
+    step = 10 * (k + 1)
+    clock.t = 10.0 * k
+    request = core.open_round(0, step)
+    for i in (0, 1):
+      core.fetch(i, 0)
+    core.report(
+      rep(0, anchor=request.base_version, step=step + 1, round_step=step, step_time_s=1.0)
+    )
+    clock.t += delays[k % len(delays)]
+    merges += core.poll()  # Closed by now if the window was shorter than the delay.
+    result = core.report(
+      rep(1, anchor=request.base_version, step=step + 1, round_step=step, step_time_s=1.0)
+    )
+    statuses.append(result.status)
+    clock.t += 5.0
+    merges += core.poll()
+  return statuses, merges
+
+
+def test_the_window_grows_to_cover_the_answers_spread_up_to_the_slack():
+  """Learner 1 answers 1.7 s after learner 0, one round in ten 1.9 s: past γ · slack (1.6 s),
+  within the slack (2 s). Its first answers are late; once 8 delays are known (late ones too) the
+  window covers them."""
+  delays = (1.7,) * 9 + (1.9,)
+  statuses, merges = _rounds_with_a_late_answerer(delays, rounds=30)
+  assert statuses[:8] == ["late"] * 8
+  for e in merges[:8]:
+    assert e.contributors == (0,) and e.grace_s == pytest.approx(1.6)
+  # From the first 1.9 s delay on (round 9), the window reaches past 1.7 s (before, eight delays
+  # of 1.7 s put it at exactly 1.7 s, where the merge and the answer tie).
+  assert merges[8].grace_s == pytest.approx(1.7)
+  for k in range(10, 30):
+    if delays[k % 10] == 1.7:
+      assert statuses[k] == "accepted"
+      assert merges[k].contributors == (0, 1) and 1.7 < merges[k].grace_s <= 2.0
+  # Without it, γ · slack alone: every answer of learner 1 is late.
+  statuses, merges = _rounds_with_a_late_answerer(delays, grace_spread=False)
+  assert statuses == ["late"] * 16
+  assert [e.grace_s for e in merges] == [pytest.approx(1.6)] * 16
+
+
+def test_a_late_answer_refused_from_its_header_feeds_the_spread():
+  """The service refuses a closed round's answer from its header (`drop_late`); its delay counts
+  all the same, else the spread would only ever see the answers that made it."""
+  clock = FakeClock(0.0)
+  core = make_core(clock, learners=(0, 1), use_grace=True, **sgd1())
+  core.open_round(0, ROUND)
+  clock.t = 1.0
+  core.report(rep(0, step_time_s=1.0))
+  clock.t = 10.0
+  assert len(core.poll()) == 1
+  delays = core._grace.delays
+  clock.t = 12.5
+  core.drop_late(100, "closed", learner_id=1, fragment=0, round_step=ROUND + 1)  # Not that round.
+  core.drop_late(100, "closed", learner_id=1)  # No round named.
+  assert list(delays) == []
+  core.drop_late(100, "closed", learner_id=1, fragment=0, round_step=ROUND)
+  assert list(delays) == [11.5]  # 12.5 s, after the first answer at 1.0 s.
+
+
+def test_the_window_never_spends_more_than_the_slack():
+  """Learner 1 answers 3 s after learner 0: the window grows to the whole slack (2 s), no further."""
+  statuses, merges = _rounds_with_a_late_answerer((3.0,))
+  assert statuses == ["late"] * 16
+  assert merges[-1].grace_s == pytest.approx(2.0)
+  assert max(e.grace_s for e in merges) == pytest.approx(2.0)
+
+
 def test_without_grace_the_straggler_splits_every_round():
   """The same fleet without the grace window: K = 1 merges at the first answer. Learner 3's next
   boundary usually comes before the fast learners' (t + 1), so it merges alone and they are late;

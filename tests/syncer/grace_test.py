@@ -76,6 +76,54 @@ def test_state_dict_round_trip():
   g.observe_sync_time(0.05)
   h = GraceModel(decay=0.7)
   h.load_state_dict(g.state_dict())
-  assert h.state_dict() == g.state_dict()
+  assert {k: v for k, v in h.state_dict().items() if k != "delays"} == {
+    k: v for k, v in g.state_dict().items() if k != "delays"
+  }
   assert h.quorum.value is None  # never observed stays unknown
   assert h.window() == g.window()
+
+
+def test_the_spread_counts_from_eight_answers_and_is_capped_by_the_slack():
+  g = GraceModel(gamma=0.8, grace_max_s=10.0, overlap=2)
+  g.observe_step_time(1.0)
+  g.observe_sync_time(0.25)  # slack = 2 - 0 - 0.25 = 1.75; γ · slack = 1.4.
+  for _ in range(7):
+    g.observe_answer_delay(1.5)
+  assert g.spread() == 0.0 and g.window() == pytest.approx(1.4)  # Too few answers yet.
+  g.observe_answer_delay(1.5)
+  assert g.spread() == pytest.approx(1.5)
+  assert g.window() == pytest.approx(1.5)  # Covers them.
+  for _ in range(50):
+    g.observe_answer_delay(4.0)
+  assert g.window() == pytest.approx(1.75)  # Never past the slack.
+  off = GraceModel(gamma=0.8, grace_max_s=10.0, overlap=2, spread_cover=False)
+  off.load_state_dict(g.state_dict())
+  assert off.window() == pytest.approx(1.4)
+
+
+def test_the_spread_is_the_98th_percentile_of_the_last_256_delays():
+  g = GraceModel()
+  for k in range(100):
+    g.observe_answer_delay(0.01 * k)  # 0.00 .. 0.99
+  assert g.spread() == pytest.approx(0.9702)  # numpy's linear interpolation at 0.98.
+  for _ in range(256):
+    g.observe_answer_delay(0.5)  # The old delays fall out of the window.
+  assert g.spread() == pytest.approx(0.5)
+  with pytest.raises(ValueError, match="answer delay"):
+    g.observe_answer_delay(-1.0)
+
+
+def test_a_state_without_the_delays_loads_with_none():
+  g = GraceModel()
+  g.observe_step_time(0.3)
+  for _ in range(10):
+    g.observe_answer_delay(0.2)
+  h = GraceModel()
+  h.load_state_dict(g.state_dict())
+  assert list(h.delays) == [0.2] * 10 and h.spread() == g.spread()
+  old = {k: v for k, v in g.state_dict().items() if k != "delays"}
+  h.load_state_dict(old)
+  assert len(h.delays) == 0 and h.spread() == 0.0
+  assert h.step.value == g.step.value
+  with pytest.raises(ValueError, match="delays"):
+    h.load_state_dict({**old, "delays": [0.1, float("nan")]})
