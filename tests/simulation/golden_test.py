@@ -1,0 +1,81 @@
+"""A golden trajectory of a tiny simulated run: a change to the numerics shows up here.
+
+The run: 3 tiny learners, 24 steps, P = 4, H = 4, τ = 1, K = 1 + grace, outer Nesterov 0.7 / 0.9,
+a crash and a restart, int8 uplink, int4 downlink. The fixture holds its learners' logged losses,
+its evaluations and its merges. Refactoring must leave it unchanged; a change that means to alter
+the numerics regenerates it and says so in its commit message:
+
+  DDILOCO_WRITE_FIXTURE=1 .venv/bin/python -m pytest tests/simulation/golden_test.py
+"""
+
+import json
+import os
+import pathlib
+
+import pytest
+
+from ddiloco.data import text as text_data
+from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner import train_step
+from ddiloco.metrics.writer import read_events
+from ddiloco.models import configs
+from ddiloco.simulation.config import ClusterConfig
+from ddiloco.simulation.simulate import simulate
+from ddiloco.syncer.core import SyncerConfig
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "golden_tiny.json"
+WRITE = os.environ.get("DDILOCO_WRITE_FIXTURE") == "1"
+SEQ = 32
+
+
+def _trajectory(workdir: str) -> dict:
+  summary = simulate(
+    workdir=workdir,
+    model=configs.transformer_config("tiny", max_len=SEQ),
+    data=text_data.TextDataConfig(seq_len=SEQ, batch_size=4),
+    cluster=ClusterConfig(
+      num_learners=3,
+      steps_per_learner=24,
+      log_every=2,
+      faults=("crash:1@3+2",),
+      uplink_codec="int8",
+      downlink_codec="int4",
+      eval_every_s=6.0,
+    ),
+    schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
+    syncer=SyncerConfig(overlap=1, outer_lr=0.7, outer_momentum=0.9, nesterov=True),
+    inner_opt=train_step.InnerOptConfig(warmup_steps=2, decay_steps=24),
+    eval_batches=2,
+    tensorboard=False,
+  )
+  losses: dict[str, list] = {}
+  for ev in read_events(workdir, "train"):
+    losses.setdefault(str(ev["learner"]), []).append([ev["step"], ev["loss"]])
+  return {
+    "merges": summary["merges"],
+    # JSON keys are strings: the same in the fixture and here.
+    "quorum_size_counts": {str(k): v for k, v in summary["syncer"]["quorum_size_counts"].items()},
+    "final_eval_loss": summary["final_eval_loss"],
+    "evals": [loss for _, loss in summary["evals"]],
+    "losses": losses,
+  }
+
+
+def test_the_tiny_run_follows_its_golden_trajectory(tmp_path):
+  got = _trajectory(str(tmp_path / "run"))
+  if WRITE:
+    FIXTURE.parent.mkdir(exist_ok=True)
+    FIXTURE.write_text(json.dumps(got, indent=1) + "\n")
+    pytest.skip(f"wrote {FIXTURE}")
+  want = json.loads(FIXTURE.read_text())
+  assert got["merges"] == want["merges"]
+  assert got["quorum_size_counts"] == want["quorum_size_counts"]
+  assert sorted(got["losses"]) == sorted(want["losses"])
+  for learner, points in want["losses"].items():
+    steps = [s for s, _ in points]
+    assert [s for s, _ in got["losses"][learner]] == steps, learner
+    assert [x for _, x in got["losses"][learner]] == pytest.approx(
+      [x for _, x in points], rel=1e-5
+    ), learner
+  assert got["evals"] == pytest.approx(want["evals"], rel=1e-5)
+  assert got["final_eval_loss"] == pytest.approx(want["final_eval_loss"], rel=1e-5)
