@@ -28,9 +28,9 @@ import grpc
 import numpy as np
 from absl import app, flags
 
+from ddiloco.distributed.service import ServiceConfig, make_syncer, serve
 from ddiloco.protocol import RoundRequest
 from ddiloco.syncer.core import Report, SyncerConfig
-from ddiloco.syncer.service import ServiceConfig, make_syncer, serve
 from ddiloco.transport import auth
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc

@@ -56,10 +56,10 @@ import numpy as np
 import optax
 from absl import app, flags
 
+from ddiloco.distributed.service import DownlinkAdopter, ServiceConfig, make_syncer
 from ddiloco.fragments.digest import values_digest
 from ddiloco.syncer import merge as merge_lib
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
-from ddiloco.syncer.service import DownlinkAdopter, ServiceConfig, make_syncer
 
 _TENSORS = flags.DEFINE_integer("tensors", 4, "tensors in the fragment")
 _MIB = flags.DEFINE_integer("mib", 16, "fragment size in MiB (float32 values)")

@@ -55,9 +55,9 @@ import grpc
 import numpy as np
 from absl import app, flags
 
+from ddiloco.distributed.service import ServiceConfig, make_syncer, serve
 from ddiloco.fragments import layout as layout_lib
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
-from ddiloco.syncer.service import ServiceConfig, make_syncer, serve
 from ddiloco.transport import messages
 from ddiloco.transport.chunks import ArrayPool
 from ddiloco.transport.client import SyncerClient

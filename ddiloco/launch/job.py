@@ -10,13 +10,13 @@ import dataclasses
 import gin
 
 from ddiloco.data import text as text_data
+from ddiloco.distributed.service import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner.learner import Learner, LearnerConfig, check_pacing
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.models import transformer
 from ddiloco.simulation.config import LearnerSpec
 from ddiloco.simulation.runtime import LearnerFactory, resolve_task
-from ddiloco.syncer.service import ServiceConfig
 from ddiloco.syncer.types import SyncerConfig
 from ddiloco.tasks import Task
 
@@ -39,7 +39,7 @@ class JobConfig:
     steps_per_learner: inner steps each learner trains before it leaves.
     devices_per_learner: fake CPU devices per learner process (the launcher sets XLA_FLAGS).
     processes_per_learner: JAX processes forming each learner in the local launchers, as the hosts
-      of a multi-host slice (learner/multihost.py, launch/processes.py); a learner's mesh then has
+      of a multi-host slice (distributed/multihost.py, launch/processes.py); a learner's mesh then has
       processes_per_learner × devices_per_learner devices.
     batch_size: per-learner batch override (None: the task's).
     layout_strategy: "balanced", "layer" or "tensor".

@@ -25,10 +25,10 @@ from ddiloco.checkpoint.learner import (
   LearnerCheckpointer,
   abstract_opt_state,
 )
+from ddiloco.distributed import service as service_lib
+from ddiloco.distributed.worker import LearnerWorker
 from ddiloco.launch.job import JobConfig
-from ddiloco.learner.worker import LearnerWorker
 from ddiloco.metrics.writer import MetricsWriter, write_summary
-from ddiloco.syncer import service as service_lib
 from ddiloco.syncer.core import MergeEvent
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 

@@ -86,7 +86,7 @@ class LearnerFactory:
     self.tokens_per_step = self.task.units_per_step(batch_size)
     self.last_eval: dict[str, float] | None = None
     # This process's own first device: in a multi-process learner jax.devices()[0] is process 0's,
-    # which the other processes cannot read back (learner/multihost.py).
+    # which the other processes cannot read back (distributed/multihost.py).
     steps0, params0 = self._compiled(mesh_lib.learner_devices(0, 1, jax.local_devices()))
     self._init_flat = {k: np.asarray(jax.device_get(v)) for k, v in tree.flatten(params0).items()}
     self.num_params = int(sum(v.size for v in self._init_flat.values()))

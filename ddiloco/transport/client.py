@@ -2,7 +2,7 @@
 
 Every call has a deadline; the channel reconnects with gRPC's exponential backoff. Pushes answered
 ABORTED (late) or ALREADY_EXISTS (duplicate) are protocol outcomes, returned as a `ReportResult`;
-every other failure raises `grpc.RpcError` for the caller to retry or re-register (learner/worker.py).
+every other failure raises `grpc.RpcError` for the caller to retry or re-register (distributed/worker.py).
 
 The client keeps the session each Register returns, per learner id, and sends it on that learner's
 Push, Pull, Heartbeat, Leave and Rounds calls (`auth.SESSION_METADATA_KEY`); a call refused
@@ -27,7 +27,7 @@ from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
 
 _FRAMING_SLACK = 64 * 1024
-# Push refusals that are answers of the protocol, not failures of the call (syncer/service.py).
+# Push refusals that are answers of the protocol, not failures of the call (distributed/service.py).
 _PROTOCOL_STATUSES = {
   grpc.StatusCode.ABORTED: "late",
   grpc.StatusCode.ALREADY_EXISTS: "duplicate",

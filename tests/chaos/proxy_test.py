@@ -269,11 +269,11 @@ def test_bad_fault_arguments(proxy):
 
 
 def test_syncer_service_through_proxy_survives_a_drop():
-  # The ddiloco syncer behind the proxy (as tests/syncer/service_door_test.py builds it): a learner
+  # The ddiloco syncer behind the proxy (as tests/distributed/service_door_test.py builds it): a learner
   # pulls a 4 MiB fp32 fragment (1024 x 1024 values, streamed in ~1 MiB chunks) through the proxy
   # with 20 ms of latency, loses its connection, and pulls again on the same client.
+  from ddiloco.distributed.service import ServiceConfig, make_syncer, serve
   from ddiloco.syncer.core import SyncerConfig
-  from ddiloco.syncer.service import ServiceConfig, make_syncer, serve
   from ddiloco.transport.client import SyncerClient, fragment_layouts
 
   init = {"w": np.random.default_rng(0).normal(size=(1024, 1024)).astype(np.float32)}

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from ddiloco.checkpoint import journal as journal_lib
+from ddiloco.distributed.service import ServiceConfig, make_syncer, serve
 from ddiloco.fragments.digest import values_digest
 from ddiloco.syncer.core import Report, SyncerConfig
-from ddiloco.syncer.service import ServiceConfig, make_syncer, serve
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 
 pytestmark = pytest.mark.timeout(60)  # Sockets and threads: a hang must fail the test.

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ddiloco.distributed.service import ServiceConfig, make_syncer, serve
 from ddiloco.syncer.core import SyncerConfig
-from ddiloco.syncer.service import ServiceConfig, make_syncer, serve
 from ddiloco.transport import auth
 from ddiloco.transport.client import SyncerClient
 

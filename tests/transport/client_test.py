@@ -5,9 +5,9 @@ import grpc
 import numpy as np
 import pytest
 
+from ddiloco.distributed.service import ServiceConfig, make_syncer, serve
 from ddiloco.fragments.compression import RUN_VALUES
 from ddiloco.syncer.core import Report, RoundRequest, SyncerConfig
-from ddiloco.syncer.service import ServiceConfig, make_syncer, serve
 from ddiloco.transport import messages
 from ddiloco.transport.client import SyncerClient
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc

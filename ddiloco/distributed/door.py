@@ -1,6 +1,6 @@
 """The syncer's gRPC door against hostile or overflowing clients: bounds, deadlines and admission.
 
-The service (syncer/service.py) is a synchronous gRPC server: every call holds one server thread for
+The service (distributed/service.py) is a synchronous gRPC server: every call holds one server thread for
 its whole life, and a Push handler blocks on the client's next chunk. Pieces here keep any client,
 token holder or not, from starving the server or growing its memory:
 

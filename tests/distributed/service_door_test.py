@@ -26,8 +26,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ddiloco.syncer.core import FragmentState, Report, RoundRequest, SyncerConfig
-from ddiloco.syncer.service import (
+from ddiloco.distributed.service import (
   SERVICE_NAME,
   ServiceConfig,
   SyncerServer,
@@ -35,6 +34,7 @@ from ddiloco.syncer.service import (
   make_syncer,
   serve,
 )
+from ddiloco.syncer.core import FragmentState, Report, RoundRequest, SyncerConfig
 from ddiloco.transport import messages, wire
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc

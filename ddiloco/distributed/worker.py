@@ -309,7 +309,7 @@ class LearnerWorker:
     """The device half of `connect`: loads the global fragments and joins the fleet's cadence.
 
     Separate from `_fetch_global` so that a multi-process learner's other processes, which never
-    talk to the syncer, load the same fragments (learner/multihost.py).
+    talk to the syncer, load the same fragments (distributed/multihost.py).
     """
     self.learner.load_global(loaded)
     # What the devices now hold must be the syncer's bits (docs/algorithm.md §4.7).

@@ -1,4 +1,4 @@
-"""The syncer's door against hostile or overflowing clients (syncer/door.py, syncer/service.py).
+"""The syncer's door against hostile or overflowing clients (distributed/door.py, distributed/service.py).
 
 One test or more per kind of abuse: stalled and surplus streams, a second syncer on a port in use,
 oversized text, a churn of learner ids, calls made with another learner's id, undecodable requests,
@@ -21,8 +21,7 @@ import grpc
 import numpy as np
 import pytest
 
-from ddiloco.syncer.core import Report, RoundRequest, SyncerConfig
-from ddiloco.syncer.service import (
+from ddiloco.distributed.service import (
   BindError,
   InsecureServeError,
   ServiceConfig,
@@ -31,6 +30,7 @@ from ddiloco.syncer.service import (
   make_syncer,
   serve,
 )
+from ddiloco.syncer.core import Report, RoundRequest, SyncerConfig
 from ddiloco.transport import auth, messages
 from ddiloco.transport.client import SyncerClient
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
@@ -349,7 +349,7 @@ def test_push_header_with_an_oversized_codec(env):
 
 
 def test_logged_client_text_is_clipped(env, caplog):
-  with caplog.at_level(logging.INFO, logger="ddiloco.syncer.service"):
+  with caplog.at_level(logging.INFO, logger="ddiloco.distributed.service"):
     env.client.register(6, layout_digest=DIGEST, num_fragments=2, host="h" * 255)
   (line,) = [r.getMessage() for r in caplog.records if "learner 6 registered" in r.getMessage()]
   assert len(line) < 120 and "h" * 64 in line and "h" * 65 not in line
@@ -534,7 +534,7 @@ def test_no_token_on_a_network_address_is_refused(address):
 
 def test_insecure_flag_serves_without_a_token_and_warns(caplog):
   svc = _bare_service()
-  with caplog.at_level(logging.WARNING, logger="ddiloco.syncer.service"):
+  with caplog.at_level(logging.WARNING, logger="ddiloco.distributed.service"):
     srv = serve(svc, address="0.0.0.0:0", insecure=True)
   try:
     assert any("WITHOUT authentication" in r.getMessage() for r in caplog.records)

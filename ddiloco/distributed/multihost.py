@@ -43,8 +43,8 @@ from ddiloco.checkpoint.learner import (
   LearnerCheckpointer,
   abstract_opt_state,
 )
+from ddiloco.distributed.worker import LearnerWorker
 from ddiloco.launch.job import JobConfig
-from ddiloco.learner.worker import LearnerWorker
 from ddiloco.metrics.writer import MetricsWriter
 from ddiloco.parallel.multihost import GlobalBatches, ProcessGroup
 from ddiloco.transport.client import SyncerClient, fragment_layouts

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from ddiloco.syncer import door
+from ddiloco.distributed import door
 from ddiloco.transport.proto import syncer_pb2
 
 pytestmark = pytest.mark.timeout(30)

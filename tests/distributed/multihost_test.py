@@ -14,13 +14,13 @@ import queue
 import pytest
 
 from ddiloco.data import text as text_data
+from ddiloco.distributed import multihost
+from ddiloco.distributed import service as service_lib
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch.job import JobConfig
-from ddiloco.learner import multihost
 from ddiloco.learner.learner import LearnerConfig
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.models import configs
-from ddiloco.syncer import service as service_lib
 from ddiloco.syncer.types import SyncerConfig
 from ddiloco.transport.client import SyncerClient
 

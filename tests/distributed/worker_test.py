@@ -24,15 +24,15 @@ import pytest
 
 from ddiloco.checkpoint.learner import LearnerCheckpointConfig
 from ddiloco.data import text as text_data
+from ddiloco.distributed import service as service_lib
+from ddiloco.distributed import worker as worker_lib
+from ddiloco.distributed.worker import LearnerWorker
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch import runtime
 from ddiloco.launch.job import JobConfig
-from ddiloco.learner import worker as worker_lib
 from ddiloco.learner.learner import LearnerConfig
 from ddiloco.learner.train_step import InnerOptConfig
-from ddiloco.learner.worker import LearnerWorker
 from ddiloco.models import configs
-from ddiloco.syncer import service as service_lib
 from ddiloco.syncer.types import Report, ReportResult, SyncerConfig
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 

@@ -21,7 +21,7 @@ learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runti
     UNAUTHENTICATED     a missing or wrong shared token (transport/auth.py)
     PERMISSION_DENIED   a missing or wrong learner session (below)
     INVALID_ARGUMENT    also: request bytes that do not decode, a text field over its bound (host
-                        255 characters, layout digest 128, codec 16, any other 256; syncer/door.py)
+                        255 characters, layout digest 128, codec 16, any other 256; distributed/door.py)
     RESOURCE_EXHAUSTED  also: a Push or Pull beyond `max_data_streams` open (or
                         `max_data_streams_per_learner` for one learner), the oldest push still
                         without its first chunk when `max_unclaimed_streams` are (it is cut to
@@ -42,7 +42,7 @@ learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runti
   from the shared token's UNAUTHENTICATED: re-registering fixes it, so learners register again on
   it). The shared token still admits Register for any id, which voids the previous session: a
   restarted learner must be able to rejoin without its old credential.
-- Capacity (syncer/door.py): the server is synchronous, every call holding a thread for its life.
+- Capacity (distributed/door.py): the server is synchronous, every call holding a thread for its life.
   Its pool has `control_workers + max_data_streams + max_rounds_streams` threads; data streams and
   Rounds streams are admitted within their bounds, so at least `control_workers` threads always
   remain for Register, Heartbeat, Status, Leave and quick refusals. A push is read through a helper
@@ -88,10 +88,10 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from ddiloco.distributed import door
 from ddiloco.fragments import compression
 from ddiloco.metrics.writer import quantiles
 from ddiloco.protocol import counter_error, step_time_error
-from ddiloco.syncer import door
 from ddiloco.syncer.core import (
   FragmentState,
   MergeEvent,
@@ -792,7 +792,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     )
 
   def _admitted_push(self, args):
-    """A push within the stream bounds, read with the idle and total deadlines (syncer/door.py)."""
+    """A push within the stream bounds, read with the idle and total deadlines (distributed/door.py)."""
     request_iterator, session, body = args
     cfg = self._cfg
     stream = door.PacedStream(
