@@ -10,7 +10,8 @@ prints the wall-clock time of each, the total, and the ratio to the 10 s budget.
 import argparse
 import time
 
-from ddiloco.simulation import goodput, goodput_model
+from ddiloco.goodput import fleet as goodput
+from ddiloco.goodput import model as goodput_model
 
 _BUDGET_S = 10.0
 

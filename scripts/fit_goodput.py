@@ -17,7 +17,7 @@ model (docs/goodput.md, "How the constants were found").
   python scripts/fit_goodput.py --sensitivity   # ±20 % on each shipped constant; sensitivity.*
 
 A fit takes ~10 minutes on one core. The fitted values are the defaults in
-gin_configs/goodput/paper_table.gin and ddiloco/simulation/goodput_model.py.
+gin_configs/goodput/paper_table.gin and ddiloco/goodput/model.py.
 """
 
 import argparse
@@ -28,8 +28,9 @@ import time
 import numpy as np
 from scipy import optimize
 
-from ddiloco.simulation import goodput, goodput_model
-from ddiloco.simulation.goodput_model import (
+from ddiloco.goodput import fleet as goodput
+from ddiloco.goodput import model as goodput_model
+from ddiloco.goodput.model import (
   Costs,
   DataParallel,
   DecoupledDiLoCo,

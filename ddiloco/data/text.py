@@ -37,7 +37,7 @@ import numpy as np
 
 from ddiloco.data import tokenizers
 from ddiloco.data.sharding import CheckedShardIterator, ShardBatchIds
-from ddiloco.data.tokenizers import get_tokenizer  # Re-exported: simulation/runtime uses it.
+from ddiloco.data.tokenizers import get_tokenizer  # Re-exported: learner/factory.py uses it.
 
 NUM_PLAYS = 38
 SPLITS = ("train", "eval")

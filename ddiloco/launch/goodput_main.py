@@ -15,8 +15,10 @@ from collections.abc import Sequence
 import gin
 from absl import app, flags
 
+from ddiloco.goodput import bandwidth
+from ddiloco.goodput import model as goodput_model
+from ddiloco.goodput import report as goodput_report
 from ddiloco.launch import cli, gin_flags
-from ddiloco.simulation import bandwidth, goodput_model, goodput_report
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder.", required=True)
 

@@ -12,11 +12,10 @@ import gin
 from ddiloco.data import text as text_data
 from ddiloco.distributed.service import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner.factory import LearnerFactory, LearnerSpec, resolve_task
 from ddiloco.learner.learner import Learner, LearnerConfig, check_pacing
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.models import transformer
-from ddiloco.simulation.config import LearnerSpec
-from ddiloco.simulation.runtime import LearnerFactory, resolve_task
 from ddiloco.syncer.types import SyncerConfig
 from ddiloco.tasks import Task
 

@@ -32,6 +32,7 @@ import numpy as np
 from ddiloco.fragments import tree
 from ddiloco.fragments.layout import FragmentLayout
 from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner.factory import LearnerFactory
 from ddiloco.learner.learner import Learner, LearnerConfig
 from ddiloco.metrics import progress as progress_fields
 from ddiloco.metrics.accounting import BLOCKED, BUSY, DOWN, GONE, TimeLedger
@@ -39,7 +40,6 @@ from ddiloco.metrics.writer import MetricsWriter
 from ddiloco.protocol import FragmentState, RoundRequest
 from ddiloco.simulation.config import ClusterConfig, LearnerSpec
 from ddiloco.simulation.faults import Fault, parse_faults
-from ddiloco.simulation.runtime import LearnerFactory
 from ddiloco.syncer.core import MergeEvent, SyncerCore
 from ddiloco.transport import wire
 

@@ -6,24 +6,8 @@ import math
 import gin
 
 from ddiloco.fragments import compression
+from ddiloco.learner.factory import LearnerSpec  # Re-exported: the fleet is a list of them.
 from ddiloco.simulation.faults import parse_faults
-
-
-@dataclasses.dataclass(frozen=True)
-class LearnerSpec:
-  """One learner's hardware, as the simulator sees it.
-
-  Attributes:
-    step_time_s: virtual seconds per inner step.
-    batch_size: sequences per step (None: the data config's).
-    devices: devices in this learner's mesh.
-    jitter: log-normal sigma of the per-step time (0: constant).
-  """
-
-  step_time_s: float = 1.0
-  batch_size: int | None = None
-  devices: int = 1
-  jitter: float = 0.0
 
 
 @gin.configurable(module="ddiloco")

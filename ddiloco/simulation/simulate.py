@@ -13,13 +13,13 @@ import gin
 
 from ddiloco.data import text as text_data
 from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner.factory import LearnerFactory
 from ddiloco.learner.learner import LearnerConfig, check_pacing
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.metrics.writer import MetricsWriter, write_summary
 from ddiloco.models import transformer
 from ddiloco.simulation.cluster import SimulatedCluster
 from ddiloco.simulation.config import ClusterConfig
-from ddiloco.simulation.runtime import LearnerFactory
 from ddiloco.syncer.core import SyncerConfig, SyncerCore
 from ddiloco.tasks import Task
 from ddiloco.transport import wire

@@ -1,6 +1,6 @@
 """`Task`: what a run trains — a model, its loss, its data and its evaluation set.
 
-The learner step (`ddiloco.learner.train_step`), the learner factory (`ddiloco.simulation.runtime`),
+The learner step (`ddiloco.learner.train_step`), the learner factory (`ddiloco.learner.factory`),
 the simulator and the distributed `JobConfig` only talk to a `Task`, so a dense language model, a
 mixture of experts and a vision transformer go through the same learners, fragments, compression,
 RDA merge and syncer unchanged (docs/architecture.md "dependency rule": a task knows nothing of

@@ -8,8 +8,8 @@ import sys
 import gin
 import pytest
 
+from ddiloco.goodput import model as goodput_model
 from ddiloco.launch import goodput_main
-from ddiloco.simulation import goodput_model
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 _CONFIGS = sorted((_ROOT / "gin_configs" / "goodput").glob("*.gin"))

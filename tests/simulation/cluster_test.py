@@ -11,12 +11,12 @@ from ddiloco.data import text as text_data
 from ddiloco.fragments import tree
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner import train_step
+from ddiloco.learner.factory import LearnerFactory
 from ddiloco.learner.learner import LearnerConfig
 from ddiloco.metrics.writer import read_events, read_scalars
 from ddiloco.models import configs
 from ddiloco.simulation.cluster import SimulatedCluster
 from ddiloco.simulation.config import ClusterConfig
-from ddiloco.simulation.runtime import LearnerFactory
 from ddiloco.simulation.simulate import simulate
 from ddiloco.syncer.core import SyncerConfig, SyncerCore
 

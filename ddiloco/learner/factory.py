@@ -1,8 +1,11 @@
 """Builds what every learner of a run shares: the task, meshes, compiled steps, layout and eval set.
 
-Used by the simulated cluster; the distributed learner process builds the same pieces for one learner.
+Used by the simulated cluster and by the distributed learner process (`JobConfig.make_learner`),
+which builds the same pieces for one learner.
 What is trained (model, loss, data, eval, mean-merged tensors) comes from a `ddiloco.tasks.Task`.
 """
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -16,8 +19,24 @@ from ddiloco.learner.learner import Learner, LearnerConfig
 from ddiloco.models import transformer
 from ddiloco.parallel import mesh as mesh_lib
 from ddiloco.parallel import partitioning
-from ddiloco.simulation.config import LearnerSpec
 from ddiloco.tasks import Task, TextTask
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerSpec:
+  """One learner's hardware, as the factory and the simulator see it.
+
+  Attributes:
+    step_time_s: virtual seconds per inner step.
+    batch_size: sequences per step (None: the data config's).
+    devices: devices in this learner's mesh.
+    jitter: log-normal sigma of the per-step time (0: constant).
+  """
+
+  step_time_s: float = 1.0
+  batch_size: int | None = None
+  devices: int = 1
+  jitter: float = 0.0
 
 
 def resolve_task(

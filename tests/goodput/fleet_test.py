@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from ddiloco.simulation import goodput, goodput_job, goodput_model
-from ddiloco.simulation.goodput_model import (
+from ddiloco.goodput import fleet as goodput
+from ddiloco.goodput import job as goodput_job
+from ddiloco.goodput import model as goodput_model
+from ddiloco.goodput.model import (
   Costs,
   DataParallel,
   DecoupledDiLoCo,

@@ -1,9 +1,9 @@
-"""Tests for ddiloco.simulation.bandwidth: docs/algorithm.md §7's figures, derived by hand."""
+"""Tests for ddiloco.goodput.bandwidth: docs/algorithm.md §7's figures, derived by hand."""
 
 import numpy as np
 import pytest
 
-from ddiloco.simulation import bandwidth
+from ddiloco.goodput import bandwidth
 
 # A 5B-parameter model at a 1 s step, between two sites (docs/algorithm.md §7).
 _PARAMS = 5e9

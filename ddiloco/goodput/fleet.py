@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ddiloco.simulation.goodput_job import JobTrace, simulate_job
-from ddiloco.simulation.goodput_model import (
+from ddiloco.goodput.job import JobTrace, simulate_job
+from ddiloco.goodput.model import (
   Costs,
   DataParallel,
   DecoupledDiLoCo,

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from ddiloco.simulation.goodput_model import Costs, Fleet
+from ddiloco.goodput.model import Costs, Fleet
 
 _FAIL = 0
 _RECOVER = 1

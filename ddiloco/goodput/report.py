@@ -14,8 +14,10 @@ matplotlib.use("Agg")  # Headless: plots go to files only.
 import matplotlib.pyplot as plt
 import numpy as np
 
-from ddiloco.simulation import bandwidth, goodput, goodput_model
-from ddiloco.simulation.goodput_model import Costs, Fleet, Result, System
+from ddiloco.goodput import bandwidth
+from ddiloco.goodput import fleet as goodput
+from ddiloco.goodput import model as goodput_model
+from ddiloco.goodput.model import Costs, Fleet, Result, System
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

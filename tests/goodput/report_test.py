@@ -1,6 +1,8 @@
-"""Tests for the goodput table's wording (ddiloco.simulation.goodput_report)."""
+"""Tests for the goodput table's wording (ddiloco.goodput.report)."""
 
-from ddiloco.simulation import goodput, goodput_model, goodput_report
+from ddiloco.goodput import fleet as goodput
+from ddiloco.goodput import model as goodput_model
+from ddiloco.goodput import report as goodput_report
 
 
 def _result(system: str, chips: int, g: float, up: float) -> goodput.Result:
