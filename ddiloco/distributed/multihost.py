@@ -31,23 +31,12 @@ reports: the followers' copy is approximate and the leader's summary is the lear
 
 import collections
 import hashlib
-import os
 import pickle
 import queue
 from typing import Any
 
-import jax
-
-from ddiloco.checkpoint.learner import (
-  LearnerCheckpointConfig,
-  LearnerCheckpointer,
-  abstract_opt_state,
-)
 from ddiloco.distributed.worker import LearnerWorker
-from ddiloco.launch.job import JobConfig
-from ddiloco.metrics.writer import MetricsWriter
-from ddiloco.parallel.multihost import GlobalBatches, ProcessGroup
-from ddiloco.transport.client import SyncerClient, fragment_layouts
+from ddiloco.parallel.multihost import ProcessGroup
 
 
 class _GatedQueue:
@@ -79,7 +68,7 @@ class _GatedQueue:
       raise queue.Empty from None
 
 
-class _NoSyncer:
+class NoSyncer:
   """The syncer client of a follower process: only the leader talks to the syncer."""
 
   address = "(process 0 of this learner)"
@@ -229,69 +218,3 @@ class MultihostWorker(LearnerWorker):
       params_digest=self.params_digest,
     )
     return out
-
-
-def make_multihost_worker(
-  job: JobConfig,
-  *,
-  learner_id: int,
-  client: SyncerClient | None,
-  workdir: str,
-  connect_timeout_s: float = 120.0,
-  checkpoint: LearnerCheckpointConfig | None = None,
-  learner_workdir: str | None = None,
-) -> tuple[MultihostWorker, MetricsWriter]:
-  """This process's part of learner `learner_id`, on the global devices of all its processes.
-
-  Call after `parallel.multihost.initialize`. Every process reads the learner's data shard and feeds
-  the rows of its own devices (`GlobalBatches`), so the learner's batch is `job.batch_size`.
-
-  Args:
-    job: the run's config (identical in every process).
-    learner_id: the learner's id at the syncer.
-    client: the syncer client (process 0 only; None elsewhere).
-    workdir: this process's output folder.
-    connect_timeout_s: how long process 0's first registration may take.
-    checkpoint: learner checkpoints (None or not enabled: none), shared by the processes.
-    learner_workdir: the learner's output folder (process 0's `workdir`, the default), where the
-      checkpoint folder is unless `checkpoint.directory` says otherwise: the same in every process.
-
-  Returns:
-    The worker and its metrics writer.
-
-  Raises:
-    ValueError: without a client on process 0, or with one elsewhere.
-  """
-  if (client is not None) != (jax.process_index() == 0):
-    raise ValueError("Process 0, and only process 0, of a learner needs a syncer client.")
-  # jax.devices() is global here: the learner's mesh spans every process of the learner.
-  factory, spec, learner = job.make_learner(learner_id)
-  group = ProcessGroup(learner.steps.mesh)
-  data = GlobalBatches(iter(factory.make_data(learner_id, spec=spec)), learner.steps.batch_sharding)
-  os.makedirs(workdir, exist_ok=True)
-  checkpointer = None
-  if checkpoint is not None and checkpoint.enabled:
-    checkpointer = LearnerCheckpointer(
-      checkpoint,
-      learner_id=learner_id,
-      workdir=learner_workdir or workdir,
-      opt_target=abstract_opt_state(learner.steps, learner.params),
-      layout_digest=factory.layout.digest,
-      group=group,
-    )
-  # One TensorBoard run per learner: process 0's (the others' curves would repeat it).
-  writer = MetricsWriter(workdir, tensorboard=jax.process_index() == 0)
-  worker = MultihostWorker(
-    group=group,
-    learner=learner,
-    data=data,
-    client=client if client is not None else _NoSyncer(),
-    layout_digest=factory.layout.digest,
-    layouts=fragment_layouts(factory.layout.fragments, factory.global_init_values()),
-    writer=writer,
-    batch_size=job.learner_batch_size(),
-    log_every=job.log_every,
-    connect_timeout_s=connect_timeout_s,
-    checkpointer=checkpointer,
-  )
-  return worker, writer

@@ -120,9 +120,7 @@ def main(argv: list[str]) -> None:
       max_chunk_bytes=svc.max_chunk_bytes,
     )
   if multi:
-    from ddiloco.distributed import multihost as multihost_worker
-
-    worker, writer = multihost_worker.make_multihost_worker(
+    worker, writer = runtime.make_multihost_worker(
       job,
       learner_id=_LEARNER_ID.value,
       client=client,

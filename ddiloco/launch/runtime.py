@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
 
+import jax
 import numpy as np
 
 from ddiloco.checkpoint import syncer as ckpt_lib
@@ -25,10 +26,12 @@ from ddiloco.checkpoint.learner import (
   LearnerCheckpointer,
   abstract_opt_state,
 )
+from ddiloco.distributed import multihost as multihost_lib
 from ddiloco.distributed import service as service_lib
 from ddiloco.distributed.worker import LearnerWorker
 from ddiloco.launch.job import JobConfig
 from ddiloco.metrics.writer import MetricsWriter, write_summary
+from ddiloco.parallel.multihost import GlobalBatches, ProcessGroup
 from ddiloco.syncer.core import MergeEvent
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 
@@ -390,6 +393,72 @@ def make_learner_worker(
     learner=learner,
     data=data,
     client=client,
+    layout_digest=factory.layout.digest,
+    layouts=fragment_layouts(factory.layout.fragments, factory.global_init_values()),
+    writer=writer,
+    batch_size=job.learner_batch_size(),
+    log_every=job.log_every,
+    connect_timeout_s=connect_timeout_s,
+    checkpointer=checkpointer,
+  )
+  return worker, writer
+
+
+def make_multihost_worker(
+  job: JobConfig,
+  *,
+  learner_id: int,
+  client: SyncerClient | None,
+  workdir: str,
+  connect_timeout_s: float = 120.0,
+  checkpoint: LearnerCheckpointConfig | None = None,
+  learner_workdir: str | None = None,
+) -> tuple[multihost_lib.MultihostWorker, MetricsWriter]:
+  """This process's part of learner `learner_id`, on the global devices of all its processes.
+
+  Call after `parallel.multihost.initialize`. Every process reads the learner's data shard and feeds
+  the rows of its own devices (`GlobalBatches`), so the learner's batch is `job.batch_size`.
+
+  Args:
+    job: the run's config (identical in every process).
+    learner_id: the learner's id at the syncer.
+    client: the syncer client (process 0 only; None elsewhere).
+    workdir: this process's output folder.
+    connect_timeout_s: how long process 0's first registration may take.
+    checkpoint: learner checkpoints (None or not enabled: none), shared by the processes.
+    learner_workdir: the learner's output folder (process 0's `workdir`, the default), where the
+      checkpoint folder is unless `checkpoint.directory` says otherwise: the same in every process.
+
+  Returns:
+    The worker and its metrics writer.
+
+  Raises:
+    ValueError: without a client on process 0, or with one elsewhere.
+  """
+  if (client is not None) != (jax.process_index() == 0):
+    raise ValueError("Process 0, and only process 0, of a learner needs a syncer client.")
+  # jax.devices() is global here: the learner's mesh spans every process of the learner.
+  factory, spec, learner = job.make_learner(learner_id)
+  group = ProcessGroup(learner.steps.mesh)
+  data = GlobalBatches(iter(factory.make_data(learner_id, spec=spec)), learner.steps.batch_sharding)
+  os.makedirs(workdir, exist_ok=True)
+  checkpointer = None
+  if checkpoint is not None and checkpoint.enabled:
+    checkpointer = LearnerCheckpointer(
+      checkpoint,
+      learner_id=learner_id,
+      workdir=learner_workdir or workdir,
+      opt_target=abstract_opt_state(learner.steps, learner.params),
+      layout_digest=factory.layout.digest,
+      group=group,
+    )
+  # One TensorBoard run per learner: process 0's (the others' curves would repeat it).
+  writer = MetricsWriter(workdir, tensorboard=jax.process_index() == 0)
+  worker = multihost_lib.MultihostWorker(
+    group=group,
+    learner=learner,
+    data=data,
+    client=client if client is not None else multihost_lib.NoSyncer(),
     layout_digest=factory.layout.digest,
     layouts=fragment_layouts(factory.layout.fragments, factory.global_init_values()),
     writer=writer,

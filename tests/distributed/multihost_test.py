@@ -17,6 +17,7 @@ from ddiloco.data import text as text_data
 from ddiloco.distributed import multihost
 from ddiloco.distributed import service as service_lib
 from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.launch import runtime
 from ddiloco.launch.job import JobConfig
 from ddiloco.learner.learner import LearnerConfig
 from ddiloco.learner.train_step import InnerOptConfig
@@ -58,7 +59,7 @@ def test_gated_queue_hides_items_until_released():
 
 
 def test_followers_client_refuses_every_call():
-  client = multihost._NoSyncer()
+  client = multihost.NoSyncer()
   assert (client.bytes_up, client.bytes_down) == (0, 0)
   with pytest.raises(RuntimeError, match="only process 0"):
     client.register(0)
@@ -82,7 +83,7 @@ def syncer():
 
 def test_process_zero_needs_the_client(tmp_path):
   with pytest.raises(ValueError, match="only process 0"):
-    multihost.make_multihost_worker(JOB, learner_id=0, client=None, workdir=str(tmp_path))
+    runtime.make_multihost_worker(JOB, learner_id=0, client=None, workdir=str(tmp_path))
 
 
 # Lock-step (the synchronous baselines' pacing): the syncer opens round (p, t) once the learner's
@@ -108,7 +109,7 @@ def test_one_process_trains_applies_exact_bits_and_digests_params(tmp_path):
   srv = service_lib.serve(svc)
   try:
     client = SyncerClient(f"127.0.0.1:{srv.port}", deadline_s=10.0)
-    worker, writer = multihost.make_multihost_worker(
+    worker, writer = runtime.make_multihost_worker(
       LOCK_STEP, learner_id=0, client=client, workdir=str(tmp_path), connect_timeout_s=30.0
     )
     worker.connect()
@@ -143,7 +144,7 @@ def test_one_process_trains_applies_exact_bits_and_digests_params(tmp_path):
 def test_a_stop_request_takes_effect_at_the_next_shared_step(syncer, tmp_path):
   _, address = syncer
   client = SyncerClient(address, deadline_s=10.0)
-  worker, writer = multihost.make_multihost_worker(
+  worker, writer = runtime.make_multihost_worker(
     JOB, learner_id=0, client=client, workdir=str(tmp_path), connect_timeout_s=30.0
   )
   worker.connect()

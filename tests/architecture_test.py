@@ -1,0 +1,68 @@
+"""The package layering of docs/architecture.md ("dependency rule"), read from the sources' imports."""
+
+import ast
+import collections
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "ddiloco"
+# Pure packages: no sockets, threads or processes (those live in distributed/, launch/, chaos/).
+PURE = ("syncer", "learner", "fragments", "simulation", "models")
+IMPURE_MODULES = ("grpc", "threading", "subprocess")
+
+
+def _imports(path: pathlib.Path) -> list[str]:
+  out = []
+  for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    if isinstance(node, ast.Import):
+      out += [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      out.append(node.module)
+  return out
+
+
+def _package_graph() -> dict[str, set[str]]:
+  """{package: the other ddiloco packages its modules import}."""
+  graph: dict[str, set[str]] = collections.defaultdict(set)
+  for path in ROOT.rglob("*.py"):
+    parts = path.relative_to(ROOT).parts
+    if len(parts) < 2:
+      continue  # ddiloco/__init__.py, ddiloco/protocol.py: shared by every package.
+    for name in _imports(path):
+      bits = name.split(".")
+      other = bits[1] if bits[0] == "ddiloco" and len(bits) > 1 else None
+      if other is not None and other != parts[0] and (ROOT / other).is_dir():
+        graph[parts[0]].add(other)
+  return graph
+
+
+def test_pure_packages_import_no_grpc_threads_or_processes():
+  offenders = []
+  for pkg in PURE:
+    for path in (ROOT / pkg).rglob("*.py"):
+      for name in _imports(path):
+        if name.split(".")[0] in IMPURE_MODULES:
+          offenders.append(f"{path.relative_to(ROOT)} imports {name}")
+  assert offenders == []
+
+
+def test_no_import_cycle_between_packages():
+  graph = _package_graph()
+  cycles = []
+  for a in sorted(graph):
+    for b in sorted(graph[a]):
+      seen, stack = set(), [b]
+      while stack:
+        x = stack.pop()
+        if x == a:
+          cycles.append(f"{a} -> {b} -> ... -> {a}")
+          break
+        if x not in seen:
+          seen.add(x)
+          stack.extend(graph.get(x, ()))
+  assert cycles == []
+
+
+def test_the_pure_core_never_imports_the_runtime():
+  graph = _package_graph()
+  for pkg in ("syncer", "fragments", "models", "learner"):
+    assert not graph[pkg] & {"distributed", "launch", "chaos", "transport"}, pkg
