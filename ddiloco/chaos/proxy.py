@@ -115,7 +115,43 @@ class _Conn:
     _reset(self.upstream)
 
 
-class LoopbackProxy:
+class _Proxy:
+  """What both proxies share: the context manager, the address and the fault arguments' checks."""
+
+  port: int
+
+  def start(self) -> int:
+    raise NotImplementedError
+
+  def stop(self) -> None:
+    raise NotImplementedError
+
+  def __enter__(self):
+    self.start()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
+
+  @property
+  def address(self) -> str:
+    """'127.0.0.1:<port>', what the learners dial."""
+    return f"127.0.0.1:{self.port}"
+
+  @staticmethod
+  def _check_latency(seconds: float) -> None:
+    if not seconds >= 0:
+      raise ValueError(f"Latency must be >= 0, got {seconds}.")
+
+  @staticmethod
+  def _check_partition(duration_s: float | None, mode: str) -> None:
+    if mode not in PARTITION_MODES:
+      raise ValueError(f"mode must be one of {PARTITION_MODES}, got {mode!r}.")
+    if duration_s is not None and not duration_s > 0:
+      raise ValueError(f"duration_s must be > 0, got {duration_s}.")
+
+
+class LoopbackProxy(_Proxy):
   """A fault-injecting TCP proxy on 127.0.0.1 (see the module docstring).
 
   Every public method is thread-safe and, but for `stats`, waits until the change is in effect.
@@ -202,24 +238,11 @@ class LoopbackProxy:
     self._loop.close()
     self._thread = None
 
-  def __enter__(self) -> "LoopbackProxy":
-    self.start()
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.stop()
-
-  @property
-  def address(self) -> str:
-    """'127.0.0.1:<port>', what the learners dial."""
-    return f"127.0.0.1:{self.port}"
-
   # -- faults ---------------------------------------------------------------------------------
 
   def set_latency(self, seconds: float) -> None:
     """Adds `seconds` of one-way delay to every read forwarded from now on, both directions."""
-    if not seconds >= 0:
-      raise ValueError(f"Latency must be >= 0, got {seconds}.")
+    self._check_latency(seconds)
 
     async def apply():
       self._latency_s = float(seconds)
@@ -232,10 +255,7 @@ class LoopbackProxy:
 
   def partition(self, duration_s: float | None = None, *, mode: str = "hold") -> None:
     """Cuts the network (see the module docstring) until heal() or for `duration_s` seconds."""
-    if mode not in PARTITION_MODES:
-      raise ValueError(f"mode must be one of {PARTITION_MODES}, got {mode!r}.")
-    if duration_s is not None and not duration_s > 0:
-      raise ValueError(f"duration_s must be > 0, got {duration_s}.")
+    self._check_partition(duration_s, mode)
 
     async def apply():
       self._heal_now()  # A new partition replaces the current one.
@@ -406,7 +426,7 @@ class LoopbackProxy:
       tg.create_task(forward())
 
 
-class ProxyProcess:
+class ProxyProcess(_Proxy):
   """`LoopbackProxy` in a child process of its own session, with the same public methods.
 
   Control calls travel as JSON lines over the child's stdin and stdout, one at a time; the child
@@ -493,22 +513,9 @@ class ProxyProcess:
       self._proc.kill()
       self._proc.wait(self._timeout_s)
 
-  def __enter__(self) -> "ProxyProcess":
-    self.start()
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.stop()
-
-  @property
-  def address(self) -> str:
-    """'127.0.0.1:<port>', what the learners dial."""
-    return f"127.0.0.1:{self.port}"
-
   def set_latency(self, seconds: float) -> None:
     """See `LoopbackProxy.set_latency`."""
-    if not seconds >= 0:
-      raise ValueError(f"Latency must be >= 0, got {seconds}.")
+    self._check_latency(seconds)
     self._call("set_latency", float(seconds))
 
   def drop(self) -> int:
@@ -517,10 +524,7 @@ class ProxyProcess:
 
   def partition(self, duration_s: float | None = None, *, mode: str = "hold") -> None:
     """See `LoopbackProxy.partition`."""
-    if mode not in PARTITION_MODES:
-      raise ValueError(f"mode must be one of {PARTITION_MODES}, got {mode!r}.")
-    if duration_s is not None and not duration_s > 0:
-      raise ValueError(f"duration_s must be > 0, got {duration_s}.")
+    self._check_partition(duration_s, mode)
     self._call("partition", duration_s, mode=mode)
 
   def heal(self) -> None:

@@ -379,29 +379,56 @@ def make_learner_worker(
   if data is None:
     data = iter(factory.make_data(learner_id, spec=spec))
   os.makedirs(workdir, exist_ok=True)
-  checkpointer = None
-  if checkpoint is not None and checkpoint.enabled:
-    checkpointer = LearnerCheckpointer(
-      checkpoint,
-      learner_id=learner_id,
-      workdir=workdir,
-      opt_target=abstract_opt_state(learner.steps, learner.params),
-      layout_digest=factory.layout.digest,
-    )
   writer = MetricsWriter(workdir, deferred=True)  # TensorBoard at the end (MetricsWriter).
   worker = LearnerWorker(
     learner=learner,
     data=data,
     client=client,
-    layout_digest=factory.layout.digest,
-    layouts=fragment_layouts(factory.layout.fragments, factory.global_init_values()),
     writer=writer,
-    batch_size=job.learner_batch_size(),
-    log_every=job.log_every,
-    connect_timeout_s=connect_timeout_s,
-    checkpointer=checkpointer,
+    **_worker_args(
+      job,
+      factory,
+      learner,
+      learner_id=learner_id,
+      checkpoint=checkpoint,
+      ckpt_workdir=workdir,
+      connect_timeout_s=connect_timeout_s,
+    ),
   )
   return worker, writer
+
+
+def _worker_args(
+  job: JobConfig,
+  factory: Any,
+  learner: Any,
+  *,
+  learner_id: int,
+  checkpoint: LearnerCheckpointConfig | None,
+  ckpt_workdir: str,
+  connect_timeout_s: float,
+  group: ProcessGroup | None = None,
+) -> dict[str, Any]:
+  """The arguments every kind of learner worker takes from the run and its factory; the
+  checkpointer (None unless `checkpoint` is enabled) keeps its folder under `ckpt_workdir`."""
+  checkpointer = None
+  if checkpoint is not None and checkpoint.enabled:
+    checkpointer = LearnerCheckpointer(
+      checkpoint,
+      learner_id=learner_id,
+      workdir=ckpt_workdir,
+      opt_target=abstract_opt_state(learner.steps, learner.params),
+      layout_digest=factory.layout.digest,
+      group=group,
+    )
+  return {
+    "layout_digest": factory.layout.digest,
+    "layouts": fragment_layouts(factory.layout.fragments, factory.global_init_values()),
+    "batch_size": job.learner_batch_size(),
+    "log_every": job.log_every,
+    "connect_timeout_s": connect_timeout_s,
+    "checkpointer": checkpointer,
+  }
 
 
 def make_multihost_worker(
@@ -442,16 +469,6 @@ def make_multihost_worker(
   group = ProcessGroup(learner.steps.mesh)
   data = GlobalBatches(iter(factory.make_data(learner_id, spec=spec)), learner.steps.batch_sharding)
   os.makedirs(workdir, exist_ok=True)
-  checkpointer = None
-  if checkpoint is not None and checkpoint.enabled:
-    checkpointer = LearnerCheckpointer(
-      checkpoint,
-      learner_id=learner_id,
-      workdir=learner_workdir or workdir,
-      opt_target=abstract_opt_state(learner.steps, learner.params),
-      layout_digest=factory.layout.digest,
-      group=group,
-    )
   # One TensorBoard run per learner: process 0's (the others' curves would repeat it).
   writer = MetricsWriter(workdir, tensorboard=jax.process_index() == 0)
   worker = multihost_lib.MultihostWorker(
@@ -459,12 +476,16 @@ def make_multihost_worker(
     learner=learner,
     data=data,
     client=client if client is not None else multihost_lib.NoSyncer(),
-    layout_digest=factory.layout.digest,
-    layouts=fragment_layouts(factory.layout.fragments, factory.global_init_values()),
     writer=writer,
-    batch_size=job.learner_batch_size(),
-    log_every=job.log_every,
-    connect_timeout_s=connect_timeout_s,
-    checkpointer=checkpointer,
+    **_worker_args(
+      job,
+      factory,
+      learner,
+      learner_id=learner_id,
+      checkpoint=checkpoint,
+      ckpt_workdir=learner_workdir or workdir,
+      connect_timeout_s=connect_timeout_s,
+      group=group,
+    ),
   )
   return worker, writer
