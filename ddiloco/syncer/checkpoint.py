@@ -64,6 +64,7 @@ class CheckpointMixin:
   _next_round_step: int | None
   _recent_rounds: list[collections.deque]
   _rounds_known_after: list[int]
+  _restored: bool
   _cadence: float | None
   _learners: dict[int, LearnerRecord]
   _counters: dict[str, int]
@@ -206,6 +207,7 @@ class CheckpointMixin:
     self._next_round_step, self._cadence = None, None
     self._recent_rounds = [collections.deque(maxlen=r.maxlen) for r in self._recent_rounds]
     self._rounds_known_after = list(self._last_round_step)
+    self._restored = True
     self._closed_first = []
     for p in range(self.num_fragments):
       step = int(d.get(f"fragment/{p}/closed/step", -1))

@@ -244,6 +244,9 @@ class SyncerCore(CheckpointMixin):
     # from before a restore) and count as closed. Not saved.
     self._recent_rounds = [collections.deque(maxlen=_RECENT_ROUNDS) for _ in range(num)]
     self._rounds_known_after = [-1] * num
+    # Set by a restore (`load_state_dict`): the restored syncer's first tick closes every round
+    # step before it (`tick`).
+    self._restored = False
     self._next_round_step: int | None = None  # First clock step `tick` has not yet processed.
     self._frozen: set[int] = set()  # Fragments `tick` opens no round for (`freeze`).
     self._learners: dict[int, LearnerRecord] = {}
@@ -364,6 +367,15 @@ class SyncerCore(CheckpointMixin):
       return []
     if self._next_round_step is None:
       self._next_round_step = max(now_step, max(self._last_round_step) + 1)
+      if self._restored:
+        # Rounds the lost incarnation opened after its checkpoint are unknown here; the learners
+        # may still answer them. They are closed (their answers late: dropped and counted), not
+        # "never opened" (refused as invalid): every step before this first tick's.
+        self._restored = False
+        for p in range(self.num_fragments):
+          before = self._next_round_step - 1
+          self._last_round_step[p] = max(self._last_round_step[p], before)
+          self._rounds_known_after[p] = max(self._rounds_known_after[p], before)
     # After a long stall (no alive learner) the clock may have moved by more than a period: each
     # fragment is due at most once in any H steps, so only the last period's steps matter.
     first = max(self._next_round_step, now_step - self._schedule.period + 1)
@@ -693,8 +705,11 @@ class SyncerCore(CheckpointMixin):
   def _round_status(self, p: int, round_step: int) -> str:
     """ "open", "closed" or "never" (opened) for round (p, round_step)."""
     rnd = self._rounds[p]
-    if round_step < 0 or round_step > self._last_round_step[p]:
+    if round_step < 0 or round_step > MAX_STEP:
       return "never"
+    if round_step > self._last_round_step[p]:
+      # Restored and not ticked yet: such a round can only be the lost incarnation's.
+      return "closed" if self._restored else "never"
     if rnd.step >= 0 and round_step == rnd.step:
       return "open"
     if round_step in self._recent_rounds[p] or round_step <= self._rounds_known_after[p]:
