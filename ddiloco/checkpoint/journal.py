@@ -35,7 +35,7 @@ class MergeJournal:
     self.path = path
     _cut_torn_tail(path)
     self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))  # The file's own entry survives a crash.
+    fsync_dir(os.path.dirname(os.path.abspath(path)))  # The file's own entry survives a crash.
 
   def append(self, event: MergeEvent) -> None:
     """Durably records a merge's version and digest.
@@ -65,7 +65,8 @@ class MergeJournal:
       self._fd = -1
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+  """Makes a folder's entries (a new or renamed file's name) durable."""
   fd = os.open(path, os.O_RDONLY)
   try:
     os.fsync(fd)

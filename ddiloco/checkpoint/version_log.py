@@ -30,6 +30,7 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
+from ddiloco.checkpoint.journal import fsync_dir
 from ddiloco.fragments.digest import values_digest
 
 log = logging.getLogger(__name__)
@@ -44,14 +45,6 @@ _META = "__dtypes__"  # {key: [dtype name, shape]}
 
 def _dtype(name: str) -> np.dtype:
   return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
-
-
-def _fsync_dir(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
 
 
 class VersionLog:
@@ -106,7 +99,7 @@ class VersionLog:
         os.fsync(f.fileno())
         self.bytes_written += f.tell()
       os.replace(tmp, path)
-      _fsync_dir(self.directory)
+      fsync_dir(self.directory)
     except OSError:
       if os.path.exists(tmp):
         os.remove(tmp)
