@@ -47,6 +47,8 @@ class JobConfig:
     eval_batches: held-out batches per evaluation of the global model (by the syncer).
     eval_every_s: seconds between evaluations of the global model (0: at start and end only).
     log_every: steps between logged training losses.
+    senders: each learner process's sender threads, each with one push in flight (of different
+      fragments; distributed/worker.py).
   """
 
   model: transformer.TransformerConfig | None = None
@@ -68,10 +70,17 @@ class JobConfig:
   eval_batches: int = 8
   eval_every_s: float = 0.0
   log_every: int = 10
+  senders: int = 2
 
   def __post_init__(self):
     self.the_task()  # Exactly one of a task and a (model, data) pair.
-    counts = ("num_learners", "steps_per_learner", "devices_per_learner", "processes_per_learner")
+    counts = (
+      "num_learners",
+      "steps_per_learner",
+      "devices_per_learner",
+      "processes_per_learner",
+      "senders",
+    )
     bad = [f"{name}={getattr(self, name)}" for name in counts if getattr(self, name) < 1]
     if bad:
       raise ValueError(f"{', '.join(bad)}: {', '.join(counts)} must be >= 1.")

@@ -426,6 +426,7 @@ def _worker_args(
     "layouts": fragment_layouts(factory.layout.fragments, factory.global_init_values()),
     "batch_size": job.learner_batch_size(),
     "log_every": job.log_every,
+    "senders": job.senders,
     "connect_timeout_s": connect_timeout_s,
     "checkpointer": checkpointer,
   }

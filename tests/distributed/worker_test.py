@@ -13,6 +13,7 @@ round (p, t) once the learner's heartbeat reports step t; the learner waits for 
 timing.
 """
 
+import dataclasses
 import json
 import os
 import threading
@@ -307,6 +308,19 @@ def test_without_checkpointer_restore_is_fresh(syncer, tmp_path):
   writer.close()
   client.close()
   assert not os.path.exists(tmp_path / "w" / "checkpoints")
+
+
+def test_the_senders_come_from_the_job(syncer, tmp_path):
+  _, address = syncer
+  client = SyncerClient(address)
+  worker, writer = runtime.make_learner_worker(
+    dataclasses.replace(JOB, senders=3), learner_id=1, client=client, workdir=str(tmp_path / "w")
+  )
+  assert worker._senders == 3
+  writer.close()
+  client.close()
+  with pytest.raises(ValueError, match="senders=0"):
+    dataclasses.replace(JOB, senders=0)
 
 
 @pytest.mark.parametrize("senders", [1, 2])
