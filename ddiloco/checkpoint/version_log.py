@@ -27,7 +27,7 @@ import re
 import zipfile
 from collections.abc import Mapping
 
-import ml_dtypes
+import ml_dtypes  # noqa: F401  (registers "bfloat16" etc. with np.dtype, as fragments/layout.py)
 import numpy as np
 
 from ddiloco.checkpoint.journal import fsync_dir
@@ -41,10 +41,6 @@ _KEEP = 2  # Versions kept per fragment (see the module docstring).
 # Member names no layout key can take (keys never start with "__").
 _DIGEST = "__digest__"
 _META = "__dtypes__"  # {key: [dtype name, shape]}
-
-
-def _dtype(name: str) -> np.dtype:
-  return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
 
 
 class VersionLog:
@@ -116,7 +112,9 @@ class VersionLog:
     try:
       with np.load(path, allow_pickle=False) as data:
         meta = json.loads(str(data[_META]))
-        values = {k: data[k].view(_dtype(name)).reshape(shape) for k, (name, shape) in meta.items()}
+        values = {
+          k: data[k].view(np.dtype(name)).reshape(shape) for k, (name, shape) in meta.items()
+        }
         recorded = str(data[_DIGEST])
     except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:
       log.warning("version log: %s is unreadable (%s)", path, e)

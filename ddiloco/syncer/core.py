@@ -372,8 +372,8 @@ class SyncerCore(CheckpointMixin):
         # may still answer them. They are closed (their answers late: dropped and counted), not
         # "never opened" (refused as invalid): every step before this first tick's.
         self._restored = False
+        before = self._next_round_step - 1
         for p in range(self.num_fragments):
-          before = self._next_round_step - 1
           self._last_round_step[p] = max(self._last_round_step[p], before)
           self._rounds_known_after[p] = max(self._rounds_known_after[p], before)
     # After a long stall (no alive learner) the clock may have moved by more than a period: each

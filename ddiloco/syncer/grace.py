@@ -11,8 +11,9 @@ on the learners; the window spends a fraction γ < 1 of the slack left over, so 
 straggler never makes a fast learner wait for a merged fragment.
 
 `spread` is how long after a round's first answer the others arrive: the 98th percentile of the
-last 256 answers' delays (late answers included). When answers need more than γ · slack to arrive, the window spends up to the whole slack on them, never more. A missed answer costs its
-learner a whole period of progress on the fragment; the slack costs nobody anything. Measured in the
+last 256 answers' delays (late answers included). When answers need more than γ · slack to arrive,
+the window spends up to the whole slack on them, never more. A missed answer costs its learner a
+whole period of progress on the fragment; the slack costs nobody anything. Measured in the
 main job on 2 cores: the last answer of a complete round came 0.29 s after the first at the median
 and 0.51 s at p98, against γ · slack ≈ 0.42 s: 4-9 % of answers were late. `spread_cover = False`
 gives γ · slack alone.
