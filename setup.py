@@ -46,6 +46,8 @@ setuptools.setup(
     "scikit-learn>=1.9,<2",
   ],
   extras_require={
+    # The cluster engine (`ddiloco-ray`, launch/ray_cluster.py).
+    "ray": ["ray>=2.50,<3"],
     "test": [
       "pytest>=9,<10",
       "pytest-timeout>=2.4,<3",
@@ -67,6 +69,7 @@ setuptools.setup(
       "ddiloco-chaos=ddiloco.launch.chaos_main:run",
       "ddiloco-replay=ddiloco.launch.replay_main:run",
       "ddiloco-fleet=ddiloco.launch.fleet_main:run",
+      "ddiloco-ray=ddiloco.launch.ray_main:run",
     ],
   },
 )

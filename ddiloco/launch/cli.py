@@ -34,7 +34,14 @@ _HELP = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort")
 _HELPFULL = ("--helpfull", "-helpfull")
 
 
-def run(main: Callable[[list[str]], Any], *, prog: str, module: str, gin: bool = True) -> None:
+def run(
+  main: Callable[[list[str]], Any],
+  *,
+  prog: str,
+  module: str,
+  gin: bool = True,
+  shared_flags: Sequence[str] = (),
+) -> None:
   """Runs `main` under absl with this module's help, one-line errors and quiet logs.
 
   Args:
@@ -42,11 +49,12 @@ def run(main: Callable[[list[str]], Any], *, prog: str, module: str, gin: bool =
     prog: the console script's name, for messages ("ddiloco-local").
     module: the entry point's `__name__`: its docstring is the help, its flags are listed.
     gin: whether the command takes --gin_file/--gin.KEY=VALUE.
+    shared_flags: modules whose flags the command takes too (listed by its --help).
   """
   quiet_logs()
   entry = sys.modules[module]
   # absl registers a module's flags under sys.argv[0] when it runs as __main__ (python -m).
-  flag_modules = [sys.argv[0] if module == "__main__" else module]
+  flag_modules = [sys.argv[0] if module == "__main__" else module, *shared_flags]
   if gin:
     flag_modules.append(gin_flags.__name__)
 

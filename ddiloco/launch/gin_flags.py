@@ -31,6 +31,7 @@ _CONFIGURABLE_MODULES = (
   "ddiloco.checkpoint.syncer",
   "ddiloco.checkpoint.learner",
   "ddiloco.chaos.schedule",
+  "ddiloco.launch.ray_config",
 )
 
 

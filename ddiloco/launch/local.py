@@ -29,6 +29,8 @@ lines and summary.json count learners (launch/local_cluster.py).
 
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from absl import app, flags
 
@@ -53,6 +55,27 @@ _RESUME = flags.DEFINE_bool(
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  from ddiloco.launch import local_cluster
+
+  run_job("ddiloco-local", local_cluster.LocalCluster)
+
+
+def run_job(
+  prog: str,
+  make_cluster: Callable[..., Any],
+  *,
+  backend_config: Callable[[], Any] | None = None,
+  before_run: Callable[[Any], Any] | None = None,
+) -> None:
+  """Parses the gin flags, builds the cluster with `make_cluster(**LocalCluster's arguments)`,
+  runs the job and reports it; what `ddiloco-local` and `ddiloco-ray` share.
+
+  `backend_config()` builds the backend's own configuration from gin, checked with JobConfig
+  (a bad value is a one-line error before anything is written), and goes to `make_cluster` as
+  `backend_config=`. `before_run(cluster)` runs after the workdir exists, before anything starts
+  (ddiloco-ray joins its Ray cluster there); the cluster's `disconnect`, if it has one, runs after
+  the job.
+  """
   from ddiloco.launch import job as job_lib  # After flags: gin registrations.
   from ddiloco.launch import local_cluster
   from ddiloco.metrics.writer import HEADLINE_KEYS
@@ -66,8 +89,10 @@ def main(argv: list[str]) -> None:
   with cli.bad_config():
     config_text = gin_flags.parse_gin()
     job = job_lib.JobConfig()
+    backend = {} if backend_config is None else {"backend_config": backend_config()}
   workdir = cli.make_workdir(_WORKDIR.value, config_text)
-  cluster = local_cluster.LocalCluster(
+  cluster = make_cluster(
+    **backend,
     workdir=workdir,
     gin_args=gin_flags.forwarded_args(),
     num_learners=job.num_learners,
@@ -82,6 +107,8 @@ def main(argv: list[str]) -> None:
   )
   files = f"{os.path.join(workdir, 'summary.json')} and {os.path.join(workdir, 'loss.png')}"
   try:
+    if before_run is not None:
+      before_run(cluster)
     summary = cluster.run(
       job,
       timeout_s=_TIMEOUT.value,
@@ -96,8 +123,11 @@ def main(argv: list[str]) -> None:
   except KeyboardInterrupt:  # Before anything ran, or a second Ctrl-C while summarizing.
     sys.exit(130)
   except (RuntimeError, TimeoutError) as e:
-    print(f"ddiloco-local: {e}\nevery process was stopped; logs are in {workdir}", file=sys.stderr)
+    print(f"{prog}: {e}\nevery process was stopped; logs are in {workdir}", file=sys.stderr)
     sys.exit(1)
+  finally:
+    if hasattr(cluster, "disconnect"):
+      cluster.disconnect()
   print("summary:", {k: summary[k] for k in HEADLINE_KEYS})
   print(f"wrote {files}")
   if not summary["ok"]:

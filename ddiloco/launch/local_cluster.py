@@ -141,6 +141,7 @@ class LocalCluster:
     self.syncer: Child | None = None
     self.learners: dict[int, Child] = {}
     self.port: int | None = None
+    self.syncer_host = "127.0.0.1"  # Where learners and the launcher reach the syncer.
     self.fleet: dict[int, FleetMember] = {}  # The learners `run` started or `add_learner` added.
     self.membership: list[dict[str, Any]] = []  # Join/leave/finish/fail events, in order.
     self.job: JobConfig | None = None  # Set by `run`; lets `add_learner` check the batch size.
@@ -177,7 +178,8 @@ class LocalCluster:
     folder = os.path.join(self.workdir, name)
     log_path = os.path.join(folder, "log.txt")
     argv = ["-m", module, f"--workdir={folder}", *args, *self.gin_args, *overrides]
-    proc = self._popen(processes.Launch(argv, env, log_path))
+    role = "syncer" if name == "syncer" else "learner"
+    proc = self._popen(processes.Launch(argv, env, log_path, role))
     return Child(name, proc, log_path, os.path.join(folder, "metrics.jsonl"))
 
   def _popen(self, launch: processes.Launch) -> subprocess.Popen:
@@ -208,7 +210,7 @@ class LocalCluster:
     self.syncer = self._spawn(
       "syncer",
       "ddiloco.launch.syncer_main",
-      [f"--port_file={port_file}", f"--port={port}"],
+      [f"--port_file={port_file}", f"--host={self.syncer_host}", f"--port={port}"],
       self._env(1),
     )
 
@@ -294,7 +296,7 @@ class LocalCluster:
       "ddiloco.launch.learner_main",
       f"--workdir={folder}",
       f"--learner_id={learner_id}",
-      f"--syncer_address={address or f'127.0.0.1:{self.port}'}",
+      f"--syncer_address={address or f'{self.syncer_host}:{self.port}'}",
     ]
     tail = [*self.gin_args, *self.extra_learner_args, *extra_args]
     env = self._env(devices or self.devices_per_learner)
@@ -303,7 +305,7 @@ class LocalCluster:
       return [processes.Launch([*argv, *tail], env, os.path.join(folder, "log.txt"))]
     slice_args = [
       f"--num_processes={n}",
-      f"--coordinator_address=127.0.0.1:{processes.free_port()}",
+      f"--coordinator_address={self._coordinator_address(learner_id)}",
     ]
     return [
       processes.Launch(
@@ -313,6 +315,12 @@ class LocalCluster:
       )
       for i in range(n)
     ]
+
+  def _coordinator_address(self, learner_id: int) -> str:
+    """host:port of a multi-process learner's jax.distributed coordinator (its process 0), fresh
+    at every start."""
+    del learner_id  # Every process of every learner runs on this host.
+    return f"127.0.0.1:{processes.free_port()}"
 
   # -- elastic membership (docs/algorithm.md §6 scavenging) ---------------------------------------------------
 
@@ -645,7 +653,7 @@ class LocalCluster:
       self.start_syncer()
       for i in range(self.num_learners):
         self._join(i, devices=self.devices_per_learner, batch_size=None, steps=None, elastic=False)
-      client = SyncerClient(f"127.0.0.1:{self.port}", token=self.token, deadline_s=2.0)
+      client = SyncerClient(f"{self.syncer_host}:{self.port}", token=self.token, deadline_s=2.0)
       deadline = time.monotonic() + timeout_s
       next_progress = 0.0
       while True:

@@ -36,11 +36,13 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-  """One process to start: its command line (after the interpreter), environment and log file."""
+  """One process to start: its command line (after the interpreter), environment, log file and
+  role ("syncer" or "learner": where a cluster backend places it)."""
 
   argv: list[str]
   env: dict[str, str]
   log_path: str
+  role: str = "learner"
 
 
 def spawn(python: str, launch: Launch) -> subprocess.Popen:
@@ -164,9 +166,14 @@ class ProcessUnit:
     return first if first != 0 else next(c for c in codes if c != 0)
 
 
-def signal_group(proc: subprocess.Popen | ProcessUnit, sig: int) -> None:
-  """Sends `sig` to a child's process group, or to each of a unit's (all N processes)."""
+def signal_group(proc: Any, sig: int) -> None:
+  """Sends `sig` to a child's process group, or to each of a unit's (all N processes).
+
+  A handle of a process that runs elsewhere (launch/ray_cluster.py) has its own `signal_group`.
+  """
   for p in proc.procs if isinstance(proc, ProcessUnit) else [proc]:
-    if p.poll() is None:
+    if hasattr(p, "signal_group"):
+      p.signal_group(sig)
+    elif p.poll() is None:
       with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, sig)  # The child leads its own session and process group.

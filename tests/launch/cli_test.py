@@ -29,6 +29,7 @@ SCRIPTS = {
   "ddiloco-chaos": ("chaos_main", "--baseline_loss"),
   "ddiloco-replay": ("replay_main", "--tape"),
   "ddiloco-fleet": ("fleet_main", "--learner_gin"),
+  "ddiloco-ray": ("ray_main", "--address"),
 }
 
 pytestmark = pytest.mark.timeout(120)

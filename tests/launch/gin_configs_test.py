@@ -13,7 +13,7 @@ ROOT = os.path.abspath(ROOT)
 # Run files own a model and a fleet; baselines stack on a run file; the rest are included pieces.
 RUNS = ["sim_tiny.gin", "runs/sim_small.gin", "runs/sim_vit_tiny.gin", "runs/sim_moe_tiny.gin"]
 # Distributed runs (ddiloco-local); the integration tests run them for real.
-DISTRIBUTED = ["local_tiny.gin"]
+DISTRIBUTED = ["local_tiny.gin", "ray_tiny.gin"]
 CHAOS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/chaos/*.gin"))
 BASELINES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/baselines/*.gin"))
 # Study bases (experiments/*.py stack bindings on them); each is a simulated run file.
@@ -86,10 +86,14 @@ def test_tiny_runs_train(tmp_path, baseline):
 
 @pytest.mark.parametrize("run", DISTRIBUTED)
 def test_distributed_configs_build_a_job(run):
+  from ddiloco.launch import gin_flags
   from ddiloco.launch.job import JobConfig
+  from ddiloco.launch.ray_config import RayConfig
 
+  gin_flags.register_configurables()
   _parse([run])
   job = JobConfig()
+  RayConfig()  # Its bindings, where the file has them, are valid.
   assert job.num_learners >= 2
   assert job.the_schedule().overlap == job.the_syncer().overlap
   factory = job.factory()

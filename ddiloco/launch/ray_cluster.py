@@ -1,0 +1,472 @@
+"""`RayCluster`: the job of `ddiloco-local` on a Ray cluster, with Ray restarting what fails.
+
+`ddiloco-ray` (launch/ray_main.py) runs it. Every program of the run is a Ray actor:
+
+- the syncer: one `ProgramActor` on a CPU node (the head node unless `RayConfig.syncer_on_head` is
+  off), bound to that node's address on a port chosen there before it starts, so that a restart
+  serves the same address;
+- each learner: one `ProgramActor` per host of its slice (`JobConfig.processes_per_learner`),
+  placed with the learner's resources (`RayConfig.learner_resources`: `{"TPU": 4}`, GPUs, or
+  logical CPUs on this machine's fake devices).
+
+A `ProgramActor` starts its program (`ddiloco-syncer` or `ddiloco-learner`, the same command line
+as under `ddiloco-local`) as a child process on its node and watches it. That child is the JAX
+program: it sees the accelerators Ray assigned to the actor (CUDA_VISIBLE_DEVICES, TPU chips),
+imports JAX with the job's XLA flags set before, and a crashed XLA runtime never has to be
+re-initialised inside a live interpreter. When the child dies without being asked to, the actor
+exits with it, and Ray restarts that actor alone (`max_restarts`): its constructor starts the
+program again with the same flags, and the learner restores its own checkpoint and rejoins (the
+syncer restores its checkpoint and serves the same port). Nothing else stops: the other learners
+keep training, which is the point of the method. A gang-restart policy (restart everything when
+one fails) would defeat it.
+
+A learner of several processes (a multi-host slice) is one JAX program across its actors, joined by
+`jax.distributed`; its actors are reserved together (a placement group) and a failure of one takes
+the whole learner down (`processes.ProcessUnit`), as under `ddiloco-local`. Its actors are not
+restarted one by one (a lone restarted process cannot rejoin its peers' collectives): the launcher
+starts the whole learner again, a fresh placement group and coordinator, up to
+`RayConfig.max_restarts` times.
+
+Everything else is `LocalCluster`'s: the progress loop, `ddiloco-fleet add|remove|list` (an added
+learner is a new actor on spare capacity), summary.json, loss.png and one log per process. The
+driver reads the run's files from the workdir, so on a cluster of several machines the workdir is
+storage every node and the driver share. Ctrl-C stops the programs (SIGTERM, then SIGKILL), kills
+every actor and, for a Ray instance this launcher started, shuts it down.
+"""
+
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+try:
+  import ray
+  from ray.util import placement_group as pg_lib
+  from ray.util import scheduling_strategies
+except ImportError as e:  # pragma: no cover - depends on the installation.
+  raise ImportError(
+    "ddiloco's Ray backend needs Ray: pip install 'ddiloco[ray]' (scripts/setup.sh installs it)."
+  ) from e
+
+from ddiloco.launch import processes
+from ddiloco.launch.local_cluster import Child, LocalCluster
+from ddiloco.launch.ray_config import RayConfig
+
+# Exit code of a program whose actor Ray will not restart any more (died, node lost, restarts spent).
+ACTOR_DIED = -int(signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+  """SIGINT ignored meanwhile (children started then inherit that); only in the main thread."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
+
+
+# -- on the nodes ----------------------------------------------------------------------------------
+
+
+def _node_address() -> tuple[str, int]:
+  """This node's address as Ray knows it, and a port free on it now."""
+  ip = ray.util.get_node_ip_address()
+  with socket.socket() as s:
+    s.bind(("", 0))
+    return ip, s.getsockname()[1]
+
+
+_probe = ray.remote(num_cpus=0)(_node_address)
+
+
+class ProgramActor:
+  """Runs one program of the run (a `processes.Launch`) on its node and watches it.
+
+  The program is started by a thread of this actor that lives as long as the program does, so
+  PR_SET_PDEATHSIG (processes.spawn) ties the program's life to this actor's process: a killed
+  actor takes its program along. When the program exits with an error that nobody asked for
+  (`signal_group`), the actor exits too, and Ray restarts it if it may (module docstring).
+  """
+
+  def __init__(self, launch: processes.Launch, restart_on_failure: bool):
+    env = {**os.environ, **launch.env}
+    self._launch = dataclasses.replace(launch, env=env)
+    self._restart_on_failure = restart_on_failure
+    self._expected_exit = False
+    self._returncode: int | None = None
+    self._started = threading.Event()
+    self._error: BaseException | None = None
+    self._incarnation = time.time_ns()
+    self._reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
+    threading.Thread(target=self._run, name="program", daemon=True).start()
+    self._started.wait()
+    if self._error is not None:
+      raise self._error
+
+  def _run(self) -> None:
+    try:
+      self._proc = processes.spawn(sys.executable, self._launch)
+    except BaseException as e:  # Handed to the constructor, which raises it.
+      self._error = e
+      self._started.set()
+      return
+    self._started.set()
+    rc = self._proc.wait()
+    self._returncode = rc
+    if rc != 0 and not self._expected_exit and self._restart_on_failure:
+      with open(self._launch.log_path, "a") as log:
+        log.write(
+          f"\n[ddiloco-ray] the program exited with {rc}; its actor exits for Ray to restart\n"
+        )
+      os._exit(1)  # A crash of the actor, which Ray answers with a restart.
+
+  def info(self) -> dict[str, Any]:
+    """{"pid" of the program, "actor_pid" (this actor's process), "node" address, "incarnation"
+    (a new one at each restart), "restarted" (this incarnation is a restart), "returncode" (None
+    while it runs)}."""
+    return {
+      "pid": self._proc.pid,
+      "actor_pid": os.getpid(),
+      "node": ray.util.get_node_ip_address(),
+      "incarnation": self._incarnation,
+      "restarted": self._reconstructed,
+      "returncode": self._returncode,
+    }
+
+  def signal_group(self, sig: int) -> None:
+    """Sends `sig` to the program's process group. SIGTERM, SIGINT and SIGKILL are asked-for
+    exits: the actor then stays, with the program's exit code, and is not restarted."""
+    if sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
+      self._expected_exit = True
+    processes.signal_group(self._proc, sig)
+
+
+_ProgramActor = ray.remote(ProgramActor)
+
+
+# -- in the launcher -------------------------------------------------------------------------------
+
+
+class ActorProcess:
+  """A program run by a `ProgramActor`, seen from the launcher as a `subprocess.Popen`.
+
+  `poll` never blocks: it asks the actor in the background and answers from its last reply. While
+  Ray restarts the actor the program counts as running; `restarts` counts the restarts seen.
+  """
+
+  def __init__(self, actor: Any, launch: processes.Launch, *, timeout_s: float):
+    self.actor = actor
+    self.args = launch.argv
+    self.returncode: int | None = None
+    self.restarts = 0
+    self._pending: Any = None
+    try:
+      info = ray.get(actor.info.remote(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+      ray.kill(actor, no_restart=True)
+      raise TimeoutError(
+        f"Ray did not start {launch.role} {' '.join(launch.argv[:2])} within {timeout_s} s: "
+        "are the resources it asks for (RayConfig) in the cluster?"
+      ) from None
+    self.pid, self.actor_pid, self.node = info["pid"], info["actor_pid"], info["node"]
+    self._incarnation = info["incarnation"]
+
+  def _update(self, info: dict[str, Any]) -> None:
+    if info["incarnation"] != self._incarnation:
+      self._incarnation = info["incarnation"]
+      self.restarts += 1
+    self.pid, self.actor_pid, self.node = info["pid"], info["actor_pid"], info["node"]
+    if info["returncode"] is not None:
+      self.returncode = info["returncode"]
+
+  def poll(self) -> int | None:
+    if self.returncode is not None:
+      return self.returncode
+    if self._pending is None:
+      self._pending = self.actor.info.remote()
+    ready, _ = ray.wait([self._pending], timeout=0)
+    if not ready:
+      return None
+    ref, self._pending = self._pending, None
+    try:
+      self._update(ray.get(ref))
+    except ray.exceptions.ActorUnavailableError:
+      pass  # Being restarted.
+    except ray.exceptions.ActorDiedError:
+      self.returncode = ACTOR_DIED  # Ray will not restart it.
+    return self.returncode
+
+  def wait(self, timeout: float | None = None) -> int:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while (rc := self.poll()) is None:
+      if deadline is not None and time.monotonic() > deadline:
+        raise subprocess.TimeoutExpired(self.args, timeout)
+      time.sleep(0.05)
+    return rc
+
+  def signal_group(self, sig: int) -> None:
+    if self.poll() is not None:
+      return
+    # Gone or being restarted: `release` kills what is left.
+    with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+      ray.get(self.actor.signal_group.remote(sig), timeout=30)
+
+  def release(self) -> None:
+    """Kills the actor (and so its program) for good."""
+    ray.kill(self.actor, no_restart=True)
+
+
+class RayCluster(LocalCluster):
+  """`LocalCluster` whose programs are Ray actors (module docstring).
+
+  Args:
+    ray_config: where and how (RayConfig).
+    **kwargs: LocalCluster's.
+  """
+
+  def __init__(self, *, ray_config: RayConfig | None = None, **kwargs: Any):
+    super().__init__(**kwargs)
+    self.ray_config = ray_config or RayConfig()
+    self._handles: list[ActorProcess] = []
+    self._groups: list[Any] = []  # Placement groups of multi-process learners.
+    self._started_ray = False
+    self._starts: dict[int, dict[str, Any]] = {}  # start_learner's arguments, per learner.
+    self._restarts_seen: dict[str, int] = {}
+    self._unit_restarts: dict[int, int] = {}
+    self._learner_groups: dict[int, Any] = {}
+
+  # -- the Ray instance -------------------------------------------------------------------------
+
+  def connect(self) -> None:
+    """Joins the configured Ray cluster, or starts one on this machine (stopped by `disconnect`)."""
+    if ray.is_initialized():
+      return
+    cfg = self.ray_config
+    address = cfg.address or os.environ.get("RAY_ADDRESS") or None
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+    if address is None:
+      fleet = self.num_learners * self.processes_per_learner
+      needed = fleet * cfg.learner_num_cpus + cfg.syncer_num_cpus
+      kwargs["num_cpus"] = cfg.local_num_cpus or max(os.cpu_count() or 1, int(needed) + 2)
+      self._started_ray = True
+      # Ray's own processes are started in this process group; a terminal's Ctrl-C reaches the
+      # whole group and would kill them under the running programs. They inherit an ignored
+      # SIGINT instead, and the launcher stops the run in order (LocalCluster.run).
+      with _sigint_ignored():
+        ray.init(address=address, **kwargs)
+      return
+    ray.init(address=address, **kwargs)
+
+  def disconnect(self) -> None:
+    if self._started_ray and ray.is_initialized():
+      ray.shutdown()
+      self._started_ray = False
+
+  # -- placing programs -------------------------------------------------------------------------
+
+  def _env(self, devices: int | None) -> dict[str, str]:
+    """The variables the launcher sets for a program; the rest is its node's environment."""
+    env = {
+      "DDILOCO_TOKEN": self.token,
+      "PYTHONUNBUFFERED": "1",
+      "JAX_COMPILATION_CACHE_DIR": os.environ.get(
+        "JAX_COMPILATION_CACHE_DIR", os.path.join(self.workdir, "jax_cache")
+      ),
+      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": os.environ.get(
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"
+      ),
+    }
+    if self.ray_config.platform == "cpu" or devices is None:  # The syncer is a CPU service.
+      env["JAX_PLATFORMS"] = "cpu"
+      flags_ = [
+        f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f
+      ]
+      flags_.append(f"--xla_force_host_platform_device_count={devices or 1}")
+      env["XLA_FLAGS"] = " ".join(flags_)
+    return env
+
+  def _syncer_strategy(self) -> Any:
+    if not self.ray_config.syncer_on_head:
+      return "DEFAULT"
+    head = [n for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]]
+    if not head:
+      raise RuntimeError("The Ray cluster reports no live head node for the syncer.")
+    return scheduling_strategies.NodeAffinitySchedulingStrategy(head[0]["NodeID"], soft=False)
+
+  def _learner_options(self) -> dict[str, Any]:
+    cfg = self.ray_config
+    return {
+      "num_cpus": cfg.learner_num_cpus,
+      "num_gpus": cfg.learner_num_gpus,
+      "resources": dict(cfg.learner_resources),
+    }
+
+  def _actor(self, launch: processes.Launch, options: dict[str, Any], *, restart: bool) -> Any:
+    handle = ActorProcess(
+      _ProgramActor.options(
+        max_restarts=self.ray_config.max_restarts if restart else 0, **options
+      ).remote(launch, restart),
+      launch,
+      timeout_s=self.ray_config.start_timeout_s,
+    )
+    self._handles.append(handle)
+    return handle
+
+  def spawn_syncer(self, *, port: int = 0) -> None:
+    strategy = self._syncer_strategy()
+    if port == 0:  # A port chosen on the syncer's node, kept by its restarts.
+      self.syncer_host, port = ray.get(
+        _probe.options(scheduling_strategy=strategy).remote(),
+        timeout=self.ray_config.start_timeout_s,
+      )
+    self._syncer_options = {
+      "num_cpus": self.ray_config.syncer_num_cpus,
+      "resources": dict(self.ray_config.syncer_resources),
+      "scheduling_strategy": strategy,
+    }
+    super().spawn_syncer(port=port)
+
+  def _popen(self, launch: processes.Launch) -> ActorProcess:
+    if launch.role == "syncer":
+      return self._actor(launch, self._syncer_options, restart=True)
+    if self.processes_per_learner == 1:
+      return self._actor(launch, self._learner_options(), restart=True)
+    raise AssertionError("multi-process learners are started by start_learner")
+
+  def start_learner(
+    self,
+    learner_id: int,
+    *,
+    extra_args: Sequence[str] = (),
+    devices: int | None = None,
+    address: str | None = None,
+  ) -> Child:
+    self._starts[learner_id] = {"extra_args": extra_args, "devices": devices, "address": address}
+    if self.processes_per_learner == 1:
+      return super().start_learner(
+        learner_id, extra_args=extra_args, devices=devices, address=address
+      )
+    # One actor per process, reserved together; process 0 hosts the coordinator.
+    n = self.processes_per_learner
+    opts = self._learner_options()
+    bundle = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"], **opts["resources"]}
+    group = pg_lib.placement_group(
+      [{k: v for k, v in bundle.items() if v}] * n, strategy=self.ray_config.placement_strategy
+    )
+    if not group.wait(timeout_seconds=self.ray_config.start_timeout_s):
+      pg_lib.remove_placement_group(group)
+      raise TimeoutError(f"Ray could not reserve {n} x {bundle} for learner {learner_id}.")
+    self._groups.append(group)
+
+    def in_bundle(i: int) -> Any:
+      return scheduling_strategies.PlacementGroupSchedulingStrategy(
+        group, placement_group_bundle_index=i
+      )
+
+    host, port = ray.get(
+      _probe.options(scheduling_strategy=in_bundle(0)).remote(),
+      timeout=self.ray_config.start_timeout_s,
+    )
+    self._coordinator = f"{host}:{port}"
+    launches = self.learner_launches(
+      learner_id, extra_args=extra_args, devices=devices, address=address
+    )
+    procs = []
+    try:
+      for i, launch in enumerate(launches):
+        procs.append(
+          self._actor(launch, {**opts, "scheduling_strategy": in_bundle(i)}, restart=False)
+        )
+    except BaseException:
+      for p in procs:  # Never half a learner.
+        p.release()
+      raise
+    unit = processes.ProcessUnit(procs, log_paths=[launch.log_path for launch in launches])
+    folder = os.path.join(self.workdir, f"learner_{learner_id}")
+    child = Child(
+      f"learner_{learner_id}", unit, launches[0].log_path, os.path.join(folder, "metrics.jsonl")
+    )
+    self._learner_groups[learner_id] = group
+    self.learners[learner_id] = child
+    return child
+
+  def _coordinator_address(self, learner_id: int) -> str:
+    del learner_id
+    return self._coordinator
+
+  # -- restarts ---------------------------------------------------------------------------------
+
+  def check_fleet(self, progress=None, client=None) -> bool:
+    """LocalCluster's, after recording Ray's restarts and restarting failed multi-process
+    learners as a whole (module docstring)."""
+    for name, n in self.restarts().items():
+      if n > self._restarts_seen.get(name, 0):
+        self._restarts_seen[name] = n
+        learner_id = -1 if name == "syncer" else int(name.split("_")[1])
+        self._record("restart", learner_id, program=name, restarts=n)
+        if progress is not None:
+          progress(f"ray: {name} died and was restarted by Ray ({n} so far)")
+    if self.processes_per_learner > 1:
+      for i, member in sorted(self.fleet.items()):
+        child = self.learners[i]
+        if member.state != "running" or child.proc.poll() in (None, 0):
+          continue
+        limit = self.ray_config.max_restarts
+        if limit != -1 and self._unit_restarts.get(i, 0) >= limit:
+          continue  # LocalCluster reports the failure.
+        self._unit_restarts[i] = self._unit_restarts.get(i, 0) + 1
+        self._release_learner(i)
+        self.start_learner(i, **self._starts[i])  # Recorded as a restart at the next check.
+        if progress is not None:
+          progress(
+            f"ray: learner {i} failed ({child.proc.returncode}); restarted all its processes"
+          )
+    return super().check_fleet(progress, client)
+
+  def _release_learner(self, learner_id: int) -> None:
+    for p in self.learners[learner_id].proc.procs:
+      p.release()
+      self._handles.remove(p)
+    group = self._learner_groups.pop(learner_id, None)
+    if group is not None:
+      pg_lib.remove_placement_group(group)
+      self._groups.remove(group)
+
+  # -- stopping ---------------------------------------------------------------------------------
+
+  def stop_all(self, grace_s: float = 15.0) -> None:
+    """LocalCluster's orderly stop, then every actor and placement group is released."""
+    try:
+      super().stop_all(grace_s)
+    finally:
+      for handle in self._handles:
+        handle.release()
+      for group in self._groups:
+        pg_lib.remove_placement_group(group)
+      self._handles.clear()
+      self._groups.clear()
+      self._learner_groups.clear()
+
+  def restarts(self) -> dict[str, int]:
+    """Restarts Ray made, per program that had any ("syncer", "learner_<i>")."""
+    out = {}
+    if self.syncer is not None and self.syncer.proc.restarts:
+      out["syncer"] = self.syncer.proc.restarts
+    for i, child in sorted(self.learners.items()):
+      n = self._unit_restarts.get(i, 0)
+      if isinstance(child.proc, ActorProcess):
+        n += child.proc.restarts
+      if n:
+        out[f"learner_{i}"] = n
+    return out

@@ -1,0 +1,70 @@
+"""`RayConfig`: where and how `ddiloco-ray` runs a job (launch/ray_cluster.py).
+
+Apart from the backend so that every process of a run, which parses the same gin files, knows the
+name without importing Ray.
+"""
+
+import dataclasses
+
+import gin
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+@gin.configurable(module="ddiloco")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RayConfig:
+  """Where and how `ddiloco-ray` runs a job on Ray.
+
+  Attributes:
+    address: the Ray cluster to join ("auto", "ray://host:10001", "host:6379"); None: the one in
+      RAY_ADDRESS, else a Ray instance started on this machine for the run and stopped after it.
+    platform: "cpu": every learner process gets `JobConfig.devices_per_learner` fake CPU devices, as
+      under `ddiloco-local`; "gpu" or "tpu": the devices Ray assigns to its actor.
+    learner_num_cpus: logical CPUs each learner actor (one per host of its slice) reserves.
+    learner_num_gpus: GPUs each learner actor reserves (a fraction shares a GPU between learners).
+    learner_resources: further resources per learner actor, e.g. {"TPU": 4} for a TPU VM host.
+    syncer_num_cpus: logical CPUs the syncer actor reserves.
+    syncer_on_head: place the syncer on the Ray head node (a long-lived CPU machine); else anywhere
+      with `syncer_resources`.
+    syncer_resources: further resources for the syncer, e.g. {"syncer_node": 1} for a custom
+      resource of the machine meant for it.
+    max_restarts: how often Ray restarts one program after it died (-1: without limit).
+    placement_strategy: how a multi-process learner's actors are placed ("STRICT_SPREAD": one per
+      host, as the hosts of a slice; "PACK" or "SPREAD" elsewhere).
+    local_num_cpus: logical CPUs of a Ray instance started here (None: enough for the whole fleet:
+      learners here share the machine, as under `ddiloco-local`).
+    start_timeout_s: how long an actor may take to be placed and start its program.
+  """
+
+  address: str | None = None
+  platform: str = "cpu"
+  learner_num_cpus: float = 1.0
+  learner_num_gpus: float = 0.0
+  learner_resources: dict[str, float] = dataclasses.field(default_factory=dict)
+  syncer_num_cpus: float = 1.0
+  syncer_on_head: bool = True
+  syncer_resources: dict[str, float] = dataclasses.field(default_factory=dict)
+  max_restarts: int = 20
+  placement_strategy: str = "PACK"
+  local_num_cpus: int | None = None
+  start_timeout_s: float = 600.0
+
+  def __post_init__(self):
+    if self.platform not in PLATFORMS:
+      raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}.")
+    if self.max_restarts < -1:
+      raise ValueError(f"max_restarts must be >= -1, got {self.max_restarts}.")
+    if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+      raise ValueError(f"unknown placement_strategy {self.placement_strategy!r}.")
+    for name in ("learner_num_cpus", "learner_num_gpus", "syncer_num_cpus"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
+    for name in ("learner_resources", "syncer_resources"):
+      for key, value in dict(getattr(self, name)).items():
+        if not isinstance(key, str) or not isinstance(value, int | float) or value < 0:
+          raise ValueError(f"{name} maps names to amounts >= 0, got {key!r}: {value!r}.")
+    if self.local_num_cpus is not None and self.local_num_cpus < 1:
+      raise ValueError(f"local_num_cpus must be >= 1, got {self.local_num_cpus}.")
+    if not self.start_timeout_s > 0:
+      raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s}.")

@@ -1,0 +1,129 @@
+"""`ddiloco-ray`'s backend (launch/ray_cluster.py) on a Ray instance started on this machine.
+
+One run of a syncer and two learners as Ray actors. Mid-run one learner's *program* is SIGKILLed
+(its actor sees it die and exits) and the other learner's *actor* is SIGKILLed (its program dies
+with it): Ray restarts each alone, each restores its own checkpoint and finishes, the syncer and
+the other learner never stop, every learner ends with the syncer's bits, and nothing is left
+running afterwards, neither our programs nor Ray's own processes.
+"""
+
+import json
+import os
+import signal
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ddiloco.launch import ray_cluster  # noqa: E402
+from ddiloco.launch.ray_config import RayConfig  # noqa: E402
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+GIN = os.path.join(ROOT, "gin_configs", "ray_tiny.gin")
+FAST = [
+  "LEARNERS = 2",
+  "STEPS = 64",
+  "JobConfig.eval_every_s = 0.0",
+  "JobConfig.eval_batches = 2",
+  "InnerOptConfig.warmup_steps = 4",
+  "LearnerCheckpointConfig.save_every_steps = 8",
+]
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def _job(bindings):
+  import gin
+
+  from ddiloco.launch import gin_flags
+  from ddiloco.launch.job import JobConfig
+
+  gin_flags.register_configurables()
+  gin.clear_config()
+  gin.add_config_file_search_path(os.path.join(ROOT, "gin_configs"))
+  gin.parse_config_files_and_bindings([GIN], list(bindings))
+  try:
+    return JobConfig()
+  finally:
+    gin.clear_config()
+
+
+def _processes_mentioning(text: str) -> list[str]:
+  out = []
+  for pid in os.listdir("/proc"):
+    if not pid.isdigit() or int(pid) == os.getpid():
+      continue
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+      continue
+    if text in cmd:
+      out.append(f"{pid}: {cmd[:200]}")
+  return out
+
+
+def test_ray_restarts_a_failed_learner_alone_and_leaves_nothing(tmp_path):
+  job = _job(FAST)
+  args = [f"--gin_file={GIN}", f"--gin_search_paths={os.path.join(ROOT, 'gin_configs')}"]
+  args += [f"--gin_bindings={b}" for b in FAST]
+  cluster = ray_cluster.RayCluster(
+    workdir=str(tmp_path), gin_args=args, num_learners=2, ray_config=RayConfig(local_num_cpus=4)
+  )
+  cluster.connect()
+  session = ray._private.worker._global_node.get_session_dir_path()
+  killed: dict[str, int] = {}
+  lines = []
+
+  def chaos(line):
+    lines.append(line)
+    l0, l1 = cluster.learners.get(0), cluster.learners.get(1)
+    if l1 is not None and "actor" not in killed and l1.last.get("step", 0) >= 16:
+      killed["actor"] = l1.last["step"]
+      os.kill(l1.proc.actor_pid, signal.SIGKILL)  # A lost host: the program dies with its actor.
+    if l0 is not None and "program" not in killed and l0.last.get("step", 0) >= 24:
+      killed["program"] = l0.last["step"]
+      os.kill(l0.proc.pid, signal.SIGKILL)  # A crashed learner: its actor exits after it.
+
+  try:
+    summary = cluster.run(job, timeout_s=360, progress_every_s=0.5, progress=chaos)
+  finally:
+    cluster.stop_all()
+    cluster.disconnect()
+  assert set(killed) == {"actor", "program"}, lines[-5:]
+  restarts = [e for e in summary["membership"] if e["event"] == "restart"]
+  assert sorted((e["learner_id"], e["restarts"]) for e in restarts) == [(0, 1), (1, 1)], restarts
+  assert summary["ok"] is True
+  assert summary["digests_agree"] is True and summary["digest_checks"] > 0
+  assert summary["budget_reached"] is True
+  for i in ("0", "1"):
+    learner = summary["learners"][i]
+    assert learner["steps"] == 64
+    with open(os.path.join(tmp_path, f"learner_{i}", "summary.json")) as f:
+      own = json.load(f)  # The restarted incarnation's.
+    assert own["restored_from"].startswith("own") and own["resumed_step"] >= 8, own
+    with open(os.path.join(tmp_path, f"learner_{i}", "log.txt")) as f:
+      log = f.read()  # Both incarnations: the restart appends.
+    assert log.count("restored from fresh at step 0") == 1, log[-2000:]
+    assert ("[ddiloco-ray] the program exited" in log) == (i == "0")
+  with open(os.path.join(tmp_path, "syncer", "log.txt")) as f:
+    assert "[ddiloco-ray]" not in f.read()  # The syncer never stopped.
+  assert summary["merges"] > 0
+  # Nothing left: neither a program of the run nor a process of the Ray instance it started.
+  assert not ray.is_initialized()
+  assert _processes_mentioning(str(tmp_path)) == []
+  assert _processes_mentioning(session) == []
+
+
+def test_ray_config_refuses_bad_values():
+  for bad in (
+    {"platform": "tpu-v5"},
+    {"max_restarts": -2},
+    {"learner_num_gpus": -1.0},
+    {"learner_resources": {"TPU": -4}},
+    {"placement_strategy": "ANYWHERE"},
+    {"local_num_cpus": 0},
+    {"start_timeout_s": 0},
+  ):
+    with pytest.raises(ValueError):
+      RayConfig(**bad)
