@@ -8,9 +8,9 @@ setuptools.setup(
   description="Decoupled DiLoCo: resilient distributed pre-training in JAX.",
   license="Apache-2.0",
   classifiers=[
-    "License :: OSI Approved :: Apache Software License",
     "Programming Language :: Python :: 3",
     "Programming Language :: Python :: 3.11",
+    "Programming Language :: Python :: 3.12",
   ],
   packages=setuptools.find_packages(include=["ddiloco", "ddiloco.*"]),
   # The gin configs ship with the package (ddiloco/configs; `gin_configs` in a checkout links there).
@@ -18,9 +18,11 @@ setuptools.setup(
     "ddiloco": ["py.typed", "transport/proto/*.proto", "configs/*.gin", "configs/*/*.gin"]
   },
   python_requires=">=3.11",
-  # Ranges are the ones tested on this project's CI machines (see README).
+  # Ranges: what this project's CI tests (Python 3.11: jax 0.10), and current JAX (0.12, Python
+  # >= 3.12) for environments that already hold it; scripts/check_jax_resolution.sh checks that pip
+  # resolves them beside jax 0.12 without downgrading it.
   install_requires=[
-    "jax>=0.10,<0.11",
+    "jax>=0.10,<0.13",
     "flax>=0.12,<0.13",
     "optax>=0.2.8,<0.3",
     "orbax-checkpoint>=0.12,<0.13",

@@ -43,13 +43,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 try:
   import ray
-  from ray.util import placement_group as pg_lib
   from ray.util import scheduling_strategies
+  from ray.util.placement_group import placement_group, remove_placement_group
 except ImportError as e:  # pragma: no cover - depends on the installation.
   raise ImportError(
     "ddiloco's Ray backend needs Ray: pip install 'ddiloco[ray]' (scripts/setup.sh installs it)."
@@ -161,8 +161,11 @@ _ProgramActor = ray.remote(ProgramActor)
 class ActorProcess:
   """A program run by a `ProgramActor`, seen from the launcher as a `subprocess.Popen`.
 
-  `poll` never blocks: it asks the actor in the background and answers from its last reply. While
-  Ray restarts the actor the program counts as running; `restarts` counts the restarts seen.
+  Nothing here blocks: the actor is asked in the background and `poll` answers from its last reply,
+  so every program of a run starts at once. `pid` (the program's), `actor_pid` and `node` are None
+  until the actor first answered. While Ray restarts the actor the program counts as running;
+  `restarts` counts the restarts seen. An actor that Ray could not place and start within
+  `timeout_s`, or that died for good, ends the program with `ACTOR_DIED`, and its log says why.
   """
 
   def __init__(self, actor: Any, launch: processes.Launch, *, timeout_s: float):
@@ -170,25 +173,30 @@ class ActorProcess:
     self.args = launch.argv
     self.returncode: int | None = None
     self.restarts = 0
-    self._pending: Any = None
-    try:
-      info = ray.get(actor.info.remote(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-      ray.kill(actor, no_restart=True)
-      raise TimeoutError(
-        f"Ray did not start {launch.role} {' '.join(launch.argv[:2])} within {timeout_s} s: "
-        "are the resources it asks for (RayConfig) in the cluster?"
-      ) from None
-    self.pid, self.actor_pid, self.node = info["pid"], info["actor_pid"], info["node"]
-    self._incarnation = info["incarnation"]
+    self.pid: int | None = None
+    self.actor_pid: int | None = None
+    self.node: str | None = None
+    self._log_path = launch.log_path
+    self._role = launch.role
+    self._timeout_s = timeout_s
+    self._start_deadline: float | None = time.monotonic() + timeout_s
+    self._incarnation: int | None = None
+    self._pending: Any = actor.info.remote()
 
   def _update(self, info: dict[str, Any]) -> None:
-    if info["incarnation"] != self._incarnation:
-      self._incarnation = info["incarnation"]
+    if self._incarnation is not None and info["incarnation"] != self._incarnation:
       self.restarts += 1
+    self._incarnation = info["incarnation"]
+    self._start_deadline = None
     self.pid, self.actor_pid, self.node = info["pid"], info["actor_pid"], info["node"]
     if info["returncode"] is not None:
       self.returncode = info["returncode"]
+
+  def _died(self, why: str) -> None:
+    self.returncode = ACTOR_DIED
+    os.makedirs(os.path.dirname(self._log_path), exist_ok=True)
+    with open(self._log_path, "a") as log:
+      log.write(f"\n[ddiloco-ray] {why}\n")
 
   def poll(self) -> int | None:
     if self.returncode is not None:
@@ -197,14 +205,20 @@ class ActorProcess:
       self._pending = self.actor.info.remote()
     ready, _ = ray.wait([self._pending], timeout=0)
     if not ready:
-      return None
+      if self._start_deadline is not None and time.monotonic() > self._start_deadline:
+        ray.kill(self.actor, no_restart=True)
+        self._died(
+          f"Ray did not start this {self._role} within {self._timeout_s} s: are the resources "
+          "it asks for (RayConfig) in the cluster?"
+        )
+      return self.returncode
     ref, self._pending = self._pending, None
     try:
       self._update(ray.get(ref))
     except ray.exceptions.ActorUnavailableError:
       pass  # Being restarted.
-    except ray.exceptions.ActorDiedError:
-      self.returncode = ACTOR_DIED  # Ray will not restart it.
+    except ray.exceptions.ActorDiedError as e:  # Ray will not restart it.
+      self._died(f"its actor died for good: {str(e).strip().splitlines()[0]}")
     return self.returncode
 
   def wait(self, timeout: float | None = None) -> int:
@@ -239,12 +253,12 @@ class RayCluster(LocalCluster):
     super().__init__(**kwargs)
     self.ray_config = ray_config or RayConfig()
     self._handles: list[ActorProcess] = []
-    self._groups: list[Any] = []  # Placement groups of multi-process learners.
+    self._groups: list[Callable[[], None]] = []  # Releases multi-process learners' reservations.
     self._started_ray = False
     self._starts: dict[int, dict[str, Any]] = {}  # start_learner's arguments, per learner.
     self._restarts_seen: dict[str, int] = {}
     self._unit_restarts: dict[int, int] = {}
-    self._learner_groups: dict[int, Any] = {}
+    self._learner_groups: dict[int, Callable[[], None]] = {}
 
   # -- the Ray instance -------------------------------------------------------------------------
 
@@ -325,11 +339,12 @@ class RayCluster(LocalCluster):
 
   def spawn_syncer(self, *, port: int = 0) -> None:
     strategy = self._syncer_strategy()
-    if port == 0:  # A port chosen on the syncer's node, kept by its restarts.
-      self.syncer_host, port = ray.get(
+    if port == 0:  # The configured port, or one free on the syncer's node; its restarts keep it.
+      self.syncer_host, free = ray.get(
         _probe.options(scheduling_strategy=strategy).remote(),
         timeout=self.ray_config.start_timeout_s,
       )
+      port = self.ray_config.syncer_port or free
     self._syncer_options = {
       "num_cpus": self.ray_config.syncer_num_cpus,
       "resources": dict(self.ray_config.syncer_resources),
@@ -360,14 +375,8 @@ class RayCluster(LocalCluster):
     # One actor per process, reserved together; process 0 hosts the coordinator.
     n = self.processes_per_learner
     opts = self._learner_options()
-    bundle = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"], **opts["resources"]}
-    group = pg_lib.placement_group(
-      [{k: v for k, v in bundle.items() if v}] * n, strategy=self.ray_config.placement_strategy
-    )
-    if not group.wait(timeout_seconds=self.ray_config.start_timeout_s):
-      pg_lib.remove_placement_group(group)
-      raise TimeoutError(f"Ray could not reserve {n} x {bundle} for learner {learner_id}.")
-    self._groups.append(group)
+    group, release = self._reserve(learner_id, n, opts)
+    self._groups.append(release)
 
     def in_bundle(i: int) -> Any:
       return scheduling_strategies.PlacementGroupSchedulingStrategy(
@@ -397,9 +406,46 @@ class RayCluster(LocalCluster):
     child = Child(
       f"learner_{learner_id}", unit, launches[0].log_path, os.path.join(folder, "metrics.jsonl")
     )
-    self._learner_groups[learner_id] = group
+    self._learner_groups[learner_id] = release
     self.learners[learner_id] = child
     return child
+
+  def _reserve(
+    self, learner_id: int, n: int, opts: dict[str, Any]
+  ) -> tuple[Any, Callable[[], None]]:
+    """Reserves the hosts of a multi-process learner: a placement group of n bundles (a whole TPU
+    slice with `RayConfig.tpu_topology`), and how to release it.
+
+    Raises:
+      ValueError: if the TPU slice has not `processes_per_learner` hosts.
+      TimeoutError: if Ray cannot reserve it within `start_timeout_s`.
+    """
+    cfg = self.ray_config
+    if cfg.tpu_topology:
+      from ray.util import tpu
+
+      reservation = tpu.slice_placement_group(cfg.tpu_topology, cfg.tpu_version)
+      group, release = reservation.placement_group, reservation.shutdown
+      if reservation.num_hosts != n:
+        release()
+        raise ValueError(
+          f"A {cfg.tpu_version} {cfg.tpu_topology} slice has {reservation.num_hosts} hosts; "
+          f"JobConfig.processes_per_learner is {n} (one process per host)."
+        )
+      what = f"a {cfg.tpu_version} {cfg.tpu_topology} slice"
+    else:
+      bundle = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"], **opts["resources"]}
+      bundle = {k: v for k, v in bundle.items() if v}
+      group = placement_group([bundle] * n, strategy=cfg.placement_strategy)
+
+      def release() -> None:
+        remove_placement_group(group)
+
+      what = f"{n} x {bundle}"
+    if not group.wait(timeout_seconds=cfg.start_timeout_s):
+      release()
+      raise TimeoutError(f"Ray could not reserve {what} for learner {learner_id}.")
+    return group, release
 
   def _coordinator_address(self, learner_id: int) -> str:
     del learner_id
@@ -416,7 +462,7 @@ class RayCluster(LocalCluster):
         learner_id = -1 if name == "syncer" else int(name.split("_")[1])
         self._record("restart", learner_id, program=name, restarts=n)
         if progress is not None:
-          progress(f"ray: {name} died and was restarted by Ray ({n} so far)")
+          progress(f"ray: {name} restarted after it died ({n} so far)")
     if self.processes_per_learner > 1:
       for i, member in sorted(self.fleet.items()):
         child = self.learners[i]
@@ -438,10 +484,10 @@ class RayCluster(LocalCluster):
     for p in self.learners[learner_id].proc.procs:
       p.release()
       self._handles.remove(p)
-    group = self._learner_groups.pop(learner_id, None)
-    if group is not None:
-      pg_lib.remove_placement_group(group)
-      self._groups.remove(group)
+    release = self._learner_groups.pop(learner_id, None)
+    if release is not None:
+      release()
+      self._groups.remove(release)
 
   # -- stopping ---------------------------------------------------------------------------------
 
@@ -452,8 +498,8 @@ class RayCluster(LocalCluster):
     finally:
       for handle in self._handles:
         handle.release()
-      for group in self._groups:
-        pg_lib.remove_placement_group(group)
+      for release in self._groups:
+        release()
       self._handles.clear()
       self._groups.clear()
       self._learner_groups.clear()

@@ -29,9 +29,15 @@ class RayConfig:
       with `syncer_resources`.
     syncer_resources: further resources for the syncer, e.g. {"syncer_node": 1} for a custom
       resource of the machine meant for it.
+    syncer_port: the port the syncer serves on (0: one free on its node when the run starts; a
+      fixed one is easier to open in a firewall). Its restarts keep it.
     max_restarts: how often Ray restarts one program after it died (-1: without limit).
     placement_strategy: how a multi-process learner's actors are placed ("STRICT_SPREAD": one per
       host, as the hosts of a slice; "PACK" or "SPREAD" elsewhere).
+    tpu_topology: with `tpu_version`, each multi-process learner reserves a whole TPU slice of
+      this topology ("4x4x4"; Ray's `ray.util.tpu.slice_placement_group`), one process per host;
+      `JobConfig.processes_per_learner` must equal the slice's hosts.
+    tpu_version: the TPU generation of those slices ("v5p", "v6e").
     local_num_cpus: logical CPUs of a Ray instance started here (None: enough for the whole fleet:
       learners here share the machine, as under `ddiloco-local`).
     start_timeout_s: how long an actor may take to be placed and start its program.
@@ -45,8 +51,11 @@ class RayConfig:
   syncer_num_cpus: float = 1.0
   syncer_on_head: bool = True
   syncer_resources: dict[str, float] = dataclasses.field(default_factory=dict)
+  syncer_port: int = 0
   max_restarts: int = 20
   placement_strategy: str = "PACK"
+  tpu_topology: str | None = None
+  tpu_version: str | None = None
   local_num_cpus: int | None = None
   start_timeout_s: float = 600.0
 
@@ -64,6 +73,12 @@ class RayConfig:
       for key, value in dict(getattr(self, name)).items():
         if not isinstance(key, str) or not isinstance(value, int | float) or value < 0:
           raise ValueError(f"{name} maps names to amounts >= 0, got {key!r}: {value!r}.")
+    if not 0 <= self.syncer_port <= 65535:
+      raise ValueError(f"syncer_port must be in [0, 65535], got {self.syncer_port}.")
+    if bool(self.tpu_topology) != bool(self.tpu_version):
+      raise ValueError("tpu_topology and tpu_version go together.")
+    if self.tpu_topology and self.platform != "tpu":
+      raise ValueError(f"tpu_topology needs platform 'tpu', got {self.platform!r}.")
     if self.local_num_cpus is not None and self.local_num_cpus < 1:
       raise ValueError(f"local_num_cpus must be >= 1, got {self.local_num_cpus}.")
     if not self.start_timeout_s > 0:

@@ -78,7 +78,12 @@ def test_ray_restarts_a_failed_learner_alone_and_leaves_nothing(tmp_path):
   def chaos(line):
     lines.append(line)
     l0, l1 = cluster.learners.get(0), cluster.learners.get(1)
-    if l1 is not None and "actor" not in killed and l1.last.get("step", 0) >= 16:
+    if (
+      l1 is not None
+      and "actor" not in killed
+      and l1.last.get("step", 0) >= 16
+      and l1.proc.actor_pid
+    ):
       killed["actor"] = l1.last["step"]
       os.kill(l1.proc.actor_pid, signal.SIGKILL)  # A lost host: the program dies with its actor.
     if l0 is not None and "program" not in killed and l0.last.get("step", 0) >= 24:
@@ -123,6 +128,9 @@ def test_ray_config_refuses_bad_values():
     {"learner_resources": {"TPU": -4}},
     {"placement_strategy": "ANYWHERE"},
     {"local_num_cpus": 0},
+    {"syncer_port": 70000},
+    {"tpu_topology": "4x4x4"},
+    {"tpu_topology": "4x4x4", "tpu_version": "v5p"},  # Not on platform "tpu".
     {"start_timeout_s": 0},
   ):
     with pytest.raises(ValueError):
