@@ -16,6 +16,8 @@ RUNS = ["sim_tiny.gin", "runs/sim_small.gin", "runs/sim_vit_tiny.gin", "runs/sim
 DISTRIBUTED = ["local_tiny.gin", "ray_tiny.gin"]
 CHAOS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/chaos/*.gin"))
 BASELINES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/baselines/*.gin"))
+# Examples of user code; tests/tasks/custom_task_test.py runs them.
+EXAMPLES = ["examples/custom_task.gin"]
 # Study bases (experiments/*.py stack bindings on them); each is a simulated run file.
 STUDIES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/studies/*.gin"))
 FAST = [
@@ -49,7 +51,13 @@ def test_every_config_is_covered():
   included.add("runs/decoupled_base.gin")
   included.add("runs/distributed_base.gin")
   assert shipped == (
-    set(RUNS) | set(BASELINES) | included | set(DISTRIBUTED) | set(CHAOS) | set(STUDIES)
+    set(RUNS)
+    | set(BASELINES)
+    | included
+    | set(DISTRIBUTED)
+    | set(CHAOS)
+    | set(STUDIES)
+    | set(EXAMPLES)
   )
 
 
