@@ -40,6 +40,8 @@ class JobConfig:
     processes_per_learner: JAX processes forming each learner in the local launchers, as the hosts
       of a multi-host slice (distributed/multihost.py, launch/processes.py); a learner's mesh then has
       processes_per_learner × devices_per_learner devices.
+    model_parallelism: size of each learner mesh's "model" axis (tensor parallelism; the "data"
+      axis gets the rest of its devices); must divide a learner's device count.
     batch_size: per-learner batch override (None: the task's).
     layout_strategy: "balanced", "layer" or "tensor".
     split_large: allow splitting tensors larger than total/P.
@@ -63,6 +65,7 @@ class JobConfig:
   steps_per_learner: int = 100
   devices_per_learner: int = 1
   processes_per_learner: int = 1
+  model_parallelism: int = 1
   batch_size: int | None = None
   layout_strategy: str = "balanced"
   split_large: bool = False
@@ -79,6 +82,7 @@ class JobConfig:
       "steps_per_learner",
       "devices_per_learner",
       "processes_per_learner",
+      "model_parallelism",
       "senders",
     )
     bad = [f"{name}={getattr(self, name)}" for name in counts if getattr(self, name) < 1]
@@ -123,6 +127,7 @@ class JobConfig:
       seed=self.seed,
       eval_batches=self.eval_batches,
       batch_size=self.batch_size,
+      model_parallelism=self.model_parallelism,
     )
 
   def make_learner(self, learner_id: int) -> tuple[LearnerFactory, LearnerSpec, Learner]:

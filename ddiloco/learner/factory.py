@@ -6,6 +6,7 @@ What is trained (model, loss, data, eval, mean-merged tensors) comes from a `ddi
 """
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -75,6 +76,10 @@ class LearnerFactory:
     eval_batches: held-out batches used for every evaluation.
     batch_size: per-learner batch override (None: the task's); sets `tokens_per_step` (merge
       units per nominal step: tokens for text, examples for vision).
+    model_parallelism: size of every learner mesh's "model" axis (tensor parallelism over the
+      logical axes the rules table maps there); it must divide a learner's device count. The
+      factory's own slice (the initial parameters and the syncer's evaluation) uses the largest
+      part of it that divides its devices: the values are the same on any mesh.
 
   Attributes:
     last_eval: the metrics ({"loss", **aux}) of the latest `evaluate_flat(_metrics)` call.
@@ -94,7 +99,13 @@ class LearnerFactory:
     seed: int = 0,
     eval_batches: int = 8,
     batch_size: int | None = None,
+    model_parallelism: int = 1,
   ):
+    if isinstance(model_parallelism, bool) or not isinstance(model_parallelism, int):
+      raise ValueError(f"model_parallelism must be an int, got {model_parallelism!r}.")
+    if model_parallelism < 1:
+      raise ValueError(f"model_parallelism must be >= 1, got {model_parallelism}.")
+    self.model_parallelism = model_parallelism
     self.task = resolve_task(task, model_config, data_config)
     self.model = self.task.model
     self.optimizer = train_step_lib.make_inner_optimizer(inner_opt)
@@ -106,7 +117,8 @@ class LearnerFactory:
     self.last_eval: dict[str, float] | None = None
     # This process's own first device: in a multi-process learner jax.devices()[0] is process 0's,
     # which the other processes cannot read back (distributed/multihost.py).
-    steps0, params0 = self._compiled(mesh_lib.learner_devices(0, 1, jax.local_devices()))
+    own = mesh_lib.learner_devices(0, 1, jax.local_devices())
+    steps0, params0 = self._compiled(own, math.gcd(model_parallelism, len(own)))
     self._init_flat = {k: np.asarray(jax.device_get(v)) for k, v in tree.flatten(params0).items()}
     self.num_params = int(sum(v.size for v in self._init_flat.values()))
     self.layout = layout_lib.make_layout(
@@ -118,16 +130,17 @@ class LearnerFactory:
     self._eval_steps = steps0
     self._eval_batches = self.task.eval_batches(eval_batches)
 
-  def _compiled(self, devices: list[jax.Device]):
+  def _compiled(self, devices: list[jax.Device], model_parallelism: int | None = None):
     """Compiled steps and the initial params placed on a device slice; steps cached per slice.
 
     Parameters are initialised once (on the first slice) and copied to later slices: learners
     overwrite them with the global fragments at start anyway, and a jitted init per mesh costs a
     compile each.
     """
-    key = tuple(d.id for d in devices)
+    mp = self.model_parallelism if model_parallelism is None else model_parallelism
+    key = (*(d.id for d in devices), mp)
     if key not in self._steps:
-      mesh = mesh_lib.make_mesh(devices=devices)
+      mesh = mesh_lib.make_mesh(devices=devices, model_parallelism=mp)
       inputs = self.task.dummy_inputs(batch_size=1)
       if not self._steps:
         params, shardings = partitioning.init_params(

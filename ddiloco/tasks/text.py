@@ -23,12 +23,18 @@ from ddiloco.models import moe, transformer
 from ddiloco.tasks.base import Batch, LossOutput, Task
 from ddiloco.types import PyTree
 
+# Model vocabularies are padded to this multiple (up to 128-way model parallelism divides them).
+VOCAB_MULTIPLE = 128
+
 
 class TextTask(Task):
   """Language modelling on the Shakespeare text pipeline; counts target tokens.
 
   Args:
-    model: the transformer's config; its vocab_size is replaced by the tokenizer's.
+    model: the transformer's config; its vocab_size is replaced by the tokenizer's, rounded up to
+      a multiple of `VOCAB_MULTIPLE` so that the embedding and the output projection shard evenly
+      over a learner's model axis (cl100k's 100,277 ids become 100,352; the extra ids never occur
+      in the data, and training drives their logits down).
     data: the text pipeline's config.
   """
 
@@ -38,6 +44,7 @@ class TextTask(Task):
     self, *, model: transformer.TransformerConfig, data: text_data.TextDataConfig
   ) -> None:
     vocab = text_data.get_tokenizer(data.tokenizer).vocab_size
+    vocab = -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     if model.vocab_size != vocab:
       model = dataclasses.replace(model, vocab_size=vocab)
     if data.seq_len > model.max_len:

@@ -16,6 +16,8 @@ RUNS = ["sim_tiny.gin", "runs/sim_small.gin", "runs/sim_vit_tiny.gin", "runs/sim
 DISTRIBUTED = ["local_tiny.gin", "ray_tiny.gin"]
 CHAOS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/chaos/*.gin"))
 BASELINES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/baselines/*.gin"))
+# TPU slice configs; tests/parallel/slice_configs_test.py checks them on fake devices.
+CLUSTERS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/clusters/*.gin"))
 # Examples of user code; tests/tasks/custom_task_test.py runs them.
 EXAMPLES = ["examples/custom_task.gin"]
 # Study bases (experiments/*.py stack bindings on them); each is a simulated run file.
@@ -58,6 +60,7 @@ def test_every_config_is_covered():
     | set(CHAOS)
     | set(STUDIES)
     | set(EXAMPLES)
+    | set(CLUSTERS)
   )
 
 
