@@ -50,6 +50,8 @@ setuptools.setup(
   extras_require={
     # The cluster engine (`ddiloco-ray`, launch/ray_cluster.py).
     "ray": ["ray>=2.50,<3"],
+    # Workdirs on Google Cloud Storage (gs://...; ddiloco/storage.py through etils.epath).
+    "gcs": ["gcsfs>=2024.2"],
     "test": [
       "pytest>=9,<10",
       "pytest-timeout>=2.4,<3",

@@ -46,6 +46,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from ddiloco import storage
 from ddiloco.learner.train_step import CompiledSteps
 from ddiloco.parallel.multihost import ProcessGroup
 from ddiloco.types import PyTree
@@ -94,8 +95,8 @@ class LearnerCheckpointConfig:
   def learner_directory(self, learner_id: int, workdir: str) -> str:
     """This learner's checkpoint folder (absolute)."""
     if self.directory is None:
-      return os.path.abspath(os.path.join(workdir, "checkpoints"))
-    return os.path.abspath(os.path.join(self.directory, f"learner_{learner_id}"))
+      return storage.resolve(storage.join(workdir, "checkpoints"))
+    return storage.resolve(storage.join(self.directory, f"learner_{learner_id}"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,13 +392,13 @@ class LearnerCheckpointer:
 
   def _peer_dirs(self) -> list[tuple[int, str]]:
     root = self.config.directory
-    if root is None or not os.path.isdir(root):
+    if root is None:
       return []
     out = []
-    for name in sorted(os.listdir(root)):
-      m = _LEARNER_DIR.match(name)
+    for path in storage.glob(storage.resolve(root), "learner_*"):
+      m = _LEARNER_DIR.match(os.path.basename(path))
       if m and int(m.group(1)) != self.learner_id:
-        out.append((int(m.group(1)), os.path.abspath(os.path.join(root, name))))
+        out.append((int(m.group(1)), path))
     return out
 
   # -- multi-process learners ---------------------------------------------------------------------

@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 
 from absl import app, flags
 
+from ddiloco import storage
 from ddiloco.launch import gin_flags
 
 USAGE_ERROR = 2  # The exit status of a bad command line (as argparse).
@@ -171,23 +172,36 @@ def _registry() -> Any:
   return gin.config._REGISTRY
 
 
-def make_workdir(workdir: str, config_text: str | None = None) -> str:
-  """Creates `workdir` (absolute path returned) and writes the operative gin config into it.
+def make_workdir(
+  workdir: str,
+  config_text: str | None = None,
+  *,
+  remote_ok: bool = False,
+  why_local: str = "this command reads and writes it as a file system",
+) -> str:
+  """Creates `workdir` (returned absolute, or as given for an object store URI such as gs://... where
+  `remote_ok`; ddiloco/storage.py) and writes the operative gin config into it.
 
   Raises:
-    app.UsageError: if it cannot be created or written (nothing is left behind).
+    app.UsageError: for a URI where not `remote_ok` (saying `why_local`), or if it cannot be
+      created or written (nothing is left behind).
   """
-  workdir = os.path.abspath(workdir)
-  existed = os.path.isdir(workdir)
+  if not remote_ok:
+    try:
+      storage.require_local(workdir, who="--workdir", why=why_local)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
+  workdir = storage.resolve(workdir)
+  existed = storage.is_remote(workdir) or os.path.isdir(workdir)
   try:
-    os.makedirs(workdir, exist_ok=True)
+    storage.makedirs(workdir)
     if config_text is not None:
-      with open(os.path.join(workdir, "config.gin"), "w") as f:
-        f.write(config_text)
-  except OSError as e:
+      storage.write_text(storage.join(workdir, "config.gin"), config_text)
+  except (OSError, ImportError, NotImplementedError) as e:
     if not existed and os.path.isdir(workdir) and not os.listdir(workdir):
       os.rmdir(workdir)
-    raise app.UsageError(f"cannot write the workdir {workdir}: {e.strerror or e}") from e
+    reason = getattr(e, "strerror", None) or e
+    raise app.UsageError(f"cannot write the workdir {workdir}: {reason}") from e
   return workdir
 
 

@@ -109,7 +109,7 @@ def main(argv: list[str]) -> None:
     checkpoint = LearnerCheckpointConfig()
     if _RESTORE.value:
       checkpoint = dataclasses.replace(checkpoint, init_from=_RESTORE.value)
-  cli.make_workdir(workdir, config_text)
+  cli.make_workdir(workdir, config_text, remote_ok=True)
   svc = job.the_service()
   client = None
   if _PROCESS_ID.value == 0:  # The other processes of a learner never talk to the syncer.

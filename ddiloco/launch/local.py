@@ -90,7 +90,9 @@ def run_job(
     config_text = gin_flags.parse_gin()
     job = job_lib.JobConfig()
     backend = {} if backend_config is None else {"backend_config": backend_config()}
-  workdir = cli.make_workdir(_WORKDIR.value, config_text)
+  workdir = cli.make_workdir(
+    _WORKDIR.value, config_text, why_local="the launcher reads its programs' files while they run"
+  )
   cluster = make_cluster(
     **backend,
     workdir=workdir,

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ddiloco import storage
 from ddiloco.launch import fleet as fleet_lib
 from ddiloco.launch import processes
 from ddiloco.launch.job import JobConfig
@@ -130,6 +131,9 @@ class LocalCluster:
     processes_per_learner: int = 1,
   ):
     processes.check_count("processes_per_learner", processes_per_learner)
+    storage.require_local(
+      workdir, who="LocalCluster", why="it reads its programs' files while they run"
+    )
     self.workdir = os.path.abspath(workdir)
     self.gin_args = list(gin_args)
     self.num_learners = num_learners

@@ -122,6 +122,12 @@ class ProgramActor:
       self._started.set()
       return
     self._started.set()
+    with open(self._launch.log_path, "a") as log:
+      again = "restarted" if self._reconstructed else "started"
+      log.write(
+        f"[ddiloco-ray] {again} by actor pid {os.getpid()} on {ray.util.get_node_ip_address()} "
+        f"(program pid {self._proc.pid}, nice {os.nice(0)})\n"
+      )
     rc = self._proc.wait()
     self._returncode = rc
     if rc != 0 and not self._expected_exit and self._restart_on_failure:
@@ -277,6 +283,9 @@ class RayCluster(LocalCluster):
       # Ray's own processes are started in this process group; a terminal's Ctrl-C reaches the
       # whole group and would kill them under the running programs. They inherit an ignored
       # SIGINT instead, and the launcher stops the run in order (LocalCluster.run).
+      # Ray runs its workers, and so our programs, at nice 15 by default; on one machine that puts
+      # the syncer and learners below every other process (the launcher included).
+      os.environ.setdefault("RAY_worker_niceness", "0")
       with _sigint_ignored():
         ray.init(address=address, **kwargs)
       return

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ddiloco import storage
 from ddiloco.checkpoint import syncer as ckpt_lib
 from ddiloco.checkpoint.learner import (
   LearnerCheckpointConfig,
@@ -50,7 +51,10 @@ class SyncerRun:
   ):
     self.job = job
     self.workdir = workdir
-    os.makedirs(workdir, exist_ok=True)
+    storage.require_local(
+      workdir, who="The syncer", why="it fsyncs its merge journal before it serves a version"
+    )
+    storage.makedirs(workdir)
     self.factory = job.factory()
     self.layout = self.factory.layout
     self.writer = MetricsWriter(workdir)
@@ -378,7 +382,7 @@ def make_learner_worker(
   factory, spec, learner = job.make_learner(learner_id)
   if data is None:
     data = iter(factory.make_data(learner_id, spec=spec))
-  os.makedirs(workdir, exist_ok=True)
+  storage.makedirs(workdir)
   writer = MetricsWriter(workdir, deferred=True)  # TensorBoard at the end (MetricsWriter).
   worker = LearnerWorker(
     learner=learner,
@@ -469,7 +473,7 @@ def make_multihost_worker(
   factory, spec, learner = job.make_learner(learner_id)
   group = ProcessGroup(learner.steps.mesh)
   data = GlobalBatches(iter(factory.make_data(learner_id, spec=spec)), learner.steps.batch_sharding)
-  os.makedirs(workdir, exist_ok=True)
+  storage.makedirs(workdir)
   # One TensorBoard run per learner: process 0's (the others' curves would repeat it).
   writer = MetricsWriter(workdir, tensorboard=jax.process_index() == 0)
   worker = multihost_lib.MultihostWorker(

@@ -36,7 +36,7 @@ def main(argv: list[str]) -> None:
   def start() -> None:  # simulate() checked its arguments: from here on errors are the run's.
     nonlocal started
     started = True
-    cli.make_workdir(_WORKDIR.value, config_text)
+    cli.make_workdir(_WORKDIR.value, config_text, remote_ok=True)
 
   try:
     summary = simulate_lib.simulate(

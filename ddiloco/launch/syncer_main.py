@@ -60,7 +60,9 @@ def main(argv: list[str]) -> None:
   with cli.bad_config():
     config_text = gin_flags.parse_gin()
     job = job_lib.JobConfig()
-  workdir = cli.make_workdir(_WORKDIR.value, config_text)
+  workdir = cli.make_workdir(
+    _WORKDIR.value, config_text, why_local="the syncer fsyncs its merge journal before it serves"
+  )
   stop = threading.Event()
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: stop.set())

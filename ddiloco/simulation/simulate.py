@@ -5,12 +5,12 @@ Everything an experiment varies is an argument; gin binds them from .gin files (
 """
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 import gin
 
+from ddiloco import storage
 from ddiloco.data import text as text_data
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner.factory import LearnerFactory
@@ -119,7 +119,7 @@ def simulate(
 
   if on_start is not None:
     on_start()
-  os.makedirs(workdir, exist_ok=True)
+  storage.makedirs(workdir)
   with MetricsWriter(workdir, tensorboard=tensorboard) as writer:
     writer.event(
       "config",

@@ -111,8 +111,11 @@ def test_ray_restarts_a_failed_learner_alone_and_leaves_nothing(tmp_path):
       log = f.read()  # Both incarnations: the restart appends.
     assert log.count("restored from fresh at step 0") == 1, log[-2000:]
     assert ("[ddiloco-ray] the program exited" in log) == (i == "0")
+    assert log.count("[ddiloco-ray] restarted by actor") == 1
+    assert "nice 0)" in log  # The local instance runs its workers at normal priority.
   with open(os.path.join(tmp_path, "syncer", "log.txt")) as f:
-    assert "[ddiloco-ray]" not in f.read()  # The syncer never stopped.
+    log = f.read()
+  assert log.count("[ddiloco-ray] started") == 1 and "restarted" not in log  # Never stopped.
   assert summary["merges"] > 0
   # Nothing left: neither a program of the run nor a process of the Ray instance it started.
   assert not ray.is_initialized()

@@ -1,0 +1,133 @@
+"""Workdirs on an object store (ddiloco/storage.py), against an in-memory `gs://` (no network).
+
+fsspec's in-memory file system is registered for the gs/gcs protocols, which is where
+`etils.epath` sends gs:// paths when TensorFlow is absent. Every test runs in an empty current
+folder and checks that nothing named after the URI (a `gs:` folder) appears there.
+"""
+
+import json
+import os
+
+import fsspec
+import pytest
+from absl import app
+from etils import epath
+from fsspec.implementations.memory import MemoryFileSystem
+
+from ddiloco import storage
+from ddiloco.checkpoint.learner import LearnerCheckpointConfig
+from ddiloco.launch import cli, local_cluster
+from ddiloco.metrics.writer import MetricsWriter, read_events, write_summary
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class FakeGcs(MemoryFileSystem):
+  """An in-memory bucket store answering gs:// and gcs:// paths."""
+
+  protocol = ("gs", "gcs")
+  store: dict = {}
+  pseudo_dirs = [""]
+
+  def __init__(self, *args, finalize_on_close=None, **kwargs):
+    del finalize_on_close  # What epath passes the real GCS file system.
+    super().__init__(*args, **kwargs)
+
+  @classmethod
+  def _strip_protocol(cls, path):
+    for prefix in ("gs://", "gcs://"):
+      if path.startswith(prefix):
+        path = path[len(prefix) :]
+    return super()._strip_protocol(path)
+
+
+@pytest.fixture
+def bucket(tmp_path, monkeypatch):
+  for name in ("gs", "gcs"):
+    fsspec.register_implementation(name, FakeGcs, clobber=True)
+  FakeGcs.store.clear()
+  FakeGcs.pseudo_dirs[:] = [""]
+  monkeypatch.chdir(tmp_path)
+  yield "gs://bucket/run"
+  assert os.listdir(tmp_path) == []  # No local junk: no `gs:` folder, no staging left behind.
+
+
+def _objects():
+  return sorted(FakeGcs.store)
+
+
+def test_paths_keep_their_uri(bucket):
+  assert storage.is_remote(bucket) and not storage.is_remote("runs/x")
+  assert storage.resolve(bucket) == bucket
+  assert storage.resolve("runs/x") == os.path.abspath("runs/x")
+  assert storage.join(bucket, "learner_0", "tb") == "gs://bucket/run/learner_0/tb"
+
+
+def test_make_workdir_writes_the_config_to_the_bucket(bucket):
+  assert cli.make_workdir(bucket, "X = 1\n", remote_ok=True) == bucket
+  assert epath.Path(bucket, "config.gin").read_text() == "X = 1\n"
+
+
+def test_commands_that_need_a_file_system_refuse_a_uri_before_writing(bucket):
+  with pytest.raises(app.UsageError, match=r"needs a local or mounted folder.*fsyncs"):
+    cli.make_workdir(bucket, "X = 1\n", why_local="the syncer fsyncs its journal")
+  with pytest.raises(ValueError, match="LocalCluster needs a local or mounted folder"):
+    local_cluster.LocalCluster(workdir=bucket, gin_args=[], num_learners=1)
+  assert _objects() == []
+
+
+def test_metrics_are_staged_and_copied_up(bucket):
+  writer = MetricsWriter(bucket, sync_every_s=0.0)
+  staging = writer._mirror.local
+  writer.event("train", step=1, loss=2.0)
+  writer.scalars({"loss": 2.0}, tokens=10, step=1)
+  writer.flush()
+  assert [e["step"] for e in read_events(bucket)] == [1]  # Visible while it runs.
+  writer.event("train", step=2, loss=1.5)
+  writer.close()
+  assert not os.path.exists(staging)
+  assert [e["step"] for e in read_events(bucket, "train")] == [1, 2]
+  assert writer.tb_dir == f"{bucket}/tb/run_000"
+  assert any(o.startswith("/bucket/run/tb/run_000/events.out.tfevents") for o in _objects())
+  # A restarted program appends to the same metrics and opens the next TensorBoard run.
+  again = MetricsWriter(bucket)
+  again.event("train", step=3, loss=1.0)
+  again.close()
+  assert [e["step"] for e in read_events(bucket)] == [1, 2, 3]
+  assert again.tb_dir == f"{bucket}/tb/run_001"
+
+
+def test_summary_round_trips(bucket):
+  path = write_summary(bucket, {"merges": 3, "loss": float("nan")})
+  assert path == f"{bucket}/summary.json"
+  assert json.loads(epath.Path(path).read_text()) == {"merges": 3, "loss": "nan"}
+
+
+def test_learner_checkpoints_live_under_the_uri_and_find_their_peers(bucket):
+  config = LearnerCheckpointConfig(directory=f"{bucket}/ckpt")
+  assert config.learner_directory(1, "ignored") == f"{bucket}/ckpt/learner_1"
+  assert LearnerCheckpointConfig().learner_directory(0, bucket) == f"{bucket}/checkpoints"
+  for i in (0, 2):
+    epath.Path(config.learner_directory(i, "")).joinpath("3", "x").write_text("")
+  assert storage.glob(f"{bucket}/ckpt", "learner_*") == [
+    f"{bucket}/ckpt/learner_0",
+    f"{bucket}/ckpt/learner_2",
+  ]
+
+
+def test_a_simulated_run_writes_everything_to_the_bucket(bucket):
+  import ddiloco
+
+  summary = ddiloco.simulate(
+    workdir=bucket,
+    model=ddiloco.transformer_config("tiny", max_len=32),
+    data=ddiloco.TextDataConfig(seq_len=32, batch_size=4),
+    cluster=ddiloco.ClusterConfig(num_learners=2, steps_per_learner=4),
+    schedule=ddiloco.FragmentSchedule(num_fragments=2, period=2, overlap=0),
+    syncer=ddiloco.SyncerConfig(min_quorum=1, overlap=0),
+    eval_batches=1,
+  )
+  assert summary["merges"] > 0
+  assert json.loads(epath.Path(bucket, "summary.json").read_text())["merges"] == summary["merges"]
+  assert read_events(bucket, "eval")
+  assert any("/tb/run_000/" in o for o in _objects())
