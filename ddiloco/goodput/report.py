@@ -8,16 +8,24 @@ import json
 import os
 from collections.abc import Sequence
 
-import matplotlib
-
-matplotlib.use("Agg")  # Headless: plots go to files only.
-import matplotlib.pyplot as plt
 import numpy as np
 
 from ddiloco.goodput import bandwidth
 from ddiloco.goodput import fleet as goodput
 from ddiloco.goodput import model as goodput_model
 from ddiloco.goodput.model import Costs, Fleet, Result, System
+
+
+def _pyplot():
+  """matplotlib's pyplot, headless (plots go to files only); the `plots` extra."""
+  try:
+    import matplotlib
+  except ImportError as e:
+    raise ImportError("Plots need matplotlib: pip install 'ddiloco[plots]'.") from e
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  return plt
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -124,6 +132,7 @@ def _chips_label(chips: int) -> str:
 
 def plot_goodput(results: Sequence[Result], path: str, *, compare_with_paper: bool) -> None:
   """Goodput and uptime against chips, one line per system."""
+  plt = _pyplot()
   names = list(dict.fromkeys(r.system for r in results))
   fig, (ax_g, ax_u) = plt.subplots(1, 2, figsize=(12, 4.5))
   for i, name in enumerate(names):
@@ -219,6 +228,7 @@ def run_bandwidth_study(study: BandwidthStudy, workdir: str) -> dict[str, object
 
 
 def _plot_bandwidth(study: BandwidthStudy, path: str) -> None:
+  plt = _pyplot()
   gbps = np.logspace(-2, 3, 400)
   fig, ax = plt.subplots(figsize=(7, 4.5))
   ax.plot(gbps, 100 * study.data_parallel.utilization(gbps), label="data-parallel")

@@ -107,7 +107,7 @@ def run_job(
     file=sys.stderr,
     flush=True,
   )
-  files = f"{os.path.join(workdir, 'summary.json')} and {os.path.join(workdir, 'loss.png')}"
+  summary_file, plot_file = os.path.join(workdir, "summary.json"), os.path.join(workdir, "loss.png")
   try:
     if before_run is not None:
       before_run(cluster)
@@ -120,7 +120,7 @@ def run_job(
     )
   except local_cluster.RunInterrupted as e:  # Every process was stopped and said so.
     print("summary (interrupted):", {k: e.summary.get(k) for k in HEADLINE_KEYS})
-    print(f"wrote {files} of the partial run")
+    print(f"wrote {_written(summary_file, plot_file)} of the partial run")
     sys.exit(130)
   except KeyboardInterrupt:  # Before anything ran, or a second Ctrl-C while summarizing.
     sys.exit(130)
@@ -131,9 +131,13 @@ def run_job(
     if hasattr(cluster, "disconnect"):
       cluster.disconnect()
   print("summary:", {k: summary[k] for k in HEADLINE_KEYS})
-  print(f"wrote {files}")
+  print(f"wrote {_written(summary_file, plot_file)}")
   if not summary["ok"]:
     sys.exit(1)
+
+
+def _written(*paths: str) -> str:
+  return " and ".join(p for p in paths if os.path.exists(p))
 
 
 def run() -> None:

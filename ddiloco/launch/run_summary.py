@@ -6,6 +6,7 @@ merge events. `ddiloco-local` calls both at the end of a run (launch/local_clust
 """
 
 import json
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -145,11 +146,15 @@ def summarize(
   return summary
 
 
-def plot(workdir: str, *, interrupted: bool = False) -> str:
+def plot(workdir: str, *, interrupted: bool = False) -> str | None:
   """loss.png: training loss over time per learner, the global eval loss, and merge events (the
-  title says when the run was interrupted)."""
-  import matplotlib
-
+  title says when the run was interrupted). None, with a warning, without matplotlib (the
+  `plots` extra)."""
+  try:
+    import matplotlib
+  except ImportError:
+    logging.warning("loss.png needs matplotlib: pip install 'ddiloco[plots]'.")
+    return None
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
