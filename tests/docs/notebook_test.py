@@ -160,7 +160,10 @@ def test_setup_cell_installs_once_from_the_checkout_or_by_name(tmp_path, monkeyp
   for _ in range(2):
     exec(compile(_setup_cell(), "setup_cell", "exec"), {"__name__": "notebook"})
   assert calls == [
-    [sys.executable, "-m", "pip", "install", "--quiet", str(REPO) if inside else "ddiloco"]
+    [
+      *(sys.executable, "-m", "pip", "install", "--quiet"),
+      f"{REPO}[text,plots]" if inside else "ddiloco[text,plots]",  # The extras it uses.
+    ]
   ]
   text = _setup_cell()
   assert "git clone" not in text and "://" not in text  # Nothing fetched from a host by URL.
