@@ -4,7 +4,9 @@ One run of a syncer and two learners as Ray actors. Mid-run one learner's *progr
 (its actor sees it die and exits) and the other learner's *actor* is SIGKILLed (its program dies
 with it): Ray restarts each alone, each restores its own checkpoint and finishes, the syncer and
 the other learner never stop, every learner ends with the syncer's bits, and nothing is left
-running afterwards, neither our programs nor Ray's own processes.
+running afterwards, neither our programs nor Ray's own processes. Meanwhile a third learner is
+added to the running job as a new actor and removed again (`ddiloco-fleet add` / `remove`): it
+leaves gracefully and is not restarted.
 """
 
 import json
@@ -77,7 +79,11 @@ def test_ray_restarts_a_failed_learner_alone_and_leaves_nothing(tmp_path):
 
   def chaos(line):
     lines.append(line)
-    l0, l1 = cluster.learners.get(0), cluster.learners.get(1)
+    l0, l1, l2 = (cluster.learners.get(i) for i in range(3))
+    if l0 is not None and l2 is None and l0.last.get("step", 0) >= 8:
+      cluster.add_learner(steps=400)  # Scavenged capacity: a new actor joins the running job...
+    if l2 is not None and cluster.fleet[2].state == "running" and l2.last.get("step", 0) >= 8:
+      cluster.begin_remove(2)  # ...and leaves again, gracefully (not restarted).
     if (
       l1 is not None
       and "actor" not in killed
@@ -98,6 +104,10 @@ def test_ray_restarts_a_failed_learner_alone_and_leaves_nothing(tmp_path):
   assert set(killed) == {"actor", "program"}, lines[-5:]
   restarts = [e for e in summary["membership"] if e["event"] == "restart"]
   assert sorted((e["learner_id"], e["restarts"]) for e in restarts) == [(0, 1), (1, 1)], restarts
+  events = [(e["event"], e["learner_id"]) for e in summary["membership"]]
+  assert ("join", 2) in events and ("leave", 2) in events
+  leave = next(e for e in summary["membership"] if e["event"] == "leave")
+  assert leave["graceful"] is True and leave["exit_code"] == 0, leave
   assert summary["ok"] is True
   assert summary["digests_agree"] is True and summary["digest_checks"] > 0
   assert summary["budget_reached"] is True
