@@ -1,6 +1,7 @@
 """`RayCluster`: the job of `ddiloco-local` on a Ray cluster, with Ray restarting what fails.
 
-`ddiloco-ray` (launch/ray_main.py) runs it. Every program of the run is a Ray actor:
+`ddiloco-ray` (launch/ray_main.py) runs it. Every program of the run is a Ray actor
+(launch/ray_actors.py):
 
 - the syncer: one `ProgramActor` on a CPU node (the head node unless `RayConfig.syncer_on_head` is
   off), bound to that node's address on a port chosen there before it starts, so that a restart
@@ -35,14 +36,9 @@ every actor and, for a Ray instance this launcher started, shuts it down.
 """
 
 import contextlib
-import dataclasses
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -55,12 +51,9 @@ except ImportError as e:  # pragma: no cover - depends on the installation.
     "ddiloco's Ray backend needs Ray: pip install 'ddiloco[ray]' (scripts/setup.sh installs it)."
   ) from e
 
-from ddiloco.launch import processes
+from ddiloco.launch import processes, ray_actors
 from ddiloco.launch.local_cluster import Child, LocalCluster
 from ddiloco.launch.ray_config import RayConfig
-
-# Exit code of a program whose actor Ray will not restart any more (died, node lost, restarts spent).
-ACTOR_DIED = -int(signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -76,177 +69,6 @@ def _sigint_ignored() -> Iterator[None]:
     signal.signal(signal.SIGINT, previous)
 
 
-# -- on the nodes ----------------------------------------------------------------------------------
-
-
-def _node_address() -> tuple[str, int]:
-  """This node's address as Ray knows it, and a port free on it now."""
-  ip = ray.util.get_node_ip_address()
-  with socket.socket() as s:
-    s.bind(("", 0))
-    return ip, s.getsockname()[1]
-
-
-_probe = ray.remote(num_cpus=0)(_node_address)
-
-
-class ProgramActor:
-  """Runs one program of the run (a `processes.Launch`) on its node and watches it.
-
-  The program is started by a thread of this actor that lives as long as the program does, so
-  PR_SET_PDEATHSIG (processes.spawn) ties the program's life to this actor's process: a killed
-  actor takes its program along. When the program exits with an error that nobody asked for
-  (`signal_group`), the actor exits too, and Ray restarts it if it may (module docstring).
-  """
-
-  def __init__(self, launch: processes.Launch, restart_on_failure: bool):
-    env = {**os.environ, **launch.env}
-    self._launch = dataclasses.replace(launch, env=env)
-    self._restart_on_failure = restart_on_failure
-    self._expected_exit = False
-    self._returncode: int | None = None
-    self._started = threading.Event()
-    self._error: BaseException | None = None
-    self._incarnation = time.time_ns()
-    self._reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
-    threading.Thread(target=self._run, name="program", daemon=True).start()
-    self._started.wait()
-    if self._error is not None:
-      raise self._error
-
-  def _run(self) -> None:
-    try:
-      self._proc = processes.spawn(sys.executable, self._launch)
-    except BaseException as e:  # Handed to the constructor, which raises it.
-      self._error = e
-      self._started.set()
-      return
-    self._started.set()
-    with open(self._launch.log_path, "a") as log:
-      again = "restarted" if self._reconstructed else "started"
-      log.write(
-        f"[ddiloco-ray] {again} by actor pid {os.getpid()} on {ray.util.get_node_ip_address()} "
-        f"(program pid {self._proc.pid}, nice {os.nice(0)})\n"
-      )
-    rc = self._proc.wait()
-    self._returncode = rc
-    if rc != 0 and not self._expected_exit and self._restart_on_failure:
-      with open(self._launch.log_path, "a") as log:
-        log.write(
-          f"\n[ddiloco-ray] the program exited with {rc}; its actor exits for Ray to restart\n"
-        )
-      os._exit(1)  # A crash of the actor, which Ray answers with a restart.
-
-  def info(self) -> dict[str, Any]:
-    """{"pid" of the program, "actor_pid" (this actor's process), "node" address, "incarnation"
-    (a new one at each restart), "restarted" (this incarnation is a restart), "returncode" (None
-    while it runs)}."""
-    return {
-      "pid": self._proc.pid,
-      "actor_pid": os.getpid(),
-      "node": ray.util.get_node_ip_address(),
-      "incarnation": self._incarnation,
-      "restarted": self._reconstructed,
-      "returncode": self._returncode,
-    }
-
-  def signal_group(self, sig: int) -> None:
-    """Sends `sig` to the program's process group. SIGTERM, SIGINT and SIGKILL are asked-for
-    exits: the actor then stays, with the program's exit code, and is not restarted."""
-    if sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
-      self._expected_exit = True
-    processes.signal_group(self._proc, sig)
-
-
-_ProgramActor = ray.remote(ProgramActor)
-
-
-# -- in the launcher -------------------------------------------------------------------------------
-
-
-class ActorProcess:
-  """A program run by a `ProgramActor`, seen from the launcher as a `subprocess.Popen`.
-
-  Nothing here blocks: the actor is asked in the background and `poll` answers from its last reply,
-  so every program of a run starts at once. `pid` (the program's), `actor_pid` and `node` are None
-  until the actor first answered. While Ray restarts the actor the program counts as running;
-  `restarts` counts the restarts seen. An actor that Ray could not place and start within
-  `timeout_s`, or that died for good, ends the program with `ACTOR_DIED`, and its log says why.
-  """
-
-  def __init__(self, actor: Any, launch: processes.Launch, *, timeout_s: float):
-    self.actor = actor
-    self.args = launch.argv
-    self.returncode: int | None = None
-    self.restarts = 0
-    self.pid: int | None = None
-    self.actor_pid: int | None = None
-    self.node: str | None = None
-    self._log_path = launch.log_path
-    self._role = launch.role
-    self._timeout_s = timeout_s
-    self._start_deadline: float | None = time.monotonic() + timeout_s
-    self._incarnation: int | None = None
-    self._pending: Any = actor.info.remote()
-
-  def _update(self, info: dict[str, Any]) -> None:
-    if self._incarnation is not None and info["incarnation"] != self._incarnation:
-      self.restarts += 1
-    self._incarnation = info["incarnation"]
-    self._start_deadline = None
-    self.pid, self.actor_pid, self.node = info["pid"], info["actor_pid"], info["node"]
-    if info["returncode"] is not None:
-      self.returncode = info["returncode"]
-
-  def _died(self, why: str) -> None:
-    self.returncode = ACTOR_DIED
-    os.makedirs(os.path.dirname(self._log_path), exist_ok=True)
-    with open(self._log_path, "a") as log:
-      log.write(f"\n[ddiloco-ray] {why}\n")
-
-  def poll(self) -> int | None:
-    if self.returncode is not None:
-      return self.returncode
-    if self._pending is None:
-      self._pending = self.actor.info.remote()
-    ready, _ = ray.wait([self._pending], timeout=0)
-    if not ready:
-      if self._start_deadline is not None and time.monotonic() > self._start_deadline:
-        ray.kill(self.actor, no_restart=True)
-        self._died(
-          f"Ray did not start this {self._role} within {self._timeout_s} s: are the resources "
-          "it asks for (RayConfig) in the cluster?"
-        )
-      return self.returncode
-    ref, self._pending = self._pending, None
-    try:
-      self._update(ray.get(ref))
-    except ray.exceptions.ActorUnavailableError:
-      pass  # Being restarted.
-    except ray.exceptions.ActorDiedError as e:  # Ray will not restart it.
-      self._died(f"its actor died for good: {str(e).strip().splitlines()[0]}")
-    return self.returncode
-
-  def wait(self, timeout: float | None = None) -> int:
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while (rc := self.poll()) is None:
-      if deadline is not None and time.monotonic() > deadline:
-        raise subprocess.TimeoutExpired(self.args, timeout)
-      time.sleep(0.05)
-    return rc
-
-  def signal_group(self, sig: int) -> None:
-    if self.poll() is not None:
-      return
-    # Gone or being restarted: `release` kills what is left.
-    with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-      ray.get(self.actor.signal_group.remote(sig), timeout=30)
-
-  def release(self) -> None:
-    """Kills the actor (and so its program) for good."""
-    ray.kill(self.actor, no_restart=True)
-
-
 class RayCluster(LocalCluster):
   """`LocalCluster` whose programs are Ray actors (module docstring).
 
@@ -258,7 +80,7 @@ class RayCluster(LocalCluster):
   def __init__(self, *, ray_config: RayConfig | None = None, **kwargs: Any):
     super().__init__(**kwargs)
     self.ray_config = ray_config or RayConfig()
-    self._handles: list[ActorProcess] = []
+    self._handles: list[ray_actors.ActorProcess] = []
     self._groups: list[Callable[[], None]] = []  # Releases multi-process learners' reservations.
     self._started_ray = False
     self._starts: dict[int, dict[str, Any]] = {}  # start_learner's arguments, per learner.
@@ -336,8 +158,8 @@ class RayCluster(LocalCluster):
     }
 
   def _actor(self, launch: processes.Launch, options: dict[str, Any], *, restart: bool) -> Any:
-    handle = ActorProcess(
-      _ProgramActor.options(
+    handle = ray_actors.ActorProcess(
+      ray_actors.RemoteProgramActor.options(
         max_restarts=self.ray_config.max_restarts if restart else 0, **options
       ).remote(launch, restart),
       launch,
@@ -350,7 +172,7 @@ class RayCluster(LocalCluster):
     strategy = self._syncer_strategy()
     if port == 0:  # The configured port, or one free on the syncer's node; its restarts keep it.
       self.syncer_host, free = ray.get(
-        _probe.options(scheduling_strategy=strategy).remote(),
+        ray_actors.probe.options(scheduling_strategy=strategy).remote(),
         timeout=self.ray_config.start_timeout_s,
       )
       port = self.ray_config.syncer_port or free
@@ -361,7 +183,7 @@ class RayCluster(LocalCluster):
     }
     super().spawn_syncer(port=port)
 
-  def _popen(self, launch: processes.Launch) -> ActorProcess:
+  def _popen(self, launch: processes.Launch) -> ray_actors.ActorProcess:
     if launch.role == "syncer":
       return self._actor(launch, self._syncer_options, restart=True)
     if self.processes_per_learner == 1:
@@ -393,7 +215,7 @@ class RayCluster(LocalCluster):
       )
 
     host, port = ray.get(
-      _probe.options(scheduling_strategy=in_bundle(0)).remote(),
+      ray_actors.probe.options(scheduling_strategy=in_bundle(0)).remote(),
       timeout=self.ray_config.start_timeout_s,
     )
     self._coordinator = f"{host}:{port}"
@@ -520,7 +342,7 @@ class RayCluster(LocalCluster):
       out["syncer"] = self.syncer.proc.restarts
     for i, child in sorted(self.learners.items()):
       n = self._unit_restarts.get(i, 0)
-      if isinstance(child.proc, ActorProcess):
+      if isinstance(child.proc, ray_actors.ActorProcess):
         n += child.proc.restarts
       if n:
         out[f"learner_{i}"] = n
