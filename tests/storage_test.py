@@ -1,54 +1,31 @@
 """Workdirs on an object store (ddiloco/storage.py), against an in-memory `gs://` (no network).
 
-fsspec's in-memory file system is registered for the gs/gcs protocols, which is where
-`etils.epath` sends gs:// paths when TensorFlow is absent. Every test runs in an empty current
+`ddiloco.testing.storage.fake_gcs` registers fsspec's in-memory file system for the gs/gcs
+protocols, which is where `etils.epath` sends gs:// paths when TensorFlow is absent. Every test runs in an empty current
 folder and checks that nothing named after the URI (a `gs:` folder) appears there.
 """
 
 import json
 import os
 
-import fsspec
 import pytest
 from absl import app
 from etils import epath
-from fsspec.implementations.memory import MemoryFileSystem
 
 from ddiloco import storage
 from ddiloco.checkpoint.learner import LearnerCheckpointConfig
 from ddiloco.launch import cli, local_cluster
 from ddiloco.metrics.writer import MetricsWriter, read_events, write_summary
+from ddiloco.testing.storage import FakeGcs, fake_gcs
 
 pytestmark = pytest.mark.timeout(120)
 
 
-class FakeGcs(MemoryFileSystem):
-  """An in-memory bucket store answering gs:// and gcs:// paths."""
-
-  protocol = ("gs", "gcs")
-  store: dict = {}
-  pseudo_dirs = [""]
-
-  def __init__(self, *args, finalize_on_close=None, **kwargs):
-    del finalize_on_close  # What epath passes the real GCS file system.
-    super().__init__(*args, **kwargs)
-
-  @classmethod
-  def _strip_protocol(cls, path):
-    for prefix in ("gs://", "gcs://"):
-      if path.startswith(prefix):
-        path = path[len(prefix) :]
-    return super()._strip_protocol(path)
-
-
 @pytest.fixture
 def bucket(tmp_path, monkeypatch):
-  for name in ("gs", "gcs"):
-    fsspec.register_implementation(name, FakeGcs, clobber=True)
-  FakeGcs.store.clear()
-  FakeGcs.pseudo_dirs[:] = [""]
   monkeypatch.chdir(tmp_path)
-  yield "gs://bucket/run"
+  with fake_gcs():
+    yield "gs://bucket/run"
   assert os.listdir(tmp_path) == []  # No local junk: no `gs:` folder, no staging left behind.
 
 

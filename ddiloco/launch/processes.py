@@ -150,12 +150,7 @@ class ProcessUnit:
     Raises:
       subprocess.TimeoutExpired: after `timeout` seconds.
     """
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while (rc := self.poll()) is None:
-      if deadline is not None and time.monotonic() > deadline:
-        raise subprocess.TimeoutExpired(self.args, timeout)
-      time.sleep(0.05)
-    return rc
+    return poll_until_exit(self, timeout)
 
   def _code(self) -> int:
     """0 if every process exited 0; else the first failure's code (the others' were our kill)."""
@@ -164,6 +159,20 @@ class ProcessUnit:
       return 0
     first = codes[self.first_exit] if self.first_exit is not None else 0
     return first if first != 0 else next(c for c in codes if c != 0)
+
+
+def poll_until_exit(proc: Any, timeout: float | None) -> int:
+  """Polls a Popen-like `proc` until it has an exit code (`wait` for handles without a real one).
+
+  Raises:
+    subprocess.TimeoutExpired: after `timeout` seconds.
+  """
+  deadline = None if timeout is None else time.monotonic() + timeout
+  while (rc := proc.poll()) is None:
+    if deadline is not None and time.monotonic() > deadline:
+      raise subprocess.TimeoutExpired(proc.args, timeout)
+    time.sleep(0.05)
+  return rc
 
 
 def signal_group(proc: Any, sig: int) -> None:

@@ -14,7 +14,6 @@ import dataclasses
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -185,12 +184,7 @@ class ActorProcess:
     return self.returncode
 
   def wait(self, timeout: float | None = None) -> int:
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while (rc := self.poll()) is None:
-      if deadline is not None and time.monotonic() > deadline:
-        raise subprocess.TimeoutExpired(self.args, timeout)
-      time.sleep(0.05)
-    return rc
+    return processes.poll_until_exit(self, timeout)
 
   def signal_group(self, sig: int) -> None:
     if self.poll() is not None:

@@ -20,9 +20,9 @@ import time
 import pytest
 
 from ddiloco.launch import fleet, local_cluster
+from ddiloco.testing import runs
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-GIN = os.path.join(ROOT, "gin_configs", "local_tiny.gin")
+GIN = runs.config_path("local_tiny.gin")
 FAST = [
   "LEARNERS = 2",
   "STEPS = 32",
@@ -35,20 +35,6 @@ ADDED_BATCH, ADDED_DEVICES = 4, 2
 TRAINED_STEPS = 16  # The added learner's steps before it is removed (it logs every 8 steps).
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _job(bindings):
-  import gin
-
-  from ddiloco.launch.job import JobConfig
-
-  gin.clear_config()
-  gin.add_config_file_search_path(os.path.join(ROOT, "gin_configs"))
-  gin.parse_config_files_and_bindings([GIN], list(bindings))
-  try:
-    return JobConfig()
-  finally:
-    gin.clear_config()
 
 
 def _fleet_cli(workdir, *args):
@@ -104,19 +90,10 @@ def _drive(cluster, workdir, seen):
         os.killpg(child.proc.pid, signal.SIGTERM)
 
 
-def _assert_all_gone(cluster):
-  assert cluster.children()
-  for child in cluster.children():
-    assert child.proc.poll() is not None, f"{child.name} still running"
-    with pytest.raises(ProcessLookupError):
-      os.killpg(child.proc.pid, 0)
-
-
 def test_add_and_remove_a_heterogeneous_learner(tmp_path):
   workdir = str(tmp_path)
-  job = _job(FAST)
-  args = [f"--gin_file={GIN}", f"--gin_search_paths={os.path.join(ROOT, 'gin_configs')}"]
-  args += [f"--gin_bindings={b}" for b in FAST]
+  job = runs.parse_job(GIN, FAST)
+  args = runs.gin_args(GIN, FAST)
   cluster = local_cluster.LocalCluster(workdir=workdir, gin_args=args, num_learners=2)
   seen = {}
   operator = threading.Thread(target=_drive, args=(cluster, workdir, seen), daemon=True)
@@ -126,7 +103,7 @@ def test_add_and_remove_a_heterogeneous_learner(tmp_path):
   finally:
     cluster.stop_all()
     operator.join(timeout=60)
-  _assert_all_gone(cluster)
+  runs.assert_all_gone(cluster)
   assert "error" not in seen, seen["error"]
 
   # The new learner: id M = 2, its own devices and batch, data shard 2 mod M = 0.

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from ddiloco.launch import local_cluster
+from ddiloco.testing import runs
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-GIN = os.path.join(ROOT, "gin_configs", "local_tiny.gin")
+GIN = runs.config_path("local_tiny.gin")
 FAST = [
   "LEARNERS = 2",
   "STEPS = 48",
@@ -27,43 +27,19 @@ FAST = [
 pytestmark = pytest.mark.timeout(300)
 
 
-def _job(bindings):
-  import gin
-
-  from ddiloco.launch.job import JobConfig
-
-  gin.clear_config()
-  gin.add_config_file_search_path(os.path.join(ROOT, "gin_configs"))
-  gin.parse_config_files_and_bindings([GIN], list(bindings))
-  try:
-    return JobConfig()
-  finally:
-    gin.clear_config()
-
-
 def _cluster(tmp_path, bindings, num_learners=2):
-  args = [f"--gin_file={GIN}", f"--gin_search_paths={os.path.join(ROOT, 'gin_configs')}"]
-  args += [f"--gin_bindings={b}" for b in bindings]
+  args = runs.gin_args(GIN, bindings)
   return local_cluster.LocalCluster(workdir=str(tmp_path), gin_args=args, num_learners=num_learners)
 
 
-def _assert_all_gone(cluster):
-  """Every child exited and was reaped, and nothing is left in its process group (grandchildren)."""
-  assert cluster.children()
-  for child in cluster.children():
-    assert child.proc.poll() is not None, f"{child.name} still running"
-    with pytest.raises(ProcessLookupError):
-      os.killpg(child.proc.pid, 0)
-
-
 def test_two_learners_merge_agree_and_learn(tmp_path):
-  job = _job(FAST)
+  job = runs.parse_job(GIN, FAST)
   cluster = _cluster(tmp_path, FAST)
   try:
     summary = cluster.run(job, timeout_s=240, progress_every_s=5.0)
   finally:
     cluster.stop_all()
-  _assert_all_gone(cluster)
+  runs.assert_all_gone(cluster)
   assert summary["merges"] > 0
   assert summary["digests_agree"] is True
   assert summary["digest_checks"] > 0
@@ -93,14 +69,14 @@ def test_stop_all_leaves_no_process_behind(tmp_path):
     assert cluster.learners[0].last, local_cluster.LocalCluster.tail(cluster.learners[0])
   finally:
     cluster.stop_all(grace_s=20)
-  _assert_all_gone(cluster)
+  runs.assert_all_gone(cluster)
   # SIGTERM is a graceful stop: the learner left and wrote its summary, the syncer its own.
   assert os.path.exists(os.path.join(tmp_path, "learner_0", "summary.json"))
   assert os.path.exists(os.path.join(tmp_path, "syncer", "summary.json"))
 
 
 def test_learner_failure_stops_everything(tmp_path):
-  job = _job([*FAST, "STEPS = 100000"])
+  job = runs.parse_job(GIN, [*FAST, "STEPS = 100000"])
   cluster = _cluster(tmp_path, [*FAST, "STEPS = 100000"])
   cluster.extra_learner_args = ["--steps=100000"]
 
@@ -114,4 +90,4 @@ def test_learner_failure_stops_everything(tmp_path):
       cluster.run(job, timeout_s=240, progress_every_s=1.0, progress=kill_learner)
   finally:
     cluster.stop_all()
-  _assert_all_gone(cluster)
+  runs.assert_all_gone(cluster)

@@ -19,8 +19,10 @@ import time
 
 import pytest
 
+from ddiloco.testing import runs
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-GIN = os.path.join(ROOT, "gin_configs", "local_tiny.gin")
+GIN = runs.config_path("local_tiny.gin")
 STEPS = 40
 BINDINGS = [
   "LEARNERS = 1",
@@ -250,24 +252,6 @@ def test_killed_process_restarts_the_learner_from_its_checkpoint(tmp_path):
   assert state["data"] == state["data_per_process"][0]
 
 
-def _processes_mentioning(text):
-  """Pids of live processes whose command line mentions `text` (e.g. a run's workdir)."""
-  pids = []
-  for pid in os.listdir("/proc"):
-    if not pid.isdigit():
-      continue
-    try:
-      with open(f"/proc/{pid}/cmdline", "rb") as f:
-        cmdline = f.read().decode(errors="replace")
-      with open(f"/proc/{pid}/stat") as f:
-        state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-      continue
-    if text in cmdline and state != "Z":
-      pids.append(int(pid))
-  return pids
-
-
 LOCAL_STEPS = 24
 
 
@@ -310,7 +294,7 @@ def test_ddiloco_local_runs_two_learners_of_two_processes(tmp_path):
       except subprocess.TimeoutExpired:
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=30)
-    leftovers = _processes_mentioning(str(workdir))
+    leftovers = runs.processes_mentioning(str(workdir))
     for pid in leftovers:
       os.kill(pid, signal.SIGKILL)
   assert leftovers == [], "processes left behind"

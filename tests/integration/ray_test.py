@@ -19,9 +19,9 @@ ray = pytest.importorskip("ray")
 
 from ddiloco.launch import ray_cluster  # noqa: E402
 from ddiloco.launch.ray_config import RayConfig  # noqa: E402
+from ddiloco.testing import runs  # noqa: E402
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-GIN = os.path.join(ROOT, "gin_configs", "ray_tiny.gin")
+GIN = runs.config_path("ray_tiny.gin")
 FAST = [
   "LEARNERS = 2",
   "STEPS = 64",
@@ -34,41 +34,9 @@ FAST = [
 pytestmark = pytest.mark.timeout(420)
 
 
-def _job(bindings):
-  import gin
-
-  from ddiloco.launch import gin_flags
-  from ddiloco.launch.job import JobConfig
-
-  gin_flags.register_configurables()
-  gin.clear_config()
-  gin.add_config_file_search_path(os.path.join(ROOT, "gin_configs"))
-  gin.parse_config_files_and_bindings([GIN], list(bindings))
-  try:
-    return JobConfig()
-  finally:
-    gin.clear_config()
-
-
-def _processes_mentioning(text: str) -> list[str]:
-  out = []
-  for pid in os.listdir("/proc"):
-    if not pid.isdigit() or int(pid) == os.getpid():
-      continue
-    try:
-      with open(f"/proc/{pid}/cmdline", "rb") as f:
-        cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-      continue
-    if text in cmd:
-      out.append(f"{pid}: {cmd[:200]}")
-  return out
-
-
 def test_ray_restarts_a_failed_learner_alone_and_leaves_nothing(tmp_path):
-  job = _job(FAST)
-  args = [f"--gin_file={GIN}", f"--gin_search_paths={os.path.join(ROOT, 'gin_configs')}"]
-  args += [f"--gin_bindings={b}" for b in FAST]
+  job = runs.parse_job(GIN, FAST)
+  args = runs.gin_args(GIN, FAST)
   cluster = ray_cluster.RayCluster(
     workdir=str(tmp_path), gin_args=args, num_learners=2, ray_config=RayConfig(local_num_cpus=4)
   )
@@ -129,8 +97,8 @@ def test_ray_restarts_a_failed_learner_alone_and_leaves_nothing(tmp_path):
   assert summary["merges"] > 0
   # Nothing left: neither a program of the run nor a process of the Ray instance it started.
   assert not ray.is_initialized()
-  assert _processes_mentioning(str(tmp_path)) == []
-  assert _processes_mentioning(session) == []
+  assert runs.processes_mentioning(str(tmp_path)) == []
+  assert runs.processes_mentioning(session) == []
 
 
 def test_ray_config_refuses_bad_values():

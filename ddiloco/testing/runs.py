@@ -1,0 +1,74 @@
+"""Setting up real runs in tests: a run's `JobConfig` and gin flags from a shipped config, and
+checks that a run's processes are gone."""
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import ddiloco
+
+# The gin configs ship with the package (`gin_configs` in a checkout links there).
+CONFIGS = os.path.join(os.path.dirname(ddiloco.__file__), "configs")
+
+
+def config_path(name: str) -> str:
+  """The shipped config `name` ("local_tiny.gin", "clusters/tpu_v5p32_5b.gin")."""
+  return os.path.join(CONFIGS, name)
+
+
+def parse_job(gin_file: str, bindings: Sequence[str] = ()) -> Any:
+  """The `JobConfig` of `gin_file` with `bindings`, as every process of the run builds it (gin is
+  cleared afterwards)."""
+  import gin
+
+  from ddiloco.launch import gin_flags
+  from ddiloco.launch.job import JobConfig
+
+  gin_flags.register_configurables()
+  gin.clear_config()
+  gin.add_config_file_search_path(CONFIGS)
+  try:
+    gin.parse_config_files_and_bindings([gin_file], list(bindings))
+    return JobConfig()
+  finally:
+    gin.clear_config()
+
+
+def gin_args(gin_file: str, bindings: Sequence[str] = ()) -> list[str]:
+  """The gin flags a launcher forwards to its programs for `gin_file` with `bindings`."""
+  return [
+    f"--gin_file={gin_file}",
+    f"--gin_search_paths={CONFIGS}",
+    *(f"--gin_bindings={b}" for b in bindings),
+  ]
+
+
+def processes_mentioning(text: str) -> list[int]:
+  """Pids of live (not zombie) processes whose command line mentions `text`, such as a run's
+  workdir or a Ray session's folder; this process excluded."""
+  pids = []
+  for pid in os.listdir("/proc"):
+    if not pid.isdigit() or int(pid) == os.getpid():
+      continue
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+      with open(f"/proc/{pid}/stat") as f:
+        state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+      continue
+    if text in cmdline and state != "Z":
+      pids.append(int(pid))
+  return pids
+
+
+def assert_all_gone(cluster: Any) -> None:
+  """Every child of a `LocalCluster` exited and was reaped, and its process group is empty."""
+  assert cluster.children()
+  for child in cluster.children():
+    assert child.proc.poll() is not None, f"{child.name} still running"
+    try:
+      os.killpg(child.proc.pid, 0)
+    except ProcessLookupError:
+      continue
+    raise AssertionError(f"{child.name}'s process group {child.proc.pid} still has processes")
