@@ -11,7 +11,11 @@ leaves gracefully and is not restarted.
 
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -116,3 +120,52 @@ def test_ray_config_refuses_bad_values():
   ):
     with pytest.raises(ValueError):
       RayConfig(**bad)
+
+
+def _ray_daemons() -> set[int]:
+  return set(runs.processes_mentioning("gcs_server")) | set(runs.processes_mentioning("raylet"))
+
+
+def test_ctrl_c_stops_the_run_in_order_and_leaves_nothing(tmp_path):
+  """A terminal's Ctrl-C reaches the whole foreground process group: the launcher and the Ray
+  processes it started. The run must still stop in order (every program writes its summary) and
+  leave no process behind."""
+  before = _ray_daemons()
+  workdir = tmp_path / "run"
+  cmd = [
+    sys.executable,
+    "-m",
+    "ddiloco.launch.ray_main",
+    f"--workdir={workdir}",
+    "--timeout_s=300",
+    "--progress_every_s=0.5",
+    *runs.gin_args(GIN, [*FAST, "STEPS = 100000"]),
+  ]
+  log = open(tmp_path / "launcher.txt", "w")  # noqa: SIM115 - closed in the finally.
+  launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+  try:
+    deadline = time.monotonic() + 240
+    while not re.search(r"merges +[1-9]", (tmp_path / "launcher.txt").read_text()):
+      assert launcher.poll() is None, (tmp_path / "launcher.txt").read_text()[-3000:]
+      assert time.monotonic() < deadline, "no merge within 240 s"
+      time.sleep(0.5)
+    os.killpg(launcher.pid, signal.SIGINT)  # As a terminal's Ctrl-C does.
+    assert launcher.wait(timeout=180) == 130
+  finally:
+    if launcher.poll() is None:
+      os.killpg(launcher.pid, signal.SIGKILL)
+      launcher.wait(timeout=30)
+    log.close()
+  text = (tmp_path / "launcher.txt").read_text()
+  assert "interrupted: every process stopped" in text, text[-3000:]
+  with open(workdir / "summary.json") as f:
+    summary = json.load(f)
+  assert summary["interrupted"] is True and summary["digests_agree"] is True
+  for name in ("syncer", "learner_0", "learner_1"):
+    assert (workdir / name / "summary.json").exists(), name  # Each stopped gracefully.
+  deadline = time.monotonic() + 30  # Ray's daemons exit a moment after the launcher.
+  while (left := runs.processes_mentioning(str(workdir)) or sorted(_ray_daemons() - before)) and (
+    time.monotonic() < deadline
+  ):
+    time.sleep(0.5)
+  assert not left, left
