@@ -66,3 +66,16 @@ def test_the_pure_core_never_imports_the_runtime():
   graph = _package_graph()
   for pkg in ("syncer", "fragments", "models", "learner"):
     assert not graph[pkg] & {"distributed", "launch", "chaos", "transport"}, pkg
+
+
+def test_the_library_never_imports_its_test_helpers():
+  offenders = []
+  for path in ROOT.rglob("*.py"):
+    if path.relative_to(ROOT).parts[0] == "testing":
+      continue
+    offenders += [
+      f"{path.relative_to(ROOT)} imports {n}"
+      for n in _imports(path)
+      if n.startswith("ddiloco.testing")
+    ]
+  assert offenders == []
