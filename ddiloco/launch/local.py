@@ -47,6 +47,13 @@ _LEARNERS = flags.DEFINE_integer("num_learners", None, "override JobConfig.num_l
 _PROCESSES = flags.DEFINE_integer(
   "processes_per_learner", None, "override JobConfig.processes_per_learner"
 )
+_TLS_CERT = flags.DEFINE_string(
+  "tls_cert_file", None, "PEM certificate chain: the syncer serves TLS"
+)
+_TLS_KEY = flags.DEFINE_string("tls_key_file", None, "PEM private key of --tls_cert_file")
+_TLS_CA = flags.DEFINE_string(
+  "tls_ca_file", None, "PEM CA the learners trust (default: --tls_cert_file, self-signed)"
+)
 _RESUME = flags.DEFINE_bool(
   "resume", False, "continue the run in --workdir from its checkpoints (default: start fresh)"
 )
@@ -86,6 +93,16 @@ def run_job(
   gin_flags.add_bindings(
     [f"ddiloco.JobConfig.{k} = {v}" for k, v in overrides.items() if v is not None]
   )
+  if bool(_TLS_CERT.value) != bool(_TLS_KEY.value):
+    raise app.UsageError("--tls_cert_file and --tls_key_file go together.")
+  tls = None
+  if _TLS_CERT.value:
+    tls = (_TLS_CERT.value, _TLS_KEY.value, _TLS_CA.value or _TLS_CERT.value)
+    missing = [p for p in tls if not os.path.isfile(p)]
+    if missing:
+      raise app.UsageError(f"no such TLS file: {', '.join(missing)}")
+  elif _TLS_CA.value:
+    raise app.UsageError("--tls_ca_file needs --tls_cert_file and --tls_key_file.")
   with cli.bad_config():
     config_text = gin_flags.parse_gin()
     job = job_lib.JobConfig()
@@ -100,6 +117,7 @@ def run_job(
     num_learners=job.num_learners,
     devices_per_learner=job.devices_per_learner,
     processes_per_learner=job.processes_per_learner,
+    tls=tls,
   )
   print(
     f"fleet control: ddiloco-fleet --workdir={workdir} list | add [--devices=N] [--batch_size=B] "

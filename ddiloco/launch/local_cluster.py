@@ -117,6 +117,10 @@ class LocalCluster:
     python: the interpreter for the children.
     extra_learner_args: flags for every learner, after the shared gin flags.
     processes_per_learner: processes forming each learner (module docstring).
+    tls: (certificate chain, private key, CA) PEM files: the syncer serves TLS with the first two
+      and the learners (and the launcher's own status calls) trust the CA. The certificate must
+      name the address the learners dial (127.0.0.1 here; the head node's under Ray). None:
+      plaintext, with the run's token.
   """
 
   def __init__(
@@ -129,8 +133,15 @@ class LocalCluster:
     python: str = sys.executable,
     extra_learner_args: Sequence[str] = (),
     processes_per_learner: int = 1,
+    tls: tuple[str, str, str] | None = None,
   ):
     processes.check_count("processes_per_learner", processes_per_learner)
+    if tls is not None:
+      tls = tuple(os.path.abspath(p) for p in tls)  # Programs may run in another folder.
+      missing = [p for p in tls if not os.path.isfile(p)]
+      if len(tls) != 3 or missing:
+        raise ValueError(f"tls takes (cert, key, CA) PEM files; missing: {missing}")
+    self.tls = tls
     storage.require_local(
       workdir, who="LocalCluster", why="it reads its programs' files while they run"
     )
@@ -214,7 +225,12 @@ class LocalCluster:
     self.syncer = self._spawn(
       "syncer",
       "ddiloco.launch.syncer_main",
-      [f"--port_file={port_file}", f"--host={self.syncer_host}", f"--port={port}"],
+      [
+        f"--port_file={port_file}",
+        f"--host={self.syncer_host}",
+        f"--port={port}",
+        *([f"--tls_cert_file={self.tls[0]}", f"--tls_key_file={self.tls[1]}"] if self.tls else []),
+      ],
       self._env(1),
     )
 
@@ -301,6 +317,7 @@ class LocalCluster:
       f"--workdir={folder}",
       f"--learner_id={learner_id}",
       f"--syncer_address={address or f'{self.syncer_host}:{self.port}'}",
+      *([f"--tls_ca_file={self.tls[2]}"] if self.tls else []),
     ]
     tail = [*self.gin_args, *self.extra_learner_args, *extra_args]
     env = self._env(devices or self.devices_per_learner)
@@ -657,7 +674,12 @@ class LocalCluster:
       self.start_syncer()
       for i in range(self.num_learners):
         self._join(i, devices=self.devices_per_learner, batch_size=None, steps=None, elastic=False)
-      client = SyncerClient(f"{self.syncer_host}:{self.port}", token=self.token, deadline_s=2.0)
+      client = SyncerClient(
+        f"{self.syncer_host}:{self.port}",
+        token=self.token,
+        tls_ca_file=self.tls[2] if self.tls else None,
+        deadline_s=2.0,
+      )
       deadline = time.monotonic() + timeout_s
       next_progress = 0.0
       while True:
