@@ -189,6 +189,11 @@ class ActorProcess:
   def signal_group(self, sig: int) -> None:
     if self.poll() is not None:
       return
+    if self._incarnation is None:  # Never answered: not placed yet, or still starting.
+      if sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
+        ray.kill(self.actor, no_restart=True)
+        self._died(f"stopped ({signal.Signals(sig).name}) before Ray started it")
+      return
     # Gone or being restarted: `release` kills what is left.
     with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
       ray.get(self.actor.signal_group.remote(sig), timeout=30)

@@ -21,7 +21,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from ddiloco.launch import ray_cluster  # noqa: E402
+from ddiloco.launch import ray_actors, ray_cluster  # noqa: E402
 from ddiloco.launch.ray_config import RayConfig  # noqa: E402
 from ddiloco.testing import runs  # noqa: E402
 
@@ -169,3 +169,30 @@ def test_ctrl_c_stops_the_run_in_order_and_leaves_nothing(tmp_path):
   ):
     time.sleep(0.5)
   assert not left, left
+
+
+def test_a_program_ray_cannot_place_ends_without_hanging_the_launcher(tmp_path):
+  """Learners asking for resources no node has: after `start_timeout_s` the program counts as
+  failed and its log says why; a stop before then returns at once."""
+  cluster = ray_cluster.RayCluster(
+    workdir=str(tmp_path),
+    gin_args=runs.gin_args(GIN, FAST),
+    num_learners=2,
+    ray_config=RayConfig(local_num_cpus=2, learner_resources={"TPU": 4}, start_timeout_s=3.0),
+  )
+  cluster.connect()
+  try:
+    cluster.port = 1  # As if a syncer served: the learners never get far enough to dial it.
+    waiting, stopped = cluster.start_learner(0), cluster.start_learner(1)
+    t0 = time.monotonic()
+    cluster.signal(stopped, signal.SIGTERM)
+    assert stopped.proc.poll() == ray_actors.ACTOR_DIED
+    assert time.monotonic() - t0 < 5
+    assert waiting.proc.wait(timeout=30) == ray_actors.ACTOR_DIED
+  finally:
+    cluster.stop_all()
+    cluster.disconnect()
+  with open(waiting.log_path) as f:
+    assert "Ray did not start this learner within 3.0 s" in f.read()
+  with open(stopped.log_path) as f:
+    assert "stopped (SIGTERM) before Ray started it" in f.read()
