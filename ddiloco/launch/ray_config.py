@@ -17,8 +17,9 @@ class RayConfig:
   """Where and how `ddiloco-ray` runs a job on Ray.
 
   Attributes:
-    address: the Ray cluster to join ("auto", "ray://host:10001", "host:6379"); None: the one in
-      RAY_ADDRESS, else a Ray instance started on this machine for the run and stopped after it.
+    address: the Ray cluster to join ("auto", "host:6379"; a Ray Client "ray://host:10001" only
+      where the workdir is mounted too); None: the one in RAY_ADDRESS, else a Ray instance started
+      on this machine for the run and stopped after it.
     platform: "cpu": every learner process gets `JobConfig.devices_per_learner` fake CPU devices, as
       under `ddiloco-local`; "gpu" or "tpu": the devices Ray assigns to its actor.
     learner_num_cpus: logical CPUs each learner actor (one per host of its slice) reserves.
