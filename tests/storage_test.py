@@ -108,3 +108,24 @@ def test_a_simulated_run_writes_everything_to_the_bucket(bucket):
   assert json.loads(epath.Path(bucket, "summary.json").read_text())["merges"] == summary["merges"]
   assert read_events(bucket, "eval")
   assert any("/tb/run_000/" in o for o in _objects())
+
+
+def test_without_the_gcs_extra_a_bucket_workdir_says_what_to_install(tmp_path):
+  import importlib.util
+  import subprocess
+  import sys
+
+  if importlib.util.find_spec("gcsfs") is not None:
+    pytest.skip("gcsfs is installed: the real store would be reached")
+  code = "from ddiloco.launch import cli; cli.make_workdir('gs://b/run', 'X = 1', remote_ok=True)"
+  proc = subprocess.run(
+    [sys.executable, "-c", code],
+    cwd=tmp_path,
+    capture_output=True,
+    text=True,
+    timeout=60,
+    check=False,
+  )
+  assert proc.returncode != 0
+  assert "gs:// needs gcsfs: pip install 'ddiloco[gcs]'" in proc.stderr
+  assert os.listdir(tmp_path) == []

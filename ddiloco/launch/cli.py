@@ -201,6 +201,8 @@ def make_workdir(
     if not existed and os.path.isdir(workdir) and not os.listdir(workdir):
       os.rmdir(workdir)
     reason = getattr(e, "strerror", None) or e
+    if isinstance(e, ImportError) and workdir.startswith("gs://"):
+      reason = "gs:// needs gcsfs: pip install 'ddiloco[gcs]'"
     raise app.UsageError(f"cannot write the workdir {workdir}: {reason}") from e
   return workdir
 
