@@ -97,6 +97,8 @@ class RayCluster(LocalCluster):
     cfg = self.ray_config
     address = cfg.address or os.environ.get("RAY_ADDRESS") or None
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+    if cfg.runtime_env:
+      kwargs["runtime_env"] = dict(cfg.runtime_env)
     if address is None:
       fleet = self.num_learners * self.processes_per_learner
       needed = fleet * cfg.learner_num_cpus + cfg.syncer_num_cpus

@@ -5,6 +5,7 @@ name without importing Ray.
 """
 
 import dataclasses
+from typing import Any
 
 import gin
 
@@ -42,6 +43,9 @@ class RayConfig:
     local_num_cpus: logical CPUs of a Ray instance started here (None: enough for the whole fleet:
       learners here share the machine, as under `ddiloco-local`).
     start_timeout_s: how long an actor may take to be placed and start its program.
+    runtime_env: Ray's runtime environment for every actor of the run, e.g.
+      {"working_dir": "."} to ship your own task's module to the nodes: the programs start in
+      that folder, so the gin file's `import` finds it (docs/custom_tasks.md). {}: none.
   """
 
   address: str | None = None
@@ -59,6 +63,7 @@ class RayConfig:
   tpu_version: str | None = None
   local_num_cpus: int | None = None
   start_timeout_s: float = 600.0
+  runtime_env: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -82,5 +87,7 @@ class RayConfig:
       raise ValueError(f"tpu_topology needs platform 'tpu', got {self.platform!r}.")
     if self.local_num_cpus is not None and self.local_num_cpus < 1:
       raise ValueError(f"local_num_cpus must be >= 1, got {self.local_num_cpus}.")
+    if not isinstance(self.runtime_env, dict):
+      raise ValueError(f"runtime_env must be a dict, got {self.runtime_env!r}.")
     if not self.start_timeout_s > 0:
       raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s}.")

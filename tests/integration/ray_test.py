@@ -117,6 +117,7 @@ def test_ray_config_refuses_bad_values():
     {"tpu_topology": "4x4x4"},
     {"tpu_topology": "4x4x4", "tpu_version": "v5p"},  # Not on platform "tpu".
     {"start_timeout_s": 0},
+    {"runtime_env": "working_dir=."},
   ):
     with pytest.raises(ValueError):
       RayConfig(**bad)
@@ -198,3 +199,38 @@ def test_a_program_ray_cannot_place_ends_without_hanging_the_launcher(tmp_path):
     assert "Ray did not start this learner within 3.0 s" in f.read()
   with open(stopped.log_path) as f:
     assert "stopped (SIGTERM) before Ray started it" in f.read()
+
+
+def test_runtime_env_ships_a_users_module_to_the_programs(tmp_path, monkeypatch):
+  """A gin file that imports the user's own module: with `RayConfig.runtime_env` =
+  {"working_dir": <their folder>}, Ray ships the folder and every program starts in it."""
+  user = tmp_path / "user"
+  user.mkdir()
+  (user / "user_steps.py").write_text(
+    "import gin\n\n\n@gin.configurable\ndef user_steps():\n  return 12\n"
+  )
+  (user / "run.gin").write_text(
+    f'import user_steps\n\ninclude "{GIN}"\n\nJobConfig.steps_per_learner = @user_steps()\n'
+  )
+  elsewhere = tmp_path / "elsewhere"  # The launcher's folder: no user_steps.py there.
+  elsewhere.mkdir()
+  monkeypatch.chdir(elsewhere)
+  monkeypatch.syspath_prepend(str(user))  # The launcher parses the gin file itself.
+  gin_file = str(user / "run.gin")
+  bindings = [b for b in FAST if not b.startswith("STEPS")]
+  job = runs.parse_job(gin_file, bindings)
+  assert job.steps_per_learner == 12
+  cluster = ray_cluster.RayCluster(
+    workdir=str(tmp_path / "run"),
+    gin_args=runs.gin_args(gin_file, bindings),
+    num_learners=2,
+    ray_config=RayConfig(local_num_cpus=4, runtime_env={"working_dir": str(user)}),
+  )
+  cluster.connect()
+  try:
+    summary = cluster.run(job, timeout_s=240, progress_every_s=1.0)
+  finally:
+    cluster.stop_all()
+    cluster.disconnect()
+  assert summary["ok"] is True
+  assert [summary["learners"][i]["steps"] for i in ("0", "1")] == [12, 12]
