@@ -2,6 +2,7 @@
 checks that a run's processes are gone."""
 
 import os
+import subprocess
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,6 +10,19 @@ import ddiloco
 
 # The gin configs ship with the package (`gin_configs` in a checkout links there).
 CONFIGS = os.path.join(os.path.dirname(ddiloco.__file__), "configs")
+
+
+def quick(*, learners: int = 2, steps: int = 32, more: Sequence[str] = ()) -> list[str]:
+  """Gin bindings for a short test run of the tiny configs: `learners` learners of `steps` steps,
+  no periodic evaluation, 2 held-out batches, a 4-step warm-up, then `more`."""
+  return [
+    f"LEARNERS = {learners}",
+    f"STEPS = {steps}",
+    "JobConfig.eval_every_s = 0.0",
+    "JobConfig.eval_batches = 2",
+    "InnerOptConfig.warmup_steps = 4",
+    *more,
+  ]
 
 
 def config_path(name: str) -> str:
@@ -41,6 +55,22 @@ def gin_args(gin_file: str, bindings: Sequence[str] = ()) -> list[str]:
     f"--gin_search_paths={CONFIGS}",
     *(f"--gin_bindings={b}" for b in bindings),
   ]
+
+
+def self_signed_certificate(folder: str, *, san: str) -> tuple[str, str]:
+  """A throwaway self-signed certificate and key (PEM, in `folder`) valid for `san`, such as
+  "IP:127.0.0.1" or "DNS:localhost"; made with the openssl command."""
+  cert, key = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
+  subprocess.run(
+    [
+      "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+      "-keyout", key, "-out", cert, "-subj", "/CN=ddiloco-test", "-addext", f"subjectAltName={san}",
+    ],
+    check=True,
+    capture_output=True,
+    timeout=30,
+  )  # fmt: skip
+  return cert, key
 
 
 def processes_mentioning(text: str) -> list[int]:

@@ -23,13 +23,7 @@ from ddiloco.launch import fleet, local_cluster
 from ddiloco.testing import runs
 
 GIN = runs.config_path("local_tiny.gin")
-FAST = [
-  "LEARNERS = 2",
-  "STEPS = 32",
-  "JobConfig.eval_every_s = 0.0",
-  "JobConfig.eval_batches = 2",
-  "InnerOptConfig.warmup_steps = 4",
-]
+FAST = runs.quick(steps=32)
 SEQ_LEN = 64  # local_tiny.gin; the job's batch is 8.
 ADDED_BATCH, ADDED_DEVICES = 4, 2
 TRAINED_STEPS = 16  # The added learner's steps before it is removed (it logs every 8 steps).

@@ -16,13 +16,7 @@ from ddiloco.launch import local_cluster
 from ddiloco.testing import runs
 
 GIN = runs.config_path("local_tiny.gin")
-FAST = [
-  "LEARNERS = 2",
-  "STEPS = 48",
-  "JobConfig.eval_every_s = 0.0",
-  "JobConfig.eval_batches = 2",
-  "InnerOptConfig.warmup_steps = 4",
-]
+FAST = runs.quick(steps=48)
 
 pytestmark = pytest.mark.timeout(300)
 

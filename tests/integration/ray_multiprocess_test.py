@@ -17,15 +17,10 @@ from ddiloco.launch.ray_config import RayConfig  # noqa: E402
 from ddiloco.testing import runs  # noqa: E402
 
 GIN = runs.config_path("ray_tiny.gin")
-FAST = [
-  "LEARNERS = 2",
-  "STEPS = 64",
-  "JobConfig.processes_per_learner = 2",
-  "JobConfig.eval_every_s = 0.0",
-  "JobConfig.eval_batches = 2",
-  "InnerOptConfig.warmup_steps = 4",
-  "LearnerCheckpointConfig.save_every_steps = 8",
-]
+FAST = runs.quick(
+  steps=64,
+  more=["JobConfig.processes_per_learner = 2", "LearnerCheckpointConfig.save_every_steps = 8"],
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -26,14 +26,7 @@ from ddiloco.launch.ray_config import RayConfig  # noqa: E402
 from ddiloco.testing import runs  # noqa: E402
 
 GIN = runs.config_path("ray_tiny.gin")
-FAST = [
-  "LEARNERS = 2",
-  "STEPS = 64",
-  "JobConfig.eval_every_s = 0.0",
-  "JobConfig.eval_batches = 2",
-  "InnerOptConfig.warmup_steps = 4",
-  "LearnerCheckpointConfig.save_every_steps = 8",
-]
+FAST = runs.quick(steps=64, more=["LearnerCheckpointConfig.save_every_steps = 8"])
 
 pytestmark = pytest.mark.timeout(420)
 

@@ -2,7 +2,6 @@
 learners and the launcher trust the CA and train; a plaintext client is turned away."""
 
 import shutil
-import subprocess
 
 import grpc
 import pytest
@@ -12,13 +11,7 @@ from ddiloco.testing import runs
 from ddiloco.transport.client import SyncerClient
 
 GIN = runs.config_path("local_tiny.gin")
-FAST = [
-  "LEARNERS = 2",
-  "STEPS = 32",
-  "JobConfig.eval_every_s = 0.0",
-  "JobConfig.eval_batches = 2",
-  "InnerOptConfig.warmup_steps = 4",
-]
+FAST = runs.quick(steps=32)
 
 pytestmark = [
   pytest.mark.timeout(300),
@@ -26,23 +19,8 @@ pytestmark = [
 ]
 
 
-def _self_signed(tmp_path):
-  cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-  subprocess.run(
-    [
-      "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-      "-keyout", str(key), "-out", str(cert), "-subj", "/CN=ddiloco-test",
-      "-addext", "subjectAltName=IP:127.0.0.1",
-    ],
-    check=True,
-    capture_output=True,
-    timeout=30,
-  )  # fmt: skip
-  return str(cert), str(key)
-
-
 def test_a_tls_run_trains_and_refuses_plaintext(tmp_path):
-  cert, key = _self_signed(tmp_path)
+  cert, key = runs.self_signed_certificate(str(tmp_path), san="IP:127.0.0.1")
   cluster = local_cluster.LocalCluster(
     workdir=str(tmp_path / "run"),
     gin_args=runs.gin_args(GIN, FAST),

@@ -1,7 +1,6 @@
 """Shared token, TLS and the open health check of the syncer service (transport/auth.py)."""
 
 import shutil
-import subprocess
 
 import grpc
 import numpy as np
@@ -10,6 +9,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ddiloco.distributed.service import ServiceConfig, make_syncer, serve
 from ddiloco.syncer.core import SyncerConfig
+from ddiloco.testing import runs
 from ddiloco.transport import auth
 from ddiloco.transport.client import SyncerClient
 
@@ -49,17 +49,7 @@ def test_token_metadata():
 def test_tls_with_token(tmp_path):
   """A self-signed certificate for localhost: a TLS client with the CA and the token gets in; a
   plain-TCP client does not."""
-  cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-  subprocess.run(
-    [
-      "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-      "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
-      "-addext", "subjectAltName=DNS:localhost",
-    ],
-    check=True,
-    capture_output=True,
-    timeout=30,
-  )  # fmt: skip
+  cert, key = runs.self_signed_certificate(str(tmp_path), san="DNS:localhost")
   server = serve(_service(), address="localhost:0", token="s3cret", tls=(str(cert), str(key)))
   try:
     client = SyncerClient(f"localhost:{server.port}", token="s3cret", tls_ca_file=str(cert))
