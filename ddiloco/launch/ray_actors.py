@@ -135,6 +135,7 @@ class ActorProcess:
     self.args = launch.argv
     self.returncode: int | None = None
     self.restarts = 0
+    self.restart_times: list[float] = []  # time.monotonic() at each restart seen.
     self.pid: int | None = None
     self.actor_pid: int | None = None
     self.node: str | None = None
@@ -148,13 +149,15 @@ class ActorProcess:
   def _update(self, info: dict[str, Any]) -> None:
     if self._incarnation is not None and info["incarnation"] != self._incarnation:
       self.restarts += 1
+      self.restart_times.append(time.monotonic())
     self._incarnation = info["incarnation"]
     self._start_deadline = None
     self.pid, self.actor_pid, self.node = info["pid"], info["actor_pid"], info["node"]
     if info["returncode"] is not None:
       self.returncode = info["returncode"]
 
-  def _died(self, why: str) -> None:
+  def end(self, why: str) -> None:
+    """Counts the program as ended for good (`ACTOR_DIED`) and says `why` in its log."""
     self.returncode = ACTOR_DIED
     os.makedirs(os.path.dirname(self._log_path), exist_ok=True)
     with open(self._log_path, "a") as log:
@@ -169,7 +172,7 @@ class ActorProcess:
     if not ready:
       if self._start_deadline is not None and time.monotonic() > self._start_deadline:
         ray.kill(self.actor, no_restart=True)
-        self._died(
+        self.end(
           f"Ray did not start this {self._role} within {self._timeout_s} s: are the resources "
           "it asks for (RayConfig) in the cluster?"
         )
@@ -180,7 +183,7 @@ class ActorProcess:
     except ray.exceptions.ActorUnavailableError:
       pass  # Being restarted.
     except ray.exceptions.ActorDiedError as e:  # Ray will not restart it.
-      self._died(f"its actor died for good: {str(e).strip().splitlines()[0]}")
+      self.end(f"its actor died for good: {str(e).strip().splitlines()[0]}")
     return self.returncode
 
   def wait(self, timeout: float | None = None) -> int:
@@ -192,7 +195,7 @@ class ActorProcess:
     if self._incarnation is None:  # Never answered: not placed yet, or still starting.
       if sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
         ray.kill(self.actor, no_restart=True)
-        self._died(f"stopped ({signal.Signals(sig).name}) before Ray started it")
+        self.end(f"stopped ({signal.Signals(sig).name}) before Ray started it")
       return
     # Gone or being restarted: `release` kills what is left.
     with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):

@@ -39,6 +39,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -287,8 +288,19 @@ class RayCluster(LocalCluster):
   # -- restarts ---------------------------------------------------------------------------------
 
   def check_fleet(self, progress=None, client=None) -> bool:
-    """LocalCluster's, after recording Ray's restarts and restarting failed multi-process
-    learners as a whole (module docstring)."""
+    """LocalCluster's, after recording Ray's restarts, ending crash loops, and restarting failed
+    multi-process learners as a whole (module docstring)."""
+    cfg = self.ray_config
+    if cfg.crash_loop_restarts:
+      now = time.monotonic()
+      for handle in list(self._handles):
+        recent = sum(now - t < cfg.crash_loop_window_s for t in handle.restart_times)
+        if handle.returncode is None and recent >= cfg.crash_loop_restarts:
+          handle.release()
+          handle.end(
+            f"restarted {recent} times within {cfg.crash_loop_window_s:g} s, a crash loop: not "
+            "restarted again (the lines above say why it fails)"
+          )
     for name, n in self.restarts().items():
       if n > self._restarts_seen.get(name, 0):
         self._restarts_seen[name] = n

@@ -34,6 +34,10 @@ class RayConfig:
     syncer_port: the port the syncer serves on (0: one free on its node when the run starts; a
       fixed one is easier to open in a firewall). Its restarts keep it.
     max_restarts: how often Ray restarts one program after it died (-1: without limit).
+    crash_loop_restarts: a program restarted this often within `crash_loop_window_s` is failing
+      at start (a bad config or environment on its node, say): the launcher stops restarting it
+      and the run ends as if it failed, with the reason in its log (0: no such limit).
+    crash_loop_window_s: the window of `crash_loop_restarts`.
     placement_strategy: how a multi-process learner's actors are placed ("STRICT_SPREAD": one per
       host, as the hosts of a slice; "PACK" or "SPREAD" elsewhere).
     tpu_topology: with `tpu_version`, each multi-process learner reserves a whole TPU slice of
@@ -58,6 +62,8 @@ class RayConfig:
   syncer_resources: dict[str, float] = dataclasses.field(default_factory=dict)
   syncer_port: int = 0
   max_restarts: int = 20
+  crash_loop_restarts: int = 3
+  crash_loop_window_s: float = 300.0
   placement_strategy: str = "PACK"
   tpu_topology: str | None = None
   tpu_version: str | None = None
@@ -70,6 +76,8 @@ class RayConfig:
       raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}.")
     if self.max_restarts < -1:
       raise ValueError(f"max_restarts must be >= -1, got {self.max_restarts}.")
+    if self.crash_loop_restarts < 0 or not self.crash_loop_window_s > 0:
+      raise ValueError("crash_loop_restarts must be >= 0 and crash_loop_window_s > 0.")
     if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
       raise ValueError(f"unknown placement_strategy {self.placement_strategy!r}.")
     for name in ("learner_num_cpus", "learner_num_gpus", "syncer_num_cpus"):

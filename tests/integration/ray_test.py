@@ -111,6 +111,8 @@ def test_ray_config_refuses_bad_values():
     {"tpu_topology": "4x4x4", "tpu_version": "v5p"},  # Not on platform "tpu".
     {"start_timeout_s": 0},
     {"runtime_env": "working_dir=."},
+    {"crash_loop_restarts": -1},
+    {"crash_loop_window_s": 0},
   ):
     with pytest.raises(ValueError):
       RayConfig(**bad)
@@ -227,3 +229,24 @@ def test_runtime_env_ships_a_users_module_to_the_programs(tmp_path, monkeypatch)
     cluster.disconnect()
   assert summary["ok"] is True
   assert [summary["learners"][i]["steps"] for i in ("0", "1")] == [12, 12]
+
+
+def test_a_crash_loop_ends_the_run_instead_of_restarting_for_ever(tmp_path):
+  """Learners whose own flags are bad fail at start every time: after `crash_loop_restarts`
+  restarts the launcher stops them and the run fails, saying why."""
+  cluster = ray_cluster.RayCluster(
+    workdir=str(tmp_path),
+    gin_args=runs.gin_args(GIN, FAST),
+    num_learners=2,
+    extra_learner_args=["--gin_bindings=JobConfig.steps_per_learner = 0"],
+    ray_config=RayConfig(local_num_cpus=4, crash_loop_restarts=2),
+  )
+  cluster.connect()
+  try:
+    with pytest.raises(RuntimeError, match="exited with") as info:
+      cluster.run(runs.parse_job(GIN, FAST), timeout_s=240, progress_every_s=1.0)
+  finally:
+    cluster.stop_all()
+    cluster.disconnect()
+  assert "a crash loop: not restarted again" in str(info.value)
+  assert "steps_per_learner=0" in str(info.value)  # The program's own error, from its log.
