@@ -34,7 +34,7 @@ from typing import Any
 
 from absl import app, flags
 
-from ddiloco.launch import cli, gin_flags
+from ddiloco.launch import cli, gin_flags, processes
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "output folder", required=True)
 _TIMEOUT = flags.DEFINE_float(
@@ -97,10 +97,10 @@ def run_job(
     raise app.UsageError("--tls_cert_file and --tls_key_file go together.")
   tls = None
   if _TLS_CERT.value:
-    tls = (_TLS_CERT.value, _TLS_KEY.value, _TLS_CA.value or _TLS_CERT.value)
-    missing = [p for p in tls if not os.path.isfile(p)]
-    if missing:
-      raise app.UsageError(f"no such TLS file: {', '.join(missing)}")
+    try:
+      tls = processes.tls_files((_TLS_CERT.value, _TLS_KEY.value, _TLS_CA.value or _TLS_CERT.value))
+    except ValueError as e:
+      raise app.UsageError(f"no such TLS file: {e}") from None
   elif _TLS_CA.value:
     raise app.UsageError("--tls_ca_file needs --tls_cert_file and --tls_key_file.")
   with cli.bad_config():

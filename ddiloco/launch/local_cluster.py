@@ -136,12 +136,7 @@ class LocalCluster:
     tls: tuple[str, str, str] | None = None,
   ):
     processes.check_count("processes_per_learner", processes_per_learner)
-    if tls is not None:
-      tls = tuple(os.path.abspath(p) for p in tls)  # Programs may run in another folder.
-      missing = [p for p in tls if not os.path.isfile(p)]
-      if len(tls) != 3 or missing:
-        raise ValueError(f"tls takes (cert, key, CA) PEM files; missing: {missing}")
-    self.tls = tls
+    self.tls = None if tls is None else processes.tls_files(tls)
     storage.require_local(
       workdir, who="LocalCluster", why="it reads its programs' files while they run"
     )
@@ -166,20 +161,31 @@ class LocalCluster:
 
   # -- processes --------------------------------------------------------------------------------
 
-  def _env(self, devices: int | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["DDILOCO_TOKEN"] = self.token
-    env["JAX_PLATFORMS"] = "cpu"
-    env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(self.workdir, "jax_cache"))
-    # Every compile: a restarted process beside busy learners finds even its small programs (the
-    # syncer's outer steps, quick on an idle machine) instead of compiling them slowly again.
-    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    flags_ = [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+  def _run_env(self, devices: int | None) -> dict[str, str]:
+    """The variables this launcher sets for a program, over the environment it runs in."""
+    env = {
+      "DDILOCO_TOKEN": self.token,
+      "JAX_PLATFORMS": "cpu",
+      "JAX_COMPILATION_CACHE_DIR": os.environ.get(
+        "JAX_COMPILATION_CACHE_DIR", os.path.join(self.workdir, "jax_cache")
+      ),
+      # Every compile: a restarted process beside busy learners finds even its small programs (the
+      # syncer's outer steps, quick on an idle machine) instead of compiling them slowly again.
+      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": os.environ.get(
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"
+      ),
+      "PYTHONUNBUFFERED": "1",
+    }
+    flags_ = [
+      f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f
+    ]
     if devices is not None:
       flags_.append(f"--xla_force_host_platform_device_count={devices}")
     env["XLA_FLAGS"] = " ".join(flags_)
-    env["PYTHONUNBUFFERED"] = "1"
     return env
+
+  def _env(self, devices: int | None) -> dict[str, str]:
+    return {**os.environ, **self._run_env(devices)}
 
   def _spawn(
     self,
@@ -288,7 +294,7 @@ class LocalCluster:
       try:
         for launch in launches:
           procs.append(self._popen(launch))
-      except OSError:
+      except BaseException:
         for p in procs:  # Never half a learner.
           processes.signal_group(p, signal.SIGKILL)
           p.wait(timeout=30)
@@ -323,7 +329,11 @@ class LocalCluster:
     env = self._env(devices or self.devices_per_learner)
     n = self.processes_per_learner
     if n == 1:
-      return [processes.Launch([*argv, *tail], env, os.path.join(folder, "log.txt"))]
+      return [
+        processes.Launch(
+          [*argv, *tail], env, os.path.join(folder, "log.txt"), learner_id=learner_id
+        )
+      ]
     slice_args = [
       f"--num_processes={n}",
       f"--coordinator_address={self._coordinator_address(learner_id)}",
@@ -333,6 +343,8 @@ class LocalCluster:
         [*argv, *slice_args, f"--process_id={i}", *tail],
         env,
         os.path.join(folder, *([f"process_{i}"] if i else []), "log.txt"),
+        learner_id=learner_id,
+        process_index=i,
       )
       for i in range(n)
     ]

@@ -36,13 +36,16 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-  """One process to start: its command line (after the interpreter), environment, log file and
-  role ("syncer" or "learner": where a cluster backend places it)."""
+  """One process to start: its command line (after the interpreter), environment, log file, and
+  what it is (where a cluster backend places it): its role ("syncer" or "learner"), and for a
+  learner its id and its index among the learner's processes."""
 
   argv: list[str]
   env: dict[str, str]
   log_path: str
   role: str = "learner"
+  learner_id: int | None = None
+  process_index: int = 0
 
 
 def spawn(python: str, launch: Launch) -> subprocess.Popen:
@@ -65,6 +68,20 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def tls_files(tls: Sequence[str]) -> tuple[str, str, str]:
+  """(certificate chain, private key, CA) PEM files made absolute (programs may run in another
+  folder).
+
+  Raises:
+    ValueError: unless there are three, all existing files.
+  """
+  files = tuple(os.path.abspath(p) for p in tls)
+  missing = [p for p in files if not os.path.isfile(p)]
+  if len(files) != 3 or missing:
+    raise ValueError(f"tls takes (cert, key, CA) PEM files; missing: {missing}")
+  return files
 
 
 def check_count(name: str, value: Any) -> None:

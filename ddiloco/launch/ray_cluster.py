@@ -40,7 +40,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 try:
@@ -70,6 +70,12 @@ def _sigint_ignored() -> Iterator[None]:
     signal.signal(signal.SIGINT, previous)
 
 
+def _in_bundle(group: Any, index: int) -> Any:
+  return scheduling_strategies.PlacementGroupSchedulingStrategy(
+    group, placement_group_bundle_index=index
+  )
+
+
 class RayCluster(LocalCluster):
   """`LocalCluster` whose programs are Ray actors (module docstring).
 
@@ -82,12 +88,12 @@ class RayCluster(LocalCluster):
     super().__init__(**kwargs)
     self.ray_config = ray_config or RayConfig()
     self._handles: list[ray_actors.ActorProcess] = []
-    self._groups: list[Callable[[], None]] = []  # Releases multi-process learners' reservations.
     self._started_ray = False
     self._starts: dict[int, dict[str, Any]] = {}  # start_learner's arguments, per learner.
     self._restarts_seen: dict[str, int] = {}
     self._unit_restarts: dict[int, int] = {}
-    self._learner_groups: dict[int, Callable[[], None]] = {}
+    # Multi-process learners' reservations: learner id -> (placement group, release).
+    self._reservations: dict[int, tuple[Any, Callable[[], None]]] = {}
 
   # -- the Ray instance -------------------------------------------------------------------------
 
@@ -100,21 +106,20 @@ class RayCluster(LocalCluster):
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
     if cfg.runtime_env:
       kwargs["runtime_env"] = dict(cfg.runtime_env)
-    if address is None:
+    starting = address is None
+    if starting:
       fleet = self.num_learners * self.processes_per_learner
       needed = fleet * cfg.learner_num_cpus + cfg.syncer_num_cpus
       kwargs["num_cpus"] = cfg.local_num_cpus or max(os.cpu_count() or 1, int(needed) + 2)
-      self._started_ray = True
-      # Ray's own processes are started in this process group; a terminal's Ctrl-C reaches the
-      # whole group and would kill them under the running programs. They inherit an ignored
-      # SIGINT instead, and the launcher stops the run in order (LocalCluster.run).
       # Ray runs its workers, and so our programs, at nice 15 by default; on one machine that puts
       # the syncer and learners below every other process (the launcher included).
       os.environ.setdefault("RAY_worker_niceness", "0")
-      with _sigint_ignored():
-        ray.init(address=address, **kwargs)
-      return
-    ray.init(address=address, **kwargs)
+    # Ray's own processes are started in this process group; a terminal's Ctrl-C reaches the
+    # whole group and would kill them under the running programs. They inherit an ignored SIGINT
+    # instead, and the launcher stops the run in order (LocalCluster.run).
+    with _sigint_ignored() if starting else contextlib.nullcontext():
+      ray.init(address=address, **kwargs)
+    self._started_ray = starting
 
   def disconnect(self) -> None:
     if self._started_ray and ray.is_initialized():
@@ -124,24 +129,10 @@ class RayCluster(LocalCluster):
   # -- placing programs -------------------------------------------------------------------------
 
   def _env(self, devices: int | None) -> dict[str, str]:
-    """The variables the launcher sets for a program; the rest is its node's environment."""
-    env = {
-      "DDILOCO_TOKEN": self.token,
-      "PYTHONUNBUFFERED": "1",
-      "JAX_COMPILATION_CACHE_DIR": os.environ.get(
-        "JAX_COMPILATION_CACHE_DIR", os.path.join(self.workdir, "jax_cache")
-      ),
-      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": os.environ.get(
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"
-      ),
-    }
-    if self.ray_config.platform == "cpu" or devices is None:  # The syncer is a CPU service.
-      env["JAX_PLATFORMS"] = "cpu"
-      flags_ = [
-        f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f
-      ]
-      flags_.append(f"--xla_force_host_platform_device_count={devices or 1}")
-      env["XLA_FLAGS"] = " ".join(flags_)
+    """Only the run's variables: the rest is the environment of the node (ProgramActor)."""
+    env = self._run_env(devices)
+    if self.ray_config.platform != "cpu":  # The devices Ray assigns; the syncer sets CPU itself.
+      del env["JAX_PLATFORMS"], env["XLA_FLAGS"]
     return env
 
   def _syncer_strategy(self) -> Any:
@@ -189,60 +180,29 @@ class RayCluster(LocalCluster):
   def _popen(self, launch: processes.Launch) -> ray_actors.ActorProcess:
     if launch.role == "syncer":
       return self._actor(launch, self._syncer_options, restart=True)
+    options = self._learner_options()
     if self.processes_per_learner == 1:
-      return self._actor(launch, self._learner_options(), restart=True)
-    raise AssertionError("multi-process learners are started by start_learner")
+      return self._actor(launch, options, restart=True)
+    # A process of a multi-process learner, in its bundle of the learner's reservation; the
+    # launcher restarts the whole learner (check_fleet), never one process.
+    group, _ = self._reservations[launch.learner_id]
+    options["scheduling_strategy"] = _in_bundle(group, launch.process_index)
+    return self._actor(launch, options, restart=False)
 
-  def start_learner(
-    self,
-    learner_id: int,
-    *,
-    extra_args: Sequence[str] = (),
-    devices: int | None = None,
-    address: str | None = None,
-  ) -> Child:
-    self._starts[learner_id] = {"extra_args": extra_args, "devices": devices, "address": address}
-    if self.processes_per_learner == 1:
-      return super().start_learner(
-        learner_id, extra_args=extra_args, devices=devices, address=address
-      )
-    # One actor per process, reserved together; process 0 hosts the coordinator.
-    n = self.processes_per_learner
-    opts = self._learner_options()
-    group, release = self._reserve(learner_id, n, opts)
-    self._groups.append(release)
+  def start_learner(self, learner_id: int, **kwargs: Any) -> Child:
+    self._starts[learner_id] = kwargs  # A whole-learner restart starts it the same way.
+    return super().start_learner(learner_id, **kwargs)
 
-    def in_bundle(i: int) -> Any:
-      return scheduling_strategies.PlacementGroupSchedulingStrategy(
-        group, placement_group_bundle_index=i
-      )
-
+  def _coordinator_address(self, learner_id: int) -> str:
+    """Reserves the hosts of a multi-process learner (a fresh reservation at every start) and
+    returns a free port on its process 0's host."""
+    group, release = self._reserve(learner_id, self.processes_per_learner, self._learner_options())
+    self._reservations[learner_id] = (group, release)
     host, port = ray.get(
-      ray_actors.probe.options(scheduling_strategy=in_bundle(0)).remote(),
+      ray_actors.probe.options(scheduling_strategy=_in_bundle(group, 0)).remote(),
       timeout=self.ray_config.start_timeout_s,
     )
-    self._coordinator = f"{host}:{port}"
-    launches = self.learner_launches(
-      learner_id, extra_args=extra_args, devices=devices, address=address
-    )
-    procs = []
-    try:
-      for i, launch in enumerate(launches):
-        procs.append(
-          self._actor(launch, {**opts, "scheduling_strategy": in_bundle(i)}, restart=False)
-        )
-    except BaseException:
-      for p in procs:  # Never half a learner.
-        p.release()
-      raise
-    unit = processes.ProcessUnit(procs, log_paths=[launch.log_path for launch in launches])
-    folder = os.path.join(self.workdir, f"learner_{learner_id}")
-    child = Child(
-      f"learner_{learner_id}", unit, launches[0].log_path, os.path.join(folder, "metrics.jsonl")
-    )
-    self._learner_groups[learner_id] = release
-    self.learners[learner_id] = child
-    return child
+    return f"{host}:{port}"
 
   def _reserve(
     self, learner_id: int, n: int, opts: dict[str, Any]
@@ -280,10 +240,6 @@ class RayCluster(LocalCluster):
       release()
       raise TimeoutError(f"Ray could not reserve {what} for learner {learner_id}.")
     return group, release
-
-  def _coordinator_address(self, learner_id: int) -> str:
-    del learner_id
-    return self._coordinator
 
   # -- restarts ---------------------------------------------------------------------------------
 
@@ -329,10 +285,8 @@ class RayCluster(LocalCluster):
     for p in self.learners[learner_id].proc.procs:
       p.release()
       self._handles.remove(p)
-    release = self._learner_groups.pop(learner_id, None)
-    if release is not None:
-      release()
-      self._groups.remove(release)
+    _, release = self._reservations.pop(learner_id)
+    release()
 
   # -- stopping ---------------------------------------------------------------------------------
 
@@ -343,11 +297,10 @@ class RayCluster(LocalCluster):
     finally:
       for handle in self._handles:
         handle.release()
-      for release in self._groups:
+      for _, release in self._reservations.values():
         release()
       self._handles.clear()
-      self._groups.clear()
-      self._learner_groups.clear()
+      self._reservations.clear()
 
   def restarts(self) -> dict[str, int]:
     """Restarts Ray made, per program that had any ("syncer", "learner_<i>")."""
