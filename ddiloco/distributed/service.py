@@ -99,7 +99,7 @@ from ddiloco.syncer.core import (
   RoundRequest,
   SyncerCore,
 )
-from ddiloco.transport import auth, messages, wire
+from ddiloco.transport import auth, in_process, messages, wire
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ArrayPool
 from ddiloco.transport.client import fragment_layouts
 from ddiloco.transport.errors import WireError, WireSizeError
@@ -1295,9 +1295,9 @@ class _Handlers:
     self.service_name, self.handlers = service_name, dict(handlers)
 
 
-def _add_servicer(service: SyncerService, server: grpc.Server) -> None:
-  """`add_SyncerServicer_to_server`, except that Push takes, and Pull sends, each chunk's
-  serialized bytes.
+def method_handlers(service: SyncerService) -> tuple[str, dict[str, grpc.RpcMethodHandler]]:
+  """The service's name and its method handlers: `add_SyncerServicer_to_server`'s, except that
+  Push takes, and Pull sends, each chunk's serialized bytes.
 
   The Push handler reads them with `messages.parse_chunk`, the payload a view into the received
   bytes: protobuf's parser would copy every payload byte twice (scripts/bench_wire.py).
@@ -1308,6 +1308,9 @@ def _add_servicer(service: SyncerService, server: grpc.Server) -> None:
   Every unary request is decoded by `door.parse_request`, which never raises: bytes that do not
   decode, or text over its bound, reach the method as `door.Garbled` and are refused with a counted
   INVALID_ARGUMENT (a raising deserializer would make gRPC answer an uncounted INTERNAL).
+
+  The gRPC server (`serve`) and the in-process transport (`serve_in_process`) run these same
+  handlers.
   """
   collected = _Handlers()
   syncer_pb2_grpc.add_SyncerServicer_to_server(service, collected)
@@ -1335,7 +1338,11 @@ def _add_servicer(service: SyncerService, server: grpc.Server) -> None:
         request_deserializer=parse,
         response_serializer=handler.response_serializer,
       )
-  name = collected.service_name
+  return collected.service_name, handlers
+
+
+def _add_servicer(service: SyncerService, server: grpc.Server) -> None:
+  name, handlers = method_handlers(service)
   server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(name, handlers)])
   server.add_registered_method_handlers(name, handlers)
 
@@ -1433,6 +1440,47 @@ def serve(
   for name in ("", SERVICE_NAME):
     health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
   return SyncerServer(server=server, service=service, port=port, health=health_servicer)
+
+
+@dataclasses.dataclass
+class InProcessSyncer:
+  """A syncer service reachable without a socket: `SyncerClient(channel=syncer.channel())`."""
+
+  server: in_process.InProcessServer
+  service: SyncerService
+
+  def channel(self) -> in_process.InProcessChannel:
+    """A new channel to the service, one per client."""
+    return self.server.channel()
+
+  def stop(self, *, flush: bool = True) -> None:
+    self.server.stop()
+    self.service.stop(flush=flush)
+
+
+def serve_in_process(service: SyncerService, *, token: str | None = None) -> InProcessSyncer:
+  """Starts `service`'s merge thread and serves it over the in-process transport.
+
+  The calls run the same handlers (`method_handlers`, and the standard health service) and, with a
+  token, the same authentication interceptor as `serve`: the same bytes, checks and status codes,
+  without a port.
+
+  Args:
+    service: the servicer.
+    token: shared token required on every call (None: no authentication).
+  """
+  name, handlers = method_handlers(service)
+  paths = {f"/{name}/{method}": h for method, h in handlers.items()}
+  health_servicer = health.HealthServicer()
+  collected = _Handlers()
+  health_pb2_grpc.add_HealthServicer_to_server(health_servicer, collected)
+  paths |= {f"/{collected.service_name}/{m}": h for m, h in collected.handlers.items()}
+  interceptors = [auth.TokenInterceptor(token, service.count_refusal)] if token else []
+  server = in_process.InProcessServer(paths, interceptors=interceptors)
+  service.start()
+  for health_name in ("", SERVICE_NAME):
+    health_servicer.set(health_name, health_pb2.HealthCheckResponse.SERVING)
+  return InProcessSyncer(server=server, service=service)
 
 
 def report_result(response: Any) -> ReportResult:

@@ -3,6 +3,8 @@
 Every call has a deadline; the channel reconnects with gRPC's exponential backoff. Pushes answered
 ABORTED (late) or ALREADY_EXISTS (duplicate) are protocol outcomes, returned as a `ReportResult`;
 every other failure raises `grpc.RpcError` for the caller to retry or re-register (distributed/worker.py).
+The same client runs over a socket or over the in-process transport (`transport/in_process.py`):
+the messages, and so the protocol, are the same.
 
 The client keeps the session each Register returns, per learner id, and sends it on that learner's
 Push, Pull, Heartbeat, Leave and Rounds calls (`auth.SESSION_METADATA_KEY`); a call refused
@@ -17,6 +19,7 @@ no protobuf object), and a pull's are parsed by hand and decoded as they arrive
 import itertools
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -35,10 +38,12 @@ _PROTOCOL_STATUSES = {
 
 
 class SyncerClient:
-  """Calls the syncer service at `address` (host:port).
+  """Calls the syncer service at `address` (host:port), or over `channel`.
 
   Args:
     address: the syncer's host:port.
+    channel: a channel to call instead of connecting to `address`, e.g. the in-process transport
+      (`service.serve_in_process(...).channel`); `tls` and `tls_ca_file` do not apply to it.
     token: shared token sent as `authorization: Bearer ...` (None: none).
     tls_ca_file: use TLS trusting this PEM CA (None with `tls=False`: plain TCP).
     tls: use TLS; with `tls_ca_file` None the system roots are trusted.
@@ -51,8 +56,9 @@ class SyncerClient:
 
   def __init__(
     self,
-    address: str,
+    address: str | None = None,
     *,
+    channel: Any = None,
     token: str | None = None,
     tls: bool = False,
     tls_ca_file: str | None = None,
@@ -68,7 +74,14 @@ class SyncerClient:
       ("grpc.initial_reconnect_backoff_ms", 200),
       ("grpc.max_reconnect_backoff_ms", 5000),
     ]
-    if tls or tls_ca_file:
+    if (address is None) == (channel is None):
+      raise ValueError("SyncerClient needs an address or a channel, not both.")
+    if channel is not None:
+      if tls or tls_ca_file:
+        raise ValueError("TLS applies to an address, not to a given channel.")
+      self._channel = channel
+      address = "in-process"
+    elif tls or tls_ca_file:
       self._channel = grpc.secure_channel(address, auth.channel_credentials(tls_ca_file), options)
     else:
       self._channel = grpc.insecure_channel(address, options)
@@ -106,6 +119,10 @@ class SyncerClient:
 
   def wait_ready(self, timeout_s: float) -> None:
     """Blocks until the channel is connected; raises grpc.FutureTimeoutError after `timeout_s`."""
+    ready = getattr(self._channel, "wait_ready", None)  # The in-process transport's.
+    if ready is not None:
+      ready(timeout_s)
+      return
     grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
 
   def learner_metadata(self, learner_id: int) -> tuple[tuple[str, str], ...]:

@@ -28,11 +28,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ddiloco.distributed.service import (
   SERVICE_NAME,
+  InProcessSyncer,
   ServiceConfig,
   SyncerServer,
   SyncerService,
   make_syncer,
   serve,
+  serve_in_process,
 )
 from ddiloco.syncer.core import FragmentState, Report, RoundRequest, SyncerConfig
 from ddiloco.transport import messages, wire
@@ -73,7 +75,7 @@ class _Env:
   """A running syncer, a raw stub and a client; learner 0 registered and holding version 0."""
 
   svc: SyncerService
-  srv: SyncerServer
+  srv: SyncerServer | InProcessSyncer
   channel: grpc.Channel
   stub: syncer_pb2_grpc.SyncerStub
   client: SyncerClient
@@ -82,11 +84,17 @@ class _Env:
   def close(self) -> None:
     self.client.close()
     self.channel.close()
-    self.srv.stop(grace_s=0.5)
+    if isinstance(self.srv, InProcessSyncer):
+      self.srv.stop()
+    else:
+      self.srv.stop(grace_s=0.5)
 
 
-def _start(syncer_config: SyncerConfig, *, open_rounds: bool = True, **service_kwargs) -> _Env:
-  """A server with learner 0 registered and holding version 0; rounds `ROUNDS` opened."""
+def _start(
+  syncer_config: SyncerConfig, transport: str, *, open_rounds: bool = True, **service_kwargs
+) -> _Env:
+  """A server with learner 0 registered and holding version 0; rounds `ROUNDS` opened. Reached
+  over gRPC (`transport` "grpc") or the in-process transport ("in_process")."""
   # A long liveness timeout: no test may lose learner 0 to the liveness check midway.
   kwargs = {"uplink_codec": "int4", "downlink_codec": "int4", "liveness_timeout_s": 600.0}
   service_config = ServiceConfig(**(kwargs | service_kwargs))
@@ -97,16 +105,23 @@ def _start(syncer_config: SyncerConfig, *, open_rounds: bool = True, **service_k
     service_config=service_config,
     layout_digest=DIGEST,
   )
-  srv = serve(svc, token=TOKEN)
-  address = f"127.0.0.1:{srv.port}"
-  client = SyncerClient(address, token=TOKEN, max_chunk_bytes=service_config.max_chunk_bytes)
+  if transport == "grpc":
+    srv = serve(svc, token=TOKEN)
+    address = f"127.0.0.1:{srv.port}"
+    client = SyncerClient(address, token=TOKEN, max_chunk_bytes=service_config.max_chunk_bytes)
+    channel = grpc.insecure_channel(address)
+  else:
+    srv = serve_in_process(svc, token=TOKEN)
+    client = SyncerClient(
+      channel=srv.channel(), token=TOKEN, max_chunk_bytes=service_config.max_chunk_bytes
+    )
+    channel = srv.channel()
   client.wait_ready(10)
   client.register(0, layout_digest=DIGEST, num_fragments=len(FRAGMENTS))
   held = {p: _pull(client, p, -1) for p in range(len(FRAGMENTS))}
   if open_rounds:
     for p, step in ROUNDS.items():
       _open_round(svc, p, step)
-  channel = grpc.insecure_channel(address)
   return _Env(svc, srv, channel, syncer_pb2_grpc.SyncerStub(channel), client, held)
 
 
@@ -142,27 +157,33 @@ def _wait_version(svc: SyncerService, p: int, version: int, timeout_s: float = 1
   pytest.fail(f"fragment {p} never reached version {version}")
 
 
+@pytest.fixture(scope="module", params=["grpc", "in_process"])
+def transport(request):
+  """Every test runs over gRPC and over the in-process transport: the same answers from both."""
+  return request.param
+
+
 @pytest.fixture(scope="module")
-def door():
+def door(transport):
   """The shared server for refusals that change nothing (K = 1, as in the service's smoke example)."""
-  env = _start(SyncerConfig(min_quorum=1, grace_max_s=0.2))
+  env = _start(SyncerConfig(min_quorum=1, grace_max_s=0.2), transport)
   yield env
   env.close()
 
 
 @pytest.fixture(scope="module")
-def small_chunks():
+def small_chunks(transport):
   """A server taking chunks of at most 4096 bytes, far below gRPC's message limit (4096 + 64 KiB)."""
-  env = _start(SyncerConfig(min_quorum=1, grace_max_s=0.2), max_chunk_bytes=4096)
+  env = _start(SyncerConfig(min_quorum=1, grace_max_s=0.2), transport, max_chunk_bytes=4096)
   yield env
   env.close()
 
 
 @pytest.fixture(scope="module")
-def closed():
+def closed(transport):
   """Rounds (0, 3) and (0, 6) merged (fragment 0 at version 2), none of fragment 0 open; with
   keep_versions 2, versions {1, 2} are kept."""
-  env = _start(SyncerConfig(min_quorum=1, use_grace=False, keep_versions=2))
+  env = _start(SyncerConfig(min_quorum=1, use_grace=False, keep_versions=2), transport)
   for version, round_step in ((0, 3), (1, 6)):
     if version:
       _open_round(env.svc, 0, round_step)
@@ -177,9 +198,9 @@ def closed():
 
 
 @pytest.fixture(scope="module")
-def open_round():
+def open_round(transport):
   """K = 2 with one learner: learner 0's answer (step 2) to round (0, 3) waits in the open round."""
-  env = _start(SyncerConfig(min_quorum=2, grace_max_s=0.2))
+  env = _start(SyncerConfig(min_quorum=2, grace_max_s=0.2), transport)
   result = env.client.push(_report(), "int4", anchor_values=env.held[0].values)
   assert (result.status, result.weight) == ("accepted", TOKENS**2 / STEPS)
   yield env
@@ -392,13 +413,13 @@ def test_total_bytes_below_the_chunks_bytes(door):
   )
 
 
-def test_reordered_chunks_are_reassembled_by_index():
+def test_reordered_chunks_are_reassembled_by_index(transport):
   """Not a refusal: `ChunkAssembler` takes chunks in any order by design (transport/chunks.py).
 
   Proof that the payload is put together right: the merge of the permuted fp32 push is bit-identical
   to a reference core's merge of the same report handed over in process.
   """
-  env = _start(SyncerConfig(min_quorum=1, use_grace=False))
+  env = _start(SyncerConfig(min_quorum=1, use_grace=False), transport)
   try:
     report = _report()
     chunks = _chunks(report, "fp32", chunk_size=2048)  # 8253 bytes: 5 chunks.
@@ -801,7 +822,7 @@ def test_push_answering_no_round(door):
   )
 
 
-def test_delta_push_whose_anchor_a_restored_checkpoint_no_longer_keeps():
+def test_delta_push_whose_anchor_a_restored_checkpoint_no_longer_keeps(transport):
   """Round (0, 9) is open, but the push's anchor, version 0, is gone (SyncerCore.kept).
 
   The server's core is restored from a checkpoint written with keep_versions 2 after two merges of
@@ -809,7 +830,7 @@ def test_delta_push_whose_anchor_a_restored_checkpoint_no_longer_keeps():
   was taken against version 0, not the round's base 2, so it is accepted with weight 0 and the
   global model does not move.
   """
-  env = _start(SyncerConfig(min_quorum=1, use_grace=False, keep_versions=4))
+  env = _start(SyncerConfig(min_quorum=1, use_grace=False, keep_versions=4), transport)
   try:
     source = make_syncer(
       fragment_keys=FRAGMENTS,
@@ -850,7 +871,7 @@ def _assert_weighs_zero(env: _Env, chunks, reason: str) -> None:
   assert _snapshot(env.svc)[0] == fragments
 
 
-def test_delta_push_anchored_at_a_version_lost_in_a_syncer_restart(tmp_path):
+def test_delta_push_anchored_at_a_version_lost_in_a_syncer_restart(tmp_path, transport):
   """After a restore republished fragment 0, an outer gradient against a lost version weighs 0.
 
   Version 2 is lost; the learner re-registered and has not pulled since, so its answer weighs 0
@@ -858,7 +879,7 @@ def test_delta_push_anchored_at_a_version_lost_in_a_syncer_restart(tmp_path):
   """
   from ddiloco.checkpoint import syncer as ckpt_lib
 
-  env = _start(SyncerConfig(min_quorum=1, use_grace=False, keep_versions=4))
+  env = _start(SyncerConfig(min_quorum=1, use_grace=False, keep_versions=4), transport)
   try:
     source = make_syncer(
       fragment_keys=FRAGMENTS,
@@ -994,9 +1015,11 @@ def test_rounds_stream_of_an_unregistered_learner(door):
   )
 
 
-def test_rounds_stream_announces_open_rounds_new_rounds_and_published_versions():
+def test_rounds_stream_announces_open_rounds_new_rounds_and_published_versions(transport):
   """The merge thread's step clock ("slowest": learner 0's heartbeat step) opens the rounds due."""
-  env = _start(SyncerConfig(min_quorum=1, use_grace=False, clock="slowest"), open_rounds=False)
+  env = _start(
+    SyncerConfig(min_quorum=1, use_grace=False, clock="slowest"), transport, open_rounds=False
+  )
   stream = None
   try:
     _open_round(env.svc, 0, 3)
@@ -1065,10 +1088,10 @@ def test_valid_push_still_merges(door):
   assert door.svc.refused() == refused
 
 
-def test_a_failing_merge_loop_never_holds_the_lock(monkeypatch):
+def test_a_failing_merge_loop_never_holds_the_lock(monkeypatch, transport):
   # A bug in the merge loop is logged and retried, but the loop releases its lock between tries:
   # every RPC still answers and stop() (what a signal calls) returns.
-  env = _start(SyncerConfig(min_quorum=1, grace_max_s=0.2))
+  env = _start(SyncerConfig(min_quorum=1, grace_max_s=0.2), transport)
   try:
     calls = []
 

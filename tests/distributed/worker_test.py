@@ -1,4 +1,5 @@
-"""Learner crash and rejoin against a real in-process syncer on port 0 (docs/algorithm.md §3, §6).
+"""Learner crash and rejoin against a real in-process syncer (docs/algorithm.md §3, §6), reached over
+gRPC on port 0 and over the in-process transport: the same test, the same protocol.
 
 Fault injection at (learner 0, step 7): the worker trains 7 steps, saving every 3 (steps 3 and 6),
 then is abandoned: no flush, no final save, no Leave, as after a SIGKILL. A new worker with the same
@@ -14,6 +15,7 @@ timing.
 """
 
 import dataclasses
+import functools
 import json
 import os
 import threading
@@ -83,8 +85,8 @@ class _Recording:
     self._it.set_state(state)
 
 
-@pytest.fixture
-def syncer():
+@pytest.fixture(params=["grpc", "in_process"])
+def syncer(request):
   factory = JOB.factory()
   svc = service_lib.make_syncer(
     fragment_keys=factory.layout.fragments,
@@ -94,13 +96,18 @@ def syncer():
     layout_digest=factory.layout.digest,
     embedding_keys=factory.embedding_keys(),
   )
-  srv = service_lib.serve(svc)
-  yield svc, f"127.0.0.1:{srv.port}"
-  srv.stop(grace_s=0.5)
+  if request.param == "grpc":
+    srv = service_lib.serve(svc)
+    yield svc, functools.partial(SyncerClient, f"127.0.0.1:{srv.port}")
+    srv.stop(grace_s=0.5)
+  else:
+    srv = service_lib.serve_in_process(svc)
+    yield svc, lambda **kw: SyncerClient(channel=srv.channel(), **kw)
+    srv.stop()
 
 
-def _worker(address, tmp_path, learner_id=0):
-  client = SyncerClient(address, deadline_s=10.0)
+def _worker(connect, tmp_path, learner_id=0):
+  client = connect(deadline_s=10.0)
   data = _Recording(learner_id)
   worker, writer = runtime.make_learner_worker(
     JOB,
@@ -191,8 +198,8 @@ def _assert_same_batch(a, b):
 
 
 def test_crash_at_step_7_resumes_at_6_with_weight_0_until_received(syncer, tmp_path):
-  svc, address = syncer
-  a, a_data, a_writer, a_client = _worker(address, tmp_path)
+  svc, connect = syncer
+  a, a_data, a_writer, a_client = _worker(connect, tmp_path)
   a.connect()
   assert a.restored_from == "fresh"
   a.start()
@@ -204,7 +211,7 @@ def test_crash_at_step_7_resumes_at_6_with_weight_0_until_received(syncer, tmp_p
   assert a.checkpointer.saved_steps == [3, 6]
   assert len(a_data.batches) == 7
 
-  b, b_data, b_writer, b_client = _worker(address, tmp_path)
+  b, b_data, b_writer, b_client = _worker(connect, tmp_path)
   assert b.restore() == "own:6"
   assert (b.learner.step, b.resumed_step, _count(b), b.tokens_trained) == (
     6,
@@ -270,7 +277,7 @@ def test_crash_at_step_7_resumes_at_6_with_weight_0_until_received(syncer, tmp_p
   assert saves == [3, 6, 9, 11]
 
   # A graceful stop repeats nothing: the next life starts with the batch after step 11.
-  c, c_data, c_writer, c_client = _worker(address, tmp_path)
+  c, c_data, c_writer, c_client = _worker(connect, tmp_path)
   assert c.restore() == "own:11"
   # The optimizer state of step 11 as saved: 5 updates after the schedule count b joined with.
   assert (c.learner.step, _count(c), c.tokens_trained) == (11, joined + 5, 11 * TOKENS_PER_STEP)
@@ -297,8 +304,8 @@ def test_checkpointing_needs_a_checkpointable_iterator():
 
 
 def test_without_checkpointer_restore_is_fresh(syncer, tmp_path):
-  _, address = syncer
-  client = SyncerClient(address)
+  _, connect = syncer
+  client = connect()
   worker, writer = runtime.make_learner_worker(
     JOB, learner_id=1, client=client, workdir=str(tmp_path / "w")
   )
@@ -311,8 +318,8 @@ def test_without_checkpointer_restore_is_fresh(syncer, tmp_path):
 
 
 def test_the_senders_come_from_the_job(syncer, tmp_path):
-  _, address = syncer
-  client = SyncerClient(address)
+  _, connect = syncer
+  client = connect()
   worker, writer = runtime.make_learner_worker(
     dataclasses.replace(JOB, senders=3), learner_id=1, client=client, workdir=str(tmp_path / "w")
   )
