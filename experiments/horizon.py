@@ -10,6 +10,9 @@ only 4 outer rounds per fragment. This study asks two questions on the dense tex
    24 R; the inner cosine schedule always decays over the whole run), default outer settings
    (0.7 / 0.9). Does the gap to data-parallel shrink with R, and does asynchrony cost anything
    against synchronous DiLoCo at the same R?
+3. **Model size:** data-parallel and synchronous DiLoCo with the "small" model (14M parameters,
+   `runs/sim_small.gin` with sim_tiny's data sizes) at the sweep's horizons (seed 0): does the gap
+   shrink with the model?
 
 Runs are ordered so that an interrupted study keeps whole rows: the sweep first (seed 0), then
 each horizon for every seed, shortest first. Writes docs/results/horizon.{md,png,json} and prints
@@ -36,7 +39,10 @@ _OUT = flags.DEFINE_string("out", "docs/results", "folder for the table, plot an
 _WORKDIR = flags.DEFINE_string("workdir", "workdirs/horizon", "run outputs")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds of the horizon rows")
 _HORIZONS = flags.DEFINE_list("horizons", ["4", "8", "16", "32"], "outer rounds per fragment")
-_TIER = flags.DEFINE_enum("tier", "all", ["sweep", "horizon", "all", "report"], "what to run")
+_TIER = flags.DEFINE_enum(
+  "tier", "all", ["sweep", "horizon", "size", "all", "report"], "what to run"
+)
+_SIZE_HORIZONS = flags.DEFINE_list("size_horizons", ["4", "8"], "size: outer rounds per fragment")
 _LRS = flags.DEFINE_list("outer_lrs", ["0.4", "0.7", "1.0"], "sweep: outer learning rates")
 _MOMENTA = flags.DEFINE_list("outer_momenta", ["0.0", "0.5", "0.9"], "sweep: outer momenta")
 _SWEEP_ROUNDS = flags.DEFINE_integer("sweep_rounds", 8, "sweep: outer rounds per fragment")
@@ -50,15 +56,31 @@ METHODS = {
 }
 
 
-def make_system(method: str, rounds: int, *bindings: str) -> study.System:
+# The small model on sim_tiny's data sizes and evaluation cadence, so only the model differs.
+SMALL = (
+  "SEQ_LEN = 64",
+  "transformer_config.max_len = 64",
+  "ClusterConfig.eval_every_s = 24.0",
+  "ClusterConfig.log_every = 8",
+)
+
+
+def make_system(method: str, rounds: int, *bindings: str, model: str = "tiny") -> study.System:
   """`method` at `rounds` outer rounds per fragment, with extra `bindings` (named in the row)."""
   if rounds < 1:
     raise ValueError(f"rounds must be >= 1, got {rounds}.")
   suffix = "".join(f", {b}" for b in bindings)
+  files = METHODS[method]
+  prefix, extra = "", ()
+  if model == "small":
+    files = ("runs/sim_small.gin", *files[1:])
+    prefix, extra = "small, ", SMALL
+  elif model != "tiny":
+    raise ValueError(f"model must be 'tiny' or 'small', got {model!r}.")
   return study.System(
-    name=f"R = {rounds}: {method}{suffix}",
-    gin_files=METHODS[method],
-    bindings=(f"STEPS = {PERIOD * rounds}", *bindings),
+    name=f"{prefix}R = {rounds}: {method}{suffix}",
+    gin_files=files,
+    bindings=(f"STEPS = {PERIOD * rounds}", *extra, *bindings),
   )
 
 
@@ -72,6 +94,7 @@ def sweep_system(lr: str, momentum: str) -> study.System:
 
 
 def plan_for(seeds: list[int], horizons: list[int], tier: str) -> list:
+  """The runs of `tier`, in order (see the module docstring)."""
   plan = []
   if tier in ("sweep", "all"):
     plan.append((make_system("data-parallel", _SWEEP_ROUNDS.value), seeds[:1]))
@@ -82,6 +105,10 @@ def plan_for(seeds: list[int], horizons: list[int], tier: str) -> list:
     for rounds in sorted(horizons):
       for seed in seeds:
         plan += [(make_system(method, rounds), [seed]) for method in METHODS]
+  if tier in ("size", "all"):
+    for rounds in sorted(int(r) for r in _SIZE_HORIZONS.value):
+      for method in ("data-parallel", "DiLoCo"):
+        plan.append((make_system(method, rounds, model="small"), seeds[:1]))
   return plan
 
 
@@ -195,6 +222,14 @@ def report(store: study.ResultStore, seeds: list[int], horizons: list[int]) -> N
         runs = store.runs(make_system(method, rounds), seeds)
         if runs:
           curves[f"{method} (R = {rounds})"] = runs
+  size_rows = []
+  for rounds in sorted(int(r) for r in _SIZE_HORIZONS.value):
+    cells = [rounds]
+    for model in ("tiny", "small"):
+      dp = _losses(store, make_system("data-parallel", rounds, model=model), seeds[:1])
+      dl = _losses(store, make_system("DiLoCo", rounds, model=model), seeds[:1])
+      cells += [_cell(dp), _cell(dl), _gap(dl, dp)]
+    size_rows.append(cells)
   parts += [
     "",
     "## Gap against the horizon (default outer settings 0.7 / 0.9)",
@@ -202,6 +237,24 @@ def report(store: study.ResultStore, seeds: list[int], horizons: list[int]) -> N
     study.markdown_table(headers, rows),
     "",
     f"![gap against rounds]({STUDY}.png)",
+    "",
+    f"## Gap against the model size (synchronous DiLoCo, 0.7 / 0.9, seed {seeds[0]})",
+    "",
+    "tiny: 4 layers, d = 128, 1.1M parameters (sim_tiny.gin); small: 6 layers, d = 384, 14M; the same",
+    "data sizes (M = 4, 8 sequences of 64 tokens per learner step).",
+    "",
+    study.markdown_table(
+      [
+        "R",
+        "tiny data-parallel",
+        "tiny DiLoCo",
+        "tiny gap",
+        "small data-parallel",
+        "small DiLoCo",
+        "small gap",
+      ],
+      size_rows,
+    ),
   ]
 
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))

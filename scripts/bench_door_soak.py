@@ -28,7 +28,8 @@ import grpc
 import numpy as np
 from absl import app, flags
 
-from ddiloco.distributed.service import ServiceConfig, make_syncer, serve
+from ddiloco.distributed.server import make_syncer, serve
+from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.protocol import RoundRequest
 from ddiloco.syncer.core import Report, SyncerConfig
 from ddiloco.transport import auth

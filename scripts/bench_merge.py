@@ -56,7 +56,9 @@ import numpy as np
 import optax
 from absl import app, flags
 
-from ddiloco.distributed.service import DownlinkAdopter, ServiceConfig, make_syncer
+from ddiloco.distributed.downlink import DownlinkAdopter
+from ddiloco.distributed.server import make_syncer
+from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.digest import values_digest
 from ddiloco.syncer import merge as merge_lib
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore

@@ -55,7 +55,8 @@ import grpc
 import numpy as np
 from absl import app, flags
 
-from ddiloco.distributed.service import ServiceConfig, make_syncer, serve
+from ddiloco.distributed.server import make_syncer, serve
+from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments import layout as layout_lib
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
 from ddiloco.transport import messages

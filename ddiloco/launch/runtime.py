@@ -28,7 +28,7 @@ from ddiloco.checkpoint.learner import (
   abstract_opt_state,
 )
 from ddiloco.distributed import multihost as multihost_lib
-from ddiloco.distributed import service as service_lib
+from ddiloco.distributed import server as server_lib
 from ddiloco.distributed.worker import LearnerWorker
 from ddiloco.launch.job import JobConfig
 from ddiloco.metrics.writer import MetricsWriter, write_summary
@@ -65,7 +65,7 @@ class SyncerRun:
       layout_digest=self.layout.digest,
       fragment_bytes=[self.layout.fragment_bytes(p) for p in range(self.layout.num_fragments)],
     )
-    self.service = service_lib.make_syncer(
+    self.service = server_lib.make_syncer(
       fragment_keys=self.layout.fragments,
       init_values=self.factory.global_init_values(),
       syncer_config=job.the_syncer(),
@@ -76,7 +76,7 @@ class SyncerRun:
       record=self._record,
       on_recovery=self._on_recovery,
     )
-    self.server: service_lib.SyncerServer | None = None
+    self.server: server_lib.SyncerServer | None = None
     self.merge_times: list[list] = []  # [wall time, fragment, version, contributors]
     # TensorBoard scalars of merges, written outside the service's lock (`_write_scalars`).
     self._scalars: collections.deque[tuple[dict[str, float], int]] = collections.deque()
@@ -227,7 +227,7 @@ class SyncerRun:
 
   def serve(
     self, address: str, *, token: str | None = None, tls=None, insecure: bool = False
-  ) -> service_lib.SyncerServer:
+  ) -> server_lib.SyncerServer:
     self.warm_up()
     if self.restored is None:
       self.evaluate()  # Version 0, before any learner connects (a restart evaluates in `loop`).
@@ -239,7 +239,7 @@ class SyncerRun:
         {p: (v, d) for p, (v, d, _, _) in self.restored.to_recover.items()},
         self.checkpoint.recovery_window_s,
       )
-    self.server = service_lib.serve(
+    self.server = server_lib.serve(
       self.service, address=address, token=token, tls=tls, insecure=insecure
     )
     return self.server

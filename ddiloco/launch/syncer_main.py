@@ -67,7 +67,7 @@ def main(argv: list[str]) -> None:
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: stop.set())
   tls = (_TLS_CERT.value, _TLS_KEY.value) if _TLS_CERT.value else None
-  from ddiloco.distributed import service as service_lib
+  from ddiloco.distributed import server as server_lib
   from ddiloco.transport import auth
 
   address = f"{_HOST.value}:{_PORT.value}"
@@ -81,7 +81,7 @@ def main(argv: list[str]) -> None:
     server = run.serve(
       address, token=auth.read_token(_TOKEN_FILE.value), tls=tls, insecure=_INSECURE.value
     )
-  except (service_lib.BindError, service_lib.InsecureServeError) as e:
+  except (server_lib.BindError, server_lib.InsecureServeError) as e:
     sys.exit(f"ddiloco-syncer: {e}")  # One line, no traceback: the operator's mistake.
   logging.info("syncer serving on %s:%d", _HOST.value, server.port)
   if _PORT_FILE.value:

@@ -24,6 +24,9 @@ import numpy as np
 from ddiloco.transport.errors import WireError, WireSizeError
 
 DEFAULT_CHUNK_SIZE = 1 << 20
+# Room for a chunk's protobuf framing and header on top of its payload bytes: a message limit is
+# the chunk size plus this, at both ends (the client's channel and the server's).
+FRAMING_SLACK = 64 * 1024
 # Room kept in front of a chunk's bytes for its prefix (a chunk message's fields before the data).
 _HEADROOM = 256
 

@@ -26,10 +26,9 @@ import numpy as np
 
 from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
 from ddiloco.transport import auth, messages, wire
-from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE
+from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, FRAMING_SLACK
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
 
-_FRAMING_SLACK = 64 * 1024
 # Push refusals that are answers of the protocol, not failures of the call (distributed/service.py).
 _PROTOCOL_STATUSES = {
   grpc.StatusCode.ABORTED: "late",
@@ -43,7 +42,7 @@ class SyncerClient:
   Args:
     address: the syncer's host:port.
     channel: a channel to call instead of connecting to `address`, e.g. the in-process transport
-      (`service.serve_in_process(...).channel`); `tls` and `tls_ca_file` do not apply to it.
+      (`server.serve_in_process(...).channel()`); `tls` and `tls_ca_file` do not apply to it.
     token: shared token sent as `authorization: Bearer ...` (None: none).
     tls_ca_file: use TLS trusting this PEM CA (None with `tls=False`: plain TCP).
     tls: use TLS; with `tls_ca_file` None the system roots are trusted.
@@ -67,7 +66,7 @@ class SyncerClient:
     max_chunk_bytes: int = DEFAULT_CHUNK_SIZE,
     subscription_s: float = 300.0,
   ):
-    limit = max_chunk_bytes + _FRAMING_SLACK
+    limit = max_chunk_bytes + FRAMING_SLACK
     options = [
       ("grpc.max_send_message_length", limit),
       ("grpc.max_receive_message_length", limit),

@@ -272,7 +272,8 @@ def test_syncer_service_through_proxy_survives_a_drop():
   # The ddiloco syncer behind the proxy (as tests/distributed/service_door_test.py builds it): a learner
   # pulls a 4 MiB fp32 fragment (1024 x 1024 values, streamed in ~1 MiB chunks) through the proxy
   # with 20 ms of latency, loses its connection, and pulls again on the same client.
-  from ddiloco.distributed.service import ServiceConfig, make_syncer, serve
+  from ddiloco.distributed.server import make_syncer, serve
+  from ddiloco.distributed.service_config import ServiceConfig
   from ddiloco.syncer.core import SyncerConfig
   from ddiloco.transport.client import SyncerClient, fragment_layouts
 

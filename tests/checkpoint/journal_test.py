@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from ddiloco.checkpoint import journal as journal_lib
-from ddiloco.distributed.service import ServiceConfig, make_syncer, serve
+from ddiloco.distributed.server import make_syncer, serve
+from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.digest import values_digest
 from ddiloco.syncer.core import Report, SyncerConfig
 from ddiloco.transport.client import SyncerClient, fragment_layouts

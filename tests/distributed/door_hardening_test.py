@@ -21,15 +21,15 @@ import grpc
 import numpy as np
 import pytest
 
-from ddiloco.distributed.service import (
+from ddiloco.distributed.server import (
   BindError,
   InsecureServeError,
-  ServiceConfig,
   SyncerServer,
-  SyncerService,
   make_syncer,
   serve,
 )
+from ddiloco.distributed.service import SyncerService
+from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.syncer.core import Report, RoundRequest, SyncerConfig
 from ddiloco.transport import auth, messages
 from ddiloco.transport.client import SyncerClient
@@ -534,7 +534,7 @@ def test_no_token_on_a_network_address_is_refused(address):
 
 def test_insecure_flag_serves_without_a_token_and_warns(caplog):
   svc = _bare_service()
-  with caplog.at_level(logging.WARNING, logger="ddiloco.distributed.service"):
+  with caplog.at_level(logging.WARNING, logger="ddiloco.distributed.server"):
     srv = serve(svc, address="0.0.0.0:0", insecure=True)
   try:
     assert any("WITHOUT authentication" in r.getMessage() for r in caplog.records)

@@ -15,7 +15,8 @@ import pytest
 
 from ddiloco.data import text as text_data
 from ddiloco.distributed import multihost
-from ddiloco.distributed import service as service_lib
+from ddiloco.distributed import server as server_lib
+from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch import runtime
 from ddiloco.launch.job import JobConfig
@@ -35,7 +36,7 @@ JOB = JobConfig(
   schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
   syncer=SyncerConfig(overlap=1, use_grace=False, outer_momentum=0.0),
   inner_opt=InnerOptConfig(warmup_steps=1, decay_steps=50),
-  service=service_lib.ServiceConfig(
+  service=ServiceConfig(
     uplink_codec="fp32", downlink_codec="fp32", heartbeat_interval_s=0.05, liveness_timeout_s=600
   ),
   num_learners=1,
@@ -68,7 +69,7 @@ def test_followers_client_refuses_every_call():
 @pytest.fixture
 def syncer():
   factory = JOB.factory()
-  svc = service_lib.make_syncer(
+  svc = server_lib.make_syncer(
     fragment_keys=factory.layout.fragments,
     init_values=factory.global_init_values(),
     syncer_config=JOB.the_syncer(),
@@ -76,7 +77,7 @@ def syncer():
     layout_digest=factory.layout.digest,
     embedding_keys=factory.embedding_keys(),
   )
-  srv = service_lib.serve(svc)
+  srv = server_lib.serve(svc)
   yield svc, f"127.0.0.1:{srv.port}"
   srv.stop(grace_s=0.5)
 
@@ -98,7 +99,7 @@ LOCK_STEP = dataclasses.replace(
 
 def test_one_process_trains_applies_exact_bits_and_digests_params(tmp_path):
   factory = LOCK_STEP.factory()
-  svc = service_lib.make_syncer(
+  svc = server_lib.make_syncer(
     fragment_keys=factory.layout.fragments,
     init_values=factory.global_init_values(),
     syncer_config=LOCK_STEP.the_syncer(),
@@ -106,7 +107,7 @@ def test_one_process_trains_applies_exact_bits_and_digests_params(tmp_path):
     layout_digest=factory.layout.digest,
     embedding_keys=factory.embedding_keys(),
   )
-  srv = service_lib.serve(svc)
+  srv = server_lib.serve(svc)
   try:
     client = SyncerClient(f"127.0.0.1:{srv.port}", deadline_s=10.0)
     worker, writer = runtime.make_multihost_worker(

@@ -26,16 +26,15 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ddiloco.distributed.service import (
-  SERVICE_NAME,
+from ddiloco.distributed.server import (
   InProcessSyncer,
-  ServiceConfig,
   SyncerServer,
-  SyncerService,
   make_syncer,
   serve,
   serve_in_process,
 )
+from ddiloco.distributed.service import SERVICE_NAME, SyncerService
+from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.syncer.core import FragmentState, Report, RoundRequest, SyncerConfig
 from ddiloco.transport import messages, wire
 from ddiloco.transport.client import SyncerClient, fragment_layouts

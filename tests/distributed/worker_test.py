@@ -27,8 +27,9 @@ import pytest
 
 from ddiloco.checkpoint.learner import LearnerCheckpointConfig
 from ddiloco.data import text as text_data
-from ddiloco.distributed import service as service_lib
+from ddiloco.distributed import server as server_lib
 from ddiloco.distributed import worker as worker_lib
+from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.distributed.worker import LearnerWorker
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch import runtime
@@ -53,7 +54,7 @@ JOB = JobConfig(
   ),
   learner=LearnerConfig(blocking=True),
   inner_opt=InnerOptConfig(warmup_steps=1, decay_steps=50),
-  service=service_lib.ServiceConfig(
+  service=ServiceConfig(
     uplink_codec="fp32", downlink_codec="fp32", heartbeat_interval_s=0.05, liveness_timeout_s=600
   ),
   num_learners=2,
@@ -88,7 +89,7 @@ class _Recording:
 @pytest.fixture(params=["grpc", "in_process"])
 def syncer(request):
   factory = JOB.factory()
-  svc = service_lib.make_syncer(
+  svc = server_lib.make_syncer(
     fragment_keys=factory.layout.fragments,
     init_values=factory.global_init_values(),
     syncer_config=JOB.the_syncer(),
@@ -97,11 +98,11 @@ def syncer(request):
     embedding_keys=factory.embedding_keys(),
   )
   if request.param == "grpc":
-    srv = service_lib.serve(svc)
+    srv = server_lib.serve(svc)
     yield svc, functools.partial(SyncerClient, f"127.0.0.1:{srv.port}")
     srv.stop(grace_s=0.5)
   else:
-    srv = service_lib.serve_in_process(svc)
+    srv = server_lib.serve_in_process(svc)
     yield svc, lambda **kw: SyncerClient(channel=srv.channel(), **kw)
     srv.stop()
 

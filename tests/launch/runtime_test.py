@@ -21,7 +21,7 @@ import pytest
 from ddiloco.checkpoint import journal as journal_lib
 from ddiloco.checkpoint import syncer as ckpt_lib
 from ddiloco.data import text as text_data
-from ddiloco.distributed import service as service_lib
+from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch import runtime
 from ddiloco.launch.job import JobConfig
@@ -40,9 +40,7 @@ JOB = JobConfig(
   data=text_data.TextDataConfig(seq_len=L, batch_size=B),
   schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
   syncer=SyncerConfig(overlap=1, use_grace=False, min_quorum=1),
-  service=service_lib.ServiceConfig(
-    uplink_codec="fp32", downlink_codec="fp32", liveness_timeout_s=600
-  ),
+  service=ServiceConfig(uplink_codec="fp32", downlink_codec="fp32", liveness_timeout_s=600),
   num_learners=1,
   eval_batches=1,
 )

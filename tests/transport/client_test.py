@@ -5,7 +5,8 @@ import grpc
 import numpy as np
 import pytest
 
-from ddiloco.distributed.service import ServiceConfig, make_syncer, serve
+from ddiloco.distributed.server import make_syncer, serve
+from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.compression import RUN_VALUES
 from ddiloco.syncer.core import Report, RoundRequest, SyncerConfig
 from ddiloco.transport import messages

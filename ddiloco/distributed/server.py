@@ -1,0 +1,299 @@
+"""Starting the syncer service: over gRPC on a port (`serve`), or in this process (`serve_in_process`).
+
+`make_syncer` wires a `SyncerCore` (with the downlink adoption a lossy codec needs) into a
+`SyncerService`; `method_handlers` is the service's handler table, which both servers run:
+
+- `serve`: a synchronous `grpc.server` whose thread pool has `control_workers + max_data_streams +
+  max_rounds_streams` threads (distributed/door.py keeps `control_workers` of them free of
+  streams), the standard health service, an optional shared token (transport/auth.py) and TLS. The
+  port is never shared (`grpc.so_reuseport` off): a second syncer on a port in use fails with a
+  one-line `BindError`. A non-loopback address without a shared token is refused unless
+  `insecure=True` (`ddiloco-syncer --insecure`), which logs a warning.
+- `serve_in_process`: the same handlers, health service and token check over the in-process
+  transport (transport/in_process.py): learner workers in the same process, no socket.
+"""
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent import futures
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ddiloco.distributed import door
+from ddiloco.distributed.downlink import DownlinkAdopter
+from ddiloco.distributed.service import SERVICE_NAME, SyncerService
+from ddiloco.distributed.service_config import ServiceConfig
+from ddiloco.syncer.core import MergeEvent, SyncerCore
+from ddiloco.transport import auth, in_process
+from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# Call metadata a client may send (both tokens are a few dozen bytes); gRPC refuses more.
+_MAX_METADATA_BYTES = 8 * 1024
+
+
+class BindError(OSError):
+  """The syncer could not bind its address (most often: the port is in use)."""
+
+
+class InsecureServeError(ValueError):
+  """Refused to serve a network address without a shared token (see `serve`)."""
+
+
+@dataclasses.dataclass
+class SyncerServer:
+  """A running gRPC server with its service: `stop()` shuts both down."""
+
+  server: grpc.Server
+  service: SyncerService
+  port: int
+  health: health.HealthServicer
+
+  def stop(self, grace_s: float = 2.0, *, flush: bool = True) -> None:
+    self.health.enter_graceful_shutdown()
+    self.server.stop(grace_s).wait(grace_s + 5)
+    self.service.stop(flush=flush)
+
+
+def make_syncer(
+  *,
+  fragment_keys,
+  init_values: Mapping[str, np.ndarray],
+  syncer_config,
+  service_config: ServiceConfig,
+  layout_digest: str,
+  embedding_keys=(),
+  clock: Callable[[], float] = time.monotonic,
+  on_merge: Callable[[MergeEvent], None] | None = None,
+  record: Callable[[MergeEvent], None] | None = None,
+  on_recovery: Callable[[int, int, str], None] | None = None,
+) -> SyncerService:
+  """A SyncerCore and its SyncerService wired together (adoption for a lossy downlink codec)."""
+  adopter = None
+  if service_config.downlink_codec != "fp32":
+    adopter = DownlinkAdopter(
+      service_config.downlink_codec,
+      block_size=service_config.block_size,
+      chunk_size=service_config.max_chunk_bytes,
+    )
+  core = SyncerCore(
+    fragment_keys=fragment_keys,
+    init_values=init_values,
+    config=syncer_config,
+    clock=clock,
+    embedding_keys=embedding_keys,
+    adopt=adopter,
+  )
+  return SyncerService(
+    core,
+    layout_digest=layout_digest,
+    config=service_config,
+    adopter=adopter,
+    clock=clock,
+    on_merge=on_merge,
+    record=record,
+    on_recovery=on_recovery,
+  )
+
+
+class _Handlers:
+  """Stands in for a server to collect the handlers `add_SyncerServicer_to_server` registers."""
+
+  def add_generic_rpc_handlers(self, handlers) -> None:
+    del handlers
+
+  def add_registered_method_handlers(self, service_name: str, handlers: dict) -> None:
+    self.service_name, self.handlers = service_name, dict(handlers)
+
+
+def method_handlers(service: SyncerService) -> tuple[str, dict[str, grpc.RpcMethodHandler]]:
+  """The service's name and its method handlers: `add_SyncerServicer_to_server`'s, except that
+  Push takes, and Pull sends, each chunk's serialized bytes.
+
+  The Push handler reads them with `messages.parse_chunk`, the payload a view into the received
+  bytes: protobuf's parser would copy every payload byte twice (scripts/bench_wire.py).
+  Pull sends chunks made serialized (`messages.state_messages`) or cached serialized (the
+  downlink deltas every learner pulls), so protobuf neither builds nor serializes them per pull.
+  The bytes on the wire are the same; clients need not change.
+
+  Every unary request is decoded by `door.parse_request`, which never raises: bytes that do not
+  decode, or text over its bound, reach the method as `door.Garbled` and are refused with a counted
+  INVALID_ARGUMENT (a raising deserializer would make gRPC answer an uncounted INTERNAL).
+
+  The gRPC server (`serve`) and the in-process transport (`serve_in_process`) run these same
+  handlers.
+  """
+  collected = _Handlers()
+  syncer_pb2_grpc.add_SyncerServicer_to_server(service, collected)
+  handlers = collected.handlers
+  for name in ("Push", "Recover"):
+    push = handlers[name]
+    handlers[name] = grpc.stream_unary_rpc_method_handler(
+      push.stream_unary, request_deserializer=None, response_serializer=push.response_serializer
+    )
+  methods = syncer_pb2.DESCRIPTOR.services_by_name["Syncer"].methods_by_name
+  for name, handler in list(handlers.items()):
+    if handler.request_streaming:
+      continue
+    parse = door.parse_request(getattr(syncer_pb2, methods[name].input_type.name))
+    if handler.response_streaming:
+      handlers[name] = grpc.unary_stream_rpc_method_handler(
+        _refusing_garbled_stream(service, handler.unary_stream),
+        request_deserializer=parse,
+        # Pull sends serialized chunks as they are.
+        response_serializer=None if name == "Pull" else handler.response_serializer,
+      )
+    else:
+      handlers[name] = grpc.unary_unary_rpc_method_handler(
+        _refusing_garbled(service, handler.unary_unary),
+        request_deserializer=parse,
+        response_serializer=handler.response_serializer,
+      )
+  return collected.service_name, handlers
+
+
+def _add_servicer(service: SyncerService, server: grpc.Server) -> None:
+  name, handlers = method_handlers(service)
+  server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(name, handlers)])
+  server.add_registered_method_handlers(name, handlers)
+
+
+def _refusing_garbled(service: SyncerService, behavior):
+  """A unary method that refuses a `door.Garbled` request before `behavior` sees it."""
+
+  def method(request, context):
+    if isinstance(request, door.Garbled):
+      r = service.refuse_garbled(request)
+      context.abort(r.code, r.message)
+    return behavior(request, context)
+
+  return method
+
+
+def _refusing_garbled_stream(service: SyncerService, behavior):
+  """`_refusing_garbled` for a server-streaming method."""
+
+  def method(request, context):
+    if isinstance(request, door.Garbled):
+      r = service.refuse_garbled(request)
+      context.abort(r.code, r.message)
+    yield from behavior(request, context)
+
+  return method
+
+
+def serve(
+  service: SyncerService,
+  *,
+  address: str = "127.0.0.1:0",
+  token: str | None = None,
+  tls: tuple[str, str] | None = None,
+  insecure: bool = False,
+) -> SyncerServer:
+  """Starts a gRPC server for `service` (and the standard health service) and its merge thread.
+
+  Args:
+    service: the servicer.
+    address: host:port; port 0 picks a free one. Loopback unless told otherwise.
+    token: shared token required on every call but health checks (None: no authentication).
+    tls: (cert_file, key_file) for TLS, or None for plain TCP.
+    insecure: serve a non-loopback address without a token (logged as a warning); without it
+      that is refused, since any host that reaches the port could push into the global model.
+
+  Returns:
+    The running server, with the bound port.
+
+  Raises:
+    InsecureServeError: a non-loopback address without a token or `insecure`.
+    BindError: if the address cannot be bound (its port is in use: never shared).
+  """
+  if not token and not door.is_loopback(address):
+    if not insecure:
+      raise InsecureServeError(
+        f"Refusing to serve {address} without a shared token: any host that reaches it could "
+        "register and push. Give a token (--auth_token_file or DDILOCO_TOKEN), bind to "
+        "loopback, or pass insecure=True (--insecure)."
+      )
+    log.warning(
+      "serving %s WITHOUT authentication (insecure): anyone who reaches it can push.", address
+    )
+  _, port = door.split_address(address)
+  if door.port_in_use(address):  # Checked first: gRPC's own failure is a vague multi-line log.
+    raise BindError(f"port {port} is in use: cannot serve the syncer on {address}.")
+  interceptors = [auth.TokenInterceptor(token, service.count_refusal)] if token else []
+  cfg = service.config
+  server = grpc.server(
+    futures.ThreadPoolExecutor(max_workers=cfg.server_threads, thread_name_prefix="syncer-rpc"),
+    interceptors=interceptors,
+    options=[
+      *cfg.channel_options(),
+      # Never share the port: two syncers on one port would split the fleet between two models.
+      ("grpc.so_reuseport", 0),
+      ("grpc.max_metadata_size", _MAX_METADATA_BYTES),
+    ],
+    maximum_concurrent_rpcs=cfg.server_threads + cfg.max_pending_calls,
+  )
+  _add_servicer(service, server)
+  health_servicer = health.HealthServicer()
+  health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+  try:
+    if tls is None:
+      bound = server.add_insecure_port(address)
+    else:
+      bound = server.add_secure_port(address, auth.server_credentials(*tls))
+  except RuntimeError as e:  # Newer gRPC raises where older returned 0.
+    raise BindError(f"Could not bind the syncer to {address} (port in use?): {e}") from None
+  if bound == 0:
+    raise BindError(f"Could not bind the syncer to {address} (port in use?).")
+  port = bound
+  service.start()
+  server.start()
+  for name in ("", SERVICE_NAME):
+    health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+  return SyncerServer(server=server, service=service, port=port, health=health_servicer)
+
+
+@dataclasses.dataclass
+class InProcessSyncer:
+  """A syncer service reachable without a socket: `SyncerClient(channel=syncer.channel())`."""
+
+  server: in_process.InProcessServer
+  service: SyncerService
+
+  def channel(self) -> in_process.InProcessChannel:
+    """A new channel to the service, one per client."""
+    return self.server.channel()
+
+  def stop(self, *, flush: bool = True) -> None:
+    self.server.stop()
+    self.service.stop(flush=flush)
+
+
+def serve_in_process(service: SyncerService, *, token: str | None = None) -> InProcessSyncer:
+  """Starts `service`'s merge thread and serves it over the in-process transport.
+
+  The calls run the same handlers (`method_handlers`, and the standard health service) and, with a
+  token, the same authentication interceptor as `serve`: the same bytes, checks and status codes,
+  without a port.
+
+  Args:
+    service: the servicer.
+    token: shared token required on every call (None: no authentication).
+  """
+  name, handlers = method_handlers(service)
+  paths = {f"/{name}/{method}": h for method, h in handlers.items()}
+  health_servicer = health.HealthServicer()
+  collected = _Handlers()
+  health_pb2_grpc.add_HealthServicer_to_server(health_servicer, collected)
+  paths |= {f"/{collected.service_name}/{m}": h for m, h in collected.handlers.items()}
+  interceptors = [auth.TokenInterceptor(token, service.count_refusal)] if token else []
+  server = in_process.InProcessServer(paths, interceptors=interceptors)
+  service.start()
+  for health_name in ("", SERVICE_NAME):
+    health_servicer.set(health_name, health_pb2.HealthCheckResponse.SERVING)
+  return InProcessSyncer(server=server, service=service)
