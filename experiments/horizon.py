@@ -13,6 +13,9 @@ only 4 outer rounds per fragment. This study asks two questions on the dense tex
 3. **Model size:** data-parallel and synchronous DiLoCo with the "small" model (14M parameters,
    `runs/sim_small.gin` with sim_tiny's data sizes) at the sweep's horizons (seed 0): does the gap
    shrink with the model?
+4. **One replica:** synchronous DiLoCo with M = 1 (one learner with the whole global batch, on
+   data-parallel's 4 devices, with the outer optimizer every H steps) at R = 8 and 32 (seed 0):
+   what the outer optimizer alone costs or gains, apart from splitting the batch over M replicas.
 
 Runs are ordered so that an interrupted study keeps whole rows: the sweep first (seed 0), then
 each horizon for every seed, shortest first. Writes docs/results/horizon.{md,png,json} and prints
@@ -65,6 +68,10 @@ SMALL = (
 )
 
 
+# DiLoCo with one learner holding the whole global batch on data-parallel's devices.
+ONE_REPLICA = ("LEARNERS = 1", "BATCH = 32", "ClusterConfig.devices_per_learner = 4")
+
+
 def make_system(method: str, rounds: int, *bindings: str, model: str = "tiny") -> study.System:
   """`method` at `rounds` outer rounds per fragment, with extra `bindings` (named in the row)."""
   if rounds < 1:
@@ -106,6 +113,8 @@ def plan_for(seeds: list[int], horizons: list[int], tier: str) -> list:
       for seed in seeds:
         plan += [(make_system(method, rounds), [seed]) for method in METHODS]
   if tier in ("size", "all"):
+    for rounds in (8, max(horizons)):
+      plan.append((make_system("DiLoCo", rounds, *ONE_REPLICA), seeds[:1]))
     for rounds in sorted(int(r) for r in _SIZE_HORIZONS.value):
       for method in ("data-parallel", "DiLoCo"):
         plan.append((make_system(method, rounds, model="small"), seeds[:1]))
@@ -222,6 +231,14 @@ def report(store: study.ResultStore, seeds: list[int], horizons: list[int]) -> N
         runs = store.runs(make_system(method, rounds), seeds)
         if runs:
           curves[f"{method} (R = {rounds})"] = runs
+  replica_rows = []
+  for rounds in (8, max(horizons)):
+    dp = _losses(store, make_system("data-parallel", rounds), seeds[:1])
+    m1 = _losses(store, make_system("DiLoCo", rounds, *ONE_REPLICA), seeds[:1])
+    m4 = _losses(store, make_system("DiLoCo", rounds), seeds[:1])
+    replica_rows.append(
+      [rounds, _cell(dp), _cell(m1), _gap(m1, dp), _cell(m4), _gap(m4, dp), _gap(m4, m1)]
+    )
   size_rows = []
   for rounds in sorted(int(r) for r in _SIZE_HORIZONS.value):
     cells = [rounds]
@@ -237,6 +254,24 @@ def report(store: study.ResultStore, seeds: list[int], horizons: list[int]) -> N
     study.markdown_table(headers, rows),
     "",
     f"![gap against rounds]({STUDY}.png)",
+    "",
+    f"## One replica against four (synchronous DiLoCo, 0.7 / 0.9, seed {seeds[0]})",
+    "",
+    "M = 1: one learner with the global batch (32 sequences) on data-parallel's devices, the outer",
+    "optimizer every H = 24 steps; M = 4: the run file's four learners of 8 sequences each.",
+    "",
+    study.markdown_table(
+      [
+        "R",
+        "data-parallel",
+        "DiLoCo M = 1",
+        "M = 1 vs data-parallel",
+        "DiLoCo M = 4",
+        "M = 4 vs data-parallel",
+        "M = 4 vs M = 1",
+      ],
+      replica_rows,
+    ),
     "",
     f"## Gap against the model size (synchronous DiLoCo, 0.7 / 0.9, seed {seeds[0]})",
     "",

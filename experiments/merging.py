@@ -21,6 +21,7 @@ from absl import app, flags
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from ddiloco.fragments.compression import CODECS
 from ddiloco.simulation import study
 
 _OUT = flags.DEFINE_string("out", "docs/results", "folder for the table, plot and per-seed JSON")
@@ -35,7 +36,6 @@ GIN = ("studies/merging.gin",)
 GLOBAL_BATCH = 32
 FLEETS = (4, 8, 16)
 METHODS = ("rda", "mean")
-CODECS = ("fp32", "bf16", "int8", "int4")
 
 
 def merge_system(m: int, method: str) -> study.System:

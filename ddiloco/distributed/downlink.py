@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from ddiloco.fragments import compression
 from ddiloco.transport import messages, wire
 
 
@@ -21,8 +22,8 @@ class DownlinkAdopter:
   """
 
   def __init__(self, codec: str, *, block_size: int, chunk_size: int):
-    if codec == "fp32":
-      raise ValueError("fp32 needs no adoption: the syncer sends exact full values.")
+    if compression.codec_class(codec).exact:
+      raise ValueError(f"{codec} needs no adoption: the syncer sends exact full values.")
     self._codec, self._block, self._chunk = codec, block_size, chunk_size
     self._staged: dict[int, list[bytes]] = {}
     self._cache: dict[int, tuple[int, list[bytes]]] = {}  # p -> (version, serialized chunks).

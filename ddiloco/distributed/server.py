@@ -27,6 +27,7 @@ from ddiloco.distributed import door
 from ddiloco.distributed.downlink import DownlinkAdopter
 from ddiloco.distributed.service import SERVICE_NAME, SyncerService
 from ddiloco.distributed.service_config import ServiceConfig
+from ddiloco.fragments import compression
 from ddiloco.syncer.core import MergeEvent, SyncerCore
 from ddiloco.transport import auth, in_process
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
@@ -75,7 +76,7 @@ def make_syncer(
 ) -> SyncerService:
   """A SyncerCore and its SyncerService wired together (adoption for a lossy downlink codec)."""
   adopter = None
-  if service_config.downlink_codec != "fp32":
+  if not compression.codec_class(service_config.downlink_codec).exact:
     adopter = DownlinkAdopter(
       service_config.downlink_codec,
       block_size=service_config.block_size,

@@ -7,10 +7,12 @@ from ddiloco.fragments.compression import (
   CODECS,
   Codec,
   Encoded,
+  codec_class,
   decode_fragment,
   encode_fragment,
   fragment_wire_bytes,
   get_codec,
+  register,
 )
 from ddiloco.fragments.digest import values_digest
 from ddiloco.fragments.layout import STRATEGIES, FragmentLayout, make_layout, parse_key
@@ -24,6 +26,7 @@ __all__ = [
   "Encoded",
   "FragmentLayout",
   "FragmentSchedule",
+  "codec_class",
   "decode_fragment",
   "encode_fragment",
   "flatten",
@@ -32,6 +35,7 @@ __all__ = [
   "make_layout",
   "parse_key",
   "path_str",
+  "register",
   "unflatten",
   "values_digest",
 ]

@@ -23,18 +23,15 @@ Decisions (docs/algorithm.md §5):
 
 import dataclasses
 from collections.abc import Iterator, Mapping
+from typing import ClassVar
 
 import ml_dtypes
 import numpy as np
 
-CODECS = ("fp32", "bf16", "int8", "int4")
-_QMAX = {"int8": 127, "int4": 7}
 F32 = np.dtype("<f4")  # Little-endian float32: payloads and scales on the wire.
 # Values per run (256 KiB of float32): big enough to amortize numpy's per-call cost, small enough
 # that a run and its temporaries stay in L2 while it is delta'd, checked and encoded.
 RUN_VALUES = 1 << 16
-# Bytes per indivisible piece of payload: one value, or for int4 one byte holding two values.
-_UNIT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1, "int4": 1}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,48 +75,54 @@ def _as_f32(x: np.ndarray) -> np.ndarray:
   return x if x.dtype == np.float32 else x.astype(np.float32)
 
 
+def _check_len(what: str, data: bytes | memoryview | np.ndarray, expected: int) -> None:
+  nbytes = memoryview(data).nbytes
+  if nbytes != expected:
+    raise ValueError(f"{what} has {nbytes} bytes, expected {expected}.")
+
+
+_REGISTRY: dict[str, type["Codec"]] = {}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Codec:
-  """A wire codec.
+  """A wire codec: one subclass per codec, registered under its name and its wire id.
+
+  Class attributes (a subclass sets them; `register` checks them):
+    name: the codec's name in configs, headers and logs.
+    wire_id: the byte that names it in the fragment wire format (transport/wire.py); stable
+      forever: a new codec takes a new id.
+    exact: whether decoding gives back the encoded float32 values bit for bit.
+    quantized: whether it has block scales (then `block_size` applies and goes on the wire).
+    unit_bytes: bytes of the smallest self-contained piece of payload.
+    values_per_unit: values in such a piece (int4: a byte holds two).
 
   Attributes:
-    name: one of "fp32", "bf16", "int8", "int4".
-    block_size: values per absmax scale for int8/int4 (ignored by fp32/bf16).
+    block_size: values per absmax scale (quantized codecs; others ignore it).
   """
 
-  name: str
+  name: ClassVar[str]
+  wire_id: ClassVar[int]
+  exact: ClassVar[bool] = False
+  quantized: ClassVar[bool] = False
+  unit_bytes: ClassVar[int] = 1
+  values_per_unit: ClassVar[int] = 1
+
   block_size: int = 64
 
   def __post_init__(self):
-    if self.name not in CODECS:
-      raise ValueError(f"Unknown codec {self.name!r}; expected one of {CODECS}.")
+    if type(self) is Codec:
+      raise TypeError("Codec is abstract: use get_codec(name) or a codec class.")
     if self.block_size < 1:
       raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
 
-  @property
-  def quantized(self) -> bool:
-    """Whether this codec uses block scales (int8/int4)."""
-    return self.name in _QMAX
-
-  @property
-  def unit_bytes(self) -> int:
-    """Bytes of the smallest self-contained piece of payload (a value; for int4 a value pair)."""
-    return _UNIT_BYTES[self.name]
-
   def nbytes(self, n: int) -> tuple[int, int]:
     """(payload, scales) bytes this codec makes of n values."""
-    if self.name == "fp32":
-      return 4 * n, 0
-    if self.name == "bf16":
-      return 2 * n, 0
-    blocks = -(-n // self.block_size)
-    return (n if self.name == "int8" else -(-n // 2)), 4 * blocks
+    return -(-n // self.values_per_unit) * self.unit_bytes, 0
 
   def run_values(self, nbytes: int, left: int) -> int:
     """Values held by `nbytes` of whole-unit payload when `left` values remain (int4 padding)."""
-    if self.name == "int4":
-      return min(2 * nbytes, left)
-    return nbytes // self.unit_bytes
+    return min(nbytes // self.unit_bytes * self.values_per_unit, left)
 
   def encode(self, x: np.ndarray) -> Encoded:
     """Encodes an array (any float dtype, numpy or jax).
@@ -143,6 +146,10 @@ class Codec:
       scales=scales.tobytes(),
       block_size=self.block_size if self.quantized else 0,
     )
+
+  def _run_length(self) -> int:
+    """Values per encoded run: whole units (no int4 byte spans two runs)."""
+    return self.values_per_unit * max(1, RUN_VALUES // self.values_per_unit)
 
   def encode_runs(
     self, x: np.ndarray, *, base: np.ndarray | None = None
@@ -171,12 +178,8 @@ class Codec:
         raise ValueError(f"base shape {base_arr.shape} != values shape {np.shape(x)}.")
       base_flat = np.ravel(base_arr)
     n = flat.size
-    run = RUN_VALUES
-    if self.quantized:
-      run = self.block_size * max(1, RUN_VALUES // self.block_size)
-      run *= 2 if run % 2 and self.name == "int4" else 1  # Whole bytes: no nibble spans runs.
+    run = self._run_length()
     scratch, finite = np.empty(min(run, n), F32), np.empty(min(run, n), bool)
-    no_scales = np.empty(0, F32)
     for start in range(0, n, run):
       stop = min(start + run, n)
       x32 = scratch[: stop - start]
@@ -187,15 +190,11 @@ class Codec:
           np.subtract(_as_f32(flat[start:stop]), _as_f32(base_flat[start:stop]), out=x32)
       if not np.isfinite(x32, out=finite[: stop - start]).all():
         raise _non_finite_error(self._count_non_finite(flat, base_flat))
-      if self.name == "fp32":
-        yield x32.view(np.uint8), no_scales
-      elif self.name == "bf16":
-        xb = x32.astype(ml_dtypes.bfloat16)
-        if not np.isfinite(xb).all():
-          raise ValueError("Values overflow bfloat16 (|x| > 3.39e38).")
-        yield xb.view(np.uint16).astype("<u2", copy=False).view(np.uint8), no_scales
-      else:
-        yield self._quantize_run(x32)
+      yield self.encode_run(x32)
+
+  def encode_run(self, x32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(payload bytes as uint8, float32 scales) of a run of finite float32 values."""
+    raise NotImplementedError
 
   @staticmethod
   def _count_non_finite(flat: np.ndarray, base_flat: np.ndarray | None) -> int:
@@ -204,19 +203,140 @@ class Codec:
       x32 = _as_f32(flat) if base_flat is None else _as_f32(flat) - _as_f32(base_flat)
     return int(np.count_nonzero(~np.isfinite(x32)))
 
-  def _quantize_run(self, x32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(payload bytes, float32 scales) of whole blocks of float32 values (the last may be partial)."""
-    q, scales = self._quantize(x32)
-    if self.name == "int8":
-      return q.astype(np.int8).view(np.uint8), scales
-    codes = (q + 8).astype(np.uint8)
-    if codes.size % 2:
-      codes = np.append(codes, np.uint8(8))
-    return (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8), scales
+  def decode(self, enc: Encoded) -> np.ndarray:
+    """Decodes to a float32 array of the original shape; bit-identical in every process.
+
+    Raises:
+      ValueError: if `enc` was made by another codec/block size, or its bytes are malformed.
+    """
+    if enc.codec != self.name:
+      raise ValueError(f"Encoded with {enc.codec!r}, cannot decode with {self.name!r}.")
+    if self.quantized and enc.block_size != self.block_size:
+      raise ValueError(f"Encoded with block_size {enc.block_size}, codec has {self.block_size}.")
+    n = enc.size
+    _check_len("payload", enc.payload, self.nbytes(n)[0])
+    out = self.decode_run(enc.payload, 0, n, self.checked_scales(enc.scales, n))
+    # A decoded run may be a view of the payload (fp32); the caller gets an array of its own.
+    return (out.copy() if out.base is not None else out).reshape(enc.shape)
+
+  def checked_scales(self, scales: bytes | memoryview, n: int) -> np.ndarray:
+    """The float32 scales of an n-value array, checked (empty for fp32/bf16).
+
+    Raises:
+      ValueError: on a wrong length, or scales that are NaN/Inf or negative.
+    """
+    _check_len("scales", scales, self.nbytes(n)[1])
+    out = np.frombuffer(scales, F32).astype(np.float32)
+    if not (np.isfinite(out).all() and (out >= 0).all()):
+      raise ValueError("Scales must be finite and non-negative.")
+    return out
+
+  def decode_run(
+    self, payload: bytes | memoryview | np.ndarray, start: int, n: int, scales: np.ndarray
+  ) -> np.ndarray:
+    """Decodes the values that `payload`, a whole number of units, holds from value `start` on.
+
+    Args:
+      payload: bytes of whole units (`unit_bytes`) of an array's payload, beginning at value
+        `start` (a multiple of `values_per_unit`).
+      start: index of the first value in the flattened array.
+      n: number of values of the whole array (int4: a trailing nibble past n is padding).
+      scales: the array's `checked_scales`; indexed from value `start`'s block.
+
+    Returns:
+      Float32 values, flat; possibly a view of `payload` (fp32: copy it to keep it).
+
+    Raises:
+      ValueError: on a length that does not hold whole values, or malformed codes or padding.
+    """
+    raise NotImplementedError
+
+  def roundtrip(self, x: np.ndarray) -> np.ndarray:
+    """Returns decode(encode(x)): the value the receiver will hold (docs/algorithm.md §5 "adopt the dequantized")."""
+    return self.decode(self.encode(x))
+
+
+def register(cls: type[Codec]) -> type[Codec]:
+  """Class decorator: adds a codec to the registry (`get_codec`, `CODECS`, wire ids).
+
+  Raises:
+    ValueError: if it lacks a name or wire id, either is taken, or the id does not fit the wire's
+      byte.
+  """
+  name, wire_id = getattr(cls, "name", None), getattr(cls, "wire_id", None)
+  if not isinstance(name, str) or not name or not isinstance(wire_id, int):
+    raise ValueError(f"Codec class {cls.__name__} needs a `name` (str) and a `wire_id` (int).")
+  if not 0 <= cls.wire_id <= 255:
+    raise ValueError(f"Codec {cls.name!r}: wire_id must fit a byte, got {cls.wire_id}.")
+  for other in _REGISTRY.values():
+    if other.name == cls.name or other.wire_id == cls.wire_id:
+      raise ValueError(f"Codec {cls.name!r} (wire id {cls.wire_id}) clashes with {other.name!r}.")
+  _REGISTRY[cls.name] = cls
+  return cls
+
+
+@register
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fp32(Codec):
+  """Float32 values as they are: exact."""
+
+  name: ClassVar[str] = "fp32"
+  wire_id: ClassVar[int] = 0
+  exact: ClassVar[bool] = True
+  unit_bytes: ClassVar[int] = 4
+
+  def encode_run(self, x32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return x32.view(np.uint8), _NO_SCALES
+
+  def decode_run(self, payload, start, n, scales) -> np.ndarray:
+    del start, n, scales
+    nbytes = memoryview(payload).nbytes
+    _check_len("payload run", payload, 4 * (nbytes // 4))
+    return np.frombuffer(payload, F32).astype(np.float32, copy=False)
+
+
+@register
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Bf16(Codec):
+  """bfloat16, round to nearest even: 8 bits of mantissa, float32's range."""
+
+  name: ClassVar[str] = "bf16"
+  wire_id: ClassVar[int] = 1
+  unit_bytes: ClassVar[int] = 2
+
+  def encode_run(self, x32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    xb = x32.astype(ml_dtypes.bfloat16)
+    if not np.isfinite(xb).all():
+      raise ValueError("Values overflow bfloat16 (|x| > 3.39e38).")
+    return xb.view(np.uint16).astype("<u2", copy=False).view(np.uint8), _NO_SCALES
+
+  def decode_run(self, payload, start, n, scales) -> np.ndarray:
+    del start, n, scales
+    nbytes = memoryview(payload).nbytes
+    _check_len("payload run", payload, 2 * (nbytes // 2))
+    bits = np.frombuffer(payload, "<u2").astype(np.uint16, copy=False)
+    return bits.view(ml_dtypes.bfloat16).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _BlockQuantized(Codec):
+  """Symmetric integers with one float32 absmax scale per block of `block_size` values."""
+
+  qmax: ClassVar[int]
+  quantized: ClassVar[bool] = True
+
+  def nbytes(self, n: int) -> tuple[int, int]:
+    payload, _ = super().nbytes(n)
+    return payload, 4 * -(-n // self.block_size)
+
+  def _run_length(self) -> int:
+    # Whole blocks, and whole units: the bytes are those of a single-shot encoding.
+    run = self.block_size * max(1, RUN_VALUES // self.block_size)
+    return run * self.values_per_unit if run % self.values_per_unit else run
 
   def _quantize(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Returns (q as int16 in [-qmax, qmax], float32 scales) for a flat float32 array."""
-    qmax = _QMAX[self.name]
+    qmax = self.qmax
     n, bs = flat.size, self.block_size
     num_blocks = -(-n // bs)
     blocks = flat
@@ -230,79 +350,8 @@ class Codec:
     q = np.clip(np.rint(blocks / safe[:, None]), -qmax, qmax).astype(np.int16)
     return q.ravel()[:n], scales
 
-  def decode(self, enc: Encoded) -> np.ndarray:
-    """Decodes to a float32 array of the original shape; bit-identical in every process.
-
-    Raises:
-      ValueError: if `enc` was made by another codec/block size, or its bytes are malformed.
-    """
-    if enc.codec != self.name:
-      raise ValueError(f"Encoded with {enc.codec!r}, cannot decode with {self.name!r}.")
-    if self.quantized and enc.block_size != self.block_size:
-      raise ValueError(f"Encoded with block_size {enc.block_size}, codec has {self.block_size}.")
-    n = enc.size
-    self._check_len("payload", enc.payload, self.nbytes(n)[0])
-    out = self.decode_run(enc.payload, 0, n, self.checked_scales(enc.scales, n))
-    # fp32 decodes to a view of the payload; the caller gets an array of its own.
-    return (out.copy() if self.name == "fp32" else out).reshape(enc.shape)
-
-  def checked_scales(self, scales: bytes | memoryview, n: int) -> np.ndarray:
-    """The float32 scales of an n-value array, checked (empty for fp32/bf16).
-
-    Raises:
-      ValueError: on a wrong length, or scales that are NaN/Inf or negative.
-    """
-    self._check_len("scales", scales, self.nbytes(n)[1])
-    out = np.frombuffer(scales, F32).astype(np.float32)
-    if not (np.isfinite(out).all() and (out >= 0).all()):
-      raise ValueError("Scales must be finite and non-negative.")
-    return out
-
-  def decode_run(
-    self, payload: bytes | memoryview | np.ndarray, start: int, n: int, scales: np.ndarray
-  ) -> np.ndarray:
-    """Decodes the values that `payload`, a whole number of units, holds from value `start` on.
-
-    Args:
-      payload: bytes of whole units (`unit_bytes`) of an array's payload, beginning at value
-        `start` (even for int4).
-      start: index of the first value in the flattened array.
-      n: number of values of the whole array (int4: a trailing nibble past n is padding).
-      scales: the array's `checked_scales`; indexed from value `start`'s block.
-
-    Returns:
-      Float32 values, flat; for fp32 a view of `payload` (copy it to keep it).
-
-    Raises:
-      ValueError: on a length that does not hold whole values, or malformed codes or padding.
-    """
-    nbytes = memoryview(payload).nbytes
-    if self.name == "fp32":
-      self._check_len("payload run", payload, 4 * (nbytes // 4))
-      return np.frombuffer(payload, F32).astype(np.float32, copy=False)
-    if self.name == "bf16":
-      self._check_len("payload run", payload, 2 * (nbytes // 2))
-      bits = np.frombuffer(payload, "<u2").astype(np.uint16, copy=False)
-      return bits.view(ml_dtypes.bfloat16).astype(np.float32)
-    qmax = _QMAX[self.name]
-    if self.name == "int8":
-      q = np.frombuffer(payload, np.int8)
-      if (q == -128).any():  # The only int8 outside [-127, 127].
-        raise ValueError(f"{self.name} payload has values outside [-{qmax}, {qmax}].")
-      values = q.astype(np.float32)
-    else:
-      packed = np.frombuffer(payload, np.uint8)
-      codes = np.empty(2 * packed.size, np.uint8)
-      codes[0::2], codes[1::2] = packed & 0x0F, packed >> 4
-      count = self.run_values(packed.size, n - start)
-      if codes.size - count > 1:
-        raise ValueError(f"payload run of {packed.size} bytes is past value {n} of the array.")
-      if codes.size > count and codes[count] != 8:
-        raise ValueError("int4 padding nibble must be 8.")
-      codes = codes[:count]
-      if (codes == 0).any():  # Code 0 is q = -8, the only 4-bit value outside [-7, 7].
-        raise ValueError(f"{self.name} payload has values outside [-{qmax}, {qmax}].")
-      values = codes.astype(np.float32) - np.float32(8)
+  def _scaled(self, values: np.ndarray, start: int, scales: np.ndarray) -> np.ndarray:
+    """q · s for the run's integer values from value `start` on."""
     bs = self.block_size
     first = start // bs
     per_value = np.repeat(scales[first : -(-(start + values.size) // bs)], bs)
@@ -312,15 +361,90 @@ class Codec:
     with np.errstate(over="ignore"):  # q · s beyond float32 is Inf; the receiver refuses it.
       return values * per_value
 
-  @staticmethod
-  def _check_len(what: str, data: bytes | memoryview | np.ndarray, expected: int) -> None:
-    nbytes = memoryview(data).nbytes
-    if nbytes != expected:
-      raise ValueError(f"{what} has {nbytes} bytes, expected {expected}.")
+  def _out_of_range(self) -> ValueError:
+    return ValueError(f"{self.name} payload has values outside [-{self.qmax}, {self.qmax}].")
 
-  def roundtrip(self, x: np.ndarray) -> np.ndarray:
-    """Returns decode(encode(x)): the value the receiver will hold (docs/algorithm.md §5 "adopt the dequantized")."""
-    return self.decode(self.encode(x))
+
+@register
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Int8(_BlockQuantized):
+  """int8 in [-127, 127] per value, a float32 scale per block."""
+
+  name: ClassVar[str] = "int8"
+  wire_id: ClassVar[int] = 2
+  qmax: ClassVar[int] = 127
+
+  def encode_run(self, x32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    q, scales = self._quantize(x32)
+    return q.astype(np.int8).view(np.uint8), scales
+
+  def decode_run(self, payload, start, n, scales) -> np.ndarray:
+    del n
+    q = np.frombuffer(payload, np.int8)
+    if (q == -128).any():  # The only int8 outside [-127, 127].
+      raise self._out_of_range()
+    return self._scaled(q.astype(np.float32), start, scales)
+
+
+@register
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Int4(_BlockQuantized):
+  """4-bit integers in [-7, 7], two per byte, a float32 scale per block."""
+
+  name: ClassVar[str] = "int4"
+  wire_id: ClassVar[int] = 3
+  qmax: ClassVar[int] = 7
+  values_per_unit: ClassVar[int] = 2
+
+  def encode_run(self, x32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    q, scales = self._quantize(x32)
+    codes = (q + 8).astype(np.uint8)
+    if codes.size % 2:
+      codes = np.append(codes, np.uint8(8))
+    return (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8), scales
+
+  def decode_run(self, payload, start, n, scales) -> np.ndarray:
+    packed = np.frombuffer(payload, np.uint8)
+    codes = np.empty(2 * packed.size, np.uint8)
+    codes[0::2], codes[1::2] = packed & 0x0F, packed >> 4
+    count = self.run_values(packed.size, n - start)
+    if codes.size - count > 1:
+      raise ValueError(f"payload run of {packed.size} bytes is past value {n} of the array.")
+    if codes.size > count and codes[count] != 8:
+      raise ValueError("int4 padding nibble must be 8.")
+    codes = codes[:count]
+    if (codes == 0).any():  # Code 0 is q = -8, the only 4-bit value outside [-7, 7].
+      raise self._out_of_range()
+    return self._scaled(codes.astype(np.float32) - np.float32(8), start, scales)
+
+
+_NO_SCALES = np.empty(0, F32)
+# The registered codecs' names, in wire-id order.
+CODECS = tuple(c.name for c in sorted(_REGISTRY.values(), key=lambda c: c.wire_id))
+
+
+def codec_class(name: str) -> type[Codec]:
+  """The registered codec class called `name`.
+
+  Raises:
+    ValueError: on an unknown name.
+  """
+  try:
+    return _REGISTRY[name]
+  except KeyError:
+    raise ValueError(f"Unknown codec {name!r}; expected one of {CODECS}.") from None
+
+
+def codec_by_wire_id(wire_id: int) -> type[Codec]:
+  """The registered codec class whose wire id is `wire_id`.
+
+  Raises:
+    ValueError: on an unknown id.
+  """
+  for cls in _REGISTRY.values():
+    if cls.wire_id == wire_id:
+      return cls
+  raise ValueError(f"Unknown codec id {wire_id}; the registered ids are 0..{len(CODECS) - 1}.")
 
 
 class RunDecoder:
@@ -352,7 +476,7 @@ class RunDecoder:
     """
     self._codec, self._out, self._base = codec, out, base
     self._scales = np.empty(0, np.float32) if scales is None else scales
-    self._max_run = RUN_VALUES * codec.unit_bytes // (2 if codec.name == "int4" else 1)
+    self._max_run = RUN_VALUES * codec.unit_bytes // codec.values_per_unit
     self._finite = np.empty(min(out.size, RUN_VALUES), bool) if check else None
     self._aligned: memoryview | None = None
     self._carry = b""
@@ -414,12 +538,12 @@ class RunDecoder:
 
 
 def get_codec(name: str, block_size: int = 64) -> Codec:
-  """Returns the codec `name` ("fp32", "bf16", "int8", "int4").
+  """Returns the codec `name` (one of `CODECS`: "fp32", "bf16", "int8", "int4").
 
   Raises:
     ValueError: on an unknown name or block_size < 1.
   """
-  return Codec(name=name, block_size=block_size)
+  return codec_class(name)(block_size=block_size)
 
 
 def encode_fragment(values: Mapping[str, np.ndarray], codec: Codec | str) -> dict[str, Encoded]:

@@ -14,10 +14,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from ddiloco.fragments.compression import CODECS
 from ddiloco.simulation import study
 
 STUDY = "compression"
-CODECS = ("fp32", "bf16", "int8", "int4")  # The wire codecs of docs/algorithm.md §5.
 HEADLINE = ("bf16", "int4")
 EXTRA = ("fp32", "int8")
 # The bindings of session 4's single-seed run: sim_small's model and fleet, 96 steps of 4 x 64.

@@ -441,7 +441,7 @@ def _state_encoder(
     raise ValueError(f"base is fragment {base.fragment}, state is fragment {state.fragment}.")
   base_values = None if base is None else base.values
   encoder = wire.FragmentEncoder(state.values, codec, block_size=block_size, base=base_values)
-  exact = codec == "fp32" and base is None
+  exact = compression.codec_class(codec).exact and base is None
   exact = exact and all(np.asarray(v).dtype.itemsize <= 4 for v in state.values.values())
   if exact:
     return encoder, state.digest

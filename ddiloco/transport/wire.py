@@ -5,7 +5,7 @@ Pure functions, no gRPC: `messages` wraps them into Push/Pull chunk streams (doc
 
 Fragment format (version 1), all integers little-endian, never pickle:
   file:  magic b"DDWF" | u16 format version | u32 number of entries | entries, sorted by key
-  entry: u16 key length | key (UTF-8) | u8 codec index in CODECS | u8 dtype-name length |
+  entry: u16 key length | key (UTF-8) | u8 codec wire id (`Codec.wire_id`) | u8 dtype-name length |
          dtype name (ASCII) | u8 ndim | u64 × ndim dims | u32 block size | u64 payload length |
          u64 scales length | payload | scales
 
@@ -110,7 +110,7 @@ def _entry_head(key: str, shape: tuple[int, ...], dtype: str, codec: compression
     [
       _U16.pack(len(kb)),
       kb,
-      _U8.pack(compression.CODECS.index(codec.name)),
+      _U8.pack(codec.wire_id),
       _U8.pack(len(db)),
       db,
       _U8.pack(len(shape)),
@@ -407,10 +407,12 @@ class FragmentReader:
     if key not in self._layout:
       raise WireError(f"Unknown key {key!r}: not in this fragment's layout.")
     shape, dtype = self._layout[key]
-    (codec_idx,) = yield from self._unpack(_U8, f"{key!r} codec")
-    if codec_idx >= len(compression.CODECS):
-      raise WireError(f"{key!r}: unknown codec index {codec_idx}.")
-    codec = compression.CODECS[codec_idx]
+    (codec_id,) = yield from self._unpack(_U8, f"{key!r} codec")
+    try:
+      codec_cls = compression.codec_by_wire_id(codec_id)
+    except ValueError:
+      raise WireError(f"{key!r}: unknown codec id {codec_id}.") from None
+    codec = codec_cls.name
     if self._codec_name is not None and codec != self._codec_name:
       raise WireError(f"{key!r}: encoded with {codec!r}, the header says {self._codec_name!r}.")
     (dlen,) = yield from self._unpack(_U8, f"{key!r} dtype length")
@@ -422,11 +424,11 @@ class FragmentReader:
     if got_shape != shape:
       raise WireError(f"{key!r}: shape {got_shape}, expected {shape}.")
     block_size, payload_len, scales_len = yield from self._unpack(_ENTRY_TAIL, f"{key!r} lengths")
-    if codec in ("int8", "int4") and not 1 <= block_size <= MAX_BLOCK_SIZE:
+    if codec_cls.quantized and not 1 <= block_size <= MAX_BLOCK_SIZE:
       raise WireError(f"{key!r}: block size {block_size} outside [1, {MAX_BLOCK_SIZE}].")
-    if codec in ("fp32", "bf16") and block_size != 0:
+    if not codec_cls.quantized and block_size != 0:
       raise WireError(f"{key!r}: {codec} entries must have block size 0, got {block_size}.")
-    c = compression.get_codec(codec, block_size or 64)
+    c = codec_cls(block_size=block_size or 64)
     want_payload, want_scales = c.nbytes(math.prod(shape))
     if (payload_len, scales_len) != (want_payload, want_scales):
       raise WireError(

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from ddiloco.fragments.compression import (
-  Codec,
   Encoded,
+  Int4,
   decode_fragment,
   encode_fragment,
   fragment_wire_bytes,
@@ -180,7 +180,7 @@ def test_codec_validation():
     get_codec("int2")
   with pytest.raises(ValueError, match="block_size must be >= 1"):
     get_codec("int8", 0)
-  assert get_codec("int4", 128) == Codec(name="int4", block_size=128)
+  assert get_codec("int4", 128) == Int4(block_size=128)
 
 
 def test_fragment_round_trip_and_jax_input():
