@@ -309,17 +309,13 @@ class InProcessChannel:
 
     def call(request, timeout=None, metadata=None, **kwargs):
       del kwargs
-      handler, context = self._open(method, metadata, timeout)
-      try:
-        request = self._carry(request, request_serializer, handler.request_deserializer)
-        response = handler.unary_unary(request, context)
-        if context.expired():
-          raise InProcessRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-        return self._carry(response, handler.response_serializer, response_deserializer)
-      except BaseException as e:
-        raise _error(e) from None
-      finally:
-        context.finish()
+
+      def invoke(handler, context):
+        return handler.unary_unary(
+          self._carry(request, request_serializer, handler.request_deserializer), context
+        )
+
+      return self._answer(method, metadata, timeout, response_deserializer, invoke)
 
     return call
 
@@ -328,21 +324,29 @@ class InProcessChannel:
 
     def call(request_iterator, timeout=None, metadata=None, **kwargs):
       del kwargs
-      handler, context = self._open(method, metadata, timeout)
-      try:
+
+      def invoke(handler, context):
         requests = self._stream(
           request_iterator, request_serializer, handler.request_deserializer, context
         )
-        response = handler.stream_unary(requests, context)
-        if context.expired():
-          raise InProcessRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-        return self._carry(response, handler.response_serializer, response_deserializer)
-      except BaseException as e:
-        raise _error(e) from None
-      finally:
-        context.finish()
+        return handler.stream_unary(requests, context)
+
+      return self._answer(method, metadata, timeout, response_deserializer, invoke)
 
     return call
+
+  def _answer(self, method: str, metadata, timeout, response_deserializer, invoke: Callable) -> Any:
+    """Runs a call with one response: `invoke(handler, context)`, then the response's bytes."""
+    handler, context = self._open(method, metadata, timeout)
+    try:
+      response = invoke(handler, context)
+      if context.expired():
+        raise InProcessRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+      return self._carry(response, handler.response_serializer, response_deserializer)
+    except BaseException as e:
+      raise _error(e) from None
+    finally:
+      context.finish()
 
   def unary_stream(self, method, request_serializer=None, response_deserializer=None, **kwargs):
     del kwargs
