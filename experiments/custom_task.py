@@ -210,7 +210,7 @@ def run(workdir: str, *, steps: int = 96, num_learners: int = 4) -> dict[str, An
       num_learners=num_learners, steps_per_learner=steps, eval_every_s=16.0
     ),
     schedule=ddiloco.FragmentSchedule(num_fragments=4, period=8, overlap=2),
-    syncer=ddiloco.SyncerConfig(min_quorum=1, overlap=2),
+    syncer=ddiloco.SyncerConfig(min_quorum=1),
     inner_opt=ddiloco.InnerOptConfig(peak_lr=1e-3, warmup_steps=8, decay_steps=steps),
     eval_batches=8,
     tensorboard=False,

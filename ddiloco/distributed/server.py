@@ -28,6 +28,7 @@ from ddiloco.distributed.downlink import DownlinkAdopter
 from ddiloco.distributed.service import SERVICE_NAME, SyncerService
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments import compression
+from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.syncer.core import MergeEvent, SyncerCore
 from ddiloco.transport import auth, in_process
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
@@ -69,12 +70,18 @@ def make_syncer(
   service_config: ServiceConfig,
   layout_digest: str,
   embedding_keys=(),
+  schedule: FragmentSchedule | None = None,
   clock: Callable[[], float] = time.monotonic,
   on_merge: Callable[[MergeEvent], None] | None = None,
   record: Callable[[MergeEvent], None] | None = None,
   on_recovery: Callable[[int, int, str], None] | None = None,
 ) -> SyncerService:
-  """A SyncerCore and its SyncerService wired together (adoption for a lossy downlink codec)."""
+  """A SyncerCore and its SyncerService wired together (adoption for a lossy downlink codec).
+
+  `schedule` is the run's fragment schedule (P, H, τ): the syncer's step clock opens each
+  fragment's rounds by it. None: `SyncerCore`'s default (P = H = the number of fragments, τ = 2),
+  for tests and benchmarks; a run passes its own (`JobConfig.the_schedule()`).
+  """
   adopter = None
   if not compression.codec_class(service_config.downlink_codec).exact:
     adopter = DownlinkAdopter(
@@ -89,6 +96,7 @@ def make_syncer(
     clock=clock,
     embedding_keys=embedding_keys,
     adopt=adopter,
+    schedule=schedule,
   )
   return SyncerService(
     core,

@@ -664,7 +664,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       uplink_codec=cfg.uplink_codec,
       downlink_codec=cfg.downlink_codec,
       block_size=cfg.block_size,
-      overlap=self._core.config.overlap,
+      overlap=self._core.schedule.overlap,
       max_chunk_bytes=cfg.max_chunk_bytes,
       heartbeat_interval_s=cfg.heartbeat_interval_s,
       session=session,

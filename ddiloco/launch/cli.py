@@ -145,6 +145,13 @@ def describe_config_error(error: BaseException) -> str:
   return " ".join(part for part in (message, hint, f"({where})" if where else "") if part)
 
 
+# Parameters that moved, with where they live now (a config written for an older version).
+_MOVED = {
+  ("SyncerConfig", "overlap"): "τ is set once, for learners and syncer alike: bind "
+  "FragmentSchedule.overlap instead.",
+}
+
+
 def _suggestion(message: str) -> str:
   """A "Did you mean" for gin's unknown configurable or parameter errors, or an empty string."""
   m = re.match(r"No configurable matching (?:reference )?'@?([^'()]+)", message)
@@ -152,6 +159,8 @@ def _suggestion(message: str) -> str:
     names = {sel.split(".")[-1] for sel, _ in _registry().items()}
     return gin_flags.did_you_mean(m.group(1).split(".")[-1], sorted(names))
   m = re.match(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", message)
+  if m and (m.group(1).split(".")[-1], m.group(2)) in _MOVED:
+    return _MOVED[(m.group(1).split(".")[-1], m.group(2))]
   if m:
     configurable = _registry().get_match(m.group(1))
     if configurable is None:

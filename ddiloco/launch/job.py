@@ -91,12 +91,6 @@ class JobConfig:
     if self.eval_every_s < 0 or self.log_every < 1:
       raise ValueError("eval_every_s must be >= 0 and log_every >= 1.")
     check_pacing(self.learner or LearnerConfig(), self.syncer or SyncerConfig())
-    overlap = self.the_schedule().overlap
-    if self.the_syncer().overlap != overlap:
-      raise ValueError(
-        f"SyncerConfig.overlap ({self.the_syncer().overlap}) must equal FragmentSchedule.overlap "
-        f"({overlap}): the grace window spends the slack that τ hides (docs/algorithm.md §4.2)."
-      )
 
   def the_schedule(self) -> FragmentSchedule:
     return self.schedule or FragmentSchedule(num_fragments=24, period=24, overlap=2)

@@ -72,6 +72,7 @@ class SyncerRun:
       service_config=job.the_service(),
       layout_digest=self.layout.digest,
       embedding_keys=self.factory.embedding_keys(),
+      schedule=job.the_schedule(),
       on_merge=self._on_merge,
       record=self._record,
       on_recovery=self._on_recovery,

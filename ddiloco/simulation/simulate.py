@@ -75,15 +75,10 @@ def simulate(
     evaluation's loss and the task's aux metric means (e.g. "accuracy" for vision).
 
   Raises:
-    ValueError: for inconsistent arguments (both or neither of task and model/data, τ mismatch).
+    ValueError: for inconsistent arguments (both or neither of task and model/data).
   """
   schedule = schedule or FragmentSchedule(num_fragments=24, period=24, overlap=2)
   syncer = syncer or SyncerConfig()
-  if syncer.overlap != schedule.overlap:
-    raise ValueError(
-      f"SyncerConfig.overlap ({syncer.overlap}) must equal FragmentSchedule.overlap "
-      f"({schedule.overlap}): the grace window spends the slack that τ hides (docs/algorithm.md §4.2)."
-    )
   if not sync and cluster.num_learners != 1:
     raise ValueError("The data-parallel baseline (sync=False) runs exactly one learner.")
   factory = LearnerFactory(

@@ -168,8 +168,9 @@ class SyncerCore(CheckpointMixin):
       adopt: maps (fragment, merged values, previous version's values) to the values published.
         A lossy downlink codec passes "what a learner holding the previous version decodes" here, so
         the syncer adopts the dequantized values and every copy stays bit-identical (docs/algorithm.md §5).
-      schedule: when each fragment is due on the syncer's step clock; its overlap must equal
-        `config.overlap`. Default: P = H = the number of fragments (at least τ + 1).
+      schedule: when each fragment is due on the syncer's step clock, and τ (the overlap the grace
+        window spends): the run's one `FragmentSchedule`, which the learners follow too.
+        Default: P = H = the number of fragments (at least 3), τ = 2.
 
     Raises:
       ValueError: if fragments are empty or overlap, keys and init_values disagree, a value is not
@@ -188,13 +189,10 @@ class SyncerCore(CheckpointMixin):
     self._config = config
     if schedule is None:
       num = len(self._keys)
-      schedule = FragmentSchedule(
-        num_fragments=num, period=max(num, config.overlap + 1), overlap=config.overlap
-      )
-    if schedule.num_fragments != len(self._keys) or schedule.overlap != config.overlap:
+      schedule = FragmentSchedule(num_fragments=num, period=max(num, 3), overlap=2)
+    if schedule.num_fragments != len(self._keys):
       raise ValueError(
-        f"The schedule (P={schedule.num_fragments}, τ={schedule.overlap}) does not fit this syncer "
-        f"(P={len(self._keys)}, τ={config.overlap})."
+        f"The schedule has P={schedule.num_fragments} fragments, this syncer {len(self._keys)}."
       )
     self._schedule = schedule
     self._clock = clock
@@ -207,7 +205,7 @@ class SyncerCore(CheckpointMixin):
     self._grace = GraceModel(
       gamma=config.grace_gamma,
       grace_max_s=config.grace_max_s,
-      overlap=config.overlap,
+      overlap=schedule.overlap,
       decay=config.ema_decay,
       spread_cover=config.grace_spread,
     )

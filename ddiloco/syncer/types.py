@@ -89,7 +89,6 @@ class SyncerConfig:
     grace_max_s: upper bound of the window, seconds.
     grace_spread: let the window cover the observed spread of the answers, up to the whole slack
       (syncer/grace.py); False: γ · slack alone.
-    overlap: τ in steps; only the grace model uses it here.
     ema_decay: decay of the ξ EMAs.
     merge_method: "rda" (default) or "mean" for non-embedding tensors (docs/algorithm.md §4.5).
     clock: how the syncer's step clock advances. "fleet_rate" (default): at the median step rate
@@ -116,7 +115,6 @@ class SyncerConfig:
   grace_gamma: float = 0.8
   grace_max_s: float = 10.0
   grace_spread: bool = True
-  overlap: int = 2
   ema_decay: float = 0.8
   merge_method: str = "rda"
   clock: str = "fleet_rate"
@@ -135,8 +133,6 @@ class SyncerConfig:
       raise ValueError(f"grace_gamma must be in [0, 1], got {self.grace_gamma}.")
     if not math.isfinite(self.grace_max_s) or self.grace_max_s < 0:
       raise ValueError(f"grace_max_s must be finite and >= 0, got {self.grace_max_s}.")
-    if self.overlap < 0:
-      raise ValueError(f"overlap must be >= 0, got {self.overlap}.")
     if not 0.0 <= self.ema_decay < 1.0:
       raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}.")
     if self.merge_method not in merge_lib.MERGE_METHODS:

@@ -34,7 +34,7 @@ JOB = JobConfig(
   model=configs.transformer_config("tiny", vocab_size=256, max_len=L, **ONE_BLOCK),
   data=text_data.TextDataConfig(seq_len=L, batch_size=B),
   schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
-  syncer=SyncerConfig(overlap=1, use_grace=False, outer_momentum=0.0),
+  syncer=SyncerConfig(use_grace=False, outer_momentum=0.0),
   inner_opt=InnerOptConfig(warmup_steps=1, decay_steps=50),
   service=ServiceConfig(
     uplink_codec="fp32", downlink_codec="fp32", heartbeat_interval_s=0.05, liveness_timeout_s=600
@@ -73,6 +73,7 @@ def syncer():
     fragment_keys=factory.layout.fragments,
     init_values=factory.global_init_values(),
     syncer_config=JOB.the_syncer(),
+    schedule=JOB.the_schedule(),
     service_config=JOB.the_service(),
     layout_digest=factory.layout.digest,
     embedding_keys=factory.embedding_keys(),
@@ -103,6 +104,7 @@ def test_one_process_trains_applies_exact_bits_and_digests_params(tmp_path):
     fragment_keys=factory.layout.fragments,
     init_values=factory.global_init_values(),
     syncer_config=LOCK_STEP.the_syncer(),
+    schedule=LOCK_STEP.the_schedule(),
     service_config=LOCK_STEP.the_service(),
     layout_digest=factory.layout.digest,
     embedding_keys=factory.embedding_keys(),

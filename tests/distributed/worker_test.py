@@ -49,9 +49,7 @@ JOB = JobConfig(
   model=configs.transformer_config("tiny", vocab_size=256, max_len=L, **ONE_BLOCK),
   data=text_data.TextDataConfig(seq_len=L, batch_size=B),
   schedule=FragmentSchedule(num_fragments=P, period=2, overlap=1),
-  syncer=SyncerConfig(
-    overlap=1, use_grace=False, keep_versions=9, outer_momentum=0.0, clock="slowest"
-  ),
+  syncer=SyncerConfig(use_grace=False, keep_versions=9, outer_momentum=0.0, clock="slowest"),
   learner=LearnerConfig(blocking=True),
   inner_opt=InnerOptConfig(warmup_steps=1, decay_steps=50),
   service=ServiceConfig(
@@ -93,6 +91,7 @@ def syncer(request):
     fragment_keys=factory.layout.fragments,
     init_values=factory.global_init_values(),
     syncer_config=JOB.the_syncer(),
+    schedule=JOB.the_schedule(),
     service_config=JOB.the_service(),
     layout_digest=factory.layout.digest,
     embedding_keys=factory.embedding_keys(),

@@ -153,6 +153,16 @@ def test_misspelled_macro_suggests_the_closest(tmp_path, script):
   _assert_one_line_error(proc, script, w, "'LEARNRS'", "Did you mean 'LEARNERS'")
 
 
+def test_a_moved_parameter_says_where_it_lives_now(tmp_path):
+  # τ was once bound twice (SyncerConfig.overlap and FragmentSchedule.overlap): a config written so
+  # is told which binding replaces it.
+  w = tmp_path / "w"
+  proc = _script(
+    "ddiloco-simulate", f"--workdir={w}", "--gin_file=sim_tiny.gin", "--gin.SyncerConfig.overlap=2"
+  )
+  _assert_one_line_error(proc, "ddiloco-simulate", w, "'overlap'", "FragmentSchedule.overlap")
+
+
 def test_bad_line_in_a_gin_file_names_the_file(tmp_path):
   w = tmp_path / "w"
   bad = tmp_path / "bad.gin"

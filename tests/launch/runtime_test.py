@@ -39,7 +39,7 @@ JOB = JobConfig(
   model=configs.transformer_config("tiny", vocab_size=256, max_len=L, **ONE_BLOCK),
   data=text_data.TextDataConfig(seq_len=L, batch_size=B),
   schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
-  syncer=SyncerConfig(overlap=1, use_grace=False, min_quorum=1),
+  syncer=SyncerConfig(use_grace=False, min_quorum=1),
   service=ServiceConfig(uplink_codec="fp32", downlink_codec="fp32", liveness_timeout_s=600),
   num_learners=1,
   eval_batches=1,
@@ -75,6 +75,25 @@ def _merge(run: runtime.SyncerRun, p: int, step: int) -> None:
   while svc.core.version(p) == request.base_version:
     assert time.monotonic() < deadline, "the merge thread did not merge"
     time.sleep(0.01)
+
+
+def test_the_syncer_paces_rounds_by_the_jobs_schedule(tmp_path):
+  # H = 6 with P = 2, τ = 3: the syncer's step clock and its grace window use the job's schedule
+  # (they once used P = H = the number of fragments), and learners are told its τ at Register.
+  job = dataclasses.replace(JOB, schedule=FragmentSchedule(num_fragments=2, period=6, overlap=3))
+  run = runtime.SyncerRun(job, workdir=str(tmp_path / "syncer"), checkpoint=CHECKPOINT)
+  run.serve("127.0.0.1:0")
+  client = SyncerClient(f"127.0.0.1:{run.server.port}")
+  try:
+    assert run.service.core.schedule == job.the_schedule()
+    layout = job.factory().layout
+    resp = client.register(0, layout_digest=layout.digest, num_fragments=2)
+    assert resp.overlap == 3
+  finally:
+    client.close()
+    run.server.stop(flush=False)
+    run._checkpointer.close()
+    run._journal.close()
 
 
 def test_a_full_disk_halts_the_syncer_and_a_restart_never_goes_back(tmp_path, monkeypatch):
@@ -268,7 +287,7 @@ def test_syncer_and_learner_write_tensorboard_scalars_on_tokens(tmp_path):
   job = dataclasses.replace(
     JOB,
     log_every=2,
-    syncer=SyncerConfig(overlap=1, use_grace=False, min_quorum=1, clock="slowest"),
+    syncer=SyncerConfig(use_grace=False, min_quorum=1, clock="slowest"),
     learner=LearnerConfig(blocking=True),
     service=dataclasses.replace(JOB.service, heartbeat_interval_s=0.05),
   )

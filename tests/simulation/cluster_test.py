@@ -37,7 +37,6 @@ def test_identity_reproduces_plain_training():
   )
   syncer = SyncerConfig(
     min_quorum=1,
-    overlap=0,
     use_grace=False,
     outer_lr=1.0,
     outer_momentum=0.0,
@@ -80,9 +79,7 @@ def _sim_summary(
     data=DATA,
     cluster=ClusterConfig(num_learners=3, steps_per_learner=steps, faults=faults, log_every=4),
     schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
-    syncer=SyncerConfig(
-      min_quorum=min_quorum, overlap=1, clock="slowest" if blocking else "fleet_rate"
-    ),
+    syncer=SyncerConfig(min_quorum=min_quorum, clock="slowest" if blocking else "fleet_rate"),
     learner=LearnerConfig(blocking=blocking),
     inner_opt=INNER,
     tensorboard=tensorboard,
@@ -196,7 +193,7 @@ def test_join_leave_and_straggler(tmp_path):
       log_every=4,
     ),
     schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
-    syncer=SyncerConfig(min_quorum=1, overlap=1),
+    syncer=SyncerConfig(min_quorum=1),
     inner_opt=INNER,
     tensorboard=False,
   )
@@ -231,7 +228,7 @@ def test_synchronous_stall_on_a_permanent_crash_is_reported(tmp_path):
       log_every=4,
     ),
     schedule=FragmentSchedule(num_fragments=2, period=4, overlap=1),
-    syncer=SyncerConfig(min_quorum=2, overlap=1, use_grace=False, clock="slowest"),
+    syncer=SyncerConfig(min_quorum=2, use_grace=False, clock="slowest"),
     learner=LearnerConfig(blocking=True),
     inner_opt=INNER,
     tensorboard=False,
@@ -265,7 +262,7 @@ def test_int4_on_the_wire_keeps_digests_and_changes_the_values(tmp_path):
         num_learners=2, steps_per_learner=16, uplink_codec=codec, downlink_codec=codec, log_every=4
       ),
       schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
-      syncer=SyncerConfig(min_quorum=2, overlap=1),
+      syncer=SyncerConfig(min_quorum=2),
       inner_opt=INNER,
       tensorboard=False,
     )
@@ -308,7 +305,7 @@ def test_vit_task_merges_with_int4_and_rda_and_reports_accuracy(tmp_path):
       num_learners=2, steps_per_learner=16, uplink_codec="int4", downlink_codec="int4", log_every=4
     ),
     schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
-    syncer=SyncerConfig(min_quorum=2, overlap=1, merge_method="rda"),
+    syncer=SyncerConfig(min_quorum=2, merge_method="rda"),
     inner_opt=INNER,
     eval_batches=4,
     tensorboard=False,
@@ -332,7 +329,7 @@ def test_moe_text_simulates(tmp_path):
     data=DATA,
     cluster=ClusterConfig(num_learners=2, steps_per_learner=8, log_every=4),
     schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
-    syncer=SyncerConfig(min_quorum=1, overlap=1),
+    syncer=SyncerConfig(min_quorum=1),
     inner_opt=INNER,
     eval_batches=2,
     tensorboard=False,
@@ -386,7 +383,7 @@ def test_an_18_percent_slower_learner_is_in_every_merge_once_per_period(tmp_path
     data=DATA,
     cluster=ClusterConfig(num_learners=3, steps_per_learner=24, slow_learners=1, log_every=4),
     schedule=FragmentSchedule(num_fragments=4, period=4, overlap=2),
-    syncer=SyncerConfig(min_quorum=1, overlap=2),
+    syncer=SyncerConfig(min_quorum=1),
     inner_opt=INNER,
     tensorboard=False,
   )
@@ -416,7 +413,7 @@ def test_blocking_learners_need_the_lock_step_clock(tmp_path):
       data=DATA,
       cluster=ClusterConfig(num_learners=2, steps_per_learner=4),
       schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
-      syncer=SyncerConfig(min_quorum=2, overlap=1),
+      syncer=SyncerConfig(min_quorum=2),
       learner=LearnerConfig(blocking=True),
       inner_opt=INNER,
       tensorboard=False,
@@ -433,7 +430,7 @@ def test_a_joining_learner_continues_the_fleets_learning_rate_schedule(tmp_path)
     cluster=ClusterConfig(num_learners=2, steps_per_learner=16, faults=("join:2@6.5",)),
     schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
     learner_config=LearnerConfig(),
-    syncer_core_fn=lambda **kw: SyncerCore(config=SyncerConfig(overlap=1), **kw),
+    syncer_core_fn=lambda **kw: SyncerCore(config=SyncerConfig(), **kw),
   )
   sim.run()
   joiner = sim.slots[2].learner
@@ -458,7 +455,7 @@ def test_progress_line_shows_rates_and_dashes_for_unknown_values():
     cluster=ClusterConfig(num_learners=2, steps_per_learner=3, log_every=2),
     schedule=FragmentSchedule(num_fragments=1, period=1, overlap=0),
     learner_config=LearnerConfig(),
-    syncer_core_fn=lambda **kw: SyncerCore(config=SyncerConfig(overlap=0), **kw),
+    syncer_core_fn=lambda **kw: SyncerCore(config=SyncerConfig(), **kw),
   )
   sim.run()
   tokens = sim.tokens_trained  # 2 learners x 3 steps x 4 x 32.

@@ -43,7 +43,7 @@ def _trajectory(workdir: str) -> dict:
       eval_every_s=6.0,
     ),
     schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
-    syncer=SyncerConfig(overlap=1, outer_lr=0.7, outer_momentum=0.9, nesterov=True),
+    syncer=SyncerConfig(outer_lr=0.7, outer_momentum=0.9, nesterov=True),
     inner_opt=train_step.InnerOptConfig(warmup_steps=2, decay_steps=24),
     eval_batches=2,
     tensorboard=False,

@@ -205,10 +205,17 @@ def test_k2_waits_for_the_second_report():
   assert (event.open_time, event.quorum_time) == (0.0, 100.0)
 
 
-def test_grace_deadline_is_exact_on_the_fake_clock():
+@pytest.mark.parametrize("tau", [2, 1])
+def test_grace_deadline_is_exact_on_the_fake_clock(tau):
+  # τ is the run's schedule's: the window spends the slack of τ steps.
   clock = FakeClock(9.0)
   core = make_core(
-    clock, learners=(0, 1, 2), min_quorum=2, use_grace=True, grace_gamma=0.8, overlap=2
+    clock,
+    learners=(0, 1, 2),
+    min_quorum=2,
+    use_grace=True,
+    grace_gamma=0.8,
+    schedule=FragmentSchedule(num_fragments=2, period=3, overlap=tau),
   )
   core.open_round(0, ROUND)  # Opened at 9.0.
   clock.t = 10.0
@@ -216,15 +223,15 @@ def test_grace_deadline_is_exact_on_the_fake_clock():
   clock.t = 10.5
   core.report(rep(1, step_time_s=1.0))  # Quorum at 10.5; ξ_sync unknown = 0.
   # ξ_quorum is timed from the round's first answer (10.0), not its opening (9.0): 0.5, not 1.5
-  # (docs/algorithm.md, "Quorum and grace window"). window = 0.8 * (2*1.0 - 0.5 - 0) = 1.2; learner 2
-  # has not reported, so no early close.
-  deadline = 10.5 + 0.8 * (2 * 1.0 - 0.5)
+  # (docs/algorithm.md, "Quorum and grace window"). window = 0.8 * (τ*1.0 - 0.5 - 0), 1.2 at τ = 2;
+  # learner 2 has not reported, so no early close.
+  deadline = 10.5 + 0.8 * (tau * 1.0 - 0.5)
   assert core.next_deadline() == deadline
   clock.t = np.nextafter(deadline, 0.0)
   assert core.poll() == []
   clock.t = deadline
   (event,) = core.poll()
-  assert event.grace_s == pytest.approx(1.2)
+  assert event.grace_s == pytest.approx(0.8 * (tau - 0.5))
   assert (event.open_time, event.quorum_time, event.time) == (9.0, 10.5, deadline)
 
 
@@ -783,12 +790,12 @@ def test_constructor_validation():
       config=SyncerConfig(),
       clock=FakeClock(),
     )
-  with pytest.raises(ValueError, match=r"schedule \(P=3, τ=2\) does not fit this syncer \(P=2"):
+  with pytest.raises(ValueError, match=r"schedule has P=3 fragments, this syncer 2"):
     make_core(schedule=FragmentSchedule(num_fragments=3, period=4, overlap=2))
-  with pytest.raises(
-    ValueError, match=r"schedule \(P=2, τ=1\) does not fit this syncer \(P=2, τ=2"
-  ):
-    make_core(schedule=FragmentSchedule(num_fragments=2, period=4, overlap=1))
+  # τ is the schedule's alone: the grace window spends the slack of the schedule's overlap.
+  core = make_core(schedule=FragmentSchedule(num_fragments=2, period=4, overlap=1))
+  assert core.schedule.overlap == 1
+  assert make_core().schedule == FragmentSchedule(num_fragments=2, period=3, overlap=2)
 
 
 def test_config_validation_and_gin():
@@ -1080,9 +1087,7 @@ def _rounds_with_a_late_answerer(delays, *, grace_spread=True, rounds=16):
   fragment 0; learner 1's answer comes `delays[k % len(delays)]` seconds after learner 0's. Returns
   learner 1's statuses and the merges."""
   clock = FakeClock(0.0)
-  core = make_core(
-    clock, learners=(0, 1), use_grace=True, grace_spread=grace_spread, overlap=2, **sgd1()
-  )
+  core = make_core(clock, learners=(0, 1), use_grace=True, grace_spread=grace_spread, **sgd1())
   statuses, merges = [], []
   for k in range(rounds):
     step = 10 * (k + 1)
