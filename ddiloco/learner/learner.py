@@ -321,11 +321,6 @@ class Learner:
       step = out.send_step if out is not None else -1
     self.ledger.answered(p, step, result.status, result.weight, result.round_version)
 
-  def forget_outstanding(self) -> None:
-    """Drops outstanding answers and pending requests (lost in a crash of the syncer)."""
-    self._outstanding.clear()
-    self._requests.clear()
-
   # -- receiving ------------------------------------------------------------------------------
 
   def receive(self, state: FragmentState) -> None:

@@ -1133,10 +1133,6 @@ class SyncerCore(CheckpointMixin):
       raise KeyError(f"Version {version} of fragment {p} is not kept ({sorted(self._history[p])}).")
     return dict(self._history[p][version])
 
-  def global_values(self) -> dict[str, np.ndarray]:
-    """All fragments' current values, {key: read-only array}."""
-    return {k: v for vals in self._global for k, v in vals.items()}
-
   def merged_steps(self, learner_id: int) -> list[int]:
     """Per fragment, the step of `learner_id`'s newest report merged into it (-1: none yet).
 

@@ -1,19 +1,8 @@
 """ddiloco.transport: the wire format, chunking and the gRPC protocol (docs/architecture.md)."""
 
-from ddiloco.transport.chunks import (
-  DEFAULT_CHUNK_SIZE,
-  ChunkAssembler,
-  chunk,
-  num_chunks_for,
-  reassemble,
-)
+from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ChunkAssembler, num_chunks_for
 from ddiloco.transport.errors import WireError
-from ddiloco.transport.messages import (
-  chunks_to_report,
-  chunks_to_state,
-  report_to_chunks,
-  state_to_chunks,
-)
+from ddiloco.transport.messages import chunks_to_report, chunks_to_state
 from ddiloco.transport.wire import (
   FORMAT_VERSION,
   MAGIC,
@@ -31,17 +20,13 @@ __all__ = [
   "MAGIC",
   "ChunkAssembler",
   "WireError",
-  "chunk",
   "chunks_to_report",
   "chunks_to_state",
   "deserialize_fragment",
   "make_layout",
   "max_wire_bytes",
   "num_chunks_for",
-  "reassemble",
   "received_outer_gradient",
   "received_values",
-  "report_to_chunks",
   "serialize_fragment",
-  "state_to_chunks",
 ]

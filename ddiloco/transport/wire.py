@@ -281,7 +281,6 @@ class FragmentReader:
     codec_name: str | None = None,
     max_bytes: int | None = None,
     base: Mapping[str, np.ndarray] | None = None,
-    raw: bool = False,
     alloc: Allocator | None = None,
     check_finite: bool = True,
   ):
@@ -292,15 +291,14 @@ class FragmentReader:
       codec_name: if given, every entry must use this codec.
       max_bytes: size limit; defaults to `max_wire_bytes(layout)`.
       base: if given, the data is a delta and the result is `cast(base + decoded)` (docs/algorithm.md §5).
-      raw: decode to float32 with no base and no NaN/Inf check (`decode_layout`).
       alloc: makes each output array, (number of values, dtype) -> flat writable array; default
         `np.empty`. A receiver recycles memory with `chunks.ArrayPool.empty`.
       check_finite: count NaN/Inf and raise on any. False only for a caller that checks every
         value itself (the syncer service: `SyncerCore.report` checks them at filing, fused with
         RDA's norm, so a second pass here would only cost time).
     """
-    self._layout, self._codec_name, self._base, self._raw = layout, codec_name, base, raw
-    self._check = check_finite and not raw
+    self._layout, self._codec_name, self._base = layout, codec_name, base
+    self._check = check_finite
     self._alloc = np.empty if alloc is None else alloc
     self.limit = max_wire_bytes(layout) if max_bytes is None else max_bytes
     self._fed = 0
@@ -446,7 +444,7 @@ class FragmentReader:
       if key not in self._base or np.shape(self._base[key]) != shape:
         raise WireError(f"{key!r}: the base has no array of shape {shape} for this key.")
       base = np.ravel(np.asarray(self._base[key]))
-    out = self._alloc(n, np.dtype(np.float32 if self._raw else dtype))
+    out = self._alloc(n, np.dtype(dtype))
     what, at, left = f"{key!r} payload", self._pos, payload_len
     try:
       if not codec.quantized:
@@ -487,8 +485,6 @@ def read_layout(
 ) -> dict[str, np.ndarray]:
   """Parses, checks and decodes to what the receiver holds: cast(base + decoded) (docs/algorithm.md §5).
 
-  Equal to `finish_layout(decode_layout(data, ...), layout, base)`, in one pass per array.
-
   Args:
     data: the serialized bytes, or the pieces (chunks) that hold them in order, not joined.
     layout: from `make_layout`.
@@ -513,50 +509,6 @@ def _read(data: Buffer | Sequence[Buffer], reader: FragmentReader) -> dict[str, 
   for part in parts:
     reader.feed(part)
   return reader.finish()
-
-
-def decode_layout(
-  data: Buffer | Sequence[Buffer], layout: Layout, *, codec_name: str | None, max_bytes: int | None
-) -> dict[str, np.ndarray]:
-  """Parses and decodes to float32, before any base is added or dtype cast.
-
-  Args:
-    data: serialized bytes, or the pieces that hold them in order.
-    layout: from `make_layout`.
-    codec_name: if given, every entry must use this codec.
-    max_bytes: size limit; defaults to `max_wire_bytes(layout)`.
-
-  Raises:
-    WireError: as `deserialize_fragment`, except for NaN/Inf (checked by `finish_layout`).
-  """
-  reader = FragmentReader(layout, codec_name=codec_name, max_bytes=max_bytes, raw=True)
-  return _read(data, reader)
-
-
-def finish_layout(
-  decoded: Mapping[str, np.ndarray], layout: Layout, base: Mapping[str, np.ndarray] | None
-) -> dict[str, np.ndarray]:
-  """Returns cast(base + decoded) per key, what the receiver holds (docs/algorithm.md §5).
-
-  Raises:
-    WireError: if the base lacks a key or shape, or a value is NaN/Inf after the cast.
-  """
-  fp32 = compression.get_codec("fp32")
-  out = {}
-  for k, (shape, dtype) in layout.items():
-    base_flat = None
-    if base is not None:
-      if k not in base or np.shape(base[k]) != shape:
-        raise WireError(f"{k!r}: the base has no array of shape {shape} for this key.")
-      base_flat = np.ravel(np.asarray(base[k]))
-    y = np.empty(math.prod(shape), dtype)
-    decoder = compression.RunDecoder(fp32, y, base=base_flat)
-    decoder.feed(np.ascontiguousarray(decoded[k], compression.F32))
-    bad = decoder.close()
-    if bad:
-      raise WireError(f"{k!r}: {bad} non-finite value(s) (NaN/Inf) after decoding as {dtype.name}.")
-    out[k] = y.reshape(shape)
-  return out
 
 
 def deserialize_fragment(

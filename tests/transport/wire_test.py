@@ -12,18 +12,16 @@ from ddiloco.syncer.core import FragmentState, Report
 from ddiloco.transport import (
   ChunkAssembler,
   WireError,
-  chunk,
   chunks_to_report,
   chunks_to_state,
   deserialize_fragment,
   max_wire_bytes,
-  reassemble,
   received_outer_gradient,
   received_values,
-  report_to_chunks,
   serialize_fragment,
-  state_to_chunks,
 )
+from ddiloco.transport.chunks import chunk, reassemble
+from ddiloco.transport.messages import report_to_chunks, state_to_chunks
 
 MiB = 1 << 20
 
