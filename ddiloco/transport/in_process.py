@@ -216,7 +216,7 @@ class _ResponseStream:
       if ctx.expired():
         raise InProcessRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
       raise
-    except BaseException as e:
+    except Exception as e:
       self._end()
       raise _error(e) from None
 
@@ -343,7 +343,7 @@ class InProcessChannel:
       if context.expired():
         raise InProcessRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
       return self._carry(response, handler.response_serializer, response_deserializer)
-    except BaseException as e:
+    except Exception as e:
       raise _error(e) from None
     finally:
       context.finish()
@@ -357,7 +357,7 @@ class InProcessChannel:
       try:
         request = self._carry(request, request_serializer, handler.request_deserializer)
         responses = iter(handler.unary_stream(request, context))
-      except BaseException as e:
+      except Exception as e:
         context.finish()
         raise _error(e) from None
       return _ResponseStream(responses, context, handler.response_serializer, response_deserializer)
