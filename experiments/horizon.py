@@ -149,6 +149,7 @@ def report(store: study.ResultStore, seeds: list[int], horizons: list[int]) -> N
   args = [
     f"--seeds={','.join(map(str, seeds))}",
     f"--horizons={','.join(map(str, horizons))}",
+    f"--size_horizons={','.join(_SIZE_HORIZONS.value)}",
   ]
   cmd = study.reproduce_command("experiments/horizon.py", args)
   parts = [
