@@ -251,6 +251,11 @@ class Codec:
     """
     raise NotImplementedError
 
+  def _check_whole_units(self, payload: bytes | memoryview | np.ndarray) -> None:
+    """Raises ValueError unless `payload` holds whole units (no value cut in two)."""
+    nbytes = memoryview(payload).nbytes
+    _check_len("payload run", payload, self.unit_bytes * (nbytes // self.unit_bytes))
+
   def roundtrip(self, x: np.ndarray) -> np.ndarray:
     """Returns decode(encode(x)): the value the receiver will hold (docs/algorithm.md §5 "adopt the dequantized")."""
     return self.decode(self.encode(x))
@@ -290,8 +295,7 @@ class Fp32(Codec):
 
   def decode_run(self, payload, start, n, scales) -> np.ndarray:
     del start, n, scales
-    nbytes = memoryview(payload).nbytes
-    _check_len("payload run", payload, 4 * (nbytes // 4))
+    self._check_whole_units(payload)
     return np.frombuffer(payload, F32).astype(np.float32, copy=False)
 
 
@@ -312,8 +316,7 @@ class Bf16(Codec):
 
   def decode_run(self, payload, start, n, scales) -> np.ndarray:
     del start, n, scales
-    nbytes = memoryview(payload).nbytes
-    _check_len("payload run", payload, 2 * (nbytes // 2))
+    self._check_whole_units(payload)
     bits = np.frombuffer(payload, "<u2").astype(np.uint16, copy=False)
     return bits.view(ml_dtypes.bfloat16).astype(np.float32)
 

@@ -167,6 +167,12 @@ class _Context(grpc.ServicerContext):
       callback()
 
 
+def _carry(message: Any, serialize: Callable | None, deserialize: Callable | None) -> Any:
+  """`message` as the other side reads it: serialized, then deserialized, as on a wire."""
+  data = serialize(message) if serialize is not None else message
+  return deserialize(data) if deserialize is not None else data
+
+
 def _error(exc: BaseException) -> InProcessRpcError:
   if isinstance(exc, InProcessRpcError):
     return exc
@@ -206,7 +212,7 @@ class _ResponseStream:
       if ctx.expired():
         raise InProcessRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
       item = next(self._responses)
-      return InProcessChannel._carry(item, self._serialize, self._deserialize)
+      return _carry(item, self._serialize, self._deserialize)
     except StopIteration:
       self._end()
       if ctx.cancelled:
@@ -312,7 +318,7 @@ class InProcessChannel:
 
       def invoke(handler, context):
         return handler.unary_unary(
-          self._carry(request, request_serializer, handler.request_deserializer), context
+          _carry(request, request_serializer, handler.request_deserializer), context
         )
 
       return self._answer(method, metadata, timeout, response_deserializer, invoke)
@@ -342,7 +348,7 @@ class InProcessChannel:
       response = invoke(handler, context)
       if context.expired():
         raise InProcessRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-      return self._carry(response, handler.response_serializer, response_deserializer)
+      return _carry(response, handler.response_serializer, response_deserializer)
     except Exception as e:
       raise _error(e) from None
     finally:
@@ -355,7 +361,7 @@ class InProcessChannel:
       del kwargs
       handler, context = self._open(method, metadata, timeout)
       try:
-        request = self._carry(request, request_serializer, handler.request_deserializer)
+        request = _carry(request, request_serializer, handler.request_deserializer)
         responses = iter(handler.unary_stream(request, context))
       except Exception as e:
         context.finish()
@@ -399,14 +405,7 @@ class InProcessChannel:
     return self._server.handler(method, metadata), _Context(metadata, timeout)
 
   @staticmethod
-  def _carry(message: Any, serialize: Callable | None, deserialize: Callable | None) -> Any:
-    """`message` as the other side reads it: serialized, then deserialized, as on a wire."""
-    data = serialize(message) if serialize is not None else message
-    return deserialize(data) if deserialize is not None else data
-
-  @classmethod
   def _stream(
-    cls,
     messages: Iterable[Any],
     serialize: Callable | None,
     deserialize: Callable | None,
@@ -415,7 +414,7 @@ class InProcessChannel:
     for message in messages:
       if context.cancelled:
         return
-      yield cls._carry(message, serialize, deserialize)
+      yield _carry(message, serialize, deserialize)
 
 
 def _chain(interceptor: grpc.ServerInterceptor, continuation: Callable) -> Callable:
