@@ -1,41 +1,44 @@
-"""Benchmark: the syncer merging 8 contributions of a 16 MiB fragment against reading them once.
+"""Benchmark: the syncer merging 8 answers of a 16 MiB fragment against reading them once.
 
 Everything runs in one process, interleaved in rounds so machine noise hits every row equally, and
 the median of the rounds is reported. Each round opens the next round of one fragment of 4 tensors
 of 1M float32 (16 MiB) (`SyncerCore.open_round`, untimed), files 8 answers to it (learners 0..7,
 each registered and marked delivered, anchored at the round's base, so each weighs > 0) and times
-`SyncerCore.flush()`, i.e. one merge (docs/algorithm.md §4.3–4.7): the per-tensor merge of the 8 outer
-gradients Θ^(anchor) − θ_m (`merge.merge_reports`, float32, each v_m formed block by block as it is
-used, written into the core's reused `merge.OutputBuffer`), the optax outer step (Nesterov SGD,
-jitted), the new values, the digest of the new version and its history entry. RDA's first pass, the squared norms ‖v_m‖², is no longer in the merge: the core sums them
-when it files each report, in the same pass as the door's NaN/Inf check (`merge.finite_sq_norm`),
-so the merge takes one pass over the contributions and filing takes the other. Rows:
-  read         the floor: one pass over the 8 × 16 MiB of contributions, a float32 sum into one
-               accumulator (`np.add(acc, θ_m, out=acc)`). A sum rather than `np.copy`: any merge
-               must read every contribution once but need not write 8 copies, so a reduction is the
+`SyncerCore.flush()`, i.e. one merge (docs/algorithm.md §4.3-4.7): the merge of the 8 outer
+gradients, the optax outer step (Nesterov SGD, jitted), the new values, the digest of the new
+version and its history entry. Answers carry their outer gradient δ_m, as learners send it
+(`--uplink=delta`, the default), or θ_m, merged against the round's base (`--uplink=theta`).
+RDA's first pass, the squared norms ‖v_m‖², is not in the merge: the core sums them when it files
+each answer, in the same pass as the door's NaN/Inf check (`merge.finite_sq_norm`). Rows:
+  read         the floor: one pass over the 8 × 16 MiB of answers, a float32 sum into one
+               accumulator (`np.add(acc, v_m, out=acc)`). A sum rather than `np.copy`: any merge
+               must read every answer once but need not write 8 copies, so a reduction is the
                least work a merge can do; a copy would also write 128 MiB and flatter the ratio.
-  file         `SyncerCore.report` of the 8 reports: validation, the NaN/Inf check fused with the
-               RDA norms (for the mean merge's core it is the check alone), a copy of each.
-  rda merge    SyncerCore with merge_method="rda" (the default, docs/algorithm.md §4.5)
-  mean merge   SyncerCore with merge_method="mean" (the ablation)
-  rda + int4   the same RDA merge in a `make_syncer` service with an int4 downlink codec: the
+  file         `SyncerCore.report` of the 8 answers: validation, the NaN/Inf check fused with the
+               RDA norms, an aligned copy of each.
+  fused        SyncerCore merging inside the outer step, one XLA program (`syncer/outer.py`; the
+               default for fragments of at least `SyncerConfig.fused_merge_bytes`, 8 MiB), RDA
+               (the default) and the mean.
+  numpy        the numpy merge (`merge.merge_reports`, block by block into a reused buffer), then
+               the jitted step (`fused_merge_bytes` above the fragment's size), RDA and the mean.
+  rda + int4   the fused RDA merge in a `make_syncer` service with an int4 downlink codec: the
                merge plus `DownlinkAdopter` (encode Θ_new − Θ_old, decode it as a learner will,
-               adopt it; then cut the encoded bytes into chunks at publication, docs/algorithm.md §5). The
-               service's public `stop(flush=True)` performs exactly that flush-and-publish; its
-               merge thread is never started.
+               adopt it; then cut the encoded bytes into chunks at publication, docs/algorithm.md
+               §5). The service's public `stop(flush=True)` performs exactly that
+               flush-and-publish; its merge thread is never started.
   int4 adopt   the adoption alone, timed directly: a fresh `DownlinkAdopter("int4")` called on the
-               last merge's (Θ_new, Θ_old) and then `published` (the chunking), as the core and
-               the service call it.
-The merge's main parts are also timed offline, with the same functions the core calls:
+               last merge's (Θ_new, Θ_old) and then `published` (the chunking).
+The numpy merge's parts are also timed offline, with the functions the core calls:
 `merge_reports` (RDA with the norms unknown, i.e. both passes, and the 8 norms on their own: the
-pass filing now does), RDA given the norms (what the flush runs), the mean, the outer step as the
-core runs it, and the digest. Every row has a wall-clock median and a process-CPU-time median
-(the machine is shared: CPU time is what contention with other processes spares; it sums all
-threads, so multithreaded XLA can make it exceed wall time), each with its ratio to the read
-row's. It prints the merge/read ratios (goal <= 3x); wall time is the figure that counts when
-"process CPU/wall" in the header is near or above 1, i.e. the process was not starved. Like
-`ddiloco-syncer`, the script pins one OpenBLAS thread (unless OPENBLAS_NUM_THREADS is set): an idle
-OpenBLAS thread spins, and on a loaded machine the spinning made the merge 80x the read.
+pass filing does), RDA given the norms, the mean, the outer step as the core runs it, and the
+digest. Every row has a wall-clock median and a process-CPU-time median (the machine is shared:
+CPU time is what contention with other processes spares; it sums all threads, so multithreaded
+XLA can make it exceed wall time), each with its ratio to the read row's. It prints the
+merge/read ratios against their goals (2x for the merges, 3x with int4 adoption); wall time is
+the figure that counts when "process CPU/wall" in the header is near or above 1, i.e. the process
+was not starved. Like `ddiloco-syncer`, the script pins one OpenBLAS thread (unless
+OPENBLAS_NUM_THREADS is set): an idle OpenBLAS thread spins, and on a loaded machine the spinning
+made the merge 80x the read.
 
   python scripts/bench_merge.py --tensors=4 --mib=16 --learners=8 --rounds=5
 """
@@ -53,7 +56,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import app, flags
 
 from ddiloco.distributed.downlink import DownlinkAdopter
@@ -61,12 +63,20 @@ from ddiloco.distributed.server import make_syncer
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.digest import values_digest
 from ddiloco.syncer import merge as merge_lib
+from ddiloco.syncer import outer
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
 
 _TENSORS = flags.DEFINE_integer("tensors", 4, "tensors in the fragment")
 _MIB = flags.DEFINE_integer("mib", 16, "fragment size in MiB (float32 values)")
 _LEARNERS = flags.DEFINE_integer("learners", 8, "contributions per merge")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "timed rounds (median reported)")
+_UPLINK = flags.DEFINE_enum(
+  "uplink",
+  "delta",
+  ["delta", "theta"],
+  "what each answer carries: its outer gradient δ = Θ^(base) − θ_m, as learners send it "
+  "(the default), or θ_m, merged against the round's base",
+)
 
 
 class _Stopwatch:
@@ -90,25 +100,32 @@ class _Clock:
     return self.t
 
 
-def _config(method: str) -> SyncerConfig:
+def _config(method: str, fused: bool) -> SyncerConfig:
   # No grace window: the round is due as soon as it has its quorum, and flush() merges it anyway.
-  return SyncerConfig(use_grace=False, merge_method=method)
+  return SyncerConfig(
+    use_grace=False, merge_method=method, fused_merge_bytes=0 if fused else 1 << 62
+  )
 
 
 class _Bench:
   """One syncer (core or service) fed one report per learner per round; `merge()` times a flush."""
 
-  def __init__(self, init: dict[str, np.ndarray], method: str, downlink: str | None):
+  def __init__(
+    self, init: dict[str, np.ndarray], method: str, downlink: str | None, *, fused: bool = True
+  ):
     self._service = None
     if downlink is None:
       self.core = SyncerCore(
-        fragment_keys=[sorted(init)], init_values=init, config=_config(method), clock=_Clock()
+        fragment_keys=[sorted(init)],
+        init_values=init,
+        config=_config(method, fused),
+        clock=_Clock(),
       )
     else:
       self._service = make_syncer(
         fragment_keys=[sorted(init)],
         init_values=init,
-        syncer_config=_config(method),
+        syncer_config=_config(method, fused),
         service_config=ServiceConfig(uplink_codec="fp32", downlink_codec=downlink),
         layout_digest="bench-merge",
         clock=_Clock(),
@@ -137,6 +154,7 @@ class _Bench:
           learner_id=m,
           fragment=0,
           values=theta,
+          outer_gradient=_UPLINK.value == "delta",
           tokens=4096
           * (m + 1),  # Unequal token weights (docs/algorithm.md §4.4): nothing cancels out.
           steps=24,
@@ -185,22 +203,15 @@ def _adopt_int4(bench: _Bench) -> tuple[float, float]:
 
 
 class _OuterStep:
-  """The core's outer step, as `SyncerCore._merge` runs it (docs/algorithm.md §4.6): a float32 copy of Θ and
-  the optimizer state donated to the jitted optax update, the merged gradient handed over by
-  `device_put` (no copy: it is 64-byte aligned), the new values read back as views."""
+  """The core's outer step (`outer.OuterStep.step`, docs/algorithm.md §4.6), with its state."""
 
   def __init__(self, init: dict[str, np.ndarray]):
-    self._opt = SyncerConfig().outer_optimizer()
-    self._fn = jax.jit(self._step, donate_argnums=(0, 2))
-    self._state = self._opt.init({k: jnp.array(v) for k, v in init.items()})
-
-  def _step(self, params, grads, state):
-    updates, state = self._opt.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
+    self._step = outer.OuterStep(SyncerConfig().outer_optimizer(), dict.fromkeys(init, 1e37))
+    self._state = self._step.init({k: jnp.asarray(v) for k, v in init.items()})
 
   def __call__(self, theta: dict[str, np.ndarray], merged: dict[str, np.ndarray]) -> dict:
-    params = {k: jnp.array(v, jnp.float32, copy=True) for k, v in theta.items()}
-    new, self._state = self._fn(params, jax.device_put(merged), self._state)
+    params = jax.device_put(theta)
+    new, self._state, _ = self._step.step(params, merged, dict.fromkeys(merged, 1.0), self._state)
     return {k: np.asarray(v) for k, v in new.items()}
 
 
@@ -209,7 +220,8 @@ def _parts(
 ) -> dict[str, tuple[float, float]]:
   """(wall, CPU) of the merge's main parts, timed offline with the functions the core calls."""
   weights = [float(m + 1) for m in range(len(thetas))]
-  anchors = [anchor] * len(thetas)
+  delta = _UPLINK.value == "delta"
+  anchors = [None if delta else anchor] * len(thetas)
   # One merge output alive at a time: a third 16 MiB buffer is fresh memory, and on this VM the
   # first touch of fresh memory costs more than the merge itself (~40 ms per 16 MiB measured).
   with _Stopwatch() as rda_watch:
@@ -220,7 +232,10 @@ def _parts(
     outer_step(anchor, merged)
   del merged
   with _Stopwatch() as norms_watch:
-    norms = [merge_lib.outer_sq_norms(anchor, theta) for theta in thetas]
+    norms = [
+      {k: merge_lib.finite_sq_norm(None if delta else anchor[k], v) for k, v in theta.items()}
+      for theta in thetas
+    ]
   with _Stopwatch() as rda_known_watch:
     merge_lib.merge_reports(anchors, thetas, weights, method="rda", sq_norms=norms)
   with _Stopwatch() as mean_watch:
@@ -247,19 +262,21 @@ def main(argv: list[str]) -> None:
   benches = {
     "rda merge": _Bench(init, "rda", None),
     "mean merge": _Bench(init, "mean", None),
+    "rda numpy": _Bench(init, "rda", None, fused=False),
+    "mean numpy": _Bench(init, "mean", None, fused=False),
     "rda + int4 adopt": _Bench(init, "rda", "int4"),
   }
 
   def contributions(bench: _Bench) -> list[dict[str, np.ndarray]]:
-    # θ_m = Θ_cur − (small, learner-specific outer gradient), as after a period of inner steps.
+    # δ_m: a small, learner-specific outer gradient, as after a period of inner steps; θ_m = Θ − δ_m.
     cur = bench.core.state(0).values
-    return [
-      {
-        k: v - np.float32(1e-2) * rng.standard_normal(shape, dtype=np.float32)
-        for k, v in cur.items()
-      }
+    deltas = [
+      {k: np.float32(1e-2) * rng.standard_normal(shape, dtype=np.float32) for k in cur}
       for _ in range(_LEARNERS.value)
     ]
+    if _UPLINK.value == "delta":
+      return deltas
+    return [{k: cur[k] - d[k] for k in cur} for d in deltas]
 
   outer_step = _OuterStep(init)
   outer_step(init, {k: np.zeros_like(v) for k, v in init.items()})  # Warm-up: the jit.
@@ -294,15 +311,17 @@ def main(argv: list[str]) -> None:
   rows = [
     ("read once (float32 sum of 8 arrays)", "read"),
     ("file 8 reports (+ norms; not in merges)", "file 8 reports"),
-    ("RDA merge (SyncerCore.flush)", "rda merge"),
-    ("mean merge (SyncerCore.flush)", "mean merge"),
+    ("RDA merge (SyncerCore.flush, fused)", "rda merge"),
+    ("mean merge (SyncerCore.flush, fused)", "mean merge"),
+    ("RDA merge (numpy merge, then step)", "rda numpy"),
+    ("mean merge (numpy merge, then step)", "mean numpy"),
     ("RDA merge + int4 adoption (make_syncer)", "rda + int4 adopt"),
     ("int4 adoption alone (DownlinkAdopter)", "adopt"),
     ("parts, offline: rda, norms unknown", "rda alone"),
     ("  1st pass, norms x 8 (now at filing)", "norms"),
     ("  rda, norms given (2nd pass: flush)", "rda known"),
     ("  merge_reports mean", "mean alone"),
-    ("  outer step (copy in, jit, view out)", "step"),
+    ("  outer step (views in, jit, view out)", "step"),
     ("  values_digest of the new version", "digest"),
   ]
   read = med["read"]
@@ -311,9 +330,13 @@ def main(argv: list[str]) -> None:
     print(
       f"  {label:40s} {1e3 * wall:8.1f} {1e3 * cpu:8.1f} {wall / read[0]:7.2f} {cpu / read[1]:6.2f}"
     )
-  for label, key in (("RDA merge", "rda merge"), ("mean merge", "mean merge")):
+  for label, key, goal in (
+    ("RDA merge", "rda merge", 2),
+    ("mean merge", "mean merge", 2),
+    ("RDA merge + int4 adoption", "rda + int4 adopt", 3),
+  ):
     ratio_wall, ratio_cpu = (med[key][i] / read[i] for i in (0, 1))
-    print(f"  {label} / read = {ratio_wall:.2f}x wall, {ratio_cpu:.2f}x cpu   (goal <= 3x)")
+    print(f"  {label} / read = {ratio_wall:.2f}x wall, {ratio_cpu:.2f}x cpu   (goal <= {goal}x)")
   sys.stdout.flush()
 
 

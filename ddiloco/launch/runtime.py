@@ -251,8 +251,10 @@ class SyncerRun:
     seconds it took; compiles run on two threads (XLA compiles without the GIL)."""
     t0 = time.monotonic()
     core = self.service.core
+    answers = self.job.num_learners  # The full fleet: the common answer count.
     with futures.ThreadPoolExecutor(2) as pool:
-      list(pool.map(core.warm_up, range(core.num_fragments)))  # Re-raises a failure.
+      # Re-raises a failure.
+      list(pool.map(lambda p: core.warm_up(p, answers), range(core.num_fragments)))
     seconds = time.monotonic() - t0
     log.info("outer steps of %d fragments compiled in %.1f s", core.num_fragments, seconds)
     self.writer.event("warm_up", time=round(time.time(), 4), seconds=round(seconds, 3))

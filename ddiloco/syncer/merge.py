@@ -28,12 +28,14 @@ from collections.abc import Collection, Mapping, Sequence
 import numpy as np
 from scipy.linalg import blas
 
+from ddiloco.fragments import buffers
+
 MERGE_METHODS = ("rda", "mean")
+EPS = 1e-12  # RDA's zero-norm guard: norms at or below it count as zero (`rda`).
 # Values per block: 512 KiB of float32, half this machine's 1 MiB L2. Measured on the 16 MiB,
 # 8-contribution benchmark (scripts/bench_merge.py): 8K-32K-value blocks lose more to per-call
 # overhead than they gain in cache hits; 64K-256K were within noise of each other.
 BLOCK_VALUES = 1 << 17
-_ALIGN = 64  # Bytes: XLA's CPU client aliases host buffers with this alignment.
 _AXPY = {np.dtype(np.float32): blas.saxpy, np.dtype(np.float64): blas.daxpy}
 
 
@@ -91,14 +93,14 @@ def _layout(specs: Sequence[tuple[int, np.dtype]]) -> tuple[list[int], int]:
   starts, total = [], 0
   for n, dtype in specs:
     starts.append(total)
-    total += -(-n * dtype.itemsize // _ALIGN) * _ALIGN
-  return starts, total + _ALIGN  # Room to align the start.
+    total += -(-n * dtype.itemsize // buffers.ALIGN) * buffers.ALIGN
+  return starts, total + buffers.ALIGN  # Room to align the start.
 
 
 def _carve(raw: np.ndarray, specs: Sequence[tuple[int, np.dtype]]) -> list[np.ndarray]:
   """Flat arrays of (size, dtype), each 64-byte aligned, as views into the uint8 array `raw`."""
   starts, _ = _layout(specs)
-  base = -raw.ctypes.data % _ALIGN
+  base = -raw.ctypes.data % buffers.ALIGN
   return [
     raw[base + at : base + at + n * dtype.itemsize].view(dtype)
     for at, (n, dtype) in zip(starts, specs)
@@ -235,30 +237,59 @@ def _check_inputs(
   return arrays, w
 
 
+def mean_coefficients(w: Sequence[float]) -> dict[int, float]:
+  """{m: w_m / Σ w} for the contributions of weight > 0: the weighted mean is Σ_m c_m · v_m."""
+  total = float(np.sum(np.asarray(w, np.float64)))
+  return {m: float(wm) / total for m, wm in enumerate(w) if wm > 0}
+
+
+def rda_coefficients(
+  w: Sequence[float], sq_norms: Mapping[int, float], eps: float
+) -> tuple[dict[int, float], float]:
+  """RDA's coefficients and radius from the weights and the squared norms ‖v_m‖² (see `rda`).
+
+  The direction is Σ_m c_m · v_m with c_m = w_m / ‖v_m‖ / Σ w, over the contributions of weight
+  > 0 and norm > eps; the radius is Σ_m w_m ‖v_m‖ / Σ w over the same. The merge is the direction
+  scaled to the radius: radius / ‖direction‖ · direction, or zeros when the returned coefficients
+  are empty (no contribution has a norm > eps, or the radius is <= eps) or ‖direction‖ <= eps.
+
+  Args:
+    w: one weight per contribution.
+    sq_norms: ‖v_m‖² for every contribution of weight > 0.
+    eps: norms at or below this are treated as zero.
+  """
+  total = float(np.sum(np.asarray(w, np.float64)))
+  norms = {m: sq_norms[m] ** 0.5 for m, wm in enumerate(w) if wm > 0}
+  norms = {m: n for m, n in norms.items() if n > eps}
+  radius = sum(float(w[m]) * n for m, n in norms.items()) / total
+  if not norms or radius <= eps:
+    return {}, 0.0
+  return {m: float(w[m]) / n / total for m, n in norms.items()}, radius
+
+
 def _mean(diffs: _Diffs, w: np.ndarray) -> np.ndarray:
-  total = float(w.sum())
-  return diffs.combine({m: float(wm) / total for m, wm in enumerate(w) if wm > 0})[0]
+  return diffs.combine(mean_coefficients(w))[0]
 
 
-def _rda(diffs: _Diffs, w: np.ndarray, eps: float, known: Mapping[int, float]) -> np.ndarray:
-  total = float(w.sum())
+def _rda(
+  diffs: _Diffs, w: np.ndarray, eps: float, known: Mapping[int, float]
+) -> tuple[np.ndarray, float]:
+  """(direction, scale): the merge is direction · scale (see `rda`); the caller applies the scale."""
   members = [m for m, wm in enumerate(w) if wm > 0]
   computed = diffs.sq_norms([m for m in members if m not in known])  # The first of two passes.
   sq = {m: known[m] if m in known else computed[m] for m in members}  # In order: same sums.
-  norms = {m: s**0.5 for m, s in sq.items() if s**0.5 > eps}
-  radius = sum(float(w[m]) * norm for m, norm in norms.items()) / total
-  if not norms or radius <= eps:
+  coefs, radius = rda_coefficients(w, sq, eps)
+  if not coefs:
     out = diffs.output()
     out[...] = 0
-    return out
+    return out, 0.0
   # direction = Σ w_m unit(v_m) / Σ w; the result is radius · direction / ‖direction‖.
-  direction, dir_sq = diffs.combine({m: float(w[m]) / norm / total for m, norm in norms.items()})
+  direction, dir_sq = diffs.combine(coefs)
   dir_norm = dir_sq**0.5
   if dir_norm <= eps:
     direction[...] = 0
-    return direction
-  direction *= diffs.dtype.type(radius / dir_norm)
-  return direction
+    return direction, 0.0
+  return direction, radius / dir_norm
 
 
 def _merge_one(
@@ -269,11 +300,22 @@ def _merge_one(
   *,
   known: Mapping[int, float] | None = None,
   out: np.ndarray | None = None,
-) -> np.ndarray:
-  """One tensor's merge, into `out` (flat, the accumulation dtype) if given."""
+  defer_scale: bool = False,
+) -> tuple[np.ndarray, float]:
+  """One tensor's merge, into `out` (flat, the accumulation dtype) if given, and its scale.
+
+  The merge is `values · scale`; the scale is applied here (and 1.0 returned) unless
+  `defer_scale`. The product is rounded once, in the accumulation dtype, either way.
+  """
   diffs = _Diffs(pairs, BLOCK_VALUES, out)
-  out = _rda(diffs, w, eps, known or {}) if method == "rda" else _mean(diffs, w)
-  return out.reshape(np.shape(pairs[0][0]))
+  if method == "rda":
+    out, scale = _rda(diffs, w, eps, known or {})
+  else:
+    out, scale = _mean(diffs, w), 1.0
+  if not defer_scale and scale != 1.0:
+    out *= diffs.dtype.type(scale)
+    scale = 1.0
+  return out.reshape(np.shape(pairs[0][0])), scale
 
 
 def outer_sq_norms(
@@ -351,11 +393,11 @@ def weighted_mean(vs: Sequence[np.ndarray], ws: Sequence[float]) -> np.ndarray:
     ValueError: on mismatched lengths, shapes or dtypes, negative weights, or Σ w <= 0.
   """
   arrays, w = _check_inputs(vs, ws)
-  out = _merge_one([(a, None) for a in arrays], w, "mean", 0.0)
+  out, _ = _merge_one([(a, None) for a in arrays], w, "mean", 0.0)
   return out.astype(arrays[0].dtype, copy=False)
 
 
-def rda(vs: Sequence[np.ndarray], ws: Sequence[float], eps: float = 1e-12) -> np.ndarray:
+def rda(vs: Sequence[np.ndarray], ws: Sequence[float], eps: float = EPS) -> np.ndarray:
   """Radial-Directional Averaging of one tensor, docs/algorithm.md §4.5.
 
   `(Σ w‖v‖ / Σ w) · unit(Σ w unit(v) / Σ w)`: the radius is the weighted mean of the norms and the
@@ -377,7 +419,7 @@ def rda(vs: Sequence[np.ndarray], ws: Sequence[float], eps: float = 1e-12) -> np
     ValueError: on mismatched lengths, shapes or dtypes, negative weights, or Σ w <= 0.
   """
   arrays, w = _check_inputs(vs, ws)
-  out = _merge_one([(a, None) for a in arrays], w, "rda", eps)
+  out, _ = _merge_one([(a, None) for a in arrays], w, "rda", eps)
   return out.astype(arrays[0].dtype, copy=False)
 
 
@@ -439,9 +481,10 @@ def merge_reports(
   *,
   method: str = "rda",
   embedding_keys: Collection[str] = (),
-  eps: float = 1e-12,
+  eps: float = EPS,
   sq_norms: Sequence[Mapping[str, float] | None] | None = None,
   out: OutputBuffer | None = None,
+  scales: dict[str, float] | None = None,
 ) -> dict[str, np.ndarray]:
   """Merges the outer gradients v_m = anchors[m] − values[m] without forming them (docs/algorithm.md §4.3–4.5).
 
@@ -463,6 +506,10 @@ def merge_reports(
       RDA then skips its first pass for those learners; the result is the same bits.
     out: where the results are written (their memory is reused by the next merge into `out`);
       None: fresh memory.
+    scales: if given, RDA's last step, scaling the summed direction to the radius, is left to the
+      caller: the returned arrays are unscaled and `scales[key]` receives each tensor's factor
+      (1.0 for the mean). A caller that reads the results once anyway (the outer step) saves a
+      pass over them.
 
   Returns:
     {key: merged outer gradient}, keys in sorted order, in the accumulation dtype (float32 for
@@ -502,5 +549,9 @@ def merge_reports(
   for (key, (pairs, w)), flat in zip(inputs.items(), flats):
     use = "mean" if key in embedding_keys else method
     known = {m: float(sq[key]) for m, sq in enumerate(sq_norms) if sq is not None and key in sq}
-    merged[key] = _merge_one(pairs, w, use, eps, known=known, out=flat)
+    merged[key], scale = _merge_one(
+      pairs, w, use, eps, known=known, out=flat, defer_scale=scales is not None
+    )
+    if scales is not None:
+      scales[key] = scale
   return merged

@@ -108,6 +108,10 @@ class SyncerConfig:
       faster samples are clamped, so that no learner can race the syncer's step clock.
     max_tokens_per_step: if set, an answer may carry at most this many tokens per inner step
       (a learner's batch in tokens, with slack); None checks only the global counter bounds.
+    fused_merge_bytes: fragments of at least this many float32 bytes merge in one XLA program
+      with the outer step (about 2x faster at 16 MiB, but compiled once per answer count, ~0.2 s
+      each); smaller ones merge in numpy, then step (ddiloco/syncer/outer.py). The same
+      mathematics either way, rounded differently (float32 sums in another order).
   """
 
   min_quorum: int = 1
@@ -125,6 +129,7 @@ class SyncerConfig:
   max_update_ratio: float = 10.0
   max_step_rate: float = 1000.0
   max_tokens_per_step: int | None = None
+  fused_merge_bytes: int = 8 << 20
 
   def __post_init__(self):
     if self.min_quorum < 1:
@@ -154,6 +159,8 @@ class SyncerConfig:
       raise ValueError(f"max_update_ratio must be finite and >= 0, got {self.max_update_ratio}.")
     if not math.isfinite(self.max_step_rate) or self.max_step_rate <= 0:
       raise ValueError(f"max_step_rate must be finite and > 0, got {self.max_step_rate}.")
+    if self.fused_merge_bytes < 0:
+      raise ValueError(f"fused_merge_bytes must be >= 0, got {self.fused_merge_bytes}.")
     if self.max_tokens_per_step is not None and self.max_tokens_per_step < 1:
       raise ValueError(f"max_tokens_per_step must be >= 1 or None, got {self.max_tokens_per_step}.")
 

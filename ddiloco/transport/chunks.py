@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from ddiloco.fragments import buffers
 from ddiloco.transport.errors import WireError, WireSizeError
 
 DEFAULT_CHUNK_SIZE = 1 << 20
@@ -292,7 +293,7 @@ class ArrayPool:
         self._free_bytes -= nbytes
         self.reused += 1
     if buf is None:
-      buf = np.empty(nbytes, np.uint8)
+      buf = buffers.aligned_empty(nbytes, np.uint8)  # XLA reads it in place (buffers.py).
     # A view whose base is a memoryview, not `buf`: numpy then makes every further view's base
     # this array, so it lives as long as any of them does.
     out = np.frombuffer(memoryview(buf), dtype=dtype, count=n)

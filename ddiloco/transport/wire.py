@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import ml_dtypes
 import numpy as np
 
-from ddiloco.fragments import compression
+from ddiloco.fragments import buffers, compression
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ChunkWriter, Prefix, num_chunks_for
 from ddiloco.transport.errors import WireError, WireSizeError
 
@@ -292,14 +292,14 @@ class FragmentReader:
       max_bytes: size limit; defaults to `max_wire_bytes(layout)`.
       base: if given, the data is a delta and the result is `cast(base + decoded)` (docs/algorithm.md §5).
       alloc: makes each output array, (number of values, dtype) -> flat writable array; default
-        `np.empty`. A receiver recycles memory with `chunks.ArrayPool.empty`.
+        `buffers.aligned_empty` (XLA reads it in place). A receiver recycles memory with `chunks.ArrayPool.empty`.
       check_finite: count NaN/Inf and raise on any. False only for a caller that checks every
         value itself (the syncer service: `SyncerCore.report` checks them at filing, fused with
         RDA's norm, so a second pass here would only cost time).
     """
     self._layout, self._codec_name, self._base = layout, codec_name, base
     self._check = check_finite
-    self._alloc = np.empty if alloc is None else alloc
+    self._alloc = buffers.aligned_empty if alloc is None else alloc
     self.limit = max_wire_bytes(layout) if max_bytes is None else max_bytes
     self._fed = 0
     self._view, self._off, self._pos = memoryview(b""), 0, 0  # Current piece; stream offset.
@@ -607,7 +607,7 @@ def received_values(
     x = np.asarray(values[k])
     b = None if base is None else np.asarray(base[k])
     dtype = _resolve_dtype(x.dtype)
-    y = np.empty(x.size, dtype)
+    y = buffers.aligned_empty(x.size, dtype)
     b_flat, start, bad = None if b is None else np.ravel(b), 0, 0
     try:
       for payload, scales in codec.encode_runs(x, base=b):

@@ -1,0 +1,233 @@
+"""The merge fused with the outer step (`outer.py`) against the numpy merge followed by the step."""
+
+import jax
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+from ddiloco.syncer import merge, outer
+from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
+
+KEYS = (("a", "b", "emb"), ("c",))
+LEARNERS = (0, 1, 2)
+FUSED, NUMPY = 0, 1 << 40  # `SyncerConfig.fused_merge_bytes`: every fragment fused, or none.
+
+
+class _Clock:
+  t = 0.0
+
+  def __call__(self) -> float:
+    return self.t
+
+
+def _init():
+  rng = np.random.default_rng(0)
+  return {
+    "a": rng.standard_normal((3, 5)).astype(np.float32),
+    "b": rng.standard_normal(7).astype(ml_dtypes.bfloat16),
+    "emb": rng.standard_normal((4, 2)).astype(np.float32),
+    "c": rng.standard_normal(6).astype(np.float32),
+  }
+
+
+def _core(fused_bytes: int, *, optimizer=None, **cfg) -> SyncerCore:
+  cfg.setdefault("use_grace", False)
+  core = SyncerCore(
+    fragment_keys=KEYS,
+    init_values=_init(),
+    config=SyncerConfig(fused_merge_bytes=fused_bytes, **cfg),
+    clock=_Clock(),
+    embedding_keys=("emb",),
+    outer_optimizer=optimizer,
+  )
+  for i in LEARNERS:
+    core.register(i)
+    core.fetch(i, 0)
+  return core
+
+
+def _answers(
+  core: SyncerCore, step: int, seed: int, *, scale: float = 0.05, theta_from: int | None = 1
+) -> list[Report]:
+  """One answer per learner to round (0, step): learner `theta_from` sends θ, the others δ;
+  unequal tokens."""
+  rng = np.random.default_rng(seed)
+  cur = core.state(0)
+  out = []
+  for i in LEARNERS:
+    delta = {
+      k: (scale * rng.standard_normal(v.shape)).astype(np.float32) for k, v in cur.values.items()
+    }
+    if i == theta_from:
+      values = {
+        k: (cur.values[k].astype(np.float32) - d).astype(v.dtype)
+        for (k, d), v in zip(delta.items(), cur.values.values())
+      }
+    else:
+      values = {k: d.astype(cur.values[k].dtype) for k, d in delta.items()}
+    out.append(
+      Report(
+        learner_id=i,
+        fragment=0,
+        values=values,
+        tokens=100 * (i + 1),
+        steps=10,
+        anchor_version=cur.version,
+        step=step,
+        round_step=step,
+        outer_gradient=i != theta_from,
+      )
+    )
+  return out
+
+
+def _merge(core: SyncerCore, step: int, answers: list[Report]) -> None:
+  assert core.open_round(0, step) is not None
+  for r in answers:
+    assert core.report(r).weight > 0
+  (event,) = core.flush()
+  assert event.version == core.version(0)
+
+
+def _opt_arrays(core: SyncerCore) -> list[np.ndarray]:
+  sd = core.state_dict()
+  return [np.asarray(v, np.float64) for k, v in sorted(sd.items()) if "/opt/" in k]
+
+
+@pytest.mark.parametrize("method", ["rda", "mean"])
+def test_the_fused_merge_matches_the_numpy_merge_then_step(method):
+  """RDA (and the mean for the embedding) over δ and θ answers, a bfloat16 tensor, three merges:
+  the two ways agree to float32 rounding, in the values and in the optimizer state."""
+  fused, ref = _core(FUSED, merge_method=method), _core(NUMPY, merge_method=method)
+  for step in (10, 34, 58):
+    answers = _answers(ref, step, seed=step)
+    for core in (fused, ref):
+      _merge(core, step, answers)
+    got, want = fused.state(0).values, ref.state(0).values
+    for k in want:
+      assert got[k].dtype == want[k].dtype
+      tol = 1e-2 if want[k].dtype == ml_dtypes.bfloat16 else 2e-6
+      np.testing.assert_allclose(
+        got[k].astype(np.float64), want[k].astype(np.float64), rtol=tol, atol=tol, err_msg=k
+      )
+    assert fused.state(0).values["a"].tobytes() != _init()["a"].tobytes()  # It moved.
+  for a, b in zip(_opt_arrays(fused), _opt_arrays(ref)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_fused_merge_is_the_reference_rda_and_mean():
+  """The fused program's merged gradient, read through SGD(lr = 1) without momentum (Θ_new =
+  Θ − merge), is `merge.rda` for RDA keys and `merge.weighted_mean` for the embedding."""
+  core = _core(FUSED, optimizer=optax.sgd(1.0))
+  answers = [r for r in _answers(core, 10, seed=3) if r.outer_gradient]  # δ answers only.
+  _merge(core, 10, answers)
+  weights = [merge.token_weight(r.tokens, r.steps) for r in answers]
+  init = _init()
+  for k in ("a", "emb"):
+    vs = [r.values[k] for r in answers]
+    want = merge.weighted_mean(vs, weights) if k == "emb" else merge.rda(vs, weights)
+    got = init[k] - core.state(0).values[k]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_zero_outer_gradients_leave_the_values_where_they_are():
+  """RDA's degenerate case (every norm 0) in the fused program: a zero gradient, not NaN."""
+  core = _core(FUSED, optimizer=optax.sgd(0.7, momentum=0.9, nesterov=True))
+  answers = _answers(core, 10, seed=0, scale=0.0)
+  _merge(core, 10, answers)
+  for k, v in _init().items():
+    if k in KEYS[0]:
+      np.testing.assert_array_equal(core.state(0).values[k], v)
+
+
+def _snapshot(core: SyncerCore):
+  return core.state(0).version, core.state(0).digest, _opt_arrays(core)
+
+
+def _assert_same(before, after):
+  assert before[:2] == after[:2]
+  for a, b in zip(before[2], after[2]):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("fused_bytes", [FUSED, NUMPY], ids=["fused", "numpy"])
+def test_a_merge_that_overflows_changes_nothing(fused_bytes):
+  """Plausible answers (‖δ‖ about ‖Θ‖) whose outer step overflows float32 (lr 1e38)."""
+  core = _core(fused_bytes, optimizer=optax.sgd(1e38, momentum=0.9, nesterov=True))
+  core.open_round(0, 10)
+  before = _snapshot(core)
+  for r in _answers(core, 10, seed=1, scale=1.0):
+    assert core.report(r).weight > 0
+  assert core.flush() == []
+  _assert_same(before, _snapshot(core))
+  assert (core.stats()["failed_merges"], core.stats()["merges"]) == (1, 0)
+
+
+def test_a_fused_merge_that_raises_changes_nothing(monkeypatch):
+  core = _core(FUSED)
+  core.open_round(0, 10)
+  for r in _answers(core, 10, seed=1):
+    core.report(r)
+  before = _snapshot(core)
+
+  def boom(*args, **kwargs):
+    raise RuntimeError("merge bug")
+
+  monkeypatch.setattr(outer.OuterStep, "merge_and_step", boom)
+  assert core.flush() == []
+  _assert_same(before, _snapshot(core))
+  assert core.stats()["failed_merges"] == 1
+
+
+def test_a_restored_round_merges_as_the_original():
+  """A restored round's answers carry no squared norms (they are not saved): the fused merge
+  computes them as filing does, and the result is the same bits."""
+  core = _core(FUSED)
+  core.open_round(0, 10)
+  for r in _answers(core, 10, seed=5):
+    core.report(r)
+  restored = _core(FUSED)
+  restored.load_state_dict(core.state_dict())
+  assert core.flush()[0].digest == restored.flush()[0].digest
+
+
+def test_the_outer_step_refuses_mismatched_answers():
+  step = outer.OuterStep(optax.sgd(1.0), {"a": 1e30})
+  params = {"a": np.zeros(3, np.float32)}
+  with pytest.raises(ValueError, match="one kind per answer"):
+    step.merge_and_step(
+      params,
+      base=None,
+      answers=[params],
+      deltas=[True, True],
+      coefs={"a": {0: 1.0}},
+      radius={"a": None},
+      opt_state=step.init(params),
+    )
+  with pytest.raises(ValueError, match="needs the base"):
+    step.merge_and_step(
+      params,
+      base=None,
+      answers=[params],
+      deltas=[False],
+      coefs={"a": {0: 1.0}},
+      radius={"a": None},
+      opt_state=step.init(params),
+    )
+
+
+def test_warm_up_compiles_the_fused_program_for_the_fleet(caplog):
+  """`warm_up(p, answers=M)` compiles the program a merge of M δ answers runs; that merge then
+  compiles nothing."""
+  core = _core(FUSED)
+  core.warm_up(0, answers=len(LEARNERS))
+  before = core.state(0).digest
+  caplog.clear()
+  with caplog.at_level("WARNING"), jax.log_compiles(True):
+    _merge(core, 10, _answers(core, 10, seed=2, theta_from=None))
+  compiles = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+  assert not [m for m in compiles if "_merge_and_step" in m], compiles
+  assert core.state(0).digest != before
+  with pytest.raises(ValueError, match="answers must be >= 1"):
+    core.warm_up(0, answers=0)
