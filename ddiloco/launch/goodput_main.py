@@ -1,12 +1,13 @@
-r"""`ddiloco-goodput`: fleet-scale goodput simulator and bandwidth model (docs/algorithm.md §7).
+r"""`ddiloco-goodput`: fleet-scale goodput simulator, bandwidth and syncer capacity models (docs/algorithm.md §7).
 
   ddiloco-goodput --workdir=/tmp/goodput --gin_file=gin_configs/goodput/paper_table.gin
   ddiloco-goodput --workdir=/tmp/bandwidth --gin_file=gin_configs/goodput/bandwidth.gin
+  ddiloco-goodput --workdir=/tmp/capacity --gin_file=gin_configs/goodput/syncer_capacity.gin
   ddiloco-goodput --workdir=/tmp/goodput --gin_file=gin_configs/goodput/paper_table.gin \
       --gin.goodput.Fleet.chip_mtbi_hours=4380
 
-Writes config.gin, goodput.json / goodput.png (one record per system and chip count) and
-bandwidth.json / bandwidth.png to --workdir. The simulator and the models are plain Python in
+Writes config.gin, goodput.json / goodput.png (one record per system and chip count),
+bandwidth.json / bandwidth.png and capacity.json to --workdir. The simulator and the models are plain Python in
 ddiloco.simulation; gin binds them here only.
 """
 
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 import gin
 from absl import app, flags
 
-from ddiloco.goodput import bandwidth
+from ddiloco.goodput import bandwidth, capacity
 from ddiloco.goodput import model as goodput_model
 from ddiloco.goodput import report as goodput_report
 from ddiloco.launch import cli, gin_flags
@@ -39,6 +40,8 @@ for _cls in (
   goodput_report.BandwidthStudy,
 ):
   gin.external_configurable(_cls, module="bandwidth")
+for _cls in (capacity.SyncerCosts, capacity.SyncerLoad, capacity.CapacityStudy):
+  gin.external_configurable(_cls, module="capacity")
 
 
 @gin.configurable(module="goodput")
@@ -46,15 +49,24 @@ def experiment(
   *,
   goodput: goodput_report.GoodputStudy | None = None,
   bandwidth: goodput_report.BandwidthStudy | None = None,
-) -> tuple[goodput_report.GoodputStudy | None, goodput_report.BandwidthStudy | None]:
-  """What to run: a goodput study, a bandwidth study, or both (bound in .gin files).
+  capacity: capacity.CapacityStudy | None = None,
+) -> tuple[
+  goodput_report.GoodputStudy | None,
+  goodput_report.BandwidthStudy | None,
+  capacity.CapacityStudy | None,
+]:
+  """What to run: a goodput study, a bandwidth study, a syncer capacity study, or several (bound
+  in .gin files).
 
   Raises:
-    ValueError: if neither is configured.
+    ValueError: if none is configured.
   """
-  if goodput is None and bandwidth is None:
-    raise ValueError("Configure goodput.experiment.goodput and/or goodput.experiment.bandwidth.")
-  return goodput, bandwidth
+  if goodput is None and bandwidth is None and capacity is None:
+    raise ValueError(
+      "Configure goodput.experiment.goodput, goodput.experiment.bandwidth and/or "
+      "goodput.experiment.capacity."
+    )
+  return goodput, bandwidth, capacity
 
 
 def main(argv: Sequence[str]) -> None:
@@ -62,12 +74,14 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   with cli.bad_config():
     config_text = gin_flags.parse_gin()
-    goodput_study, bandwidth_study = experiment()
+    goodput_study, bandwidth_study, capacity_study = experiment()
   workdir = cli.make_workdir(_WORKDIR.value, config_text)
   if goodput_study is not None:
     goodput_report.run_goodput_study(goodput_study, workdir)
   if bandwidth_study is not None:
     goodput_report.run_bandwidth_study(bandwidth_study, workdir)
+  if capacity_study is not None:
+    capacity.run_capacity_study(capacity_study, workdir)
 
 
 def run() -> None:

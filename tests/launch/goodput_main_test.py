@@ -20,6 +20,7 @@ _SHRINK = {
   "heterogeneous.gin": _TINY,
   "scavenging.gin": [*_TINY, "--gin.goodput.Scavenging.start_hours=2"],
   "bandwidth.gin": [],
+  "syncer_capacity.gin": [],
 }
 
 
@@ -51,6 +52,14 @@ def test_shipped_config_runs(config, tmp_path):
     assert [round(d["gbps"], 2) for d in out["diloco"][:2]] == [1.67, 0.43]
     assert (tmp_path / "bandwidth.png").stat().st_size > 0
     return
+  if config.name == "syncer_capacity.gin":
+    out = json.loads((tmp_path / "capacity.json").read_text())
+    fleets = {f["fleet"]: f for f in out["fleets"]}
+    assert sorted(fleets) == ["2B, 8 learners", "5B, 8 learners", "9B, 8 learners"]
+    # 8 learners · 2e9 bf16 values / 24 per 1 s step into one shard.
+    assert round(fleets["2B, 8 learners"]["given"]["ingest_gbps"], 2) == 1.33
+    assert "9B, 8 learners" in proc.stdout  # the printed table
+    return
   records = json.loads((tmp_path / "goodput.json").read_text())
   config_text = (tmp_path / "config.gin").read_text()
   systems = {r["system"] for r in records}
@@ -69,7 +78,7 @@ def test_paper_config_matches_the_fitted_python_defaults():
   gin.clear_config()
   try:
     gin.parse_config_file(str(_ROOT / "gin_configs" / "goodput" / "paper_table.gin"))
-    study, bw = goodput_main.experiment()
+    study, bw, _ = goodput_main.experiment()
   finally:
     gin.clear_config()
   assert bw is None

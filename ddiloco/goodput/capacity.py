@@ -1,0 +1,270 @@
+"""How big a syncer must be: memory, ingest and cores per shard for a fleet (docs/goodput.md).
+
+The syncer holds the global model and merges every fragment once per period from every learner.
+This model turns a fleet (parameters, learners, schedule, step time, codecs) and per-core costs
+measured on a machine (`SyncerCosts`; scripts/bench_merge.py and scripts/bench_wire.py measure
+them) into what one of S syncer shards needs. Fragments are spread evenly over the shards, so
+every per-shard figure is the fleet's divided by S. Assumptions:
+
+- Memory per shard: the `keep_versions` newest versions of its fragments in the parameters' own
+  dtype, one float32 optimizer-state array per parameter per `state_arrays` (1 for Nesterov SGD),
+  the decoded answers of the rounds open at once (each answer is a fragment in the parameters'
+  dtype, from every learner), and the encoded downlink delta kept per fragment for a lossy
+  downlink. Rounds open at once: a round stays open for its τ steps of overlap (then the grace
+  window, bounded by the same budget), and a fragment is due every H / P steps, so
+  ceil((τ + 1) · P / H) rounds are open fleet-wide, spread over the shards. Process overhead
+  (Python, gRPC, buffers) is `base_bytes`.
+- Ingest: every learner answers every round, P / H rounds per step fleet-wide, one fragment each,
+  in the uplink's bits per value. Egress: every merged fragment goes to every learner in the
+  downlink's bits. For P = H = 24, a 2B model with 8 learners at a 1 s step and a bf16 uplink:
+  8 · 2e9 · 2 B / 24 s = 1.33 GB/s into the syncer.
+- Cores per shard: the time per second spent decoding pushes, serving pulls, merging (reading
+  every answer once, with the outer step) and adopting a lossy downlink, each at its measured
+  per-core rate. A shard that needs more than one core must run those on several threads or
+  processes; the figure is the work, not a promise that Python spreads it.
+- Latency: a round's merge (M answers of one fragment, plus adoption) must finish within the
+  grace budget, τ steps, or learners apply the round late. `merge_s` is that time on
+  `merge_cores` cores. Shards do not shorten it: they split the fragments, not a fragment.
+"""
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Sequence
+
+from ddiloco.goodput import bandwidth
+
+_GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncerCosts:
+  """What one syncer core does per second, measured on a machine (docs/goodput.md says where).
+
+  Attributes:
+    ingest_gbps: pushed bytes (on the wire) a core receives and decodes, GB/s.
+    egress_gbps: pulled bytes a core serves, GB/s.
+    merge_gbps: answer bytes (decoded, in the parameters' dtype) a core merges, outer step
+      included, GB/s.
+    adopt_gbps: fragment bytes a core adopts through a lossy downlink codec (encode the delta,
+      decode it as a learner will), GB/s; unused for an exact downlink.
+    source: where the figures come from.
+  """
+
+  ingest_gbps: float
+  egress_gbps: float
+  merge_gbps: float
+  adopt_gbps: float
+  source: str = ""
+
+  def __post_init__(self):
+    for name in ("ingest_gbps", "egress_gbps", "merge_gbps", "adopt_gbps"):
+      value = getattr(self, name)
+      if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {value}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncerLoad:
+  """A fleet as the syncer sees it.
+
+  Attributes:
+    params: parameters of the model.
+    learners: M, learners answering every round.
+    fragments: P.
+    period: H, inner steps between two rounds of one fragment.
+    overlap: τ, steps a learner trains before it applies a round's merge.
+    step_time_s: the learners' inner step time.
+    param_bytes: bytes per parameter of the global model (4 for float32, 2 for bfloat16).
+    uplink: the push codec (default bf16).
+    downlink: the pull codec (default bf16).
+    lossy_downlink: whether the downlink codec is lossy (the syncer adopts what learners decode
+      and keeps the encoded delta of each fragment's newest version).
+    keep_versions: versions kept per fragment, current included.
+    state_arrays: float32 optimizer-state arrays per parameter (1: Nesterov momentum).
+    shards: S, syncer processes the fragments are spread over.
+    merge_cores: cores one merge runs on (XLA's intra-op threads run the fused merge on several;
+      it used 1.4 of 2 cores on the development VM). Sharding splits the fragments, not one
+      fragment's merge: only this (or smaller fragments) shortens a merge.
+    base_bytes: memory of a shard besides the model (interpreter, libraries, buffers).
+  """
+
+  params: float
+  learners: int
+  fragments: int = 24
+  period: int = 24
+  overlap: int = 2
+  step_time_s: float = 1.0
+  param_bytes: int = 4
+  uplink: bandwidth.Wire = dataclasses.field(default_factory=bandwidth.Wire)
+  downlink: bandwidth.Wire = dataclasses.field(default_factory=bandwidth.Wire)
+  lossy_downlink: bool = False
+  keep_versions: int = 4
+  state_arrays: int = 1
+  shards: int = 1
+  merge_cores: int = 1
+  base_bytes: float = 1e9
+
+  def __post_init__(self):
+    if not (math.isfinite(self.params) and self.params > 0):
+      raise ValueError(f"params must be finite and > 0, got {self.params}.")
+    names = ("learners", "fragments", "period", "overlap", "param_bytes", "keep_versions")
+    for name in (*names, "merge_cores"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+    if not 1 <= self.shards <= self.fragments:
+      raise ValueError(f"shards must be in [1, fragments={self.fragments}], got {self.shards}.")
+    if self.state_arrays < 0 or self.base_bytes < 0:
+      raise ValueError("state_arrays and base_bytes must be >= 0.")
+    if not (math.isfinite(self.step_time_s) and self.step_time_s > 0):
+      raise ValueError(f"step_time_s must be finite and > 0, got {self.step_time_s}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardSizing:
+  """What one shard needs (every figure per shard; see the module docstring)."""
+
+  shards: int
+  ram_bytes: float
+  ram_parts: dict[str, float]
+  ingest_gbps: float
+  egress_gbps: float
+  cores: float
+  merge_s: float
+  grace_budget_s: float
+
+  @property
+  def in_budget(self) -> bool:
+    """Whether a round's merge fits in its grace budget (τ steps)."""
+    return self.merge_s <= self.grace_budget_s
+
+
+def size_shard(load: SyncerLoad, costs: SyncerCosts) -> ShardSizing:
+  """Memory, traffic, cores and merge latency of one of `load.shards` shards."""
+  s, m = load.shards, load.learners
+  shard_params = load.params / s
+  fragment_params = load.params / load.fragments
+  rounds_per_step = load.fragments / load.period  # Fleet-wide.
+  open_rounds = math.ceil((load.overlap + 1) * rounds_per_step)
+  open_here = math.ceil(open_rounds / s)
+  parts = {
+    "versions": load.keep_versions * shard_params * load.param_bytes,
+    "optimizer": load.state_arrays * shard_params * 4,
+    "answers": open_here * m * fragment_params * load.param_bytes,
+    "downlink": shard_params * load.downlink.bits / 8 if load.lossy_downlink else 0.0,
+    "base": load.base_bytes,
+  }
+  steps_per_s = 1.0 / load.step_time_s
+  # Per shard and second: rounds merged, bytes pushed in and pulled out.
+  rounds = rounds_per_step * steps_per_s / s
+  ingest = rounds * m * fragment_params * load.uplink.bits / 8 / _GB
+  egress = rounds * m * fragment_params * load.downlink.bits / 8 / _GB
+  merge_bytes = m * fragment_params * load.param_bytes
+  merge_work = merge_bytes / (costs.merge_gbps * _GB)  # Core-seconds per round.
+  if load.lossy_downlink:
+    merge_work += fragment_params * load.param_bytes / (costs.adopt_gbps * _GB)
+  cores = ingest / costs.ingest_gbps + egress / costs.egress_gbps + rounds * merge_work
+  return ShardSizing(
+    shards=s,
+    ram_bytes=sum(parts.values()),
+    ram_parts=parts,
+    ingest_gbps=ingest,
+    egress_gbps=egress,
+    cores=cores,
+    merge_s=merge_work / load.merge_cores,
+    grace_budget_s=load.overlap * load.step_time_s,
+  )
+
+
+def fewest_shards(
+  load: SyncerLoad, costs: SyncerCosts, *, max_cores: float, max_ram_bytes: float
+) -> ShardSizing | None:
+  """The sizing with the fewest shards (1, 2, 3, ... up to P) whose shards each need at most
+  `max_cores` cores and `max_ram_bytes` of memory and merge within the grace budget, or None."""
+  for s in range(1, load.fragments + 1):
+    sizing = size_shard(dataclasses.replace(load, shards=s), costs)
+    if sizing.cores <= max_cores and sizing.ram_bytes <= max_ram_bytes and sizing.in_budget:
+      return sizing
+  return None
+
+
+def format_sizing(rows: list[tuple[str, ShardSizing]]) -> str:
+  """A table: one row per (label, sizing), figures per shard."""
+  head = (
+    f"{'fleet':34s} {'S':>3s} {'RAM GB':>8s} {'in GB/s':>8s} {'out GB/s':>8s} "
+    f"{'cores':>6s} {'merge ms':>9s} {'budget ms':>9s}"
+  )
+  lines = [head]
+  for label, z in rows:
+    lines.append(
+      f"{label:34s} {z.shards:3d} {z.ram_bytes / _GB:8.1f} {z.ingest_gbps:8.2f} "
+      f"{z.egress_gbps:8.2f} {z.cores:6.2f} {1e3 * z.merge_s:9.1f} {1e3 * z.grace_budget_s:9.0f}"
+      + ("" if z.in_budget else "  (over budget)")
+    )
+  return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CapacityStudy:
+  """Fleets to size against one machine's measured costs (`ddiloco-goodput`).
+
+  Attributes:
+    fleets: (label, load) pairs; each is sized at its own `shards` and at the fewest shards
+      that fit the limits below.
+    costs: the per-core costs.
+    max_cores: cores one shard may use.
+    max_ram_gb: memory one shard may use, GB.
+  """
+
+  fleets: Sequence[tuple[str, SyncerLoad]]
+  costs: SyncerCosts
+  max_cores: float = 8.0
+  max_ram_gb: float = 128.0
+
+  def __post_init__(self):
+    object.__setattr__(self, "fleets", tuple((str(n), f) for n, f in self.fleets))
+    if not self.fleets:
+      raise ValueError("A capacity study needs at least one fleet.")
+    if not (self.max_cores > 0 and self.max_ram_gb > 0):
+      raise ValueError("max_cores and max_ram_gb must be > 0.")
+
+
+def run_capacity_study(study: CapacityStudy, workdir: str) -> dict[str, object]:
+  """Sizes every fleet; writes capacity.json to `workdir` and prints the table.
+
+  Returns:
+    The figures written to capacity.json.
+  """
+  os.makedirs(workdir, exist_ok=True)
+  rows, out = [], []
+  for label, load in study.fleets:
+    given = size_shard(load, study.costs)
+    best = fewest_shards(
+      load, study.costs, max_cores=study.max_cores, max_ram_bytes=study.max_ram_gb * _GB
+    )
+    rows.append((label, given))
+    if best is not None and best.shards != given.shards:
+      rows.append(("  fewest shards that fit", best))
+    out.append(
+      {
+        "fleet": label,
+        "load": dataclasses.asdict(load),
+        "given": dataclasses.asdict(given),
+        "fewest_shards": None if best is None else dataclasses.asdict(best),
+      }
+    )
+  result = {
+    "costs": dataclasses.asdict(study.costs),
+    "max_cores": study.max_cores,
+    "max_ram_gb": study.max_ram_gb,
+    "fleets": out,
+  }
+  with open(os.path.join(workdir, "capacity.json"), "w") as f:
+    json.dump(result, f, indent=1)
+  print(format_sizing(rows))
+  print(
+    f"per shard; limits {study.max_cores:g} cores, {study.max_ram_gb:g} GB; costs: "
+    f"{study.costs.source or 'unstated'}"
+  )
+  return result
