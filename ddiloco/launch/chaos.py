@@ -26,7 +26,8 @@ from ddiloco.chaos.schedule import ChaosConfig, ChaosEvent, make_schedule
 from ddiloco.chaos.tape import TapeWriter, read_tape
 from ddiloco.checkpoint import syncer as syncer_ckpt
 from ddiloco.launch.job import JobConfig
-from ddiloco.launch.local_cluster import Child, LocalCluster
+from ddiloco.launch.local_cluster import LocalCluster
+from ddiloco.launch.processes import Child
 
 
 class _Tail:

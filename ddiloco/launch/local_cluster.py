@@ -1,29 +1,28 @@
 """`LocalCluster`: one syncer and M learner subprocesses on 127.0.0.1, and their clean teardown.
 
-Used by `ddiloco-local` and the integration tests. Children are started in their own session (so a
-terminal's Ctrl-C reaches only the launcher, which then stops them in order) with PR_SET_PDEATHSIG
-(so they die with the launcher even if it is SIGKILLed): launch/processes.py. `stop_all` sends
-SIGTERM, waits, then SIGKILLs whatever is left.
+Used by `ddiloco-local` and the integration tests. The cluster starts the job's programs (their
+command lines, environments and ports) and `run`s the job; the rest it composes:
 
-Elastic scavenging (docs/algorithm.md §6): learners can join a running job (`add_learner`, with their own device
-count, batch size and steps) and leave it again (`remove_learner`: SIGTERM, so the learner saves,
-flushes, calls Leave and exits 0). `run` serves `ddiloco-fleet` requests (launch/fleet.py) from its
-progress loop, ends when every learner still in the fleet has finished, and records every join and
-leave in summary.json's "membership". An added learner with id m reads data shard m mod M (M =
-JobConfig.num_learners): the shard of learner m mod M, so scavenged compute repeats data that the
-fleet also reads (docs/resilience.md "Elastic scavenging (real processes)").
+- launch/processes.py: child processes, started in their own session (so a terminal's Ctrl-C
+  reaches only the launcher, which then stops them in order) with PR_SET_PDEATHSIG (so they die
+  with the launcher even if it is SIGKILLed), and watched as `Child`ren. `stop_all` sends SIGTERM,
+  waits, then SIGKILLs whatever is left.
+- launch/elastic.py: `fleet`, the learners `run` manages as they join and leave (elastic
+  scavenging, docs/algorithm.md §6; `add_learner`, `remove_learner`), with summary.json's
+  "membership". `run` ends when every learner still in the fleet has finished.
+- launch/fleet_requests.py: the `ddiloco-fleet` requests `run` serves from its loop.
+- launch/progress_lines.py: the line `run` reports every few seconds.
 
-Multi-process learners (`JobConfig.processes_per_learner` = N > 1; docs/algorithm.md §1, a learner on a
-multi-host slice): learner m is N `ddiloco-learner` processes joined by `jax.distributed` (a fresh
-coordinator port per start), each with `devices_per_learner` fake CPU devices, process i writing to
-`learner_m/process_i` (process 0 to `learner_m`). The learner is a unit (`processes.ProcessUnit`,
-the `Child.proc` of the learner): signals reach all N, a failure takes all N down, and the unit's
-exit code is 0 only if every process exited 0; restarts and removals then treat it as one learner.
-Progress lines and summary.json read the leader's (process 0's) metrics and summary.
+Multi-process learners (`JobConfig.processes_per_learner` = N > 1; docs/algorithm.md §1, a learner
+on a multi-host slice): learner m is N `ddiloco-learner` processes joined by `jax.distributed`
+(`learner_launches`), held as one `processes.ProcessUnit` (the `Child.proc` of the learner), so
+that restarts and removals treat it as one learner. Progress lines and summary.json read the
+leader's (process 0's) metrics and summary.
+
+A backend that places the programs elsewhere (launch/ray_cluster.py) overrides how a program is
+started (`_popen`, `_env`, `_coordinator_address`, `spawn_syncer`, `start_learner`).
 """
 
-import dataclasses
-import json
 import os
 import secrets
 import shutil
@@ -35,11 +34,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ddiloco import storage
+from ddiloco.launch import elastic, fleet_requests, processes, progress_lines
 from ddiloco.launch import fleet as fleet_lib
-from ddiloco.launch import processes
 from ddiloco.launch.job import JobConfig
-from ddiloco.launch.run_summary import plot, read_json, summarize
-from ddiloco.metrics import progress as progress_fields
+from ddiloco.launch.processes import Child
+from ddiloco.launch.run_summary import plot, summarize
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -48,62 +47,6 @@ class RunInterrupted(KeyboardInterrupt):
   def __init__(self, summary: dict[str, Any]):
     super().__init__("interrupted")
     self.summary = summary
-
-
-@dataclasses.dataclass
-class Child:
-  """A started subprocess (or a learner's `processes.ProcessUnit`), its log and the metrics file the launcher
-  tails (process 0's for a unit)."""
-
-  name: str
-  proc: subprocess.Popen | processes.ProcessUnit
-  log_path: str
-  metrics_path: str
-  offset: int = 0
-  last: dict = dataclasses.field(default_factory=dict)  # Last train event.
-
-  def poll_metrics(self) -> None:
-    """Reads new complete lines of metrics.jsonl; keeps the last `train` event."""
-    try:
-      with open(self.metrics_path) as f:
-        f.seek(self.offset)
-        data = f.read()
-    except FileNotFoundError:
-      return
-    end = data.rfind("\n") + 1
-    self.offset += end
-    for line in data[:end].splitlines():
-      try:
-        ev = json.loads(line)
-      except json.JSONDecodeError:
-        continue
-      if ev.get("kind") == "train":
-        self.last = ev
-
-
-@dataclasses.dataclass
-class FleetMember:
-  """A learner of the fleet `run` manages, and where it is in its life.
-
-  `state`: "running", "removing" (SIGTERM sent), "finished" (exited 0 on its own), "removed"
-  (by `remove_learner`) or "failed" (an added learner that crashed; the job goes on without it).
-  """
-
-  learner_id: int
-  devices: int
-  batch_size: int | None  # None: the job's.
-  steps: int | None  # None: the job's steps_per_learner.
-  elastic: bool  # Added to a running job (its crash is not the job's failure).
-  started: float  # time.time() at start.
-  state: str = "running"
-  exit_code: int | None = None
-  remove_deadline: float | None = None  # Monotonic; SIGKILL after it.
-  request_id: str | None = None  # A ddiloco-fleet request answered when the removal completes.
-
-  def to_json(self) -> dict[str, Any]:
-    out = dataclasses.asdict(self)
-    del out["remove_deadline"], out["request_id"]
-    return out
 
 
 class LocalCluster:
@@ -149,40 +92,26 @@ class LocalCluster:
     self.extra_learner_args = list(extra_learner_args)
     self.token = secrets.token_hex(16)
     self.syncer: Child | None = None
-    self.learners: dict[int, Child] = {}
+    self.learners: dict[int, Child] = {}  # Shared with `fleet`: filled in place, never rebound.
     self.port: int | None = None
     self.syncer_host = "127.0.0.1"  # Where learners and the launcher reach the syncer.
-    self.fleet: dict[int, FleetMember] = {}  # The learners `run` started or `add_learner` added.
-    self.membership: list[dict[str, Any]] = []  # Join/leave/finish/fail events, in order.
-    self.job: JobConfig | None = None  # Set by `run`; lets `add_learner` check the batch size.
+    # The learners `run` started or `add_learner` added, their events, and the job (set by `run`).
+    self.fleet = elastic.Fleet(
+      workdir=self.workdir,
+      num_learners=num_learners,
+      devices_per_learner=devices_per_learner,
+      processes_per_learner=processes_per_learner,
+      learners=self.learners,
+      start_learner=self.start_learner,
+    )
     self.control: fleet_lib.ControlServer | None = None  # ddiloco-fleet requests, while `run` runs.
     self.syncer_alive_at_end: list[int] | None = None
-    self._t0 = time.time()
 
-  # -- processes --------------------------------------------------------------------------------
+  # -- starting programs ------------------------------------------------------------------------
 
   def _run_env(self, devices: int | None) -> dict[str, str]:
     """The variables this launcher sets for a program, over the environment it runs in."""
-    env = {
-      "DDILOCO_TOKEN": self.token,
-      "JAX_PLATFORMS": "cpu",
-      "JAX_COMPILATION_CACHE_DIR": os.environ.get(
-        "JAX_COMPILATION_CACHE_DIR", os.path.join(self.workdir, "jax_cache")
-      ),
-      # Every compile: a restarted process beside busy learners finds even its small programs (the
-      # syncer's outer steps, quick on an idle machine) instead of compiling them slowly again.
-      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": os.environ.get(
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"
-      ),
-      "PYTHONUNBUFFERED": "1",
-    }
-    flags_ = [
-      f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f
-    ]
-    if devices is not None:
-      flags_.append(f"--xla_force_host_platform_device_count={devices}")
-    env["XLA_FLAGS"] = " ".join(flags_)
-    return env
+    return processes.run_env(self.token, self.workdir, devices)
 
   def _env(self, devices: int | None) -> dict[str, str]:
     return {**os.environ, **self._run_env(devices)}
@@ -287,19 +216,7 @@ class LocalCluster:
     launches = self.learner_launches(
       learner_id, extra_args=extra_args, devices=devices, address=address
     )
-    if len(launches) == 1:
-      proc = self._popen(launches[0])
-    else:
-      procs = []
-      try:
-        for launch in launches:
-          procs.append(self._popen(launch))
-      except BaseException:
-        for p in procs:  # Never half a learner.
-          processes.signal_group(p, signal.SIGKILL)
-          p.wait(timeout=30)
-        raise
-      proc = processes.ProcessUnit(procs, log_paths=[launch.log_path for launch in launches])
+    proc = processes.start_unit(launches, self._popen)
     folder = os.path.join(self.workdir, name)
     child = Child(name, proc, launches[0].log_path, os.path.join(folder, "metrics.jsonl"))
     self.learners[learner_id] = child
@@ -355,50 +272,7 @@ class LocalCluster:
     del learner_id  # Every process of every learner runs on this host.
     return f"127.0.0.1:{processes.free_port()}"
 
-  # -- elastic membership (docs/algorithm.md §6 scavenging) ---------------------------------------------------
-
-  def _record(self, event: str, learner_id: int, **fields: Any) -> None:
-    now = time.time()
-    head = {"t": round(now - self._t0, 3), "time": round(now, 3), "event": event}
-    self.membership.append({**head, "learner_id": learner_id, **fields})
-
-  def next_learner_id(self) -> int:
-    """The smallest id above every id this cluster used (and M - 1) with no folder in the workdir.
-
-    A folder would hold another learner's checkpoints, which a new learner must not restore.
-    """
-    i = max([self.num_learners - 1, *self.fleet, *self.learners]) + 1
-    while os.path.exists(os.path.join(self.workdir, f"learner_{i}")):
-      i += 1
-    return i
-
-  def _join(
-    self,
-    learner_id: int,
-    *,
-    devices: int,
-    batch_size: int | None,
-    steps: int | None,
-    elastic: bool,
-    extra_args: Sequence[str] = (),
-  ) -> FleetMember:
-    args = [f"--steps={steps}"] if steps is not None else []
-    if batch_size is not None:  # Read by make_learner_worker through JobConfig.batch_size.
-      args.append(f"--gin_bindings=JobConfig.batch_size = {batch_size}")
-    self.start_learner(learner_id, extra_args=[*args, *extra_args], devices=devices)
-    member = FleetMember(
-      learner_id=learner_id,
-      devices=devices,
-      batch_size=batch_size,
-      steps=steps,
-      elastic=elastic,
-      started=time.time(),
-    )
-    self.fleet[learner_id] = member
-    self._record(
-      "join", learner_id, devices=devices, batch_size=batch_size, steps=steps, elastic=elastic
-    )
-    return member
+  # -- the learners' fleet (launch/elastic.py) --------------------------------------------------
 
   def add_learner(
     self,
@@ -409,167 +283,52 @@ class LocalCluster:
     steps: int | None = None,
     extra_args: Sequence[str] = (),
   ) -> int:
-    """Adds a learner to the running job (scavenging, docs/algorithm.md §6); returns its id.
-
-    The new learner registers with the syncer, takes the current global fragments and trains
-    until `steps` or `remove_learner`. Its crash is recorded, not raised: spare compute may vanish.
-
-    Args:
-      learner_id: its id (None: `next_learner_id()`); an id that left may come back, and then
-        restores its own checkpoint from its folder (docs/resilience.md).
-      devices: its fake CPU devices (default `devices_per_learner`).
-      batch_size: its examples per step (default the job's); must split evenly over `devices`.
-      steps: its inner steps (default the job's steps_per_learner).
-      extra_args: more flags for this learner only.
+    """Adds a learner to the running job once the syncer serves; returns its id (`Fleet.add`).
 
     Raises:
       RuntimeError: if the syncer is not started.
-      ValueError: on a bad number, an id already in the fleet, or a batch that does not split over
-        the devices (nothing is started then).
+      ValueError: as `Fleet.add` (nothing is started then).
     """
     if self.port is None:
       raise RuntimeError("Start the syncer before adding learners.")
-    devices = self.devices_per_learner if devices is None else devices
-    for name, value in (("devices", devices), ("batch_size", batch_size), ("steps", steps)):
-      if value is not None:
-        processes.check_count(name, value)
-    if learner_id is None:
-      learner_id = self.next_learner_id()
-    elif isinstance(learner_id, bool) or not isinstance(learner_id, int) or learner_id < 0:
-      raise ValueError(f"learner_id must be an integer >= 0, got {learner_id!r}.")
-    member = self.fleet.get(learner_id)
-    if member is not None and member.state in ("running", "removing"):
-      raise ValueError(f"learner {learner_id} is already in the fleet ({member.state}).")
-    child = self.learners.get(learner_id)
-    if child is not None and child.proc.poll() is None:
-      raise ValueError(f"learner {learner_id} is already running.")
-    batch = batch_size or (self.job.learner_batch_size() if self.job is not None else None)
-    total = devices * self.processes_per_learner  # The learner's mesh spans all its processes.
-    if batch is not None and batch % total:
-      where = f"{total} devices"
-      if self.processes_per_learner > 1:
-        where += f" ({self.processes_per_learner} processes x {devices})"
-      raise ValueError(
-        f"batch_size {batch} does not split over {where}: the batch is sharded along the "
-        "learner's data axis."
-      )
-    self._join(
-      learner_id,
+    return self.fleet.add(
+      learner_id=learner_id,
       devices=devices,
       batch_size=batch_size,
       steps=steps,
-      elastic=True,
       extra_args=extra_args,
     )
-    return learner_id
 
   def begin_remove(
     self, learner_id: int, *, timeout_s: float = fleet_lib.DEFAULT_REMOVE_TIMEOUT_S
-  ) -> FleetMember:
+  ) -> elastic.FleetMember:
     """Sends SIGTERM to a running learner of the fleet; `run` (or `remove_learner`) reaps it.
 
     Raises:
       ValueError: if the learner is not running in the fleet (nothing is signalled).
     """
-    member = self.fleet.get(learner_id)
-    if member is None:
-      known = ", ".join(str(i) for i in sorted(self.fleet)) or "none"
-      raise ValueError(f"learner {learner_id} is not in the fleet (learners: {known}).")
-    if member.state != "running":
-      raise ValueError(f"learner {learner_id} is not running ({member.state}).")
-    if not timeout_s > 0:
-      raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
-    child = self.learners[learner_id]
-    processes.signal_group(child.proc, signal.SIGCONT)  # A paused learner could not handle SIGTERM.
-    processes.signal_group(
-      child.proc, signal.SIGTERM
-    )  # learner_main: stop after this step, save, Leave, exit 0.
-    member.state = "removing"
-    member.remove_deadline = time.monotonic() + timeout_s
-    return member
-
-  def _reap_removal(self, member: FleetMember) -> dict[str, Any] | None:
-    """Completes a removal once the learner exited (SIGKILL past its deadline); None until then."""
-    child = self.learners[member.learner_id]
-    forced = False
-    if child.proc.poll() is None:
-      if time.monotonic() < member.remove_deadline:
-        return None
-      forced = True
-      self.kill(child)
-    rc = child.proc.poll()
-    summary_path = os.path.join(os.path.dirname(child.log_path), "summary.json")
-    # The summary is written after the Leave RPC: a fresh one means the learner left on its own.
-    left = (
-      rc == 0 and os.path.exists(summary_path) and os.path.getmtime(summary_path) >= member.started
-    )
-    member.state, member.exit_code = "removed", rc
-    result = {"learner_id": member.learner_id, "exit_code": rc, "graceful": left, "forced": forced}
-    if left:
-      s = read_json(summary_path)
-      result |= {"steps": s["steps"], "tokens": s["tokens"], "push_status": s["push_status"]}
-    self._record("leave", member.learner_id, exit_code=rc, graceful=left, forced=forced)
-    return result
+    return self.fleet.begin_remove(learner_id, timeout_s=timeout_s)
 
   def remove_learner(
     self, learner_id: int, *, timeout_s: float = fleet_lib.DEFAULT_REMOVE_TIMEOUT_S
   ) -> dict[str, Any]:
-    """Removes a learner gracefully and waits until it is gone (docs/algorithm.md §6: learners may leave).
-
-    SIGTERM makes the learner finish its step, save a checkpoint, flush its pushes, call Leave
-    (the syncer drops it from its membership at once) and exit 0; after `timeout_s` it is
-    SIGKILLed (the syncer then drops it after `ServiceConfig.liveness_timeout_s`). Either way its
-    exit is not a failure of the job.
-
-    Returns:
-      {"learner_id", "exit_code", "graceful" (it left and wrote its summary), "forced" (SIGKILL),
-      and, if graceful, its "steps", "tokens" and "push_status"}.
+    """Removes a learner gracefully and waits until it is gone; returns how (`Fleet.remove`).
 
     Raises:
       ValueError: if the learner is not running in the fleet.
     """
-    member = self.begin_remove(learner_id, timeout_s=timeout_s)
-    while (result := self._reap_removal(member)) is None:
-      time.sleep(0.1)
-    return result
+    return self.fleet.remove(learner_id, timeout_s=timeout_s)
 
   def check_fleet(self, progress: Callable[[str], None] | None = None, client=None) -> bool:
-    """Reaps exits and removals; True when no learner of the fleet is running or leaving.
-
-    With a syncer `client`, the answer to a ddiloco-fleet removal also says which learners the
-    syncer lists alive right after it (a graceful leave is gone from there at once).
+    """Reaps exits and removals, answering removals asked for on `control`; True when no learner
+    of the fleet is running or leaving (`Fleet.check`).
 
     Raises:
       RuntimeError: if a learner the job started with exited with an error.
     """
-    for i, m in sorted(self.fleet.items()):
-      if m.state == "running":
-        rc = self.learners[i].proc.poll()
-        if rc is None:
-          continue
-        m.exit_code = rc
-        if rc == 0:
-          m.state = "finished"
-          self._record("finish", i, exit_code=0)
-        elif m.elastic:
-          m.state = "failed"
-          self._record("fail", i, exit_code=rc)
-          if progress is not None:
-            tail = self.tail(self.learners[i], 10)
-            progress(f"fleet: added learner {i} failed ({rc}), the job goes on:\n{tail}")
-        else:
-          raise RuntimeError(f"learner {i} exited with {rc}:\n{self.tail(self.learners[i])}")
-      elif m.state == "removing":
-        result = self._reap_removal(m)
-        if result is not None:
-          if client is not None:
-            result["syncer_alive"] = self._syncer_alive(client)
-          if progress is not None:
-            progress(f"fleet: learner {i} removed: {result}")
-          if m.request_id is not None and self.control is not None:
-            self.control.respond(m.request_id, ok=True, result=result)
-            m.request_id = None
-    return not any(m.state in ("running", "removing") for m in self.fleet.values())
+    return self.fleet.check(progress, client, self.control)
+
+  # -- watching and stopping children (launch/processes.py) --------------------------------------
 
   def signal(self, child: Child, sig: int) -> None:
     """Sends `sig` to a child's process group (SIGKILL, SIGSTOP, SIGCONT, SIGTERM) if it runs."""
@@ -577,14 +336,7 @@ class LocalCluster:
 
   def kill(self, child: Child, *, timeout_s: float = 10.0) -> int | None:
     """SIGKILLs a child (a crash) and reaps it; returns its exit code."""
-    processes.signal_group(
-      child.proc, signal.SIGCONT
-    )  # A stopped process must not stay stopped in the kernel.
-    processes.signal_group(child.proc, signal.SIGKILL)
-    try:
-      return child.proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-      return None
+    return processes.kill(child, timeout_s=timeout_s)
 
   def clear_previous(self) -> list[str]:
     """Removes a previous run's process folders (state, checkpoints, logs); returns what it removed.
@@ -607,37 +359,14 @@ class LocalCluster:
 
   def stop_all(self, grace_s: float = 15.0) -> None:
     """SIGTERM to every live child (learners first), then SIGKILL after `grace_s`. Idempotent."""
-    for group in (list(self.learners.values()), [self.syncer] if self.syncer else []):
-      live = [c for c in group if c.proc.poll() is None]
-      for c in live:
-        processes.signal_group(
-          c.proc, signal.SIGCONT
-        )  # A paused (SIGSTOPped) child could not handle SIGTERM.
-        processes.signal_group(c.proc, signal.SIGTERM)
-      deadline = time.monotonic() + grace_s
-      for c in live:
-        try:
-          c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-          processes.signal_group(c.proc, signal.SIGKILL)
-          c.proc.wait(timeout=10)
+    processes.stop_in_order(
+      [list(self.learners.values()), [self.syncer] if self.syncer else []], grace_s
+    )
 
   @staticmethod
   def tail(child: Child, lines: int = 30) -> str:
-    """The end of a child's log; for a failed unit, also that of the process that exited first."""
-    paths = [child.log_path]
-    unit = child.proc
-    if isinstance(unit, processes.ProcessUnit) and unit.first_exit not in (None, 0):
-      paths.insert(0, unit.log_paths[unit.first_exit])
-    out = []
-    for path in paths:
-      try:
-        with open(path) as f:
-          text = "".join(f.readlines()[-lines:])
-      except FileNotFoundError:
-        text = ""
-      out.append(text if len(paths) == 1 else f"== {path} ==\n{text}")
-    return "\n".join(out)
+    """The end of a child's log (`processes.tail`)."""
+    return processes.tail(child, lines)
 
   # -- the whole run ----------------------------------------------------------------------------
 
@@ -668,8 +397,8 @@ class LocalCluster:
     """
     from ddiloco.transport.client import SyncerClient
 
-    t0 = self._t0 = time.time()
-    self.job = job
+    t0 = self.fleet.t0 = time.time()
+    self.fleet.job = job
     interrupted = False
     try:
       # The channel first: it refuses a second launcher on this workdir before anything is removed,
@@ -685,7 +414,9 @@ class LocalCluster:
           )
       self.start_syncer()
       for i in range(self.num_learners):
-        self._join(i, devices=self.devices_per_learner, batch_size=None, steps=None, elastic=False)
+        self.fleet.join(
+          i, devices=self.devices_per_learner, batch_size=None, steps=None, elastic=False
+        )
       client = SyncerClient(
         f"{self.syncer_host}:{self.port}",
         token=self.token,
@@ -709,7 +440,7 @@ class LocalCluster:
           progress(self.progress_line(client, t0))
           next_progress = time.monotonic() + progress_every_s
         time.sleep(0.2)
-      self.syncer_alive_at_end = self._syncer_alive(client)
+      self.syncer_alive_at_end = elastic.syncer_alive(client)
       client.close()
       processes.signal_group(
         self.syncer.proc, signal.SIGTERM
@@ -731,8 +462,8 @@ class LocalCluster:
       job,
       num_learners=self.num_learners,
       wall_time_s=time.time() - t0,
-      learner_ids=sorted(self.fleet),
-      membership=self.membership,
+      learner_ids=sorted(self.fleet.members),
+      membership=self.fleet.membership,
       syncer_alive_at_end=self.syncer_alive_at_end,
       interrupted=interrupted,
     )
@@ -741,29 +472,6 @@ class LocalCluster:
       raise RunInterrupted(summary)
     return summary
 
-  @staticmethod
-  def _syncer_alive(client) -> list[int] | None:
-    import grpc
-
-    try:
-      return [int(i) for i in client.status().alive]
-    except grpc.RpcError:
-      return None
-
-  def fleet_status(self, client) -> dict[str, Any]:
-    """What `ddiloco-fleet list` shows: the fleet, the syncer's membership, the events so far."""
-    learners = []
-    for i, m in sorted(self.fleet.items()):
-      child = self.learners[i]
-      child.poll_metrics()
-      last = {"step": child.last.get("step"), "loss": child.last.get("loss")}
-      learners.append({**m.to_json(), "pid": child.proc.pid, **last, "log": child.log_path})
-    return {
-      "learners": learners,
-      "syncer_alive": self._syncer_alive(client),
-      "membership": list(self.membership),
-    }
-
   def _serve_request(
     self,
     request: fleet_lib.FleetRequest,
@@ -771,86 +479,15 @@ class LocalCluster:
     progress: Callable[[str], None] | None,
   ) -> None:
     """Acts on one ddiloco-fleet request and answers it (a removal answers once it is done)."""
-    control = self.control
-    try:
-      if request.action == "list":
-        control.respond(request.id, ok=True, result=self.fleet_status(client))
-      elif request.action == "add":
-        i = self.add_learner(
-          learner_id=request.learner_id,
-          devices=request.devices,
-          batch_size=request.batch_size,
-          steps=request.steps,
-          extra_args=[f"--gin_bindings={b}" for b in request.gin_bindings],
-        )
-        m = self.fleet[i]
-        result = {
-          "learner_id": i,
-          "devices": m.devices,
-          "batch_size": m.batch_size or self.job.learner_batch_size(),
-          "steps": m.steps or self.job.steps_per_learner,
-          "data_shard": i % self.job.num_learners,  # LearnerFactory.make_data.
-          "log": self.learners[i].log_path,
-        }
-        if progress is not None:
-          progress(f"fleet: added {result}")
-        control.respond(request.id, ok=True, result=result)
-      else:
-        timeout = request.timeout_s or fleet_lib.DEFAULT_REMOVE_TIMEOUT_S
-        member = self.begin_remove(request.learner_id, timeout_s=timeout)
-        member.request_id = request.id  # Answered by check_fleet once the learner is gone.
-        if progress is not None:
-          progress(f"fleet: removing learner {request.learner_id} (SIGTERM)")
-    except (ValueError, OSError) as e:  # Refused (or could not start): nothing changed.
-      control.respond(request.id, ok=False, error=str(e))
+    fleet_requests.serve_request(
+      request,
+      control=self.control,
+      fleet=self.fleet,
+      add_learner=self.add_learner,
+      client=client,
+      progress=progress,
+    )
 
   def progress_line(self, client, t0: float) -> str:
-    import grpc
-
-    try:
-      st = client.status()
-      hist = list(st.quorum_histogram)
-      merges = int(sum(hist))
-      mean_q = sum(q * n for q, n in enumerate(hist)) / merges if merges else 0.0
-      head = (
-        f"t={time.time() - t0:6.1f}s v_sum {sum(st.versions):4d} merges {st.merges:4d} "
-        f"quorum {mean_q:.2f} alive {list(st.alive)}"
-      )
-    except grpc.RpcError as e:
-      head = f"t={time.time() - t0:6.1f}s syncer {e.code().name}"
-    parts, paces = [], []
-    for i, c in sorted(self.learners.items()):
-      member = self.fleet.get(i)
-      if member is not None and member.state in ("removed", "failed"):
-        parts.append(f"L{i}:{member.state}")
-        continue
-      c.poll_metrics()
-      rc = c.proc.poll()
-      state = "up" if rc is None else ("done" if rc == 0 else "down")
-      if member is not None and member.state == "removing":
-        state = "leaving"
-      if not c.last:
-        parts.append(f"L{i}:{state} starting")
-      else:
-        parts.append(progress_fields.learner(i, state, c.last.get("step"), c.last.get("loss")))
-      if rc is None:
-        paces.append(self._pace(c, member))
-    if paces and None not in paces:
-      steps_per_s = sum(p[0] for p in paces)
-      rates = progress_fields.throughput(
-        steps_per_s, sum(p[1] for p in paces), max(p[2] for p in paces)
-      )
-    else:  # A running learner is still compiling (or none runs): the fleet's pace is unknown.
-      rates = progress_fields.throughput(None, None, None)
-    return f"{head} | {rates} | " + " ".join(parts)
-
-  def _pace(self, child: Child, member: FleetMember | None) -> tuple[float, float, float] | None:
-    """A running learner's (steps/s, tokens/s, seconds left), from the step time it logged over its
-    last steps; None while that is unknown (no train event yet, or 0 while it compiles)."""
-    step_time = child.last.get("step_time_s") or 0.0
-    if step_time <= 0 or self.job is None:
-      return None
-    target = (member.steps if member else None) or self.job.steps_per_learner
-    batch = (member.batch_size if member else None) or self.job.batch_size
-    left = max(0, target - child.last.get("step", 0)) * step_time
-    return 1.0 / step_time, self.job.the_task().units_per_step(batch) / step_time, left
+    """The progress line `run` reports (launch/progress_lines.py)."""
+    return progress_lines.progress_line(client, t0, learners=self.learners, fleet=self.fleet)

@@ -1,24 +1,28 @@
-"""Child processes of the local launchers: started with PR_SET_PDEATHSIG, grouped into learners.
+"""Child processes of the local launchers: how they are started, watched, signalled and stopped.
 
-`Launch` is one process to start. `spawn` starts it in its own session (a terminal's Ctrl-C reaches
-only the launcher, which then stops its children in order) with PR_SET_PDEATHSIG (so it dies with
-the launcher even if that is SIGKILLed). `ProcessUnit` holds the N processes of a multi-process
-learner (docs/algorithm.md §1, a learner on a multi-host slice) and acts as one Popen: `signal_group` reaches all
-N; once one exits with an error or is killed, the rest are SIGKILLed at once (a process waiting in
-a collective for a dead peer would hang forever), and once one exits 0 the others get
-`ProcessUnit.exit_grace_s` to finish too. Used by launch/local_cluster.py.
+`Launch` is one process to start, and `run_env` the variables the launcher sets for it. `spawn`
+starts it in its own session (a terminal's Ctrl-C reaches only the launcher, which then stops its
+children in order) with PR_SET_PDEATHSIG (so it dies with the launcher even if that is SIGKILLed).
+`ProcessUnit` holds the N processes of a multi-process learner (docs/algorithm.md §1, a learner on
+a multi-host slice) and acts as one Popen: `signal_group` reaches all N; once one exits with an
+error or is killed, the rest are SIGKILLed at once (a process waiting in a collective for a dead
+peer would hang forever), and once one exits 0 the others get `ProcessUnit.exit_grace_s` to finish
+too; `start_unit` starts one. `Child` is a started program as the launcher watches it (its process
+or unit, its log, the last train event of its metrics); `tail`, `kill` and `stop_in_order` act on
+children. Used by launch/local_cluster.py and the fleet it manages (launch/elastic.py).
 """
 
 import contextlib
 import ctypes
 import dataclasses
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
@@ -61,6 +65,36 @@ def spawn(python: str, launch: Launch) -> subprocess.Popen:
       start_new_session=True,
       preexec_fn=_die_with_parent,  # noqa: PLW1509 - see _PRCTL.
     )
+
+
+def run_env(token: str, workdir: str, devices: int | None) -> dict[str, str]:
+  """The variables the launcher sets for a program (over the environment it runs in).
+
+  Args:
+    token: the run's token (DDILOCO_TOKEN).
+    workdir: the run's folder; the compile cache defaults to workdir/jax_cache.
+    devices: fake CPU devices (--xla_force_host_platform_device_count), None for XLA's default.
+  """
+  env = {
+    "DDILOCO_TOKEN": token,
+    "JAX_PLATFORMS": "cpu",
+    "JAX_COMPILATION_CACHE_DIR": os.environ.get(
+      "JAX_COMPILATION_CACHE_DIR", os.path.join(workdir, "jax_cache")
+    ),
+    # Every compile: a restarted process beside busy learners finds even its small programs (the
+    # syncer's outer steps, quick on an idle machine) instead of compiling them slowly again.
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": os.environ.get(
+      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"
+    ),
+    "PYTHONUNBUFFERED": "1",
+  }
+  flags_ = [
+    f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f
+  ]
+  if devices is not None:
+    flags_.append(f"--xla_force_host_platform_device_count={devices}")
+  env["XLA_FLAGS"] = " ".join(flags_)
+  return env
 
 
 def free_port() -> int:
@@ -203,3 +237,99 @@ def signal_group(proc: Any, sig: int) -> None:
     elif p.poll() is None:
       with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, sig)  # The child leads its own session and process group.
+
+
+def start_unit(launches: Sequence[Launch], popen: Callable[[Launch], Any]) -> Any:
+  """Starts a learner's processes with `popen`: its one process, or a `ProcessUnit` of all of them.
+
+  If a start fails, the processes already started are SIGKILLed and reaped: never half a learner.
+  """
+  if len(launches) == 1:
+    return popen(launches[0])
+  procs = []
+  try:
+    for launch in launches:
+      procs.append(popen(launch))
+  except BaseException:
+    for p in procs:  # Never half a learner.
+      signal_group(p, signal.SIGKILL)
+      p.wait(timeout=30)
+    raise
+  return ProcessUnit(procs, log_paths=[launch.log_path for launch in launches])
+
+
+# -- the launcher's view of its children ----------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Child:
+  """A started subprocess (or a learner's `ProcessUnit`), its log and the metrics file the launcher
+  tails (process 0's for a unit)."""
+
+  name: str
+  proc: subprocess.Popen | ProcessUnit
+  log_path: str
+  metrics_path: str
+  offset: int = 0
+  last: dict = dataclasses.field(default_factory=dict)  # Last train event.
+
+  def poll_metrics(self) -> None:
+    """Reads new complete lines of metrics.jsonl; keeps the last `train` event."""
+    try:
+      with open(self.metrics_path) as f:
+        f.seek(self.offset)
+        data = f.read()
+    except FileNotFoundError:
+      return
+    end = data.rfind("\n") + 1
+    self.offset += end
+    for line in data[:end].splitlines():
+      try:
+        ev = json.loads(line)
+      except json.JSONDecodeError:
+        continue
+      if ev.get("kind") == "train":
+        self.last = ev
+
+
+def tail(child: Child, lines: int = 30) -> str:
+  """The end of a child's log; for a failed unit, also that of the process that exited first."""
+  paths = [child.log_path]
+  unit = child.proc
+  if isinstance(unit, ProcessUnit) and unit.first_exit not in (None, 0):
+    paths.insert(0, unit.log_paths[unit.first_exit])
+  out = []
+  for path in paths:
+    try:
+      with open(path) as f:
+        text = "".join(f.readlines()[-lines:])
+    except FileNotFoundError:
+      text = ""
+    out.append(text if len(paths) == 1 else f"== {path} ==\n{text}")
+  return "\n".join(out)
+
+
+def kill(child: Child, *, timeout_s: float = 10.0) -> int | None:
+  """SIGKILLs a child (a crash) and reaps it; returns its exit code (None if it did not go)."""
+  signal_group(child.proc, signal.SIGCONT)  # A stopped process must not stay stopped in the kernel.
+  signal_group(child.proc, signal.SIGKILL)
+  try:
+    return child.proc.wait(timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    return None
+
+
+def stop_in_order(groups: Sequence[Sequence[Child]], grace_s: float) -> None:
+  """Stops the live children group by group: SIGTERM, then SIGKILL after `grace_s`. Idempotent."""
+  for group in groups:
+    live = [c for c in group if c.proc.poll() is None]
+    for c in live:
+      signal_group(c.proc, signal.SIGCONT)  # A paused (SIGSTOPped) child could not handle SIGTERM.
+      signal_group(c.proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for c in live:
+      try:
+        c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        signal_group(c.proc, signal.SIGKILL)
+        c.proc.wait(timeout=10)

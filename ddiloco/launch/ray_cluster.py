@@ -53,7 +53,7 @@ except ImportError as e:  # pragma: no cover - depends on the installation.
   ) from e
 
 from ddiloco.launch import processes, ray_actors
-from ddiloco.launch.local_cluster import Child, LocalCluster
+from ddiloco.launch.local_cluster import LocalCluster
 from ddiloco.launch.ray_config import RayConfig
 
 
@@ -189,7 +189,7 @@ class RayCluster(LocalCluster):
     options["scheduling_strategy"] = _in_bundle(group, launch.process_index)
     return self._actor(launch, options, restart=False)
 
-  def start_learner(self, learner_id: int, **kwargs: Any) -> Child:
+  def start_learner(self, learner_id: int, **kwargs: Any) -> processes.Child:
     self._starts[learner_id] = kwargs  # A whole-learner restart starts it the same way.
     return super().start_learner(learner_id, **kwargs)
 
@@ -261,11 +261,11 @@ class RayCluster(LocalCluster):
       if n > self._restarts_seen.get(name, 0):
         self._restarts_seen[name] = n
         learner_id = -1 if name == "syncer" else int(name.split("_")[1])
-        self._record("restart", learner_id, program=name, restarts=n)
+        self.fleet.record("restart", learner_id, program=name, restarts=n)
         if progress is not None:
           progress(f"ray: {name} restarted after it died ({n} so far)")
     if self.processes_per_learner > 1:
-      for i, member in sorted(self.fleet.items()):
+      for i, member in sorted(self.fleet.members.items()):
         child = self.learners[i]
         if member.state != "running" or child.proc.poll() in (None, 0):
           continue

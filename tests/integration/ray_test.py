@@ -47,7 +47,9 @@ def test_ray_restarts_a_failed_learner_alone_and_leaves_nothing(tmp_path):
     l0, l1, l2 = (cluster.learners.get(i) for i in range(3))
     if l0 is not None and l2 is None and l0.last.get("step", 0) >= 8:
       cluster.add_learner(steps=400)  # Scavenged capacity: a new actor joins the running job...
-    if l2 is not None and cluster.fleet[2].state == "running" and l2.last.get("step", 0) >= 8:
+    if (
+      l2 is not None and cluster.fleet.members[2].state == "running" and l2.last.get("step", 0) >= 8
+    ):
       cluster.begin_remove(2)  # ...and leaves again, gracefully (not restarted).
     if (
       l1 is not None

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from ddiloco.launch import fleet, local_cluster
+from ddiloco.launch import elastic, fleet, local_cluster
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -232,12 +232,12 @@ def _cluster(tmp_path):
 )
 def test_add_learner_refuses_bad_requests_and_starts_nothing(tmp_path, kwargs, match):
   cluster = _cluster(tmp_path)
-  cluster.fleet[1] = local_cluster.FleetMember(
+  cluster.fleet.members[1] = elastic.FleetMember(
     learner_id=1, devices=1, batch_size=None, steps=None, elastic=False, started=0.0
   )
   with pytest.raises(ValueError, match=match):
     cluster.add_learner(**kwargs)
-  assert cluster.learners == {} and cluster.membership == []
+  assert cluster.learners == {} and cluster.fleet.membership == []
 
 
 def test_add_learner_needs_a_syncer(tmp_path):
@@ -249,13 +249,13 @@ def test_add_learner_needs_a_syncer(tmp_path):
 
 def test_next_learner_id_skips_used_ids_and_folders(tmp_path):
   cluster = _cluster(tmp_path)
-  assert cluster.next_learner_id() == 2  # M = 2: ids 0 and 1 are the job's.
+  assert cluster.fleet.next_learner_id() == 2  # M = 2: ids 0 and 1 are the job's.
   os.makedirs(os.path.join(tmp_path, "learner_2"))  # Another learner's checkpoints live there.
-  assert cluster.next_learner_id() == 3
-  cluster.fleet[5] = local_cluster.FleetMember(
+  assert cluster.fleet.next_learner_id() == 3
+  cluster.fleet.members[5] = elastic.FleetMember(
     learner_id=5, devices=1, batch_size=None, steps=None, elastic=True, started=0.0
   )
-  assert cluster.next_learner_id() == 6
+  assert cluster.fleet.next_learner_id() == 6
 
 
 def test_cluster_answers_requests_through_the_channel(tmp_path):
@@ -279,7 +279,7 @@ def test_cluster_answers_requests_through_the_channel(tmp_path):
       serve(lambda: client.remove(4))
     with pytest.raises(fleet.FleetError, match="does not split over 2 devices"):
       serve(lambda: client.add(devices=2, batch_size=5))
-  assert cluster.learners == {} and cluster.membership == []  # Nothing was started.
+  assert cluster.learners == {} and cluster.fleet.membership == []  # Nothing was started.
 
 
 def test_close_answers_queued_requests_and_clients_stop_waiting(tmp_path):

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ddiloco.launch import local_cluster, processes
+from ddiloco.launch import elastic, local_cluster, processes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -169,7 +169,7 @@ def test_clean_exit_waits_for_the_others_then_kills_stragglers(tmp_path):
 def test_cluster_signals_kill_and_reap_every_process_of_a_learner(tmp_path):
   cluster = _cluster(tmp_path)
   procs = [_sleeper(), _sleeper()]
-  child = local_cluster.Child("learner_0", _unit(procs, tmp_path), "log", "metrics")
+  child = processes.Child("learner_0", _unit(procs, tmp_path), "log", "metrics")
   cluster.learners[0] = child
   try:
     cluster.signal(child, signal.SIGSTOP)  # Chaos pauses the learner: every process.
@@ -197,8 +197,8 @@ def test_check_fleet_reports_a_dead_process_as_the_learners_failure(tmp_path):
   log0.write_text("leader waiting\n")
   log1.write_text("follower: Segmentation fault\n")
   unit = processes.ProcessUnit(procs, log_paths=[str(log0), str(log1)])
-  cluster.learners[0] = local_cluster.Child("learner_0", unit, str(log0), "metrics")
-  cluster.fleet[0] = local_cluster.FleetMember(
+  cluster.learners[0] = processes.Child("learner_0", unit, str(log0), "metrics")
+  cluster.fleet.members[0] = elastic.FleetMember(
     learner_id=0, devices=2, batch_size=None, steps=None, elastic=False, started=0.0
   )
   try:
@@ -338,7 +338,7 @@ class _FakeClient:
 def _child(tmp_path, name, rc, *events):
   path = tmp_path / f"{name}.jsonl"
   path.write_text("".join(json.dumps({"kind": "train", **e}) + "\n" for e in events))
-  return local_cluster.Child(name, _FakeProc(rc), str(tmp_path / "log"), str(path))
+  return processes.Child(name, _FakeProc(rc), str(tmp_path / "log"), str(path))
 
 
 def _progress_cluster(tmp_path, *children):
@@ -347,13 +347,13 @@ def _progress_cluster(tmp_path, *children):
   from ddiloco.models import configs
 
   cluster = _cluster(tmp_path, processes=1)
-  cluster.job = JobConfig(
+  cluster.fleet.job = JobConfig(
     model=configs.transformer_config("tiny", max_len=64),
     data=TextDataConfig(seq_len=64, batch_size=8),  # 512 tokens per step.
     num_learners=len(children),
     steps_per_learner=100,
   )
-  cluster.learners = dict(enumerate(children))
+  cluster.learners.update(enumerate(children))  # The dict the fleet shares: filled, not rebound.
   return cluster
 
 
