@@ -46,6 +46,7 @@ import jax
 import numpy as np
 
 from ddiloco.checkpoint.learner import LearnerCheckpointer
+from ddiloco.distributed.step_wait import StepWaiter
 from ddiloco.learner.learner import Learner
 from ddiloco.metrics.writer import MetricsWriter, quantiles
 from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
@@ -200,6 +201,9 @@ class LearnerWorker:
     self._need_register = threading.Event()
     self._threads: list[threading.Thread] = []
     self._stream: Any = None  # The current Rounds subscription (cancelled at the end).
+    # Waits for each step in flight, woken by round requests (`_await_step`); made by `start`.
+    self._step_waiter: StepWaiter | None = None
+    self._newest_round_step = -1  # The newest round step asked for (`_standby`).
     self.codec = "fp32"
     self.block_size = 64
     self.heartbeat_interval_s = 0.25
@@ -414,6 +418,8 @@ class LearnerWorker:
   # -- background threads ---------------------------------------------------------------------
 
   def start(self) -> None:
+    if self.learner.answers_mid_step and self._step_waiter is None:
+      self._step_waiter = StepWaiter(name=f"learner{self.id}-step")
     loops = (
       *((functools.partial(self._send_loop, k), f"sender{k}") for k in range(self._senders)),
       (self._comm_loop, "comm"),
@@ -475,6 +481,9 @@ class LearnerWorker:
             break
           if isinstance(event, RoundRequest):
             self._requests.put((event, time.monotonic()))
+            waiter = self._step_waiter
+            if waiter is not None:
+              waiter.poke()  # Answered at once, with θ of the last step (`_await_step`).
           else:
             self._announce(*event)
           backoff.reset()
@@ -538,7 +547,7 @@ class LearnerWorker:
       epoch = self.registrations
       try:
         result = self._push(job)
-        self._record_latency(job)
+        self._record_latency(job, late=result.status == "late")
       except grpc.RpcError as e:
         result = None
         if e.code() == grpc.StatusCode.PERMISSION_DENIED and not self._unregistered(e, epoch):
@@ -566,16 +575,29 @@ class LearnerWorker:
       backoff.reset()
       self._results.put((p, job.report.step, result))
 
-  def _record_latency(self, job: _Job) -> None:
-    if job.asked_at is not None and job.answered_at is not None:
-      with self._lock:
-        now = time.monotonic()
-        self._latency["to_snapshot"].append(job.answered_at - job.asked_at)
-        self._latency["to_reply"].append(now - job.answered_at)
-        if job.picked_at is not None and job.copied_at is not None:
-          self._latency["queued"].append(job.picked_at - job.answered_at)
-          self._latency["host_copy"].append(job.copied_at - job.picked_at)
-          self._latency["push"].append(now - job.copied_at)
+  def _record_latency(self, job: _Job, *, late: bool = False) -> None:
+    """Books an answer's latencies (`answer_latency`); a late answer's also go to metrics.jsonl
+    as a `late_answer` event, to show where it lost its time."""
+    if job.asked_at is None or job.answered_at is None:
+      return
+    now = time.monotonic()
+    times = {"to_snapshot": job.answered_at - job.asked_at, "to_reply": now - job.answered_at}
+    if job.picked_at is not None and job.copied_at is not None:
+      times["queued"] = job.picked_at - job.answered_at
+      times["host_copy"] = job.copied_at - job.picked_at
+      times["push"] = now - job.copied_at
+    with self._lock:
+      for k, v in times.items():
+        self._latency[k].append(v)
+    if late:
+      report = job.report
+      self._event(
+        "late_answer",
+        fragment=report.fragment,
+        round_step=report.round_step,
+        step=report.step,
+        **{f"{k}_s": round(v, 4) for k, v in times.items()},
+      )
 
   def answer_latency(self) -> dict[str, dict[str, float]]:
     """Median and 90th percentile, in seconds, of the answers' `to_snapshot` (a round request's
@@ -623,6 +645,7 @@ class LearnerWorker:
       except queue.Empty:
         break
       self.learner.ask(request)
+      self._newest_round_step = max(self._newest_round_step, request.round_step)
       self._asked_at[(request.fragment, request.round_step)] = arrived
       self.rounds_asked += 1
     with self._lock:
@@ -715,8 +738,10 @@ class LearnerWorker:
       if self.learner.config.blocking:
         self._wait_for_merges()
       batch = next(self._data)
-      metrics = self.learner.train_step(batch)
+      metrics = self.learner.start_step(batch, standby=self._standby())
       done += 1
+      if self.learner.config.step_in_flight:
+        self.learner.end_step()
       # At most one step in flight: wait for the previous step's loss (it releases the GIL for
       # the sender and comm threads). Without this, asynchronous dispatch let the step counter
       # run up to a logging interval ahead of the devices, and the schedule with it.
@@ -724,10 +749,12 @@ class LearnerWorker:
         jax.block_until_ready(previous)
       previous = metrics["loss"]
       if not self.learner.config.step_in_flight:
-        # The step is done before the protocol's work: a round request that arrived during it is
-        # answered at once with its θ (with the next step in flight, it waited for that step too:
-        # 1.5 steps on average instead of 0.5, and the main job's answers missed their windows).
-        jax.block_until_ready(previous)
+        # The step is done before the protocol's work, and a round request that arrives during
+        # it is answered at once with θ of the last step (with the next step in flight, it
+        # waited for that step too: 1.5 steps on average, and the main job's answers missed
+        # their windows).
+        self._await_step(previous)
+        self.learner.end_step()
       self.tokens_trained += int(np.prod(batch["targets"].shape))
       if self.checkpointer is not None and self.checkpointer.due(self.learner.step):
         self.save_checkpoint()
@@ -758,6 +785,28 @@ class LearnerWorker:
     self.train_end = time.time()
     return time.monotonic() - t_first
 
+  def _await_step(self, loss: jax.Array) -> None:
+    """Waits for the step in flight; rounds asked meanwhile are answered at once, with θ_p of the
+    last step (`Learner.start_step`), where the learner can read it."""
+    if not self.learner.answers_mid_step:  # A multi-process learner: at boundaries only.
+      jax.block_until_ready(loss)
+      return
+    if self._step_waiter is None:
+      self._step_waiter = StepWaiter(name=f"learner{self.id}-step")
+    self._step_waiter.wait(loss, self._answer_mid_step)
+
+  def _answer_mid_step(self) -> None:
+    self._drain()
+    self._send_due()
+
+  def _standby(self) -> tuple[int, ...]:
+    """The fragments the syncer will likely ask for during the next step: those due at the two
+    round steps after the newest asked (copied on device where the step donates θ)."""
+    if self._newest_round_step < 0:
+      return ()
+    t = max(self._newest_round_step, self.fleet_step)
+    return tuple(p for s in (t + 1, t + 2) for p in self.learner.schedule.due(s))
+
   def save_checkpoint(self) -> bool:
     """Starts an asynchronous save of the current step (training thread only; docs/algorithm.md §6).
 
@@ -787,6 +836,7 @@ class LearnerWorker:
     its tmp folder instead; checkpoint tests cover that case).
     """
     self._stop.set()
+    self._close_step_waiter()
     self._cancel_stream()
     with self._jobs_cv:
       self._jobs.clear()
@@ -802,6 +852,7 @@ class LearnerWorker:
       while (self._jobs or self._in_flight) and time.monotonic() < deadline:
         self._jobs_cv.wait(0.1)
     self._stop.set()
+    self._close_step_waiter()
     self._cancel_stream()
     with self._jobs_cv:
       self._jobs_cv.notify_all()
@@ -815,6 +866,11 @@ class LearnerWorker:
       self._client.leave(self.id)
     except grpc.RpcError as e:
       log.warning("learner %d: leave failed: %s", self.id, e.code())
+
+  def _close_step_waiter(self) -> None:
+    waiter, self._step_waiter = self._step_waiter, None
+    if waiter is not None:
+      waiter.close()
 
   def _cancel_stream(self) -> None:
     stream = self._stream

@@ -158,6 +158,10 @@ class Learner:
     devices = jax.tree_util.tree_leaves(params)[0].sharding.device_set if self._index else set()
     self.snapshot_by_reference = all(d.platform == "cpu" for d in devices)
     self._keep_params = False  # The next train step must not donate the parameters.
+    # A step dispatched by `start_step` and not ended: (its parameters, its tokens).
+    self._in_flight: tuple[PyTree, int] | None = None
+    self._in_flight_kept = False  # The step in flight keeps its input parameters readable.
+    self._standby: dict[int, list[jax.Array]] = {}  # p -> θ_p copied before the step in flight.
     # Digest checks of applies (docs/algorithm.md §4.7): read back at once, or, with `defer_digests` on CPU
     # (snapshot_by_reference; a learner process sets it), once the written arrays are ready: the
     # read-back waited there for the step in flight, like the snapshot's copy. `verified_applies`
@@ -173,17 +177,77 @@ class Learner:
 
   def train_step(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
     """One inner step on `batch`; metrics stay on device (read them lazily)."""
-    # Arrays awaiting a digest check must outlive the step too.
-    keep, self._keep_params = self._keep_params or bool(self._unverified), False
-    self.params, self.opt_state, metrics = self.steps.train(
+    metrics = self._dispatch(batch, (), mid_step=False)
+    self.end_step()
+    return metrics
+
+  def start_step(
+    self, batch: dict[str, Any], *, standby: Iterable[int] = ()
+  ) -> dict[str, jax.Array]:
+    """Dispatches one inner step on `batch`; `end_step` makes it this learner's.
+
+    Until `end_step`, θ, the step and the counters stay those of the last step boundary, so a
+    round asked for while the step runs can be answered at once with θ_p of the last step
+    (`due`, `snapshot_report`) instead of after the step in flight: docs/algorithm.md, "answers".
+    θ_p must still be readable then. On CPU (`snapshot_by_reference`) the step keeps its input
+    parameters; elsewhere it donates them, and the fragments in `standby` (those the syncer is
+    expected to ask for meanwhile) are copied on device first. A multi-process learner answers
+    only at boundaries (its processes must snapshot together).
+
+    Raises:
+      RuntimeError: if a step is already in flight.
+    """
+    return self._dispatch(batch, standby, mid_step=True)
+
+  def _dispatch(
+    self, batch: dict[str, Any], standby: Iterable[int], *, mid_step: bool
+  ) -> dict[str, jax.Array]:
+    if self._in_flight is not None:
+      raise RuntimeError("A step is in flight: call end_step first.")
+    self._standby = {}
+    if self.answers_mid_step and not self._by_reference:
+      for p in sorted(set(standby)):
+        self._check_fragment(p)
+        self._standby[p] = [jnp.copy(a) for a in self._fragment_arrays(p)]
+    # Arrays awaiting a digest check or a snapshot must outlive the step too.
+    keep = self._keep_params or bool(self._unverified) or (mid_step and self._by_reference)
+    self._keep_params = False
+    params, self.opt_state, metrics = self.steps.train(
       self.params, self.opt_state, self.steps.put_batch(batch), keep_params=keep
     )
+    self._in_flight = (params, int(np.prod(batch["targets"].shape)))
+    self._in_flight_kept = keep
+    return metrics
+
+  def end_step(self) -> None:
+    """Makes the step `start_step` dispatched this learner's: its θ, step and counters."""
+    if self._in_flight is None:
+      raise RuntimeError("No step in flight: call start_step first.")
+    (self.params, ntok), self._in_flight = self._in_flight, None
+    self._standby = {}
     self.step += 1
-    ntok = int(np.prod(batch["targets"].shape))
     self.tokens += ntok
     self.step_counts += 1
     self.ledger.train(ntok)
-    return metrics
+
+  @property
+  def answers_mid_step(self) -> bool:
+    """Whether rounds can be answered while a step runs (one process: `start_step`)."""
+    return self.host_readable is None
+
+  @property
+  def _by_reference(self) -> bool:
+    """Whether snapshots hold θ's arrays themselves instead of copies (one process on CPU)."""
+    return self.snapshot_by_reference and self.host_readable is None
+
+  @property
+  def step_in_flight(self) -> bool:
+    """Whether a step was dispatched (`start_step`) and not yet ended."""
+    return self._in_flight is not None
+
+  def _check_fragment(self, p: int) -> None:
+    if not 0 <= p < self.layout.num_fragments:
+      raise ValueError(f"Unknown fragment {p}; the layout has {self.layout.num_fragments}.")
 
   # -- sending --------------------------------------------------------------------------------
 
@@ -243,8 +307,16 @@ class Learner:
         if req.base_version <= self.anchor[p]
         and self.step_counts[p] > 0
         and (not self.config.blocking or req.round_step <= s)
+        and self._readable_now(p)
       )
     )
+
+  def _readable_now(self, p: int) -> bool:
+    """Whether θ_p of the last boundary can be read now (always, but while a step that donated it
+    runs: then only a standby copy can; `start_step`)."""
+    if self._in_flight is None or p in self._standby:
+      return True
+    return self._by_reference and self._in_flight_kept
 
   def pending_rounds(self) -> dict[int, RoundRequest]:
     """The rounds asked for and not answered yet, by fragment."""
@@ -279,7 +351,11 @@ class Learner:
     """
     leaves = jax.tree_util.tree_leaves(self.params)
     names = self._leaf_names[p]
-    if self.snapshot_by_reference and self.host_readable is None:
+    if not self._readable_now(p):
+      raise RuntimeError(f"θ_{p} of the last step is not readable while this step runs.")
+    if p in self._standby:  # Copied before the step in flight donated θ (`start_step`).
+      copies = self._standby.pop(p)
+    elif self._by_reference:
       copies = [leaves[self._index[k]] for k in names]
       self._keep_params = True
     else:  # A multi-process learner's replication (host_readable) makes new arrays itself.
@@ -353,6 +429,8 @@ class Learner:
     """Applies every received fragment whose apply step has come (τ steps after this learner
     answered p's round; at once if it has no answer outstanding); returns (fragment, version)."""
     applied = []
+    if self._in_flight is not None:
+      return applied  # At step boundaries only: the step in flight would write over it.
     for p in sorted(self._inbox):
       out = self._outstanding.get(p)
       request = self._requests.get(p)
@@ -378,7 +456,12 @@ class Learner:
     """Overwrites fragments with the syncer's global values (start, rejoin): docs/algorithm.md §6.
 
     Counters restart, nothing is outstanding, and each fragment's anchor becomes the given version.
+
+    Raises:
+      RuntimeError: while a step is in flight (`start_step`), which would write over it.
     """
+    if self._in_flight is not None:
+      raise RuntimeError("load_global while a step is in flight: call end_step first.")
     for state in states:
       self._write_fragment(state.fragment, state.values, mix=False)
       self.ledger.overwritten(state.fragment)
@@ -432,7 +515,7 @@ class Learner:
     if self.config.mixing_alpha > 0:
       self._record_digest(p)
       self._verified.append((p, version, None))
-    elif self.defer_digests and self.snapshot_by_reference and self.host_readable is None:
+    elif self.defer_digests and self._by_reference:
       arrays = self._fragment_arrays(p)
       for a in arrays:
         a.copy_to_host_async()

@@ -9,7 +9,8 @@ Event loop (a heap ordered by virtual time):
   step_done(m)      learner m finished an inner step: train, apply ready fragments, answer the rounds
                     it was asked for, start the next step (or block, for synchronous baselines)
   tick              the syncer's step clock reaches a step     -> core.tick(), ask every learner
-  ask(m, round)     a round request reaches learner m          -> learner.ask(), answer if idle
+  ask(m, round)     a round request reaches learner m          -> learner.ask(), answered at once
+                    with θ of its last step boundary (mid-step too, as a learner process does)
   arrive(report)    a report reaches the syncer core           -> core.report(), schedule a merge check
   merge_check       the core's next deadline                    -> core.poll(), deliver merges
   deliver(m, frag)  a merged fragment reaches learner m         -> learner.receive(), maybe unblock
@@ -241,8 +242,13 @@ class SimulatedCluster:
 
   def _boundary(self, slot: _Slot) -> None:
     """Learner `slot` at a step boundary: applies what is ready, then answers its rounds."""
+    slot.learner.apply_ready()
+    self._answer(slot)
+
+  def _answer(self, slot: _Slot) -> None:
+    """Learner `slot` answers the rounds it was asked for with θ of its last step boundary (also
+    while a step runs, as a learner process does: `Learner.start_step`)."""
     learner = slot.learner
-    learner.apply_ready()
     for p in learner.due():
       report = learner.make_report(p, step_time_s=slot.step_time_ema)
       # Staleness: inner steps θ_p trained away from the last global version the learner applied.
@@ -301,6 +307,8 @@ class SimulatedCluster:
     elif slot.blocked:  # Idle at a step boundary: it answers now.
       self._boundary(slot)
       self._continue(slot)
+    else:  # Mid-step: answered at once with θ of the last step; applies wait for the boundary.
+      self._answer(slot)
 
   def _continue(self, slot: _Slot) -> None:
     if slot.learner.blocked():

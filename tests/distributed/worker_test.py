@@ -376,3 +376,60 @@ def test_a_slow_push_holds_back_other_fragments_only_with_one_sender(senders):
       t.join(10)
   assert sorted(pushed) == [0, 1] and not any(t.is_alive() for t in threads)
   assert worker._results.qsize() == 2
+
+
+class _SlowStep:
+  """A step's loss that is ready only when the test says so (`jax.block_until_ready` calls it)."""
+
+  def __init__(self):
+    self.done = threading.Event()
+
+  def block_until_ready(self):
+    self.done.wait(20)
+    return self
+
+
+def test_a_round_asked_while_a_step_runs_is_answered_before_the_step_ends(tmp_path):
+  """docs/algorithm.md §3: the training thread answers at once, with θ of the last step, instead
+  of waiting for the step in flight (which made the main job's answers late)."""
+
+  class _NoSyncer:
+    address = "nowhere"
+
+  job = dataclasses.replace(JOB, learner=LearnerConfig())  # Decoupled DiLoCo: never blocks.
+  worker, writer = runtime.make_learner_worker(
+    job, learner_id=0, client=_NoSyncer(), workdir=str(tmp_path / "w")
+  )
+  factory = JOB.factory()
+  init = factory.global_init_values()
+  learner = worker.learner
+  learner.load_global(
+    [worker_lib.FragmentState(p, 0, factory.layout.select(init, p), "") for p in range(P)]
+  )
+  batches = _Recording(0)
+  learner.train_step(next(batches))
+  theta = learner.fragment_values(1)
+  learner.start_step(next(batches))
+  step = _SlowStep()
+  waiting = threading.Thread(target=worker._await_step, args=(step,))
+  waiting.start()
+  try:
+    deadline = time.monotonic() + 10
+    while worker._step_waiter is None and time.monotonic() < deadline:
+      time.sleep(0.005)
+    worker._requests.put((worker_lib.RoundRequest(1, 2, 0), time.monotonic()))
+    worker._step_waiter.poke()  # As the rounds thread does.
+    while 1 not in worker._jobs and time.monotonic() < deadline:
+      time.sleep(0.005)
+    assert waiting.is_alive()  # The step is still running...
+    job = worker._jobs[1]  # ... and the answer is queued for the sender.
+    assert (job.report.step, job.report.round_step, job.report.steps) == (1, 2, 1)
+  finally:
+    step.done.set()
+    waiting.join(10)
+  learner.end_step()
+  assert learner.step == 2
+  values = job.fetch()
+  assert all(np.array_equal(values[k], theta[k]) for k in theta)
+  worker._close_step_waiter()
+  writer.close()

@@ -349,3 +349,61 @@ def test_a_round_waits_for_its_base_and_for_training_since_the_last_apply():
   assert learner.due() == (0,)
   report = learner.make_report(0)
   assert (report.round_step, report.anchor_version, report.steps) == (8, 1, 1)
+
+
+@pytest.mark.parametrize("by_reference", [True, False], ids=["by_reference", "standby_copy"])
+def test_a_round_asked_mid_step_is_answered_with_the_last_steps_theta(by_reference):
+  """docs/algorithm.md §3: while `start_step`'s step runs, θ, step and counters stay the last
+  boundary's, and an answer carries them; the step becomes the learner's at `end_step`."""
+  learner, _ = _learner()
+  learner.snapshot_by_reference = by_reference  # False: the GPU/TPU path, a standby copy.
+  learner.train_step(_batch(0))
+  theta = learner.fragment_values(1)
+  tokens, steps = int(learner.tokens[1]), int(learner.step_counts[1])
+  learner.start_step(_batch(1), standby=[1])
+  assert learner.step_in_flight and learner.step == 1
+  learner.ask(RoundRequest(1, 2, 0))
+  assert learner.due() == (1,)
+  report, fetch = learner.snapshot_report(1)
+  assert (report.step, report.tokens, report.steps) == (1, tokens, steps)
+  learner.end_step()
+  assert learner.step == 2 and learner.step_counts[1] == steps + 1
+  learner.train_step(_batch(2))  # Donates what it can: the answer's θ_p must survive.
+  values = fetch()
+  assert all(np.array_equal(values[k], theta[k]) for k in theta)
+  assert not all(np.array_equal(values[k], v) for k, v in learner.fragment_values(1).items())
+  # The apply is τ = 1 step after the answer's step (1), at a boundary.
+  assert learner.schedule.apply_step(report.step) == 2
+
+
+def test_mid_step_a_donated_fragment_without_standby_waits_for_the_boundary():
+  learner, _ = _learner()
+  learner.snapshot_by_reference = False
+  learner.train_step(_batch(0))
+  learner.start_step(_batch(1), standby=[1])
+  learner.ask(RoundRequest(0, 4, 0))
+  learner.ask(RoundRequest(1, 2, 0))
+  assert learner.due() == (1,)  # θ_0 was donated to the step in flight.
+  with pytest.raises(RuntimeError, match="not readable"):
+    learner.snapshot_report(0)
+  learner.end_step()
+  assert learner.due() == (0, 1)
+
+
+def test_applies_and_loads_wait_for_the_step_in_flight():
+  """The step in flight would write over an apply: applies happen at boundaries only."""
+  learner, layout = _learner()
+  learner.train_step(_batch(0))
+  values = {k: np.zeros(layout.shapes[k], layout.dtypes[k]) for k in layout.fragments[0]}
+  learner.receive(_state(values, 0, 1))
+  learner.start_step(_batch(1))
+  assert learner.apply_ready() == []
+  with pytest.raises(RuntimeError, match="in flight"):
+    learner.load_global([_state(values, 0, 1)])
+  with pytest.raises(RuntimeError, match="in flight"):
+    learner.start_step(_batch(2))
+  learner.end_step()
+  with pytest.raises(RuntimeError, match="No step in flight"):
+    learner.end_step()
+  assert learner.apply_ready() == [(0, 1)]
+  assert all(np.array_equal(v, values[k]) for k, v in learner.fragment_values(0).items())

@@ -466,3 +466,35 @@ def test_progress_line_shows_rates_and_dashes_for_unknown_values():
   sim.slots[1].losses.clear()  # As before its first logged loss.
   line = sim.progress_line()
   assert "| - steps/s - tok/s eta - |" in line and line.endswith("L1:up step 3 loss -")
+
+
+def test_a_round_is_answered_mid_step_not_at_the_next_boundary(tmp_path):
+  """Learners step in 1 s; a request lands 0.05 s after its round opens, mid-step. Each learner
+  answers at once with θ of its last step (docs/algorithm.md §3), so with everyone's answer in
+  (0.05 s more on the uplink) the round merges 0.1 s after it opened, not after the next step."""
+  workdir = tmp_path / "mid"
+  simulate(
+    workdir=str(workdir),
+    model=_model(),
+    data=DATA,
+    cluster=ClusterConfig(num_learners=2, steps_per_learner=12, log_every=4),
+    schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
+    syncer=SyncerConfig(min_quorum=1),
+    inner_opt=INNER,
+    tensorboard=False,
+  )
+  rounds = read_events(str(workdir), "round")
+  merges = read_events(str(workdir), "merge")
+  opened = {
+    (r["fragment"], i): r["time"]
+    for p in (0, 1)
+    for i, r in enumerate([r for r in rounds if r["fragment"] == p])
+  }
+  waits = [
+    m["time"] - opened[(p, i)]
+    for p in (0, 1)
+    for i, m in enumerate([m for m in merges if m["fragment"] == p])
+    if len(m["contributors"]) == 2
+  ]
+  assert len(waits) >= 8
+  np.testing.assert_allclose(waits, 0.1, atol=1e-6)
