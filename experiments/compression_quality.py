@@ -1,7 +1,7 @@
 """Quality cost of compression on the wire: eval loss per codec over seeds, paired ratios.
 
 The same simulated Decoupled DiLoCo run (the run file's model, fleet and fault schedule) with the
-uplink and downlink codecs set to each codec in turn (`ClusterConfig.uplink_codec` /
+uplink and downlink codecs set to each codec in turn (`ServiceConfig.uplink_codec` /
 `downlink_codec`): the syncer sees what the gRPC service would decode from θ − Θ^(anchor) and adopts
 what learners decode from Θ_new − Θ_old, exactly as `ddiloco-syncer` does (docs/algorithm.md §5).
 
@@ -13,7 +13,7 @@ end is <= 1.005, "not met" if its lower end is > 1.005, "inconclusive" otherwise
 
 A codec entry is `UP[/DOWN][@BLOCK]`: "int4" is int4 both ways, "int4/bf16" int4 on the uplink
 and bf16 on the downlink (which direction costs quality), "int4@32" int4 both ways with 32 values
-per absmax scale (`ClusterConfig.codec_block_size`, default 64).
+per absmax scale (`ServiceConfig.block_size`, default 64).
 
 Tiers: "headline" runs bf16 and int4 (the pair the goal is about), "extra" fp32 and int8 (context),
 "all" both, "report" only rewrites the table from the store, "quick" is a smoke check (bf16 and

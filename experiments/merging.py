@@ -60,8 +60,8 @@ def codec_system(codec: str) -> study.System:
     gin_files=GIN,
     bindings=(
       *base.bindings,
-      f"ClusterConfig.uplink_codec = '{codec}'",
-      f"ClusterConfig.downlink_codec = '{codec}'",
+      f"ServiceConfig.uplink_codec = '{codec}'",
+      f"ServiceConfig.downlink_codec = '{codec}'",
     ),
   )
 

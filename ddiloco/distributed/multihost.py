@@ -170,7 +170,7 @@ class MultihostWorker(LearnerWorker):
       with self._lock:
         self._settle = settle
         for state in states:  # `_apply` checks each apply against the syncer's digest.
-          self._digests[(state.fragment, state.version)] = state.digest
+          self._link.record_digest(state.fragment, state.version, state.digest)
     self._results.release(results)
     self._received.release(states)
     self._requests.release(requests)

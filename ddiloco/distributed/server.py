@@ -283,7 +283,9 @@ class InProcessSyncer:
     self.service.stop(flush=flush)
 
 
-def serve_in_process(service: SyncerService, *, token: str | None = None) -> InProcessSyncer:
+def serve_in_process(
+  service: SyncerService, *, token: str | None = None, start: bool = True
+) -> InProcessSyncer:
   """Starts `service`'s merge thread and serves it over the in-process transport.
 
   The calls run the same handlers (`method_handlers`, and the standard health service) and, with a
@@ -293,6 +295,8 @@ def serve_in_process(service: SyncerService, *, token: str | None = None) -> InP
   Args:
     service: the servicer.
     token: shared token required on every call (None: no authentication).
+    start: start the merge thread; False leaves the caller to `service.advance()` it (a service
+      on a virtual clock: distributed/virtual.py).
   """
   name, handlers = method_handlers(service)
   paths = {f"/{name}/{method}": h for method, h in handlers.items()}
@@ -302,7 +306,8 @@ def serve_in_process(service: SyncerService, *, token: str | None = None) -> InP
   paths |= {f"/{collected.service_name}/{m}": h for m, h in collected.handlers.items()}
   interceptors = [auth.TokenInterceptor(token, service.count_refusal)] if token else []
   server = in_process.InProcessServer(paths, interceptors=interceptors)
-  service.start()
+  if start:
+    service.start()
   for health_name in ("", SERVICE_NAME):
     health_servicer.set(health_name, health_pb2.HealthCheckResponse.SERVING)
   return InProcessSyncer(server=server, service=service)

@@ -121,10 +121,17 @@ _STATUS_CODES = {
 
 
 class _Subscription:
-  """One learner's `Rounds` stream: the events waiting to be sent; None closes it."""
+  """One learner's `Rounds` stream: the events waiting to be sent; None closes it.
+
+  Any object with `put(event)` and `close()` can subscribe instead (`SyncerService.subscribe`):
+  the simulated cluster's does, on its virtual clock (distributed/virtual.py).
+  """
 
   def __init__(self):
     self.events: queue.SimpleQueue[syncer_pb2.SyncerEvent | None] = queue.SimpleQueue()
+
+  def put(self, event: syncer_pb2.SyncerEvent) -> None:
+    self.events.put(event)
 
   def close(self) -> None:
     self.events.put(None)
@@ -271,14 +278,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     with self._cond:
       while not self._stopping:
         try:
-          if self._recovering and self._clock() >= self._recovery_deadline:
-            self._end_recovery()
-          if self._halted is None:  # Halted: rounds stay as they are, nothing merges.
-            for request in self._core.tick():
-              self._broadcast(_round_event(request))
-            for event in self._core.poll():
-              self._publish(event)
-          self._check_liveness()
+          self._advance()
         except Exception:  # A bug must not kill the thread silently (a failed merge is atomic).
           log.exception("merge loop error")
           # Never spin on a failing step with the lock held: RPCs and a signal's stop() need it.
@@ -289,6 +289,42 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
             wait = min(wait, max(deadline - self._clock(), 0.0))
         if wait > 0:
           self._cond.wait(wait)
+
+  def _advance(self, open_rounds: bool = True) -> None:
+    """What is due at the clock now (caller holds the lock): recovery's end, the rounds that came
+    due (announced) unless not `open_rounds`, the merges whose time has come (published), and
+    liveness."""
+    if self._recovering and self._clock() >= self._recovery_deadline:
+      self._end_recovery()
+    if self._halted is None:  # Halted: rounds stay as they are, nothing merges.
+      for request in self._core.tick() if open_rounds else ():
+        self._broadcast(_round_event(request))
+      for event in self._core.poll():
+        self._publish(event)
+    self._check_liveness()
+
+  def advance(self, *, open_rounds: bool = True) -> None:
+    """Does what is due now, as the merge thread does; for a service on a virtual clock whose
+    merge thread is not started (distributed/virtual.py). Call it at `next_wakeup()`.
+    `open_rounds=False` only merges (a simulated run's end: no rounds past the steps trained)."""
+    with self._cond:
+      self._advance(open_rounds)
+
+  def next_wakeup(self) -> float | None:
+    """The earliest clock time at which `advance` has something to do: a round coming due, a
+    merge, the end of a recovery window, a learner's liveness deadline; None if none."""
+    with self._cond:
+      times = []
+      if self._halted is None:
+        times += [self._core.next_deadline(), self._core.next_tick_time()]
+      if self._recovering:
+        times.append(self._recovery_deadline)
+      alive = self._core.alive()
+      times += [
+        m.last_seen + self._cfg.liveness_timeout_s for i, m in self._members.items() if i in alive
+      ]
+      times = [t for t in times if t is not None]
+      return min(times) if times else None
 
   def _flush(self) -> None:
     """Merges every round that has its quorum, ignoring grace deadlines (shutdown)."""
@@ -323,7 +359,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
   def _broadcast(self, event: syncer_pb2.SyncerEvent) -> None:
     """Queues an event on every learner's Rounds stream (caller holds the lock)."""
     for sub in self._subscribers.values():
-      sub.events.put(event)
+      sub.put(event)
 
   def _unsubscribe(self, learner_id: int) -> None:
     """Ends a learner's Rounds stream (caller holds the lock)."""
@@ -337,7 +373,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     alive = self._core.alive()
     for learner_id, member in list(self._members.items()):
       if learner_id in alive:
-        if now - member.last_seen > self._cfg.liveness_timeout_s:
+        if now - member.last_seen >= self._cfg.liveness_timeout_s:
           log.warning(
             "learner %d silent for %.1f s: declared dead", learner_id, now - member.last_seen
           )
@@ -990,23 +1026,34 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     log.info("learner %d left", request.learner_id)
     return syncer_pb2.LeaveResponse(was_registered=known)
 
+  def subscribe(self, learner_id: int, session: str, sink) -> list[syncer_pb2.SyncerEvent]:
+    """Subscribes `sink` (`put(event)`, `close()`) to a learner's round requests and version
+    announcements, replacing its previous subscription; returns what a new subscriber gets
+    first: the rounds open now and every current version. What `Rounds` streams.
+
+    Raises:
+      Refusal: an unregistered or dead learner, a wrong session, no room for another stream.
+    """
+    with self._cond:
+      self._member(learner_id, session)
+      limit = self._cfg.max_rounds_streams
+      if learner_id not in self._subscribers and len(self._subscribers) >= limit:
+        raise self._refuse(
+          grpc.StatusCode.RESOURCE_EXHAUSTED,
+          f"{limit} Rounds streams are open, one per learner; no room for learner {learner_id}.",
+        )
+      self._unsubscribe(learner_id)  # A new subscription replaces the old one.
+      self._subscribers[learner_id] = sink
+      initial = [_round_event(r) for r in self._core.open_rounds()]
+      initial += [_published_event(p, v) for p, v in enumerate(self._versions())]
+    return initial
+
   def Rounds(self, request, context):
     """Streams a learner's round requests and version announcements (see the proto)."""
     learner_id = int(request.learner_id)
+    sub = _Subscription()
     try:
-      with self._cond:
-        self._member(learner_id, _session(context))
-        limit = self._cfg.max_rounds_streams
-        if learner_id not in self._subscribers and len(self._subscribers) >= limit:
-          raise self._refuse(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"{limit} Rounds streams are open, one per learner; no room for learner {learner_id}.",
-          )
-        self._unsubscribe(learner_id)  # A new subscription replaces the old one.
-        sub = _Subscription()
-        self._subscribers[learner_id] = sub
-        initial = [_round_event(r) for r in self._core.open_rounds()]
-        initial += [_published_event(p, v) for p, v in enumerate(self._versions())]
+      initial = self.subscribe(learner_id, _session(context), sub)
     except Refusal as r:
       context.abort(r.code, r.message)
     try:

@@ -46,6 +46,7 @@ import jax
 import numpy as np
 
 from ddiloco.checkpoint.learner import LearnerCheckpointer
+from ddiloco.distributed.link import SyncerLink
 from ddiloco.distributed.step_wait import StepWaiter
 from ddiloco.learner.learner import Learner
 from ddiloco.metrics.writer import MetricsWriter, quantiles
@@ -161,17 +162,16 @@ class LearnerWorker:
     self.id = learner.learner_id
     self._data = data
     self._client = client
-    self._digest = layout_digest
+    # Registration, held versions (bases and anchors) with their digests, pulls and pushes.
+    self._link = SyncerLink(
+      client, learner_id=self.id, layouts=layouts, layout_digest=layout_digest
+    )
     self._layouts = layouts
     self._writer = writer
     self._batch_size = batch_size
     self._log_every = log_every
     self._connect_timeout_s = connect_timeout_s
-    num = len(layouts)
     self._lock = threading.Lock()
-    self._held: list[dict[int, Mapping[str, np.ndarray]]] = [{} for _ in range(num)]
-    self._newest = [-1] * num  # Newest version received of each fragment.
-    self._digests: dict[tuple[int, int], str] = {}  # (p, v) -> digest of what was received.
     self._received: queue.Queue[FragmentState] = queue.Queue()
     # From the Rounds stream: (request, monotonic arrival time).
     self._requests: queue.Queue[tuple[RoundRequest, float]] = queue.Queue()
@@ -205,7 +205,6 @@ class LearnerWorker:
     self._step_waiter: StepWaiter | None = None
     self._newest_round_step = -1  # The newest round step asked for (`_standby`).
     self.codec = "fp32"
-    self.block_size = 64
     self.heartbeat_interval_s = 0.25
     self.step_time_s = 0.0
     self.push_status: collections.Counter[str] = collections.Counter()
@@ -334,40 +333,21 @@ class LearnerWorker:
     Returns:
       The RegisterResponse (versions, cadence, codecs).
     """
-    with self._lock:
-      held = {}
-      for p, versions in enumerate(self._held):
-        if versions:
-          v = max(versions)
-          if (p, v) in self._digests:
-            held[p] = (v, self._digests[(p, v)])
-    resp = self._client.register(
-      self.id,
-      layout_digest=self._digest,
-      num_fragments=len(self._layouts),
+    resp = self._link.register(
       num_devices=len(self.learner.steps.mesh.devices.flat),
       batch_size=self._batch_size,
       host=socket.gethostname(),
-      held=held,
     )
-    for p in resp.recover:  # A restarted syncer lost these versions: hand them back.
-      if p in held:
-        version = held[p][0]
-        with self._lock:
-          values = self._held[p].get(version)
-        if values is not None:
-          answer = self._client.recover(self.id, p, version, values)
-          self.recoveries += int(answer.adopted)
-          self._event("recover", fragment=p, version=version, adopted=answer.adopted)
-    self.codec, self.block_size = resp.uplink_codec, resp.block_size
+    for p, version, adopted in resp.recovered:  # Versions a restarted syncer had lost.
+      self.recoveries += int(adopted)
+      self._event("recover", fragment=p, version=version, adopted=adopted)
+    self.codec = resp.uplink_codec
     self.heartbeat_interval_s = resp.heartbeat_interval_s
     if resp.overlap != self.learner.schedule.overlap:
       raise ValueError(
         f"The syncer's overlap τ={resp.overlap} differs from this learner's "
         f"{self.learner.schedule.overlap}: check the gin configs."
       )
-    with self._lock:
-      self._newest = [-1] * len(self._layouts)  # Re-fetch everything: deliveries were forgotten.
     self.registrations += 1
     self._need_register.clear()
     return resp
@@ -388,32 +368,12 @@ class LearnerWorker:
     if not 0 <= p < len(self._layouts):
       return
     with self._announce_cv:
-      if version > self._newest[p] and version > self._announced.get(p, -1):
+      if version > self._link.newest(p) and version > self._announced.get(p, -1):
         self._announced[p] = version
         self._announce_cv.notify_all()
 
   def _pull(self, p: int, known: int) -> FragmentState | None:
-    lay = self._layouts[p]
-    state = self._client.pull(
-      self.id,
-      p,
-      known,
-      layout_keys=list(lay),
-      shapes={k: s for k, (s, _) in lay.items()},
-      dtypes={k: d for k, (_, d) in lay.items()},
-      base_lookup=lambda v: self._held_values(p, v),
-    )
-    if state is None:
-      return None
-    with self._lock:
-      self._held[p][state.version] = state.values
-      self._newest[p] = max(self._newest[p], state.version)
-      self._digests[(p, state.version)] = state.digest
-    return state
-
-  def _held_values(self, p: int, version: int) -> Mapping[str, np.ndarray]:
-    with self._lock:
-      return self._held[p][version]  # KeyError -> WireError in messages.
+    return self._link.pull(p, known)
 
   # -- background threads ---------------------------------------------------------------------
 
@@ -505,7 +465,7 @@ class LearnerWorker:
         while not self._announced and not self._stop.is_set():
           self._announce_cv.wait(0.5)
         announced, self._announced = self._announced, {}
-        known = {p: self._newest[p] for p in announced}
+        known = {p: self._link.newest(p) for p in announced}
       epoch = self.registrations
       try:
         for p, version in announced.items():
@@ -521,8 +481,7 @@ class LearnerWorker:
       except WireError as e:  # A corrupt or mismatching fragment: fetch it in full next time.
         log.error("learner %d: bad fragment from the syncer: %s", self.id, e)
         self._event("bad_fragment", error=str(e))
-        with self._lock:
-          self._newest = [-1] * len(self._layouts)
+        self._link.forget_deliveries()
         self._stop.wait(backoff.next_delay())
 
   def _ready_jobs(self) -> list[int]:
@@ -558,6 +517,9 @@ class LearnerWorker:
         elif e.code() not in _TRANSIENT:
           log.error("learner %d: push of %d refused: %s %s", self.id, p, e.code(), e.details())
           result = ReportResult("rejected", e.details() or "", 0.0)
+      except ValueError as e:  # θ_p cannot be encoded (NaN/Inf): never sent, never retried.
+        log.error("learner %d: answer of fragment %d not sent: %s", self.id, p, e)
+        result = ReportResult("rejected", str(e), 0.0)
       with self._jobs_cv:
         self._in_flight -= 1
         self._sending.discard(p)
@@ -612,10 +574,7 @@ class LearnerWorker:
     job.picked_at = time.monotonic()
     report = dataclasses.replace(job.report, values=job.fetch())
     job.copied_at = time.monotonic()
-    codec, anchor = (
-      (self.codec, job.anchor_values) if job.anchor_values is not None else ("fp32", None)
-    )
-    return self._client.push(report, codec, block_size=self.block_size, anchor_values=anchor)
+    return self._link.push(report, job.anchor_values)
 
   # -- training -------------------------------------------------------------------------------
 
@@ -663,7 +622,7 @@ class LearnerWorker:
       for key in [k for k in self._asked_at if k[0] == p and k[1] < report.round_step]:
         del self._asked_at[key]  # Requests dropped unanswered (their rounds merged meanwhile).
       with self._jobs_cv:
-        anchor = self._held[p].get(report.anchor_version) if report.anchor_version >= 0 else None
+        anchor = self._link.anchor_values(p, report.anchor_version)
         job, older = _Job(report, fetch, anchor, asked_at, now), self._jobs.get(p)
         if older is not None:  # Never pushed: the new snapshot holds its progress and its tokens.
           job = _fold(older, job)
@@ -673,9 +632,7 @@ class LearnerWorker:
 
   def _apply(self) -> None:
     for p, version in self.learner.apply_ready():
-      with self._lock:  # Host copies older than the applied anchor are never a base again.
-        for v in [v for v in self._held[p] if v < version]:
-          del self._held[p][v]
+      self._link.forget_before(p, version)  # Never a base or an anchor again.
     self._check_applies()
 
   def _wait_for_merges(self) -> None:
@@ -696,7 +653,7 @@ class LearnerWorker:
   def _check_applies(self, *, block: bool = False) -> None:
     """Compares the digests of applies read back so far with the syncer's (docs/algorithm.md §4.7)."""
     for p, version, got in self.learner.verified_applies(block=block):
-      expected = self._digests.get((p, version))
+      expected = self._link.digest(p, version)
       if got is not None and got != expected:
         self.digest_mismatches += 1
         log.error("learner %d: fragment %d v%d digest %s != %s", self.id, p, version, got, expected)

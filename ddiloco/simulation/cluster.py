@@ -1,19 +1,25 @@
-"""A simulated cluster: M learners and the syncer core in one process, on a virtual clock.
+"""A simulated cluster: M learners and the syncer in one process, on a virtual clock.
 
 docs/architecture.md "two ways to run": the gradient steps are real (each learner is a real `Learner` with
 its own mesh over a slice of the local devices), so model quality is real; time is virtual, so quorum,
-grace window, stragglers, crashes and joins are reproducible on any machine. Only the transport
-(in-process events with latency) and the clock differ from the distributed runtime.
+grace window, stragglers, crashes and joins are reproducible on any machine. The syncer is driven
+through an interface (interface.py); `simulate()` plugs in the distributed runtime's own service,
+reached over the in-process transport with the runtime's client, messages and codecs
+(distributed/virtual.py). Only the clock and the timing of events differ from the distributed
+runtime: each learner does here what a learner process does (distributed/worker.py), with the
+network's latency (and bandwidth) as the time between sending and receiving.
 
 Event loop (a heap ordered by virtual time):
-  step_done(m)      learner m finished an inner step: train, apply ready fragments, answer the rounds
-                    it was asked for, start the next step (or block, for synchronous baselines)
-  tick              the syncer's step clock reaches a step     -> core.tick(), ask every learner
+  step_done(m)      learner m finished an inner step: train, heartbeat (its step paces the syncer's
+                    clock), apply ready fragments, answer the rounds it was asked for, start the
+                    next step (or block, for synchronous baselines)
+  wake              the syncer's next deadline (a round due, a merge, liveness) -> syncer.advance()
   ask(m, round)     a round request reaches learner m          -> learner.ask(), answered at once
                     with θ of its last step boundary (mid-step too, as a learner process does)
-  arrive(report)    a report reaches the syncer core           -> core.report(), schedule a merge check
-  merge_check       the core's next deadline                    -> core.poll(), deliver merges
-  deliver(m, frag)  a merged fragment reaches learner m         -> learner.receive(), maybe unblock
+  arrive(report)    a report reaches the syncer                -> the learner's link pushes it
+  announce(m, p)    a published version's announcement reaches learner m -> it pulls p
+  deliver(m, frag)  the pulled fragment is in (after the bandwidth's time) -> learner.receive()
+  keepalive(m)      a blocked learner's heartbeat, every heartbeat interval
   fault             crash / rejoin / join / leave / slow (ddiloco.simulation.faults)
   eval              evaluate the global model on the held-out split
 """
@@ -30,7 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ddiloco.fragments import tree
+from ddiloco.fragments import compression, tree
 from ddiloco.fragments.layout import FragmentLayout
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner.factory import LearnerFactory
@@ -38,13 +44,20 @@ from ddiloco.learner.learner import Learner, LearnerConfig
 from ddiloco.metrics import progress as progress_fields
 from ddiloco.metrics.accounting import BLOCKED, BUSY, DOWN, GONE, TimeLedger
 from ddiloco.metrics.writer import MetricsWriter
-from ddiloco.protocol import FragmentState, RoundRequest
+from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
 from ddiloco.simulation.config import ClusterConfig, LearnerSpec
 from ddiloco.simulation.faults import Fault, parse_faults
-from ddiloco.syncer.core import MergeEvent, SyncerCore
-from ddiloco.transport import wire
+from ddiloco.simulation.interface import Announcement, Link, Syncer
+from ddiloco.syncer.core import MergeEvent
 
 log = logging.getLogger(__name__)
+
+
+# Events that move a run on (`_stalled`): the others (evaluations, heartbeats of blocked
+# learners, the syncer's wake-ups) happen whether or not anything can change.
+_PRODUCTIVE = frozenset(
+  {"step_done", "ask", "arrive", "announce", "deliver", "fault", "rejoin", "unslow"}
+)
 
 
 @dataclasses.dataclass
@@ -55,6 +68,7 @@ class _Slot:
   spec: LearnerSpec
   learner: Learner | None = None
   data: Any = None
+  link: Link | None = None  # This life's connection to the syncer (a new one at each (re)start).
   alive: bool = False
   gen: int = 0  # Bumped on crash/rejoin: cancels that slot's pending events.
   blocked: bool = False
@@ -75,9 +89,12 @@ class SimulatedCluster:
     cluster: fleet shape, faults, latencies and the run's length.
     schedule: the fragment schedule (P, H, τ).
     learner_config: learner protocol knobs (α, blocking).
-    syncer_core_fn: builds the `SyncerCore` given (layout keys, init values, clock, embedding keys);
+    syncer_fn: builds the `Syncer` given (fragment_keys, init_values, clock, embedding_keys,
+      schedule, layout_digest), e.g. `distributed.virtual.VirtualSyncer` with its configs bound;
       None runs without a syncer (the data-parallel baseline).
     writer: where events go.
+    heartbeat_interval_s: how often a blocked learner sends a heartbeat (a stepping one sends one
+      at every step), in virtual seconds.
   """
 
   def __init__(
@@ -87,8 +104,9 @@ class SimulatedCluster:
     cluster: ClusterConfig,
     schedule: FragmentSchedule,
     learner_config: LearnerConfig,
-    syncer_core_fn: Callable[..., SyncerCore] | None,
+    syncer_fn: Callable[..., Syncer] | None,
     writer: MetricsWriter | None = None,
+    heartbeat_interval_s: float = 0.25,
   ):
     self.factory = factory
     self.cfg = cluster
@@ -100,23 +118,24 @@ class SimulatedCluster:
     self._seq = itertools.count()
     self._rng = np.random.default_rng(cluster.seed)
     self.layout: FragmentLayout = factory.layout
-    self.core: SyncerCore | None = None
-    if syncer_core_fn is not None:
-      self.core = syncer_core_fn(
+    self.syncer: Syncer | None = None
+    if syncer_fn is not None:
+      self.syncer = syncer_fn(
         fragment_keys=self.layout.fragments,
         init_values=factory.global_init_values(),
         clock=lambda: self.now,
         embedding_keys=factory.embedding_keys(),
         schedule=schedule,
+        layout_digest=self.layout.digest,
       )
+    self.heartbeat_interval_s = heartbeat_interval_s
     self.ledger = TimeLedger()
     self.slots: dict[int, _Slot] = {}
     self.token_budget = cluster.token_budget(factory.tokens_per_step)
     self.tokens_trained = 0
-    self.bytes_up = 0
-    self.bytes_down = 0
     self.lost_reports = 0
     self.merge_events: list[MergeEvent] = []
+    self._rounds_seen: set[tuple[int, int]] = set()  # (fragment, round step) announced.
     self.evals: list[tuple[float, float]] = []
     # The one pending time of each self-rescheduling event (see `_schedule_once`).
     self._pending_at: dict[str, float] = {}
@@ -147,6 +166,26 @@ class SimulatedCluster:
     bw = self.cfg.bandwidth_gbps
     return latency + (nbytes * 8 / (bw * 1e9) if bw > 0 else 0.0)
 
+  def _wire_bytes(self, values: dict[str, np.ndarray], codec: str) -> int:
+    """Bytes of `values` in `codec` (payload and scales), for transfer times."""
+    c = compression.get_codec(codec, self.syncer.config.block_size)
+    return sum(sum(c.nbytes(v.size)) for v in values.values())
+
+  @property
+  def bytes_up(self) -> int:
+    """Bytes the learners pushed, as the syncer's door counted them on the (in-process) wire."""
+    return self.syncer.traffic()[0] if self.syncer is not None else 0
+
+  @property
+  def bytes_down(self) -> int:
+    """Bytes the learners pulled, as the syncer counted them."""
+    return self.syncer.traffic()[1] if self.syncer is not None else 0
+
+  @property
+  def core(self):
+    """The syncer's core (read-only views: versions, states, counters), None without a syncer."""
+    return self.syncer.core if self.syncer is not None else None
+
   # -- learner lifecycle ----------------------------------------------------------------------
 
   def _start(self, index: int, *, rejoin: bool) -> None:
@@ -161,38 +200,47 @@ class SimulatedCluster:
       slot.data = self.factory.make_data(index, spec=slot.spec)
     slot.alive, slot.blocked = True, False
     slot.gen += 1
-    if self.core is not None:
-      # Register, then restore every fragment from the global copy (docs/algorithm.md §6 rejoin). The inner
-      # optimizer state is kept, as if restored from the learner's own per-step checkpoint.
-      self.core.register(index)
-      slot.learner.ledger.restored()  # Reports lost in a crash settle at the next delivery.
-      slot.learner.load_global(
-        [self.core.fetch(index, p) for p in range(self.layout.num_fragments)]
-      )
-      # A (re)joining learner takes the fleet's step on the syncer's clock (docs/algorithm.md)
-      # and is asked for the rounds open now.
-      if rejoin or self.now > 0:
-        fleet_step = self.core.fleet_step()
-        slot.learner.align_phase(fleet_step)
-        slot.learner.join_schedule(fleet_step)
-      for request in self.core.open_rounds():
-        slot.learner.ask(request)
+    if self.syncer is not None:
+      # Register, then restore every fragment from the global copy (docs/algorithm.md §6 rejoin), as a
+      # learner process does. The inner optimizer state is kept, as if restored from the learner's
+      # own per-step checkpoint.
+      self._connect(slot)
     self.ledger.set_state(index, BUSY, self.now)
     self._event(
       "fault" if rejoin else "start", learner=index, action="rejoin" if rejoin else "start"
     )
     self._push(self.now + self._step_duration(slot), "step_done", index, slot.gen)
 
+  def _connect(self, slot: _Slot) -> None:
+    """Registers slot's learner on a new link, loads the global fragments, joins the fleet's
+    schedule and subscribes to its rounds (the rounds open now are asked at once)."""
+    learner = slot.learner
+    slot.link = link = self.syncer.link(slot.index)
+    reg = link.register(num_devices=slot.spec.devices, batch_size=slot.spec.batch_size or 0)
+    learner.ledger.restored()  # Reports lost in a crash settle at the next heartbeat.
+    learner.load_global([link.pull(p, -1) for p in range(self.layout.num_fragments)])
+    # A (re)joining learner takes the fleet's step on the syncer's clock (docs/algorithm.md).
+    if self.now > 0:
+      learner.align_phase(reg.fleet_step)
+      learner.join_schedule(reg.fleet_step)
+    gen = slot.gen
+    for event in self.syncer.subscribe(link, lambda ev: self._on_announcement(slot.index, gen, ev)):
+      if isinstance(event, RoundRequest):
+        learner.ask(event)
+    self._schedule_wake()
+
   def _stop(self, index: int, *, left: bool) -> None:
-    """Takes a learner out: a crash (its slot stays provisioned, DOWN) or a leave (GONE)."""
+    """Takes a learner out: a crash (its slot stays provisioned, DOWN) or a leave (GONE). The
+    syncer learns of a crash only from the learner's silence (its liveness timeout)."""
     slot = self.slots.get(index)
     if slot is None or not slot.alive:
       return
     slot.alive, slot.blocked = False, False
     slot.gen += 1
-    if self.core is not None:
-      self.core.leave(index)
-      self._schedule_merge_check()  # Its departure may let a round close early.
+    if self.syncer is not None:
+      if left:
+        slot.link.leave()
+      self._schedule_wake()  # A departure may let a round close early.
     self.ledger.set_state(index, GONE if left else DOWN, self.now)
 
   # -- handlers -------------------------------------------------------------------------------
@@ -221,28 +269,44 @@ class SimulatedCluster:
       self._scalars(
         {f"learner_{index}/loss": loss, f"learner_{index}/step_rate": rate}, step=learner.step
       )
-    if self.core is not None:
+    if self.syncer is not None:
       # Per-step metadata: the syncer's clock runs at the fleet's measured step rate.
-      self.core.observe_steps(index, learner.schedule_step)
+      self._heartbeat(slot)
       self._boundary(slot)
-      self._schedule_tick()
+      self._schedule_wake()
     if self.tokens_trained >= self.token_budget:
       self._finished = True
       self._finish_time = self.now
       self.ledger.close(self.now)
-      if self.core is not None:
-        # Every learner answers the rounds it was asked for with what it has trained, and one
-        # last tick opens the rounds due at the steps trained.
+      if self.syncer is not None:
+        # Every learner answers the rounds it was asked for with what it has trained, and the
+        # syncer opens the rounds due at the steps trained.
         for other in self.slots.values():
           if other.alive and other is not slot:
             self._boundary(other)
-        self._schedule_once("tick", self.now)
+        self._schedule_once("wake", self.now)
       return
     self._continue(slot)
 
+  def _heartbeat(self, slot: _Slot) -> None:
+    """Slot's learner reports its step; if the syncer forgot it (declared dead), it registers
+    again and pulls what it announces, as a learner process's comm thread does."""
+    hb = slot.link.heartbeat(slot.learner.schedule_step, slot.step_time_ema)
+    if not hb.registered:
+      self._event("reregister", learner=slot.index)
+      slot.link.register(num_devices=slot.spec.devices, batch_size=slot.spec.batch_size or 0)
+      gen = slot.gen
+      for event in self.syncer.subscribe(
+        slot.link, lambda ev: self._on_announcement(slot.index, gen, ev)
+      ):
+        self._on_announcement(slot.index, gen, event)
+      return
+    slot.learner.ledger.settle(list(hb.versions), list(hb.merged_steps))
+
   def _boundary(self, slot: _Slot) -> None:
     """Learner `slot` at a step boundary: applies what is ready, then answers its rounds."""
-    slot.learner.apply_ready()
+    for p, version in slot.learner.apply_ready():
+      slot.link.forget_before(p, version)  # Never a base or an anchor again.
     self._answer(slot)
 
   def _answer(self, slot: _Slot) -> None:
@@ -253,14 +317,15 @@ class SimulatedCluster:
       report = learner.make_report(p, step_time_s=slot.step_time_ema)
       # Staleness: inner steps θ_p trained away from the last global version the learner applied.
       self._scalars({f"learner_{slot.index}/staleness_steps": report.steps})
-      nbytes = sum(v.nbytes for v in report.values.values())
-      self.bytes_up += nbytes
-      self._push(
-        self.now + self._transfer_s(nbytes, self.cfg.uplink_latency_s), "arrive", report, slot.gen
+      anchor = slot.link.anchor_values(p, report.anchor_version)
+      codec = "fp32" if anchor is None else self.syncer.config.uplink_codec
+      at = self.now + self._transfer_s(
+        self._wire_bytes(report.values, codec), self.cfg.uplink_latency_s
       )
+      self._push(at, "arrive", report, anchor, slot.gen)
 
   def _schedule_once(self, kind: str, at: float | None) -> None:
-    """Schedules a `kind` event ("tick", "merge_check") at `at` unless one is pending sooner.
+    """Schedules a `kind` event ("wake") at `at` unless one is pending sooner.
 
     Only the pending one runs: `run` drops the others when they come up, so that they never move
     the clock.
@@ -273,29 +338,62 @@ class SimulatedCluster:
       self._pending_at[kind] = at
       self._push(at, kind)
 
-  def _schedule_tick(self) -> None:
-    """Schedules the syncer's next clock tick (a round may come due then)."""
-    self._schedule_once("tick", self.core.next_tick_time())
+  def _schedule_wake(self, *, after_now: bool = False) -> None:
+    """Schedules the syncer's next wake-up: a round coming due, a merge, a liveness deadline;
+    after the token budget (the drain), merges only. `after_now`: not at this instant again."""
+    at = self.core.next_deadline() if self._finished else self.syncer.next_wakeup()
+    if at is not None and after_now and at <= self.now:
+      # The syncer just did what was due now; a deadline it still reports as now is a rounding
+      # edge, and waking at this instant again would never move the clock.
+      at = self.now + 1e-6
+    self._schedule_once("wake", at)
 
-  def _on_tick(self) -> None:
-    del self._pending_at["tick"]
-    if self._finished and self.now > self._finish_time:
-      return  # The drain answers the rounds of steps trained, not later ones.
-    requests = self.core.tick()
-    for request in requests:
-      self._event(
-        "round", fragment=request.fragment, step=request.round_step, base=request.base_version
-      )
-      for slot in self.slots.values():
-        if slot.alive:
-          t = self.now + self.cfg.downlink_latency_s
-          self._push(t, "ask", slot.index, slot.gen, request)
-    # The clock needs ticks while someone trains; a fleet that is all blocked or down waits for
-    # merges, not for new rounds (and a stalled synchronous quorum must end the run).
-    if not self._finished and (
-      requests or any(s.alive and not s.blocked for s in self.slots.values())
-    ):
-      self._schedule_tick()
+  def _on_wake(self) -> None:
+    del self._pending_at["wake"]
+    # The drain answers the rounds of the steps trained and opens no later one.
+    self.syncer.advance(open_rounds=not (self._finished and self.now > self._finish_time))
+    for ev in self.syncer.merge_log()[len(self.merge_events) :]:
+      self._merged(ev)
+    self._schedule_wake(after_now=True)
+
+  def _merged(self, ev: MergeEvent) -> None:
+    """Books a published merge (events, scalars) and its delivery time (ξ_sync)."""
+    self.merge_events.append(ev)
+    self._event(
+      "merge",
+      fragment=ev.fragment,
+      version=ev.version,
+      contributors=list(ev.contributors),
+      weights=[round(w, 6) for w in ev.weights],
+      tokens=ev.tokens,
+      grace_s=round(ev.grace_s, 6),
+    )
+    self._scalars(
+      {
+        "syncer/merges": len(self.merge_events),
+        "syncer/quorum_size": len(ev.contributors),
+        "syncer/grace_window_s": ev.grace_s,
+      }
+    )
+    state = self.core.state(ev.fragment)
+    codec = self.syncer.config.downlink_codec
+    nbytes = self._wire_bytes(state.values, codec)
+    # ξ_sync includes delivering the merge (docs/algorithm.md §4.2), which the core's clock cannot see here.
+    self.syncer.observe_sync_time(self._transfer_s(nbytes, self.cfg.downlink_latency_s))
+
+  def _on_announcement(self, index: int, gen: int, event: Announcement) -> None:
+    """The syncer asked for a round or published a version (under its lock: schedule only)."""
+    t = self.now + self.cfg.downlink_latency_s
+    if isinstance(event, RoundRequest):
+      key = (event.fragment, event.round_step)
+      if key not in self._rounds_seen:  # Opened now (a new subscriber's open rounds are not).
+        self._rounds_seen.add(key)
+        self._event(
+          "round", fragment=event.fragment, step=event.round_step, base=event.base_version
+        )
+      self._push(t, "ask", index, gen, event)
+    else:
+      self._push(t, "announce", index, gen, *event)
 
   def _on_ask(self, index: int, gen: int, request: RoundRequest) -> None:
     slot = self.slots[index]
@@ -315,18 +413,30 @@ class SimulatedCluster:
       if not slot.blocked:
         slot.blocked = True
         self.ledger.set_state(slot.index, BLOCKED, self.now)
+        self._push(self.now + self.heartbeat_interval_s, "keepalive", slot.index, slot.gen)
       return
     if slot.blocked:
       slot.blocked = False
       self.ledger.set_state(slot.index, BUSY, self.now)
     self._push(self.now + self._step_duration(slot), "step_done", slot.index, slot.gen)
 
-  def _on_arrive(self, report: Any, gen: int) -> None:
+  def _on_keepalive(self, index: int, gen: int) -> None:
+    """A blocked learner's heartbeat: it is alive, though it makes no steps."""
+    slot = self.slots[index]
+    if slot.alive and slot.blocked and gen == slot.gen and not self._finished:
+      self._heartbeat(slot)
+      self._schedule_wake()
+      self._push(self.now + self.heartbeat_interval_s, "keepalive", index, gen)
+
+  def _on_arrive(self, report: Report, anchor: Any, gen: int) -> None:
     slot = self.slots[report.learner_id]
     if not slot.alive or gen != slot.gen:
       self.lost_reports += 1  # Sent by a learner that crashed before the report landed.
       return
-    result = self.core.report(self._through_uplink(report))
+    try:
+      result = slot.link.push(report, anchor)  # The door, the codec, the core: the service's path.
+    except ValueError as e:  # θ_p cannot be encoded (NaN/Inf), as a learner process finds too.
+      result = ReportResult("rejected", str(e), 0.0)
     slot.learner.on_report_result(report.fragment, result)
     if result.status in ("late", "duplicate", "rejected"):
       self._event(
@@ -336,63 +446,28 @@ class SimulatedCluster:
       self._scalars(
         {"syncer/late_reports": stats["late"], "syncer/rejected_reports": stats["rejected"]}
       )
-    self._schedule_merge_check()
+    self._schedule_wake()
 
-  def _through_uplink(self, report: Any) -> Any:
-    """The report as the syncer service decodes it: the outer gradient δ = Θ^(anchor) − θ through
-    the uplink codec, as a learner that holds its anchor sends it (θ in fp32 otherwise)."""
-    if report.anchor_version < 0:
-      return report
-    try:  # The learner's copy of Θ^(anchor): the syncer's, bit for bit.
-      anchor = self.core.values_at(report.fragment, report.anchor_version)
-    except KeyError:  # No longer kept here: not the round's base, so it weighs 0 whatever it holds.
-      return report
-    delta = wire.received_outer_gradient(
-      report.values, anchor, self.cfg.uplink_codec, block_size=self.cfg.codec_block_size
-    )
-    return dataclasses.replace(report, values=delta, outer_gradient=True)
-
-  def _schedule_merge_check(self) -> None:
-    self._schedule_once("merge_check", self.core.next_deadline())
-
-  def _on_merge_check(self) -> None:
-    del self._pending_at["merge_check"]
-    for ev in self.core.poll():
-      self.merge_events.append(ev)
-      self._event(
-        "merge",
-        fragment=ev.fragment,
-        version=ev.version,
-        contributors=list(ev.contributors),
-        weights=[round(w, 6) for w in ev.weights],
-        tokens=ev.tokens,
-        grace_s=round(ev.grace_s, 6),
-      )
-      self._scalars(
-        {
-          "syncer/merges": len(self.merge_events),
-          "syncer/quorum_size": len(ev.contributors),
-          "syncer/grace_window_s": ev.grace_s,
-        }
-      )
-      state = self.core.state(ev.fragment)
-      nbytes = sum(v.nbytes for v in state.values.values())
-      # ξ_sync includes delivering the merge (docs/algorithm.md §4.2), which the core's clock cannot see here.
-      self.core.observe_sync_time(self._transfer_s(nbytes, self.cfg.downlink_latency_s))
-      for slot in self.slots.values():
-        if slot.alive:
-          self.bytes_down += nbytes
-          t = self.now + self._transfer_s(nbytes, self.cfg.downlink_latency_s)
-          self._push(t, "deliver", slot.index, slot.gen, state)
-    self._schedule_merge_check()
+  def _on_announce(self, index: int, gen: int, p: int, version: int) -> None:
+    """Learner `index` pulls a version announced to it (a delta against the version it holds)."""
+    slot = self.slots[index]
+    if not slot.alive or gen != slot.gen:
+      return
+    state = slot.link.pull(p)
+    if state is None:
+      return  # Held already.
+    codec = "fp32" if state.version != version else self.syncer.config.downlink_codec
+    delay = self._transfer_s(self._wire_bytes(state.values, codec), 0.0)
+    if delay > 0:
+      self._push(self.now + delay, "deliver", index, gen, state)
+    else:
+      self._on_deliver(index, gen, state)
 
   def _on_deliver(self, index: int, gen: int, state: FragmentState) -> None:
     slot = self.slots[index]
     if not slot.alive or gen != slot.gen:
       return
-    self.core.mark_delivered(index, state.fragment, state.version)
     slot.learner.receive(state)
-    self._settle(slot)
     if slot.blocked and not self._finished:
       self._boundary(slot)
       self._continue(slot)
@@ -460,11 +535,12 @@ class SimulatedCluster:
       self._push(self.cfg.eval_every_s, "eval")
     handlers = {
       "step_done": self._on_step_done,
-      "tick": self._on_tick,
+      "wake": self._on_wake,
       "ask": self._on_ask,
       "arrive": self._on_arrive,
-      "merge_check": self._on_merge_check,
+      "announce": self._on_announce,
       "deliver": self._on_deliver,
+      "keepalive": self._on_keepalive,
       "fault": self._on_fault,
       "rejoin": self._on_rejoin,
       "unslow": lambda i: setattr(self.slots[i], "slow_factor", 1.0),
@@ -474,10 +550,10 @@ class SimulatedCluster:
     # Once the token budget is trained no step starts, but rounds due at the steps trained are
     # still opened and answered, and answers already sent land, merge and reach the learners (the
     # drain), so the final global model includes the last steps' work.
-    drain_kinds = ("tick", "ask", "arrive", "merge_check", "deliver")
+    drain_kinds = ("wake", "ask", "arrive", "announce", "deliver")
     self.stalled = False
     while self._heap:
-      if not self._finished and all(kind in ("eval", "unslow") for _, _, kind, _ in self._heap):
+      if not self._finished and self._stalled():
         # Every learner is blocked or down and nothing can change that: a synchronous quorum
         # waiting for a learner that will not come back. Stop rather than evaluate forever; the
         # stall counts as downtime up to the run's horizon when it has one.
@@ -490,7 +566,7 @@ class SimulatedCluster:
         break
       if self._finished and kind not in drain_kinds:
         continue
-      if kind in ("tick", "merge_check") and t != self._pending_at.get(kind):
+      if kind == "wake" and t != self._pending_at.get(kind):
         continue  # Superseded by an earlier one (`_schedule_once`): it must not move the clock.
       self.now = t
       handlers[kind](*payload)
@@ -504,6 +580,16 @@ class SimulatedCluster:
     self._event("eval", loss=final, tokens=self.tokens_trained, final=True, **aux)
     self._eval_scalars(final, aux, self.ledger.goodput())
     return self.summary(final, time.perf_counter() - wall0)
+
+  def _stalled(self) -> bool:
+    """Whether nothing can move the run on: no learner steps, no message or fault is on its way,
+    no merge is due and no round can open (heartbeats of blocked learners, evaluations and the
+    syncer's liveness wake-ups go on regardless)."""
+    if any(kind in _PRODUCTIVE for _, _, kind, _ in self._heap):
+      return False
+    return self.core is None or (
+      self.core.next_deadline() is None and self.core.next_tick_time() is None
+    )
 
   def _eval_scalars(self, loss: float, aux: dict[str, float], goodput: float) -> None:
     """An evaluation's scalars, with the run's goodput and traffic so far."""
@@ -544,6 +630,11 @@ class SimulatedCluster:
       f"{progress_fields.throughput(steps_per_s, tokens_per_s, eta_s)} | " + " ".join(parts)
     )
 
+  def close(self) -> None:
+    """Releases the syncer (its in-process server)."""
+    if self.syncer is not None:
+      self.syncer.close()
+
   def digests_agree(self) -> bool:
     """Every alive learner holds, for each fragment at its anchor == current version, the same bits."""
     if self.core is None or self.learner_config.mixing_alpha != 0:
@@ -560,12 +651,13 @@ class SimulatedCluster:
     return True
 
   def _settle(self, slot: "_Slot") -> None:
-    """The learner hears the syncer's versions and merged steps (a heartbeat; ledger.py)."""
+    """The learner hears the syncer's final versions and merged steps (ledger.py), as a last
+    heartbeat would tell it."""
     versions = [self.core.version(p) for p in range(self.layout.num_fragments)]
     slot.learner.ledger.settle(versions, self.core.merged_steps(slot.index))
 
   def summary(self, final_loss: float, wall_s: float) -> dict[str, Any]:
-    stats = self.core.stats() if self.core is not None else {}
+    stats = self.syncer.stats() if self.syncer is not None else {}
     if self.core is not None:
       for slot in self.slots.values():
         if slot.learner is not None:

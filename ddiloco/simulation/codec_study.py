@@ -69,9 +69,9 @@ def codec_system(spec: str, *, run_file: str, bindings: Sequence[str]) -> study.
     bindings: gin bindings applied before the codec's.
   """
   up, down, block = parse_codec(spec)
-  codec = [f"ClusterConfig.uplink_codec = '{up}'", f"ClusterConfig.downlink_codec = '{down}'"]
+  codec = [f"ServiceConfig.uplink_codec = '{up}'", f"ServiceConfig.downlink_codec = '{down}'"]
   if block is not None:
-    codec.append(f"ClusterConfig.codec_block_size = {block}")
+    codec.append(f"ServiceConfig.block_size = {block}")
   return study.System(name=spec, gin_files=(run_file,), bindings=(*bindings, *codec))
 
 

@@ -5,7 +5,6 @@ import math
 
 import gin
 
-from ddiloco.fragments import compression
 from ddiloco.learner.factory import LearnerSpec  # Re-exported: the fleet is a list of them.
 from ddiloco.simulation.faults import parse_faults
 
@@ -31,11 +30,9 @@ class ClusterConfig:
     max_time_s: hard stop in virtual seconds.
     log_every: steps between logged training losses.
     seed: jitter RNG seed.
-    uplink_codec: codec the reports go through (docs/algorithm.md §5): the syncer sees what a `ddiloco-syncer`
-      would decode: the outer gradient Θ^(anchor) − θ, encoded in this codec.
-    downlink_codec: codec of fragment updates Θ_new − Θ_old; the syncer adopts the decoded values,
-      as the service does.
-    codec_block_size: values per absmax scale block for int8/int4.
+
+  The wire codecs are the syncer service's (`ServiceConfig`, `simulate(service=...)`), as in a
+  distributed run: the simulated learners talk to that very service.
   """
 
   num_learners: int = 4
@@ -54,18 +51,8 @@ class ClusterConfig:
   max_time_s: float = math.inf
   log_every: int = 10
   seed: int = 0
-  uplink_codec: str = "fp32"
-  downlink_codec: str = "fp32"
-  codec_block_size: int = 64
 
   def __post_init__(self):
-    for name in ("uplink_codec", "downlink_codec"):
-      if getattr(self, name) not in compression.CODECS:
-        raise ValueError(
-          f"{name} must be one of {compression.CODECS}, got {getattr(self, name)!r}."
-        )
-    if self.codec_block_size < 1:
-      raise ValueError(f"codec_block_size must be >= 1, got {self.codec_block_size}.")
     if self.num_learners < 1:
       raise ValueError(f"num_learners must be >= 1, got {self.num_learners}.")
     if self.steps_per_learner < 1:

@@ -4,6 +4,7 @@ Everything an experiment varies is an argument; gin binds them from .gin files (
 `ddiloco-simulate` entry point is a thin shell around this function.
 """
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +13,8 @@ import gin
 
 from ddiloco import storage
 from ddiloco.data import text as text_data
+from ddiloco.distributed.service_config import ServiceConfig
+from ddiloco.distributed.virtual import VirtualSyncer
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner.factory import LearnerFactory
 from ddiloco.learner.learner import LearnerConfig, check_pacing
@@ -20,9 +23,8 @@ from ddiloco.metrics.writer import MetricsWriter, write_summary
 from ddiloco.models import transformer
 from ddiloco.simulation.cluster import SimulatedCluster
 from ddiloco.simulation.config import ClusterConfig
-from ddiloco.syncer.core import SyncerConfig, SyncerCore
+from ddiloco.syncer.core import SyncerConfig
 from ddiloco.tasks import Task
-from ddiloco.transport import wire
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ def simulate(
   cluster: ClusterConfig = gin.REQUIRED,
   schedule: FragmentSchedule | None = None,
   syncer: SyncerConfig | None = None,
+  service: ServiceConfig | None = None,
   learner: LearnerConfig | None = None,
   inner_opt: InnerOptConfig | None = None,
   layout_strategy: str = "balanced",
@@ -58,6 +61,8 @@ def simulate(
     cluster: fleet, faults, network, token budget.
     schedule: fragments P, period H, overlap τ (default: docs/algorithm.md §2's 24/24/2).
     syncer: quorum, grace, merge and outer optimizer (default: SyncerConfig()).
+    service: the syncer service's settings, as for a distributed run (default: ServiceConfig()):
+      the wire codecs both ways, and heartbeats and liveness, in virtual seconds.
     learner: α and blocking (default: LearnerConfig()).
     inner_opt: inner AdamW (default: InnerOptConfig()).
     layout_strategy: "balanced" (default), "layer" or "tensor".
@@ -95,22 +100,11 @@ def simulate(
     batch_size=cluster.batch_size,
   )
 
-  adopt = None
-  if (
-    cluster.downlink_codec != "fp32"
-  ):  # The syncer adopts what learners decode (docs/algorithm.md §5).
-
-    def adopt(p, new, prev):
-      del p
-      return wire.received_values(
-        new, cluster.downlink_codec, block_size=cluster.codec_block_size, base=prev
-      )
-
+  service = service or ServiceConfig()
   if sync:
     check_pacing(learner or LearnerConfig(), syncer)
-
-  def core_fn(**kwargs):
-    return SyncerCore(config=syncer, adopt=adopt, **kwargs)
+  # The distributed runtime's syncer service, on the virtual clock (distributed/virtual.py).
+  syncer_fn = functools.partial(VirtualSyncer, syncer_config=syncer, service_config=service)
 
   if on_start is not None:
     on_start()
@@ -128,10 +122,14 @@ def simulate(
       cluster=cluster,
       schedule=schedule,
       learner_config=learner or LearnerConfig(),
-      syncer_core_fn=core_fn if sync else None,
+      syncer_fn=syncer_fn if sync else None,
       writer=writer,
+      heartbeat_interval_s=service.heartbeat_interval_s,
     )
-    summary = sim.run(progress=progress)
+    try:
+      summary = sim.run(progress=progress)
+    finally:
+      sim.close()
   summary["num_params"] = factory.num_params
   # The cluster's final evaluation is the factory's last one: its metrics, at no extra cost.
   summary["final_eval_metrics"] = factory.last_eval

@@ -124,6 +124,11 @@ class SyncerClient:
       return
     grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
 
+  def session(self, learner_id: int) -> str:
+    """The session `learner_id`'s newest registration got ("" before one)."""
+    with self._lock:
+      return self._sessions.get(learner_id, "")
+
   def learner_metadata(self, learner_id: int) -> tuple[tuple[str, str], ...]:
     """Call metadata for `learner_id`'s calls: the shared token and its session, if registered."""
     with self._lock:
@@ -343,6 +348,18 @@ def fragment_layouts(
   ]
 
 
+def syncer_event(event: syncer_pb2.SyncerEvent) -> RoundRequest | tuple[int, int] | None:
+  """A `Rounds` event as the learner reads it: a `RoundRequest`, a (fragment, version)
+  announcement, or None for an event of a kind this client does not know."""
+  kind = event.WhichOneof("event")
+  if kind == "round":
+    r = event.round
+    return RoundRequest(int(r.fragment), int(r.round_step), int(r.base_version))
+  if kind == "published":
+    return (int(event.published.fragment), int(event.published.version))
+  return None
+
+
 class RoundStream:
   """A `Rounds` subscription: yields `RoundRequest`s and (fragment, version) announcements."""
 
@@ -351,12 +368,9 @@ class RoundStream:
 
   def __iter__(self):
     for event in self._call:
-      kind = event.WhichOneof("event")
-      if kind == "round":
-        r = event.round
-        yield RoundRequest(int(r.fragment), int(r.round_step), int(r.base_version))
-      elif kind == "published":
-        yield (int(event.published.fragment), int(event.published.version))
+      read = syncer_event(event)
+      if read is not None:
+        yield read
 
   def cancel(self) -> None:
     self._call.cancel()

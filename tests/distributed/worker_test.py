@@ -433,3 +433,45 @@ def test_a_round_asked_while_a_step_runs_is_answered_before_the_step_ends(tmp_pa
   assert all(np.array_equal(values[k], theta[k]) for k in theta)
   worker._close_step_waiter()
   writer.close()
+
+
+def test_an_answer_that_cannot_be_encoded_is_rejected_and_the_sender_goes_on():
+  """θ_p with NaN cannot be encoded: the answer is booked rejected (never retried) and the sender
+  thread keeps pushing the other fragments' answers."""
+
+  class _Client:
+    def push(self, report, codec, *, block_size, anchor_values):
+      del codec, block_size, anchor_values
+      if report.fragment == 0:
+        raise ValueError("1 NaN/Inf value in 'w'")
+      return ReportResult("accepted", "", 1.0)
+
+  worker = LearnerWorker(
+    learner=types.SimpleNamespace(learner_id=0),
+    data=iter([]),
+    client=_Client(),
+    layout_digest="",
+    layouts=[{}, {}],
+    senders=1,
+  )
+  with worker._jobs_cv:
+    for p in (0, 1):
+      report = Report(
+        learner_id=0, fragment=p, values={}, tokens=1, steps=1, anchor_version=0, step=p
+      )
+      worker._jobs[p] = worker_lib._Job(report, dict, None)
+  sender = threading.Thread(target=worker._send_loop, args=(0,))
+  sender.start()
+  try:
+    deadline = time.monotonic() + 10
+    while worker._results.qsize() < 2 and time.monotonic() < deadline:
+      time.sleep(0.01)
+  finally:
+    worker._stop.set()
+    with worker._jobs_cv:
+      worker._jobs_cv.notify_all()
+    sender.join(10)
+  results = {p: r for p, _, r in (worker._results.get() for _ in range(2))}
+  assert results[0].status == "rejected" and "NaN" in results[0].reason
+  assert results[1].status == "accepted"
+  assert not worker._jobs  # Never queued again.

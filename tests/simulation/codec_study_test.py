@@ -35,14 +35,14 @@ def test_codec_system_bindings_in_order():
   assert s.gin_files == ("runs/sim_small.gin",)
   assert s.all_bindings(5) == [
     "STEPS=96",
-    "ClusterConfig.uplink_codec = 'int4'",
-    "ClusterConfig.downlink_codec = 'bf16'",
-    "ClusterConfig.codec_block_size = 32",
+    "ServiceConfig.uplink_codec = 'int4'",
+    "ServiceConfig.downlink_codec = 'bf16'",
+    "ServiceConfig.block_size = 32",
     "simulate.seed = 5",
     "ClusterConfig.seed = 5",
     "TextDataConfig.seed = 5",
   ]
-  # No block size binding unless asked: the run keeps ClusterConfig's default.
+  # No block size binding unless asked: the run keeps ServiceConfig's.
   assert not any(
     "block" in b for b in cq.codec_system("bf16", run_file="r.gin", bindings=()).bindings
   )

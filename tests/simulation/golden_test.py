@@ -15,6 +15,7 @@ import pathlib
 import pytest
 
 from ddiloco.data import text as text_data
+from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner import train_step
 from ddiloco.metrics.writer import read_events
@@ -38,10 +39,9 @@ def _trajectory(workdir: str) -> dict:
       steps_per_learner=24,
       log_every=2,
       faults=("crash:1@3+2",),
-      uplink_codec="int8",
-      downlink_codec="int4",
       eval_every_s=6.0,
     ),
+    service=ServiceConfig(uplink_codec="int8", downlink_codec="int4"),
     schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
     syncer=SyncerConfig(outer_lr=0.7, outer_momentum=0.9, nesterov=True),
     inner_opt=train_step.InnerOptConfig(warmup_steps=2, decay_steps=24),
