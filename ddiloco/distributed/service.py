@@ -66,13 +66,10 @@ learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runti
 """
 
 import collections
-import dataclasses
-import hmac
 import itertools
 import logging
 import math
 import queue
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -82,6 +79,7 @@ import numpy as np
 
 from ddiloco.distributed import door
 from ddiloco.distributed.downlink import DownlinkAdopter
+from ddiloco.distributed.members import Member, Members
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.metrics.writer import quantiles
 from ddiloco.protocol import counter_error, step_time_error
@@ -151,19 +149,6 @@ def _published_event(fragment: int, version: int) -> syncer_pb2.SyncerEvent:
   return syncer_pb2.SyncerEvent(published=syncer_pb2.Published(fragment=fragment, version=version))
 
 
-@dataclasses.dataclass
-class _Member:
-  """What the service knows of a learner beyond the core: liveness clock, session, description."""
-
-  last_seen: float
-  session: str = ""
-  left_at: float | None = None  # When it left or was declared dead (None: alive, or not noticed).
-  host: str = ""
-  num_devices: int = 0
-  batch_size: int = 0
-  step: int = 0
-
-
 class SyncerService(syncer_pb2_grpc.SyncerServicer):
   """The `ddiloco.v1.Syncer` servicer around one `SyncerCore` (see module docstring).
 
@@ -213,7 +198,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     self._recovered: list[int] = []  # Fragments taken back from learners.
     self._republished: list[int] = []  # Fragments republished when no learner had them.
     self._cond = threading.Condition()
-    self._members: dict[int, _Member] = {}
+    self._members = Members(core, config, clock, self._refuse)
     self._subscribers: dict[int, _Subscription] = {}
     states = [core.state(p) for p in range(core.num_fragments)]
     self._layouts = fragment_layouts(
@@ -319,10 +304,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         times += [self._core.next_deadline(), self._core.next_tick_time()]
       if self._recovering:
         times.append(self._recovery_deadline)
-      alive = self._core.alive()
-      times += [
-        m.last_seen + self._cfg.liveness_timeout_s for i, m in self._members.items() if i in alive
-      ]
+      times.append(self._members.next_deadline())
       times = [t for t in times if t is not None]
       return min(times) if times else None
 
@@ -368,32 +350,9 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       sub.close()
 
   def _check_liveness(self) -> None:
-    """Declares silent learners dead and forgets those gone for `member_retention_s`."""
-    now = self._clock()
-    alive = self._core.alive()
-    for learner_id, member in list(self._members.items()):
-      if learner_id in alive:
-        if now - member.last_seen >= self._cfg.liveness_timeout_s:
-          log.warning(
-            "learner %d silent for %.1f s: declared dead", learner_id, now - member.last_seen
-          )
-          self._core.leave(learner_id)
-          self._unsubscribe(learner_id)
-          member.left_at = now
-      elif member.left_at is None:
-        member.left_at = now  # Left the core another way (e.g. a restored checkpoint).
-      elif now - member.left_at > self._cfg.member_retention_s:
-        del self._members[learner_id]
-
-  def _make_room(self) -> bool:
-    """Frees a place in a full member table, forgetting the longest-gone learner (caller holds
-    the lock). False if every known learner is alive."""
-    alive = self._core.alive()
-    gone = [(m.left_at or 0.0, i) for i, m in self._members.items() if i not in alive]
-    if not gone:
-      return False
-    del self._members[min(gone)[1]]
-    return True
+    """Declares silent learners dead and forgets those gone long ago (distributed/members.py)."""
+    for learner_id in self._members.sweep():
+      self._unsubscribe(learner_id)
 
   # -- read-only views (launcher, tests) ----------------------------------------------------------
 
@@ -555,7 +514,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
   def members(self) -> frozenset[int]:
     """Ids in the member table (alive or gone but not yet forgotten)."""
     with self._cond:
-      return frozenset(self._members)
+      return self._members.ids()
 
   def _admit(self, learner_id: int | None = None, on_evict=None) -> door.StreamTicket:
     """A place for a new data stream (of `learner_id` if known), or a refusal when none is left."""
@@ -587,35 +546,10 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     with self._cond:
       self._refused[code.name] += 1
 
-  def _member(self, learner_id: int, session: str) -> _Member:
+  def _member(self, learner_id: int, session: str) -> Member:
     """The learner's record if it is registered, alive and `session` is its own (caller holds the
-    lock)."""
-    member = self._members.get(learner_id)
-    if member is None:
-      raise self._refuse(
-        grpc.StatusCode.NOT_FOUND, f"Learner {learner_id} is not registered; call Register first."
-      )
-    if learner_id not in self._core.alive():
-      raise self._refuse(
-        grpc.StatusCode.FAILED_PRECONDITION,
-        f"Learner {learner_id} is not alive at the syncer (left or timed out); register again.",
-      )
-    self._check_session(learner_id, member, session)
-    member.last_seen = self._clock()
-    return member
-
-  def _check_session(self, learner_id: int, member: _Member, session: str) -> None:
-    if not session:
-      raise self._refuse(
-        grpc.StatusCode.PERMISSION_DENIED,
-        f"Missing '{auth.SESSION_METADATA_KEY}' metadata for learner {learner_id}: send the "
-        "session its Register returned.",
-      )
-    if not hmac.compare_digest(session.encode(), member.session.encode()):
-      raise self._refuse(
-        grpc.StatusCode.PERMISSION_DENIED,
-        f"Wrong session for learner {learner_id}: it registered again since; register again.",
-      )
+    lock; `Members.check`)."""
+    return self._members.check(learner_id, session)
 
   def _check_fragment(self, fragment: int) -> None:
     if not 0 <= fragment < self._core.num_fragments:
@@ -656,16 +590,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       )
     learner_id = int(request.learner_id)
     with self._cond:
-      if (
-        learner_id not in self._members
-        and len(self._members) >= self._cfg.max_members
-        and not self._make_room()
-      ):
-        raise self._refuse(
-          grpc.StatusCode.RESOURCE_EXHAUSTED,
-          f"{self._cfg.max_members} learners are registered and alive; no room for learner "
-          f"{learner_id}.",
-        )
+      self._members.ensure_room(learner_id)
       if len(request.held) > self._core.num_fragments:
         raise self._refuse(
           grpc.StatusCode.INVALID_ARGUMENT,
@@ -681,11 +606,8 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
           if self._recovering.get(int(h.fragment)) == (int(h.version), h.digest)
         }
       )
-      # A new session voids the previous registration's: its calls are refused from now on.
-      session = secrets.token_urlsafe(24)
-      self._members[learner_id] = _Member(
-        last_seen=self._clock(),
-        session=session,
+      session = self._members.admit(
+        learner_id,
         host=request.host,
         num_devices=request.num_devices,
         batch_size=request.batch_size,
@@ -991,7 +913,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       registered = member is not None and int(request.learner_id) in self._core.alive()
       if registered:
         # Only the registration's holder keeps a learner alive: not any token holder.
-        self._check_session(int(request.learner_id), member, session)
+        self._members.check_session(int(request.learner_id), member, session)
         bad = counter_error(step=int(request.step)) or step_time_error(float(request.step_time_s))
         if bad is not None:
           raise self._refuse(grpc.StatusCode.INVALID_ARGUMENT, f"Heartbeat refused: {bad}.")
@@ -1018,10 +940,10 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       member = self._members.get(int(request.learner_id))
       known = member is not None
       if known:
-        self._check_session(int(request.learner_id), member, session)
+        self._members.check_session(int(request.learner_id), member, session)
         self._core.leave(int(request.learner_id))
         self._unsubscribe(int(request.learner_id))
-        member.left_at = self._clock()
+        self._members.left(int(request.learner_id))
         self._cond.notify_all()
     log.info("learner %d left", request.learner_id)
     return syncer_pb2.LeaveResponse(was_registered=known)

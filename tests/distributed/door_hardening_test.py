@@ -441,11 +441,11 @@ def _calls(env: _Env, metadata):
 def test_calls_as_another_learner_are_denied(env, method, session, message):
   metadata = AUTH + auth.session_metadata(session)
   with env.svc.lock:
-    last_seen = env.svc._members[0].last_seen
+    last_seen = env.svc._members.get(0).last_seen
   _assert_refused(env, _calls(env, metadata)[method], grpc.StatusCode.PERMISSION_DENIED, message)
   with env.svc.lock:
     assert 0 in env.svc.core.alive()  # Not made to leave, nor kept alive by the caller.
-    assert env.svc._members[0].last_seen == last_seen
+    assert env.svc._members.get(0).last_seen == last_seen
     assert env.svc.core.stats()["accepted"] == 0
 
 
