@@ -211,20 +211,7 @@ class SyncerRun:
         stats["ledger_received"] // self.layout.num_fragments,
       )
     )
-    self.writer.event(
-      "merge",
-      time=round(time.time(), 4),
-      fragment=ev.fragment,
-      version=ev.version,
-      contributors=list(ev.contributors),
-      weights=[round(w, 6) for w in ev.weights],
-      tokens=ev.tokens,
-      grace_s=round(ev.grace_s, 6),
-      # Seconds from the round's opening to its quorum and to the merge.
-      quorum_s=round(ev.quorum_time - ev.open_time, 4),
-      merge_s=round(ev.time - ev.open_time, 4),
-      digest=ev.digest,
-    )
+    self.writer.event("merge", time=round(time.time(), 4), **ev.log_fields())
 
   def serve(
     self, address: str, *, token: str | None = None, tls=None, insecure: bool = False

@@ -359,15 +359,7 @@ class SimulatedCluster:
   def _merged(self, ev: MergeEvent) -> None:
     """Books a published merge (events, scalars) and its delivery time (ξ_sync)."""
     self.merge_events.append(ev)
-    self._event(
-      "merge",
-      fragment=ev.fragment,
-      version=ev.version,
-      contributors=list(ev.contributors),
-      weights=[round(w, 6) for w in ev.weights],
-      tokens=ev.tokens,
-      grace_s=round(ev.grace_s, 6),
-    )
+    self._event("merge", **ev.log_fields())
     self._scalars(
       {
         "syncer/merges": len(self.merge_events),

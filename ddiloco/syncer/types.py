@@ -184,6 +184,21 @@ class MergeEvent:
   grace_s: float
   digest: str
 
+  def log_fields(self) -> dict:
+    """The merge as a metrics event's fields (both runtimes' `merge` events in metrics.jsonl)."""
+    return {
+      "fragment": self.fragment,
+      "version": self.version,
+      "contributors": list(self.contributors),
+      "weights": [round(w, 6) for w in self.weights],
+      "tokens": self.tokens,
+      "grace_s": round(self.grace_s, 6),
+      # Seconds from the round's opening to its quorum and to the merge.
+      "quorum_s": round(self.quorum_time - self.open_time, 4),
+      "merge_s": round(self.time - self.open_time, 4),
+      "digest": self.digest,
+    }
+
 
 @dataclasses.dataclass
 class RoundEntry:

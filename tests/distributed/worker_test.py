@@ -330,6 +330,26 @@ def test_the_senders_come_from_the_job(syncer, tmp_path):
     dataclasses.replace(JOB, senders=0)
 
 
+def _sender_only_worker(client, senders: int) -> LearnerWorker:
+  """A worker with no learner, only its senders' state: answers of fragments 0 and 1 queued, the
+  older one first."""
+  worker = LearnerWorker(
+    learner=types.SimpleNamespace(learner_id=0),
+    data=iter([]),
+    client=client,
+    layout_digest="",
+    layouts=[{}, {}],
+    senders=senders,
+  )
+  with worker._jobs_cv:
+    for p in (0, 1):
+      report = Report(
+        learner_id=0, fragment=p, values={}, tokens=1, steps=1, anchor_version=0, step=p
+      )
+      worker._jobs[p] = worker_lib._Job(report, dict, None)
+  return worker
+
+
 @pytest.mark.parametrize("senders", [1, 2])
 def test_a_slow_push_holds_back_other_fragments_only_with_one_sender(senders):
   """The sender threads: with two, fragment 1's answer goes out while fragment 0's push hangs;
@@ -344,20 +364,7 @@ def test_a_slow_push_holds_back_other_fragments_only_with_one_sender(senders):
       pushed.append(report.fragment)
       return ReportResult("accepted", "", 1.0)
 
-  worker = LearnerWorker(
-    learner=types.SimpleNamespace(learner_id=0),
-    data=iter([]),
-    client=_Client(),
-    layout_digest="",
-    layouts=[{}, {}],
-    senders=senders,
-  )
-  with worker._jobs_cv:
-    for p in (0, 1):  # Fragment 0's answer is the older one: it is sent first.
-      report = Report(
-        learner_id=0, fragment=p, values={}, tokens=1, steps=1, anchor_version=0, step=p
-      )
-      worker._jobs[p] = worker_lib._Job(report, dict, None)
+  worker = _sender_only_worker(_Client(), senders)  # Fragment 0's answer is the older one.
   threads = [threading.Thread(target=worker._send_loop, args=(k,)) for k in range(senders)]
   for t in threads:
     t.start()
@@ -446,20 +453,7 @@ def test_an_answer_that_cannot_be_encoded_is_rejected_and_the_sender_goes_on():
         raise ValueError("1 NaN/Inf value in 'w'")
       return ReportResult("accepted", "", 1.0)
 
-  worker = LearnerWorker(
-    learner=types.SimpleNamespace(learner_id=0),
-    data=iter([]),
-    client=_Client(),
-    layout_digest="",
-    layouts=[{}, {}],
-    senders=1,
-  )
-  with worker._jobs_cv:
-    for p in (0, 1):
-      report = Report(
-        learner_id=0, fragment=p, values={}, tokens=1, steps=1, anchor_version=0, step=p
-      )
-      worker._jobs[p] = worker_lib._Job(report, dict, None)
+  worker = _sender_only_worker(_Client(), senders=1)
   sender = threading.Thread(target=worker._send_loop, args=(0,))
   sender.start()
   try:
