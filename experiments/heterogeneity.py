@@ -8,8 +8,9 @@ tokens. K = M is synchronous Streaming DiLoCo: blocking learners in lock-step (a
 every learner has reached its step, and each waits at answer + τ for the merge of all M), so the
 fast learners wait for the slow ones, and that wait is what costs goodput.
 Extra rows (the first --extra_seeds seeds): K = 1 + grace with all learners at the same speed
-(the homogeneous reference), and K = 1 with and without grace but without outer momentum
-(diagnostics of the K = 1 rows).
+(the homogeneous reference), K = 1 with and without grace but without outer momentum
+(diagnostics of the K = 1 rows), and K = 1 with and without grace over a network whose latency
+jitters (the answers' spread that the grace window is for).
 
 Writes docs/results/heterogeneity.{md,png,json} and prints the command that reproduces them.
 
@@ -66,6 +67,16 @@ NO_MOMENTUM_NO_GRACE = (
   "1",
   ("SyncerConfig.use_grace = False", "SyncerConfig.outer_momentum = 0.0"),
 )
+# Answers that do not wait for a step arrive together over a network without jitter; with a
+# jittery one (each message's latency log-normal, σ = 1 around 0.05 s) they spread, and the grace
+# window is what takes the late ones in.
+NETWORK_JITTER = "ClusterConfig.latency_jitter = 1.0"
+JITTER_NO_GRACE = (
+  "K = 1, no grace, network jitter σ = 1",
+  "1",
+  ("SyncerConfig.use_grace = False", NETWORK_JITTER),
+)
+JITTER_GRACE = ("K = 1 + grace, network jitter σ = 1", "1", (NETWORK_JITTER,))
 PAPER_GOODPUT = {ROWS[0][0]: "84 %", ROWS[1][0]: "100 %", ROWS[2][0]: "100 %"}
 
 
@@ -92,7 +103,8 @@ def main(argv: list[str]) -> None:
     plan += [(_system(r), seeds) for r in ROWS]
   if _TIER.value in ("extra", "all"):
     extra = seeds[: _EXTRA_SEEDS.value]
-    plan += [(_system(r), extra) for r in (HOMOGENEOUS, NO_MOMENTUM, NO_MOMENTUM_NO_GRACE)]
+    extra_rows = (HOMOGENEOUS, NO_MOMENTUM, NO_MOMENTUM_NO_GRACE, JITTER_NO_GRACE, JITTER_GRACE)
+    plan += [(_system(r), extra) for r in extra_rows]
   study.run_grid(plan, store=store, workdir=_WORKDIR.value)
   report(store, seeds)
 
@@ -117,7 +129,7 @@ def report(store: study.ResultStore, seeds: list[int]) -> None:
   ]
   ref = {s: r["final_eval_loss"] for s in seeds if (r := store.get(_system(ROWS[0]), s))}
   rows, curves = [], {}
-  for row in (*ROWS, HOMOGENEOUS, NO_MOMENTUM, NO_MOMENTUM_NO_GRACE):
+  for row in (*ROWS, HOMOGENEOUS, NO_MOMENTUM, NO_MOMENTUM_NO_GRACE, JITTER_NO_GRACE, JITTER_GRACE):
     runs = store.runs(_system(row), seeds)
     if not runs:
       rows.append([row[0], row[1], "not run", *["–"] * 9])

@@ -117,6 +117,7 @@ class SimulatedCluster:
     self._heap: list[tuple[float, int, str, tuple]] = []
     self._seq = itertools.count()
     self._rng = np.random.default_rng(cluster.seed)
+    self._net_rng = np.random.default_rng([cluster.seed, 1])  # Latency jitter: its own stream.
     self.layout: FragmentLayout = factory.layout
     self.syncer: Syncer | None = None
     if syncer_fn is not None:
@@ -165,6 +166,12 @@ class SimulatedCluster:
   def _transfer_s(self, nbytes: int, latency: float) -> float:
     bw = self.cfg.bandwidth_gbps
     return latency + (nbytes * 8 / (bw * 1e9) if bw > 0 else 0.0)
+
+  def _latency(self, latency: float) -> float:
+    """One message's latency: `latency`, times a log-normal draw with `latency_jitter`."""
+    if self.cfg.latency_jitter > 0:
+      latency *= float(np.exp(self._net_rng.normal(0.0, self.cfg.latency_jitter)))
+    return latency
 
   def _wire_bytes(self, values: dict[str, np.ndarray], codec: str) -> int:
     """Bytes of `values` in `codec` (payload and scales), for transfer times."""
@@ -320,7 +327,7 @@ class SimulatedCluster:
       anchor = slot.link.anchor_values(p, report.anchor_version)
       codec = "fp32" if anchor is None else self.syncer.config.uplink_codec
       at = self.now + self._transfer_s(
-        self._wire_bytes(report.values, codec), self.cfg.uplink_latency_s
+        self._wire_bytes(report.values, codec), self._latency(self.cfg.uplink_latency_s)
       )
       self._push(at, "arrive", report, anchor, slot.gen)
 
@@ -375,7 +382,7 @@ class SimulatedCluster:
 
   def _on_announcement(self, index: int, gen: int, event: Announcement) -> None:
     """The syncer asked for a round or published a version (under its lock: schedule only)."""
-    t = self.now + self.cfg.downlink_latency_s
+    t = self.now + self._latency(self.cfg.downlink_latency_s)
     if isinstance(event, RoundRequest):
       key = (event.fragment, event.round_step)
       if key not in self._rounds_seen:  # Opened now (a new subscriber's open rounds are not).

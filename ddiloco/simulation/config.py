@@ -25,11 +25,13 @@ class ClusterConfig:
     batch_size: per-learner batch override (None: the data config's).
     faults: fault strings (ddiloco.simulation.faults), e.g. ("crash:1@30+20",).
     uplink_latency_s, downlink_latency_s: one-way network latency of a report / a delivery.
+    latency_jitter: log-normal sigma of each message's latency (0: every message takes exactly
+      its latency). The spread of the answers' arrival that the grace window covers.
     bandwidth_gbps: link bandwidth for transfer times (0: infinite).
     eval_every_s: virtual seconds between evaluations of the global model (0: only at the end).
     max_time_s: hard stop in virtual seconds.
     log_every: steps between logged training losses.
-    seed: jitter RNG seed.
+    seed: seed of the step-time and latency jitter.
 
   The wire codecs are the syncer service's (`ServiceConfig`, `simulate(service=...)`), as in a
   distributed run: the simulated learners talk to that very service.
@@ -46,6 +48,7 @@ class ClusterConfig:
   faults: tuple[str, ...] = ()
   uplink_latency_s: float = 0.05
   downlink_latency_s: float = 0.05
+  latency_jitter: float = 0.0
   bandwidth_gbps: float = 0.0
   eval_every_s: float = 0.0
   max_time_s: float = math.inf
@@ -61,7 +64,16 @@ class ClusterConfig:
       raise ValueError("step_time_s and slow_factor must be > 0.")
     if not 0 <= self.slow_learners <= self.num_learners:
       raise ValueError(f"slow_learners must be in [0, {self.num_learners}].")
-    if min(self.uplink_latency_s, self.downlink_latency_s, self.bandwidth_gbps, self.jitter) < 0:
+    if (
+      min(
+        self.uplink_latency_s,
+        self.downlink_latency_s,
+        self.bandwidth_gbps,
+        self.jitter,
+        self.latency_jitter,
+      )
+      < 0
+    ):
       raise ValueError("Latencies, bandwidth and jitter must be >= 0.")
     if self.log_every < 1:
       raise ValueError("log_every must be >= 1.")
