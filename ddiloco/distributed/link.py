@@ -70,6 +70,11 @@ class SyncerLink:
   def num_fragments(self) -> int:
     return len(self.layouts)
 
+  @property
+  def bytes_received(self) -> int:
+    """Bytes pulled so far on this link's client."""
+    return self.client.bytes_down
+
   def register(self, *, num_devices: int = 0, batch_size: int = 0, host: str = "") -> Registration:
     """Registers: a new epoch at the syncer, so nothing counts as delivered until pulled again.
 

@@ -695,10 +695,11 @@ class LearnerWorker:
       if self.learner.config.blocking:
         self._wait_for_merges()
       batch = next(self._data)
-      metrics = self.learner.start_step(batch, standby=self._standby())
+      if self.learner.config.step_in_flight:  # The boundary's work overlaps the next step.
+        metrics = self.learner.train_step(batch)
+      else:
+        metrics = self.learner.start_step(batch, standby=self._standby())
       done += 1
-      if self.learner.config.step_in_flight:
-        self.learner.end_step()
       # At most one step in flight: wait for the previous step's loss (it releases the GIL for
       # the sender and comm threads). Without this, asynchronous dispatch let the step counter
       # run up to a logging interval ahead of the devices, and the schedule with it.
@@ -759,8 +760,8 @@ class LearnerWorker:
   def _standby(self) -> tuple[int, ...]:
     """The fragments the syncer will likely ask for during the next step: those due at the two
     round steps after the newest asked (copied on device where the step donates θ)."""
-    if self._newest_round_step < 0:
-      return ()
+    if not self.learner.copies_standby or self._newest_round_step < 0:
+      return ()  # On CPU θ stays readable without copies.
     t = max(self._newest_round_step, self.fleet_step)
     return tuple(p for s in (t + 1, t + 2) for p in self.learner.schedule.due(s))
 

@@ -205,7 +205,7 @@ class Learner:
     if self._in_flight is not None:
       raise RuntimeError("A step is in flight: call end_step first.")
     self._standby = {}
-    if self.answers_mid_step and not self._by_reference:
+    if self.copies_standby:
       for p in sorted(set(standby)):
         self._check_fragment(p)
         self._standby[p] = [jnp.copy(a) for a in self._fragment_arrays(p)]
@@ -234,6 +234,11 @@ class Learner:
   def answers_mid_step(self) -> bool:
     """Whether rounds can be answered while a step runs (one process: `start_step`)."""
     return self.host_readable is None
+
+  @property
+  def copies_standby(self) -> bool:
+    """Whether `start_step` copies the `standby` fragments (θ is donated to the step)."""
+    return self.answers_mid_step and not self._by_reference
 
   @property
   def _by_reference(self) -> bool:

@@ -136,7 +136,7 @@ class SimulatedCluster:
     self.tokens_trained = 0
     self.lost_reports = 0
     self.merge_events: list[MergeEvent] = []
-    self._rounds_seen: set[tuple[int, int]] = set()  # (fragment, round step) announced.
+    self._newest_round: dict[int, int] = {}  # Fragment -> newest round step announced.
     self.evals: list[tuple[float, float]] = []
     # The one pending time of each self-rescheduling event (see `_schedule_once`).
     self._pending_at: dict[str, float] = {}
@@ -230,11 +230,16 @@ class SimulatedCluster:
     if self.now > 0:
       learner.align_phase(reg.fleet_step)
       learner.join_schedule(reg.fleet_step)
-    gen = slot.gen
-    for event in self.syncer.subscribe(link, lambda ev: self._on_announcement(slot.index, gen, ev)):
+    for event in self._subscribe(slot):
       if isinstance(event, RoundRequest):
         learner.ask(event)
     self._schedule_wake()
+
+  def _subscribe(self, slot: _Slot) -> list[Announcement]:
+    """Subscribes slot's learner to its rounds and announcements, each later one delivered
+    after the downlink latency; returns the open rounds and current versions."""
+    index, gen = slot.index, slot.gen
+    return self.syncer.subscribe(slot.link, lambda ev: self._on_announcement(index, gen, ev))
 
   def _stop(self, index: int, *, left: bool) -> None:
     """Takes a learner out: a crash (its slot stays provisioned, DOWN) or a leave (GONE). The
@@ -302,11 +307,8 @@ class SimulatedCluster:
     if not hb.registered:
       self._event("reregister", learner=slot.index)
       slot.link.register(num_devices=slot.spec.devices, batch_size=slot.spec.batch_size or 0)
-      gen = slot.gen
-      for event in self.syncer.subscribe(
-        slot.link, lambda ev: self._on_announcement(slot.index, gen, ev)
-      ):
-        self._on_announcement(slot.index, gen, event)
+      for event in self._subscribe(slot):
+        self._on_announcement(slot.index, slot.gen, event)
       return
     slot.learner.ledger.settle(list(hb.versions), list(hb.merged_steps))
 
@@ -384,9 +386,9 @@ class SimulatedCluster:
     """The syncer asked for a round or published a version (under its lock: schedule only)."""
     t = self.now + self._latency(self.cfg.downlink_latency_s)
     if isinstance(event, RoundRequest):
-      key = (event.fragment, event.round_step)
-      if key not in self._rounds_seen:  # Opened now (a new subscriber's open rounds are not).
-        self._rounds_seen.add(key)
+      p = event.fragment
+      if event.round_step > self._newest_round.get(p, -1):  # Opened now: the first to hear it.
+        self._newest_round[p] = event.round_step
         self._event(
           "round", fragment=event.fragment, step=event.round_step, base=event.base_version
         )
@@ -452,11 +454,11 @@ class SimulatedCluster:
     slot = self.slots[index]
     if not slot.alive or gen != slot.gen:
       return
+    received = slot.link.bytes_received
     state = slot.link.pull(p)
     if state is None:
       return  # Held already.
-    codec = "fp32" if state.version != version else self.syncer.config.downlink_codec
-    delay = self._transfer_s(self._wire_bytes(state.values, codec), 0.0)
+    delay = self._transfer_s(slot.link.bytes_received - received, 0.0)  # A delta, or full values.
     if delay > 0:
       self._push(self.now + delay, "deliver", index, gen, state)
     else:

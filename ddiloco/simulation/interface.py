@@ -39,6 +39,7 @@ class Link(Protocol):
   """One learner's connection to the syncer (distributed/link.py `SyncerLink`)."""
 
   learner_id: int
+  bytes_received: int  # Bytes pulled so far.
 
   def register(self, *, num_devices: int = 0, batch_size: int = 0, host: str = "") -> Registration:
     """Registers (a new epoch: nothing counts as delivered until pulled again)."""
