@@ -6,7 +6,7 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "ddiloco"
 # Pure packages: no sockets, threads or processes (those live in distributed/, launch/, chaos/).
-PURE = ("syncer", "learner", "fragments", "simulation", "models")
+PURE = ("syncer", "learner", "fragments", "simulation", "models", "faults")
 IMPURE_MODULES = ("grpc", "threading", "subprocess")
 
 

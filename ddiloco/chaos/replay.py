@@ -1,6 +1,6 @@
 """Replay of a chaos run's event tape on the simulated cluster.
 
-The injected learner events of a tape become `ddiloco.simulation.faults` strings, with wall times
+The injected learner events of a tape become fault strings (`ddiloco.faults.grammar`), with wall times
 scaled to virtual times so that a real step and a simulated step line up:
   virtual = (t − t0) · time_scale,   time_scale = sim step_time_s / real mean step time,
 t0 being the fleet's start: the tape's first learner_up (else its run_start, else 0). The chaos
@@ -27,8 +27,8 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ddiloco.faults import parse_fault, parse_faults
 from ddiloco.simulation.config import ClusterConfig
-from ddiloco.simulation.faults import parse_fault, parse_faults
 
 _SKIPPED_KINDS = (
   "kill_syncer",
@@ -136,8 +136,8 @@ def tape_to_faults(
       window, factor = max(d, sim_step_time_s), 1 + d / sim_step_time_s
       faults.append(f"slow:{learner}@{_num(a)}+{_num(window)}x{_num(factor)}")
 
-  parsed = [parse_fault(f) for f in faults]  # Validates the grammar.
-  order = sorted(range(len(faults)), key=lambda i: (parsed[i].time_s, parsed[i].learner, faults[i]))
+  parsed = [parse_fault(f)[0] for f in faults]  # Validates the grammar.
+  order = sorted(range(len(faults)), key=lambda i: (parsed[i].t, parsed[i].learner, faults[i]))
   skipped = tuple(f"{r['kind']}@{r['t']}" for r in records if r["kind"] in _SKIPPED_KINDS)
   return ReplayPlan(faults=tuple(faults[i] for i in order), skipped=skipped, time_scale=time_scale)
 
@@ -233,7 +233,7 @@ def replay(
     "skipped": list(plan.skipped),
     "time_scale": plan.time_scale,
     # Faults planned after the simulated run ended never fired: the replay is then not the tape.
-    "outside_run": [f for f in plan.faults if parse_fault(f).time_s > end],
+    "outside_run": [f for f in plan.faults if parse_fault(f)[0].t > end],
     "end_s": end,
   }
   return summary

@@ -1,4 +1,4 @@
-"""Fault schedules for the chaos harness: a seeded, time-sorted, causal list of injected events.
+"""Fault schedules for the chaos harness: a seeded, time-sorted, causal list of `FaultEvent`s.
 
 `ChaosConfig` states the fault rates of one chaos run; `make_schedule` turns it into the
 events the driver executes on a real `LocalCluster` (docs/algorithm.md §6: learners crash and rejoin, the syncer
@@ -28,47 +28,24 @@ import dataclasses
 import heapq
 import itertools
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import gin
 import numpy as np
 
-LEARNER_KINDS = ("kill_learner", "start_learner", "pause_learner", "resume_learner")
-SYNCER_KINDS = ("kill_syncer", "start_syncer")
-NET_KINDS = ("net_delay", "net_clear", "net_drop", "net_partition", "net_heal")
-KINDS = LEARNER_KINDS + SYNCER_KINDS + NET_KINDS
+from ddiloco.faults import COMPLETIONS, NETWORK_KINDS, FaultEvent
+
+# The fault kinds the planner draws (a subset of ddiloco.faults.KINDS).
+KINDS = (
+  "kill_learner",
+  "start_learner",
+  "pause_learner",
+  "resume_learner",
+  "kill_syncer",
+  "start_syncer",
+  *NETWORK_KINDS,
+)
 PARTITION_MODES = ("hold", "reset")
-# At equal times a completion runs before a new injection, so a learner restarted at t can be
-# chosen again at t and a window that ends at t frees its slot for one that starts at t.
-_COMPLETIONS = ("start_learner", "resume_learner", "start_syncer", "net_clear", "net_heal")
-
-
-@dataclasses.dataclass(frozen=True)
-class ChaosEvent:
-  """One injected event.
-
-  Attributes:
-    t: seconds after the start of the run.
-    kind: one of KINDS.
-    learner: the learner for LEARNER_KINDS, None otherwise.
-    params: kind-specific values (e.g. {"latency_s": 0.2} for net_delay), JSON-serialisable.
-  """
-
-  t: float
-  kind: str
-  learner: int | None = None
-  params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-  def __post_init__(self):
-    if self.kind not in KINDS:
-      raise ValueError(f"Unknown chaos event kind {self.kind!r}; expected one of {KINDS}.")
-    if not math.isfinite(self.t) or self.t < 0:
-      raise ValueError(f"Event time must be finite and >= 0, got {self.t}.")
-    if (self.kind in LEARNER_KINDS) != (self.learner is not None):
-      raise ValueError(f"{self.kind} needs a learner exactly when it is a learner event: {self}.")
-    if self.learner is not None and self.learner < 0:
-      raise ValueError(f"Negative learner index in {self}.")
 
 
 def _check_delay(name: str, value: float | tuple[float, float]) -> None:
@@ -204,16 +181,16 @@ class _Planner:
     self.windows = itertools.count()
     self.up, self.slowed = set(range(num_learners)), set()
     self.delaying = self.partitioned = False
-    self.out: list[ChaosEvent] = []
+    self.out: list[FaultEvent] = []
 
   def push(self, t: float, action: str, payload: Any = None) -> None:
-    prio = 0 if action in _COMPLETIONS else 1
+    prio = 0 if action in COMPLETIONS else 1
     heapq.heappush(self.heap, (_t(t), prio, next(self.seq), action, payload))
 
   def emit(self, t: float, kind: str, learner: int | None = None, **params: Any) -> None:
-    self.out.append(ChaosEvent(t, kind, learner, params))
+    self.out.append(FaultEvent(t, kind, learner, params))
 
-  def run(self) -> list[ChaosEvent]:
+  def run(self) -> list[FaultEvent]:
     cfg = self.config
     for name, mtbf in (
       ("kill", cfg.learner_mtbf_s),
@@ -318,7 +295,7 @@ class _Planner:
     self.emit(t, "start_syncer")
 
 
-def make_schedule(config: ChaosConfig, num_learners: int) -> list[ChaosEvent]:
+def make_schedule(config: ChaosConfig, num_learners: int) -> list[FaultEvent]:
   """The injected events of one chaos run, sorted by time (see the module docstring).
 
   Args:

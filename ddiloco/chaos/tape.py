@@ -4,7 +4,7 @@ One JSON object per line, each with `t` (seconds since the run started, on one c
 event) and `kind`. The driver writes; `ddiloco.chaos.invariants` and `ddiloco.chaos.replay` read.
 
 Kinds and their fields (extra fields are allowed and kept):
-  injected (ddiloco.chaos.schedule.KINDS), as executed, with real times (`TapeWriter.record_event`):
+  injected (ddiloco.faults.KINDS), as executed, with real times (`TapeWriter.record_event`):
     learner (learner kinds), the event's params, `scheduled_t` (the planned time).
   observed:
     run_start / run_end       the observation window (invariants measure gaps up to run_end).
@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from ddiloco.chaos.schedule import KINDS as INJECTED_KINDS
-from ddiloco.chaos.schedule import ChaosEvent
+from ddiloco.faults import KINDS as INJECTED_KINDS
+from ddiloco.faults import FaultEvent
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class TapeWriter:
       self._file.flush()
     return rec
 
-  def record_event(self, event: ChaosEvent, *, t: float | None = None, **fields: Any) -> dict:
+  def record_event(self, event: FaultEvent, *, t: float | None = None, **fields: Any) -> dict:
     """Records an injected schedule event as executed at `t` (its planned time is `scheduled_t`)."""
     extra = {} if event.learner is None else {"learner": event.learner}
     return self.record(

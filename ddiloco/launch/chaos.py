@@ -18,13 +18,14 @@ import signal
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ddiloco.chaos import invariants, replay
 from ddiloco.chaos.proxy import ProxyProcess
-from ddiloco.chaos.schedule import ChaosConfig, ChaosEvent, make_schedule
+from ddiloco.chaos.schedule import ChaosConfig, make_schedule
 from ddiloco.chaos.tape import TapeWriter, read_tape
 from ddiloco.checkpoint import syncer as syncer_ckpt
+from ddiloco.faults import NETWORK_KINDS, FaultEvent, check_supported
 from ddiloco.launch.job import JobConfig
 from ddiloco.launch.local_cluster import LocalCluster
 from ddiloco.launch.processes import Child
@@ -55,6 +56,13 @@ class _Tail:
     return out
 
 
+class _Fired(NamedTuple):
+  """An executed fault: extra fields for its tape record, and the record that follows it."""
+
+  fields: dict[str, Any] = {}
+  then: tuple[str, dict[str, Any]] | None = None
+
+
 class ChaosRun:
   """One chaos run (see module docstring).
 
@@ -75,7 +83,7 @@ class ChaosRun:
   ):
     self.job, self.chaos, self.cluster = job, chaos, cluster
     self.progress = progress or (lambda line: None)
-    self.schedule: list[ChaosEvent] = make_schedule(chaos, cluster.num_learners)
+    self.schedule: list[FaultEvent] = make_schedule(chaos, cluster.num_learners)
     self.tape_path = os.path.join(cluster.workdir, "tape.jsonl")
     self.proxy: ProxyProcess | None = None
     self._wall0 = 0.0
@@ -83,6 +91,18 @@ class ChaosRun:
     self._done: dict[int, int] = {}
     self._syncer_down = False
     self._syncer_starting = False  # Spawned by the schedule, not serving yet.
+    self._tape: TapeWriter | None = None
+    self._handlers = {
+      "kill_learner": self._kill_learner,
+      "start_learner": self._start_learner_event,
+      "pause_learner": self._signal_learner,
+      "resume_learner": self._signal_learner,
+      "kill_syncer": self._kill_syncer,
+      "start_syncer": self._start_syncer,
+      **{kind: self._net for kind in NETWORK_KINDS},
+    }
+    self.kinds = frozenset(self._handlers)  # ddiloco.faults.FaultExecutor
+    check_supported(self, self.schedule, "A chaos run")
 
   # -- helpers ----------------------------------------------------------------------------------
 
@@ -156,58 +176,73 @@ class ChaosRun:
     if not self._syncer_down and self.cluster.syncer.proc.poll() is not None:
       raise RuntimeError(f"The syncer exited on its own:\n{self.cluster.tail(self.cluster.syncer)}")
 
-  def _execute(self, ev: ChaosEvent, tape: TapeWriter) -> None:
+  # -- the fault executor (ddiloco.faults.FaultExecutor) --------------------------------------
+
+  def execute(self, event: FaultEvent) -> bool:
+    """Executes `event` now and records it on the tape with its lateness; False (nothing recorded)
+    when it had nothing to act on: a learner that has finished or is down already, a syncer that is
+    down already."""
+    late_s = self._tape.now() - event.t  # Recorded with every fault fired: check_schedule_on_time.
+    fired = self._handlers[event.kind](event)
+    if fired is None:
+      return False
+    self._tape.record_event(event, **fired.fields, late_s=round(late_s, 3))
+    if fired.then is not None:
+      self._tape.record(fired.then[0], **fired.then[1])
+    return True
+
+  def _kill_learner(self, ev: FaultEvent) -> _Fired | None:
+    i = ev.learner
+    if i in self._done or i in self._killed:
+      return None  # Finished (or already down): nothing to kill.
+    self.cluster.kill(self.cluster.learners[i])
+    self._killed.add(i)
+    return _Fired(then=("learner_down", {"learner": i, "reason": "killed"}))
+
+  def _start_learner_event(self, ev: FaultEvent) -> _Fired | None:
+    i = ev.learner
+    if i not in self._killed:
+      return None
+    self._killed.discard(i)
+    self._start_learner(i)
+    return _Fired(then=("learner_up", {"learner": i}))
+
+  def _signal_learner(self, ev: FaultEvent) -> _Fired | None:
     c, i = self.cluster, ev.learner
-    kind = ev.kind
-    late_s = tape.now() - ev.t  # Recorded with every fault fired; see check_schedule_on_time.
-    if kind == "kill_learner":
-      if i in self._done or i in self._killed:
-        return  # Finished (or already down): nothing to kill.
-      c.kill(c.learners[i])
-      self._killed.add(i)
-      tape.record_event(ev, late_s=round(late_s, 3))
-      tape.record("learner_down", learner=i, reason="killed")
-    elif kind == "start_learner":
-      if i not in self._killed:
-        return
-      self._killed.discard(i)
-      self._start_learner(i)
-      tape.record_event(ev, late_s=round(late_s, 3))
-      tape.record("learner_up", learner=i)
-    elif kind in ("pause_learner", "resume_learner"):
-      if i in self._done or i in self._killed:
-        return
-      c.signal(c.learners[i], signal.SIGSTOP if kind == "pause_learner" else signal.SIGCONT)
-      tape.record_event(ev, late_s=round(late_s, 3))
-    elif kind == "kill_syncer":
-      if c.syncer.proc.poll() is not None:
-        return  # Down already: nothing to kill. (One still starting up is killed: a real case.)
-      self._syncer_down, self._syncer_starting = True, False
-      c.kill(c.syncer)
-      tape.record_event(ev, late_s=round(late_s, 3))
-      tape.record("syncer_down", port=c.port)
-    elif kind == "start_syncer":
-      if not self._syncer_down or self._syncer_starting:
-        return
-      # Not waited for: restoring and compiling takes seconds, and the schedule goes on meanwhile.
-      # `_observe` records syncer_up once it serves.
-      c.spawn_syncer(port=c.port)
-      self._syncer_starting = True
-      tape.record_event(ev, late_s=round(late_s, 3))
-    elif kind == "net_delay":
+    if i in self._done or i in self._killed:
+      return None
+    c.signal(c.learners[i], signal.SIGSTOP if ev.kind == "pause_learner" else signal.SIGCONT)
+    return _Fired()
+
+  def _kill_syncer(self, ev: FaultEvent) -> _Fired | None:
+    c = self.cluster
+    if c.syncer.proc.poll() is not None:
+      return None  # Down already: nothing to kill. (One still starting up is killed: a real case.)
+    self._syncer_down, self._syncer_starting = True, False
+    c.kill(c.syncer)
+    return _Fired(then=("syncer_down", {"port": c.port}))
+
+  def _start_syncer(self, ev: FaultEvent) -> _Fired | None:
+    if not self._syncer_down or self._syncer_starting:
+      return None
+    # Not waited for: restoring and compiling takes seconds, and the schedule goes on meanwhile.
+    # `_observe` records syncer_up once it serves.
+    self.cluster.spawn_syncer(port=self.cluster.port)
+    self._syncer_starting = True
+    return _Fired()
+
+  def _net(self, ev: FaultEvent) -> _Fired | None:
+    if ev.kind == "net_delay":
       self.proxy.set_latency(float(ev.params.get("latency_s", self.chaos.net_latency_s)))
-      tape.record_event(ev, late_s=round(late_s, 3))
-    elif kind == "net_clear":
+    elif ev.kind == "net_clear":
       self.proxy.set_latency(0.0)
-      tape.record_event(ev, late_s=round(late_s, 3))
-    elif kind == "net_drop":
-      tape.record_event(ev, connections=self.proxy.drop(), late_s=round(late_s, 3))
-    elif kind == "net_partition":
+    elif ev.kind == "net_drop":
+      return _Fired(fields={"connections": self.proxy.drop()})
+    elif ev.kind == "net_partition":
       self.proxy.partition(mode=ev.params.get("mode", self.chaos.net_partition_mode))
-      tape.record_event(ev, late_s=round(late_s, 3))
-    elif kind == "net_heal":
+    else:
       self.proxy.heal()
-      tape.record_event(ev, late_s=round(late_s, 3))
+    return _Fired()
 
   # -- the run ----------------------------------------------------------------------------------
 
@@ -223,7 +258,7 @@ class ChaosRun:
     os.makedirs(c.workdir, exist_ok=True)
     if os.path.exists(self.tape_path):
       os.remove(self.tape_path)
-    tape = TapeWriter(self.tape_path, clock=time.time)
+    tape = self._tape = TapeWriter(self.tape_path, clock=time.time)
     self._wall0 = time.time() - tape.now()
     try:
       tape.record("run_start", learners=c.num_learners, min_quorum=self.job.the_syncer().min_quorum)
@@ -245,7 +280,7 @@ class ChaosRun:
       while len(self._done) < c.num_learners:
         now = tape.now()
         while pending and pending[0].t <= now:
-          self._execute(pending.pop(0), tape)
+          self.execute(pending.pop(0))
         self._observe(tape, syncer_tail)
         if time.monotonic() > deadline:
           raise TimeoutError(f"The chaos run did not finish within {timeout_s} s.")

@@ -20,7 +20,8 @@ Event loop (a heap ordered by virtual time):
   announce(m, p)    a published version's announcement reaches learner m -> it pulls p
   deliver(m, frag)  the pulled fragment is in (after the bandwidth's time) -> learner.receive()
   keepalive(m)      a blocked learner's heartbeat, every heartbeat interval
-  fault             crash / rejoin / join / leave / slow (ddiloco.simulation.faults)
+  fault             a fault event: kill / restart / add / remove / slow a learner
+                    (ddiloco.faults; executed by ddiloco.simulation.faults)
   eval              evaluate the global model on the held-out split
 """
 
@@ -36,6 +37,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ddiloco.faults import FaultEvent, check_supported, parse_faults
 from ddiloco.fragments import compression, tree
 from ddiloco.fragments.layout import FragmentLayout
 from ddiloco.fragments.schedule import FragmentSchedule
@@ -46,7 +48,7 @@ from ddiloco.metrics.accounting import BLOCKED, BUSY, DOWN, GONE, TimeLedger
 from ddiloco.metrics.writer import MetricsWriter
 from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
 from ddiloco.simulation.config import ClusterConfig, LearnerSpec
-from ddiloco.simulation.faults import Fault, parse_faults
+from ddiloco.simulation.faults import SimulatedFaults
 from ddiloco.simulation.interface import Announcement, Link, Syncer
 from ddiloco.syncer.core import MergeEvent
 
@@ -55,9 +57,7 @@ log = logging.getLogger(__name__)
 
 # Events that move a run on (`_stalled`): the others (evaluations, heartbeats of blocked
 # learners, the syncer's wake-ups) happen whether or not anything can change.
-_PRODUCTIVE = frozenset(
-  {"step_done", "ask", "arrive", "announce", "deliver", "fault", "rejoin", "unslow"}
-)
+_PRODUCTIVE = frozenset({"step_done", "ask", "arrive", "announce", "deliver", "fault"})
 
 
 @dataclasses.dataclass
@@ -74,6 +74,7 @@ class _Slot:
   blocked: bool = False
   left: bool = False  # Removed for good (leave, or a crash without return).
   slow_factor: float = 1.0
+  restart_at: float = math.inf  # When the latest kill's restart is due (inf: none).
   step_time_ema: float = 0.0
   last_metrics: Any = None
   losses: list[float] = dataclasses.field(default_factory=list)
@@ -195,7 +196,9 @@ class SimulatedCluster:
 
   # -- learner lifecycle ----------------------------------------------------------------------
 
-  def _start(self, index: int, *, rejoin: bool) -> None:
+  def start_learner(self, index: int, *, rejoin: bool) -> None:
+    """Starts learner `index`, or restarts it after a kill (`rejoin`): it registers and loads the
+    global model."""
     slot = self.slots.get(index)
     if slot is None:
       slot = _Slot(index=index, spec=self.cfg.spec_for(index))
@@ -213,9 +216,8 @@ class SimulatedCluster:
       # own per-step checkpoint.
       self._connect(slot)
     self.ledger.set_state(index, BUSY, self.now)
-    self._event(
-      "fault" if rejoin else "start", learner=index, action="rejoin" if rejoin else "start"
-    )
+    if not rejoin:
+      self._event("start", learner=index, action="start")
     self._push(self.now + self._step_duration(slot), "step_done", index, slot.gen)
 
   def _connect(self, slot: _Slot) -> None:
@@ -241,7 +243,7 @@ class SimulatedCluster:
     index, gen = slot.index, slot.gen
     return self.syncer.subscribe(slot.link, lambda ev: self._on_announcement(index, gen, ev))
 
-  def _stop(self, index: int, *, left: bool) -> None:
+  def stop_learner(self, index: int, *, left: bool) -> None:
     """Takes a learner out: a crash (its slot stays provisioned, DOWN) or a leave (GONE). The
     syncer learns of a crash only from the learner's silence (its liveness timeout)."""
     slot = self.slots.get(index)
@@ -473,32 +475,8 @@ class SimulatedCluster:
       self._boundary(slot)
       self._continue(slot)
 
-  def _on_fault(self, fault: Fault) -> None:
-    self._event("fault", learner=fault.learner, action=fault.kind, duration_s=fault.duration_s)
-    slot = self.slots.get(fault.learner)
-    if fault.kind == "crash":
-      if slot is None or not slot.alive:
-        return  # Not running (not joined yet, already down, or gone): nothing to crash.
-      self._stop(fault.learner, left=False)
-      if not math.isinf(fault.duration_s):
-        self._push(self.now + fault.duration_s, "rejoin", fault.learner, slot.gen)
-    elif fault.kind == "leave":
-      self._stop(fault.learner, left=True)
-      if slot is not None:
-        slot.left = True
-    elif fault.kind == "join":
-      if slot is not None and slot.alive:
-        raise ValueError(f"join:{fault.learner} but that learner is already running.")
-      self._start(fault.learner, rejoin=False)
-    elif fault.kind == "slow" and slot is not None:
-      slot.slow_factor = fault.factor
-      self._push(self.now + fault.duration_s, "unslow", fault.learner)
-
-  def _on_rejoin(self, index: int, gen: int) -> None:
-    slot = self.slots[index]
-    if slot.alive or slot.left or gen != slot.gen:
-      return  # Restarted already, removed for good since, or crashed again: not this rejoin's turn.
-    self._start(index, rejoin=True)
+  def log_fault(self, event: FaultEvent) -> None:
+    self._event("fault", learner=event.learner, action=event.kind, **event.params)
 
   def _on_eval(self) -> None:
     loss = self.evaluate_global()
@@ -528,10 +506,13 @@ class SimulatedCluster:
   def run(self, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Runs until the token budget is trained (or `max_time_s` of virtual time); returns the summary."""
     wall0 = time.perf_counter()
+    faults = SimulatedFaults(self)
+    schedule = parse_faults(self.cfg.faults)
+    check_supported(faults, schedule, "The simulator")
     for index in range(self.cfg.num_learners):
-      self._start(index, rejoin=False)
-    for fault in parse_faults(self.cfg.faults):
-      self._push(fault.time_s, "fault", fault)
+      self.start_learner(index, rejoin=False)
+    for event in schedule:
+      self._push(event.t, "fault", event)
     if self.cfg.eval_every_s > 0:
       self._push(self.cfg.eval_every_s, "eval")
     handlers = {
@@ -542,9 +523,7 @@ class SimulatedCluster:
       "announce": self._on_announce,
       "deliver": self._on_deliver,
       "keepalive": self._on_keepalive,
-      "fault": self._on_fault,
-      "rejoin": self._on_rejoin,
-      "unslow": lambda i: setattr(self.slots[i], "slow_factor", 1.0),
+      "fault": faults.execute,
       "eval": self._on_eval,
     }
     last_progress = wall0

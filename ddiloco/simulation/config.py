@@ -5,8 +5,8 @@ import math
 
 import gin
 
+from ddiloco.faults import parse_faults
 from ddiloco.learner.factory import LearnerSpec  # Re-exported: the fleet is a list of them.
-from ddiloco.simulation.faults import parse_faults
 
 
 @gin.configurable(module="ddiloco")
@@ -23,7 +23,7 @@ class ClusterConfig:
     slow_learners: how many learners (the last ones) are slower, by `slow_factor` (docs/algorithm.md §6: 18 %).
     devices_per_learner: size of each learner's mesh (slices of jax.devices(); see parallel.mesh).
     batch_size: per-learner batch override (None: the data config's).
-    faults: fault strings (ddiloco.simulation.faults), e.g. ("crash:1@30+20",).
+    faults: fault strings (the grammar of ddiloco.faults.grammar), e.g. ("crash:1@30+20",).
     uplink_latency_s, downlink_latency_s: one-way network latency of a report / a delivery.
     latency_jitter: log-normal sigma of each message's latency (0: every message takes exactly
       its latency). The spread of the answers' arrival that the grace window covers.
@@ -91,7 +91,7 @@ class ClusterConfig:
 
   def num_shards(self) -> int:
     """Data shards: one per learner slot that can ever exist (initial ones and joins)."""
-    joins = [f.learner + 1 for f in parse_faults(self.faults) if f.kind == "join"]
+    joins = [e.learner + 1 for e in parse_faults(self.faults) if e.kind == "add_learner"]
     return max([self.num_learners, *joins])
 
   def token_budget(self, tokens_per_step: int) -> int:

@@ -1,73 +1,94 @@
-"""Fault schedules for the simulated cluster, written as short strings so gin and flags can carry them.
+"""`SimulatedFaults`: the simulator's executor of fault events, on its virtual clock.
 
-Grammar: `KIND:LEARNER@TIME[+DURATION][xFACTOR]`, times in (virtual) seconds.
-  crash:1@30+20     learner 1 crashes at t=30 s and is back (restarted, rejoined) at t=50 s
-  crash:1@30        learner 1 crashes at t=30 s and never returns
-  leave:2@80        learner 2 is removed at t=80 s (scale-down)
-  join:4@50         learner 4 joins at t=50 s (scavenging; it gets learner_specs[4] or the default)
-  slow:3@10+40x2.0  learner 3 steps 2x slower from t=10 s to t=50 s (a straggler)
+A killed learner loses its step in flight and its unmerged progress; the syncer learns of it only
+from its silence, as in a real run. A restarted one rejoins from the global model (the inner
+optimizer state is kept, as if restored from its own checkpoint). A removed learner leaves the
+fleet for good; an added one joins it (scavenging). A slowed one steps `factor` times slower.
 """
 
-import dataclasses
 import math
-import re
+from typing import Any, Protocol
 
-KINDS = ("crash", "leave", "join", "slow")
-_PATTERN = re.compile(
-  r"^(?P<kind>[a-z]+):(?P<learner>\d+)@(?P<time>[0-9.]+)"
-  r"(?:\+(?P<duration>[0-9.]+|inf))?(?:x(?P<factor>[0-9.]+))?$"
-)
+from ddiloco.faults import FaultEvent
 
 
-@dataclasses.dataclass(frozen=True)
-class Fault:
-  """One scheduled fault.
+class Fleet(Protocol):
+  """What the executor needs of the simulated cluster."""
 
-  Attributes:
-    kind: "crash" | "leave" | "join" | "slow".
-    learner: learner index.
-    time_s: when it happens.
-    duration_s: crash: downtime before the learner rejoins (inf: never); slow: how long it lasts.
-    factor: slow: step-time multiplier.
-  """
+  now: float
+  # Learner index -> its slot: `alive`, `left`, `slow_factor`, `restart_at` (kept by the executor).
+  slots: dict[int, Any]
 
-  kind: str
-  learner: int
-  time_s: float
-  duration_s: float = math.inf
-  factor: float = 1.0
+  def start_learner(self, index: int, *, rejoin: bool) -> None: ...
 
-  def __post_init__(self):
-    if self.kind not in KINDS:
-      raise ValueError(f"Unknown fault kind {self.kind!r}; expected one of {KINDS}.")
-    if self.learner < 0 or self.time_s < 0 or self.duration_s < 0:
-      raise ValueError(f"Fault {self} has a negative learner, time or duration.")
-    if self.kind == "slow" and (self.factor <= 0 or math.isinf(self.duration_s)):
-      raise ValueError(f"slow needs a finite +DURATION and a factor > 0: {self}.")
+  def stop_learner(self, index: int, *, left: bool) -> None: ...
+
+  def log_fault(self, event: FaultEvent) -> None: ...
 
 
-def parse_fault(text: str) -> Fault:
-  """Parses one fault string (see the module docstring).
+class SimulatedFaults:
+  """Executes the learner faults of a schedule on a `Fleet` (see the module docstring)."""
 
-  Raises:
-    ValueError: with the offending text if it does not match the grammar.
-  """
-  m = _PATTERN.match(text.strip())
-  if m is None:
-    raise ValueError(
-      f"Cannot parse fault {text!r}; expected KIND:LEARNER@TIME[+DURATION][xFACTOR], "
-      "e.g. 'crash:1@30+20'."
-    )
-  duration = m["duration"]
-  return Fault(
-    kind=m["kind"],
-    learner=int(m["learner"]),
-    time_s=float(m["time"]),
-    duration_s=math.inf if duration in (None, "inf") else float(duration),
-    factor=float(m["factor"]) if m["factor"] else 1.0,
-  )
+  def __init__(self, fleet: Fleet):
+    self._fleet = fleet
+    self._handlers = {
+      "kill_learner": self._kill,
+      "start_learner": self._restart,
+      "slow_learner": self._slow,
+      "unslow_learner": self._unslow,
+      "add_learner": self._add,
+      "remove_learner": self._remove,
+    }
+    self.kinds = frozenset(self._handlers)
 
+  def execute(self, event: FaultEvent) -> bool:
+    done = self._handlers[event.kind](event.learner, event.params)
+    if done:
+      self._fleet.log_fault(event)
+    return done
 
-def parse_faults(texts: tuple[str, ...] | list[str]) -> list[Fault]:
-  """Parses a schedule, sorted by time."""
-  return sorted((parse_fault(t) for t in texts), key=lambda f: (f.time_s, f.learner))
+  def _kill(self, i: int, params: dict[str, Any]) -> bool:
+    slot = self._fleet.slots.get(i)
+    if slot is None or not slot.alive:
+      return False  # Not running (not joined yet, already down, or gone): nothing to kill.
+    self._fleet.stop_learner(i, left=False)
+    slot.restart_at = self._fleet.now + params.get("restart_delay_s", math.inf)
+    return True
+
+  def _restart(self, i: int, _) -> bool:
+    slot = self._fleet.slots.get(i)
+    if slot is None or slot.alive or slot.left or self._fleet.now < slot.restart_at:
+      # Started already (added back), removed for good since, or killed again since: the restart
+      # that stands is the latest kill's.
+      return False
+    self._fleet.start_learner(i, rejoin=True)
+    return True
+
+  def _add(self, i: int, _) -> bool:
+    slot = self._fleet.slots.get(i)
+    if slot is not None and slot.alive:
+      raise ValueError(f"join:{i} but that learner is already running.")
+    self._fleet.start_learner(i, rejoin=False)
+    return True
+
+  def _remove(self, i: int, _) -> bool:
+    self._fleet.stop_learner(i, left=True)
+    slot = self._fleet.slots.get(i)
+    if slot is None:
+      return False
+    slot.left = True
+    return True
+
+  def _slow(self, i: int, params: dict[str, Any]) -> bool:
+    slot = self._fleet.slots.get(i)
+    if slot is None:
+      return False
+    slot.slow_factor = float(params["factor"])
+    return True
+
+  def _unslow(self, i: int, _) -> bool:
+    slot = self._fleet.slots.get(i)
+    if slot is None:
+      return False
+    slot.slow_factor = 1.0
+    return True

@@ -7,8 +7,8 @@ import gin
 import pytest
 
 from ddiloco.chaos import replay
+from ddiloco.faults import parse_faults
 from ddiloco.metrics.writer import read_events
-from ddiloco.simulation.faults import parse_faults
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "gin_configs"))
 
@@ -46,7 +46,8 @@ def test_tape_to_faults_by_hand():
   assert plan.faults == EXPECTED
   assert plan.skipped == ("kill_syncer@13.5", "start_syncer@14.5", "net_delay@15.25")
   assert plan.time_scale == 2.0
-  assert len(parse_faults(plan.faults)) == 4  # Valid simulator grammar.
+  # Valid grammar: three lasting faults (with their completions) and a crash for good.
+  assert len(parse_faults(plan.faults)) == 7
 
 
 def test_short_pause_still_slows_one_step():

@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from ddiloco.chaos.schedule import ChaosEvent
 from ddiloco.chaos.tape import TapeWriter, read_tape
+from ddiloco.faults import FaultEvent
 
 
 class _Clock:
@@ -55,7 +55,7 @@ def test_round_trip_with_default_times_and_numpy(tmp_path):
 
 def test_record_event_keeps_params_and_planned_time(tmp_path):
   path = tmp_path / "tape.jsonl"
-  event = ChaosEvent(12.5, "kill_learner", 1, {"restart_delay_s": 3.0})
+  event = FaultEvent(12.5, "kill_learner", 1, {"restart_delay_s": 3.0})
   with TapeWriter(path) as tape:
     rec = tape.record_event(event, t=12.75)
   assert rec == {

@@ -112,7 +112,7 @@ def test_crash_is_visible_in_the_run_metrics(executed):
   _, out = executed
   workdir = out / "decoupled_diloco"
   faults = [(f["action"], f["learner"], f["time"]) for f in read_events(workdir, "fault")]
-  assert faults == [("crash", 2, 16.0), ("rejoin", 2, 28.0)]
+  assert faults == [("kill_learner", 2, 16.0), ("start_learner", 2, 28.0)]
   merges = read_events(workdir, "merge")
   during = [m for m in merges if 16.0 < m["time"] < 28.0]
   # One merge a second while learner 2 is down, each without it: the syncer never waits (K = 1).

@@ -227,25 +227,26 @@ def _fake_python(tmp_path) -> str:
 
 
 def test_chaos_kills_and_restarts_every_process_of_a_learner(tmp_path):
-  from ddiloco.chaos.schedule import ChaosConfig, ChaosEvent
+  from ddiloco.chaos.schedule import ChaosConfig
   from ddiloco.chaos.tape import TapeWriter
+  from ddiloco.faults import FaultEvent
   from ddiloco.launch.chaos import ChaosRun
 
   cluster = _cluster(tmp_path, processes=2)
   cluster.python = _fake_python(tmp_path)
-  run = ChaosRun(None, ChaosConfig(), cluster)  # The job is not read by _execute.
+  run = ChaosRun(None, ChaosConfig(), cluster)  # The job is not read by execute.
   run.proxy = type("Proxy", (), {"address": "127.0.0.1:9"})()
-  tape = TapeWriter(tmp_path / "tape.jsonl")
+  tape = run._tape = TapeWriter(tmp_path / "tape.jsonl")
   first = []
   try:
     child = cluster.start_learner(0)
     first = list(child.proc.procs)
     assert len(first) == 2 and child.proc.poll() is None
     assert os.path.exists(tmp_path / "learner_0" / "process_1" / "log.txt")
-    run._execute(ChaosEvent(t=1.0, kind="kill_learner", learner=0), tape)
+    run.execute(FaultEvent(t=1.0, kind="kill_learner", learner=0))
     assert [p.returncode for p in first] == [-signal.SIGKILL] * 2
     assert all(_gone(p) for p in first)
-    run._execute(ChaosEvent(t=2.0, kind="start_learner", learner=0), tape)
+    run.execute(FaultEvent(t=2.0, kind="start_learner", learner=0))
     again = cluster.learners[0].proc
     assert isinstance(again, processes.ProcessUnit) and len(again.procs) == 2
     assert again.poll() is None and not set(again.procs) & set(first)
@@ -272,23 +273,24 @@ def _slow_syncer_python(tmp_path, ready_after_s: float) -> str:
 def test_chaos_schedule_goes_on_while_the_syncer_restarts(tmp_path):
   """A syncer restart is not waited for: the next fault fires on time, and syncer_up is recorded
   once the new syncer serves."""
-  from ddiloco.chaos.schedule import ChaosConfig, ChaosEvent
+  from ddiloco.chaos.schedule import ChaosConfig
   from ddiloco.chaos.tape import TapeWriter, read_tape
+  from ddiloco.faults import FaultEvent
   from ddiloco.launch.chaos import ChaosRun, _Tail
 
   cluster = _cluster(tmp_path, processes=1)
   cluster.python = _slow_syncer_python(tmp_path, ready_after_s=3.0)
   run = ChaosRun(None, ChaosConfig(), cluster)
   run.proxy = type("Proxy", (), {"address": "127.0.0.1:9"})()
-  tape = TapeWriter(tmp_path / "tape.jsonl")
+  tape = run._tape = TapeWriter(tmp_path / "tape.jsonl")
   tail = _Tail(str(tmp_path / "syncer" / "metrics.jsonl"))
   try:
     cluster.spawn_syncer(port=4321)  # The syncer that the schedule kills.
     cluster.start_learner(0)
     now = tape.now()
-    run._execute(ChaosEvent(t=now, kind="kill_syncer"), tape)
-    run._execute(ChaosEvent(t=now, kind="start_syncer"), tape)
-    run._execute(ChaosEvent(t=now, kind="kill_learner", learner=0), tape)
+    run.execute(FaultEvent(t=now, kind="kill_syncer"))
+    run.execute(FaultEvent(t=now, kind="start_syncer"))
+    run.execute(FaultEvent(t=now, kind="kill_learner", learner=0))
     assert tape.now() - now < 1.0  # Nothing waited for the syncer.
     run._observe(tape, tail)
     assert run._syncer_starting
