@@ -25,9 +25,6 @@ Event loop (a heap ordered by virtual time):
   eval              evaluate the global model on the held-out split
 """
 
-import dataclasses
-import heapq
-import itertools
 import logging
 import math
 import time
@@ -38,18 +35,20 @@ import jax
 import numpy as np
 
 from ddiloco.faults import FaultEvent, check_supported, parse_faults
-from ddiloco.fragments import compression, tree
+from ddiloco.fragments import tree
 from ddiloco.fragments.layout import FragmentLayout
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner.factory import LearnerFactory
-from ddiloco.learner.learner import Learner, LearnerConfig
-from ddiloco.metrics import progress as progress_fields
+from ddiloco.learner.learner import LearnerConfig
 from ddiloco.metrics.accounting import BLOCKED, BUSY, DOWN, GONE, TimeLedger
 from ddiloco.metrics.writer import MetricsWriter
 from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
-from ddiloco.simulation.config import ClusterConfig, LearnerSpec
+from ddiloco.simulation import report
+from ddiloco.simulation.clock import EventQueue, VirtualNetwork
+from ddiloco.simulation.config import ClusterConfig
 from ddiloco.simulation.faults import SimulatedFaults
-from ddiloco.simulation.interface import Announcement, Link, Syncer
+from ddiloco.simulation.interface import Announcement, Syncer
+from ddiloco.simulation.slot import LearnerSlot
 from ddiloco.syncer.core import MergeEvent
 
 log = logging.getLogger(__name__)
@@ -58,28 +57,6 @@ log = logging.getLogger(__name__)
 # Events that move a run on (`_stalled`): the others (evaluations, heartbeats of blocked
 # learners, the syncer's wake-ups) happen whether or not anything can change.
 _PRODUCTIVE = frozenset({"step_done", "ask", "arrive", "announce", "deliver", "fault"})
-
-
-@dataclasses.dataclass
-class _Slot:
-  """The simulator's view of one learner slot."""
-
-  index: int
-  spec: LearnerSpec
-  learner: Learner | None = None
-  data: Any = None
-  link: Link | None = None  # This life's connection to the syncer (a new one at each (re)start).
-  alive: bool = False
-  gen: int = 0  # Bumped on crash/rejoin: cancels that slot's pending events.
-  blocked: bool = False
-  left: bool = False  # Removed for good (leave, or a crash without return).
-  slow_factor: float = 1.0
-  restart_at: float = math.inf  # When the latest kill's restart is due (inf: none).
-  step_time_ema: float = 0.0
-  last_metrics: Any = None
-  losses: list[float] = dataclasses.field(default_factory=list)
-  steps_done: int = 0
-  tokens_done: int = 0
 
 
 class SimulatedCluster:
@@ -115,10 +92,13 @@ class SimulatedCluster:
     self.learner_config = learner_config
     self.writer = writer
     self.now = 0.0
-    self._heap: list[tuple[float, int, str, tuple]] = []
-    self._seq = itertools.count()
+    self._queue = EventQueue()
     self._rng = np.random.default_rng(cluster.seed)
-    self._net_rng = np.random.default_rng([cluster.seed, 1])  # Latency jitter: its own stream.
+    self._net = VirtualNetwork(
+      bandwidth_gbps=cluster.bandwidth_gbps,
+      latency_jitter=cluster.latency_jitter,
+      rng=np.random.default_rng([cluster.seed, 1]),  # Latency jitter: its own stream.
+    )
     self.layout: FragmentLayout = factory.layout
     self.syncer: Syncer | None = None
     if syncer_fn is not None:
@@ -132,22 +112,20 @@ class SimulatedCluster:
       )
     self.heartbeat_interval_s = heartbeat_interval_s
     self.ledger = TimeLedger()
-    self.slots: dict[int, _Slot] = {}
+    self.slots: dict[int, LearnerSlot] = {}
     self.token_budget = cluster.token_budget(factory.tokens_per_step)
     self.tokens_trained = 0
     self.lost_reports = 0
     self.merge_events: list[MergeEvent] = []
     self._newest_round: dict[int, int] = {}  # Fragment -> newest round step announced.
     self.evals: list[tuple[float, float]] = []
-    # The one pending time of each self-rescheduling event (see `_schedule_once`).
-    self._pending_at: dict[str, float] = {}
     self._finished = False
     self._finish_time = math.inf
 
   # -- event plumbing -------------------------------------------------------------------------
 
   def _push(self, t: float, kind: str, *payload: Any) -> None:
-    heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
+    self._queue.push(t, kind, *payload)
 
   def _event(self, kind: str, **fields: Any) -> None:
     if self.writer is not None:
@@ -158,26 +136,8 @@ class SimulatedCluster:
     if self.writer is not None:
       self.writer.scalars(values, tokens=self.tokens_trained, step=step)
 
-  def _step_duration(self, slot: _Slot) -> float:
-    base = slot.spec.step_time_s * slot.slow_factor
-    if slot.spec.jitter > 0:
-      base *= float(np.exp(self._rng.normal(0.0, slot.spec.jitter)))
-    return base
-
-  def _transfer_s(self, nbytes: int, latency: float) -> float:
-    bw = self.cfg.bandwidth_gbps
-    return latency + (nbytes * 8 / (bw * 1e9) if bw > 0 else 0.0)
-
-  def _latency(self, latency: float) -> float:
-    """One message's latency: `latency`, times a log-normal draw with `latency_jitter`."""
-    if self.cfg.latency_jitter > 0:
-      latency *= float(np.exp(self._net_rng.normal(0.0, self.cfg.latency_jitter)))
-    return latency
-
   def _wire_bytes(self, values: dict[str, np.ndarray], codec: str) -> int:
-    """Bytes of `values` in `codec` (payload and scales), for transfer times."""
-    c = compression.get_codec(codec, self.syncer.config.block_size)
-    return sum(sum(c.nbytes(v.size)) for v in values.values())
+    return self._net.wire_bytes(values, codec, self.syncer.config.block_size)
 
   @property
   def bytes_up(self) -> int:
@@ -201,7 +161,7 @@ class SimulatedCluster:
     global model."""
     slot = self.slots.get(index)
     if slot is None:
-      slot = _Slot(index=index, spec=self.cfg.spec_for(index))
+      slot = LearnerSlot(index=index, spec=self.cfg.spec_for(index))
       self.slots[index] = slot
     if slot.learner is None:
       slot.learner = self.factory.make_learner(
@@ -218,9 +178,9 @@ class SimulatedCluster:
     self.ledger.set_state(index, BUSY, self.now)
     if not rejoin:
       self._event("start", learner=index, action="start")
-    self._push(self.now + self._step_duration(slot), "step_done", index, slot.gen)
+    self._push(self.now + slot.draw_step_duration(self._rng), "step_done", index, slot.gen)
 
-  def _connect(self, slot: _Slot) -> None:
+  def _connect(self, slot: LearnerSlot) -> None:
     """Registers slot's learner on a new link, loads the global fragments, joins the fleet's
     schedule and subscribes to its rounds (the rounds open now are asked at once)."""
     learner = slot.learner
@@ -237,7 +197,7 @@ class SimulatedCluster:
         learner.ask(event)
     self._schedule_wake()
 
-  def _subscribe(self, slot: _Slot) -> list[Announcement]:
+  def _subscribe(self, slot: LearnerSlot) -> list[Announcement]:
     """Subscribes slot's learner to its rounds and announcements, each later one delivered
     after the downlink latency; returns the open rounds and current versions."""
     index, gen = slot.index, slot.gen
@@ -267,22 +227,10 @@ class SimulatedCluster:
     batch = next(slot.data)
     slot.last_metrics = learner.train_step(batch)
     ntok = int(np.prod(batch["targets"].shape))
-    slot.steps_done += 1
-    slot.tokens_done += ntok
+    step_time = slot.count_step(ntok)
     self.tokens_trained += ntok
-    step_time = slot.spec.step_time_s * slot.slow_factor
-    slot.step_time_ema = (
-      step_time if slot.step_time_ema == 0 else 0.8 * slot.step_time_ema + 0.2 * step_time
-    )
     if learner.step % self.cfg.log_every == 0:
-      loss = float(slot.last_metrics["loss"])
-      slot.losses.append(loss)
-      self._event("train", learner=index, step=learner.step, loss=loss, tokens=slot.tokens_done)
-      # Steps per virtual second: a slowdown or a straggler shows here.
-      rate = 1.0 / step_time if step_time > 0 else 0.0
-      self._scalars(
-        {f"learner_{index}/loss": loss, f"learner_{index}/step_rate": rate}, step=learner.step
-      )
+      report.record_train(self, slot, step_time)
     if self.syncer is not None:
       # Per-step metadata: the syncer's clock runs at the fleet's measured step rate.
       self._heartbeat(slot)
@@ -298,11 +246,11 @@ class SimulatedCluster:
         for other in self.slots.values():
           if other.alive and other is not slot:
             self._boundary(other)
-        self._schedule_once("wake", self.now)
+        self._queue.schedule_once("wake", self.now, self.now)
       return
     self._continue(slot)
 
-  def _heartbeat(self, slot: _Slot) -> None:
+  def _heartbeat(self, slot: LearnerSlot) -> None:
     """Slot's learner reports its step; if the syncer forgot it (declared dead), it registers
     again and pulls what it announces, as a learner process's comm thread does."""
     hb = slot.link.heartbeat(slot.learner.schedule_step, slot.step_time_ema)
@@ -314,13 +262,13 @@ class SimulatedCluster:
       return
     slot.learner.ledger.settle(list(hb.versions), list(hb.merged_steps))
 
-  def _boundary(self, slot: _Slot) -> None:
+  def _boundary(self, slot: LearnerSlot) -> None:
     """Learner `slot` at a step boundary: applies what is ready, then answers its rounds."""
     for p, version in slot.learner.apply_ready():
       slot.link.forget_before(p, version)  # Never a base or an anchor again.
     self._answer(slot)
 
-  def _answer(self, slot: _Slot) -> None:
+  def _answer(self, slot: LearnerSlot) -> None:
     """Learner `slot` answers the rounds it was asked for with θ of its last step boundary (also
     while a step runs, as a learner process does: `Learner.start_step`)."""
     learner = slot.learner
@@ -330,24 +278,10 @@ class SimulatedCluster:
       self._scalars({f"learner_{slot.index}/staleness_steps": report.steps})
       anchor = slot.link.anchor_values(p, report.anchor_version)
       codec = "fp32" if anchor is None else self.syncer.config.uplink_codec
-      at = self.now + self._transfer_s(
-        self._wire_bytes(report.values, codec), self._latency(self.cfg.uplink_latency_s)
+      at = self.now + self._net.transfer_s(
+        self._wire_bytes(report.values, codec), self._net.latency(self.cfg.uplink_latency_s)
       )
       self._push(at, "arrive", report, anchor, slot.gen)
-
-  def _schedule_once(self, kind: str, at: float | None) -> None:
-    """Schedules a `kind` event ("wake") at `at` unless one is pending sooner.
-
-    Only the pending one runs: `run` drops the others when they come up, so that they never move
-    the clock.
-    """
-    if at is None:
-      return
-    at = max(at, self.now)
-    pending = self._pending_at.get(kind)
-    if pending is None or at < pending:
-      self._pending_at[kind] = at
-      self._push(at, kind)
 
   def _schedule_wake(self, *, after_now: bool = False) -> None:
     """Schedules the syncer's next wake-up: a round coming due, a merge, a liveness deadline;
@@ -357,10 +291,9 @@ class SimulatedCluster:
       # The syncer just did what was due now; a deadline it still reports as now is a rounding
       # edge, and waking at this instant again would never move the clock.
       at = self.now + 1e-6
-    self._schedule_once("wake", at)
+    self._queue.schedule_once("wake", at, self.now)
 
   def _on_wake(self) -> None:
-    del self._pending_at["wake"]
     # The drain answers the rounds of the steps trained and opens no later one.
     self.syncer.advance(open_rounds=not (self._finished and self.now > self._finish_time))
     for ev in self.syncer.merge_log()[len(self.merge_events) :]:
@@ -370,23 +303,16 @@ class SimulatedCluster:
   def _merged(self, ev: MergeEvent) -> None:
     """Books a published merge (events, scalars) and its delivery time (ξ_sync)."""
     self.merge_events.append(ev)
-    self._event("merge", **ev.log_fields())
-    self._scalars(
-      {
-        "syncer/merges": len(self.merge_events),
-        "syncer/quorum_size": len(ev.contributors),
-        "syncer/grace_window_s": ev.grace_s,
-      }
-    )
+    report.record_merge(self, ev)
     state = self.core.state(ev.fragment)
     codec = self.syncer.config.downlink_codec
     nbytes = self._wire_bytes(state.values, codec)
     # ξ_sync includes delivering the merge (docs/algorithm.md §4.2), which the core's clock cannot see here.
-    self.syncer.observe_sync_time(self._transfer_s(nbytes, self.cfg.downlink_latency_s))
+    self.syncer.observe_sync_time(self._net.transfer_s(nbytes, self.cfg.downlink_latency_s))
 
   def _on_announcement(self, index: int, gen: int, event: Announcement) -> None:
     """The syncer asked for a round or published a version (under its lock: schedule only)."""
-    t = self.now + self._latency(self.cfg.downlink_latency_s)
+    t = self.now + self._net.latency(self.cfg.downlink_latency_s)
     if isinstance(event, RoundRequest):
       p = event.fragment
       if event.round_step > self._newest_round.get(p, -1):  # Opened now: the first to hear it.
@@ -411,7 +337,7 @@ class SimulatedCluster:
     else:  # Mid-step: answered at once with θ of the last step; applies wait for the boundary.
       self._answer(slot)
 
-  def _continue(self, slot: _Slot) -> None:
+  def _continue(self, slot: LearnerSlot) -> None:
     if slot.learner.blocked():
       if not slot.blocked:
         slot.blocked = True
@@ -421,7 +347,7 @@ class SimulatedCluster:
     if slot.blocked:
       slot.blocked = False
       self.ledger.set_state(slot.index, BUSY, self.now)
-    self._push(self.now + self._step_duration(slot), "step_done", slot.index, slot.gen)
+    self._push(self.now + slot.draw_step_duration(self._rng), "step_done", slot.index, slot.gen)
 
   def _on_keepalive(self, index: int, gen: int) -> None:
     """A blocked learner's heartbeat: it is alive, though it makes no steps."""
@@ -460,7 +386,9 @@ class SimulatedCluster:
     state = slot.link.pull(p)
     if state is None:
       return  # Held already.
-    delay = self._transfer_s(slot.link.bytes_received - received, 0.0)  # A delta, or full values.
+    delay = self._net.transfer_s(
+      slot.link.bytes_received - received, 0.0
+    )  # A delta, or full values.
     if delay > 0:
       self._push(self.now + delay, "deliver", index, gen, state)
     else:
@@ -479,11 +407,7 @@ class SimulatedCluster:
     self._event("fault", learner=event.learner, action=event.kind, **event.params)
 
   def _on_eval(self) -> None:
-    loss = self.evaluate_global()
-    self.evals.append((self.now, loss))
-    aux = self._eval_aux()
-    self._event("eval", loss=loss, tokens=self.tokens_trained, **aux)
-    self._eval_scalars(loss, aux, self.ledger.goodput(self.now))
+    report.record_eval(self)
     if not self._finished:
       self._push(self.now + self.cfg.eval_every_s, "eval")
 
@@ -495,13 +419,6 @@ class SimulatedCluster:
       return self.layout.join([self.core.state(p).values for p in range(self.layout.num_fragments)])
     learner = self.slots[0].learner
     return {k: np.asarray(jax.device_get(v)) for k, v in tree.flatten(learner.params).items()}
-
-  def _eval_aux(self) -> dict[str, float]:
-    """The last evaluation's other metrics (e.g. accuracy, moe_aux_loss), for eval events."""
-    return {k: float(v) for k, v in (self.factory.last_eval or {}).items() if k != "loss"}
-
-  def evaluate_global(self) -> float:
-    return self.factory.evaluate_flat(self.global_params_flat())
 
   def run(self, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Runs until the token budget is trained (or `max_time_s` of virtual time); returns the summary."""
@@ -532,7 +449,7 @@ class SimulatedCluster:
     # drain), so the final global model includes the last steps' work.
     drain_kinds = ("wake", "ask", "arrive", "announce", "deliver")
     self.stalled = False
-    while self._heap:
+    while self._queue:
       if not self._finished and self._stalled():
         # Every learner is blocked or down and nothing can change that: a synchronous quorum
         # waiting for a learner that will not come back. Stop rather than evaluate forever; the
@@ -541,134 +458,38 @@ class SimulatedCluster:
         if math.isfinite(self.cfg.max_time_s):
           self.now = self.cfg.max_time_s
         break
-      t, _, kind, payload = heapq.heappop(self._heap)
+      popped = self._queue.pop()  # Superseded wake-ups never come out: they do not move the clock.
+      if popped is None:
+        break
+      t, kind, payload = popped
       if t > self.cfg.max_time_s:
         break
       if self._finished and kind not in drain_kinds:
         continue
-      if kind == "wake" and t != self._pending_at.get(kind):
-        continue  # Superseded by an earlier one (`_schedule_once`): it must not move the clock.
       self.now = t
       handlers[kind](*payload)
       if progress is not None and time.perf_counter() - last_progress > 2.0:
         last_progress = time.perf_counter()
         progress(self.progress_line(wall_s=time.perf_counter() - wall0))
     self.ledger.close(self.now)  # No-op for slots already closed when the budget was reached.
-    final = self.evaluate_global()
-    self.evals.append((self.now, final))
-    aux = self._eval_aux()
-    self._event("eval", loss=final, tokens=self.tokens_trained, final=True, **aux)
-    self._eval_scalars(final, aux, self.ledger.goodput())
-    return self.summary(final, time.perf_counter() - wall0)
+    final = report.record_eval(self, final=True)
+    return report.summary(self, final, time.perf_counter() - wall0)
 
   def _stalled(self) -> bool:
     """Whether nothing can move the run on: no learner steps, no message or fault is on its way,
     no merge is due and no round can open (heartbeats of blocked learners, evaluations and the
     syncer's liveness wake-ups go on regardless)."""
-    if any(kind in _PRODUCTIVE for _, _, kind, _ in self._heap):
+    if self._queue.has_any(_PRODUCTIVE):
       return False
     return self.core is None or (
       self.core.next_deadline() is None and self.core.next_tick_time() is None
     )
 
-  def _eval_scalars(self, loss: float, aux: dict[str, float], goodput: float) -> None:
-    """An evaluation's scalars, with the run's goodput and traffic so far."""
-    self._scalars(
-      {
-        "eval/loss": loss,
-        **{f"eval/{k}": v for k, v in aux.items()},
-        "goodput/goodput": goodput,
-        "goodput/global_downtime_s": self.ledger.global_downtime_s,
-        "traffic/bytes_up": self.bytes_up,
-        "traffic/bytes_down": self.bytes_down,
-      }
-    )
-
   def progress_line(self, wall_s: float | None = None) -> str:
-    """One status line; with `wall_s` (real seconds since the start) also the real steps/s,
-    tokens/s and the ETA of the token budget at that pace."""
-    versions = (
-      sum(self.core.version(p) for p in range(self.layout.num_fragments)) if self.core else 0
-    )
-    parts = [
-      progress_fields.learner(
-        slot.index,
-        "up" if slot.alive else "down",
-        slot.learner.step if slot.learner else 0,
-        slot.losses[-1] if slot.losses else None,
-      )
-      for slot in self.slots.values()
-    ]
-    steps_per_s = tokens_per_s = eta_s = None
-    if wall_s and wall_s > 0 and self.tokens_trained > 0:
-      steps_per_s = sum(slot.steps_done for slot in self.slots.values()) / wall_s
-      tokens_per_s = self.tokens_trained / wall_s
-      eta_s = max(0, self.token_budget - self.tokens_trained) / tokens_per_s
-    pct = 100.0 * self.tokens_trained / self.token_budget
-    return (
-      f"t={self.now:8.1f}s tokens {pct:5.1f}% merges {len(self.merge_events)} v_sum {versions} | "
-      f"{progress_fields.throughput(steps_per_s, tokens_per_s, eta_s)} | " + " ".join(parts)
-    )
+    """One status line (`report.progress_line`)."""
+    return report.progress_line(self, wall_s)
 
   def close(self) -> None:
     """Releases the syncer (its in-process server)."""
     if self.syncer is not None:
       self.syncer.close()
-
-  def digests_agree(self) -> bool:
-    """Every alive learner holds, for each fragment at its anchor == current version, the same bits."""
-    if self.core is None or self.learner_config.mixing_alpha != 0:
-      return True
-    for slot in self.slots.values():
-      if not slot.alive:
-        continue
-      for p in range(self.layout.num_fragments):
-        state = self.core.state(p)
-        if (
-          slot.learner.anchor[p] == state.version and slot.learner.applied_digest[p] != state.digest
-        ):
-          return False
-    return True
-
-  def _settle(self, slot: "_Slot") -> None:
-    """The learner hears the syncer's final versions and merged steps (ledger.py), as a last
-    heartbeat would tell it."""
-    versions = [self.core.version(p) for p in range(self.layout.num_fragments)]
-    slot.learner.ledger.settle(versions, self.core.merged_steps(slot.index))
-
-  def summary(self, final_loss: float, wall_s: float) -> dict[str, Any]:
-    stats = self.syncer.stats() if self.syncer is not None else {}
-    if self.core is not None:
-      for slot in self.slots.values():
-        if slot.learner is not None:
-          self._settle(slot)
-    quorums = [len(ev.contributors) for ev in self.merge_events]
-    return {
-      "final_eval_loss": final_loss,
-      "tokens_trained": self.tokens_trained,
-      "goodput": self.ledger.goodput(),
-      "global_downtime_s": self.ledger.global_downtime_s,
-      "merges": len(self.merge_events),
-      "mean_quorum_size": float(np.mean(quorums)) if quorums else 0.0,
-      "dropped_reports": int(stats.get("late", 0)) + self.lost_reports,
-      "bytes_up": self.bytes_up,
-      "bytes_down": self.bytes_down,
-      "wall_time_s": wall_s,
-      "virtual_time_s": self.now,
-      "digests_agree": self.digests_agree(),
-      "token_budget": self.token_budget,
-      "budget_reached": self.tokens_trained >= self.token_budget,
-      "stalled": self.stalled,
-      "learners": {
-        str(s.index): {
-          "steps": s.steps_done,
-          "tokens": s.tokens_done,
-          "time": self.ledger.totals(s.index),
-          **({"token_ledger": s.learner.ledger.totals()} if s.learner is not None else {}),
-        }
-        for s in self.slots.values()
-      },
-      "syncer": stats,
-      "token_ledger": self.core.ledger() if self.core is not None else {},
-      "evals": [[round(t, 4), loss] for t, loss in self.evals],
-    }
