@@ -13,9 +13,9 @@ them.
                   two-site setting (docs/algorithm.md §7), where a ring sends exactly one G per step.
   Decoupled       per inner step P/H fragments (one, with P = H = 24) go up and come down. Sizes
   DiLoCo          are measured: the `ByteSize()` of the real chunk streams a learner and the syncer
-                  send, i.e. `messages.report_to_chunks` of θ_p as a delta θ − Θ_old with the
-                  codec (what the worker pushes; wire.serialize_fragment inside) and
-                  `messages.state_to_chunks` of Θ_new with base Θ_old (the downlink update
+                  send, i.e. `report_to_chunks` of θ_p as a delta θ − Θ_old with the
+                  codec (what the worker pushes; the fragment wire format inside) and
+                  `state_to_chunks` of Θ_new with base Θ_old (the downlink update
                   Θ_new − Θ_old, docs/algorithm.md §5), framing, headers and 1 MiB chunking included, averaged
                   over all P fragments.
 
@@ -51,7 +51,7 @@ from ddiloco.models import configs, transformer
 from ddiloco.parallel import mesh as mesh_lib
 from ddiloco.parallel import partitioning
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
-from ddiloco.transport import messages
+from ddiloco.testing.wire import report_to_chunks, state_to_chunks
 
 _SIZE = flags.DEFINE_string("size", "small", "model size (ddiloco.models.configs.SIZES)")
 _P = flags.DEFINE_integer("num_fragments", 24, "P, fragments of the balanced layout")
@@ -142,9 +142,9 @@ def _measure(
       round_step=round_step,  # Headers as the worker sends them: its answer names the round.
     )
     for codec in _CODECS.value:
-      chunks = messages.report_to_chunks(report, codec, anchor_values=old_frags[p])
+      chunks = report_to_chunks(report, codec, anchor_values=old_frags[p])
       up[codec].append(_stream_bytes(chunks))
-      chunks = messages.state_to_chunks(core.state(p), codec, base=core.state_at(p, 0))
+      chunks = state_to_chunks(core.state(p), codec, base=core.state_at(p, 0))
       down[codec].append(_stream_bytes(chunks))
 
   return [sum(v.size for v in f.values()) for f in old_frags], up, down

@@ -59,7 +59,7 @@ from ddiloco.distributed.server import make_syncer, serve
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments import layout as layout_lib
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
-from ddiloco.transport import messages
+from ddiloco.transport import frames, messages
 from ddiloco.transport.chunks import ArrayPool
 from ddiloco.transport.client import SyncerClient
 from ddiloco.transport.proto import syncer_pb2
@@ -364,7 +364,7 @@ class _Service:
         pass
     chunks = self.chunks(report)
     with _Stopwatch() as parse:
-      parsed = [messages.parse_chunk(c, syncer_pb2.PushHeader) for c in chunks]
+      parsed = [frames.parse_chunk(c, syncer_pb2.PushHeader) for c in chunks]
     with _Stopwatch() as decode:
       decoded = messages.chunks_to_report(
         parsed,

@@ -11,7 +11,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from ddiloco.fragments import compression
-from ddiloco.transport import messages, wire
+from ddiloco.transport import messages
+from ddiloco.transport.fragment_encoder import serialize_chunks
+from ddiloco.transport.fragment_reader import read_layout
 
 
 class DownlinkAdopter:
@@ -31,12 +33,10 @@ class DownlinkAdopter:
   def __call__(self, p: int, new: Mapping[str, np.ndarray], prev: Mapping[str, np.ndarray]):
     # The bytes are encoded once and kept: re-encoding adopted − prev need not give the same ints.
     pieces = list(
-      wire.serialize_chunks(
-        new, self._codec, block_size=self._block, base=prev, chunk_size=self._chunk
-      )
+      serialize_chunks(new, self._codec, block_size=self._block, base=prev, chunk_size=self._chunk)
     )
     layout = {k: (tuple(np.shape(v)), np.asarray(v).dtype) for k, v in new.items()}
-    adopted = wire.read_layout(
+    adopted = read_layout(
       pieces, layout, codec_name=self._codec, max_bytes=sum(map(len, pieces)), base=prev
     )
     self._staged[p] = pieces

@@ -124,7 +124,7 @@ def method_handlers(service: SyncerService) -> tuple[str, dict[str, grpc.RpcMeth
   """The service's name and its method handlers: `add_SyncerServicer_to_server`'s, except that
   Push takes, and Pull sends, each chunk's serialized bytes.
 
-  The Push handler reads them with `messages.parse_chunk`, the payload a view into the received
+  The Push handler reads them with `frames.parse_chunk`, the payload a view into the received
   bytes: protobuf's parser would copy every payload byte twice (scripts/bench_wire.py).
   Pull sends chunks made serialized (`messages.state_messages`) or cached serialized (the
   downlink deltas every learner pulls), so protobuf neither builds nor serializes them per pull.

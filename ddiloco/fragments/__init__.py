@@ -3,17 +3,8 @@
 docs/algorithm.md §2 (layouts, schedule), §4.7 (digests), §5 (compression).
 """
 
-from ddiloco.fragments.compression import (
-  CODECS,
-  Codec,
-  Encoded,
-  codec_class,
-  decode_fragment,
-  encode_fragment,
-  fragment_wire_bytes,
-  get_codec,
-  register,
-)
+from ddiloco.fragments.codec import Codec, register
+from ddiloco.fragments.compression import CODECS, codec_class, get_codec
 from ddiloco.fragments.digest import values_digest
 from ddiloco.fragments.layout import STRATEGIES, FragmentLayout, make_layout, parse_key
 from ddiloco.fragments.schedule import FragmentSchedule
@@ -23,14 +14,10 @@ __all__ = [
   "CODECS",
   "STRATEGIES",
   "Codec",
-  "Encoded",
   "FragmentLayout",
   "FragmentSchedule",
   "codec_class",
-  "decode_fragment",
-  "encode_fragment",
   "flatten",
-  "fragment_wire_bytes",
   "get_codec",
   "make_layout",
   "parse_key",

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from ddiloco.chaos import invariants, replay
-from ddiloco.chaos.proxy import ProxyProcess
+from ddiloco.chaos.proxy_process import ProxyProcess
 from ddiloco.chaos.schedule import ChaosConfig, make_schedule
 from ddiloco.chaos.tape import TapeWriter, read_tape
 from ddiloco.checkpoint import syncer as syncer_ckpt

@@ -1,2 +1,3 @@
 """Helpers for tests of ddiloco and of code built on it: runs of the real launchers, process
-checks, and an in-memory object store. Not imported by the library itself."""
+checks, an in-memory object store, and one-shot twins of the codecs and the wire stack. Not
+imported by the library itself."""

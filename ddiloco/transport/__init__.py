@@ -6,12 +6,9 @@ from ddiloco.transport.messages import chunks_to_report, chunks_to_state
 from ddiloco.transport.wire import (
   FORMAT_VERSION,
   MAGIC,
-  deserialize_fragment,
   make_layout,
   max_wire_bytes,
-  received_outer_gradient,
   received_values,
-  serialize_fragment,
 )
 
 __all__ = [
@@ -22,11 +19,8 @@ __all__ = [
   "WireError",
   "chunks_to_report",
   "chunks_to_state",
-  "deserialize_fragment",
   "make_layout",
   "max_wire_bytes",
   "num_chunks_for",
-  "received_outer_gradient",
   "received_values",
-  "serialize_fragment",
 ]

@@ -9,9 +9,9 @@ Copies (scripts/bench_wire.py): gRPC sends `bytes` objects, so the sender's one 
 is the chunk's: `ChunkWriter` cuts a stream of writes straight into them, no full-size buffer, and
 with a `prefix` each chunk is a whole serialized chunk message (`messages.push_messages`), so
 protobuf does not copy it again. The receiver decodes each chunk as `ChunkAssembler` hands it on
-in order (`wire.FragmentReader`), then drops it: nothing is joined, a chunk may be a view into
-the received message (never copied), and a chunk's memory is reused for the next instead of
-being faulted in anew.
+in order (`fragment_reader.FragmentReader`), then drops it: nothing is joined, a chunk may be a
+view into the received message (never copied), and a chunk's memory is reused for the next
+instead of being faulted in anew.
 """
 
 import collections
@@ -139,7 +139,7 @@ class ChunkAssembler:
 
   `add` returns the chunks that are next in order as soon as they are (the one just added, and
   any held back that it unblocks), so a caller can decode them at once and drop them
-  (`wire.FragmentReader`). Only chunks that arrive early are held. With keep=True it also keeps
+  (`fragment_reader.FragmentReader`). Only chunks that arrive early are held. With keep=True it also keeps
   them all, for `result`.
   """
 

@@ -13,7 +13,7 @@ PERMISSION_DENIED (another registration of the id voided it) is fixed by registe
 Push and Pull carry their chunks as serialized messages (scripts/bench_wire.py): a push's
 messages are made while the stream is sent (`messages.push_messages`, one copy per payload byte,
 no protobuf object), and a pull's are parsed by hand and decoded as they arrive
-(`messages.parse_chunk`, the payload never copied out of the received bytes).
+(`frames.parse_chunk`, the payload never copied out of the received bytes).
 """
 
 import itertools

@@ -6,21 +6,17 @@ service can reject a bad stream at the door (docs/architecture.md). A service th
 to pick the layout reads the first chunk itself and passes `itertools.chain([first], rest)`.
 
 Copies (scripts/bench_wire.py): the sender encodes straight into the chunks' bytes
-(`wire.FragmentEncoder`); the receiver checks the header (and looks up a delta's base) from chunk
+(`FragmentEncoder`); the receiver checks the header (and looks up a delta's base) from chunk
 0, then decodes each chunk as it comes, in order, straight into the output arrays
-(`wire.FragmentReader`): chunks are never joined. On the Push path protobuf is bypassed for the
-payload: `push_messages` makes each serialized PushChunk message in one piece (its fields in front
-of the chunk's bytes, the bytes protobuf itself would produce) while the stream is being sent,
-and `parse_chunk` reads a received message's fields by hand with its data a view into the
-received bytes. Protobuf's own message objects would copy every payload byte twice on each side.
-Only the small header submessage goes through protobuf.
+(`FragmentReader`): chunks are never joined. `push_messages` and `state_messages` make each
+serialized chunk message in one piece while the stream is being sent, and a receiver passes
+messages parsed by hand (`frames.parse_chunk`): protobuf's message objects would copy every payload
+byte twice on each side. Only the small header submessage goes through protobuf.
 """
 
-import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from ddiloco.fragments import compression
 from ddiloco.fragments.digest import values_digest
@@ -28,142 +24,12 @@ from ddiloco.protocol import FragmentState, Report, counter_error, step_time_err
 from ddiloco.transport import wire
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ChunkAssembler
 from ddiloco.transport.errors import WireError
+from ddiloco.transport.fragment_encoder import FragmentEncoder, outer_gradient_encoder
+from ddiloco.transport.fragment_reader import FragmentReader
+from ddiloco.transport.frames import ChunkFrame, as_frame, chunk_prefix
 from ddiloco.transport.proto import syncer_pb2
 
 BaseLookup = Callable[[int], Mapping[str, np.ndarray]]
-# PushChunk and FragmentChunk share their field numbers (syncer.proto): 1 header, 2 index, 3 data.
-_HEADER_TAG, _INDEX_TAG, _DATA_TAG = b"\x0a", b"\x10", b"\x1a"
-_WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5
-
-
-@dataclasses.dataclass(frozen=True)
-class ChunkFrame:
-  """The fields of one chunk message (PushChunk or FragmentChunk).
-
-  Attributes:
-    header: the header submessage if the chunk carries one, else None.
-    index: the chunk's position.
-    data: its slice of the payload; a view into the received message when parsed from bytes.
-    nbytes: size of the serialized message.
-  """
-
-  header: object | None
-  index: int
-  data: memoryview
-  nbytes: int
-
-
-def _varint(value: int) -> bytes:
-  """Protobuf's base-128 varint of a non-negative integer below 2**64."""
-  out = bytearray()
-  while value > 0x7F:
-    out.append((value & 0x7F) | 0x80)
-    value >>= 7
-  out.append(value)
-  return bytes(out)
-
-
-def chunk_prefix(index: int, nbytes: int, header: bytes | None = None) -> bytes:
-  """The serialized fields of a chunk message that come before its data's bytes.
-
-  `chunk_prefix(i, len(d), h) + d` is the message `PushChunk(header=H, index=i, data=d)` (or a
-  FragmentChunk) with H serialized as `h`, byte for byte as protobuf writes it: fields in number
-  order, proto3 defaults (index 0, empty data) left out, an int32 index as a 64-bit varint.
-
-  Args:
-    index: the chunk's index (int32).
-    nbytes: the length of its data.
-    header: the serialized header submessage, or None for a chunk without one.
-  """
-  parts = []
-  if header is not None:
-    parts += [_HEADER_TAG, _varint(len(header)), header]
-  if index:
-    parts += [_INDEX_TAG, _varint(index & 0xFFFF_FFFF_FFFF_FFFF)]
-  if nbytes:
-    parts += [_DATA_TAG, _varint(nbytes)]
-  return b"".join(parts)
-
-
-def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
-  value = shift = 0
-  while pos < len(view):
-    byte = view[pos]
-    pos += 1
-    value |= (byte & 0x7F) << shift
-    if byte < 0x80:
-      return value & 0xFFFF_FFFF_FFFF_FFFF, pos
-    shift += 7
-    if shift >= 70:
-      raise WireError("Malformed chunk message: a varint longer than 10 bytes.")
-  raise WireError("Malformed chunk message: truncated varint.")
-
-
-def parse_chunk(message: bytes | memoryview, header_type: type) -> ChunkFrame:
-  """Reads a serialized PushChunk or FragmentChunk by hand; its data is a view (no copy).
-
-  Follows protobuf's parsing rules: unknown fields are skipped, the last index and data win,
-  header occurrences merge, an int32 index keeps its low 32 bits.
-
-  Args:
-    message: the message's bytes.
-    header_type: `syncer_pb2.PushHeader` or `syncer_pb2.FragmentHeader`.
-
-  Raises:
-    WireError: on a malformed message (truncated, bad wire type, undecodable header).
-  """
-  view = memoryview(message).cast("B")
-  pos, end = 0, len(view)
-  headers, index, data = [], 0, view[0:0]
-  while pos < end:
-    key, pos = _read_varint(view, pos)
-    field, wire_type = key >> 3, key & 7
-    if field == 0:
-      raise WireError("Malformed chunk message: field number 0.")
-    if wire_type == _WIRE_VARINT:
-      value, pos = _read_varint(view, pos)
-    elif wire_type == _WIRE_LEN:
-      length, pos = _read_varint(view, pos)
-      if length > end - pos:
-        raise WireError(f"Malformed chunk message: field {field} runs past the end.")
-      value, pos = view[pos : pos + length], pos + length
-    elif wire_type in (_WIRE_I64, _WIRE_I32):
-      pos += 8 if wire_type == _WIRE_I64 else 4
-      if pos > end:
-        raise WireError(f"Malformed chunk message: field {field} runs past the end.")
-      value = None
-    else:
-      raise WireError(f"Malformed chunk message: wire type {wire_type} of field {field}.")
-    expected = {1: _WIRE_LEN, 2: _WIRE_VARINT, 3: _WIRE_LEN}.get(field, wire_type)
-    if wire_type != expected:
-      raise WireError(f"Malformed chunk message: field {field} has wire type {wire_type}.")
-    if field == 1:
-      headers.append(value)
-    elif field == 2:
-      index = (value & 0xFFFF_FFFF) - ((value & 0x8000_0000) << 1)  # int32, two's complement.
-    elif field == 3:
-      data = value
-  header = None
-  if headers:
-    try:
-      header = header_type.FromString(b"".join(headers))
-    except DecodeError as e:
-      raise WireError(f"Malformed chunk message: undecodable header: {e}") from e
-  return ChunkFrame(header, index, data, end)
-
-
-def as_frame(chunk: object, header_type: type) -> ChunkFrame:
-  """A ChunkFrame of a chunk given as a frame, its serialized bytes, or a protobuf message.
-
-  Raises:
-    WireError: if serialized bytes are malformed.
-  """
-  if isinstance(chunk, ChunkFrame):
-    return chunk
-  if isinstance(chunk, bytes | bytearray | memoryview):
-    return parse_chunk(chunk, header_type)
-  header = chunk.header if chunk.HasField("header") else None
-  return ChunkFrame(header, chunk.index, memoryview(chunk.data), chunk.ByteSize())
 
 
 def _read_stream(
@@ -200,7 +66,7 @@ def _read_stream(
     max_chunk_bytes=max_chunk_bytes,
     keep=False,
   )
-  reader = wire.FragmentReader(
+  reader = FragmentReader(
     layout,
     codec_name=header.codec,
     max_bytes=max_bytes,
@@ -220,20 +86,8 @@ def _read_stream(
   return header, reader.finish()
 
 
-def _wrap(message: type, pieces: Iterable[bytes]) -> tuple[list, int]:
-  """(messages with index and data, total bytes); the header is set on message 0 afterwards.
-
-  Each chunk's bytes go into its message as they come and are dropped, so only one chunk of
-  `bytes` is alive at a time: its memory is reused for the next instead of faulted in anew.
-  """
-  out, total = [], 0
-  for i, data in enumerate(pieces):
-    out.append(message(index=i, data=data))
-    total += len(data)
-  return out, total
-
-
-def _push_header(report: Report, codec: str, total: int, num_chunks: int, delta: bool):
+def push_header(report: Report, codec: str, total: int, num_chunks: int, delta: bool):
+  """The PushHeader of a report's stream: `total` payload bytes in `num_chunks` chunks."""
   return syncer_pb2.PushHeader(
     learner_id=report.learner_id,
     fragment=report.fragment,
@@ -251,19 +105,24 @@ def _push_header(report: Report, codec: str, total: int, num_chunks: int, delta:
   )
 
 
-def _push_encoder(
+def push_encoder(
   report: Report, codec: str, block_size: int, anchor_values: Mapping[str, np.ndarray] | None
-) -> wire.FragmentEncoder:
+) -> FragmentEncoder:
+  """The encoder of a report's Push payload: θ, or with `anchor_values` δ = Θ^(anchor) − θ.
+
+  Raises:
+    ValueError: on a report that already holds δ, or a delta without an anchor version.
+  """
   if report.outer_gradient:
     raise ValueError("A push takes θ (report.values) and Θ^(anchor); it forms δ itself.")
   if anchor_values is None:
-    return wire.FragmentEncoder(report.values, codec, block_size=block_size)
+    return FragmentEncoder(report.values, codec, block_size=block_size)
   if report.anchor_version < 0:
     raise ValueError("A delta push needs anchor_version >= 0 (the learner never received p).")
-  return wire.outer_gradient_encoder(report.values, anchor_values, codec, block_size=block_size)
+  return outer_gradient_encoder(report.values, anchor_values, codec, block_size=block_size)
 
 
-def _framed(encoder: wire.FragmentEncoder, header: bytes, chunk_size: int) -> Iterator[bytes]:
+def _framed(encoder: FragmentEncoder, header: bytes, chunk_size: int) -> Iterator[bytes]:
   """The encoder's chunks as serialized chunk messages, the serialized header on chunk 0."""
   return encoder.chunks(
     chunk_size, prefix=lambda i, n: chunk_prefix(i, n, header if i == 0 else None)
@@ -280,10 +139,10 @@ def push_messages(
 ) -> Iterator[bytes]:
   """A learner's report as the serialized PushChunk messages of a Push stream (docs/algorithm.md §3).
 
-  The bytes of `[m.SerializeToString() for m in report_to_chunks(...)]`, but each message is
-  encoded only when it is asked for, in one piece with one copy per payload byte: a client can
-  send chunk i while chunk i + 1 is encoded, and protobuf never copies the payload. The header
-  (chunk 0) announces the exact size, known before anything is encoded.
+  The bytes protobuf makes of the stream's PushChunk messages, but each message is encoded only
+  when it is asked for, in one piece with one copy per payload byte: a client can send chunk i
+  while chunk i + 1 is encoded, and protobuf never copies the payload. The header (chunk 0)
+  announces the exact size, known before anything is encoded.
 
   Args:
     report: the report; `report.values` are θ_{m,p}.
@@ -301,43 +160,11 @@ def push_messages(
     ValueError: at once on a bad codec, keys, shapes or anchor; while iterating, on a NaN/Inf value
       (the stream then ends short, and a receiver refuses it as incomplete).
   """
-  encoder = _push_encoder(report, codec, block_size, anchor_values)
-  header = _push_header(
+  encoder = push_encoder(report, codec, block_size, anchor_values)
+  header = push_header(
     report, codec, encoder.nbytes, encoder.num_chunks(chunk_size), anchor_values is not None
   ).SerializeToString()
   return _framed(encoder, header, chunk_size)
-
-
-def report_to_chunks(
-  report: Report,
-  codec: str,
-  *,
-  block_size: int = 64,
-  chunk_size: int = DEFAULT_CHUNK_SIZE,
-  anchor_values: Mapping[str, np.ndarray] | None = None,
-) -> list[syncer_pb2.PushChunk]:
-  """A learner's report as a Push stream of protobuf messages: chunk 0 carries the header (docs/algorithm.md §3).
-
-  The messages `push_messages` serializes (the client sends those; these are for inspection,
-  accounting and tests).
-
-  Args:
-    report: the report; `report.values` are θ_{m,p}.
-    codec: the uplink codec name.
-    block_size: int8/int4 scale block size.
-    chunk_size: bytes per chunk (the receiver's limit must be at least this).
-    anchor_values: Θ^(anchor) as the learner holds it; if given, the payload is the outer
-      gradient δ = Θ^(anchor) − θ (docs/algorithm.md §5), which the syncer merges as decoded, and
-      the header says `delta`.
-
-  Raises:
-    ValueError: if the values cannot be encoded (NaN/Inf) or a delta has no valid anchor version.
-  """
-  encoder = _push_encoder(report, codec, block_size, anchor_values)
-  out, total = _wrap(syncer_pb2.PushChunk, encoder.chunks(chunk_size))
-  header = _push_header(report, codec, total, len(out), anchor_values is not None)
-  out[0].header.CopyFrom(header)
-  return out
 
 
 def chunks_to_report(
@@ -364,7 +191,7 @@ def chunks_to_report(
     dtypes: expected dtypes, likewise.
     max_bytes: payload size limit; defaults to `max_wire_bytes` of the layout.
     max_chunk_bytes: per-chunk size limit.
-    alloc: makes the arrays the values are decoded into (`wire.FragmentReader`); a service passes
+    alloc: makes the arrays the values are decoded into (`FragmentReader`); a service passes
       `chunks.ArrayPool.empty` to recycle the memory of reports it no longer holds.
     check_finite: refuse NaN/Inf values (WireError). A service that files the report into a
       `SyncerCore` passes False: the core checks every value, fused with RDA's first pass.
@@ -435,12 +262,12 @@ def _lookup(lookup: BaseLookup | None, version: int, what: str, field: str) -> M
 
 def _state_encoder(
   state: FragmentState, codec: str, block_size: int, base: FragmentState | None
-) -> tuple[wire.FragmentEncoder, str]:
+) -> tuple[FragmentEncoder, str]:
   """(the encoder of a Pull payload, the digest of what the receiver will hold; docs/algorithm.md §4.7)."""
   if base is not None and base.fragment != state.fragment:
     raise ValueError(f"base is fragment {base.fragment}, state is fragment {state.fragment}.")
   base_values = None if base is None else base.values
-  encoder = wire.FragmentEncoder(state.values, codec, block_size=block_size, base=base_values)
+  encoder = FragmentEncoder(state.values, codec, block_size=block_size, base=base_values)
   exact = compression.codec_class(codec).exact and base is None
   exact = exact and all(np.asarray(v).dtype.itemsize <= 4 for v in state.values.values())
   if exact:
@@ -473,7 +300,7 @@ def state_messages(
 ) -> Iterator[bytes]:
   """A global fragment version as the serialized FragmentChunk messages of a Pull stream.
 
-  The bytes of `[m.SerializeToString() for m in state_to_chunks(...)]`, made as `push_messages`
+  The bytes protobuf makes of the stream's FragmentChunk messages, made as `push_messages`
   makes a Push stream: each message when it is asked for, in one piece, with one copy per payload
   byte (a service sends them with no protobuf serializer: `service._add_servicer`).
 
@@ -499,35 +326,6 @@ def state_messages(
     base=-1 if base is None else base.version,
   ).SerializeToString()
   return _framed(encoder, header, chunk_size)
-
-
-def state_to_chunks(
-  state: FragmentState,
-  codec: str,
-  *,
-  block_size: int = 64,
-  chunk_size: int = DEFAULT_CHUNK_SIZE,
-  base: FragmentState | None = None,
-) -> list[syncer_pb2.FragmentChunk]:
-  """A global fragment version as a Pull stream of protobuf messages (docs/algorithm.md §4.7).
-
-  The messages `state_messages` serializes (a service sends those; these are for inspection,
-  accounting and tests). The header digest is that of `received_values(...)`, what the receiver
-  will hold: with "fp32" and no base that is `state.digest`; otherwise the syncer must hold
-  (adopt) those values for the digests to agree (docs/algorithm.md §5).
-
-  Args:
-    state: the version to send.
-    codec: the downlink codec name.
-    block_size: int8/int4 scale block size.
-    chunk_size: bytes per chunk.
-    base: an older version the receiver holds; if given the payload is state − base (docs/algorithm.md §5).
-
-  Raises:
-    ValueError: if the values cannot be encoded or `base` is another fragment.
-  """
-  msgs = state_messages(state, codec, block_size=block_size, chunk_size=chunk_size, base=base)
-  return [syncer_pb2.FragmentChunk.FromString(m) for m in msgs]
 
 
 def encoded_state_messages(

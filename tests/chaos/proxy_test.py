@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ddiloco.chaos.proxy import LoopbackProxy, ProxyProcess, parse_address
+from ddiloco.chaos.proxy import LoopbackProxy, parse_address
+from ddiloco.chaos.proxy_process import ProxyProcess
 
 pytestmark = pytest.mark.timeout(60)
 

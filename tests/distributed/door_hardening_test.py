@@ -31,7 +31,8 @@ from ddiloco.distributed.server import (
 from ddiloco.distributed.service import SyncerService
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.syncer.core import Report, RoundRequest, SyncerConfig
-from ddiloco.transport import auth, messages
+from ddiloco.testing.wire import report_to_chunks
+from ddiloco.transport import auth
 from ddiloco.transport.client import SyncerClient
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
 
@@ -114,7 +115,7 @@ def _chunks(learner: int = 0, chunk_size: int = 1 << 20, codec: str = "fp32"):
     step=2,
     round_step=3,
   )
-  return messages.report_to_chunks(report, codec, chunk_size=chunk_size)
+  return report_to_chunks(report, codec, chunk_size=chunk_size)
 
 
 def _assert_refused(env: _Env, call, code: grpc.StatusCode, message: str) -> None:

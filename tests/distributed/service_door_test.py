@@ -36,7 +36,8 @@ from ddiloco.distributed.server import (
 from ddiloco.distributed.service import SERVICE_NAME, SyncerService
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.syncer.core import FragmentState, Report, RoundRequest, SyncerConfig
-from ddiloco.transport import messages, wire
+from ddiloco.testing.wire import report_to_chunks, serialize_fragment
+from ddiloco.transport import wire
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
 
@@ -232,9 +233,7 @@ def _report(
 
 
 def _chunks(report: Report, codec: str = "int4", *, anchor_values=None, chunk_size: int = 1 << 20):
-  return messages.report_to_chunks(
-    report, codec, chunk_size=chunk_size, anchor_values=anchor_values
-  )
+  return report_to_chunks(report, codec, chunk_size=chunk_size, anchor_values=anchor_values)
 
 
 def _raw_chunks(data: bytes, *, fragment: int, codec: str, chunk_size: int = 1 << 20):
@@ -494,12 +493,12 @@ def test_learner_that_left(door):
   ids=["wrong_shape", "wrong_dtype", "wrong_key"],
 )
 def test_payload_not_of_the_fragment_layout(door, values, message):
-  chunks = _raw_chunks(wire.serialize_fragment(values, "int4"), fragment=0, codec="int4")
+  chunks = _raw_chunks(serialize_fragment(values, "int4"), fragment=0, codec="int4")
   _assert_refused(door, lambda: _push(door, chunks), grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 def test_unknown_key_whose_name_reads_like_a_size_error(door):
-  data = wire.serialize_fragment({"Oversized": np.zeros((64, 32), np.float32)}, "int4")
+  data = serialize_fragment({"Oversized": np.zeros((64, 32), np.float32)}, "int4")
   assert len(data) < 10549  # Small: no size limit is involved.
   chunks = _raw_chunks(data, fragment=0, codec="int4")
   _assert_refused(

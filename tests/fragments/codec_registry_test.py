@@ -9,7 +9,8 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
-from ddiloco.fragments import compression
+from ddiloco.fragments import codec, compression
+from ddiloco.testing.wire import deserialize_fragment, serialize_fragment
 from ddiloco.transport import wire
 from ddiloco.transport.errors import WireError
 
@@ -35,15 +36,15 @@ def test_unknown_names_and_ids_are_refused():
   with pytest.raises(ValueError, match="Unknown codec id 9"):
     compression.codec_by_wire_id(9)
   with pytest.raises(TypeError, match="abstract"):
-    compression.Codec()
+    codec.Codec()
 
 
 @pytest.fixture
 def fp16():
   """A float16 codec, defined and registered here only (wire id 200)."""
 
-  @compression.register
-  class Fp16(compression.Codec):
+  @codec.register
+  class Fp16(codec.Codec):
     name: ClassVar[str] = "fp16-test"
     wire_id: ClassVar[int] = 200
     unit_bytes: ClassVar[int] = 2
@@ -59,14 +60,14 @@ def fp16():
       return np.frombuffer(payload, "<f2").astype(np.float32)
 
   yield Fp16
-  del compression._REGISTRY[Fp16.name]
+  del codec._REGISTRY[Fp16.name]
 
 
 def test_a_codec_is_one_registered_class(fp16):
   rng = np.random.default_rng(0)
   values = {"a": rng.normal(size=(7, 5)).astype(np.float32), "b": np.arange(3, dtype=np.float32)}
-  data = wire.serialize_fragment(values, fp16.name)
-  out = wire.deserialize_fragment(
+  data = serialize_fragment(values, fp16.name)
+  out = deserialize_fragment(
     data,
     list(values),
     {k: v.shape for k, v in values.items()},
@@ -92,16 +93,16 @@ def test_a_clashing_or_incomplete_codec_is_refused(fp16):
   )
   for attrs, message in cases:
     with pytest.raises(ValueError, match=message):
-      compression.register(type("Clash", (compression.Codec,), attrs))
+      codec.register(type("Clash", (codec.Codec,), attrs))
   assert compression.codec_class(fp16.name) is fp16
   assert "other" not in compression.CODECS
 
 
 def test_the_reader_refuses_an_unregistered_id():
   values = {"a": np.ones(4, np.float32)}
-  data = bytearray(wire.serialize_fragment(values, "fp32"))
+  data = bytearray(serialize_fragment(values, "fp32"))
   at = data.index(b"a") + 1  # The codec id follows the key.
   assert data[at] == 0
   data[at] = 77
   with pytest.raises(WireError, match="unknown codec id 77"):
-    wire.deserialize_fragment(bytes(data), ["a"], {"a": (4,)}, {"a": np.float32})
+    deserialize_fragment(bytes(data), ["a"], {"a": (4,)}, {"a": np.float32})

@@ -7,9 +7,9 @@ import pytest
 
 from ddiloco.distributed.server import make_syncer, serve
 from ddiloco.distributed.service_config import ServiceConfig
-from ddiloco.fragments.compression import RUN_VALUES
+from ddiloco.fragments.codec import RUN_VALUES
 from ddiloco.syncer.core import Report, RoundRequest, SyncerConfig
-from ddiloco.transport import messages
+from ddiloco.testing.wire import report_to_chunks, state_to_chunks
 from ddiloco.transport.client import SyncerClient
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
 
@@ -70,12 +70,12 @@ def test_pull_then_delta_push_are_filed_exactly(env):
   assert state.version == 0 and state.values["w"].tobytes() == INIT["w"].tobytes()
   assert _pull(client, known=0) is None  # Already the newest: an empty stream.
   # 10 + 35 + 8 + 4 N bytes = 524741 of payload: 9 chunks; their messages add the framing.
-  pull_bytes = sum(c.ByteSize() for c in messages.state_to_chunks(state, "fp32", chunk_size=CHUNK))
+  pull_bytes = sum(c.ByteSize() for c in state_to_chunks(state, "fp32", chunk_size=CHUNK))
   assert client.bytes_down == pull_bytes
   theta = {"w": INIT["w"] - np.float32(0.5)}
   result = client.push(_report(theta), "fp32", anchor_values=state.values)
   assert (result.status, result.weight) == ("accepted", 64**2 / 2)
-  sent = messages.report_to_chunks(_report(theta), "fp32", chunk_size=CHUNK, anchor_values=INIT)
+  sent = report_to_chunks(_report(theta), "fp32", chunk_size=CHUNK, anchor_values=INIT)
   assert len(sent) == 9 and client.bytes_up == sum(c.ByteSize() for c in sent)
   assert svc.traffic() == (client.bytes_up, client.bytes_down)
   assert svc.core.stats()["open_rounds"] == 1
@@ -85,7 +85,7 @@ def test_generated_stub_still_pushes_protobuf_messages(env):
   # The service takes raw bytes for Push; protobuf clients send the same bytes.
   svc, srv, client = env
   _pull(client)
-  chunks = messages.report_to_chunks(
+  chunks = report_to_chunks(
     _report({"w": INIT["w"] + 1}), "fp32", chunk_size=CHUNK, anchor_values=INIT
   )
   with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:

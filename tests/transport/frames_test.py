@@ -1,6 +1,6 @@
 """Chunk messages without protobuf objects: hand-made and hand-parsed, byte-exact.
 
-`messages.chunk_prefix` + data must be what protobuf serializes, `messages.parse_chunk` must read
+`frames.chunk_prefix` + data must be what protobuf serializes, `frames.parse_chunk` must read
 what protobuf reads (and refuse what it cannot), and `messages.push_messages` must send the bytes
 of `report_to_chunks`' messages.
 """
@@ -11,12 +11,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ddiloco.fragments.compression import RUN_VALUES
+from ddiloco.fragments.codec import RUN_VALUES
 from ddiloco.fragments.digest import values_digest
 from ddiloco.syncer.core import FragmentState, Report
-from ddiloco.transport import messages, wire
+from ddiloco.testing.wire import received_outer_gradient, report_to_chunks, serialize_fragment
+from ddiloco.transport import frames, messages, wire
 from ddiloco.transport.chunks import ChunkAssembler, ChunkWriter
 from ddiloco.transport.errors import WireError
+from ddiloco.transport.fragment_encoder import FragmentEncoder, serialize_chunks
 from ddiloco.transport.proto import syncer_pb2
 
 _PUSH_HEADER = syncer_pb2.PushHeader(
@@ -59,17 +61,17 @@ def test_prefix_plus_data_is_protobufs_serialization(message_type, header, index
     (with_header, header.SerializeToString()),
     (message_type(index=index, data=data), None),
   ):
-    made = messages.chunk_prefix(index, size, head) + data
+    made = frames.chunk_prefix(index, size, head) + data
     assert made == msg.SerializeToString()
-    frame = messages.parse_chunk(made, type(header))
+    frame = frames.parse_chunk(made, type(header))
     assert frame.index == index and bytes(frame.data) == data and frame.nbytes == len(made)
     assert frame.header == (header if head is not None else None)
 
 
 def test_parse_chunk_views_the_data_and_follows_protobufs_rules():
   data = b"\x00\x01" * 1000
-  made = messages.chunk_prefix(5, len(data)) + data
-  frame = messages.parse_chunk(made, syncer_pb2.PushHeader)
+  made = frames.chunk_prefix(5, len(data)) + data
+  frame = frames.parse_chunk(made, syncer_pb2.PushHeader)
   assert frame.data.obj is made  # A view into the received bytes: no copy.
   # Unknown fields of every wire type are skipped, the last index and data win, headers merge.
   extra = (
@@ -83,22 +85,22 @@ def test_parse_chunk_views_the_data_and_follows_protobufs_rules():
   h1 = syncer_pb2.PushHeader(learner_id=1, codec="fp32").SerializeToString()
   h2 = syncer_pb2.PushHeader(fragment=4).SerializeToString()
   msg = (
-    messages.chunk_prefix(1, 2, h1)
+    frames.chunk_prefix(1, 2, h1)
     + b"ab"
     + extra
-    + messages.chunk_prefix(9, 1, h2)[:0]
+    + frames.chunk_prefix(9, 1, h2)[:0]
     + b"\x0a"
     + bytes([len(h2)])
     + h2
     + b"\x10\x09\x1a\x01c"
   )
   ref = syncer_pb2.PushChunk.FromString(msg)
-  frame = messages.parse_chunk(msg, syncer_pb2.PushHeader)
+  frame = frames.parse_chunk(msg, syncer_pb2.PushHeader)
   assert (frame.index, bytes(frame.data), frame.header) == (ref.index, ref.data, ref.header)
   assert (frame.header.learner_id, frame.header.fragment, frame.index) == (1, 4, 9)
   # An int32 index sent as a 64-bit varint keeps its low 32 bits, as protobuf does.
-  big = b"\x10" + messages._varint((1 << 40) + 5)
-  assert messages.parse_chunk(big, syncer_pb2.PushHeader).index == 5
+  big = b"\x10" + frames._varint((1 << 40) + 5)
+  assert frames.parse_chunk(big, syncer_pb2.PushHeader).index == 5
   assert syncer_pb2.PushChunk.FromString(big).index == 5
 
 
@@ -118,7 +120,7 @@ def test_parse_chunk_views_the_data_and_follows_protobufs_rules():
 )
 def test_parse_chunk_refuses_malformed_messages(msg, error):
   with pytest.raises(WireError, match=re.escape(error)):
-    messages.parse_chunk(msg, syncer_pb2.PushHeader)
+    frames.parse_chunk(msg, syncer_pb2.PushHeader)
 
 
 @pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4"])
@@ -132,9 +134,7 @@ def test_push_messages_are_report_to_chunks_serialized(codec, chunk_size):
   anchor = {k: (v.astype(np.float32) + 0.5).astype(v.dtype) for k, v in vals.items()}
   for base in (None, anchor):
     report = _report(vals)
-    want = messages.report_to_chunks(
-      report, codec, block_size=5, chunk_size=chunk_size, anchor_values=base
-    )
+    want = report_to_chunks(report, codec, block_size=5, chunk_size=chunk_size, anchor_values=base)
     got = list(
       messages.push_messages(report, codec, block_size=5, chunk_size=chunk_size, anchor_values=base)
     )
@@ -149,7 +149,7 @@ def test_push_messages_are_report_to_chunks_serialized(codec, chunk_size):
     if base is None:
       expect = wire.received_values(vals, codec, block_size=5)
     else:  # The outer gradient δ = Θ^(anchor) − θ, read as it is.
-      expect = wire.received_outer_gradient(vals, base, codec, block_size=5)
+      expect = received_outer_gradient(vals, base, codec, block_size=5)
     assert back.outer_gradient == (base is not None)
     assert all(back.values[k].tobytes() == expect[k].tobytes() for k in vals)
     assert (back.tokens, back.steps, back.step, back.step_time_s) == (300, 3, 11, 0.5)
@@ -178,11 +178,11 @@ def test_encoder_announces_the_exact_size():
   rng = np.random.default_rng(1)
   vals = {"a": rng.standard_normal(1001).astype(np.float16), "z/long key": np.zeros((2, 3, 4))}
   for codec in ("fp32", "bf16", "int8", "int4"):
-    enc = wire.FragmentEncoder(vals, codec, block_size=7)
-    data = wire.serialize_fragment(vals, codec, block_size=7)
+    enc = FragmentEncoder(vals, codec, block_size=7)
+    data = serialize_fragment(vals, codec, block_size=7)
     assert enc.nbytes == len(data) and enc.num_chunks(100) == -(-len(data) // 100)
     assert b"".join(enc.chunks(100)) == data
-  assert wire.FragmentEncoder({}, "fp32").nbytes == 10  # The file header alone.
+  assert FragmentEncoder({}, "fp32").nbytes == 10  # The file header alone.
 
 
 def test_chunk_writer_with_a_prefix_makes_whole_messages():
@@ -222,7 +222,7 @@ def test_state_messages_are_protobufs_pull_stream(codec, chunk_size):
   for base in (None, FragmentState(fragment=2, version=4, values=older, digest="")):
     base_values = None if base is None else base.values
     pieces = list(
-      wire.serialize_chunks(vals, codec, block_size=5, base=base_values, chunk_size=chunk_size)
+      serialize_chunks(vals, codec, block_size=5, base=base_values, chunk_size=chunk_size)
     )
     received = wire.received_values(vals, codec, block_size=5, base=base_values)
     header = syncer_pb2.FragmentHeader(

@@ -9,12 +9,22 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ddiloco.fragments.compression import RUN_VALUES, get_codec
+from ddiloco.fragments.codec import RUN_VALUES
+from ddiloco.fragments.compression import get_codec
 from ddiloco.syncer.core import Report
+from ddiloco.testing.codecs import decode, encode, roundtrip
+from ddiloco.testing.wire import (
+  deserialize_fragment,
+  received_outer_gradient,
+  report_to_chunks,
+  serialize_fragment,
+)
 from ddiloco.transport import wire
 from ddiloco.transport.chunks import ArrayPool, ChunkAssembler, ChunkWriter
 from ddiloco.transport.errors import WireError
-from ddiloco.transport.messages import chunks_to_report, report_to_chunks
+from ddiloco.transport.fragment_encoder import serialize_chunks
+from ddiloco.transport.fragment_reader import FragmentReader
+from ddiloco.transport.messages import chunks_to_report
 
 
 def _bits(a):
@@ -55,8 +65,8 @@ def test_serialize_chunks_join_to_the_one_shot_bytes(codec, chunk_size):
     "b": rng.standard_normal((3, 5)).astype(ml_dtypes.bfloat16),
   }
   base = {k: (v.astype(np.float32) + 0.5).astype(v.dtype) for k, v in vals.items()}
-  pieces = list(wire.serialize_chunks(vals, codec, block_size=7, base=base, chunk_size=chunk_size))
-  one = wire.serialize_fragment(vals, codec, block_size=7, base=base)
+  pieces = list(serialize_chunks(vals, codec, block_size=7, base=base, chunk_size=chunk_size))
+  one = serialize_fragment(vals, codec, block_size=7, base=base)
   assert b"".join(pieces) == one
   assert all(len(p) == chunk_size for p in pieces[:-1]) and 0 < len(pieces[-1]) <= chunk_size
 
@@ -83,24 +93,22 @@ def test_report_over_seven_byte_chunks_in_any_order(codec):
     ["float16", "float32"],
     max_chunk_bytes=7,
   )
-  want = wire.received_outer_gradient(vals, anchor, codec, block_size=5)
+  want = received_outer_gradient(vals, anchor, codec, block_size=5)
   assert back.outer_gradient
   assert {k: _bits(v) for k, v in back.values.items()} == {k: _bits(v) for k, v in want.items()}
 
 
 def test_reader_fed_byte_by_byte_equals_one_shot():
   vals = {"w": np.linspace(-1, 1, 2 * RUN_VALUES + 3, dtype=np.float32)}  # Three runs, odd tail.
-  data = wire.serialize_fragment(vals, "int4", block_size=7)
+  data = serialize_fragment(vals, "int4", block_size=7)
   lay = wire.make_layout(["w"], [vals["w"].shape], ["float32"])
-  reader = wire.FragmentReader(lay, codec_name="int4")
+  reader = FragmentReader(lay, codec_name="int4")
   for i in range(0, len(data), 1 << 15):
     reader.feed(data[i : i + (1 << 15)])
   got = reader.finish()["w"]
-  assert _bits(got) == _bits(
-    wire.deserialize_fragment(data, ["w"], [vals["w"].shape], ["float32"])["w"]
-  )
-  small = wire.serialize_fragment({"w": vals["w"][:10]}, "bf16")
-  reader = wire.FragmentReader(wire.make_layout(["w"], [(10,)], ["float32"]))
+  assert _bits(got) == _bits(deserialize_fragment(data, ["w"], [vals["w"].shape], ["float32"])["w"])
+  small = serialize_fragment({"w": vals["w"][:10]}, "bf16")
+  reader = FragmentReader(wire.make_layout(["w"], [(10,)], ["float32"]))
   for b in small:
     reader.feed(bytes([b]))
   assert _bits(reader.finish()["w"]) == _bits(
@@ -114,9 +122,9 @@ def test_encode_runs_concatenate_to_encode(codec, block_size):
   x = np.random.default_rng(2).standard_normal(RUN_VALUES * 2 + 5).astype(np.float32)
   c = get_codec(codec, block_size)
   runs = [(p.tobytes(), s.tobytes()) for p, s in c.encode_runs(x)]
-  enc = c.encode(x)
+  enc = encode(c, x)
   assert b"".join(p for p, _ in runs) == enc.payload and b"".join(s for _, s in runs) == enc.scales
-  np.testing.assert_array_equal(c.decode(enc), c.roundtrip(x))
+  np.testing.assert_array_equal(decode(c, enc), roundtrip(c, x))
 
 
 def test_nan_in_a_later_chunk_is_refused_with_the_exact_count():

@@ -9,19 +9,22 @@ import pytest
 
 from ddiloco.fragments.digest import values_digest
 from ddiloco.syncer.core import FragmentState, Report
+from ddiloco.testing.wire import (
+  deserialize_fragment,
+  received_outer_gradient,
+  report_to_chunks,
+  serialize_fragment,
+  state_to_chunks,
+)
 from ddiloco.transport import (
   ChunkAssembler,
   WireError,
   chunks_to_report,
   chunks_to_state,
-  deserialize_fragment,
   max_wire_bytes,
-  received_outer_gradient,
   received_values,
-  serialize_fragment,
 )
 from ddiloco.transport.chunks import chunk, reassemble
-from ddiloco.transport.messages import report_to_chunks, state_to_chunks
 
 MiB = 1 << 20
 

@@ -1,0 +1,200 @@
+"""The `Codec` interface of the wire codecs, and their registry by name and wire id (docs/algorithm.md §5).
+
+A codec encodes float32 values run by run (`Codec.encode_runs`) and decodes whole units of payload
+(`Codec.decode_run`); the concrete codecs are in `codecs`, the lookups by name in `compression`.
+
+Decisions (docs/algorithm.md §5):
+  * Non-finite input raises ValueError: a NaN must never reach the global state silently.
+  * Large arrays are encoded and decoded in runs of `RUN_VALUES` values (`encode_runs`,
+    `decode_run`): the delta, the cast, the NaN/Inf check and the encoding of a run happen while it
+    is in cache, and no full-size temporary is made. Runs of the integer codecs are whole blocks
+    (and an even count for int4), so the bytes are those of a single-shot encoding.
+"""
+
+import dataclasses
+import types
+from collections.abc import Iterator
+from typing import ClassVar
+
+import numpy as np
+
+F32 = np.dtype("<f4")  # Little-endian float32: payloads and scales on the wire.
+# Values per run (256 KiB of float32): big enough to amortize numpy's per-call cost, small enough
+# that a run and its temporaries stay in L2 while it is delta'd, checked and encoded.
+RUN_VALUES = 1 << 16
+
+
+def _non_finite_error(bad: int) -> ValueError:
+  return ValueError(
+    f"Refusing to encode {bad} non-finite value(s) (NaN/Inf or beyond float32 range)."
+  )
+
+
+def as_f32(x: np.ndarray) -> np.ndarray:
+  """`x` as float32 (itself if it already is)."""
+  return x if x.dtype == np.float32 else x.astype(np.float32)
+
+
+def check_len(what: str, data: bytes | memoryview | np.ndarray, expected: int) -> None:
+  """Raises ValueError unless `data` has `expected` bytes."""
+  nbytes = memoryview(data).nbytes
+  if nbytes != expected:
+    raise ValueError(f"{what} has {nbytes} bytes, expected {expected}.")
+
+
+_REGISTRY: dict[str, type["Codec"]] = {}
+# The registered codec classes by name: a read-only view of the registry (`register` adds to it).
+REGISTRY = types.MappingProxyType(_REGISTRY)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Codec:
+  """A wire codec: one subclass per codec, registered under its name and its wire id.
+
+  Class attributes (a subclass sets them; `register` checks them):
+    name: the codec's name in configs, headers and logs.
+    wire_id: the byte that names it in the fragment wire format (transport/wire.py); stable
+      forever: a new codec takes a new id.
+    exact: whether decoding gives back the encoded float32 values bit for bit.
+    quantized: whether it has block scales (then `block_size` applies and goes on the wire).
+    unit_bytes: bytes of the smallest self-contained piece of payload.
+    values_per_unit: values in such a piece (int4: a byte holds two).
+
+  Attributes:
+    block_size: values per absmax scale (quantized codecs; others ignore it).
+  """
+
+  name: ClassVar[str]
+  wire_id: ClassVar[int]
+  exact: ClassVar[bool] = False
+  quantized: ClassVar[bool] = False
+  unit_bytes: ClassVar[int] = 1
+  values_per_unit: ClassVar[int] = 1
+
+  block_size: int = 64
+
+  def __post_init__(self):
+    if type(self) is Codec:
+      raise TypeError("Codec is abstract: use get_codec(name) or a codec class.")
+    if self.block_size < 1:
+      raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
+
+  def nbytes(self, n: int) -> tuple[int, int]:
+    """(payload, scales) bytes this codec makes of n values."""
+    return -(-n // self.values_per_unit) * self.unit_bytes, 0
+
+  def run_values(self, nbytes: int, left: int) -> int:
+    """Values held by `nbytes` of whole-unit payload when `left` values remain (int4 padding)."""
+    return min(nbytes // self.unit_bytes * self.values_per_unit, left)
+
+  def _run_length(self) -> int:
+    """Values per encoded run: whole units (no int4 byte spans two runs)."""
+    return self.values_per_unit * max(1, RUN_VALUES // self.values_per_unit)
+
+  def encode_runs(
+    self, x: np.ndarray, *, base: np.ndarray | None = None
+  ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Encodes `x`, or the float32 delta `x − base`, run by run (C order).
+
+    Each run is made float32 (and the delta taken), checked for NaN/Inf and encoded while it is in
+    cache. The concatenated payloads and scales are those of a one-shot encoding of `x − base`.
+
+    Args:
+      x: any float array (numpy or jax).
+      base: an array of x's shape, or None.
+
+    Yields:
+      (payload bytes as a uint8 array, float32 scales of the run's blocks; empty for fp32/bf16).
+      Both may be overwritten by the next run: use them before asking for it.
+
+    Raises:
+      ValueError: on a base of another shape, NaN/Inf (of the delta), or bf16 overflow.
+    """
+    flat = np.ravel(np.asarray(x))
+    base_flat = None
+    if base is not None:
+      base_arr = np.asarray(base)
+      if base_arr.shape != np.shape(x):
+        raise ValueError(f"base shape {base_arr.shape} != values shape {np.shape(x)}.")
+      base_flat = np.ravel(base_arr)
+    n = flat.size
+    run = self._run_length()
+    scratch, finite = np.empty(min(run, n), F32), np.empty(min(run, n), bool)
+    for start in range(0, n, run):
+      stop = min(start + run, n)
+      x32 = scratch[: stop - start]
+      with np.errstate(over="ignore"):  # float64 beyond float32 range becomes Inf: refused below.
+        if base_flat is None:
+          np.copyto(x32, flat[start:stop], casting="unsafe")
+        else:
+          np.subtract(as_f32(flat[start:stop]), as_f32(base_flat[start:stop]), out=x32)
+      if not np.isfinite(x32, out=finite[: stop - start]).all():
+        raise _non_finite_error(self._count_non_finite(flat, base_flat))
+      yield self.encode_run(x32)
+
+  def encode_run(self, x32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(payload bytes as uint8, float32 scales) of a run of finite float32 values."""
+    raise NotImplementedError
+
+  @staticmethod
+  def _count_non_finite(flat: np.ndarray, base_flat: np.ndarray | None) -> int:
+    """The error path only: NaN/Inf in the whole float32 array (or delta), for the message."""
+    with np.errstate(over="ignore", invalid="ignore"):
+      x32 = as_f32(flat) if base_flat is None else as_f32(flat) - as_f32(base_flat)
+    return int(np.count_nonzero(~np.isfinite(x32)))
+
+  def checked_scales(self, scales: bytes | memoryview, n: int) -> np.ndarray:
+    """The float32 scales of an n-value array, checked (empty for fp32/bf16).
+
+    Raises:
+      ValueError: on a wrong length, or scales that are NaN/Inf or negative.
+    """
+    check_len("scales", scales, self.nbytes(n)[1])
+    out = np.frombuffer(scales, F32).astype(np.float32)
+    if not (np.isfinite(out).all() and (out >= 0).all()):
+      raise ValueError("Scales must be finite and non-negative.")
+    return out
+
+  def decode_run(
+    self, payload: bytes | memoryview | np.ndarray, start: int, n: int, scales: np.ndarray
+  ) -> np.ndarray:
+    """Decodes the values that `payload`, a whole number of units, holds from value `start` on.
+
+    Args:
+      payload: bytes of whole units (`unit_bytes`) of an array's payload, beginning at value
+        `start` (a multiple of `values_per_unit`).
+      start: index of the first value in the flattened array.
+      n: number of values of the whole array (int4: a trailing nibble past n is padding).
+      scales: the array's `checked_scales`; indexed from value `start`'s block.
+
+    Returns:
+      Float32 values, flat; possibly a view of `payload` (fp32: copy it to keep it).
+
+    Raises:
+      ValueError: on a length that does not hold whole values, or malformed codes or padding.
+    """
+    raise NotImplementedError
+
+  def _check_whole_units(self, payload: bytes | memoryview | np.ndarray) -> None:
+    """Raises ValueError unless `payload` holds whole units (no value cut in two)."""
+    nbytes = memoryview(payload).nbytes
+    check_len("payload run", payload, self.unit_bytes * (nbytes // self.unit_bytes))
+
+
+def register(cls: type[Codec]) -> type[Codec]:
+  """Class decorator: adds a codec to the registry (`get_codec`, `CODECS`, wire ids).
+
+  Raises:
+    ValueError: if it lacks a name or wire id, either is taken, or the id does not fit the wire's
+      byte.
+  """
+  name, wire_id = getattr(cls, "name", None), getattr(cls, "wire_id", None)
+  if not isinstance(name, str) or not name or not isinstance(wire_id, int):
+    raise ValueError(f"Codec class {cls.__name__} needs a `name` (str) and a `wire_id` (int).")
+  if not 0 <= cls.wire_id <= 255:
+    raise ValueError(f"Codec {cls.name!r}: wire_id must fit a byte, got {cls.wire_id}.")
+  for other in _REGISTRY.values():
+    if other.name == cls.name or other.wire_id == cls.wire_id:
+      raise ValueError(f"Codec {cls.name!r} (wire id {cls.wire_id}) clashes with {other.name!r}.")
+  _REGISTRY[cls.name] = cls
+  return cls

@@ -1,0 +1,95 @@
+"""`RunDecoder`: one array's payload decoded piece by piece into its output, base added (docs/algorithm.md §5)."""
+
+import numpy as np
+
+from ddiloco.fragments.codec import RUN_VALUES, Codec, as_f32
+
+
+class RunDecoder:
+  """Decodes one array's payload, fed in pieces of any size, into a flat output array.
+
+  Each run of whole values is decoded, has `base` added (float32), is cast to the output's dtype
+  and counted for NaN/Inf while it is in cache: one pass, no full-size temporary. A misaligned
+  fp32 run (framing puts payloads at any byte offset) is first copied into an aligned scratch:
+  numpy is several times slower on misaligned float32.
+  """
+
+  def __init__(
+    self,
+    codec: Codec,
+    out: np.ndarray,
+    *,
+    scales: np.ndarray | None = None,
+    base: np.ndarray | None = None,
+    check: bool = True,
+  ):
+    """Prepares to fill `out` (flat, any float dtype) with cast(base + decoded values).
+
+    Args:
+      codec: the codec the payload was made with.
+      out: the flat output array; its size is the array's number of values.
+      scales: the array's `checked_scales` (int8/int4).
+      base: a flat array of out's size added to the decoded values (a delta), or None.
+      check: count NaN/Inf in the output (after the cast), see `close`.
+    """
+    self._codec, self._out, self._base = codec, out, base
+    self._scales = np.empty(0, np.float32) if scales is None else scales
+    self._max_run = RUN_VALUES * codec.unit_bytes // codec.values_per_unit
+    self._finite = np.empty(min(out.size, RUN_VALUES), bool) if check else None
+    self._aligned: memoryview | None = None
+    self._carry = b""
+    self._start = 0
+    self._non_finite = 0
+
+  def feed(self, data: bytes | memoryview | np.ndarray) -> None:
+    """Decodes the next bytes of the payload (a unit split across pieces is carried over).
+
+    Raises:
+      ValueError: on malformed codes or padding, or more payload than the array has values.
+    """
+    piece = memoryview(data).cast("B")
+    unit, head = self._codec.unit_bytes, 0
+    if self._carry:
+      head = min(unit - len(self._carry), len(piece))
+      self._carry += bytes(piece[:head])
+      if len(self._carry) < unit:
+        return
+      self._run(memoryview(self._carry))
+    whole = len(piece) - (len(piece) - head) % unit
+    for i in range(head, whole, self._max_run):
+      self._run(piece[i : min(i + self._max_run, whole)])
+    self._carry = bytes(piece[whole:])
+
+  def _run(self, run: memoryview) -> None:
+    codec, start = self._codec, self._start
+    x = codec.decode_run(run, start, self._out.size, self._scales)
+    if not x.flags.aligned:  # An fp32 view: decode it again from an aligned copy.
+      if self._aligned is None:
+        self._aligned = memoryview(np.empty(self._max_run, np.uint8))
+      self._aligned[: len(run)] = run
+      x = codec.decode_run(self._aligned[: len(run)], start, self._out.size, self._scales)
+    stop = start + x.size
+    if stop > self._out.size:
+      raise ValueError(f"payload holds more than the array's {self._out.size} values.")
+    dst = self._out[start:stop]
+    with np.errstate(over="ignore"):  # Overflow to Inf in the cast is counted below, precisely.
+      if self._base is None:
+        dst[...] = x
+      elif dst.dtype == np.float32:
+        np.add(as_f32(self._base[start:stop]), x, out=dst)
+      else:
+        dst[...] = as_f32(self._base[start:stop]) + x
+    if self._finite is not None:
+      finite = np.isfinite(dst, out=self._finite[: x.size])
+      self._non_finite += x.size - int(np.count_nonzero(finite))
+    self._start = stop
+
+  def close(self) -> int:
+    """Returns the number of NaN/Inf values in the output (0 if not checked).
+
+    Raises:
+      ValueError: if the payload fed did not hold exactly the array's values.
+    """
+    if self._carry or self._start != self._out.size:
+      raise ValueError(f"payload held {self._start} of the array's {self._out.size} values.")
+    return self._non_finite

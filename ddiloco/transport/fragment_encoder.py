@@ -1,0 +1,182 @@
+"""`FragmentEncoder`: a fragment checked, framed and encoded into the wire format, chunk by chunk.
+
+The format is described in `wire`; `fragment_reader` reads it back.
+"""
+
+import math
+import struct
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from ddiloco.fragments import compression
+from ddiloco.fragments.codec import F32, Codec
+from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ChunkWriter, Prefix, num_chunks_for
+from ddiloco.transport.wire import (
+  ENTRY_TAIL,
+  FILE_HEADER,
+  FORMAT_VERSION,
+  MAGIC,
+  U8,
+  U16,
+  resolve_dtype,
+)
+
+
+def _entry_head(key: str, shape: tuple[int, ...], dtype: str, codec: Codec) -> bytes:
+  """The framing of one entry, up to its payload (see the format in `wire`'s module docstring)."""
+  kb, db = key.encode("utf-8"), dtype.encode("ascii")
+  if len(kb) > 0xFFFF or len(shape) > 0xFF:
+    raise ValueError(f"{key!r}: key longer than 65535 bytes or more than 255 dims.")
+  payload_len, scales_len = codec.nbytes(math.prod(shape))
+  return b"".join(
+    [
+      U16.pack(len(kb)),
+      kb,
+      U8.pack(codec.wire_id),
+      U8.pack(len(db)),
+      db,
+      U8.pack(len(shape)),
+      struct.pack(f"<{len(shape)}Q", *shape),
+      ENTRY_TAIL.pack(codec.block_size if codec.quantized else 0, payload_len, scales_len),
+    ]
+  )
+
+
+class FragmentEncoder:
+  """A fragment checked and framed for the wire; its arrays are encoded as its bytes are read.
+
+  The constructor checks everything but the values (keys, shapes, the base) and knows the exact
+  serialized size, so a sender can announce it (a chunk stream's header) before encoding anything.
+  Each array is then encoded in cache-sized runs (`Codec.encode_runs`): the delta, the float32
+  cast, the NaN/Inf check and the encoding are one pass over the values.
+
+  Attributes:
+    nbytes: the exact size of the serialized fragment.
+  """
+
+  def __init__(
+    self,
+    values: Mapping[str, np.ndarray],
+    codec_name: str,
+    *,
+    block_size: int = 64,
+    base: Mapping[str, np.ndarray] | None = None,
+  ):
+    """Checks and frames `values`.
+
+    Args:
+      values: {key: float array}; the dtype recorded for each key is the array's own.
+      codec_name: "fp32", "bf16", "int8" or "int4" (docs/algorithm.md §5).
+      block_size: values per absmax scale block for int8/int4.
+      base: if given, `values − base` is encoded (a delta, docs/algorithm.md §5); dtypes recorded are still those
+        of `values`.
+
+    Raises:
+      ValueError: on an unknown codec, a base with other keys or shapes, or a key/shape the format
+        cannot hold.
+    """
+    self._codec = compression.get_codec(codec_name, block_size)
+    if base is not None and set(base) != set(values):
+      raise ValueError(f"base keys differ from values keys: {sorted(set(base) ^ set(values))[:3]}.")
+    self._entries = []
+    self.nbytes = FILE_HEADER.size
+    for key in sorted(values):
+      x = np.asarray(values[key])
+      b = None if base is None else np.asarray(base[key])
+      if b is not None and b.shape != x.shape:
+        raise ValueError(f"{key!r}: base shape {b.shape} != values shape {x.shape}.")
+      shape = tuple(int(d) for d in x.shape)
+      head = _entry_head(key, shape, resolve_dtype(x.dtype).name, self._codec)
+      self._entries.append((key, head, x, b))
+      self.nbytes += len(head) + sum(self._codec.nbytes(x.size))
+
+  def pieces(self) -> Iterator[bytes | np.ndarray]:
+    """The serialized fragment, piece by piece in order (no full-size buffer).
+
+    A piece may be overwritten once the next is asked for.
+
+    Raises:
+      ValueError: while iterating, on a NaN/Inf value (named by key).
+    """
+    codec = self._codec
+    yield FILE_HEADER.pack(MAGIC, FORMAT_VERSION, len(self._entries))
+    for key, head, x, b in self._entries:
+      yield head
+      scales = np.empty(codec.nbytes(x.size)[1] // 4, F32)
+      filled = 0
+      try:
+        for payload, run_scales in codec.encode_runs(x, base=b):
+          yield payload
+          scales[filled : filled + run_scales.size] = run_scales
+          filled += run_scales.size
+      except ValueError as e:
+        raise ValueError(f"{key!r}: {e}") from e
+      if scales.size:
+        yield scales  # The format puts an entry's scales after its whole payload.
+
+  def chunks(self, chunk_size: int = DEFAULT_CHUNK_SIZE, *, prefix: Prefix | None = None):
+    """The serialized fragment cut into `bytes` chunks of `chunk_size`, made one by one.
+
+    Every byte is copied once, into its chunk (`ChunkWriter`; with `prefix`, each chunk carries
+    `prefix(index, n)` in front of its n bytes). There is always at least one chunk.
+
+    Raises:
+      ValueError: at once if chunk_size < 1; while iterating, as `pieces`.
+    """
+    writer = ChunkWriter(chunk_size, prefix=prefix)
+    return self._chunks_of(writer)
+
+  def _chunks_of(self, writer: ChunkWriter) -> Iterator[bytes]:
+    for piece in self.pieces():
+      yield from writer.write(piece)
+    yield from writer.flush()
+    if writer.nbytes != self.nbytes:  # The framing and the codecs disagree: a bug, not bad input.
+      raise AssertionError(f"Serialized {writer.nbytes} bytes, announced {self.nbytes}.")
+
+  def num_chunks(self, chunk_size: int = DEFAULT_CHUNK_SIZE) -> int:
+    """How many chunks `chunks(chunk_size)` makes."""
+    return num_chunks_for(self.nbytes, chunk_size)
+
+
+def serialize_chunks(
+  values: Mapping[str, np.ndarray],
+  codec_name: str,
+  *,
+  block_size: int = 64,
+  base: Mapping[str, np.ndarray] | None = None,
+  chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Iterator[bytes]:
+  """`FragmentEncoder(...)`'s serialized fragment cut into chunks of `chunk_size`, made one by one as iterated.
+
+  Every byte is copied once, into its chunk, and no joined copy is made: a sender that wraps each
+  chunk in its message as it comes holds one chunk of `bytes` at a time.
+
+  Yields:
+    The chunks in order; one empty chunk for an empty payload (there is always one).
+
+  Raises:
+    ValueError: at once on a bad codec, base, key or shape, or if chunk_size < 1; while iterating,
+      on a NaN/Inf value.
+  """
+  encoder = FragmentEncoder(values, codec_name, block_size=block_size, base=base)
+  return encoder.chunks(chunk_size)
+
+
+def outer_gradient_encoder(
+  theta: Mapping[str, np.ndarray],
+  anchor: Mapping[str, np.ndarray],
+  codec_name: str,
+  *,
+  block_size: int = 64,
+) -> FragmentEncoder:
+  """A learner's outer gradient δ = Θ^(anchor) − θ framed for the wire (docs/algorithm.md §5).
+
+  The encoder forms `values − base` in its one pass over the values; with Θ^(anchor) as the values
+  and θ as the base that difference is δ, in the accumulation dtype, never held whole. The
+  receiver reads δ as it is (no base): the syncer merges the decoded δ directly.
+
+  Raises:
+    ValueError: as `FragmentEncoder`; while encoding, on a NaN/Inf in δ (a NaN/Inf θ).
+  """
+  return FragmentEncoder(anchor, codec_name, block_size=block_size, base=theta)

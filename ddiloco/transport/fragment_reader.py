@@ -1,0 +1,279 @@
+"""`FragmentReader`: a serialized fragment parsed, checked and decoded as its chunks arrive.
+
+The format is described in `wire`; `fragment_encoder` writes it.
+"""
+
+import math
+import struct
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ddiloco.fragments import buffers, compression
+from ddiloco.fragments.codec import Codec
+from ddiloco.fragments.run_decoder import RunDecoder
+from ddiloco.transport.errors import WireError, WireSizeError
+from ddiloco.transport.wire import (
+  ENTRY_TAIL,
+  FILE_HEADER,
+  FORMAT_VERSION,
+  MAGIC,
+  MAX_BLOCK_SIZE,
+  U8,
+  U16,
+  Allocator,
+  Buffer,
+  Layout,
+  max_wire_bytes,
+)
+
+
+class FragmentReader:
+  """Parses, checks and decodes a serialized fragment fed in pieces (chunks), in order.
+
+  Each piece is parsed or decoded into the output arrays when it is fed, so the caller can drop it:
+  the payload is never joined or held whole. fp32/bf16 payloads are decoded as they arrive;
+  int8/int4 payloads are gathered (their scales follow them) and decoded once the scales are in.
+  Every length is checked against the layout before the bytes it covers are read, and NaN/Inf is
+  counted after the cast to the layout dtype (`RunDecoder`), the one check of the receive path.
+
+  Attributes:
+    limit: the size limit in bytes; feeding more raises WireSizeError.
+  """
+
+  def __init__(
+    self,
+    layout: Layout,
+    *,
+    codec_name: str | None = None,
+    max_bytes: int | None = None,
+    base: Mapping[str, np.ndarray] | None = None,
+    alloc: Allocator | None = None,
+    check_finite: bool = True,
+  ):
+    """Prepares to read a fragment of `layout`.
+
+    Args:
+      layout: from `make_layout`.
+      codec_name: if given, every entry must use this codec.
+      max_bytes: size limit; defaults to `max_wire_bytes(layout)`.
+      base: if given, the data is a delta and the result is `cast(base + decoded)` (docs/algorithm.md §5).
+      alloc: makes each output array, (number of values, dtype) -> flat writable array; default
+        `buffers.aligned_empty` (XLA reads it in place). A receiver recycles memory with `chunks.ArrayPool.empty`.
+      check_finite: count NaN/Inf and raise on any. False only for a caller that checks every
+        value itself (the syncer service: `SyncerCore.report` checks them at filing, fused with
+        RDA's norm, so a second pass here would only cost time).
+    """
+    self._layout, self._codec_name, self._base = layout, codec_name, base
+    self._check = check_finite
+    self._alloc = buffers.aligned_empty if alloc is None else alloc
+    self.limit = max_wire_bytes(layout) if max_bytes is None else max_bytes
+    self._fed = 0
+    self._view, self._off, self._pos = memoryview(b""), 0, 0  # Current piece; stream offset.
+    self._parser = self._parse()
+    next(self._parser)  # Runs to the first read.
+
+  def feed(self, data: Buffer) -> None:
+    """Parses and decodes the next piece of the serialized fragment.
+
+    Raises:
+      WireError: on anything malformed so far (then the reader is done); WireSizeError if the
+        bytes fed exceed the size limit.
+    """
+    view = memoryview(data).cast("B")
+    self._fed += len(view)
+    if self._fed > self.limit:
+      raise WireSizeError(f"Oversized payload: {self._fed} bytes, the limit is {self.limit}.")
+    try:
+      self._parser.send(view)
+    except StopIteration as e:
+      raise WireError("This reader is done (finished or failed); it takes no more data.") from e
+
+  def finish(self) -> dict[str, np.ndarray]:
+    """Ends the data and returns {key: array of the layout's shape and dtype}, all finite.
+
+    Raises:
+      WireError: as `read_layout`, e.g. for truncated or trailing data or missing keys.
+    """
+    try:
+      self._parser.send(None)
+    except StopIteration as stop:
+      if stop.value is None:
+        raise WireError(
+          "This reader is done (finished or failed); it has no more values."
+        ) from stop
+      return stop.value
+    raise AssertionError("The parser asked for data after the end.")
+
+  # Generators below: `yield` hands control back until the next piece is fed (None: the end).
+
+  def _next_piece(self, what: str, n: int, at: int):
+    while self._off == len(self._view):
+      data = yield
+      if data is None:
+        raise WireError(
+          f"Truncated data: {what} needs {n} bytes at offset {at}, only {self._fed - at} left."
+        )
+      self._view, self._off = data, 0
+
+  def _some(self, n: int, what: str, need: int, at: int):
+    """Between 1 and n bytes of the stream, a view of the current piece (no copy)."""
+    yield from self._next_piece(what, need, at)
+    m = min(n, len(self._view) - self._off)
+    out = self._view[self._off : self._off + m]
+    self._off, self._pos = self._off + m, self._pos + m
+    return out
+
+  def _take(self, n: int, what: str):
+    """Exactly n contiguous bytes; only framing that straddles two pieces is copied."""
+    if not n:
+      return memoryview(b"")  # Never wait for a piece that is not needed.
+    at = self._pos
+    if len(self._view) - self._off >= n:
+      return (yield from self._some(n, what, n, at))
+    got = bytearray()
+    while len(got) < n:
+      got += yield from self._some(n - len(got), what, n, at)
+    return memoryview(got)
+
+  def _unpack(self, s: struct.Struct, what: str):
+    return s.unpack((yield from self._take(s.size, what)))
+
+  def _parse(self):
+    magic, version, count = yield from self._unpack(FILE_HEADER, "file header")
+    if magic != MAGIC:
+      raise WireError(f"Bad magic {magic!r}, expected {MAGIC!r}: not a ddiloco fragment.")
+    if version != FORMAT_VERSION:
+      raise WireError(f"Unsupported format version {version}; this build reads {FORMAT_VERSION}.")
+    if count > len(self._layout):
+      raise WireError(f"Payload has {count} entries, the layout only {len(self._layout)}.")
+    out: dict[str, np.ndarray] = {}
+    for _ in range(count):
+      key, codec, payload_len = yield from self._entry_head()
+      if key in out:
+        raise WireError(f"Duplicate key {key!r} in payload.")
+      out[key] = yield from self._entry_values(key, codec, payload_len)
+    while (yield) is not None:  # Count whatever trails the last entry.
+      pass
+    if self._fed > self._pos:
+      raise WireError(f"{self._fed - self._pos} trailing bytes after the last entry.")
+    missing = sorted(set(self._layout) - set(out))
+    if missing:
+      raise WireError(f"Missing {len(missing)} key(s) of the layout: {missing[:3]}.")
+    return {k: out[k] for k in self._layout}
+
+  def _entry_head(self):
+    """Reads and checks one entry's framing against the layout: (key, codec, payload length)."""
+    (key_len,) = yield from self._unpack(U16, "key length")
+    try:
+      key = bytes((yield from self._take(key_len, "key"))).decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise WireError(f"Key at offset {self._pos - key_len} is not UTF-8.") from e
+    if key not in self._layout:
+      raise WireError(f"Unknown key {key!r}: not in this fragment's layout.")
+    shape, dtype = self._layout[key]
+    (codec_id,) = yield from self._unpack(U8, f"{key!r} codec")
+    try:
+      codec_cls = compression.codec_by_wire_id(codec_id)
+    except ValueError:
+      raise WireError(f"{key!r}: unknown codec id {codec_id}.") from None
+    codec = codec_cls.name
+    if self._codec_name is not None and codec != self._codec_name:
+      raise WireError(f"{key!r}: encoded with {codec!r}, the header says {self._codec_name!r}.")
+    (dlen,) = yield from self._unpack(U8, f"{key!r} dtype length")
+    got_dtype = bytes((yield from self._take(dlen, f"{key!r} dtype"))).decode("ascii", "replace")
+    if got_dtype != dtype.name:
+      raise WireError(f"{key!r}: dtype {got_dtype!r}, expected {dtype.name!r}.")
+    (ndim,) = yield from self._unpack(U8, f"{key!r} ndim")
+    got_shape = struct.unpack(f"<{ndim}Q", (yield from self._take(8 * ndim, f"{key!r} shape")))
+    if got_shape != shape:
+      raise WireError(f"{key!r}: shape {got_shape}, expected {shape}.")
+    block_size, payload_len, scales_len = yield from self._unpack(ENTRY_TAIL, f"{key!r} lengths")
+    if codec_cls.quantized and not 1 <= block_size <= MAX_BLOCK_SIZE:
+      raise WireError(f"{key!r}: block size {block_size} outside [1, {MAX_BLOCK_SIZE}].")
+    if not codec_cls.quantized and block_size != 0:
+      raise WireError(f"{key!r}: {codec} entries must have block size 0, got {block_size}.")
+    c = codec_cls(block_size=block_size or 64)
+    want_payload, want_scales = c.nbytes(math.prod(shape))
+    if (payload_len, scales_len) != (want_payload, want_scales):
+      raise WireError(
+        f"{key!r}: payload/scales of {payload_len}/{scales_len} bytes, expected "
+        f"{want_payload}/{want_scales} for {codec} of shape {shape}."
+      )
+    return key, c, payload_len
+
+  def _entry_values(self, key: str, codec: Codec, payload_len: int):
+    """Reads one entry's payload and scales (lengths already checked) into its output array."""
+    shape, dtype = self._layout[key]
+    n = math.prod(shape)
+    base = None
+    if self._base is not None:
+      if key not in self._base or np.shape(self._base[key]) != shape:
+        raise WireError(f"{key!r}: the base has no array of shape {shape} for this key.")
+      base = np.ravel(np.asarray(self._base[key]))
+    out = self._alloc(n, np.dtype(dtype))
+    what, at, left = f"{key!r} payload", self._pos, payload_len
+    try:
+      if not codec.quantized:
+        decoder = RunDecoder(codec, out, base=base, check=self._check)
+        while left:
+          piece = yield from self._some(left, what, payload_len, at)
+          decoder.feed(piece)
+          left -= len(piece)
+      else:  # The scales follow the payload: gather it (int payloads are 4-8x smaller).
+        payload = memoryview(np.empty(payload_len, np.uint8))
+        while left:
+          piece = yield from self._some(left, what, payload_len, at)
+          payload[payload_len - left : payload_len - left + len(piece)] = piece
+          left -= len(piece)
+        scales_len = codec.nbytes(n)[1]
+        scales = codec.checked_scales((yield from self._take(scales_len, f"{key!r} scales")), n)
+        decoder = RunDecoder(codec, out, scales=scales, base=base, check=self._check)
+        decoder.feed(payload)
+      bad = decoder.close()
+    except WireError:
+      raise
+    except ValueError as e:
+      raise WireError(f"Malformed encoding: {key!r}: {e}") from e
+    if bad:
+      raise WireError(
+        f"{key!r}: {bad} non-finite value(s) (NaN/Inf) after decoding as {dtype.name}."
+      )
+    return out.reshape(shape)
+
+
+def read_layout(
+  data: Buffer | Sequence[Buffer],
+  layout: Layout,
+  *,
+  codec_name: str | None,
+  max_bytes: int | None,
+  base: Mapping[str, np.ndarray] | None,
+) -> dict[str, np.ndarray]:
+  """Parses, checks and decodes to what the receiver holds: cast(base + decoded) (docs/algorithm.md §5).
+
+  Args:
+    data: the serialized bytes, or the pieces (chunks) that hold them in order, not joined.
+    layout: from `make_layout`.
+    codec_name: if given, every entry must use this codec.
+    max_bytes: size limit; defaults to `max_wire_bytes(layout)`.
+    base: if given, the data is a delta against it.
+
+  Returns:
+    {key: new array of the layout's shape and dtype}, all finite.
+
+  Raises:
+    WireError: on truncated or trailing data, bad magic/version, unknown, duplicate or missing keys,
+      wrong shapes/dtypes/codec, lengths that do not match the codec, oversized data, or NaN/Inf.
+  """
+  return _read(data, FragmentReader(layout, codec_name=codec_name, max_bytes=max_bytes, base=base))
+
+
+def _read(data: Buffer | Sequence[Buffer], reader: FragmentReader) -> dict[str, np.ndarray]:
+  parts = [data] if isinstance(data, bytes | bytearray | memoryview) else data
+  total = sum(memoryview(p).nbytes for p in parts)
+  if total > reader.limit:  # The whole size is known: refuse before parsing anything.
+    raise WireSizeError(f"Oversized payload: {total} bytes, the limit is {reader.limit}.")
+  for part in parts:
+    reader.feed(part)
+  return reader.finish()
