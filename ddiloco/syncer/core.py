@@ -36,7 +36,6 @@ types live in `types.py` (re-exported here).
 """
 
 import dataclasses
-import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -64,8 +63,6 @@ from ddiloco.syncer.types import (
 )
 from ddiloco.syncer.updates import FragmentUpdater
 from ddiloco.syncer.versions import VersionStore
-
-log = logging.getLogger(__name__)
 
 __all__ = [
   "FragmentState",
