@@ -9,7 +9,7 @@ to check by hand. Decisions (scripts/bench_merge.py):
   ulps times the number of contributions (tests/syncer/merge_test.py states and checks the bound);
   the float32 outer step that follows rounds to float32 anyway (docs/algorithm.md §4.6).
 - Speed: no full-size temporaries. Each tensor is processed in blocks of `BLOCK_VALUES` values
-  that stay in cache: per block, every contribution's v_m is formed in one scratch buffer and used
+  that stay in cache (the kernel is in `blockwise.py`): per block, every contribution's v_m is formed in one scratch buffer and used
   at once (its squared norm, or `out += c_m · v_m` with BLAS axpy). RDA needs two passes over the
   contributions (the norms must be known before the direction is summed); the weighted mean one.
 - `merge_reports` takes the anchors and the learners' values and forms v_m = Θ^(a_m) − θ_m block by
@@ -26,17 +26,11 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
-from scipy.linalg import blas
 
-from ddiloco.fragments import buffers
+from ddiloco.syncer.blockwise import BLOCK_VALUES, Diffs, OutputBuffer, aligned_empties
 
 MERGE_METHODS = ("rda", "mean")
 EPS = 1e-12  # RDA's zero-norm guard: norms at or below it count as zero (`rda`).
-# Values per block: 512 KiB of float32, half this machine's 1 MiB L2. Measured on the 16 MiB,
-# 8-contribution benchmark (scripts/bench_merge.py): 8K-32K-value blocks lose more to per-call
-# overhead than they gain in cache hits; 64K-256K were within noise of each other.
-BLOCK_VALUES = 1 << 17
-_AXPY = {np.dtype(np.float32): blas.saxpy, np.dtype(np.float64): blas.daxpy}
 
 
 def token_weight(tokens: int, steps: int) -> float:
@@ -61,157 +55,6 @@ def token_weight(tokens: int, steps: int) -> float:
     return 0.0
   # Python ints: tokens**2 is exact before the single rounding of the division.
   return float(int(tokens) ** 2 / int(steps))
-
-
-def all_finite(x: np.ndarray, *, block_values: int = BLOCK_VALUES) -> bool:
-  """Whether every value of a float array is finite, checked block by block.
-
-  `np.all(np.isfinite(x))` allocates a bool array the size of `x`; this reuses one block-sized
-  buffer and stops at the first block with a NaN/Inf. A sum or a norm would not do: it can
-  overflow to Inf for finite values.
-
-  Args:
-    x: a floating array (any shape; non-contiguous arrays are checked through a flat copy).
-    block_values: values per block.
-
-  Raises:
-    ValueError: if block_values < 1.
-  """
-  if block_values < 1:
-    raise ValueError(f"block_values must be >= 1, got {block_values}.")
-  flat = np.ravel(np.asarray(x))
-  buf = np.empty(min(block_values, flat.size), bool)
-  for start in range(0, flat.size, block_values):
-    block = flat[start : start + block_values]
-    if not np.isfinite(block, out=buf[: block.size]).all():
-      return False
-  return True
-
-
-def _layout(specs: Sequence[tuple[int, np.dtype]]) -> tuple[list[int], int]:
-  """Byte offsets of flat arrays of (size, dtype) packed with 64-byte alignment, and the total."""
-  starts, total = [], 0
-  for n, dtype in specs:
-    starts.append(total)
-    total += -(-n * dtype.itemsize // buffers.ALIGN) * buffers.ALIGN
-  return starts, total + buffers.ALIGN  # Room to align the start.
-
-
-def _carve(raw: np.ndarray, specs: Sequence[tuple[int, np.dtype]]) -> list[np.ndarray]:
-  """Flat arrays of (size, dtype), each 64-byte aligned, as views into the uint8 array `raw`."""
-  starts, _ = _layout(specs)
-  base = -raw.ctypes.data % buffers.ALIGN
-  return [
-    raw[base + at : base + at + n * dtype.itemsize].view(dtype)
-    for at, (n, dtype) in zip(starts, specs)
-  ]
-
-
-def _aligned_empties(specs: Sequence[tuple[int, np.dtype]]) -> list[np.ndarray]:
-  """Flat arrays of (size, dtype), each 64-byte aligned, carved from one allocation.
-
-  One large allocation rather than one per tensor: numpy backs large allocations with huge
-  pages, and fresh memory is paid for in page faults (measured on this machine: writing four
-  fresh 4 MiB arrays 3.2 ms, one fresh 16 MiB array 0.8 ms; reading the 8 contributions ~8 ms).
-  """
-  return _carve(np.empty(_layout(specs)[1], np.uint8), specs)
-
-
-class OutputBuffer:
-  """Memory that `merge_reports` writes its results into, reused from one merge to the next.
-
-  Fresh memory is paid for in page faults and the kernel's zeroing: reusing one buffer took a
-  16 MiB, 8-contribution flush from ~42 to ~35 ms of CPU (scripts/bench_merge.py). A
-  merge's results are views into it and are overwritten by the next merge that uses the same
-  buffer, so the caller must be done with them first (`SyncerCore._merge` is: the outer step has
-  read them when it returns). Not thread-safe. It keeps the largest size asked for.
-  """
-
-  def __init__(self):
-    self._raw = np.empty(0, np.uint8)
-
-  def arrays(self, specs: Sequence[tuple[int, np.dtype]]) -> list[np.ndarray]:
-    """Flat arrays of (size, dtype), each 64-byte aligned, in this buffer (see the class)."""
-    total = _layout(specs)[1]
-    if self._raw.nbytes < total:
-      self._raw = np.empty(total, np.uint8)
-    return _carve(self._raw, specs)
-
-  @property
-  def nbytes(self) -> int:
-    """Bytes held."""
-    return self._raw.nbytes
-
-
-class _Diffs:
-  """The contributions v_m = a_m − b_m (or a_m alone) of one tensor, read block by block.
-
-  Every array is flattened once (a view for contiguous inputs); `block` forms v_m's values
-  [start, stop) in the accumulation dtype, in a scratch buffer or as a view when no arithmetic or
-  cast is needed.
-  """
-
-  def __init__(
-    self,
-    pairs: Sequence[tuple[np.ndarray, np.ndarray | None]],
-    block_values: int,
-    out: np.ndarray | None = None,
-  ):
-    self.a = [np.ravel(a) for a, _ in pairs]
-    self.b = [None if b is None else np.ravel(b) for _, b in pairs]
-    self.size = self.a[0].size
-    self.dtype = np.promote_types(self.a[0].dtype, np.float32)
-    self.block_values = block_values
-    self._scratch = np.empty(min(block_values, self.size), self.dtype)
-    self._out = out
-
-  def output(self) -> np.ndarray:
-    """The flat output array (given, or allocated aligned on first use)."""
-    if self._out is None:
-      self._out = _aligned_empties([(self.size, self.dtype)])[0]
-    return self._out
-
-  def block(self, m: int, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
-    """v_m[start:stop], written to `out` (default: the scratch buffer) unless a view suffices."""
-    a, b = self.a[m][start:stop], self.b[m]
-    if b is None and a.dtype == self.dtype and out is None:
-      return a
-    dst = self._scratch[: stop - start] if out is None else out
-    if b is None:
-      np.copyto(dst, a, casting="same_kind")
-    else:
-      np.subtract(a, b[start:stop], out=dst, dtype=self.dtype)
-    return dst
-
-  def sq_norms(self, members: Sequence[int]) -> dict[int, float]:
-    """{m: ‖v_m‖²} for the given contributions, in float64 from per-block dot products."""
-    sq = dict.fromkeys(members, 0.0)
-    for start in range(0, self.size, self.block_values):
-      stop = min(start + self.block_values, self.size)
-      for m in members:
-        v = self.block(m, start, stop)
-        sq[m] += float(np.dot(v, v))
-    return sq
-
-  def combine(self, coefs: Mapping[int, float]) -> tuple[np.ndarray, float]:
-    """(Σ_m coefs[m] · v_m, its squared norm): one pass, block outer and contribution inner.
-
-    The squared norm is summed from each finished block while it is still in cache.
-    """
-    out = self.output()
-    axpy = _AXPY[self.dtype]
-    members = list(coefs)
-    sq = 0.0
-    for start in range(0, self.size, self.block_values):
-      stop = min(start + self.block_values, self.size)
-      acc = out[start:stop]
-      first = members[0]
-      self.block(first, start, stop, out=acc)
-      acc *= self.dtype.type(coefs[first])
-      for m in members[1:]:
-        axpy(self.block(m, start, stop), acc, a=coefs[m])  # In place: acc += c_m · v_m.
-      sq += float(np.dot(acc, acc))
-    return out, sq
 
 
 def _check_inputs(
@@ -267,12 +110,12 @@ def rda_coefficients(
   return {m: float(w[m]) / n / total for m, n in norms.items()}, radius
 
 
-def _mean(diffs: _Diffs, w: np.ndarray) -> np.ndarray:
+def _mean(diffs: Diffs, w: np.ndarray) -> np.ndarray:
   return diffs.combine(mean_coefficients(w))[0]
 
 
 def _rda(
-  diffs: _Diffs, w: np.ndarray, eps: float, known: Mapping[int, float]
+  diffs: Diffs, w: np.ndarray, eps: float, known: Mapping[int, float]
 ) -> tuple[np.ndarray, float]:
   """(direction, scale): the merge is direction · scale (see `rda`); the caller applies the scale."""
   members = [m for m, wm in enumerate(w) if wm > 0]
@@ -307,7 +150,7 @@ def _merge_one(
   The merge is `values · scale`; the scale is applied here (and 1.0 returned) unless
   `defer_scale`. The product is rounded once, in the accumulation dtype, either way.
   """
-  diffs = _Diffs(pairs, BLOCK_VALUES, out)
+  diffs = Diffs(pairs, BLOCK_VALUES, out)
   if method == "rda":
     out, scale = _rda(diffs, w, eps, known or {})
   else:
@@ -335,7 +178,7 @@ def outer_sq_norms(
   out = {}
   for key in keys:
     (a, v), _ = _check_inputs([anchor[key], values[key]], [1.0, 1.0])
-    out[key] = _Diffs([(a, v)], BLOCK_VALUES).sq_norms([0])[0]
+    out[key] = Diffs([(a, v)], BLOCK_VALUES).sq_norms([0])[0]
   return out
 
 
@@ -361,11 +204,11 @@ def finite_sq_norm(anchor: np.ndarray | None, value: np.ndarray) -> float | None
   """
   if anchor is None:
     (v,), _ = _check_inputs([value], [1.0])
-    diffs = _Diffs([(v, None)], BLOCK_VALUES)
+    diffs = Diffs([(v, None)], BLOCK_VALUES)
     flat = diffs.a[0]
   else:
     (a, v), _ = _check_inputs([anchor, value], [1.0, 1.0])
-    diffs = _Diffs([(a, v)], BLOCK_VALUES)
+    diffs = Diffs([(a, v)], BLOCK_VALUES)
     flat = diffs.b[0]
   sq = 0.0
   with np.errstate(invalid="ignore", over="ignore"):  # Bad input is an answer here, not a warning.
@@ -375,7 +218,7 @@ def finite_sq_norm(anchor: np.ndarray | None, value: np.ndarray) -> float | None
       dot = float(np.dot(block, block))
       if not math.isfinite(dot) and not np.isfinite(flat[start:stop]).all():
         return None
-      sq += dot  # As `_Diffs.sq_norms` sums: the same blocks, in the same order.
+      sq += dot  # As `Diffs.sq_norms` sums: the same blocks, in the same order.
   return sq
 
 
@@ -544,7 +387,7 @@ def merge_reports(
   # The first pair's array (either element: their sizes and dtypes are checked equal).
   firsts = [p[0][0] for p, _ in inputs.values()]
   specs = [(a.size, np.promote_types(a.dtype, np.float32)) for a in firsts]
-  flats = _aligned_empties(specs) if out is None else out.arrays(specs)
+  flats = aligned_empties(specs) if out is None else out.arrays(specs)
   merged = {}
   for (key, (pairs, w)), flat in zip(inputs.items(), flats):
     use = "mean" if key in embedding_keys else method

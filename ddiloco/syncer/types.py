@@ -1,7 +1,7 @@
 """The syncer's value types: its config, reports, merge events, fragment states (docs/algorithm.md §3, §4).
 
-Also the core's own mutable bookkeeping (`RoundEntry`, `Round`, `LearnerRecord`), shared by
-`core.py` and `checkpoint.py` but not part of the package's API. Everything public here is re-exported
+Also the core's own mutable bookkeeping (`RoundEntry`, `Round`, `LearnerRecord`), shared by the
+core's collaborators and `checkpoint.py` but not part of the package's API. Everything public here is re-exported
 by `ddiloco.syncer.core`, so `from ddiloco.syncer.core import SyncerConfig, Report, ...` keeps working.
 """
 
@@ -254,7 +254,7 @@ class LearnerRecord:
   heard: float | None = None  # Clock time of its newest sample; not saved.
   # Its recent answers: (fragment, round step) -> (registration epoch, the answer's counters, the
   # version of the fragment delivered to it then, the result it got). A retry of the same answer
-  # gets the same result and is not filed again. Bounded (`SyncerCore` evicts the oldest); not saved.
+  # gets the same result and is not filed again. Bounded (`Admission` evicts the oldest); not saved.
   answers: "collections.OrderedDict[tuple[int, int], tuple[int, tuple, int | None, ReportResult]]" = dataclasses.field(
     default_factory=collections.OrderedDict
   )

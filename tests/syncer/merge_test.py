@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ddiloco.syncer import merge
+from ddiloco.syncer import blockwise, merge
 
 
 def test_token_weight_examples():
@@ -109,33 +109,6 @@ def test_merge_outer_gradients_rejects():
     merge.merge_outer_gradients([{"a": np.zeros(1)}], [1.0], method="median")
   with pytest.raises(ValueError, match="keys"):
     merge.merge_outer_gradients([{"a": np.zeros(1)}, {"b": np.zeros(1)}], [1.0, 1.0])
-
-
-# -- blockwise finiteness (the core's door check) ----------------------------------------
-
-
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_all_finite_finds_a_non_finite_value_in_the_last_partial_block(bad):
-  x = np.zeros(10, np.float32)
-  assert merge.all_finite(x, block_values=4)  # Blocks [0, 4), [4, 8), [8, 10).
-  x[9] = bad  # The last value of the short last block.
-  assert not merge.all_finite(x, block_values=4)
-  y = np.zeros((3, 5), np.float64)
-  y[2, 4] = bad
-  assert not merge.all_finite(y, block_values=7)  # 2-D: blocks of the flattened values.
-  assert not merge.all_finite(y[:, ::2], block_values=2)  # Non-contiguous: its (2, 4) is bad.
-
-
-def test_all_finite_edge_cases():
-  assert merge.all_finite(np.zeros(0, np.float32))
-  assert merge.all_finite(np.float32(3.0))
-  huge = np.full(8, np.finfo(np.float32).max, np.float32)
-  assert merge.all_finite(huge)  # Finite values whose sum overflows to Inf are finite.
-  half = np.ones(5, ml_dtypes.bfloat16)
-  half[4] = np.nan
-  assert not merge.all_finite(half, block_values=2)
-  with pytest.raises(ValueError, match="block_values must be >= 1"):
-    merge.all_finite(huge, block_values=0)
 
 
 # -- merge_reports: the fused float32 merge the core calls ------------------------------------------
@@ -295,7 +268,7 @@ def test_output_buffer_is_reused_and_gives_the_same_bits():
   rng = np.random.default_rng(11)
   anchors = [{"k": rng.standard_normal(300).astype(np.float32)} for _ in range(2)]
   values = [{"k": a["k"] - rng.standard_normal(300).astype(np.float32)} for a in anchors]
-  buf = merge.OutputBuffer()
+  buf = blockwise.OutputBuffer()
   first = merge.merge_reports(anchors, values, [1.0, 3.0], out=buf)["k"]
   assert first.tobytes() == merge.merge_reports(anchors, values, [1.0, 3.0])["k"].tobytes()
   assert first.ctypes.data % 64 == 0 and buf.nbytes == 1216 + 64  # 1200 bytes to 64s, + align.

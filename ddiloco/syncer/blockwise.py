@@ -1,0 +1,166 @@
+"""Block-wise passes over large float arrays, the merge's kernel: contributions v_m formed block by
+block (`Diffs`), a finiteness check without a full-size temporary, and 64-byte-aligned output memory."""
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from scipy.linalg import blas
+
+from ddiloco.fragments import buffers
+
+# Values per block: 512 KiB of float32, half this machine's 1 MiB L2. Measured on the 16 MiB,
+# 8-contribution benchmark (scripts/bench_merge.py): 8K-32K-value blocks lose more to per-call
+# overhead than they gain in cache hits; 64K-256K were within noise of each other.
+BLOCK_VALUES = 1 << 17
+_AXPY = {np.dtype(np.float32): blas.saxpy, np.dtype(np.float64): blas.daxpy}
+
+
+def all_finite(x: np.ndarray, *, block_values: int = BLOCK_VALUES) -> bool:
+  """Whether every value of a float array is finite, checked block by block.
+
+  `np.all(np.isfinite(x))` allocates a bool array the size of `x`; this reuses one block-sized
+  buffer and stops at the first block with a NaN/Inf. A sum or a norm would not do: it can
+  overflow to Inf for finite values.
+
+  Args:
+    x: a floating array (any shape; non-contiguous arrays are checked through a flat copy).
+    block_values: values per block.
+
+  Raises:
+    ValueError: if block_values < 1.
+  """
+  if block_values < 1:
+    raise ValueError(f"block_values must be >= 1, got {block_values}.")
+  flat = np.ravel(np.asarray(x))
+  buf = np.empty(min(block_values, flat.size), bool)
+  for start in range(0, flat.size, block_values):
+    block = flat[start : start + block_values]
+    if not np.isfinite(block, out=buf[: block.size]).all():
+      return False
+  return True
+
+
+def _layout(specs: Sequence[tuple[int, np.dtype]]) -> tuple[list[int], int]:
+  """Byte offsets of flat arrays of (size, dtype) packed with 64-byte alignment, and the total."""
+  starts, total = [], 0
+  for n, dtype in specs:
+    starts.append(total)
+    total += -(-n * dtype.itemsize // buffers.ALIGN) * buffers.ALIGN
+  return starts, total + buffers.ALIGN  # Room to align the start.
+
+
+def _carve(raw: np.ndarray, specs: Sequence[tuple[int, np.dtype]]) -> list[np.ndarray]:
+  """Flat arrays of (size, dtype), each 64-byte aligned, as views into the uint8 array `raw`."""
+  starts, _ = _layout(specs)
+  base = -raw.ctypes.data % buffers.ALIGN
+  return [
+    raw[base + at : base + at + n * dtype.itemsize].view(dtype)
+    for at, (n, dtype) in zip(starts, specs)
+  ]
+
+
+def aligned_empties(specs: Sequence[tuple[int, np.dtype]]) -> list[np.ndarray]:
+  """Flat arrays of (size, dtype), each 64-byte aligned, carved from one allocation.
+
+  One large allocation rather than one per tensor: numpy backs large allocations with huge
+  pages, and fresh memory is paid for in page faults (measured on this machine: writing four
+  fresh 4 MiB arrays 3.2 ms, one fresh 16 MiB array 0.8 ms; reading the 8 contributions ~8 ms).
+  """
+  return _carve(np.empty(_layout(specs)[1], np.uint8), specs)
+
+
+class OutputBuffer:
+  """Memory that `merge_reports` writes its results into, reused from one merge to the next.
+
+  Fresh memory is paid for in page faults and the kernel's zeroing: reusing one buffer took a
+  16 MiB, 8-contribution flush from ~42 to ~35 ms of CPU (scripts/bench_merge.py). A
+  merge's results are views into it and are overwritten by the next merge that uses the same
+  buffer, so the caller must be done with them first (`FragmentUpdater` is: the outer step has
+  read them when it returns). Not thread-safe. It keeps the largest size asked for.
+  """
+
+  def __init__(self):
+    self._raw = np.empty(0, np.uint8)
+
+  def arrays(self, specs: Sequence[tuple[int, np.dtype]]) -> list[np.ndarray]:
+    """Flat arrays of (size, dtype), each 64-byte aligned, in this buffer (see the class)."""
+    total = _layout(specs)[1]
+    if self._raw.nbytes < total:
+      self._raw = np.empty(total, np.uint8)
+    return _carve(self._raw, specs)
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes held."""
+    return self._raw.nbytes
+
+
+class Diffs:
+  """The contributions v_m = a_m − b_m (or a_m alone) of one tensor, read block by block.
+
+  Every array is flattened once (a view for contiguous inputs); `block` forms v_m's values
+  [start, stop) in the accumulation dtype, in a scratch buffer or as a view when no arithmetic or
+  cast is needed.
+  """
+
+  def __init__(
+    self,
+    pairs: Sequence[tuple[np.ndarray, np.ndarray | None]],
+    block_values: int,
+    out: np.ndarray | None = None,
+  ):
+    self.a = [np.ravel(a) for a, _ in pairs]
+    self.b = [None if b is None else np.ravel(b) for _, b in pairs]
+    self.size = self.a[0].size
+    self.dtype = np.promote_types(self.a[0].dtype, np.float32)
+    self.block_values = block_values
+    self._scratch = np.empty(min(block_values, self.size), self.dtype)
+    self._out = out
+
+  def output(self) -> np.ndarray:
+    """The flat output array (given, or allocated aligned on first use)."""
+    if self._out is None:
+      self._out = aligned_empties([(self.size, self.dtype)])[0]
+    return self._out
+
+  def block(self, m: int, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+    """v_m[start:stop], written to `out` (default: the scratch buffer) unless a view suffices."""
+    a, b = self.a[m][start:stop], self.b[m]
+    if b is None and a.dtype == self.dtype and out is None:
+      return a
+    dst = self._scratch[: stop - start] if out is None else out
+    if b is None:
+      np.copyto(dst, a, casting="same_kind")
+    else:
+      np.subtract(a, b[start:stop], out=dst, dtype=self.dtype)
+    return dst
+
+  def sq_norms(self, members: Sequence[int]) -> dict[int, float]:
+    """{m: ‖v_m‖²} for the given contributions, in float64 from per-block dot products."""
+    sq = dict.fromkeys(members, 0.0)
+    for start in range(0, self.size, self.block_values):
+      stop = min(start + self.block_values, self.size)
+      for m in members:
+        v = self.block(m, start, stop)
+        sq[m] += float(np.dot(v, v))
+    return sq
+
+  def combine(self, coefs: Mapping[int, float]) -> tuple[np.ndarray, float]:
+    """(Σ_m coefs[m] · v_m, its squared norm): one pass, block outer and contribution inner.
+
+    The squared norm is summed from each finished block while it is still in cache.
+    """
+    out = self.output()
+    axpy = _AXPY[self.dtype]
+    members = list(coefs)
+    sq = 0.0
+    for start in range(0, self.size, self.block_values):
+      stop = min(start + self.block_values, self.size)
+      acc = out[start:stop]
+      first = members[0]
+      self.block(first, start, stop, out=acc)
+      acc *= self.dtype.type(coefs[first])
+      for m in members[1:]:
+        axpy(self.block(m, start, stop), acc, a=coefs[m])  # In place: acc += c_m · v_m.
+      sq += float(np.dot(acc, acc))
+    return out, sq
