@@ -122,7 +122,7 @@ class VirtualSyncer:
       What a new subscriber gets first: the rounds open now and every current version.
 
     Raises:
-      service.Refusal: as `Rounds` refuses (e.g. a learner that is not registered).
+      refusals.Refusal: as `Rounds` refuses (e.g. a learner that is not registered).
     """
     initial = self.service.subscribe(
       link.learner_id, link.client.session(link.learner_id), _Sink(on_event, on_close)

@@ -29,7 +29,7 @@ from ddiloco.transport import auth, messages, wire
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, FRAMING_SLACK
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
 
-# Push refusals that are answers of the protocol, not failures of the call (distributed/service.py).
+# Push refusals that are answers of the protocol, not failures of the call (distributed/refusals.py).
 _PROTOCOL_STATUSES = {
   grpc.StatusCode.ABORTED: "late",
   grpc.StatusCode.ALREADY_EXISTS: "duplicate",

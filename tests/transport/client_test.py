@@ -115,7 +115,7 @@ def test_superseded_push_memory_is_recycled_and_filed_values_are_intact(env):
   """Decoded pushes go into recycled buffers (chunks.ArrayPool); a buffer comes back
   only when the core dropped the report that held it."""
   svc, _, client = env
-  pool = svc._pool
+  pool = svc._streams.pool
   thetas = [{"w": INIT["w"] - np.float32(0.25 * (s + 1))} for s in range(3)]
   for s, theta in enumerate(thetas):
     if s:  # A restarted learner (a new registration) may answer the round again, once per life.
