@@ -12,8 +12,8 @@ learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runti
   and rounds as they were. A retry of an answer already filed (same learner, round and counters)
   gets the first answer's reply, decided from the header: it is never filed twice
   (distributed/streams.py).
-- A merge is all or nothing (`SyncerCore.poll`, `syncer/closing.py`), and the merge thread never retries a failing
-  step with the lock held: RPCs and a signal's `stop()` always get through.
+- A merge is all or nothing (`SyncerCore.poll`, `syncer/closing.py`), and the merge thread never
+  retries a failing step with the lock held: RPCs and a signal's `stop()` always get through.
 - Sessions: Register issues a random session credential bound to the learner id and that
   registration (RegisterResponse.session); every later Push, Pull, Heartbeat, Leave and Rounds call
   for the id must carry it as `ddiloco-session` metadata, or is refused PERMISSION_DENIED (distinct
