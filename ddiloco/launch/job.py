@@ -12,8 +12,9 @@ import gin
 from ddiloco.data import text as text_data
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner.config import LearnerConfig, check_pacing
 from ddiloco.learner.factory import LearnerFactory, LearnerSpec, resolve_task
-from ddiloco.learner.learner import Learner, LearnerConfig, check_pacing
+from ddiloco.learner.learner import Learner
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.models import transformer
 from ddiloco.syncer.types import SyncerConfig

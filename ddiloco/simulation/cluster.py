@@ -39,8 +39,9 @@ import numpy as np
 from ddiloco.fragments import compression, tree
 from ddiloco.fragments.layout import FragmentLayout
 from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.factory import LearnerFactory
-from ddiloco.learner.learner import Learner, LearnerConfig
+from ddiloco.learner.learner import Learner
 from ddiloco.metrics import progress as progress_fields
 from ddiloco.metrics.accounting import BLOCKED, BUSY, DOWN, GONE, TimeLedger
 from ddiloco.metrics.writer import MetricsWriter
