@@ -9,8 +9,8 @@ copies, digest read-backs: collectives) in the same order, and all must hold bit
   pushes and pulls. The others hold a client that raises if anything touches it.
 - Everything that steers the learner's protocol state arrives on the leader's threads (round
   requests, merged fragments, push answers) and reaches the training thread only through its drain
-  (`TrainingLoop.drain`).
-  Once per step (and once per wait while a `blocking` learner waits for a merge) the leader shares
+  (`TrainingLoop.drain`). Once per step (and once per wait while a `blocking` learner waits for a
+  merge), just before that drain (the worker's `before_drain`), the leader shares
   exactly what it drains there (`ProcessGroup.share`); every process then feeds the same items to
   its `Learner`, so `due`, `blocked` and `apply_ready` decide the same sends, waits and applies at
   the same step everywhere, and the digest of every apply is checked

@@ -176,7 +176,7 @@ class TrainingLoop:
     for p in self.learner.due():
       report, fetch = self.learner.snapshot_report(p, step_time_s=self.step_time_s)
       if self._senders is None:
-        continue  # The same snapshots (collectives) and sends as the leader's.
+        continue  # A follower: the leader's snapshots (collectives), and nothing to send.
       # Inner steps θ_p trained away from the last global version applied (TensorBoard).
       self.last_staleness_steps = report.steps
       now = time.monotonic()

@@ -51,7 +51,7 @@ class JobConfig:
     eval_every_s: seconds between evaluations of the global model (0: at start and end only).
     log_every: steps between logged training losses.
     senders: each learner process's sender threads, each with one push in flight (of different
-      fragments; distributed/worker.py).
+      fragments; distributed/senders.py).
   """
 
   model: transformer.TransformerConfig | None = None
