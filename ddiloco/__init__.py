@@ -26,7 +26,7 @@ _EXPORTS = {
   "ClusterConfig": "ddiloco.simulation.config",
   "FragmentSchedule": "ddiloco.fragments.schedule",
   "SyncerConfig": "ddiloco.syncer.types",
-  "LearnerConfig": "ddiloco.learner.learner",
+  "LearnerConfig": "ddiloco.learner.config",
   "InnerOptConfig": "ddiloco.learner.train_step",
   "TextDataConfig": "ddiloco.data.text",
   "transformer_config": "ddiloco.models.configs",

@@ -111,7 +111,7 @@ _ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 _GIN_DIR = os.path.join(_ROOT, "gin_configs")
 _GIN_FILE = os.path.join(_GIN_DIR, "local_tiny.gin")
 _TICK = os.sysconf("SC_CLK_TCK")
-_HOST_WORK = ("_send_due", "_drain", "_apply")
+_HOST_WORK = ("_send_due", "drain", "_apply")  # Methods of the training loop (worker.loop).
 # Loop name -> (steps left in flight, whether the step keeps its input parameters).
 _BARE = {
   "bare": (1, False),
@@ -199,26 +199,26 @@ def _instrument(worker, stamped: _Stamped, syncer_pid: int) -> None:
 
   worker.learner.snapshot_report = answer
   for name in _HOST_WORK:
-    fn = getattr(worker, name)
+    fn = getattr(worker.loop, name)
 
     def timed(fn=fn, name=name):
       t0 = time.perf_counter()
       fn()
       acc[name] += time.perf_counter() - t0
 
-    setattr(worker, name, timed)
+    setattr(worker.loop, name, timed)
 
   def probe() -> dict[str, float]:
-    threads = sum(_cpu_s(f"/proc/self/task/{t.native_id}/stat") for t in worker._threads)
+    threads = sum(_cpu_s(f"/proc/self/task/{t.native_id}/stat") for t in worker.threads)
     return {
       **acc,
-      "pushes": sum(worker.push_status.values()),
-      "applies": len(worker.applies),
+      "pushes": sum(worker.loop.push_status.values()),
+      "applies": len(worker.loop.applies),
       "threads_cpu": threads,
       "syncer_cpu": _cpu_s(f"/proc/{syncer_pid}/stat"),
       "proc_cpu": _cpu_s("/proc/self/stat"),
-      "bytes_up": worker._client.bytes_up,
-      "bytes_down": worker._client.bytes_down,
+      "bytes_up": worker.link.client.bytes_up,
+      "bytes_down": worker.link.client.bytes_down,
     }
 
   stamped.probe = probe
@@ -389,7 +389,7 @@ def main(argv: list[str]) -> None:
   )
   print("  worker, timed window, per step:")
   for r, (w, s) in enumerate(zip(windows, summaries)):
-    host = " ".join(f"{k[1:]} {1e3 * w.get(k, 0.0):.2f}" for k in _HOST_WORK)
+    host = " ".join(f"{k.lstrip('_')} {1e3 * w.get(k, 0.0):.2f}" for k in _HOST_WORK)
     print(
       f"    round {r}: step {1e3 * w['step_s']:.1f} ms; sent {w.get('sent', 0.0):.2f} pushes "
       f"{w['pushes']:.2f} applies {w['applies']:.2f}; bytes up {w['bytes_up']:.0f} down "

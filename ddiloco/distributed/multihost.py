@@ -3,13 +3,14 @@
 A learner on a multi-host slice is one multi-controller JAX job (docs/algorithm.md §1): its mesh spans the devices
 of all its processes, so every process must launch the same computations (train steps, snapshot
 copies, digest read-backs: collectives) in the same order, and all must hold bit-identical parameters.
-`MultihostWorker` keeps that invariant on top of `LearnerWorker`:
+`MultihostWorker` keeps that invariant around a `LearnerWorker` it holds:
 
 - Only the leader (process 0) has a syncer client and background threads: it registers, heartbeats,
   pushes and pulls. The others hold a client that raises if anything touches it.
 - Everything that steers the learner's protocol state arrives on the leader's threads (round
-  requests, merged fragments, push answers) and reaches the training thread only through `_drain`.
-  Once per step (and once per wait while a `blocking` learner waits for a merge) the leader shares
+  requests, merged fragments, push answers) and reaches the training thread only through its drain
+  (`TrainingLoop.drain`). Once per step (and once per wait while a `blocking` learner waits for a
+  merge), just before that drain (the worker's `before_drain`), the leader shares
   exactly what it drains there (`ProcessGroup.share`); every process then feeds the same items to
   its `Learner`, so `due`, `blocked` and `apply_ready` decide the same sends, waits and applies at
   the same step everywhere, and the digest of every apply is checked
@@ -23,8 +24,8 @@ at the same steps (their step counters and stop requests agree) and restores the
 process 0's choice; each restores its own data position, and all take the leader's step, tokens
 and ledger, so a restarted learner resumes with the same state on every process.
 
-The worker's queues are swapped for `_GatedQueue`s: the leader's threads still `put` into them, but
-`LearnerWorker._drain` only sees items released by a share, so nothing reaches the leader's learner
+The worker's inbox holds `_GatedQueue`s: the leader's threads still `put` into them, but the
+training loop's drain only sees items released by a share, so nothing reaches the leader's learner
 that the others did not get. The token ledger (learner/ledger.py) is bookkeeping of the leader's
 reports: the followers' copy is approximate and the leader's summary is the learner's.
 """
@@ -35,7 +36,9 @@ import pickle
 import queue
 from typing import Any
 
+from ddiloco.distributed.inbox import Inbox
 from ddiloco.distributed.worker import LearnerWorker
+from ddiloco.learner.learner import Learner
 from ddiloco.parallel.multihost import ProcessGroup
 
 
@@ -81,8 +84,11 @@ class NoSyncer:
     )
 
 
-class MultihostWorker(LearnerWorker):
+class MultihostWorker:
   """A `LearnerWorker` for one process of a multi-process learner (see module docstring).
+
+  Holds the worker (`worker`), whose training loop calls back before each drain to share what
+  the leader drains (`_share_step`); followers send nothing and start no background threads.
 
   Args:
     group: this process's view of the learner's processes (its mesh is the learner's).
@@ -91,17 +97,25 @@ class MultihostWorker(LearnerWorker):
   """
 
   def __init__(self, *, group: ProcessGroup, **kwargs: Any):
-    super().__init__(**kwargs)
     self.group = group
+    self._inbox = Inbox(requests=_GatedQueue(), received=_GatedQueue(), results=_GatedQueue())
+    self.worker = LearnerWorker(
+      inbox=self._inbox, before_drain=self._share_step, sends=group.is_leader, **kwargs
+    )
     self.learner.host_readable = group.replicate
-    self._results = _GatedQueue()
-    self._received = _GatedQueue()
-    self._requests = _GatedQueue()
     self._stop_pending = False  # A stop request of this process, shared at the next share.
     # (learner.step, waits) at the last share: one share per step, and per wait for a merge.
     self._synced: tuple[int, int] = (-1, -1)
     self._local_only = False  # After training: no more collectives.
     self.params_digest = ""
+
+  @property
+  def learner(self) -> Learner:
+    return self.worker.learner
+
+  @property
+  def stop_requested(self) -> bool:
+    return self.worker.stop_requested
 
   # -- connection -----------------------------------------------------------------------------
 
@@ -112,12 +126,12 @@ class MultihostWorker(LearnerWorker):
       RuntimeError: on a follower, if the leader failed to connect.
       TimeoutError, grpc.RpcError: on the leader, as `LearnerWorker.connect`.
     """
-    if self.restored_from is None:
-      self.restore()
+    if self.worker.restored_from is None:
+      self.worker.restore()
     payload = b""
     if self.group.is_leader:
       try:
-        resp, loaded = self._fetch_global()
+        resp, loaded = self.worker.session.fetch_global()
       except Exception:
         self.group.share(flag=True)  # The followers would otherwise wait for the leader forever.
         raise
@@ -127,11 +141,11 @@ class MultihostWorker(LearnerWorker):
       raise RuntimeError("Process 0 of this learner could not connect to the syncer (its log).")
     # Pickle is safe here: the bytes come from process 0 of this same job, over JAX's collectives.
     loaded, fleet_step, versions = pickle.loads(shared.payload)
-    self._adopt_global(loaded, fleet_step, versions)
+    self.worker.loop.load_global(loaded, fleet_step, versions)
 
   def start(self) -> None:
     if self.group.is_leader:
-      super().start()
+      self.worker.start()
 
   def request_stop(self) -> None:
     """Stops every process of the learner after the step at which the request is shared."""
@@ -139,48 +153,41 @@ class MultihostWorker(LearnerWorker):
 
   # -- the shared step ------------------------------------------------------------------------
 
-  def _drain(self) -> None:
+  def _share_step(self, step: int, waits: int) -> bool:
+    """Before each drain: shares the inbox once per step (and per wait for a merge); whether a
+    process asked to stop."""
     if self._local_only:
       if self.group.is_leader:  # Final answers after training: the leader's summary counts them.
-        self._results.release(self._results.take_incoming())
-        self._received.release(self._received.take_incoming())
-        self._requests.release(self._requests.take_incoming())
-    elif self._synced != (self.learner.step, self._waits):
-      self._synced = (self.learner.step, self._waits)
-      self._share_inbox()
-    super()._drain()
+        for q in (self._inbox.results, self._inbox.received, self._inbox.requests):
+          q.release(q.take_incoming())
+    elif self._synced != (step, waits):
+      self._synced = (step, waits)
+      return self._share_inbox()
+    return False
 
-  def _share_inbox(self) -> None:
-    """Shares what the leader drains this step and any stop request."""
+  def _share_inbox(self) -> bool:
+    """Shares what the leader drains this step and any stop request; whether one was made."""
+    inbox = self._inbox
     payload = b""
     if self.group.is_leader:
-      results = self._results.take_incoming()
-      states = self._received.take_incoming()
-      requests = self._requests.take_incoming()
-      with self._lock:
-        settle = self._settle
+      results = inbox.results.take_incoming()
+      states = inbox.received.take_incoming()
+      requests = inbox.requests.take_incoming()
+      settle = inbox.peek_settle()
       if results or states or requests or settle is not None:
         payload = pickle.dumps((results, states, requests, settle))
     shared = self.group.share(payload, flag=self._stop_pending)
-    self._stop_requested = self._stop_requested or shared.any_flag
     if not shared.payload:
-      return
+      return shared.any_flag
     results, states, requests, settle = pickle.loads(shared.payload)  # From process 0 of this job.
     if not self.group.is_leader:
-      with self._lock:
-        self._settle = settle
-        for state in states:  # `_apply` checks each apply against the syncer's digest.
-          self._link.record_digest(state.fragment, state.version, state.digest)
-    self._results.release(results)
-    self._received.release(states)
-    self._requests.release(requests)
-
-  def _send_due(self) -> None:
-    if self.group.is_leader:
-      super()._send_due()
-      return
-    for p in self.learner.due():  # The same snapshots (collectives) and sends as the leader's.
-      self.learner.snapshot_report(p, step_time_s=self.step_time_s)
+      inbox.post_settle(settle)
+      for state in states:  # The training loop checks each apply against the syncer's digest.
+        self.worker.link.record_digest(state.fragment, state.version, state.digest)
+    inbox.results.release(results)
+    inbox.received.release(states)
+    inbox.requests.release(requests)
+    return shared.any_flag
 
   # -- the end --------------------------------------------------------------------------------
 
@@ -188,8 +195,8 @@ class MultihostWorker(LearnerWorker):
     """Trains, saves a final checkpoint and digests the parameters (every process, collectives),
     then the leader flushes and leaves."""
     self.start()
-    train_s = self.train(num_steps)
-    self.save_checkpoint()
+    train_s = self.worker.train(num_steps)
+    self.worker.save_checkpoint()
     self.params_digest = self.digest_params()
     self._local_only = True
     self.finish()
@@ -204,14 +211,14 @@ class MultihostWorker(LearnerWorker):
   def finish(self, timeout_s: float = 30.0) -> None:
     self._local_only = True
     if self.group.is_leader:
-      super().finish(timeout_s)
+      self.worker.finish(timeout_s)
     else:
-      self._stop.set()
-      if self.checkpointer is not None:
-        self.checkpointer.close()  # Its last save's commit waits for every process.
+      self.worker.stop()
+      if self.worker.checkpointer is not None:
+        self.worker.checkpointer.close()  # Its last save's commit waits for every process.
 
   def summary(self, train_s: float) -> dict[str, Any]:
-    out = super().summary(train_s)
+    out = self.worker.summary(train_s)
     out.update(
       process_index=self.group.process_index,
       num_processes=self.group.num_processes,

@@ -1,6 +1,6 @@
 """Waiting for a learner's step in flight while staying awake for round requests.
 
-The training thread of a learner process (distributed/worker.py) dispatches a step and waits for
+The training thread of a learner process (distributed/training.py) dispatches a step and waits for
 it. A round request that arrives meanwhile should be answered at once, with θ of the last step
 (`Learner.start_step`), not after the step: on 2 shared cores a step took up to 1.2 s in the main
 job, and answers that waited for it missed their rounds' grace windows. `StepWaiter` blocks on

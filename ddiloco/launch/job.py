@@ -12,8 +12,9 @@ import gin
 from ddiloco.data import text as text_data
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner.config import LearnerConfig, check_pacing
 from ddiloco.learner.factory import LearnerFactory, LearnerSpec, resolve_task
-from ddiloco.learner.learner import Learner, LearnerConfig, check_pacing
+from ddiloco.learner.learner import Learner
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.models import transformer
 from ddiloco.syncer.types import SyncerConfig
@@ -50,7 +51,7 @@ class JobConfig:
     eval_every_s: seconds between evaluations of the global model (0: at start and end only).
     log_every: steps between logged training losses.
     senders: each learner process's sender threads, each with one push in flight (of different
-      fragments; distributed/worker.py).
+      fragments; distributed/senders.py).
   """
 
   model: transformer.TransformerConfig | None = None

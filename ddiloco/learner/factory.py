@@ -16,7 +16,8 @@ from ddiloco.fragments import layout as layout_lib
 from ddiloco.fragments import tree
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner import train_step as train_step_lib
-from ddiloco.learner.learner import Learner, LearnerConfig
+from ddiloco.learner.config import LearnerConfig
+from ddiloco.learner.learner import Learner
 from ddiloco.models import transformer
 from ddiloco.parallel import mesh as mesh_lib
 from ddiloco.parallel import partitioning

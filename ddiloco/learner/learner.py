@@ -23,11 +23,9 @@ Decisions (docs/algorithm.md, "Rounds"):
 - α = 0 overwrites θ_p with Θ_p (Decoupled DiLoCo); α = 0.5 mixes as Streaming DiLoCo.
 """
 
-import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,58 +36,12 @@ from ddiloco.fragments.digest import values_digest
 from ddiloco.fragments.layout import FragmentLayout
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner import train_step as train_step_lib
+from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.ledger import TokenLedger
+from ddiloco.learner.rounds import RoundBook
 from ddiloco.learner.train_step import CompiledSteps
 from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
-from ddiloco.syncer.types import SyncerConfig
 from ddiloco.types import PyTree
-
-
-@gin.configurable(module="ddiloco")
-@dataclasses.dataclass(frozen=True)
-class LearnerConfig:
-  """Learner-side protocol knobs.
-
-  Attributes:
-    mixing_alpha: θ_p ← (1 − α)·Θ_p + α·θ_p on apply (docs/algorithm.md §3); 0 overwrites.
-    blocking: answer a round when this learner's own step reaches the round's step, and wait at
-      answer + τ until the merge has arrived. True only for the synchronous baselines (DiLoCo,
-      Streaming DiLoCo, K = M); Decoupled DiLoCo never waits.
-    step_in_flight: the learner process keeps the next step dispatched while it does the step
-      boundary's work (draining, applying, answering, logging), which hides that host work behind
-      the step. A round request that arrives meanwhile is then answered after that step too: about
-      1.5 steps after it arrived on average instead of 0.5, which can miss the round's grace window.
-  """
-
-  mixing_alpha: float = 0.0
-  blocking: bool = False
-  step_in_flight: bool = False
-
-  def __post_init__(self):
-    if not 0.0 <= self.mixing_alpha < 1.0:
-      raise ValueError(f"mixing_alpha must be in [0, 1), got {self.mixing_alpha}.")
-
-
-def check_pacing(learner: LearnerConfig, syncer: SyncerConfig) -> None:
-  """Blocking learners wait at each due step for its round: only the lock-step clock opens it.
-
-  Raises:
-    ValueError: if `learner.blocking` without `syncer.clock == "slowest"`.
-  """
-  if learner.blocking and syncer.clock != "slowest":
-    raise ValueError(
-      "LearnerConfig.blocking = True needs SyncerConfig.clock = 'slowest' (lock-step rounds): "
-      f"with clock = {syncer.clock!r} a round a blocking learner waits for may never open."
-    )
-
-
-@dataclasses.dataclass
-class _Outstanding:
-  """An answered round of a fragment whose merge has not been applied yet."""
-
-  send_step: int
-  apply_step: int
-  round_step: int
 
 
 class Learner:
@@ -134,9 +86,7 @@ class Learner:
     self.applied_digest: dict[int, str] = {}  # p -> digest of θ_p read back after an α = 0 apply.
     self.ledger = TokenLedger(num)  # Where each trained token went (ledger.py).
     self._inbox: dict[int, FragmentState] = {}
-    self._requests: dict[int, RoundRequest] = {}  # Rounds asked for and not answered yet.
-    self._answered = np.full(num, -1, np.int64)  # Round step of the newest answer, per fragment.
-    self._outstanding: dict[int, _Outstanding] = {}
+    self._rounds = RoundBook(num)  # Asked for, answered, awaiting their merge (rounds.py).
     leaves, self._treedef = jax.tree_util.tree_flatten_with_path(params)
     self._index = {tree.path_str(path): i for i, (path, _) in enumerate(leaves)}
     self._shardings = jax.tree_util.tree_leaves(
@@ -269,7 +219,7 @@ class Learner:
     """
     self.phase = max(fleet_step, 0) - self.step
     # Rounds due up to here were the fleet's before this learner (re)joined: none to wait for.
-    self._answered = np.maximum(self._answered, self.schedule_step)
+    self._rounds.answered_up_to(self.schedule_step)
 
   def join_schedule(self, fleet_step: int) -> None:
     """Continues the fleet's inner learning-rate schedule from `fleet_step` (a (re)join).
@@ -290,11 +240,7 @@ class Learner:
       raise ValueError(f"Round request for unknown fragment {p}.")
     held = self._inbox.get(p)
     newest = max(int(self.anchor[p]), held.version if held is not None else -1)
-    if request.base_version < newest:
-      return
-    old = self._requests.get(p)
-    if old is None or request.round_step > old.round_step:
-      self._requests[p] = request
+    self._rounds.ask(request, newest)
 
   def due(self) -> tuple[int, ...]:
     """Fragments whose round this learner answers now, at this step boundary.
@@ -308,7 +254,7 @@ class Learner:
     return tuple(
       sorted(
         p
-        for p, req in self._requests.items()
+        for p, req in self._rounds.pending().items()
         if req.base_version <= self.anchor[p]
         and self.step_counts[p] > 0
         and (not self.config.blocking or req.round_step <= s)
@@ -325,7 +271,7 @@ class Learner:
 
   def pending_rounds(self) -> dict[int, RoundRequest]:
     """The rounds asked for and not answered yet, by fragment."""
-    return dict(self._requests)
+    return self._rounds.pending()
 
   def fragment_values(self, p: int) -> dict[str, np.ndarray]:
     """A host copy of this learner's θ_p, keyed as the layout keys it."""
@@ -377,10 +323,7 @@ class Learner:
   def _record_send(self, p: int, values: dict[str, np.ndarray], step_time_s: float) -> Report:
     """Answers p's pending round (or, without one, sends an unsolicited report with no round)."""
     now = self.schedule_step
-    request = self._requests.pop(p, None)
-    round_step = request.round_step if request is not None else -1
-    self._answered[p] = max(self._answered[p], round_step)
-    self._outstanding[p] = _Outstanding(now, self.schedule.apply_step(now), round_step)
+    round_step = self._rounds.answer(p, now, self.schedule.apply_step(now))
     return Report(
       learner_id=self.learner_id,
       fragment=p,
@@ -397,9 +340,8 @@ class Learner:
   def on_report_result(self, p: int, result: ReportResult, *, step: int | None = None) -> None:
     """Books the syncer's answer to the report of p sent at `step` (default: the last send) in the
     token ledger."""
-    out = self._outstanding.get(p)
     if step is None:
-      step = out.send_step if out is not None else -1
+      step = self._rounds.sent_step(p)
     self.ledger.answered(p, step, result.status, result.weight, result.round_version)
 
   # -- receiving ------------------------------------------------------------------------------
@@ -413,9 +355,7 @@ class Learner:
     held = self._inbox.get(p)
     if state.version > self.anchor[p] and (held is None or state.version > held.version):
       self._inbox[p] = state
-      request = self._requests.get(p)
-      if request is not None and request.base_version < state.version:
-        del self._requests[p]
+      self._rounds.received(p, state.version)
 
   def blocked(self) -> bool:
     """`blocking` only: whether this learner must wait before its next step.
@@ -426,9 +366,9 @@ class Learner:
     if not self.config.blocking:
       return False
     s = self.schedule_step
-    if s >= 1 and any(self._answered[p] < s for p in self.schedule.due(s)):
+    if s >= 1 and self._rounds.unanswered(self.schedule.due(s), s):
       return True
-    return any(s >= out.apply_step and p not in self._inbox for p, out in self._outstanding.items())
+    return self._rounds.awaiting_merge(s, self._inbox)
 
   def apply_ready(self) -> list[tuple[int, int]]:
     """Applies every received fragment whose apply step has come (τ steps after this learner
@@ -437,11 +377,11 @@ class Learner:
     if self._in_flight is not None:
       return applied  # At step boundaries only: the step in flight would write over it.
     for p in sorted(self._inbox):
-      out = self._outstanding.get(p)
-      request = self._requests.get(p)
+      apply_step = self._rounds.apply_step(p)
+      request = self._rounds.request(p)
       if (
-        out is not None
-        and self.schedule_step < out.apply_step
+        apply_step is not None
+        and self.schedule_step < apply_step
         and (request is None or request.base_version > self._inbox[p].version)
       ):
         continue  # Not before τ steps, unless a round of p based on it already waits for us.
@@ -453,7 +393,7 @@ class Learner:
       self._check_apply(p, state.version)
       self.tokens[p] = 0  # At every apply: θ_p was overwritten, merged or not.
       self.step_counts[p] = 0
-      self._outstanding.pop(p, None)
+      self._rounds.applied(p)
       applied.append((p, state.version))
     return applied
 
@@ -475,8 +415,7 @@ class Learner:
       self.tokens[state.fragment] = 0
       self.step_counts[state.fragment] = 0
       self._inbox.pop(state.fragment, None)
-    self._outstanding.clear()
-    self._requests.clear()
+    self._rounds.clear()
 
   def _write_fragment(self, p: int, values: dict[str, np.ndarray], *, mix: bool = True) -> None:
     alpha = self.config.mixing_alpha if mix else 0.0

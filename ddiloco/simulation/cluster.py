@@ -38,8 +38,8 @@ from ddiloco.faults import FaultEvent, check_supported, parse_faults
 from ddiloco.fragments import tree
 from ddiloco.fragments.layout import FragmentLayout
 from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.factory import LearnerFactory
-from ddiloco.learner.learner import LearnerConfig
 from ddiloco.metrics.accounting import BLOCKED, BUSY, DOWN, GONE, TimeLedger
 from ddiloco.metrics.writer import MetricsWriter
 from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest

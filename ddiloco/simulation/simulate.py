@@ -16,8 +16,8 @@ from ddiloco.data import text as text_data
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.distributed.virtual import VirtualSyncer
 from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner.config import LearnerConfig, check_pacing
 from ddiloco.learner.factory import LearnerFactory
-from ddiloco.learner.learner import LearnerConfig, check_pacing
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.metrics.writer import MetricsWriter, write_summary
 from ddiloco.models import transformer

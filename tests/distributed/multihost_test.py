@@ -20,7 +20,7 @@ from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch import runtime
 from ddiloco.launch.job import JobConfig
-from ddiloco.learner.learner import LearnerConfig
+from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.models import configs
 from ddiloco.syncer.types import SyncerConfig
@@ -152,7 +152,7 @@ def test_a_stop_request_takes_effect_at_the_next_shared_step(syncer, tmp_path):
   )
   worker.connect()
   worker.request_stop()  # As SIGTERM would: nothing stops until the request is shared.
-  assert not worker._stop_requested
+  assert not worker.stop_requested
   summary = worker.run(100)
   writer.close()
   client.close()

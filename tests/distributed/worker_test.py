@@ -20,7 +20,6 @@ import json
 import os
 import threading
 import time
-import types
 
 import numpy as np
 import pytest
@@ -28,16 +27,16 @@ import pytest
 from ddiloco.checkpoint.learner import LearnerCheckpointConfig
 from ddiloco.data import text as text_data
 from ddiloco.distributed import server as server_lib
-from ddiloco.distributed import worker as worker_lib
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.distributed.worker import LearnerWorker
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch import runtime
 from ddiloco.launch.job import JobConfig
-from ddiloco.learner.learner import LearnerConfig
+from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.models import configs
-from ddiloco.syncer.types import Report, ReportResult, SyncerConfig
+from ddiloco.protocol import FragmentState, RoundRequest
+from ddiloco.syncer.types import Report, SyncerConfig
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 
 pytestmark = pytest.mark.timeout(120)  # Sockets and threads: a hang must fail the test.
@@ -213,7 +212,7 @@ def test_crash_at_step_7_resumes_at_6_with_weight_0_until_received(syncer, tmp_p
 
   b, b_data, b_writer, b_client = _worker(connect, tmp_path)
   assert b.restore() == "own:6"
-  assert (b.learner.step, b.resumed_step, _count(b), b.tokens_trained) == (
+  assert (b.learner.step, b.resumed_step, _count(b), b.loop.tokens_trained) == (
     6,
     6,
     6,
@@ -223,7 +222,7 @@ def test_crash_at_step_7_resumes_at_6_with_weight_0_until_received(syncer, tmp_p
   # Registered but nothing pulled yet: its answer to every fragment's open round weighs 0 (docs/algorithm.md
   # §3), so the rounds stay open.
   zero_before = _zero_weight_reports(svc)
-  b.register()
+  b.session.register()
   requests = _open_every_round(svc, b_client)
   for request in requests:
     b.learner.ask(request)
@@ -280,7 +279,11 @@ def test_crash_at_step_7_resumes_at_6_with_weight_0_until_received(syncer, tmp_p
   c, c_data, c_writer, c_client = _worker(connect, tmp_path)
   assert c.restore() == "own:11"
   # The optimizer state of step 11 as saved: 5 updates after the schedule count b joined with.
-  assert (c.learner.step, _count(c), c.tokens_trained) == (11, joined + 5, 11 * TOKENS_PER_STEP)
+  assert (c.learner.step, _count(c), c.loop.tokens_trained) == (
+    11,
+    joined + 5,
+    11 * TOKENS_PER_STEP,
+  )
   next(c_data)
   fresh = _Recording(0)
   for _ in range(12):
@@ -323,66 +326,11 @@ def test_the_senders_come_from_the_job(syncer, tmp_path):
   worker, writer = runtime.make_learner_worker(
     dataclasses.replace(JOB, senders=3), learner_id=1, client=client, workdir=str(tmp_path / "w")
   )
-  assert worker._senders == 3
+  assert worker.senders.count == 3
   writer.close()
   client.close()
   with pytest.raises(ValueError, match="senders=0"):
     dataclasses.replace(JOB, senders=0)
-
-
-def _sender_only_worker(client, senders: int) -> LearnerWorker:
-  """A worker with no learner, only its senders' state: answers of fragments 0 and 1 queued, the
-  older one first."""
-  worker = LearnerWorker(
-    learner=types.SimpleNamespace(learner_id=0),
-    data=iter([]),
-    client=client,
-    layout_digest="",
-    layouts=[{}, {}],
-    senders=senders,
-  )
-  with worker._jobs_cv:
-    for p in (0, 1):
-      report = Report(
-        learner_id=0, fragment=p, values={}, tokens=1, steps=1, anchor_version=0, step=p
-      )
-      worker._jobs[p] = worker_lib._Job(report, dict, None)
-  return worker
-
-
-@pytest.mark.parametrize("senders", [1, 2])
-def test_a_slow_push_holds_back_other_fragments_only_with_one_sender(senders):
-  """The sender threads: with two, fragment 1's answer goes out while fragment 0's push hangs;
-  with one, it waits behind it (answers queued seconds behind slow pushes under load)."""
-  release, pushed = threading.Event(), []
-
-  class _Client:
-    def push(self, report, codec, *, block_size, anchor_values):
-      del codec, block_size, anchor_values
-      if report.fragment == 0:
-        release.wait(10)
-      pushed.append(report.fragment)
-      return ReportResult("accepted", "", 1.0)
-
-  worker = _sender_only_worker(_Client(), senders)  # Fragment 0's answer is the older one.
-  threads = [threading.Thread(target=worker._send_loop, args=(k,)) for k in range(senders)]
-  for t in threads:
-    t.start()
-  try:
-    deadline = time.monotonic() + 10
-    while senders == 2 and pushed != [1] and time.monotonic() < deadline:
-      time.sleep(0.01)
-    time.sleep(0.2)  # One sender: fragment 1 must still be waiting.
-    assert pushed == ([1] if senders == 2 else [])
-  finally:
-    release.set()
-    worker._stop.set()
-    with worker._jobs_cv:
-      worker._jobs_cv.notify_all()
-    for t in threads:
-      t.join(10)
-  assert sorted(pushed) == [0, 1] and not any(t.is_alive() for t in threads)
-  assert worker._results.qsize() == 2
 
 
 class _SlowStep:
@@ -410,26 +358,24 @@ def test_a_round_asked_while_a_step_runs_is_answered_before_the_step_ends(tmp_pa
   factory = JOB.factory()
   init = factory.global_init_values()
   learner = worker.learner
-  learner.load_global(
-    [worker_lib.FragmentState(p, 0, factory.layout.select(init, p), "") for p in range(P)]
-  )
+  learner.load_global([FragmentState(p, 0, factory.layout.select(init, p), "") for p in range(P)])
   batches = _Recording(0)
   learner.train_step(next(batches))
   theta = learner.fragment_values(1)
   learner.start_step(next(batches))
   step = _SlowStep()
-  waiting = threading.Thread(target=worker._await_step, args=(step,))
+  waiting = threading.Thread(target=worker.loop._await_step, args=(step,))
   waiting.start()
   try:
     deadline = time.monotonic() + 10
-    while worker._step_waiter is None and time.monotonic() < deadline:
+    while worker.loop._step_waiter is None and time.monotonic() < deadline:
       time.sleep(0.005)
-    worker._requests.put((worker_lib.RoundRequest(1, 2, 0), time.monotonic()))
-    worker._step_waiter.poke()  # As the rounds thread does.
-    while 1 not in worker._jobs and time.monotonic() < deadline:
+    worker.inbox.requests.put((RoundRequest(1, 2, 0), time.monotonic()))
+    worker.loop.poke()  # As the rounds thread does.
+    while 1 not in worker.senders._jobs and time.monotonic() < deadline:
       time.sleep(0.005)
     assert waiting.is_alive()  # The step is still running...
-    job = worker._jobs[1]  # ... and the answer is queued for the sender.
+    job = worker.senders._jobs[1]  # ... and the answer is queued for the sender.
     assert (job.report.step, job.report.round_step, job.report.steps) == (1, 2, 1)
   finally:
     step.done.set()
@@ -438,34 +384,5 @@ def test_a_round_asked_while_a_step_runs_is_answered_before_the_step_ends(tmp_pa
   assert learner.step == 2
   values = job.fetch()
   assert all(np.array_equal(values[k], theta[k]) for k in theta)
-  worker._close_step_waiter()
+  worker.loop.close()
   writer.close()
-
-
-def test_an_answer_that_cannot_be_encoded_is_rejected_and_the_sender_goes_on():
-  """θ_p with NaN cannot be encoded: the answer is booked rejected (never retried) and the sender
-  thread keeps pushing the other fragments' answers."""
-
-  class _Client:
-    def push(self, report, codec, *, block_size, anchor_values):
-      del codec, block_size, anchor_values
-      if report.fragment == 0:
-        raise ValueError("1 NaN/Inf value in 'w'")
-      return ReportResult("accepted", "", 1.0)
-
-  worker = _sender_only_worker(_Client(), senders=1)
-  sender = threading.Thread(target=worker._send_loop, args=(0,))
-  sender.start()
-  try:
-    deadline = time.monotonic() + 10
-    while worker._results.qsize() < 2 and time.monotonic() < deadline:
-      time.sleep(0.01)
-  finally:
-    worker._stop.set()
-    with worker._jobs_cv:
-      worker._jobs_cv.notify_all()
-    sender.join(10)
-  results = {p: r for p, _, r in (worker._results.get() for _ in range(2))}
-  assert results[0].status == "rejected" and "NaN" in results[0].reason
-  assert results[1].status == "accepted"
-  assert not worker._jobs  # Never queued again.

@@ -25,7 +25,7 @@ from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch import runtime
 from ddiloco.launch.job import JobConfig
-from ddiloco.learner.learner import LearnerConfig
+from ddiloco.learner.config import LearnerConfig
 from ddiloco.metrics.writer import read_events, read_scalars
 from ddiloco.models import configs
 from ddiloco.syncer.types import Report, SyncerConfig

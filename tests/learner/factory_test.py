@@ -9,8 +9,8 @@ from ddiloco.data import text as text_data
 from ddiloco.fragments import tree
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner import train_step
+from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.factory import LearnerFactory, LearnerSpec
-from ddiloco.learner.learner import LearnerConfig
 from ddiloco.models import configs
 
 SEQ = 16

@@ -14,7 +14,8 @@ from ddiloco.fragments import tree
 from ddiloco.fragments.digest import values_digest
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner import train_step
-from ddiloco.learner.learner import Learner, LearnerConfig
+from ddiloco.learner.config import LearnerConfig
+from ddiloco.learner.learner import Learner
 from ddiloco.models import configs, transformer
 from ddiloco.parallel import mesh as mesh_lib
 from ddiloco.parallel import partitioning

@@ -14,8 +14,8 @@ from ddiloco.distributed.virtual import VirtualSyncer
 from ddiloco.fragments import tree
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner import train_step
+from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.factory import LearnerFactory
-from ddiloco.learner.learner import LearnerConfig
 from ddiloco.metrics.writer import read_events, read_scalars
 from ddiloco.models import configs
 from ddiloco.simulation.cluster import SimulatedCluster

@@ -1,0 +1,45 @@
+"""A learner's protocol knobs (`LearnerConfig`) and their check against the syncer's pacing."""
+
+import dataclasses
+
+import gin
+
+from ddiloco.syncer.types import SyncerConfig
+
+
+@gin.configurable(module="ddiloco")
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+  """Learner-side protocol knobs.
+
+  Attributes:
+    mixing_alpha: θ_p ← (1 − α)·Θ_p + α·θ_p on apply (docs/algorithm.md §3); 0 overwrites.
+    blocking: answer a round when this learner's own step reaches the round's step, and wait at
+      answer + τ until the merge has arrived. True only for the synchronous baselines (DiLoCo,
+      Streaming DiLoCo, K = M); Decoupled DiLoCo never waits.
+    step_in_flight: the learner process keeps the next step dispatched while it does the step
+      boundary's work (draining, applying, answering, logging), which hides that host work behind
+      the step. A round request that arrives meanwhile is then answered after that step too: about
+      1.5 steps after it arrived on average instead of 0.5, which can miss the round's grace window.
+  """
+
+  mixing_alpha: float = 0.0
+  blocking: bool = False
+  step_in_flight: bool = False
+
+  def __post_init__(self):
+    if not 0.0 <= self.mixing_alpha < 1.0:
+      raise ValueError(f"mixing_alpha must be in [0, 1), got {self.mixing_alpha}.")
+
+
+def check_pacing(learner: LearnerConfig, syncer: SyncerConfig) -> None:
+  """Blocking learners wait at each due step for its round: only the lock-step clock opens it.
+
+  Raises:
+    ValueError: if `learner.blocking` without `syncer.clock == "slowest"`.
+  """
+  if learner.blocking and syncer.clock != "slowest":
+    raise ValueError(
+      "LearnerConfig.blocking = True needs SyncerConfig.clock = 'slowest' (lock-step rounds): "
+      f"with clock = {syncer.clock!r} a round a blocking learner waits for may never open."
+    )
