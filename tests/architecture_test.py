@@ -79,3 +79,16 @@ def test_the_library_never_imports_its_test_helpers():
       if n.startswith("ddiloco.testing")
     ]
   assert offenders == []
+
+
+MAX_LINES = 500
+
+
+def test_no_module_of_ours_is_over_500_lines():
+  """Modules are split by concern long before this; generated protobuf code is not ours."""
+  over = [
+    f"{path.relative_to(ROOT)}: {n}"
+    for path in ROOT.rglob("*.py")
+    if "_pb2" not in path.name and (n := len(path.read_text().splitlines())) > MAX_LINES
+  ]
+  assert over == []

@@ -101,7 +101,7 @@ class VersionStore:
     return self._digest[p]
 
   def theta_norm(self, p: int) -> float:
-    """‖Θ_p‖ of the current version (not recomputed by `restore`)."""
+    """‖Θ_p‖ of the current version."""
     return self._theta_norm[p]
 
   def kept(self, p: int, version: int) -> bool:
@@ -202,14 +202,13 @@ class VersionStore:
     return a
 
   def restore(self, history: list[dict[int, dict[str, np.ndarray]]], versions: list[int]) -> None:
-    """Replaces every fragment's kept versions and current version (a checkpoint's, checked).
-
-    ‖Θ_p‖ is left as it was.
-    """
+    """Replaces every fragment's kept versions and current version (a checkpoint's, checked)."""
     self._history = history
     self._version = versions
     self._global = [history[p][v] for p, v in enumerate(self._version)]
     self._digest = [values_digest(v) for v in self._global]
+    # The plausibility bound's scale is the restored Θ_p's, not the one the process started with.
+    self._theta_norm = [norm(v) for v in self._global]
 
   def layout_fingerprint(self) -> str:
     """Hash of fragment keys, shapes and dtypes; guards `load_state_dict` against another layout."""

@@ -1416,6 +1416,27 @@ def test_plausibility_bound_follows_recent_merged_answers():
   assert loose.report(rep(0, values=theta(6.0))).status == "accepted"
 
 
+def test_a_restored_core_bounds_answers_by_the_restored_fragment():
+  """After a restart the plausibility bound scales with the restored Θ_p, not the initial one."""
+  a = make_core(learners=(0,), **sgd1(), max_update_ratio=0.0)
+  a.open_round(0, ROUND)
+  assert a.report(rep(0, values=theta(10.0))).status == "accepted"
+  a.flush()  # Θ_0 = init + 10: its norm is many times the initial one.
+  b = make_core(**sgd1(), max_update_ratio=2.0)
+  b.load_state_dict(a.state_dict())
+  initial = np.sqrt(sum(float(np.sum(v**2)) for v in theta(0.0).values()))
+  restored = b.state(0).values
+  assert np.sqrt(sum(float(np.sum(v**2)) for v in restored.values())) > 5 * initial
+  # An outer gradient of 4x the initial norm: implausible for the initial Θ_0, not for this one.
+  size = sum(v.size for v in restored.values())
+  shift = np.float32(4 * initial / np.sqrt(size))
+  b.open_round(0, ROUND + 2)
+  answer = rep(
+    0, values={k: v - shift for k, v in restored.items()}, anchor=1, round_step=ROUND + 2
+  )
+  assert b.report(answer).status == "accepted"
+
+
 def test_merge_that_overflows_changes_nothing():
   """A plausible answer whose outer step overflows: the merge is atomic, its answers dropped."""
   clock = FakeClock()
