@@ -2,7 +2,7 @@
 
 Parameters travel between learners and the syncer as *flat* dicts keyed by the leaf path
 ("block_0/attn/query/kernel"), so that the syncer, the fragment layout and the transports never need
-the model's pytree structure (docs/architecture.md "dependency rule").
+the model's pytree structure (docs/architecture.md "Layers").
 """
 
 from collections.abc import Mapping

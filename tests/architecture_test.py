@@ -1,4 +1,4 @@
-"""The package layering of docs/architecture.md ("dependency rule"), read from the sources' imports."""
+"""The package layering of docs/architecture.md ("Layers"), read from the sources' imports."""
 
 import ast
 import collections

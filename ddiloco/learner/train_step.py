@@ -2,7 +2,7 @@
 
 The step is compiled once with pinned input and output shardings (parameters, optimizer state, batch),
 so later steps never recompile (a test asserts the jit cache holds one entry after several steps).
-It knows nothing about fragments, syncers or clocks (docs/architecture.md "dependency rule"), and nothing
+It knows nothing about fragments, syncers or clocks (docs/architecture.md "Layers"), and nothing
 about what is trained: the loss comes from a `ddiloco.tasks.Task` (a bare language-model module is
 still accepted and trained with `loss_fn`, the text task's loss).
 """

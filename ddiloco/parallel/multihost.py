@@ -19,7 +19,7 @@ must launch the same computations in the same order. This module holds the JAX s
 - `GlobalBatches` turns the learner's host batches into global arrays, each process placing only
   the rows of its own devices.
 
-Nothing here knows about syncers or gRPC (docs/architecture.md "dependency rule"); distributed/multihost.py
+Nothing here knows about syncers or gRPC (docs/architecture.md "Layers"); distributed/multihost.py
 drives the protocol on top of it.
 """
 

@@ -3,7 +3,7 @@
 The learner step (`ddiloco.learner.train_step`), the learner factory (`ddiloco.learner.factory`),
 the simulator and the distributed `JobConfig` only talk to a `Task`, so a dense language model, a
 mixture of experts and a vision transformer go through the same learners, fragments, compression,
-RDA merge and syncer unchanged (docs/architecture.md "dependency rule": a task knows nothing of
+RDA merge and syncer unchanged (docs/architecture.md "Layers": a task knows nothing of
 fragments, syncers or clocks).
 
 Contract:
