@@ -266,7 +266,7 @@ class DataStreams:
     def counted(chunks):
       nonlocal nbytes
       for c in chunks:
-        frame = messages.as_frame(c, syncer_pb2.PushHeader)  # Raw bytes: see _add_servicer.
+        frame = messages.as_frame(c, syncer_pb2.PushHeader)  # Raw bytes: see server._add_servicer.
         nbytes += frame.nbytes
         yield frame
 
@@ -337,7 +337,7 @@ class DataStreams:
     )
 
   def _push_frame(self, chunk) -> messages.ChunkFrame:
-    """A Push chunk (its raw bytes, see `_add_servicer`, or a PushChunk) as a frame."""
+    """A Push chunk (its raw bytes, see `server._add_servicer`, or a PushChunk) as a frame."""
     try:
       return messages.as_frame(chunk, syncer_pb2.PushHeader)
     except WireError as e:

@@ -2,7 +2,7 @@
 
 Every call has a deadline; the channel reconnects with gRPC's exponential backoff. Pushes answered
 ABORTED (late) or ALREADY_EXISTS (duplicate) are protocol outcomes, returned as a `ReportResult`;
-every other failure raises `grpc.RpcError` for the caller to retry or re-register (distributed/worker.py).
+every other failure raises `grpc.RpcError` for the caller to retry or re-register (distributed/retry.py).
 The same client runs over a socket or over the in-process transport (`transport/in_process.py`):
 the messages, and so the protocol, are the same.
 

@@ -302,7 +302,7 @@ def state_messages(
 
   The bytes protobuf makes of the stream's FragmentChunk messages, made as `push_messages`
   makes a Push stream: each message when it is asked for, in one piece, with one copy per payload
-  byte (a service sends them with no protobuf serializer: `service._add_servicer`).
+  byte (a service sends them with no protobuf serializer: `distributed/server.py`, `_add_servicer`).
 
   Args:
     state: the version to send.
