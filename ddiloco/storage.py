@@ -26,6 +26,8 @@ import time
 
 from etils import epath
 
+_TAIL_BLOCK = 64 * 1024  # Bytes read at a time while looking for a file's last newline.
+
 
 def is_remote(path: str | os.PathLike) -> bool:
   """Whether `path` names an object store (has a URI scheme such as gs://)."""
@@ -72,6 +74,39 @@ def write_text(path: str, text: str) -> None:
   with open(tmp, "w") as f:
     f.write(text)
   os.replace(tmp, path)
+
+
+def cut_partial_line(path: str, *, fsync: bool = False) -> int:
+  """Truncates a local file after its last newline: drops the partial last line a writer that was
+  killed mid-line left. Returns the number of bytes cut (0 for a missing or empty file).
+
+  Args:
+    path: the file.
+    fsync: make the cut durable before returning.
+  """
+  if not os.path.exists(path):
+    return 0
+  with open(path, "rb+") as f:
+    size = f.seek(0, os.SEEK_END)
+    if size == 0:
+      return 0
+    f.seek(size - 1)
+    if f.read(1) == b"\n":
+      return 0
+    keep, end = 0, size
+    while end > 0:  # Back from the end, a block at a time, to the last newline.
+      start = max(0, end - _TAIL_BLOCK)
+      f.seek(start)
+      i = f.read(end - start).rfind(b"\n")
+      if i >= 0:
+        keep = start + i + 1
+        break
+      end = start
+    f.truncate(keep)
+    if fsync:
+      f.flush()
+      os.fsync(f.fileno())
+  return size - keep
 
 
 def require_local(path: str, *, who: str, why: str) -> None:

@@ -129,3 +129,21 @@ def test_without_the_gcs_extra_a_bucket_workdir_says_what_to_install(tmp_path):
   assert proc.returncode != 0
   assert "gs:// needs gcsfs: pip install 'ddiloco[gcs]'" in proc.stderr
   assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+  ("content", "kept"),
+  [
+    (b"", b""),
+    (b'{"a": 1}\n', b'{"a": 1}\n'),
+    (b'{"a": 1}\n{"b"', b'{"a": 1}\n'),
+    (b'{"b"', b""),  # Only a partial line: nothing is left of it.
+    (b"x\n" + b"y" * (3 * 64 * 1024 + 5), b"x\n"),  # The last newline blocks before the end.
+  ],
+)
+def test_cut_partial_line_keeps_whole_lines_only(tmp_path, content, kept):
+  path = tmp_path / "log.jsonl"
+  path.write_bytes(content)
+  assert storage.cut_partial_line(str(path), fsync=True) == len(content) - len(kept)
+  assert path.read_bytes() == kept
+  assert storage.cut_partial_line(str(tmp_path / "missing")) == 0

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ddiloco import storage
 from ddiloco.faults import KINDS as INJECTED_KINDS
 from ddiloco.faults import FaultEvent
 
@@ -67,28 +68,6 @@ def _json_default(x: Any) -> Any:
   raise TypeError(f"Not JSON-serialisable on the tape: {type(x).__name__} {x!r}")
 
 
-def _cut_partial_line(path: str) -> None:
-  """Truncates `path` after its last newline: drops the partial line a killed writer left."""
-  with open(path, "rb+") as f:
-    size = f.seek(0, os.SEEK_END)
-    if size == 0:
-      return
-    f.seek(size - 1)
-    if f.read(1) == b"\n":
-      return
-    block = 1 << 16
-    end = size
-    while end > 0:
-      start = max(0, end - block)
-      f.seek(start)
-      i = f.read(end - start).rfind(b"\n")
-      if i >= 0:
-        f.truncate(start + i + 1)
-        return
-      end = start
-    f.truncate(0)
-
-
 class TapeWriter:
   """Appends events to a JSONL tape; thread-safe; usable as a context manager.
 
@@ -101,8 +80,7 @@ class TapeWriter:
 
   def __init__(self, path: str | os.PathLike, *, clock: Callable[[], float] = time.monotonic):
     self.path = os.fspath(path)
-    if os.path.exists(self.path):
-      _cut_partial_line(self.path)
+    storage.cut_partial_line(self.path)
     self._clock = clock
     self.t0 = clock()
     self._lock = threading.Lock()

@@ -15,12 +15,12 @@ import os
 import time
 from typing import Any
 
+from ddiloco import storage
 from ddiloco.syncer.core import MergeEvent
 
 log = logging.getLogger(__name__)
 
 JOURNAL_NAME = "merge_journal.jsonl"
-_TAIL_BLOCK = 64 * 1024
 
 
 class MergeJournal:
@@ -76,30 +76,9 @@ def fsync_dir(path: str) -> None:
 
 def _cut_torn_tail(path: str) -> None:
   """Truncates a last line that has no newline: a write cut short, whose version was not served."""
-  if not os.path.exists(path):
-    return
-  with open(path, "rb+") as f:
-    size = f.seek(0, os.SEEK_END)
-    if size == 0:
-      return
-    f.seek(size - 1)
-    if f.read(1) == b"\n":
-      return
-    keep, pos = 0, size
-    while pos > 0:
-      start = max(pos - _TAIL_BLOCK, 0)
-      f.seek(start)
-      found = f.read(pos - start).rfind(b"\n")
-      if found >= 0:
-        keep = start + found + 1
-        break
-      pos = start
-    f.truncate(keep)
-    f.flush()
-    os.fsync(f.fileno())
-  log.warning(
-    "merge journal %s: removed a torn last line (%d bytes, never served)", path, size - keep
-  )
+  cut = storage.cut_partial_line(path, fsync=True)
+  if cut:
+    log.warning("merge journal %s: removed a torn last line (%d bytes, never served)", path, cut)
 
 
 def read_journal_records(path: str) -> dict[int, dict[int, str | None]]:

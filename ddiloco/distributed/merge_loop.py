@@ -13,8 +13,9 @@ from collections.abc import Callable
 from ddiloco.distributed.members import Members
 from ddiloco.distributed.publication import Publisher
 from ddiloco.distributed.recovery import Recovery
-from ddiloco.distributed.subscriptions import Subscribers, round_event
+from ddiloco.distributed.subscriptions import Subscribers
 from ddiloco.syncer.core import SyncerCore
+from ddiloco.transport.events import round_event
 
 log = logging.getLogger(__name__)
 

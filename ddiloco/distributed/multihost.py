@@ -11,7 +11,8 @@ copies, digest read-backs: collectives) in the same order, and all must hold bit
   requests, merged fragments, push answers) and reaches the training thread only through its drain
   (`TrainingLoop.drain`). Once per step (and once per wait while a `blocking` learner waits for a
   merge), just before that drain (the worker's `before_drain`), the leader shares
-  exactly what it drains there (`ProcessGroup.share`); every process then feeds the same items to
+  exactly what it drains there (`ProcessGroup.share`, as the syncer's own messages:
+  transport/process_share.py, exact to the bit); every process then feeds the same items to
   its `Learner`, so `due`, `blocked` and `apply_ready` decide the same sends, waits and applies at
   the same step everywhere, and the digest of every apply is checked
   on every process. The shared header also carries stop requests (SIGTERM on any process stops all
@@ -32,7 +33,6 @@ reports: the followers' copy is approximate and the leader's summary is the lear
 
 import collections
 import hashlib
-import pickle
 import queue
 from typing import Any
 
@@ -40,6 +40,7 @@ from ddiloco.distributed.inbox import Inbox
 from ddiloco.distributed.worker import LearnerWorker
 from ddiloco.learner.learner import Learner
 from ddiloco.parallel.multihost import ProcessGroup
+from ddiloco.transport import process_share
 
 
 class _GatedQueue:
@@ -132,15 +133,18 @@ class MultihostWorker:
     if self.group.is_leader:
       try:
         resp, loaded = self.worker.session.fetch_global()
+        fleet_step, versions = int(resp.fleet_step), [int(v) for v in resp.versions]
+        payload = process_share.encode_global(loaded, fleet_step, versions)
       except Exception:
         self.group.share(flag=True)  # The followers would otherwise wait for the leader forever.
         raise
-      payload = pickle.dumps((loaded, int(resp.fleet_step), list(resp.versions)))
     shared = self.group.share(payload)
     if shared.any_flag:
       raise RuntimeError("Process 0 of this learner could not connect to the syncer (its log).")
-    # Pickle is safe here: the bytes come from process 0 of this same job, over JAX's collectives.
-    loaded, fleet_step, versions = pickle.loads(shared.payload)
+    if not self.group.is_leader:  # The leader keeps what it pulled: the payload holds its bits.
+      loaded, fleet_step, versions = process_share.decode_global(
+        shared.payload, self.worker.link.layouts
+      )
     self.worker.loop.load_global(loaded, fleet_step, versions)
 
   def start(self) -> None:
@@ -170,23 +174,25 @@ class MultihostWorker:
     inbox = self._inbox
     payload = b""
     if self.group.is_leader:
-      results = inbox.results.take_incoming()
-      states = inbox.received.take_incoming()
-      requests = inbox.requests.take_incoming()
-      settle = inbox.peek_settle()
-      if results or states or requests or settle is not None:
-        payload = pickle.dumps((results, states, requests, settle))
+      drained = process_share.Drained(
+        results=inbox.results.take_incoming(),
+        states=inbox.received.take_incoming(),
+        requests=inbox.requests.take_incoming(),
+        settle=inbox.peek_settle(),
+      )
+      if drained:
+        payload = process_share.encode_drained(drained)
     shared = self.group.share(payload, flag=self._stop_pending)
     if not shared.payload:
       return shared.any_flag
-    results, states, requests, settle = pickle.loads(shared.payload)  # From process 0 of this job.
-    if not self.group.is_leader:
-      inbox.post_settle(settle)
-      for state in states:  # The training loop checks each apply against the syncer's digest.
+    if not self.group.is_leader:  # The leader keeps its own items: the payload holds their bits.
+      drained = process_share.decode_drained(shared.payload, self.worker.link.layouts)
+      inbox.post_settle(drained.settle)
+      for state in drained.states:  # The training loop checks each apply against its digest.
         self.worker.link.record_digest(state.fragment, state.version, state.digest)
-    inbox.results.release(results)
-    inbox.received.release(states)
-    inbox.requests.release(requests)
+    inbox.results.release(drained.results)
+    inbox.received.release(drained.states)
+    inbox.requests.release(drained.requests)
     return shared.any_flag
 
   # -- the end --------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import logging
 from collections.abc import Callable
 
 from ddiloco.distributed.downlink import DownlinkAdopter
-from ddiloco.distributed.subscriptions import published_event
 from ddiloco.syncer.core import FragmentState, MergeEvent, SyncerCore
+from ddiloco.transport.events import published_event
 from ddiloco.transport.proto import syncer_pb2
 
 log = logging.getLogger(__name__)

@@ -60,15 +60,10 @@ from ddiloco.distributed.recovery import Recovery
 from ddiloco.distributed.refusals import Refusal, Refusals, call_session, run_or_abort
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.distributed.streams import DataStreams
-from ddiloco.distributed.subscriptions import (
-  Subscribers,
-  Subscription,
-  published_event,
-  round_event,
-  stream_events,
-)
+from ddiloco.distributed.subscriptions import Subscribers, Subscription, stream_events
 from ddiloco.protocol import counter_error, step_time_error
 from ddiloco.syncer.core import MergeEvent, SyncerCore
+from ddiloco.transport.events import published_event, round_event
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -32,6 +32,7 @@ from ddiloco.transport import messages, wire
 from ddiloco.transport.chunks import ArrayPool
 from ddiloco.transport.client import fragment_layouts
 from ddiloco.transport.errors import WireError, WireSizeError
+from ddiloco.transport.events import push_response
 from ddiloco.transport.proto import syncer_pb2
 
 log = logging.getLogger(__name__)
@@ -328,13 +329,7 @@ class DataStreams:
   def _push_response(self, result: ReportResult) -> syncer_pb2.PushResponse:
     if result.status in REPORT_STATUS_CODES:
       raise self._refuse(REPORT_STATUS_CODES[result.status], f"{result.status}: {result.reason}")
-    return syncer_pb2.PushResponse(
-      status=result.status,
-      reason=result.reason,
-      weight=result.weight,
-      fleet_step=result.fleet_step,
-      round_version=result.round_version,
-    )
+    return push_response(result)
 
   def _push_frame(self, chunk) -> messages.ChunkFrame:
     """A Push chunk (its raw bytes, see `server._add_servicer`, or a PushChunk) as a frame."""

@@ -7,7 +7,6 @@ it opens and every version it publishes on all of them (docs/algorithm.md §3-4)
 import queue
 from collections.abc import Iterator
 
-from ddiloco.syncer.core import RoundRequest
 from ddiloco.transport.proto import syncer_pb2
 
 
@@ -26,20 +25,6 @@ class Subscription:
 
   def close(self) -> None:
     self.events.put(None)
-
-
-def round_event(request: RoundRequest) -> syncer_pb2.SyncerEvent:
-  return syncer_pb2.SyncerEvent(
-    round=syncer_pb2.RoundOpen(
-      fragment=request.fragment,
-      round_step=request.round_step,
-      base_version=request.base_version,
-    )
-  )
-
-
-def published_event(fragment: int, version: int) -> syncer_pb2.SyncerEvent:
-  return syncer_pb2.SyncerEvent(published=syncer_pb2.Published(fragment=fragment, version=version))
 
 
 def stream_events(initial, sub: Subscription, context) -> Iterator[syncer_pb2.SyncerEvent]:

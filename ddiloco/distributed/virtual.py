@@ -25,7 +25,8 @@ from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.protocol import RoundRequest
 from ddiloco.syncer.core import MergeEvent, SyncerCore
 from ddiloco.syncer.types import SyncerConfig
-from ddiloco.transport.client import SyncerClient, fragment_layouts, syncer_event
+from ddiloco.transport.client import SyncerClient, fragment_layouts
+from ddiloco.transport.events import syncer_event
 
 Announcement = RoundRequest | tuple[int, int]  # A round request, or (fragment, version) published.
 

@@ -26,6 +26,7 @@ mounts, or `LearnerCheckpointConfig.directory`); restart all of them with the sa
 """
 
 import dataclasses
+import functools
 import os
 import sys
 
@@ -119,25 +120,17 @@ def main(argv: list[str]) -> None:
       tls_ca_file=_TLS_CA.value,
       max_chunk_bytes=svc.max_chunk_bytes,
     )
+  make_worker = runtime.make_learner_worker
   if multi:
-    worker, writer = runtime.make_multihost_worker(
-      job,
-      learner_id=_LEARNER_ID.value,
-      client=client,
-      workdir=workdir,
-      connect_timeout_s=_CONNECT_TIMEOUT.value,
-      checkpoint=checkpoint,
-      learner_workdir=learner_workdir,
-    )
-  else:
-    worker, writer = runtime.make_learner_worker(
-      job,
-      learner_id=_LEARNER_ID.value,
-      client=client,
-      workdir=workdir,
-      connect_timeout_s=_CONNECT_TIMEOUT.value,
-      checkpoint=checkpoint,
-    )
+    make_worker = functools.partial(runtime.make_multihost_worker, learner_workdir=learner_workdir)
+  worker, writer = make_worker(
+    job,
+    learner_id=_LEARNER_ID.value,
+    client=client,
+    workdir=workdir,
+    connect_timeout_s=_CONNECT_TIMEOUT.value,
+    checkpoint=checkpoint,
+  )
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: worker.request_stop())
   logging.info(

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from scipy import stats
 
-from ddiloco.metrics.writer import read_events
+from ddiloco.metrics.writer import HEADLINE_KEYS, read_events
 from ddiloco.simulation.simulate import simulate
 
 TEXT_SEEDS = (
@@ -37,19 +37,12 @@ VISION_SEEDS = (
   "ClusterConfig.seed = {seed}",
   "VisionDataConfig.seed = {seed}",
 )
-# Summary keys kept per run in the store (the rest of summary.json stays in the run's workdir).
+# Summary keys kept per run in the store (the rest of summary.json stays in the run's workdir):
+# the headline figures and a few more.
 _KEPT = (
-  "final_eval_loss",
+  *HEADLINE_KEYS,
   "final_eval_metrics",
-  "tokens_trained",
-  "goodput",
-  "global_downtime_s",
-  "merges",
-  "mean_quorum_size",
-  "dropped_reports",
   "virtual_time_s",
-  "wall_time_s",
-  "digests_agree",
   "budget_reached",
   "stalled",
   "num_params",

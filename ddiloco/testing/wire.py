@@ -26,19 +26,13 @@ def serialize_fragment(
 ) -> bytes:
   """Encodes a fragment into the versioned wire format (`wire`'s module docstring), in one piece.
 
-  Args:
-    values: {key: float array}; the dtype recorded for each key is the array's own.
-    codec_name: "fp32", "bf16", "int8" or "int4" (docs/algorithm.md §5).
-    block_size: values per absmax scale block for int8/int4.
-    base: if given, `values − base` is encoded (a delta, docs/algorithm.md §5); dtypes recorded are still those
-      of `values`.
+  The arguments are `FragmentEncoder`'s.
 
   Returns:
     The serialized bytes.
 
   Raises:
-    ValueError: on an unknown codec, non-finite values, mismatched base, or a key/shape the format
-      cannot hold.
+    ValueError: as `FragmentEncoder`, or on non-finite values.
   """
   encoder = FragmentEncoder(values, codec_name, block_size=block_size, base=base)
   (data,) = encoder.chunks(max(1, encoder.nbytes))  # One chunk: one copy per byte.

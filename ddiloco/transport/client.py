@@ -24,8 +24,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
-from ddiloco.transport import auth, messages, wire
+from ddiloco.protocol import FragmentState, Report, ReportResult
+from ddiloco.transport import auth, events, messages, wire
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, FRAMING_SLACK
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
 
@@ -224,7 +224,7 @@ class SyncerClient:
     if failed:  # The syncer cannot accept a short stream; should it, the report is still bad.
       raise failed[0]
     self._count(up=sent)
-    return ReportResult(resp.status, resp.reason, resp.weight, resp.fleet_step, resp.round_version)
+    return events.report_result(resp)
 
   def recover(
     self, learner_id: int, fragment: int, version: int, values: Mapping[str, np.ndarray]
@@ -348,18 +348,6 @@ def fragment_layouts(
   ]
 
 
-def syncer_event(event: syncer_pb2.SyncerEvent) -> RoundRequest | tuple[int, int] | None:
-  """A `Rounds` event as the learner reads it: a `RoundRequest`, a (fragment, version)
-  announcement, or None for an event of a kind this client does not know."""
-  kind = event.WhichOneof("event")
-  if kind == "round":
-    r = event.round
-    return RoundRequest(int(r.fragment), int(r.round_step), int(r.base_version))
-  if kind == "published":
-    return (int(event.published.fragment), int(event.published.version))
-  return None
-
-
 class RoundStream:
   """A `Rounds` subscription: yields `RoundRequest`s and (fragment, version) announcements."""
 
@@ -368,7 +356,7 @@ class RoundStream:
 
   def __iter__(self):
     for event in self._call:
-      read = syncer_event(event)
+      read = events.syncer_event(event)
       if read is not None:
         yield read
 
