@@ -6,9 +6,13 @@ The names a notebook needs to run the simulated cluster, from one import:
 
   summary = ddiloco.simulate(
     workdir="/tmp/run",
-    model=ddiloco.transformer_config("tiny", max_len=64),
-    data=ddiloco.TextDataConfig(seq_len=64, batch_size=8),
-    cluster=ddiloco.ClusterConfig(num_learners=4, steps_per_learner=96),
+    run=ddiloco.RunConfig(
+      model=ddiloco.transformer_config("tiny", max_len=64),
+      data=ddiloco.TextDataConfig(seq_len=64, batch_size=8),
+      num_learners=4,
+      steps_per_learner=96,
+    ),
+    fleet=ddiloco.ClusterConfig(faults=("crash:2@40+20",)),
   )
 
 They are imported on first use (`__getattr__`), so `import ddiloco` itself loads neither jax nor the
@@ -23,6 +27,7 @@ __version__ = "0.1.0"
 # name -> the module that defines it.
 _EXPORTS = {
   "simulate": "ddiloco.simulation.simulate",
+  "RunConfig": "ddiloco.run_config",
   "ClusterConfig": "ddiloco.simulation.config",
   "FragmentSchedule": "ddiloco.fragments.schedule",
   "SyncerConfig": "ddiloco.syncer.types",

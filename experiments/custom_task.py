@@ -205,14 +205,16 @@ def run(workdir: str, *, steps: int = 96, num_learners: int = 4) -> dict[str, An
 
   return ddiloco.simulate(
     workdir=workdir,
-    task=RecordsTask(data_dir=os.path.join(workdir, "data")),
-    cluster=ddiloco.ClusterConfig(
-      num_learners=num_learners, steps_per_learner=steps, eval_every_s=16.0
+    run=ddiloco.RunConfig(
+      task=RecordsTask(data_dir=os.path.join(workdir, "data")),
+      schedule=ddiloco.FragmentSchedule(num_fragments=4, period=8, overlap=2),
+      syncer=ddiloco.SyncerConfig(min_quorum=1),
+      inner_opt=ddiloco.InnerOptConfig(peak_lr=1e-3, warmup_steps=8, decay_steps=steps),
+      num_learners=num_learners,
+      steps_per_learner=steps,
+      eval_batches=8,
+      eval_every_s=16.0,
     ),
-    schedule=ddiloco.FragmentSchedule(num_fragments=4, period=8, overlap=2),
-    syncer=ddiloco.SyncerConfig(min_quorum=1),
-    inner_opt=ddiloco.InnerOptConfig(peak_lr=1e-3, warmup_steps=8, decay_steps=steps),
-    eval_batches=8,
     tensorboard=False,
   )
 

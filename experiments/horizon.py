@@ -66,8 +66,8 @@ METHODS = {
 SMALL = (
   "SEQ_LEN = 64",
   "transformer_config.max_len = 64",
-  "ClusterConfig.eval_every_s = 24.0",
-  "ClusterConfig.log_every = 8",
+  "RunConfig.eval_every_s = 24.0",
+  "RunConfig.log_every = 8",
 )
 
 

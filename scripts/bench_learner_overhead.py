@@ -48,11 +48,11 @@ clock takes its pace); in the rounds thread, the `Rounds` stream of round reques
 announcements; in the puller, the pull and decoding of every announced version; on the training
 thread, draining push results, feeding received fragments and round requests to the learner,
 applying fragments τ = 2 steps after answering their round (a `device_put` per tensor) with a
-digest read back from the devices (docs/algorithm.md §4.7), and every `JobConfig.log_every` steps a loss read
+digest read back from the devices (docs/algorithm.md §4.7), and every `RunConfig.log_every` steps a loss read
 (it blocks on the current step) and a metrics line. The background threads hold the GIL for their
 Python work and compete for the 2 cores with XLA's compute threads and with the syncer process
 (step clock, merge, outer step, encoding).
-The syncer's periodic evaluation is off (`JobConfig.eval_every_s = 0`): it is not learner overhead.
+The syncer's periodic evaluation is off (`RunConfig.eval_every_s = 0`): it is not learner overhead.
 `--syncer_blas_threads=1` runs the syncer with OPENBLAS_NUM_THREADS=1: by default its OpenBLAS
 worker threads spin after every small BLAS call (the norms of RDA) and take most of its CPU time.
 """
@@ -134,8 +134,8 @@ def _bindings() -> list[str]:
     # docs/algorithm.md §2 with P = H: the syncer opens fragment p's round at clock steps t ≡ p (mod 24).
     "FragmentSchedule.num_fragments = 24",
     "FragmentSchedule.period = 24",
-    "JobConfig.eval_every_s = 0.0",
-    "JobConfig.eval_batches = 2",
+    "RunConfig.eval_every_s = 0.0",
+    "RunConfig.eval_batches = 2",
   ]
 
 
@@ -230,7 +230,7 @@ def _run_worker(job, cluster, port: int, batches, learner_dir: str) -> tuple[Any
   from ddiloco.transport.client import SyncerClient
 
   client = SyncerClient(
-    f"127.0.0.1:{port}", token=cluster.token, max_chunk_bytes=job.the_service().max_chunk_bytes
+    f"127.0.0.1:{port}", token=cluster.token, max_chunk_bytes=job.run.the_service().max_chunk_bytes
   )
   # Both loops consume the same pre-drawn batches (grain's prefetch threads would load the worker
   # only). Iterations skip .. last-1 are timed: each dispatches a step, waits for the previous one
@@ -297,7 +297,7 @@ def main(argv: list[str]) -> None:
   gin_args = [f"--gin_file={_GIN_FILE}", f"--gin_search_paths={_GIN_DIR}"]
   gin_args += [f"--gin_bindings={b}" for b in bindings]
   it = text_data.make_train_iterator(
-    job.data, shard_index=0, num_shards=1, batch_size=job.batch_size
+    job.run.data, shard_index=0, num_shards=1, batch_size=job.run.batch_size
   )
   batches = [next(it) for _ in range(_STEPS.value + _SKIP.value)]
 

@@ -11,11 +11,13 @@ import ddiloco
 def test_top_level_names_are_the_submodules_objects():
   from ddiloco.data.text import TextDataConfig
   from ddiloco.fragments.schedule import FragmentSchedule
+  from ddiloco.run_config import RunConfig
   from ddiloco.simulation.config import ClusterConfig
   from ddiloco.simulation.simulate import simulate
   from ddiloco.syncer.core import SyncerConfig
 
   assert ddiloco.simulate is simulate
+  assert ddiloco.RunConfig is RunConfig
   assert ddiloco.ClusterConfig is ClusterConfig
   assert ddiloco.FragmentSchedule is FragmentSchedule
   assert ddiloco.SyncerConfig is SyncerConfig
@@ -49,6 +51,7 @@ CORE = (
   "ddiloco.distributed.service",
   "ddiloco.distributed.service_config",
   "ddiloco.distributed.worker",
+  "ddiloco.run_config",
   "ddiloco.checkpoint.syncer",
   "ddiloco.checkpoint.learner",
   "ddiloco.launch.job",

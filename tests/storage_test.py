@@ -97,12 +97,15 @@ def test_a_simulated_run_writes_everything_to_the_bucket(bucket):
 
   summary = ddiloco.simulate(
     workdir=bucket,
-    model=ddiloco.transformer_config("tiny", max_len=32),
-    data=ddiloco.TextDataConfig(seq_len=32, batch_size=4),
-    cluster=ddiloco.ClusterConfig(num_learners=2, steps_per_learner=4),
-    schedule=ddiloco.FragmentSchedule(num_fragments=2, period=2, overlap=0),
-    syncer=ddiloco.SyncerConfig(min_quorum=1),
-    eval_batches=1,
+    run=ddiloco.RunConfig(
+      model=ddiloco.transformer_config("tiny", max_len=32),
+      data=ddiloco.TextDataConfig(seq_len=32, batch_size=4),
+      schedule=ddiloco.FragmentSchedule(num_fragments=2, period=2, overlap=0),
+      syncer=ddiloco.SyncerConfig(min_quorum=1),
+      num_learners=2,
+      steps_per_learner=4,
+      eval_batches=1,
+    ),
   )
   assert summary["merges"] > 0
   assert json.loads(epath.Path(bucket, "summary.json").read_text())["merges"] == summary["merges"]

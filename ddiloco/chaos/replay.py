@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ddiloco.faults import parse_fault, parse_faults
+from ddiloco.run_config import RunConfig
 from ddiloco.simulation.config import ClusterConfig
 
 _SKIPPED_KINDS = (
@@ -183,7 +184,8 @@ def replay(
   *,
   workdir: str,
   real_step_time_s: float,
-  cluster: ClusterConfig | None = None,
+  run: RunConfig | None = None,
+  fleet: ClusterConfig | None = None,
   t0: float | None = None,
   progress: Callable[[str], None] | None = None,
   **simulate_kwargs: Any,
@@ -197,7 +199,8 @@ def replay(
     tape: tape records.
     workdir: the simulation's output folder.
     real_step_time_s: the real run's mean learner step time, for the time scale.
-    cluster: the fleet (default: ClusterConfig() as gin binds it); its faults are replaced.
+    run: the run (default: RunConfig() as gin binds it).
+    fleet: the virtual fleet (default: ClusterConfig() as gin binds it); its faults are replaced.
     t0: see `tape_to_faults`.
     progress: passed to simulate.
     **simulate_kwargs: more simulate() arguments (e.g. tensorboard=False).
@@ -213,20 +216,20 @@ def replay(
 
   if not real_step_time_s > 0:
     raise ValueError(f"real_step_time_s must be > 0, got {real_step_time_s}.")
-  cluster = cluster or ClusterConfig()
+  run, fleet = run or RunConfig(), fleet or ClusterConfig()
   plan = tape_to_faults(
     tape,
-    time_scale=cluster.step_time_s / real_step_time_s,
-    sim_step_time_s=cluster.step_time_s,
+    time_scale=fleet.step_time_s / real_step_time_s,
+    sim_step_time_s=fleet.step_time_s,
     t0=t0,
   )
-  beyond = sorted({f.learner for f in parse_faults(plan.faults)} - set(range(cluster.num_learners)))
+  beyond = sorted({f.learner for f in parse_faults(plan.faults)} - set(range(run.num_learners)))
   if beyond:
     raise ValueError(
-      f"The tape has learners {beyond} but the simulated fleet has {cluster.num_learners}."
+      f"The tape has learners {beyond} but the simulated fleet has {run.num_learners}."
     )
-  cluster = dataclasses.replace(cluster, faults=plan.faults)
-  summary = simulate(workdir=workdir, cluster=cluster, progress=progress, **simulate_kwargs)
+  fleet = dataclasses.replace(fleet, faults=plan.faults)
+  summary = simulate(workdir=workdir, run=run, fleet=fleet, progress=progress, **simulate_kwargs)
   end = float(summary.get("virtual_time_s", math.inf))
   summary["replay"] = {
     "faults": list(plan.faults),

@@ -80,7 +80,7 @@ def make_syncer(
 
   `schedule` is the run's fragment schedule (P, H, τ): the syncer's step clock opens each
   fragment's rounds by it. None: `SyncerCore`'s default (P = H = the number of fragments, τ = 2),
-  for tests and benchmarks; a run passes its own (`JobConfig.the_schedule()`).
+  for tests and benchmarks; a run passes its own (`RunConfig.the_schedule()`).
   """
   adopter = None
   if not compression.codec_class(service_config.downlink_codec).exact:

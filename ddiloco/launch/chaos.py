@@ -169,7 +169,9 @@ class ChaosRun:
         raise RuntimeError(f"learner {i} exited with {rc} on its own:\n{self.cluster.tail(child)}")
       summary = self._learner_summary(i) or {}
       self._done[i] = int(summary.get("steps", -1))
-      tape.record("learner_done", learner=i, step=self._done[i], target=self.job.steps_per_learner)
+      tape.record(
+        "learner_done", learner=i, step=self._done[i], target=self.job.run.steps_per_learner
+      )
     if self._syncer_starting and self.cluster.syncer_ready():  # Raises if it exited instead.
       self._syncer_starting = self._syncer_down = False
       tape.record("syncer_up", port=self.cluster.port)
@@ -261,7 +263,9 @@ class ChaosRun:
     tape = self._tape = TapeWriter(self.tape_path, clock=time.time)
     self._wall0 = time.time() - tape.now()
     try:
-      tape.record("run_start", learners=c.num_learners, min_quorum=self.job.the_syncer().min_quorum)
+      tape.record(
+        "run_start", learners=c.num_learners, min_quorum=self.job.run.the_syncer().min_quorum
+      )
       c.start_syncer()
       tape.record("syncer_up", port=c.port)
       # A process of its own: traffic never waits for this driver's CPU share or GIL.
@@ -375,7 +379,7 @@ class ChaosRun:
     tape = read_tape(self.tape_path)
     results = invariants.check_all(
       tape,
-      min_quorum=self.job.the_syncer().min_quorum,
+      min_quorum=self.job.run.the_syncer().min_quorum,
       max_gap_s=self.chaos.max_gap_s,
       baseline_loss=baseline_loss,
       eval_tolerance=self.chaos.eval_tolerance,
@@ -414,7 +418,7 @@ class ChaosRun:
         merged += ledger["token_fragments"]["merged"]
         trained += ledger["trained"] * ledger["num_fragments"]
     merges = [r for r in tape if r["kind"] == "merge"]
-    gaps = invariants.merge_gaps(tape, min_quorum=self.job.the_syncer().min_quorum)
+    gaps = invariants.merge_gaps(tape, min_quorum=self.job.run.the_syncer().min_quorum)
     final = [r for r in tape if r["kind"] == "eval" and r.get("final")]
     return {
       "invariants": [{"name": r.name, "ok": r.ok, "detail": r.detail} for r in results],

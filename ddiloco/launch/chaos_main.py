@@ -44,7 +44,9 @@ def main(argv: list[str]) -> None:
     config_text = gin_flags.parse_gin()
     job = job_lib.JobConfig()
     chaos = ChaosConfig()
-    make_schedule(chaos, job.num_learners)  # A bad fault schedule is refused before anything runs.
+    make_schedule(
+      chaos, job.run.num_learners
+    )  # A bad fault schedule is refused before anything runs.
   cli.make_workdir(workdir, config_text)
   args = gin_flags.forwarded_args()
 
@@ -56,7 +58,7 @@ def main(argv: list[str]) -> None:
     cluster = local_cluster.LocalCluster(
       workdir=os.path.join(workdir, "baseline"),
       gin_args=args,
-      num_learners=job.num_learners,
+      num_learners=job.run.num_learners,
       devices_per_learner=job.devices_per_learner,
       processes_per_learner=job.processes_per_learner,
     )
@@ -66,7 +68,7 @@ def main(argv: list[str]) -> None:
   cluster = local_cluster.LocalCluster(
     workdir=os.path.join(workdir, "chaos"),
     gin_args=args,
-    num_learners=job.num_learners,
+    num_learners=job.run.num_learners,
     devices_per_learner=job.devices_per_learner,
     processes_per_learner=job.processes_per_learner,
   )

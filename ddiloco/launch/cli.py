@@ -149,7 +149,29 @@ def describe_config_error(error: BaseException) -> str:
 _MOVED = {
   ("SyncerConfig", "overlap"): "τ is set once, for learners and syncer alike: bind "
   "FragmentSchedule.overlap instead.",
+  ("simulate", "cluster"): "The virtual fleet is simulate.fleet now, and the run's size, length "
+  "and cadence are RunConfig's (num_learners, steps_per_learner, batch_size, eval_every_s, "
+  "log_every).",
 }
+# What a run is moved to `RunConfig`, which the simulator and the distributed launchers share.
+_RUN_FIELDS = {
+  "JobConfig": (
+    "model data task schedule syncer learner inner_opt service num_learners steps_per_learner "
+    "batch_size layout_strategy split_large seed eval_batches eval_every_s log_every"
+  ),
+  "simulate": (
+    "model data task schedule syncer learner inner_opt service layout_strategy split_large seed "
+    "eval_batches"
+  ),
+  "ClusterConfig": "num_learners steps_per_learner batch_size eval_every_s log_every",
+}
+_MOVED.update(
+  {
+    (owner, name): f"What a run is lives in RunConfig: bind RunConfig.{name} instead."
+    for owner, names in _RUN_FIELDS.items()
+    for name in names.split()
+  }
+)
 
 
 def _suggestion(message: str) -> str:

@@ -5,7 +5,7 @@ own device count, batch size and steps) and leave it again (`Fleet.begin_remove`
 learner saves, flushes, calls Leave and exits 0; `Fleet.check` reaps it, SIGKILLing it past its
 deadline). Every join, leave, finish and failure is an event of `Fleet.membership`, which
 summary.json keeps as "membership". An added learner with id m reads data shard m mod M (M =
-JobConfig.num_learners): the shard of learner m mod M, so scavenged compute repeats data that the
+RunConfig.num_learners): the shard of learner m mod M, so scavenged compute repeats data that the
 fleet also reads (docs/resilience.md "Elastic scavenging (real processes)"). A learner the job
 started with that fails fails the job; an added one that fails is recorded and the job goes on.
 
@@ -130,9 +130,12 @@ class Fleet:
     extra_args: Sequence[str] = (),
   ) -> FleetMember:
     """Starts a learner and records it as a running member (no checks: `add` makes them)."""
-    args = [f"--steps={steps}"] if steps is not None else []
-    if batch_size is not None:  # Read by make_learner_worker through JobConfig.batch_size.
-      args.append(f"--gin_bindings=JobConfig.batch_size = {batch_size}")
+    # This learner's own bindings, after the run's: its make_learner_worker reads them.
+    args = []
+    if steps is not None:
+      args.append(f"--gin_bindings=RunConfig.steps_per_learner = {steps}")
+    if batch_size is not None:
+      args.append(f"--gin_bindings=RunConfig.batch_size = {batch_size}")
     self._start_learner(learner_id, extra_args=[*args, *extra_args], devices=devices)
     member = FleetMember(
       learner_id=learner_id,
@@ -188,7 +191,7 @@ class Fleet:
     child = self.learners.get(learner_id)
     if child is not None and child.proc.poll() is None:
       raise ValueError(f"learner {learner_id} is already running.")
-    batch = batch_size or (self.job.learner_batch_size() if self.job is not None else None)
+    batch = batch_size or (self.job.run.learner_batch_size() if self.job is not None else None)
     total = devices * self.processes_per_learner  # The learner's mesh spans all its processes.
     if batch is not None and batch % total:
       where = f"{total} devices"

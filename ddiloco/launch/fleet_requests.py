@@ -62,9 +62,9 @@ def serve_request(
       result = {
         "learner_id": i,
         "devices": m.devices,
-        "batch_size": m.batch_size or fleet.job.learner_batch_size(),
-        "steps": m.steps or fleet.job.steps_per_learner,
-        "data_shard": i % fleet.job.num_learners,  # LearnerFactory.make_data.
+        "batch_size": m.batch_size or fleet.job.run.learner_batch_size(),
+        "steps": m.steps or fleet.job.run.steps_per_learner,
+        "data_shard": i % fleet.job.run.num_learners,  # LearnerFactory.make_data.
         "log": fleet.learners[i].log_path,
       }
       if progress is not None:

@@ -27,6 +27,7 @@ _GIN_SEARCH_PATHS = flags.DEFINE_multi_string(
 # Modules that declare gin configurables. Every process of a run parses the same files (a chaos run's
 # file binds ChaosConfig, which only the driver uses), so every entry point registers all of them.
 _CONFIGURABLE_MODULES = (
+  "ddiloco.run_config",
   "ddiloco.launch.job",
   "ddiloco.checkpoint.syncer",
   "ddiloco.checkpoint.learner",
@@ -72,7 +73,7 @@ def add_bindings(bindings: Sequence[str]) -> None:
   """Appends bindings after the command line's (a launcher's own flags, as `--gin.KEY=VALUE`).
 
   They are parsed, checked and forwarded to child processes like the user's, so a flag such as
-  `--num_learners` goes through the same validation as `JobConfig.num_learners` in a file.
+  ddiloco-ray's `--address` goes through the same validation as `RayConfig.address` in a file.
   """
   flags.FLAGS.gin_bindings = [*_GIN_BINDINGS.value, *bindings]
 

@@ -49,7 +49,6 @@ _TLS_CA = flags.DEFINE_string("tls_ca_file", None, "PEM CA to trust; turns TLS o
 _CONNECT_TIMEOUT = flags.DEFINE_float(
   "connect_timeout_s", 120.0, "first registration timeout", lower_bound=0.0
 )
-_STEPS = flags.DEFINE_integer("steps", None, "override JobConfig.steps_per_learner")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "jax.distributed coordinator")
 _NUM_PROCESSES = flags.DEFINE_integer(
   "num_processes", 1, "processes of this learner's slice", lower_bound=1
@@ -105,13 +104,11 @@ def main(argv: list[str]) -> None:
   with cli.bad_config():
     config_text = gin_flags.parse_gin()
     job = job_lib.JobConfig()
-    if _STEPS.value is not None:  # Checked as JobConfig.steps_per_learner is (__post_init__).
-      job = dataclasses.replace(job, steps_per_learner=_STEPS.value)
     checkpoint = LearnerCheckpointConfig()
     if _RESTORE.value:
       checkpoint = dataclasses.replace(checkpoint, init_from=_RESTORE.value)
   cli.make_workdir(workdir, config_text, remote_ok=True)
-  svc = job.the_service()
+  svc = job.run.the_service()
   client = None
   if _PROCESS_ID.value == 0:  # The other processes of a learner never talk to the syncer.
     client = SyncerClient(
@@ -141,7 +138,7 @@ def main(argv: list[str]) -> None:
     jax.process_count(),
   )
   worker.connect()
-  summary = worker.run(job.steps_per_learner)
+  summary = worker.run(job.run.steps_per_learner)
   write_summary(workdir, summary)
   writer.close()
   if client is not None:

@@ -2,6 +2,8 @@
 
   ddiloco-local --gin_file=gin_configs/local_tiny.gin --workdir=workdirs/local_tiny
 
+Everything about the run is gin: `--gin.LEARNERS=2` (the file's macro) or
+`--gin.RunConfig.num_learners=2` starts 2 learners, and every process of the run agrees on it.
 Each learner gets its own fake CPU devices (`JobConfig.devices_per_learner`), a shared JAX compile
 cache and a fresh random shared token (DDILOCO_TOKEN). Progress is printed every couple of seconds:
 the syncer's versions, merges and quorum sizes (its Status RPC) and each learner's step and loss (its
@@ -21,10 +23,10 @@ finished; summary.json's "membership" lists every join and leave and "syncer_ali
 syncer's last membership.
 
 Multi-process learners (a learner on a multi-host slice, docs/algorithm.md §1):
-`JobConfig.processes_per_learner = N` (or `--processes_per_learner=N`) starts every learner as N
-processes joined by jax.distributed, each with `JobConfig.devices_per_learner` fake CPU devices. A
-learner is one unit: when one of its processes dies the launcher kills the others, and progress
-lines and summary.json count learners (launch/local_cluster.py).
+`JobConfig.processes_per_learner = N` (`--gin.JobConfig.processes_per_learner=N`) starts every
+learner as N processes joined by jax.distributed, each with `JobConfig.devices_per_learner` fake CPU
+devices. A learner is one unit: when one of its processes dies the launcher kills the others, and
+progress lines and summary.json count learners (launch/local_cluster.py).
 """
 
 import os
@@ -42,10 +44,6 @@ _TIMEOUT = flags.DEFINE_float(
 )
 _PROGRESS_EVERY = flags.DEFINE_float(
   "progress_every_s", 2.0, "seconds between progress lines", lower_bound=0.0
-)
-_LEARNERS = flags.DEFINE_integer("num_learners", None, "override JobConfig.num_learners")
-_PROCESSES = flags.DEFINE_integer(
-  "processes_per_learner", None, "override JobConfig.processes_per_learner"
 )
 _TLS_CERT = flags.DEFINE_string(
   "tls_cert_file", None, "PEM certificate chain: the syncer serves TLS"
@@ -87,12 +85,6 @@ def run_job(
   from ddiloco.launch import local_cluster
   from ddiloco.metrics.writer import HEADLINE_KEYS
 
-  # The overrides are gin bindings, so they are checked as JobConfig's fields are and every child
-  # process (which parses the same gin flags) agrees with the launcher.
-  overrides = {"num_learners": _LEARNERS.value, "processes_per_learner": _PROCESSES.value}
-  gin_flags.add_bindings(
-    [f"ddiloco.JobConfig.{k} = {v}" for k, v in overrides.items() if v is not None]
-  )
   if bool(_TLS_CERT.value) != bool(_TLS_KEY.value):
     raise app.UsageError("--tls_cert_file and --tls_key_file go together.")
   tls = None
@@ -114,7 +106,7 @@ def run_job(
     **backend,
     workdir=workdir,
     gin_args=gin_flags.forwarded_args(),
-    num_learners=job.num_learners,
+    num_learners=job.run.num_learners,
     devices_per_learner=job.devices_per_learner,
     processes_per_learner=job.processes_per_learner,
     tls=tls,

@@ -204,7 +204,7 @@ class LocalCluster:
 
     Args:
       learner_id: its id; a restarted learner keeps its id, workdir and data shard.
-      extra_args: flags for this learner only (e.g. `--gin_bindings=JobConfig.batch_size = 8`);
+      extra_args: flags for this learner only (e.g. `--gin_bindings=RunConfig.batch_size = 8`);
         they come last on its command line, after the shared gin flags, so their bindings win.
       devices: fake CPU devices (default `devices_per_learner`): fleets may be heterogeneous.
       address: where it reaches the syncer (default the syncer's port; a chaos proxy's otherwise).

@@ -78,7 +78,7 @@ def _pace(
   job = fleet.job
   if step_time <= 0 or job is None:
     return None
-  target = (member.steps if member else None) or job.steps_per_learner
-  batch = (member.batch_size if member else None) or job.batch_size
+  target = (member.steps if member else None) or job.run.steps_per_learner
+  batch = (member.batch_size if member else None) or job.run.batch_size
   left = max(0, target - child.last.get("step", 0)) * step_time
-  return 1.0 / step_time, job.the_task().units_per_step(batch) / step_time, left
+  return 1.0 / step_time, job.run.the_task().units_per_step(batch) / step_time, left

@@ -109,8 +109,8 @@ def summarize(
     "virtual_time_s": wall_time_s,  # Real processes: virtual time is wall time.
     "digests_agree": agree,
     "digest_checks": len(applies),
-    "token_budget": job.token_budget(),
-    "budget_reached": tokens >= job.token_budget(),
+    "token_budget": job.run.token_budget(),
+    "budget_reached": tokens >= job.run.token_budget(),
     "stalled": False,
     "learners": {
       str(i): {

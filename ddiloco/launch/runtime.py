@@ -68,11 +68,11 @@ class SyncerRun:
     self.service = server_lib.make_syncer(
       fragment_keys=self.layout.fragments,
       init_values=self.factory.global_init_values(),
-      syncer_config=job.the_syncer(),
-      service_config=job.the_service(),
+      syncer_config=job.run.the_syncer(),
+      service_config=job.run.the_service(),
       layout_digest=self.layout.digest,
       embedding_keys=self.factory.embedding_keys(),
-      schedule=job.the_schedule(),
+      schedule=job.run.the_schedule(),
       on_merge=self._on_merge,
       record=self._record,
       on_recovery=self._on_recovery,
@@ -238,7 +238,7 @@ class SyncerRun:
     seconds it took; compiles run on two threads (XLA compiles without the GIL)."""
     t0 = time.monotonic()
     core = self.service.core
-    answers = self.job.num_learners  # The full fleet: the common answer count.
+    answers = self.job.run.num_learners  # The full fleet: the common answer count.
     with futures.ThreadPoolExecutor(2) as pool:
       # Re-raises a failure.
       list(pool.map(lambda p: core.warm_up(p, answers), range(core.num_fragments)))
@@ -274,7 +274,7 @@ class SyncerRun:
 
   def loop(self, stop: threading.Event, *, until: float | None = None) -> None:
     """Serves until `stop` is set (or the monotonic time `until`), evaluating every eval_every_s."""
-    every = self.job.eval_every_s
+    every = self.job.run.eval_every_s
     next_eval = time.monotonic() + every if every > 0 else None
     next_save = time.monotonic() + self.checkpoint.every_s
     while not stop.is_set() and (until is None or time.monotonic() < until):
@@ -330,8 +330,8 @@ class SyncerRun:
       "merge_times": self.merge_times,
       "evals": [[round(t, 4), m, loss] for t, m, loss in self.evals],
       "num_params": self.factory.num_params,
-      "uplink_codec": self.job.the_service().uplink_codec,
-      "downlink_codec": self.job.the_service().downlink_codec,
+      "uplink_codec": self.job.run.the_service().uplink_codec,
+      "downlink_codec": self.job.run.the_service().downlink_codec,
       "wall_time_s": time.time() - self._t0,
       "checkpoints_saved": self.checkpoints_saved,
       "version_log_bytes": 0 if self._version_log is None else self._version_log.bytes_written,
@@ -418,8 +418,8 @@ def _worker_args(
   return {
     "layout_digest": factory.layout.digest,
     "layouts": fragment_layouts(factory.layout.fragments, factory.global_init_values()),
-    "batch_size": job.learner_batch_size(),
-    "log_every": job.log_every,
+    "batch_size": job.run.learner_batch_size(),
+    "log_every": job.run.log_every,
     "senders": job.senders,
     "connect_timeout_s": connect_timeout_s,
     "checkpointer": checkpointer,
@@ -439,7 +439,7 @@ def make_multihost_worker(
   """This process's part of learner `learner_id`, on the global devices of all its processes.
 
   Call after `parallel.multihost.initialize`. Every process reads the learner's data shard and feeds
-  the rows of its own devices (`GlobalBatches`), so the learner's batch is `job.batch_size`.
+  the rows of its own devices (`GlobalBatches`), so the learner's batch is `job.run.batch_size`.
 
   Args:
     job: the run's config (identical in every process).

@@ -1,7 +1,7 @@
 """`ddiloco-simulate`: run Decoupled DiLoCo on a simulated cluster (virtual clock, real steps).
 
   ddiloco-simulate --gin_file=gin_configs/sim_tiny.gin --workdir=/tmp/sim \
-      --gin.ClusterConfig.num_learners=8
+      --gin.RunConfig.num_learners=8
 """
 
 import os

@@ -22,7 +22,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import signal
 import sys
 import threading
-import time
 
 from absl import app, flags, logging
 
@@ -39,9 +38,6 @@ _TOKEN_FILE = flags.DEFINE_string(
 )
 _TLS_CERT = flags.DEFINE_string("tls_cert_file", None, "PEM certificate chain for TLS")
 _TLS_KEY = flags.DEFINE_string("tls_key_file", None, "PEM private key for TLS")
-_MAX_RUNTIME = flags.DEFINE_float(
-  "max_runtime_s", 0.0, "stop after this long (0: until signalled)", lower_bound=0.0
-)
 _INSECURE = flags.DEFINE_bool(
   "insecure", False, "serve a non-loopback --host without a shared token (logs a warning)"
 )
@@ -89,8 +85,7 @@ def main(argv: list[str]) -> None:
     with open(tmp, "w") as f:
       f.write(str(server.port))
     os.replace(tmp, _PORT_FILE.value)
-  t_end = time.monotonic() + _MAX_RUNTIME.value if _MAX_RUNTIME.value > 0 else None
-  run.loop(stop, until=t_end)
+  run.loop(stop)
   summary = run.shutdown()
   print("syncer summary:", {k: summary[k] for k in ("merges", "final_eval_loss", "refused")})
   if summary["halted"] is not None:

@@ -37,12 +37,11 @@ import numpy as np
 from ddiloco.faults import FaultEvent, check_supported, parse_faults
 from ddiloco.fragments import tree
 from ddiloco.fragments.layout import FragmentLayout
-from ddiloco.fragments.schedule import FragmentSchedule
-from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.factory import LearnerFactory
 from ddiloco.metrics.accounting import BLOCKED, BUSY, DOWN, GONE, TimeLedger
 from ddiloco.metrics.writer import MetricsWriter
 from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
+from ddiloco.run_config import RunConfig
 from ddiloco.simulation import report
 from ddiloco.simulation.clock import EventQueue, VirtualNetwork
 from ddiloco.simulation.config import ClusterConfig
@@ -64,9 +63,9 @@ class SimulatedCluster:
 
   Args:
     factory: builds learners, the global initial parameters, the layout and the eval function.
-    cluster: fleet shape, faults, latencies and the run's length.
-    schedule: the fragment schedule (P, H, τ).
-    learner_config: learner protocol knobs (α, blocking).
+    run: the run: M, the token budget, the fragment schedule (P, H, τ), the learners' protocol
+      knobs (α, blocking), evaluation and logging periods.
+    fleet: the virtual fleet: step times, stragglers, faults, latencies.
     syncer_fn: builds the `Syncer` given (fragment_keys, init_values, clock, embedding_keys,
       schedule, layout_digest), e.g. `distributed.virtual.VirtualSyncer` with its configs bound;
       None runs without a syncer (the data-parallel baseline).
@@ -79,25 +78,24 @@ class SimulatedCluster:
     self,
     *,
     factory: LearnerFactory,
-    cluster: ClusterConfig,
-    schedule: FragmentSchedule,
-    learner_config: LearnerConfig,
+    run: RunConfig,
+    fleet: ClusterConfig,
     syncer_fn: Callable[..., Syncer] | None,
     writer: MetricsWriter | None = None,
     heartbeat_interval_s: float = 0.25,
   ):
     self.factory = factory
-    self.cfg = cluster
-    self.schedule = schedule
-    self.learner_config = learner_config
+    self.run_config, self.fleet = run, fleet
+    self.schedule = schedule = run.the_schedule()
+    self.learner_config = run.the_learner()
     self.writer = writer
     self.now = 0.0
     self._queue = EventQueue()
-    self._rng = np.random.default_rng(cluster.seed)
+    self._rng = np.random.default_rng(fleet.seed)
     self._net = VirtualNetwork(
-      bandwidth_gbps=cluster.bandwidth_gbps,
-      latency_jitter=cluster.latency_jitter,
-      rng=np.random.default_rng([cluster.seed, 1]),  # Latency jitter: its own stream.
+      bandwidth_gbps=fleet.bandwidth_gbps,
+      latency_jitter=fleet.latency_jitter,
+      rng=np.random.default_rng([fleet.seed, 1]),  # Latency jitter: its own stream.
     )
     self.layout: FragmentLayout = factory.layout
     self.syncer: Syncer | None = None
@@ -113,7 +111,7 @@ class SimulatedCluster:
     self.heartbeat_interval_s = heartbeat_interval_s
     self.ledger = TimeLedger()
     self.slots: dict[int, LearnerSlot] = {}
-    self.token_budget = cluster.token_budget(factory.tokens_per_step)
+    self.token_budget = run.num_learners * run.steps_per_learner * factory.tokens_per_step
     self.tokens_trained = 0
     self.lost_reports = 0
     self.merge_events: list[MergeEvent] = []
@@ -161,7 +159,9 @@ class SimulatedCluster:
     global model."""
     slot = self.slots.get(index)
     if slot is None:
-      slot = LearnerSlot(index=index, spec=self.cfg.spec_for(index))
+      run = self.run_config
+      spec = self.fleet.spec_for(index, num_learners=run.num_learners, batch_size=run.batch_size)
+      slot = LearnerSlot(index=index, spec=spec)
       self.slots[index] = slot
     if slot.learner is None:
       slot.learner = self.factory.make_learner(
@@ -229,7 +229,7 @@ class SimulatedCluster:
     ntok = int(np.prod(batch["targets"].shape))
     step_time = slot.count_step(ntok)
     self.tokens_trained += ntok
-    if learner.step % self.cfg.log_every == 0:
+    if learner.step % self.run_config.log_every == 0:
       report.record_train(self, slot, step_time)
     if self.syncer is not None:
       # Per-step metadata: the syncer's clock runs at the fleet's measured step rate.
@@ -279,7 +279,7 @@ class SimulatedCluster:
       anchor = slot.link.anchor_values(p, report.anchor_version)
       codec = "fp32" if anchor is None else self.syncer.config.uplink_codec
       at = self.now + self._net.transfer_s(
-        self._wire_bytes(report.values, codec), self._net.latency(self.cfg.uplink_latency_s)
+        self._wire_bytes(report.values, codec), self._net.latency(self.fleet.uplink_latency_s)
       )
       self._push(at, "arrive", report, anchor, slot.gen)
 
@@ -308,11 +308,11 @@ class SimulatedCluster:
     codec = self.syncer.config.downlink_codec
     nbytes = self._wire_bytes(state.values, codec)
     # ξ_sync includes delivering the merge (docs/algorithm.md §4.2), which the core's clock cannot see here.
-    self.syncer.observe_sync_time(self._net.transfer_s(nbytes, self.cfg.downlink_latency_s))
+    self.syncer.observe_sync_time(self._net.transfer_s(nbytes, self.fleet.downlink_latency_s))
 
   def _on_announcement(self, index: int, gen: int, event: Announcement) -> None:
     """The syncer asked for a round or published a version (under its lock: schedule only)."""
-    t = self.now + self._net.latency(self.cfg.downlink_latency_s)
+    t = self.now + self._net.latency(self.fleet.downlink_latency_s)
     if isinstance(event, RoundRequest):
       p = event.fragment
       if event.round_step > self._newest_round.get(p, -1):  # Opened now: the first to hear it.
@@ -409,7 +409,7 @@ class SimulatedCluster:
   def _on_eval(self) -> None:
     report.record_eval(self)
     if not self._finished:
-      self._push(self.now + self.cfg.eval_every_s, "eval")
+      self._push(self.now + self.run_config.eval_every_s, "eval")
 
   # -- public ---------------------------------------------------------------------------------
 
@@ -424,14 +424,14 @@ class SimulatedCluster:
     """Runs until the token budget is trained (or `max_time_s` of virtual time); returns the summary."""
     wall0 = time.perf_counter()
     faults = SimulatedFaults(self)
-    schedule = parse_faults(self.cfg.faults)
+    schedule = parse_faults(self.fleet.faults)
     check_supported(faults, schedule, "The simulator")
-    for index in range(self.cfg.num_learners):
+    for index in range(self.run_config.num_learners):
       self.start_learner(index, rejoin=False)
     for event in schedule:
       self._push(event.t, "fault", event)
-    if self.cfg.eval_every_s > 0:
-      self._push(self.cfg.eval_every_s, "eval")
+    if self.run_config.eval_every_s > 0:
+      self._push(self.run_config.eval_every_s, "eval")
     handlers = {
       "step_done": self._on_step_done,
       "wake": self._on_wake,
@@ -455,14 +455,14 @@ class SimulatedCluster:
         # waiting for a learner that will not come back. Stop rather than evaluate forever; the
         # stall counts as downtime up to the run's horizon when it has one.
         self.stalled = True
-        if math.isfinite(self.cfg.max_time_s):
-          self.now = self.cfg.max_time_s
+        if math.isfinite(self.fleet.max_time_s):
+          self.now = self.fleet.max_time_s
         break
       popped = self._queue.pop()  # Superseded wake-ups never come out: they do not move the clock.
       if popped is None:
         break
       t, kind, payload = popped
-      if t > self.cfg.max_time_s:
+      if t > self.fleet.max_time_s:
         break
       if self._finished and kind not in drain_kinds:
         continue

@@ -27,7 +27,7 @@ QUICK_BINDINGS = (
   "STEPS = 4",
   "FAULTS = ()",
   "InnerOptConfig.warmup_steps = 1",
-  "simulate.eval_batches = 1",
+  "RunConfig.eval_batches = 1",
 )
 GOAL = 1.005  # The goal: int4 eval loss within 0.5 % of bf16.
 RATIOS = (("int4", "bf16"), ("int8", "bf16"), ("bf16", "fp32"), ("int4", "fp32"))

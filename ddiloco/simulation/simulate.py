@@ -12,19 +12,11 @@ from typing import Any
 import gin
 
 from ddiloco import storage
-from ddiloco.data import text as text_data
-from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.distributed.virtual import VirtualSyncer
-from ddiloco.fragments.schedule import FragmentSchedule
-from ddiloco.learner.config import LearnerConfig, check_pacing
-from ddiloco.learner.factory import LearnerFactory
-from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.metrics.writer import MetricsWriter, write_summary
-from ddiloco.models import transformer
+from ddiloco.run_config import RunConfig
 from ddiloco.simulation.cluster import SimulatedCluster
 from ddiloco.simulation.config import ClusterConfig
-from ddiloco.syncer.core import SyncerConfig
-from ddiloco.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -33,20 +25,9 @@ log = logging.getLogger(__name__)
 def simulate(
   *,
   workdir: str,
-  model: transformer.TransformerConfig | None = None,
-  data: text_data.TextDataConfig | None = None,
-  task: Task | None = None,
-  cluster: ClusterConfig = gin.REQUIRED,
-  schedule: FragmentSchedule | None = None,
-  syncer: SyncerConfig | None = None,
-  service: ServiceConfig | None = None,
-  learner: LearnerConfig | None = None,
-  inner_opt: InnerOptConfig | None = None,
-  layout_strategy: str = "balanced",
-  split_large: bool = False,
+  run: RunConfig = gin.REQUIRED,
+  fleet: ClusterConfig | None = None,
   sync: bool = True,
-  seed: int = 0,
-  eval_batches: int = 8,
   tensorboard: bool = True,
   progress: Callable[[str], None] | None = None,
   on_start: Callable[[], None] | None = None,
@@ -55,21 +36,11 @@ def simulate(
 
   Args:
     workdir: output folder: metrics.jsonl, tb/, summary.json.
-    model: the transformer (vocab is set from the tokenizer), for a text run (with `data`).
-    data: the text pipeline, for a text run (with `model`).
-    task: what to train (`ddiloco.tasks`, e.g. `VisionTask`), instead of `model` and `data`.
-    cluster: fleet, faults, network, token budget.
-    schedule: fragments P, period H, overlap τ (default: docs/algorithm.md §2's 24/24/2).
-    syncer: quorum, grace, merge and outer optimizer (default: SyncerConfig()).
-    service: the syncer service's settings, as for a distributed run (default: ServiceConfig()):
-      the wire codecs both ways, and heartbeats and liveness, in virtual seconds.
-    learner: α and blocking (default: LearnerConfig()).
-    inner_opt: inner AdamW (default: InnerOptConfig()).
-    layout_strategy: "balanced" (default), "layer" or "tensor".
-    split_large: allow splitting tensors larger than total/P.
+    run: what to train and how: the task (or text model and data), schedule, syncer, learners,
+      inner optimizer, the syncer service's settings (wire codecs both ways, heartbeats and
+      liveness, here in virtual seconds), M learners and the token budget.
+    fleet: the virtual fleet: step times, stragglers, faults, network (default: ClusterConfig()).
     sync: False runs the data-parallel baseline: no syncer, learner 0's params are the model.
-    seed: parameter initialisation seed.
-    eval_batches: held-out batches per evaluation.
     tensorboard: write TensorBoard events too.
     progress: called with a one-line status every couple of seconds.
     on_start: called once the arguments are checked, before anything is written (the command line
@@ -80,31 +51,19 @@ def simulate(
     evaluation's loss and the task's aux metric means (e.g. "accuracy" for vision).
 
   Raises:
-    ValueError: for inconsistent arguments (both or neither of task and model/data).
+    ValueError: for a fleet that does not fit the run, or a baseline of more than one learner.
   """
-  schedule = schedule or FragmentSchedule(num_fragments=24, period=24, overlap=2)
-  syncer = syncer or SyncerConfig()
-  if not sync and cluster.num_learners != 1:
+  fleet = fleet or ClusterConfig()
+  fleet.check_fleet(run.num_learners)
+  if not sync and run.num_learners != 1:
     raise ValueError("The data-parallel baseline (sync=False) runs exactly one learner.")
-  factory = LearnerFactory(
-    task=task,
-    model_config=model,
-    data_config=data,
-    inner_opt=inner_opt or InnerOptConfig(),
-    num_fragments=schedule.num_fragments,
-    layout_strategy=layout_strategy,
-    split_large=split_large,
-    num_shards=cluster.num_shards(),
-    seed=seed,
-    eval_batches=eval_batches,
-    batch_size=cluster.batch_size,
-  )
-
-  service = service or ServiceConfig()
-  if sync:
-    check_pacing(learner or LearnerConfig(), syncer)
+  schedule = run.the_schedule()
+  factory = run.factory(num_shards=fleet.num_shards(run.num_learners))
+  service = run.the_service()
   # The distributed runtime's syncer service, on the virtual clock (distributed/virtual.py).
-  syncer_fn = functools.partial(VirtualSyncer, syncer_config=syncer, service_config=service)
+  syncer_fn = functools.partial(
+    VirtualSyncer, syncer_config=run.the_syncer(), service_config=service
+  )
 
   if on_start is not None:
     on_start()
@@ -119,9 +78,8 @@ def simulate(
     )
     sim = SimulatedCluster(
       factory=factory,
-      cluster=cluster,
-      schedule=schedule,
-      learner_config=learner or LearnerConfig(),
+      run=run,
+      fleet=fleet,
       syncer_fn=syncer_fn if sync else None,
       writer=writer,
       heartbeat_interval_s=service.heartbeat_interval_s,

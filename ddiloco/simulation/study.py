@@ -28,12 +28,12 @@ from ddiloco.metrics.writer import HEADLINE_KEYS, read_events
 from ddiloco.simulation.simulate import simulate
 
 TEXT_SEEDS = (
-  "simulate.seed = {seed}",
+  "RunConfig.seed = {seed}",
   "ClusterConfig.seed = {seed}",
   "TextDataConfig.seed = {seed}",
 )
 VISION_SEEDS = (
-  "simulate.seed = {seed}",
+  "RunConfig.seed = {seed}",
   "ClusterConfig.seed = {seed}",
   "VisionDataConfig.seed = {seed}",
 )

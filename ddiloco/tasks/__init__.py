@@ -1,7 +1,7 @@
 """ddiloco.tasks: what a run trains (model + loss + data + eval), behind one `Task` interface.
 
 Importing this package registers `TextTask` and `VisionTask` with gin (module "ddiloco"), so a run
-file binds `simulate.task = @VisionTask()` (or `JobConfig.task = ...`).
+file binds `RunConfig.task = @VisionTask()`.
 """
 
 import gin

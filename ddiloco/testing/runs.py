@@ -18,8 +18,8 @@ def quick(*, learners: int = 2, steps: int = 32, more: Sequence[str] = ()) -> li
   return [
     f"LEARNERS = {learners}",
     f"STEPS = {steps}",
-    "JobConfig.eval_every_s = 0.0",
-    "JobConfig.eval_batches = 2",
+    "RunConfig.eval_every_s = 0.0",
+    "RunConfig.eval_batches = 2",
     "InnerOptConfig.warmup_steps = 4",
     *more,
   ]

@@ -81,8 +81,8 @@ def tiny_gin():
     [
       "STEPS = 4",
       "InnerOptConfig.warmup_steps = 1",
-      "ClusterConfig.eval_every_s = 0.0",
-      "simulate.eval_batches = 1",
+      "RunConfig.eval_every_s = 0.0",
+      "RunConfig.eval_batches = 1",
       "FragmentSchedule.num_fragments = 4",
       "FragmentSchedule.period = 4",
     ],

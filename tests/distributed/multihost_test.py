@@ -23,6 +23,7 @@ from ddiloco.launch.job import JobConfig
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.models import configs
+from ddiloco.run_config import RunConfig
 from ddiloco.syncer.types import SyncerConfig
 from ddiloco.transport.client import SyncerClient
 
@@ -31,16 +32,18 @@ pytestmark = pytest.mark.timeout(120)  # Sockets and threads: a hang must fail t
 L, B = 8, 8
 ONE_BLOCK = {"num_layers": 1, "d_model": 32, "num_heads": 2, "head_dim": 16, "mlp_dim": 64}
 JOB = JobConfig(
-  model=configs.transformer_config("tiny", vocab_size=256, max_len=L, **ONE_BLOCK),
-  data=text_data.TextDataConfig(seq_len=L, batch_size=B),
-  schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
-  syncer=SyncerConfig(use_grace=False, outer_momentum=0.0),
-  inner_opt=InnerOptConfig(warmup_steps=1, decay_steps=50),
-  service=ServiceConfig(
-    uplink_codec="fp32", downlink_codec="fp32", heartbeat_interval_s=0.05, liveness_timeout_s=600
-  ),
-  num_learners=1,
-  eval_batches=1,
+  run=RunConfig(
+    model=configs.transformer_config("tiny", vocab_size=256, max_len=L, **ONE_BLOCK),
+    data=text_data.TextDataConfig(seq_len=L, batch_size=B),
+    schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
+    syncer=SyncerConfig(use_grace=False, outer_momentum=0.0),
+    inner_opt=InnerOptConfig(warmup_steps=1, decay_steps=50),
+    service=ServiceConfig(
+      uplink_codec="fp32", downlink_codec="fp32", heartbeat_interval_s=0.05, liveness_timeout_s=600
+    ),
+    num_learners=1,
+    eval_batches=1,
+  )
 )
 
 
@@ -72,9 +75,9 @@ def syncer():
   svc = server_lib.make_syncer(
     fragment_keys=factory.layout.fragments,
     init_values=factory.global_init_values(),
-    syncer_config=JOB.the_syncer(),
-    schedule=JOB.the_schedule(),
-    service_config=JOB.the_service(),
+    syncer_config=JOB.run.the_syncer(),
+    schedule=JOB.run.the_schedule(),
+    service_config=JOB.run.the_service(),
     layout_digest=factory.layout.digest,
     embedding_keys=factory.embedding_keys(),
   )
@@ -93,8 +96,11 @@ def test_process_zero_needs_the_client(tmp_path):
 # step has its round and every merge is applied at the step after its answer, whatever the timing.
 LOCK_STEP = dataclasses.replace(
   JOB,
-  syncer=dataclasses.replace(JOB.syncer, clock="slowest"),
-  learner=LearnerConfig(blocking=True),
+  run=dataclasses.replace(
+    JOB.run,
+    syncer=dataclasses.replace(JOB.run.syncer, clock="slowest"),
+    learner=LearnerConfig(blocking=True),
+  ),
 )
 
 
@@ -103,9 +109,9 @@ def test_one_process_trains_applies_exact_bits_and_digests_params(tmp_path):
   svc = server_lib.make_syncer(
     fragment_keys=factory.layout.fragments,
     init_values=factory.global_init_values(),
-    syncer_config=LOCK_STEP.the_syncer(),
-    schedule=LOCK_STEP.the_schedule(),
-    service_config=LOCK_STEP.the_service(),
+    syncer_config=LOCK_STEP.run.the_syncer(),
+    schedule=LOCK_STEP.run.the_schedule(),
+    service_config=LOCK_STEP.run.the_service(),
     layout_digest=factory.layout.digest,
     embedding_keys=factory.embedding_keys(),
   )

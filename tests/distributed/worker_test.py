@@ -36,6 +36,7 @@ from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.models import configs
 from ddiloco.protocol import FragmentState, RoundRequest
+from ddiloco.run_config import RunConfig
 from ddiloco.syncer.types import Report, SyncerConfig
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 
@@ -45,17 +46,19 @@ P, L, B = 2, 8, 8
 TOKENS_PER_STEP = B * L  # 64
 ONE_BLOCK = {"num_layers": 1, "d_model": 32, "num_heads": 2, "head_dim": 16, "mlp_dim": 64}
 JOB = JobConfig(
-  model=configs.transformer_config("tiny", vocab_size=256, max_len=L, **ONE_BLOCK),
-  data=text_data.TextDataConfig(seq_len=L, batch_size=B),
-  schedule=FragmentSchedule(num_fragments=P, period=2, overlap=1),
-  syncer=SyncerConfig(use_grace=False, keep_versions=9, outer_momentum=0.0, clock="slowest"),
-  learner=LearnerConfig(blocking=True),
-  inner_opt=InnerOptConfig(warmup_steps=1, decay_steps=50),
-  service=ServiceConfig(
-    uplink_codec="fp32", downlink_codec="fp32", heartbeat_interval_s=0.05, liveness_timeout_s=600
-  ),
-  num_learners=2,
-  eval_batches=1,
+  run=RunConfig(
+    model=configs.transformer_config("tiny", vocab_size=256, max_len=L, **ONE_BLOCK),
+    data=text_data.TextDataConfig(seq_len=L, batch_size=B),
+    schedule=FragmentSchedule(num_fragments=P, period=2, overlap=1),
+    syncer=SyncerConfig(use_grace=False, keep_versions=9, outer_momentum=0.0, clock="slowest"),
+    learner=LearnerConfig(blocking=True),
+    inner_opt=InnerOptConfig(warmup_steps=1, decay_steps=50),
+    service=ServiceConfig(
+      uplink_codec="fp32", downlink_codec="fp32", heartbeat_interval_s=0.05, liveness_timeout_s=600
+    ),
+    num_learners=2,
+    eval_batches=1,
+  )
 )
 
 
@@ -64,7 +67,7 @@ class _Recording:
 
   def __init__(self, learner_id: int):
     self._it = text_data.make_train_iterator(
-      JOB.data, shard_index=learner_id % JOB.num_learners, num_shards=JOB.num_learners
+      JOB.run.data, shard_index=learner_id % JOB.run.num_learners, num_shards=JOB.run.num_learners
     )
     self.batches: list[dict[str, np.ndarray]] = []
 
@@ -89,9 +92,9 @@ def syncer(request):
   svc = server_lib.make_syncer(
     fragment_keys=factory.layout.fragments,
     init_values=factory.global_init_values(),
-    syncer_config=JOB.the_syncer(),
-    schedule=JOB.the_schedule(),
-    service_config=JOB.the_service(),
+    syncer_config=JOB.run.the_syncer(),
+    schedule=JOB.run.the_schedule(),
+    service_config=JOB.run.the_service(),
     layout_digest=factory.layout.digest,
     embedding_keys=factory.embedding_keys(),
   )
@@ -351,7 +354,8 @@ def test_a_round_asked_while_a_step_runs_is_answered_before_the_step_ends(tmp_pa
   class _NoSyncer:
     address = "nowhere"
 
-  job = dataclasses.replace(JOB, learner=LearnerConfig())  # Decoupled DiLoCo: never blocks.
+  # Decoupled DiLoCo: never blocks.
+  job = dataclasses.replace(JOB, run=dataclasses.replace(JOB.run, learner=LearnerConfig()))
   worker, writer = runtime.make_learner_worker(
     job, learner_id=0, client=_NoSyncer(), workdir=str(tmp_path / "w")
   )

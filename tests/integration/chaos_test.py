@@ -38,7 +38,7 @@ def test_chaos_smoke_keeps_every_invariant(tmp_path):
     f"--gin_search_paths={os.path.join(ROOT, 'gin_configs')}",
   ]
   cluster = local_cluster.LocalCluster(
-    workdir=str(tmp_path / "chaos"), gin_args=args, num_learners=job.num_learners
+    workdir=str(tmp_path / "chaos"), gin_args=args, num_learners=job.run.num_learners
   )
   run = ChaosRun(job, chaos, cluster)
   run.run(timeout_s=800)

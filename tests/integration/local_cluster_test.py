@@ -39,7 +39,7 @@ def test_two_learners_merge_agree_and_learn(tmp_path):
   assert summary["digest_checks"] > 0
   assert summary["final_eval_loss"] < summary["initial_eval_loss"]
   assert summary["budget_reached"] is True
-  assert summary["tokens_trained"] == 2 * 48 * job.tokens_per_step()
+  assert summary["tokens_trained"] == 2 * 48 * job.run.tokens_per_step()
   assert set(summary["learners"]) == {"0", "1"}
   assert summary["bytes_up"] > 0 and summary["bytes_down"] > 0
   assert summary["syncer"]["uplink_codec"] == "int4"
@@ -72,7 +72,7 @@ def test_stop_all_leaves_no_process_behind(tmp_path):
 def test_learner_failure_stops_everything(tmp_path):
   job = runs.parse_job(GIN, [*FAST, "STEPS = 100000"])
   cluster = _cluster(tmp_path, [*FAST, "STEPS = 100000"])
-  cluster.extra_learner_args = ["--steps=100000"]
+  cluster.extra_learner_args = ["--gin_bindings=RunConfig.steps_per_learner = 100000"]
 
   def kill_learner(line):
     child = cluster.learners.get(1)

@@ -27,8 +27,8 @@ STEPS = 40
 BINDINGS = [
   "LEARNERS = 1",
   f"STEPS = {STEPS}",
-  "JobConfig.eval_every_s = 0.0",
-  "JobConfig.eval_batches = 2",
+  "RunConfig.eval_every_s = 0.0",
+  "RunConfig.eval_batches = 2",
   "InnerOptConfig.warmup_steps = 4",
   # 8 fragments every 8 steps: each is sent 5 times in 40 steps (fewer compiles than 24).
   "FragmentSchedule.num_fragments = 8",
@@ -270,7 +270,7 @@ def test_ddiloco_local_runs_two_learners_of_two_processes(tmp_path):
     f"--gin_search_paths={os.path.join(ROOT, 'gin_configs')}",
     *[f"--gin_bindings={b}" for b in bindings],
     f"--workdir={workdir}",
-    "--processes_per_learner=2",
+    "--gin.JobConfig.processes_per_learner=2",
     "--progress_every_s=5",
     "--timeout_s=240",
   ]

@@ -207,7 +207,7 @@ def test_runtime_env_ships_a_users_module_to_the_programs(tmp_path, monkeypatch)
     "import gin\n\n\n@gin.configurable\ndef user_steps():\n  return 12\n"
   )
   (user / "run.gin").write_text(
-    f'import user_steps\n\ninclude "{GIN}"\n\nJobConfig.steps_per_learner = @user_steps()\n'
+    f'import user_steps\n\ninclude "{GIN}"\n\nRunConfig.steps_per_learner = @user_steps()\n'
   )
   elsewhere = tmp_path / "elsewhere"  # The launcher's folder: no user_steps.py there.
   elsewhere.mkdir()
@@ -216,7 +216,7 @@ def test_runtime_env_ships_a_users_module_to_the_programs(tmp_path, monkeypatch)
   gin_file = str(user / "run.gin")
   bindings = [b for b in FAST if not b.startswith("STEPS")]
   job = runs.parse_job(gin_file, bindings)
-  assert job.steps_per_learner == 12
+  assert job.run.steps_per_learner == 12
   cluster = ray_cluster.RayCluster(
     workdir=str(tmp_path / "run"),
     gin_args=runs.gin_args(gin_file, bindings),
@@ -240,7 +240,7 @@ def test_a_crash_loop_ends_the_run_instead_of_restarting_for_ever(tmp_path):
     workdir=str(tmp_path),
     gin_args=runs.gin_args(GIN, FAST),
     num_learners=2,
-    extra_learner_args=["--gin_bindings=JobConfig.steps_per_learner = 0"],
+    extra_learner_args=["--gin_bindings=RunConfig.steps_per_learner = 0"],
     ray_config=RayConfig(local_num_cpus=4, crash_loop_restarts=2),
   )
   cluster.connect()

@@ -25,7 +25,7 @@ SCRIPTS = {
   "ddiloco-goodput": ("goodput_main", "--workdir"),
   "ddiloco-syncer": ("syncer_main", "--port_file"),
   "ddiloco-learner": ("learner_main", "--syncer_address"),
-  "ddiloco-local": ("local", "--num_learners"),
+  "ddiloco-local": ("local", "--timeout_s"),
   "ddiloco-chaos": ("chaos_main", "--baseline_loss"),
   "ddiloco-replay": ("replay_main", "--tape"),
   "ddiloco-fleet": ("fleet_main", "--learner_gin"),
@@ -78,7 +78,7 @@ def test_help_prints_the_docstring_and_the_flags(prog):
 def test_helpfull_lists_every_flag_and_exits_0():
   proc = _script("ddiloco-local", "--helpfull")
   assert proc.returncode == 0
-  assert "--num_learners" in proc.stdout and "--verbosity" in proc.stdout
+  assert "--timeout_s" in proc.stdout and "--verbosity" in proc.stdout
 
 
 def test_help_as_a_module_lists_the_flags():
@@ -90,7 +90,7 @@ def test_help_as_a_module_lists_the_flags():
     timeout=90,
     check=False,
   )
-  assert proc.returncode == 0 and "  --num_learners" in proc.stdout
+  assert proc.returncode == 0 and "  --timeout_s" in proc.stdout
 
 
 def _assert_one_line_error(proc, prog, workdir, *expected):
@@ -129,19 +129,19 @@ def test_gin_file_not_found(tmp_path):
 def test_misspelled_parameter_suggests_the_closest(tmp_path):
   w = tmp_path / "w"
   proc = _script(
-    "ddiloco-local", f"--workdir={w}", f"--gin_file={LOCAL_GIN}", "--gin.JobConfig.num_lerners=2"
+    "ddiloco-local", f"--workdir={w}", f"--gin_file={LOCAL_GIN}", "--gin.RunConfig.num_lerners=2"
   )
   _assert_one_line_error(
-    proc, "ddiloco-local", w, "'num_lerners'", "Did you mean 'num_learners'", "JobConfig"
+    proc, "ddiloco-local", w, "'num_lerners'", "Did you mean 'num_learners'", "RunConfig"
   )
 
 
 def test_misspelled_configurable_suggests_the_closest(tmp_path):
   w = tmp_path / "w"
   proc = _script(
-    "ddiloco-local", f"--workdir={w}", f"--gin_file={LOCAL_GIN}", "--gin.JobConfg.num_learners=2"
+    "ddiloco-local", f"--workdir={w}", f"--gin_file={LOCAL_GIN}", "--gin.RunConfg.num_learners=2"
   )
-  _assert_one_line_error(proc, "ddiloco-local", w, "'JobConfg'", "Did you mean 'JobConfig'")
+  _assert_one_line_error(proc, "ddiloco-local", w, "'RunConfg'", "Did you mean 'RunConfig'")
 
 
 @pytest.mark.parametrize("script", ["ddiloco-local", "ddiloco-simulate"])
@@ -166,7 +166,7 @@ def test_a_moved_parameter_says_where_it_lives_now(tmp_path):
 def test_bad_line_in_a_gin_file_names_the_file(tmp_path):
   w = tmp_path / "w"
   bad = tmp_path / "bad.gin"
-  bad.write_text("# A typo on line 2.\nJobConfig.log_evry = 3\n")
+  bad.write_text("# A typo on line 2.\nRunConfig.log_evry = 3\n")
   proc = _script("ddiloco-local", f"--workdir={w}", f"--gin_file={bad}")
   _assert_one_line_error(proc, "ddiloco-local", w, str(bad), "line 2", "Did you mean 'log_every'")
 
@@ -189,22 +189,24 @@ def test_unwritable_workdir(tmp_path):
   _assert_one_line_error(proc, "ddiloco-local", w, "cannot write the workdir", str(w))
 
 
-@pytest.mark.parametrize("value", ["0", "-1"])
-def test_num_learners_is_checked_as_jobconfig_is(tmp_path, value):
+@pytest.mark.parametrize(
+  "binding", ["RunConfig.num_learners=0", "LEARNERS=-1", "JobConfig.processes_per_learner=0"]
+)
+def test_a_bad_count_is_refused_by_its_config(tmp_path, binding):
   w = tmp_path / "w"
-  proc = _script(
-    "ddiloco-local", f"--workdir={w}", f"--gin_file={LOCAL_GIN}", f"--num_learners={value}"
-  )
-  _assert_one_line_error(proc, "ddiloco-local", w, f"num_learners={value}", "must be >= 1")
+  proc = _script("ddiloco-local", f"--workdir={w}", f"--gin_file={LOCAL_GIN}", f"--gin.{binding}")
+  field = binding.split("=")[0].split(".")[-1].replace("LEARNERS", "num_learners")
+  value = binding.split("=")[1]
+  _assert_one_line_error(proc, "ddiloco-local", w, f"{field}={value}", "must be >= 1")
 
 
 def test_simulate_refuses_a_bad_value(tmp_path):
   w = tmp_path / "w"
   proc = _script("ddiloco-simulate", f"--workdir={w}", f"--gin_file={SIM_GIN}", "--gin.LEARNERS=0")
-  _assert_one_line_error(proc, "ddiloco-simulate", w, "num_learners must be >= 1, got 0")
+  _assert_one_line_error(proc, "ddiloco-simulate", w, "num_learners=0", "must be >= 1", "RunConfig")
 
 
-def test_learner_steps_are_checked_as_jobconfig_is(tmp_path):
+def test_learner_steps_are_checked_as_the_run_config_is(tmp_path):
   w = tmp_path / "w"
   proc = _script(
     "ddiloco-learner",
@@ -212,9 +214,25 @@ def test_learner_steps_are_checked_as_jobconfig_is(tmp_path):
     f"--gin_file={LOCAL_GIN}",
     "--learner_id=0",
     "--syncer_address=127.0.0.1:1",
-    "--steps=0",
+    "--gin.RunConfig.steps_per_learner=0",
   )
-  _assert_one_line_error(proc, "ddiloco-learner", w, "steps_per_learner=0")
+  _assert_one_line_error(proc, "ddiloco-learner", w, "steps_per_learner=0", "RunConfig")
+
+
+@pytest.mark.parametrize(
+  ("script", "gin_file", "binding", "expected"),
+  [
+    ("ddiloco-local", LOCAL_GIN, "JobConfig.num_learners=2", "RunConfig.num_learners"),
+    ("ddiloco-simulate", SIM_GIN, "ClusterConfig.log_every=2", "RunConfig.log_every"),
+    ("ddiloco-simulate", SIM_GIN, "simulate.cluster=None", "simulate.fleet"),
+  ],
+)
+def test_a_parameter_that_moved_to_the_run_config_says_so(
+  tmp_path, script, gin_file, binding, expected
+):
+  w = tmp_path / "w"
+  proc = _script(script, f"--workdir={w}", f"--gin_file={gin_file}", f"--gin.{binding}")
+  _assert_one_line_error(proc, script, w, expected)
 
 
 @pytest.mark.parametrize(

@@ -25,8 +25,8 @@ STUDIES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/studies/*.
 FAST = [
   "STEPS = 3",
   "InnerOptConfig.warmup_steps = 1",
-  "ClusterConfig.eval_every_s = 0.0",
-  "simulate.eval_batches = 1",
+  "RunConfig.eval_every_s = 0.0",
+  "RunConfig.eval_batches = 1",
 ]
 
 
@@ -50,6 +50,7 @@ def test_every_config_is_covered():
   }
   sizes = ("tiny", "small", "2b", "5b", "9b", "tiny_moe", "small_moe", "5b_moe", "vit_tiny")
   included = {f"models/{s}.gin" for s in sizes}
+  included.add("runs/run_base.gin")
   included.add("runs/decoupled_base.gin")
   included.add("runs/distributed_base.gin")
   assert shipped == (
@@ -77,12 +78,14 @@ def test_model_configs_parse(size):
 
 @pytest.mark.parametrize("run", RUNS)
 def test_run_configs_parse_and_build(run):
+  from ddiloco.run_config import RunConfig
   from ddiloco.simulation.config import ClusterConfig
   from ddiloco.syncer.core import SyncerConfig
 
   _parse([run])
-  assert ClusterConfig().num_learners == gin.query_parameter("%LEARNERS")
+  assert RunConfig().num_learners == gin.query_parameter("%LEARNERS")
   assert SyncerConfig().min_quorum == 1
+  assert ClusterConfig().faults == gin.query_parameter("%FAULTS")
 
 
 @pytest.mark.parametrize("baseline", [None, *BASELINES])
@@ -105,10 +108,36 @@ def test_distributed_configs_build_a_job(run):
   _parse([run])
   job = JobConfig()
   RayConfig()  # Its bindings, where the file has them, are valid.
-  assert job.num_learners >= 2
+  run = job.run
+  assert run.num_learners >= 2
   factory = job.factory()
-  assert factory.layout.num_fragments == job.the_schedule().num_fragments
-  assert job.token_budget() == job.num_learners * job.steps_per_learner * job.tokens_per_step()
+  assert factory.layout.num_fragments == run.the_schedule().num_fragments
+  assert run.token_budget() == run.num_learners * run.steps_per_learner * run.tokens_per_step()
+
+
+def test_the_simulator_and_the_launchers_read_one_run_config():
+  """runs/run_base.gin binds RunConfig once: sim_tiny.gin and local_tiny.gin at the same run length
+  differ only in the wire codecs (their bases') and in their own evaluation cadence."""
+  import dataclasses
+
+  from ddiloco.launch import gin_flags
+  from ddiloco.launch.job import JobConfig
+  from ddiloco.run_config import RunConfig
+
+  gin_flags.register_configurables()
+  _parse(["sim_tiny.gin"], ["STEPS = 50"])
+  sim = RunConfig()
+  _parse(["local_tiny.gin"], ["STEPS = 50"])
+  job = JobConfig()
+  assert job.run == RunConfig()  # JobConfig.run = @RunConfig(): the very bindings.
+  assert (sim.service.uplink_codec, job.run.service.uplink_codec) == ("fp32", "int4")
+  same = dataclasses.replace(
+    job.run,
+    service=sim.service,
+    eval_every_s=sim.eval_every_s,
+    log_every=sim.log_every,
+  )
+  assert same == sim
 
 
 @pytest.mark.parametrize("run", CHAOS)
@@ -123,7 +152,7 @@ def test_chaos_configs_build_a_job_and_a_schedule(run):
   gin.add_config_file_search_path(os.path.join(ROOT, "chaos"))
   gin.parse_config_files_and_bindings([os.path.join(ROOT, run)], [])
   job, chaos = JobConfig(), ChaosConfig()
-  schedule = make_schedule(chaos, job.num_learners)
+  schedule = make_schedule(chaos, job.run.num_learners)
   assert len(CHAOS) == 3
   assert sum(ev.kind == "kill_syncer" for ev in schedule) == len(chaos.syncer_kill_times_s) >= 1
   assert any(ev.kind == "kill_learner" for ev in schedule)
@@ -131,10 +160,10 @@ def test_chaos_configs_build_a_job_and_a_schedule(run):
 
 @pytest.mark.parametrize("run", STUDIES)
 def test_study_configs_parse_and_build(run):
+  from ddiloco.run_config import RunConfig
   from ddiloco.simulation.config import ClusterConfig
 
   _parse([run])
-  cluster = ClusterConfig()
-  assert cluster.num_learners == gin.query_parameter("%LEARNERS") == 4
-  assert cluster.faults == ()  # The studies' rows add their own faults (or none).
+  assert RunConfig().num_learners == gin.query_parameter("%LEARNERS") == 4
+  assert ClusterConfig().faults == ()  # The studies' rows add their own faults (or none).
   assert len(STUDIES) == 3

@@ -24,7 +24,7 @@ def _cluster(tmp_path, processes=2, devices=2):
     num_learners=2,
     devices_per_learner=devices,
     python="/usr/bin/python3",
-    extra_learner_args=["--steps=7"],
+    extra_learner_args=["--gin_bindings=RunConfig.steps_per_learner = 7"],
     processes_per_learner=processes,
   )
   cluster.port = 4321  # As if the syncer served.
@@ -65,7 +65,7 @@ def test_one_process_learner_keeps_its_command_line(tmp_path):
     "--learner_id=3",
     "--syncer_address=127.0.0.1:4321",
     "--gin_file=/cfg/run.gin",
-    "--steps=7",
+    "--gin_bindings=RunConfig.steps_per_learner = 7",
     "--x=1",
   ]
   assert launch.log_path == os.path.join(folder, "log.txt")
@@ -93,7 +93,11 @@ def test_two_process_learner_launches_two_slice_members(tmp_path):
     ]
     assert "--num_processes=2" in argv and f"--process_id={i}" in argv
     # ... and the per-learner flags last, so their gin bindings win.
-    assert argv[-3:] == ["--gin_file=/cfg/run.gin", "--steps=7", "--x=1"]
+    assert argv[-3:] == [
+      "--gin_file=/cfg/run.gin",
+      "--gin_bindings=RunConfig.steps_per_learner = 7",
+      "--x=1",
+    ]
     coordinators |= {a for a in argv if a.startswith("--coordinator_address=127.0.0.1:")}
     # Each process has its own devices_per_learner fake CPU devices (a 6-device mesh in all).
     assert "--xla_force_host_platform_device_count=3" in launch.env["XLA_FLAGS"].split()
@@ -347,13 +351,16 @@ def _progress_cluster(tmp_path, *children):
   from ddiloco.data.text import TextDataConfig
   from ddiloco.launch.job import JobConfig
   from ddiloco.models import configs
+  from ddiloco.run_config import RunConfig
 
   cluster = _cluster(tmp_path, processes=1)
   cluster.fleet.job = JobConfig(
-    model=configs.transformer_config("tiny", max_len=64),
-    data=TextDataConfig(seq_len=64, batch_size=8),  # 512 tokens per step.
-    num_learners=len(children),
-    steps_per_learner=100,
+    run=RunConfig(
+      model=configs.transformer_config("tiny", max_len=64),
+      data=TextDataConfig(seq_len=64, batch_size=8),
+      num_learners=len(children),
+      steps_per_learner=100,
+    )
   )
   cluster.learners.update(enumerate(children))  # The dict the fleet shares: filled, not rebound.
   return cluster

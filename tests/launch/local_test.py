@@ -33,7 +33,7 @@ def test_ctrl_c_writes_the_partial_summary_and_plot(tmp_path):
     f"--workdir={workdir}",
     "--gin.LEARNERS=1",
     "--gin.STEPS=2000",  # Far more than it can train before the interrupt.
-    "--gin.JobConfig.eval_batches=1",
+    "--gin.RunConfig.eval_batches=1",
     "--gin.InnerOptConfig.warmup_steps=4",
     "--progress_every_s=0.5",
   ]

@@ -28,6 +28,7 @@ from ddiloco.launch.job import JobConfig
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.metrics.writer import read_events, read_scalars
 from ddiloco.models import configs
+from ddiloco.run_config import RunConfig
 from ddiloco.syncer.types import Report, SyncerConfig
 from ddiloco.transport.client import SyncerClient
 
@@ -36,13 +37,15 @@ pytestmark = pytest.mark.timeout(120)  # Sockets and threads: a hang must fail t
 L, B = 8, 8
 ONE_BLOCK = {"num_layers": 1, "d_model": 32, "num_heads": 2, "head_dim": 16, "mlp_dim": 64}
 JOB = JobConfig(
-  model=configs.transformer_config("tiny", vocab_size=256, max_len=L, **ONE_BLOCK),
-  data=text_data.TextDataConfig(seq_len=L, batch_size=B),
-  schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
-  syncer=SyncerConfig(use_grace=False, min_quorum=1),
-  service=ServiceConfig(uplink_codec="fp32", downlink_codec="fp32", liveness_timeout_s=600),
-  num_learners=1,
-  eval_batches=1,
+  run=RunConfig(
+    model=configs.transformer_config("tiny", vocab_size=256, max_len=L, **ONE_BLOCK),
+    data=text_data.TextDataConfig(seq_len=L, batch_size=B),
+    schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
+    syncer=SyncerConfig(use_grace=False, min_quorum=1),
+    service=ServiceConfig(uplink_codec="fp32", downlink_codec="fp32", liveness_timeout_s=600),
+    num_learners=1,
+    eval_batches=1,
+  )
 )
 # Saved only when the test says. Without the version log, so that the fallbacks (learners' hand-back,
 # republishing) are what a restart uses; `test_a_restart_takes_lost_versions_back_from_its_log`
@@ -80,12 +83,13 @@ def _merge(run: runtime.SyncerRun, p: int, step: int) -> None:
 def test_the_syncer_paces_rounds_by_the_jobs_schedule(tmp_path):
   # H = 6 with P = 2, τ = 3: the syncer's step clock and its grace window use the job's schedule
   # (they once used P = H = the number of fragments), and learners are told its τ at Register.
-  job = dataclasses.replace(JOB, schedule=FragmentSchedule(num_fragments=2, period=6, overlap=3))
+  schedule = FragmentSchedule(num_fragments=2, period=6, overlap=3)
+  job = dataclasses.replace(JOB, run=dataclasses.replace(JOB.run, schedule=schedule))
   run = runtime.SyncerRun(job, workdir=str(tmp_path / "syncer"), checkpoint=CHECKPOINT)
   run.serve("127.0.0.1:0")
   client = SyncerClient(f"127.0.0.1:{run.server.port}")
   try:
-    assert run.service.core.schedule == job.the_schedule()
+    assert run.service.core.schedule == job.run.the_schedule()
     layout = job.factory().layout
     resp = client.register(0, layout_digest=layout.digest, num_fragments=2)
     assert resp.overlap == 3
@@ -284,13 +288,14 @@ def test_syncer_and_learner_write_tensorboard_scalars_on_tokens(tmp_path):
   against tokens, read back with TensorBoard's own reader; a second run gets its own folder. Their
   summaries split the answers' latency into its parts."""
   # Blocking, on the slowest learner's clock (as tests/distributed/worker_test.py): every round merges.
-  job = dataclasses.replace(
-    JOB,
+  run_config = dataclasses.replace(
+    JOB.run,
     log_every=2,
     syncer=SyncerConfig(use_grace=False, min_quorum=1, clock="slowest"),
     learner=LearnerConfig(blocking=True),
-    service=dataclasses.replace(JOB.service, heartbeat_interval_s=0.05),
+    service=dataclasses.replace(JOB.run.service, heartbeat_interval_s=0.05),
   )
+  job = dataclasses.replace(JOB, run=run_config)
   run = runtime.SyncerRun(job, workdir=str(tmp_path / "syncer"))
   server = run.serve("127.0.0.1:0")
   client = SyncerClient(f"127.0.0.1:{server.port}", deadline_s=10.0)

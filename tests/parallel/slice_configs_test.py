@@ -37,7 +37,7 @@ gin_flags.register_configurables()
 gin.add_config_file_search_path(root + "/gin_configs")
 gin.parse_config_files_and_bindings([path], [])
 job, ray = JobConfig(), RayConfig()
-task = job.the_task()
+task = job.run.the_task()
 mesh = mesh_lib.make_mesh(devices=jax.devices(), model_parallelism=job.model_parallelism)
 abstract, _ = partitioning.abstract_params(task.model, mesh, inputs=task.dummy_inputs(1))
 uneven, state_bytes, params = [], 0, 0

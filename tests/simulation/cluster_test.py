@@ -18,6 +18,7 @@ from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.factory import LearnerFactory
 from ddiloco.metrics.writer import read_events, read_scalars
 from ddiloco.models import configs
+from ddiloco.run_config import RunConfig
 from ddiloco.simulation.cluster import SimulatedCluster
 from ddiloco.simulation.config import ClusterConfig
 from ddiloco.simulation.simulate import simulate
@@ -49,9 +50,16 @@ def test_identity_reproduces_plain_training():
   )
   sim = SimulatedCluster(
     factory=factory,
-    cluster=ClusterConfig(num_learners=1, steps_per_learner=steps, uplink_latency_s=0.01),
-    schedule=FragmentSchedule(num_fragments=1, period=1, overlap=0),
-    learner_config=LearnerConfig(blocking=True),
+    run=RunConfig(
+      model=_model(),
+      data=DATA,
+      schedule=FragmentSchedule(num_fragments=1, period=1, overlap=0),
+      syncer=syncer,
+      learner=LearnerConfig(blocking=True),
+      num_learners=1,
+      steps_per_learner=steps,
+    ),
+    fleet=ClusterConfig(uplink_latency_s=0.01),
     syncer_fn=functools.partial(VirtualSyncer, syncer_config=syncer, service_config=FP32),
   )
   summary = sim.run()
@@ -61,11 +69,11 @@ def test_identity_reproduces_plain_training():
   # The same learner, the same data, no syncer.
   plain = factory.make_learner(
     0,
-    spec=ClusterConfig(num_learners=1).spec_for(0),
+    spec=ClusterConfig().spec_for(0, num_learners=1, batch_size=None),
     schedule=FragmentSchedule(num_fragments=1, period=1, overlap=0),
     config=LearnerConfig(),
   )
-  data = factory.make_data(0, spec=ClusterConfig(num_learners=1).spec_for(0))
+  data = factory.make_data(0, spec=ClusterConfig().spec_for(0, num_learners=1, batch_size=None))
   for _ in range(steps):
     plain.train_step(next(data))
   plain_flat = tree.flatten(jax.device_get(plain.params))
@@ -79,13 +87,18 @@ def _sim_summary(
 ):
   return simulate(
     workdir=str(tmp_path / name),
-    model=_model(),
-    data=DATA,
-    cluster=ClusterConfig(num_learners=3, steps_per_learner=steps, faults=faults, log_every=4),
-    schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
-    syncer=SyncerConfig(min_quorum=min_quorum, clock="slowest" if blocking else "fleet_rate"),
-    learner=LearnerConfig(blocking=blocking),
-    inner_opt=INNER,
+    run=RunConfig(
+      model=_model(),
+      data=DATA,
+      schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
+      syncer=SyncerConfig(min_quorum=min_quorum, clock="slowest" if blocking else "fleet_rate"),
+      learner=LearnerConfig(blocking=blocking),
+      inner_opt=INNER,
+      num_learners=3,
+      steps_per_learner=steps,
+      log_every=4,
+    ),
+    fleet=ClusterConfig(faults=faults),
     tensorboard=tensorboard,
   )
 
@@ -188,17 +201,17 @@ def test_join_leave_and_straggler(tmp_path):
   workdir = tmp_path / "elastic"
   summary = simulate(
     workdir=str(workdir),
-    model=_model(),
-    data=DATA,
-    cluster=ClusterConfig(
+    run=RunConfig(
+      model=_model(),
+      data=DATA,
+      schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
+      syncer=SyncerConfig(min_quorum=1),
+      inner_opt=INNER,
       num_learners=3,
       steps_per_learner=16,
-      faults=("join:3@4", "leave:0@10.5", "slow:1@2+6x2.0"),
       log_every=4,
     ),
-    schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
-    syncer=SyncerConfig(min_quorum=1),
-    inner_opt=INNER,
+    fleet=ClusterConfig(faults=("join:3@4", "leave:0@10.5", "slow:1@2+6x2.0")),
     tensorboard=False,
   )
   merges = read_events(str(workdir), "merge")
@@ -221,20 +234,19 @@ def test_synchronous_stall_on_a_permanent_crash_is_reported(tmp_path):
   """
   summary = simulate(
     workdir=str(tmp_path / "stall"),
-    model=_model(),
-    data=DATA,
-    cluster=ClusterConfig(
+    run=RunConfig(
+      model=_model(),
+      data=DATA,
+      schedule=FragmentSchedule(num_fragments=2, period=4, overlap=1),
+      syncer=SyncerConfig(min_quorum=2, use_grace=False, clock="slowest"),
+      learner=LearnerConfig(blocking=True),
+      inner_opt=INNER,
       num_learners=2,
       steps_per_learner=12,
-      faults=("crash:1@5",),
       eval_every_s=3.0,
-      max_time_s=30.0,
       log_every=4,
     ),
-    schedule=FragmentSchedule(num_fragments=2, period=4, overlap=1),
-    syncer=SyncerConfig(min_quorum=2, use_grace=False, clock="slowest"),
-    learner=LearnerConfig(blocking=True),
-    inner_opt=INNER,
+    fleet=ClusterConfig(faults=("crash:1@5",), max_time_s=30.0),
     tensorboard=False,
   )
   assert summary["stalled"] is True
@@ -260,13 +272,17 @@ def test_int4_on_the_wire_keeps_digests_and_changes_the_values(tmp_path):
   def run(name, codec):
     return simulate(
       workdir=str(tmp_path / name),
-      model=_model(),
-      data=DATA,
-      cluster=ClusterConfig(num_learners=2, steps_per_learner=16, log_every=4),
-      service=ServiceConfig(uplink_codec=codec, downlink_codec=codec),
-      schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
-      syncer=SyncerConfig(min_quorum=2),
-      inner_opt=INNER,
+      run=RunConfig(
+        model=_model(),
+        data=DATA,
+        schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
+        syncer=SyncerConfig(min_quorum=2),
+        inner_opt=INNER,
+        service=ServiceConfig(uplink_codec=codec, downlink_codec=codec),
+        num_learners=2,
+        steps_per_learner=16,
+        log_every=4,
+      ),
       tensorboard=False,
     )
 
@@ -298,13 +314,17 @@ def test_vit_task_merges_with_int4_and_rda_and_reports_accuracy(tmp_path):
   assert factory.tokens_per_step == 16  # Examples per step.
   summary = simulate(
     workdir=str(tmp_path / "vit"),
-    task=task,
-    cluster=ClusterConfig(num_learners=2, steps_per_learner=16, log_every=4),
-    service=ServiceConfig(uplink_codec="int4", downlink_codec="int4"),
-    schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
-    syncer=SyncerConfig(min_quorum=2, merge_method="rda"),
-    inner_opt=INNER,
-    eval_batches=4,
+    run=RunConfig(
+      task=task,
+      schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
+      syncer=SyncerConfig(min_quorum=2, merge_method="rda"),
+      inner_opt=INNER,
+      service=ServiceConfig(uplink_codec="int4", downlink_codec="int4"),
+      num_learners=2,
+      steps_per_learner=16,
+      eval_batches=4,
+      log_every=4,
+    ),
     tensorboard=False,
   )
   assert summary["tokens_trained"] == 2 * 16 * 16  # learners x steps x examples
@@ -322,13 +342,17 @@ def test_vit_task_merges_with_int4_and_rda_and_reports_accuracy(tmp_path):
 def test_moe_text_simulates(tmp_path):
   summary = simulate(
     workdir=str(tmp_path / "moe"),
-    model=configs.transformer_config("tiny_moe", num_layers=2, max_len=SEQ),
-    data=DATA,
-    cluster=ClusterConfig(num_learners=2, steps_per_learner=8, log_every=4),
-    schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
-    syncer=SyncerConfig(min_quorum=1),
-    inner_opt=INNER,
-    eval_batches=2,
+    run=RunConfig(
+      model=configs.transformer_config("tiny_moe", num_layers=2, max_len=SEQ),
+      data=DATA,
+      schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
+      syncer=SyncerConfig(min_quorum=1),
+      inner_opt=INNER,
+      num_learners=2,
+      steps_per_learner=8,
+      eval_batches=2,
+      log_every=4,
+    ),
     tensorboard=False,
   )
   assert summary["merges"] > 0 and summary["digests_agree"] is True
@@ -355,8 +379,8 @@ def test_shipped_task_runs_train(tmp_path, run):
         "LEARNERS = 2",
         "STEPS = 2",
         "InnerOptConfig.warmup_steps = 1",
-        "ClusterConfig.eval_every_s = 0.0",
-        "simulate.eval_batches = 1",
+        "RunConfig.eval_every_s = 0.0",
+        "RunConfig.eval_batches = 1",
         # Fewer compiles (one per learner's device slice), smaller programs (>= 24 leaves for P = 24).
         "vit_config.num_layers = 2" if "vit" in run else "transformer_config.num_layers = 3",
       ],
@@ -376,12 +400,17 @@ def test_an_18_percent_slower_learner_is_in_every_merge_once_per_period(tmp_path
   workdir = tmp_path / "hetero"
   summary = simulate(
     workdir=str(workdir),
-    model=_model(),
-    data=DATA,
-    cluster=ClusterConfig(num_learners=3, steps_per_learner=24, slow_learners=1, log_every=4),
-    schedule=FragmentSchedule(num_fragments=4, period=4, overlap=2),
-    syncer=SyncerConfig(min_quorum=1),
-    inner_opt=INNER,
+    run=RunConfig(
+      model=_model(),
+      data=DATA,
+      schedule=FragmentSchedule(num_fragments=4, period=4, overlap=2),
+      syncer=SyncerConfig(min_quorum=1),
+      inner_opt=INNER,
+      num_learners=3,
+      steps_per_learner=24,
+      log_every=4,
+    ),
+    fleet=ClusterConfig(slow_learners=1),
     tensorboard=False,
   )
   rounds = read_events(str(workdir), "round")
@@ -406,13 +435,16 @@ def test_blocking_learners_need_the_lock_step_clock(tmp_path):
   with pytest.raises(ValueError, match="clock = 'slowest'"):
     simulate(
       workdir=str(tmp_path / "x"),
-      model=_model(),
-      data=DATA,
-      cluster=ClusterConfig(num_learners=2, steps_per_learner=4),
-      schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
-      syncer=SyncerConfig(min_quorum=2),
-      learner=LearnerConfig(blocking=True),
-      inner_opt=INNER,
+      run=RunConfig(
+        model=_model(),
+        data=DATA,
+        schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
+        syncer=SyncerConfig(min_quorum=2),
+        learner=LearnerConfig(blocking=True),
+        inner_opt=INNER,
+        num_learners=2,
+        steps_per_learner=4,
+      ),
       tensorboard=False,
     )
 
@@ -424,9 +456,14 @@ def test_a_joining_learner_continues_the_fleets_learning_rate_schedule(tmp_path)
   )
   sim = SimulatedCluster(
     factory=factory,
-    cluster=ClusterConfig(num_learners=2, steps_per_learner=16, faults=("join:2@6.5",)),
-    schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
-    learner_config=LearnerConfig(),
+    run=RunConfig(
+      model=_model(),
+      data=DATA,
+      schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
+      num_learners=2,
+      steps_per_learner=16,
+    ),
+    fleet=ClusterConfig(faults=("join:2@6.5",)),
     syncer_fn=functools.partial(VirtualSyncer, syncer_config=SyncerConfig(), service_config=FP32),
   )
   sim.run()
@@ -449,9 +486,15 @@ def test_progress_line_shows_rates_and_dashes_for_unknown_values():
   )
   sim = SimulatedCluster(
     factory=factory,
-    cluster=ClusterConfig(num_learners=2, steps_per_learner=3, log_every=2),
-    schedule=FragmentSchedule(num_fragments=1, period=1, overlap=0),
-    learner_config=LearnerConfig(),
+    run=RunConfig(
+      model=_model(),
+      data=DATA,
+      schedule=FragmentSchedule(num_fragments=1, period=1, overlap=0),
+      num_learners=2,
+      steps_per_learner=3,
+      log_every=2,
+    ),
+    fleet=ClusterConfig(),
     syncer_fn=functools.partial(VirtualSyncer, syncer_config=SyncerConfig(), service_config=FP32),
   )
   sim.run()
@@ -472,12 +515,16 @@ def test_a_round_is_answered_mid_step_not_at_the_next_boundary(tmp_path):
   workdir = tmp_path / "mid"
   simulate(
     workdir=str(workdir),
-    model=_model(),
-    data=DATA,
-    cluster=ClusterConfig(num_learners=2, steps_per_learner=12, log_every=4),
-    schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
-    syncer=SyncerConfig(min_quorum=1),
-    inner_opt=INNER,
+    run=RunConfig(
+      model=_model(),
+      data=DATA,
+      schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
+      syncer=SyncerConfig(min_quorum=1),
+      inner_opt=INNER,
+      num_learners=2,
+      steps_per_learner=12,
+      log_every=4,
+    ),
     tensorboard=False,
   )
   rounds = read_events(str(workdir), "round")
@@ -507,12 +554,16 @@ def test_learners_reach_the_syncer_service_through_its_door_and_codecs(tmp_path)
     workdir = tmp_path / codec
     runs[codec] = simulate(
       workdir=str(workdir),
-      model=_model(),
-      data=DATA,
-      cluster=ClusterConfig(num_learners=2, steps_per_learner=16, faults=("crash:1@4.5",)),
-      schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
-      service=ServiceConfig(uplink_codec=codec, downlink_codec=codec, liveness_timeout_s=3.0),
-      inner_opt=INNER,
+      run=RunConfig(
+        model=_model(),
+        data=DATA,
+        schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
+        inner_opt=INNER,
+        service=ServiceConfig(uplink_codec=codec, downlink_codec=codec, liveness_timeout_s=3.0),
+        num_learners=2,
+        steps_per_learner=16,
+      ),
+      fleet=ClusterConfig(faults=("crash:1@4.5",)),
       tensorboard=False,
     )
   fp32, int4 = runs["fp32"], runs["int4"]
@@ -544,13 +595,18 @@ def test_latency_jitter_spreads_the_answers_and_the_grace_window_takes_them_in(t
   def run(name, use_grace):
     return simulate(
       workdir=str(tmp_path / name),
-      model=_model(),
-      data=DATA,
-      cluster=ClusterConfig(num_learners=3, steps_per_learner=16, latency_jitter=1.0, log_every=8),
-      schedule=FragmentSchedule(num_fragments=4, period=4, overlap=2),
-      syncer=SyncerConfig(min_quorum=1, use_grace=use_grace),
-      service=FP32,
-      inner_opt=INNER,
+      run=RunConfig(
+        model=_model(),
+        data=DATA,
+        schedule=FragmentSchedule(num_fragments=4, period=4, overlap=2),
+        syncer=SyncerConfig(min_quorum=1, use_grace=use_grace),
+        inner_opt=INNER,
+        service=FP32,
+        num_learners=3,
+        steps_per_learner=16,
+        log_every=8,
+      ),
+      fleet=ClusterConfig(latency_jitter=1.0),
       tensorboard=False,
     )
 

@@ -38,7 +38,7 @@ def test_codec_system_bindings_in_order():
     "ServiceConfig.uplink_codec = 'int4'",
     "ServiceConfig.downlink_codec = 'bf16'",
     "ServiceConfig.block_size = 32",
-    "simulate.seed = 5",
+    "RunConfig.seed = 5",
     "ClusterConfig.seed = 5",
     "TextDataConfig.seed = 5",
   ]

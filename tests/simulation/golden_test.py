@@ -28,6 +28,7 @@ from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner import train_step
 from ddiloco.metrics.writer import read_events
 from ddiloco.models import configs
+from ddiloco.run_config import RunConfig
 from ddiloco.simulation.config import ClusterConfig
 from ddiloco.simulation.simulate import simulate
 from ddiloco.syncer.core import SyncerConfig
@@ -49,20 +50,20 @@ _PINNED_ENV = {
 def _trajectory(workdir: str) -> dict:
   summary = simulate(
     workdir=workdir,
-    model=configs.transformer_config("tiny", max_len=SEQ),
-    data=text_data.TextDataConfig(seq_len=SEQ, batch_size=4),
-    cluster=ClusterConfig(
+    run=RunConfig(
+      model=configs.transformer_config("tiny", max_len=SEQ),
+      data=text_data.TextDataConfig(seq_len=SEQ, batch_size=4),
+      schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
+      syncer=SyncerConfig(outer_lr=0.7, outer_momentum=0.9, nesterov=True),
+      inner_opt=train_step.InnerOptConfig(warmup_steps=2, decay_steps=24),
+      service=ServiceConfig(uplink_codec="int8", downlink_codec="int4"),
       num_learners=3,
       steps_per_learner=24,
-      log_every=2,
-      faults=("crash:1@3+2",),
+      eval_batches=2,
       eval_every_s=6.0,
+      log_every=2,
     ),
-    service=ServiceConfig(uplink_codec="int8", downlink_codec="int4"),
-    schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
-    syncer=SyncerConfig(outer_lr=0.7, outer_momentum=0.9, nesterov=True),
-    inner_opt=train_step.InnerOptConfig(warmup_steps=2, decay_steps=24),
-    eval_batches=2,
+    fleet=ClusterConfig(faults=("crash:1@3+2",)),
     tensorboard=False,
   )
   losses: dict[str, list] = {}

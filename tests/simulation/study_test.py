@@ -76,7 +76,7 @@ def test_system_bindings_and_validation():
   s = study.System(name="row", gin_files=("sim_tiny.gin",), bindings=("STEPS = 3",))
   assert s.all_bindings(7) == [
     "STEPS = 3",
-    "simulate.seed = 7",
+    "RunConfig.seed = 7",
     "ClusterConfig.seed = 7",
     "TextDataConfig.seed = 7",
   ]
@@ -84,7 +84,7 @@ def test_system_bindings_and_validation():
   with pytest.raises(ValueError, match="no gin files"):
     study.System(name="row", gin_files=())
   with pytest.raises(ValueError, match="seed"):
-    study.System(name="row", gin_files=("a.gin",), seed_bindings=("simulate.seed = 1",))
+    study.System(name="row", gin_files=("a.gin",), seed_bindings=("RunConfig.seed = 1",))
   assert study.slug("K = 1 + grace (M = 4)") == "k_1_grace_m_4"
 
 
@@ -107,8 +107,8 @@ def test_one_tiny_run_and_a_failing_row(tmp_path, capsys):
     "LEARNERS = 2",
     "STEPS = 3",
     "InnerOptConfig.warmup_steps = 1",
-    "ClusterConfig.eval_every_s = 1.5",
-    "simulate.eval_batches = 1",
+    "RunConfig.eval_every_s = 1.5",
+    "RunConfig.eval_batches = 1",
     "FAULTS = ()",
   )
   good = study.System(name="tiny", gin_files=("sim_tiny.gin",), bindings=fast)

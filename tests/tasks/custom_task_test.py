@@ -89,6 +89,6 @@ def test_its_gin_file_builds_a_distributed_job(tmp_path):
     job = JobConfig()
   finally:
     gin.clear_config()
-  assert isinstance(job.the_task(), custom_task.RecordsTask)
+  assert isinstance(job.run.the_task(), custom_task.RecordsTask)
   assert job.factory().layout.num_fragments == 4
   assert os.path.exists(os.path.join(tmp_path, "eval.array_record"))

@@ -55,21 +55,24 @@ def test_mismatched_model_is_rejected():
     VisionTask(model=configs.vit_config("tiny", num_classes=100), data=DATA)
 
 
-def test_job_config_takes_a_task_or_a_text_pair():
+def test_run_config_takes_a_task_or_a_text_pair():
   from ddiloco.data import text as text_data
   from ddiloco.launch.job import JobConfig
+  from ddiloco.run_config import RunConfig
 
-  job = JobConfig(task=_task(), num_learners=2, steps_per_learner=5, batch_size=4)
-  assert job.the_task() is job.task
-  assert (job.tokens_per_step(), job.token_budget(), job.learner_batch_size()) == (4, 40, 4)
-  assert JobConfig(task=_task()).learner_batch_size() == 8
-  text = JobConfig(
+  run = RunConfig(task=_task(), num_learners=2, steps_per_learner=5, batch_size=4)
+  assert run.the_task() is run.task
+  assert (run.tokens_per_step(), run.token_budget(), run.learner_batch_size()) == (4, 40, 4)
+  assert RunConfig(task=_task()).learner_batch_size() == 8
+  text = RunConfig(
     model=configs.transformer_config("tiny", max_len=64), data=text_data.TextDataConfig(seq_len=64)
   )
   assert text.tokens_per_step() == 8 * 64 and text.the_task().unit == "tokens"
   with pytest.raises(ValueError, match="either a task"):
-    JobConfig(
+    RunConfig(
       task=_task(), model=configs.transformer_config("tiny"), data=text_data.TextDataConfig()
     )
   with pytest.raises(ValueError, match="Needs a task"):
-    JobConfig()
+    RunConfig()
+  with pytest.raises(ValueError, match="Needs a task"):
+    JobConfig()  # Its default run has nothing to train either.

@@ -1,0 +1,129 @@
+"""`RunConfig`: what a training run is, whichever runtime executes it.
+
+The simulated cluster (`ddiloco.simulate(run=...)`) and the distributed launchers (`JobConfig.run`)
+read the same object: what is trained, the fragment schedule, the syncer's and the learners'
+algorithm, the wire, the fleet's size and the run's length. What executes it is configured beside
+it: the virtual fleet's speeds, faults and network (`ClusterConfig`), or the processes and meshes
+of a distributed run (`JobConfig`). Bound from gin as `ddiloco.RunConfig.<field>`; see
+gin_configs/runs/run_base.gin.
+"""
+
+import dataclasses
+
+import gin
+
+from ddiloco.data import text as text_data
+from ddiloco.distributed.service_config import ServiceConfig
+from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner.config import LearnerConfig, check_pacing
+from ddiloco.learner.factory import LearnerFactory, resolve_task
+from ddiloco.learner.train_step import InnerOptConfig
+from ddiloco.models import transformer
+from ddiloco.syncer.types import SyncerConfig
+from ddiloco.tasks import Task
+
+
+@gin.configurable(module="ddiloco")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+  """One training run.
+
+  Attributes:
+    model: the transformer of a text run (vocab is set from the tokenizer); with `data`.
+    data: the text pipeline of a text run; with `model`.
+    task: what to train (`ddiloco.tasks`, e.g. `VisionTask`), instead of `model` and `data`.
+    schedule: fragments P, period H, overlap τ (default docs/algorithm.md §2's 24/24/2).
+    syncer: quorum, grace, merge, outer optimizer (default `SyncerConfig()`).
+    learner: α and blocking (default `LearnerConfig()`).
+    inner_opt: inner AdamW (default `InnerOptConfig()`).
+    service: the syncer service's wire codecs, chunk size, heartbeats and liveness (default
+      `ServiceConfig()`); the simulator runs that very service, in virtual seconds.
+    num_learners: M, the learners the run starts with (ids 0..M-1).
+    steps_per_learner: inner steps each learner trains. Sets the token budget, M x steps x
+      (tokens per nominal step): the simulator stops when the fleet has trained that many tokens,
+      so runs with faults or baselines compare at equal tokens.
+    batch_size: per-learner batch override (None: the task's).
+    layout_strategy: "balanced", "layer" or "tensor".
+    split_large: allow splitting tensors larger than total/P.
+    seed: parameter-initialisation seed (the syncer's initial global model).
+    eval_batches: held-out batches per evaluation of the global model.
+    eval_every_s: seconds between evaluations of the global model (virtual seconds in the
+      simulator; 0: only at the end, and at the start of a distributed run).
+    log_every: steps between logged training losses.
+  """
+
+  model: transformer.TransformerConfig | None = None
+  data: text_data.TextDataConfig | None = None
+  task: Task | None = None
+  schedule: FragmentSchedule | None = None
+  syncer: SyncerConfig | None = None
+  learner: LearnerConfig | None = None
+  inner_opt: InnerOptConfig | None = None
+  service: ServiceConfig | None = None
+  num_learners: int = 4
+  steps_per_learner: int = 100
+  batch_size: int | None = None
+  layout_strategy: str = "balanced"
+  split_large: bool = False
+  seed: int = 0
+  eval_batches: int = 8
+  eval_every_s: float = 0.0
+  log_every: int = 10
+
+  def __post_init__(self):
+    self.the_task()  # Exactly one of a task and a (model, data) pair.
+    counts = ("num_learners", "steps_per_learner", "log_every")
+    bad = [f"{name}={getattr(self, name)}" for name in counts if getattr(self, name) < 1]
+    if bad:
+      raise ValueError(f"{', '.join(bad)}: {', '.join(counts)} must be >= 1.")
+    if self.eval_every_s < 0:
+      raise ValueError(f"eval_every_s must be >= 0, got {self.eval_every_s}.")
+    check_pacing(self.the_learner(), self.the_syncer())
+
+  def the_task(self) -> Task:
+    """The task: `task`, or a `TextTask` of (model, data) (cheap: built on each call)."""
+    return resolve_task(self.task, self.model, self.data)
+
+  def the_schedule(self) -> FragmentSchedule:
+    return self.schedule or FragmentSchedule(num_fragments=24, period=24, overlap=2)
+
+  def the_syncer(self) -> SyncerConfig:
+    return self.syncer or SyncerConfig()
+
+  def the_learner(self) -> LearnerConfig:
+    return self.learner or LearnerConfig()
+
+  def the_service(self) -> ServiceConfig:
+    return self.service or ServiceConfig()
+
+  def learner_batch_size(self) -> int:
+    """Examples per learner step: the override, or the task's default."""
+    return self.batch_size or self.the_task().batch_size
+
+  def tokens_per_step(self) -> int:
+    """Merge units (tokens for text, examples for vision) in one nominal learner step."""
+    return self.the_task().units_per_step(self.batch_size)
+
+  def token_budget(self) -> int:
+    """Merge units the fleet trains: M x steps x `tokens_per_step()`."""
+    return self.num_learners * self.steps_per_learner * self.tokens_per_step()
+
+  def factory(self, *, num_shards: int | None = None, model_parallelism: int = 1) -> LearnerFactory:
+    """Task, layout and compiled steps, identical wherever the run's learners are built.
+
+    Args:
+      num_shards: disjoint data shards (default `num_learners`: one per learner).
+      model_parallelism: size of each learner mesh's "model" axis (`LearnerFactory`).
+    """
+    return LearnerFactory(
+      task=self.the_task(),
+      inner_opt=self.inner_opt or InnerOptConfig(),
+      num_fragments=self.the_schedule().num_fragments,
+      layout_strategy=self.layout_strategy,
+      split_large=self.split_large,
+      num_shards=self.num_learners if num_shards is None else num_shards,
+      seed=self.seed,
+      eval_batches=self.eval_batches,
+      batch_size=self.batch_size,
+      model_parallelism=model_parallelism,
+    )
