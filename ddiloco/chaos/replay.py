@@ -186,20 +186,23 @@ def replay(
   cluster: ClusterConfig | None = None,
   t0: float | None = None,
   progress: Callable[[str], None] | None = None,
+  simulate_fn: Callable[..., dict[str, Any]] | None = None,
   **simulate_kwargs: Any,
 ) -> dict[str, Any]:
   """Runs the simulated cluster with a tape's faults and returns its summary.
 
-  Everything but the faults comes from the caller's gin configuration (e.g. gin_configs/sim_tiny.gin
-  parsed beforehand), as `ddiloco.simulation.simulate` reads it.
+  Everything but the fleet and its faults comes from `simulate_fn`: `ddiloco-replay` passes gin's
+  `simulate`, configured by its gin files (e.g. gin_configs/sim_tiny.gin), and their `ClusterConfig`.
 
   Args:
     tape: tape records.
     workdir: the simulation's output folder.
     real_step_time_s: the real run's mean learner step time, for the time scale.
-    cluster: the fleet (default: ClusterConfig() as gin binds it); its faults are replaced.
+    cluster: the fleet (default: ClusterConfig()); its faults are replaced.
     t0: see `tape_to_faults`.
     progress: passed to simulate.
+    simulate_fn: runs the simulation, called as `simulate` is (default: `simulate` itself, which
+      then needs the rest of its configuration in `simulate_kwargs`).
     **simulate_kwargs: more simulate() arguments (e.g. tensorboard=False).
 
   Returns:
@@ -209,7 +212,8 @@ def replay(
   Raises:
     ValueError: for a non-positive step time or a tape learner outside the simulated fleet.
   """
-  from ddiloco.simulation.simulate import simulate  # Heavy (jax, models): only when replaying.
+  if simulate_fn is None:
+    from ddiloco.simulation.simulate import simulate as simulate_fn  # Heavy (jax, models).
 
   if not real_step_time_s > 0:
     raise ValueError(f"real_step_time_s must be > 0, got {real_step_time_s}.")
@@ -226,7 +230,7 @@ def replay(
       f"The tape has learners {beyond} but the simulated fleet has {cluster.num_learners}."
     )
   cluster = dataclasses.replace(cluster, faults=plan.faults)
-  summary = simulate(workdir=workdir, cluster=cluster, progress=progress, **simulate_kwargs)
+  summary = simulate_fn(workdir=workdir, cluster=cluster, progress=progress, **simulate_kwargs)
   end = float(summary.get("virtual_time_s", math.inf))
   summary["replay"] = {
     "faults": list(plan.faults),

@@ -7,8 +7,6 @@ syncer checks its digest at Register), the schedule and the wire codecs. Bound f
 
 import dataclasses
 
-import gin
-
 from ddiloco.data import text as text_data
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
@@ -21,7 +19,6 @@ from ddiloco.syncer.types import SyncerConfig
 from ddiloco.tasks import Task
 
 
-@gin.configurable(module="ddiloco")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class JobConfig:
   """One distributed run.

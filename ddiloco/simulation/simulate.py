@@ -9,8 +9,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import gin
-
 from ddiloco import storage
 from ddiloco.data import text as text_data
 from ddiloco.distributed.service_config import ServiceConfig
@@ -29,14 +27,13 @@ from ddiloco.tasks import Task
 log = logging.getLogger(__name__)
 
 
-@gin.configurable(module="ddiloco", denylist=["workdir", "progress"])
 def simulate(
   *,
   workdir: str,
   model: transformer.TransformerConfig | None = None,
   data: text_data.TextDataConfig | None = None,
   task: Task | None = None,
-  cluster: ClusterConfig = gin.REQUIRED,
+  cluster: ClusterConfig,
   schedule: FragmentSchedule | None = None,
   syncer: SyncerConfig | None = None,
   service: ServiceConfig | None = None,
