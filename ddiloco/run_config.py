@@ -10,8 +10,6 @@ gin_configs/runs/run_base.gin.
 
 import dataclasses
 
-import gin
-
 from ddiloco.data import text as text_data
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
@@ -23,7 +21,6 @@ from ddiloco.syncer.types import SyncerConfig
 from ddiloco.tasks import Task
 
 
-@gin.configurable(module="ddiloco")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
   """One training run.

@@ -32,6 +32,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from absl import app, flags
 
+from ddiloco.launch import configurables
 from ddiloco.simulation import study
 from ddiloco.simulation.codec_study import (
   CODECS,
@@ -75,7 +76,12 @@ def main(argv: list[str]) -> None:
   store = study.ResultStore(os.path.join(out, f"{STUDY}.json"))
   # Seed-major order: after each seed every codec of the tier has a run, so pairs are complete.
   plan = [(systems[s], [seed]) for seed in run_seeds for s in plan_for(specs, _TIER.value)]
-  study.run_grid(plan, store=store, workdir=os.path.join(_WORKDIR.value, "quick" if quick else ""))
+  study.run_grid(
+    plan,
+    store=store,
+    workdir=os.path.join(_WORKDIR.value, "quick" if quick else ""),
+    simulate_files=configurables.simulate_files,
+  )
   runs = {
     spec: {seed: r for seed in run_seeds if (r := store.get(systems[spec], seed)) is not None}
     for spec in specs

@@ -18,15 +18,14 @@ import json
 import sys
 import time
 
-import gin
 import matplotlib
 from absl import app, flags
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from ddiloco.launch import configurables
 from ddiloco.metrics.writer import read_events
-from ddiloco.simulation.simulate import simulate
 
 _RUN = flags.DEFINE_string("run", "gin_configs/runs/sim_small.gin", "run gin file")
 _OUT = flags.DEFINE_string("out", "docs/results", "folder for the table and the plot")
@@ -47,14 +46,15 @@ def _slug(name: str) -> str:
 
 
 def run_system(name: str, baseline: str | None) -> dict:
-  gin.clear_config()
-  gin.add_config_file_search_path("gin_configs")
   files = [_RUN.value] + ([baseline] if baseline else [])
-  gin.parse_config_files_and_bindings(files, _BINDINGS.value)
   workdir = os.path.join(_WORKDIR.value, _slug(name))
   t0 = time.time()
-  summary = simulate(
-    workdir=workdir, progress=lambda line: print(f"[{name}] {line}", file=sys.stderr, flush=True)
+  summary = configurables.simulate_files(
+    files,
+    _BINDINGS.value,
+    search_paths=["gin_configs"],
+    workdir=workdir,
+    progress=lambda line: print(f"[{name}] {line}", file=sys.stderr, flush=True),
   )
   summary["elapsed_s"] = time.time() - t0
   summary["workdir"] = workdir

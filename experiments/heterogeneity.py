@@ -27,6 +27,7 @@ from absl import app, flags
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from ddiloco.launch import configurables
 from ddiloco.simulation import study
 
 _OUT = flags.DEFINE_string("out", "docs/results", "folder for the table, plot and per-seed JSON")
@@ -105,7 +106,9 @@ def main(argv: list[str]) -> None:
     extra = seeds[: _EXTRA_SEEDS.value]
     extra_rows = (HOMOGENEOUS, NO_MOMENTUM, NO_MOMENTUM_NO_GRACE, JITTER_NO_GRACE, JITTER_GRACE)
     plan += [(_system(r), extra) for r in extra_rows]
-  study.run_grid(plan, store=store, workdir=_WORKDIR.value)
+  study.run_grid(
+    plan, store=store, workdir=_WORKDIR.value, simulate_files=configurables.simulate_files
+  )
   report(store, seeds)
 
 

@@ -39,6 +39,7 @@ from absl import app, flags
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from ddiloco.launch import configurables
 from ddiloco.simulation import study
 
 _OUT = flags.DEFINE_string("out", "docs/results", "folder for the table, plot and per-seed JSON")
@@ -138,7 +139,12 @@ def main(argv: list[str]) -> None:
   study.enable_compilation_cache("workdirs/jax_cache")
   store = study.ResultStore(os.path.join(_OUT.value, f"{STUDY}.json"))
   if _TIER.value != "report":
-    study.run_grid(plan_for(seeds, horizons, _TIER.value), store=store, workdir=_WORKDIR.value)
+    study.run_grid(
+      plan_for(seeds, horizons, _TIER.value),
+      store=store,
+      workdir=_WORKDIR.value,
+      simulate_files=configurables.simulate_files,
+    )
   report(store, seeds, horizons)
 
 

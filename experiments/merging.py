@@ -22,6 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from ddiloco.fragments.compression import CODECS
+from ddiloco.launch import configurables
 from ddiloco.simulation import study
 
 _OUT = flags.DEFINE_string("out", "docs/results", "folder for the table, plot and per-seed JSON")
@@ -81,7 +82,9 @@ def main(argv: list[str]) -> None:
     plan += [(merge_system(16, method), seeds) for method in METHODS]
   if _ROWS.value:
     plan = [(system, s) for system, s in plan if system.name in _ROWS.value]
-  study.run_grid(plan, store=store, workdir=_WORKDIR.value)
+  study.run_grid(
+    plan, store=store, workdir=_WORKDIR.value, simulate_files=configurables.simulate_files
+  )
   report(store, seeds)
 
 

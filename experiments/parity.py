@@ -26,6 +26,7 @@ from absl import app, flags
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from ddiloco.launch import configurables
 from ddiloco.simulation import study
 
 _OUT = flags.DEFINE_string("out", "docs/results", "folder for the table, plot and per-seed JSON")
@@ -96,7 +97,12 @@ def main(argv: list[str]) -> None:
   seeds = [int(s) for s in _SEEDS.value]
   study.enable_compilation_cache("workdirs/jax_cache")
   store = study.ResultStore(os.path.join(_OUT.value, f"{STUDY}.json"))
-  study.run_grid(plan_for(_DOMAINS.value, seeds, _TIER.value), store=store, workdir=_WORKDIR.value)
+  study.run_grid(
+    plan_for(_DOMAINS.value, seeds, _TIER.value),
+    store=store,
+    workdir=_WORKDIR.value,
+    simulate_files=configurables.simulate_files,
+  )
   report(store, seeds)
 
 

@@ -28,6 +28,7 @@ from absl import app, flags
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from ddiloco.launch import configurables
 from ddiloco.simulation import study
 
 _OUT = flags.DEFINE_string("out", "docs/results", "folder for the table, plot and per-seed JSON")
@@ -61,7 +62,9 @@ def main(argv: list[str]) -> None:
   study.enable_compilation_cache("workdirs/jax_cache")
   store = study.ResultStore(os.path.join(_OUT.value, f"{STUDY}.json"))
   plan = [(s, seeds) for s in systems()] if _TIER.value in ("headline", "all") else []
-  study.run_grid(plan, store=store, workdir=_WORKDIR.value)
+  study.run_grid(
+    plan, store=store, workdir=_WORKDIR.value, simulate_files=configurables.simulate_files
+  )
   report(store, seeds)
 
 

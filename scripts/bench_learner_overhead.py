@@ -277,12 +277,11 @@ def main(argv: list[str]) -> None:
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
   if _SYNCER_BLAS.value > 0:  # Children copy os.environ; this process's OpenBLAS is already loaded.
     os.environ["OPENBLAS_NUM_THREADS"] = str(_SYNCER_BLAS.value)
-  import gin
   import jax
 
   from ddiloco.data import text as text_data
-  from ddiloco.launch import gin_flags, local_cluster
-  from ddiloco.launch import job as job_lib
+  from ddiloco.launch import configurables, local_cluster
+  from ddiloco.launch.job import JobConfig
 
   print(
     f"load average at start: {_load()}; this process on CPUs {sorted(os.sched_getaffinity(0))}, "
@@ -290,10 +289,8 @@ def main(argv: list[str]) -> None:
     flush=True,
   )
   bindings = _bindings()
-  gin_flags.register_configurables()  # Every configurable module, before the config is locked.
-  gin.add_config_file_search_path(_GIN_DIR)
-  gin.parse_config_files_and_bindings([_GIN_FILE], bindings)
-  job = job_lib.JobConfig()
+  configurables.parse([_GIN_FILE], bindings, search_paths=[_GIN_DIR])
+  job = configurables.configured(JobConfig)()
   gin_args = [f"--gin_file={_GIN_FILE}", f"--gin_search_paths={_GIN_DIR}"]
   gin_args += [f"--gin_bindings={b}" for b in bindings]
   it = text_data.make_train_iterator(

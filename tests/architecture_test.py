@@ -81,6 +81,19 @@ def test_the_library_never_imports_its_test_helpers():
   assert offenders == []
 
 
+def test_only_the_entry_points_import_gin():
+  """The library is plain Python; launch/configurables.py registers it with gin (as t5x keeps its
+  library free of gin)."""
+  offenders = [
+    f"{path.relative_to(ROOT)} imports {name}"
+    for path in ROOT.rglob("*.py")
+    if path.relative_to(ROOT).parts[0] != "launch"
+    for name in _imports(path)
+    if name.split(".")[0] == "gin"
+  ]
+  assert offenders == []
+
+
 MAX_LINES = 500
 
 

@@ -184,25 +184,28 @@ def replay(
   *,
   workdir: str,
   real_step_time_s: float,
-  run: RunConfig | None = None,
+  run: RunConfig,
   fleet: ClusterConfig | None = None,
   t0: float | None = None,
   progress: Callable[[str], None] | None = None,
+  simulate_fn: Callable[..., dict[str, Any]] | None = None,
   **simulate_kwargs: Any,
 ) -> dict[str, Any]:
   """Runs the simulated cluster with a tape's faults and returns its summary.
 
-  Everything but the faults comes from the caller's gin configuration (e.g. gin_configs/sim_tiny.gin
-  parsed beforehand), as `ddiloco.simulation.simulate` reads it.
+  Everything but the faults comes from `run` and `fleet`: `ddiloco-replay` passes them as its gin
+  files (e.g. gin_configs/sim_tiny.gin) configure them, and gin's `simulate`.
 
   Args:
     tape: tape records.
     workdir: the simulation's output folder.
     real_step_time_s: the real run's mean learner step time, for the time scale.
-    run: the run (default: RunConfig() as gin binds it).
-    fleet: the virtual fleet (default: ClusterConfig() as gin binds it); its faults are replaced.
+    run: the run.
+    fleet: the virtual fleet (default: `ClusterConfig()`); its faults are replaced.
     t0: see `tape_to_faults`.
     progress: passed to simulate.
+    simulate_fn: runs the simulation, called as `simulate` is (default: `simulate` itself, which
+      then needs the rest of its configuration in `simulate_kwargs`).
     **simulate_kwargs: more simulate() arguments (e.g. tensorboard=False).
 
   Returns:
@@ -212,11 +215,12 @@ def replay(
   Raises:
     ValueError: for a non-positive step time or a tape learner outside the simulated fleet.
   """
-  from ddiloco.simulation.simulate import simulate  # Heavy (jax, models): only when replaying.
+  if simulate_fn is None:
+    from ddiloco.simulation.simulate import simulate as simulate_fn  # Heavy (jax, models).
 
   if not real_step_time_s > 0:
     raise ValueError(f"real_step_time_s must be > 0, got {real_step_time_s}.")
-  run, fleet = run or RunConfig(), fleet or ClusterConfig()
+  fleet = fleet or ClusterConfig()
   plan = tape_to_faults(
     tape,
     time_scale=fleet.step_time_s / real_step_time_s,
@@ -229,7 +233,7 @@ def replay(
       f"The tape has learners {beyond} but the simulated fleet has {run.num_learners}."
     )
   fleet = dataclasses.replace(fleet, faults=plan.faults)
-  summary = simulate(workdir=workdir, run=run, fleet=fleet, progress=progress, **simulate_kwargs)
+  summary = simulate_fn(workdir=workdir, run=run, fleet=fleet, progress=progress, **simulate_kwargs)
   end = float(summary.get("virtual_time_s", math.inf))
   summary["replay"] = {
     "faults": list(plan.faults),

@@ -30,7 +30,6 @@ import itertools
 import math
 from typing import Any
 
-import gin
 import numpy as np
 
 from ddiloco.faults import COMPLETIONS, NETWORK_KINDS, FaultEvent
@@ -54,7 +53,6 @@ def _check_delay(name: str, value: float | tuple[float, float]) -> None:
     raise ValueError(f"{name} must be a finite delay >= 0 or a (min, max) range, got {value}.")
 
 
-@gin.configurable(module="ddiloco")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ChaosConfig:
   """A chaos run's fault rates and invariant bounds (see the module docstring).

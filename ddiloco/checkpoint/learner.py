@@ -41,7 +41,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import gin
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
@@ -60,7 +59,6 @@ _LEARNER_DIR = re.compile(r"^learner_(\d+)$")
 _FORMAT = 1
 
 
-@gin.configurable(module="ddiloco")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LearnerCheckpointConfig:
   """Where and how often a learner checkpoints, and where a restarted learner restores from.

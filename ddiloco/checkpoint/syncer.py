@@ -29,7 +29,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import gin
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -80,7 +79,6 @@ def remove_partial_saves(directory: str) -> list[str]:
   return removed
 
 
-@gin.configurable(module="ddiloco")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SyncerCheckpointConfig:
   """How the syncer persists its state. Bound from gin as `ddiloco.SyncerCheckpointConfig.<field>`.

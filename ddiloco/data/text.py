@@ -31,7 +31,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import gin
 import grain
 import numpy as np
 
@@ -108,7 +107,6 @@ def shakespeare_plays() -> list[tuple[str, str]]:
   return list(_load_plays())
 
 
-@gin.configurable(module="ddiloco")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TextDataConfig:
   """What a text pipeline reads and how it batches.

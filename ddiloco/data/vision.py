@@ -30,7 +30,6 @@ import dataclasses
 import functools
 import math
 
-import gin
 import grain
 import numpy as np
 
@@ -44,7 +43,6 @@ _MAX_PIXEL = 16.0
 Batch = dict[str, np.ndarray]
 
 
-@gin.configurable(module="ddiloco")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VisionDataConfig:
   """What an image pipeline reads and how it batches and augments.

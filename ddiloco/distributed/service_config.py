@@ -6,14 +6,11 @@ interval); the rest bounds the service's door (distributed/door.py) and its serv
 
 import dataclasses
 
-import gin
-
 from ddiloco.fragments import compression
 from ddiloco.transport import wire
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, FRAMING_SLACK
 
 
-@gin.configurable(module="ddiloco")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServiceConfig:
   """Wire and liveness settings of the syncer service, sent to learners at Register.

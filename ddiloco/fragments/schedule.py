@@ -11,10 +11,7 @@ round of the same fragment is sent.
 
 import dataclasses
 
-import gin
 
-
-@gin.configurable(module="ddiloco")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FragmentSchedule:
   """The streaming schedule: P fragments, period H, overlap τ (docs/algorithm.md §2 defaults P = H = 24, τ = 2).

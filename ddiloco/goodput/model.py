@@ -1,6 +1,6 @@
 """Configuration of the fleet-scale goodput simulator (docs/algorithm.md §7).
 
-Plain frozen dataclasses, validated in their constructors; `ddiloco.launch.goodput_main` registers
+Plain frozen dataclasses, validated in their constructors; `ddiloco.launch.configurables` registers
 them with gin. The defaults are the constants fitted to the paper's goodput table by
 `scripts/fit_goodput.py` (docs/goodput.md explains the model, the fit and its sensitivity).
 """
@@ -10,7 +10,6 @@ import functools
 import math
 
 import numpy as np
-from scipy import stats
 
 _HOUR_S = 3600.0
 
@@ -48,6 +47,10 @@ class RecoveryDelay:
   @functools.cached_property
   def mean_s(self) -> float:
     """Mean recovery delay in seconds (scipy integrates numerically: cached)."""
+    # Imported here: scipy.stats takes seconds to load, and every entry point imports this module
+    # (launch/configurables.py registers its classes with gin).
+    from scipy import stats
+
     return float(stats.exponweib.mean(self.a, self.c, scale=self.scale_s))
 
 

@@ -1,6 +1,7 @@
 """Studies behind `ddiloco-goodput`: run, print, write JSON and plot (docs/algorithm.md §7).
 
-Plain Python: `ddiloco.launch.goodput_main` binds these dataclasses with gin.
+Plain Python: `ddiloco.launch.configurables` registers these dataclasses and `experiment` with gin,
+and `ddiloco-goodput` builds `experiment` from its gin files.
 """
 
 import dataclasses
@@ -13,6 +14,7 @@ import numpy as np
 from ddiloco.goodput import bandwidth
 from ddiloco.goodput import fleet as goodput
 from ddiloco.goodput import model as goodput_model
+from ddiloco.goodput.capacity import CapacityStudy
 from ddiloco.goodput.model import Costs, Fleet, Result, System
 
 
@@ -74,6 +76,26 @@ class BandwidthStudy:
 
   def __post_init__(self):
     object.__setattr__(self, "diloco", tuple((str(n), link) for n, link in self.diloco))
+
+
+def experiment(
+  *,
+  goodput: GoodputStudy | None = None,
+  bandwidth: BandwidthStudy | None = None,
+  capacity: CapacityStudy | None = None,
+) -> tuple[GoodputStudy | None, BandwidthStudy | None, CapacityStudy | None]:
+  """What `ddiloco-goodput` runs: a goodput study, a bandwidth study, a syncer capacity study, or
+  several (bound in .gin files as `goodput.experiment.<study>`).
+
+  Raises:
+    ValueError: if none is configured.
+  """
+  if goodput is None and bandwidth is None and capacity is None:
+    raise ValueError(
+      "Configure goodput.experiment.goodput, goodput.experiment.bandwidth and/or "
+      "goodput.experiment.capacity."
+    )
+  return goodput, bandwidth, capacity
 
 
 def paper_goodput(name: str) -> tuple[float, ...] | None:

@@ -33,20 +33,19 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   from ddiloco.chaos.schedule import ChaosConfig, make_schedule
-  from ddiloco.launch import job as job_lib
-  from ddiloco.launch import local_cluster
+  from ddiloco.launch import configurables, local_cluster
   from ddiloco.launch.chaos import ChaosRun
+  from ddiloco.launch.job import JobConfig
 
   workdir = os.path.abspath(_WORKDIR.value)
   if _SUMMARIZE_ONLY.value and not os.path.isdir(workdir):
     raise app.UsageError(f"--summarize_only: no run in {workdir}")
   with cli.bad_config():
     config_text = gin_flags.parse_gin()
-    job = job_lib.JobConfig()
-    chaos = ChaosConfig()
-    make_schedule(
-      chaos, job.run.num_learners
-    )  # A bad fault schedule is refused before anything runs.
+    job = configurables.configured(JobConfig)()
+    chaos = configurables.configured(ChaosConfig)()
+    # A bad fault schedule is refused before anything runs.
+    make_schedule(chaos, job.run.num_learners)
   cli.make_workdir(workdir, config_text)
   args = gin_flags.forwarded_args()
 

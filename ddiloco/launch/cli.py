@@ -175,7 +175,13 @@ _MOVED.update(
 
 
 def _suggestion(message: str) -> str:
-  """A "Did you mean" for gin's unknown configurable or parameter errors, or an empty string."""
+  """A "Did you mean" for gin's unknown configurable or parameter errors, what to bind for a
+  required argument no binding gave, or an empty string."""
+  m = re.match(r"([\w.]+)\(\) missing \d+ required (?:keyword-only )?arguments?: (.+)", message)
+  if m:  # "simulate() missing ...", "GoodputStudy.__init__() missing ...".
+    owner = m.group(1).removesuffix(".__init__")
+    names = re.findall(r"'(\w+)'", m.group(2))
+    return f"Bind {' and '.join(f'{owner}.{n}' for n in names)} in a gin file."
   m = re.match(r"No configurable matching (?:reference )?'@?([^'()]+)", message)
   if m:
     names = {sel.split(".")[-1] for sel, _ in _registry().items()}

@@ -1,11 +1,12 @@
 """absl + gin plumbing shared by every entry point (t5x `gin_utils` style).
 
 `--gin_file` is repeatable; `--gin.KEY=VALUE` is rewritten to `--gin_bindings=KEY=VALUE` before absl
-parses the command line, so users can write overrides the way t5x users do.
+parses the command line, so users can write overrides the way t5x users do. `parse_gin` registers
+every configurable (launch/configurables.py) before it parses; the entry point then builds its
+top-level object with `configurables.configured(...)`.
 """
 
 import difflib
-import importlib
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -22,24 +23,6 @@ _GIN_BINDINGS = flags.DEFINE_multi_string(
 _GIN_SEARCH_PATHS = flags.DEFINE_multi_string(
   "gin_search_paths", ["."], "folders in which relative --gin_file paths and includes are searched."
 )
-
-
-# Modules that declare gin configurables. Every process of a run parses the same files (a chaos run's
-# file binds ChaosConfig, which only the driver uses), so every entry point registers all of them.
-_CONFIGURABLE_MODULES = (
-  "ddiloco.run_config",
-  "ddiloco.launch.job",
-  "ddiloco.checkpoint.syncer",
-  "ddiloco.checkpoint.learner",
-  "ddiloco.chaos.schedule",
-  "ddiloco.launch.ray_config",
-)
-
-
-def register_configurables() -> None:
-  """Imports every module that declares gin configurables (before parsing a run's files)."""
-  for module in _CONFIGURABLE_MODULES:
-    importlib.import_module(module)
 
 
 def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
@@ -136,21 +119,16 @@ def parse_gin(workdir: str | None = None) -> str:
   Raises:
     ValueError: if no gin file was given.
   """
-  for path in _GIN_SEARCH_PATHS.value:
-    gin.add_config_file_search_path(path)
-  # A name like "local_tiny.gin" is a shipped config when no such file is here (launch/configs.py).
-  files = [configs.resolve(f) for f in _GIN_FILE.value]
-  # Includes are written relative to the config folder ("models/tiny.gin"), so a file and its parent
-  # folder are searched too: gin_configs/runs/x.gin can include "models/tiny.gin".
-  for path in files:
-    folder = os.path.dirname(os.path.abspath(path))
-    gin.add_config_file_search_path(folder)
-    gin.add_config_file_search_path(os.path.dirname(folder))
-  configs.add_search_path()  # Last: the shipped configs' includes, from any folder.
-  if not files:
+  if not _GIN_FILE.value:
     raise ValueError("At least one --gin_file is required.")
-  register_configurables()
-  gin.parse_config_files_and_bindings(files, _GIN_BINDINGS.value, finalize_config=False)
+  # Every process of a run parses the same files (a chaos run's file binds ChaosConfig, which only
+  # the driver uses), so every entry point registers every configurable. Imported here, after the
+  # entry point has set XLA_FLAGS and JAX_PLATFORMS: registering imports jax.
+  from ddiloco.launch import configurables
+
+  # A name like "local_tiny.gin" is a shipped config when no such file is here (launch/configs.py);
+  # includes are searched in --gin_search_paths, next to each file and among the shipped configs.
+  configurables.parse(_GIN_FILE.value, _GIN_BINDINGS.value, search_paths=_GIN_SEARCH_PATHS.value)
   _check_macros(_GIN_BINDINGS.value)
   text = gin.config_str()
   if workdir:

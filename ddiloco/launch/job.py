@@ -8,14 +8,11 @@ codecs) and on its topology: the processes and devices of each learner. Bound fr
 
 import dataclasses
 
-import gin
-
 from ddiloco.learner.factory import LearnerFactory, LearnerSpec
 from ddiloco.learner.learner import Learner
 from ddiloco.run_config import RunConfig
 
 
-@gin.configurable(module="ddiloco")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class JobConfig:
   """One distributed run: the run itself and the processes that execute it.

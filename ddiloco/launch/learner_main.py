@@ -92,8 +92,8 @@ def main(argv: list[str]) -> None:
       process_id=_PROCESS_ID.value,
     )
   from ddiloco.checkpoint.learner import LearnerCheckpointConfig
-  from ddiloco.launch import job as job_lib
-  from ddiloco.launch import runtime
+  from ddiloco.launch import configurables, runtime
+  from ddiloco.launch.job import JobConfig
   from ddiloco.metrics.writer import write_summary
   from ddiloco.transport import auth
   from ddiloco.transport.client import SyncerClient
@@ -103,8 +103,8 @@ def main(argv: list[str]) -> None:
     workdir = os.path.join(workdir, f"process_{_PROCESS_ID.value}")
   with cli.bad_config():
     config_text = gin_flags.parse_gin()
-    job = job_lib.JobConfig()
-    checkpoint = LearnerCheckpointConfig()
+    job = configurables.configured(JobConfig)()
+    checkpoint = configurables.configured(LearnerCheckpointConfig)()
     if _RESTORE.value:
       checkpoint = dataclasses.replace(checkpoint, init_from=_RESTORE.value)
   cli.make_workdir(workdir, config_text, remote_ok=True)

@@ -75,14 +75,15 @@ def run_job(
   """Parses the gin flags, builds the cluster with `make_cluster(**LocalCluster's arguments)`,
   runs the job and reports it; what `ddiloco-local` and `ddiloco-ray` share.
 
-  `backend_config()` builds the backend's own configuration from gin, checked with JobConfig
+  `backend_config()` builds the backend's own configuration from gin (e.g.
+  `configurables.configured(RayConfig)`), checked with JobConfig
   (a bad value is a one-line error before anything is written), and goes to `make_cluster` as
   `backend_config=`. `before_run(cluster)` runs after the workdir exists, before anything starts
   (ddiloco-ray joins its Ray cluster there); the cluster's `disconnect`, if it has one, runs after
   the job.
   """
-  from ddiloco.launch import job as job_lib  # After flags: gin registrations.
-  from ddiloco.launch import local_cluster
+  from ddiloco.launch import configurables, local_cluster  # After flags: they import jax.
+  from ddiloco.launch.job import JobConfig
   from ddiloco.metrics.writer import HEADLINE_KEYS
 
   if bool(_TLS_CERT.value) != bool(_TLS_KEY.value):
@@ -97,7 +98,7 @@ def run_job(
     raise app.UsageError("--tls_ca_file needs --tls_cert_file and --tls_key_file.")
   with cli.bad_config():
     config_text = gin_flags.parse_gin()
-    job = job_lib.JobConfig()
+    job = configurables.configured(JobConfig)()
     backend = {} if backend_config is None else {"backend_config": backend_config()}
   workdir = cli.make_workdir(
     _WORKDIR.value, config_text, why_local="the launcher reads its programs' files while they run"

@@ -7,12 +7,9 @@ name without importing Ray.
 import dataclasses
 from typing import Any
 
-import gin
-
 PLATFORMS = ("cpu", "gpu", "tpu")
 
 
-@gin.configurable(module="ddiloco")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RayConfig:
   """Where and how `ddiloco-ray` runs a job on Ray.

@@ -21,7 +21,7 @@ _ADDRESS = flags.DEFINE_string(
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  from ddiloco.launch import gin_flags
+  from ddiloco.launch import configurables, gin_flags
 
   try:
     from ddiloco.launch import ray_cluster
@@ -37,7 +37,7 @@ def main(argv: list[str]) -> None:
   local.run_job(
     "ddiloco-ray",
     make_cluster,
-    backend_config=ray_cluster.RayConfig,
+    backend_config=configurables.configured(ray_cluster.RayConfig),
     before_run=lambda cluster: cluster.connect(),
   )
 

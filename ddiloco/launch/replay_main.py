@@ -39,11 +39,16 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   from ddiloco.chaos.replay import logged_step_time, replay
   from ddiloco.chaos.tape import read_tape
+  from ddiloco.launch import configurables
   from ddiloco.metrics.writer import HEADLINE_KEYS
-  from ddiloco.simulation import simulate as _  # noqa: F401 - its gin configurables, before parsing.
+  from ddiloco.run_config import RunConfig
+  from ddiloco.simulation.config import ClusterConfig
+  from ddiloco.simulation.simulate import simulate
 
   with cli.bad_config():
     config_text = gin_flags.parse_gin()
+    run = configurables.configured(RunConfig)()
+    fleet = configurables.configured(ClusterConfig)()  # The tape's faults replace its own.
     tape = read_tape(_TAPE.value)
     tape_dir = os.path.dirname(os.path.abspath(_TAPE.value))
     step_time = _STEP_TIME.value or logged_step_time(tape_dir)
@@ -59,6 +64,9 @@ def main(argv: list[str]) -> None:
       tape,
       workdir=_WORKDIR.value,
       real_step_time_s=step_time,
+      run=run,
+      fleet=fleet,
+      simulate_fn=configurables.configured(simulate),
       progress=lambda line: print(line, file=sys.stderr, flush=True),
       on_start=start,
     )

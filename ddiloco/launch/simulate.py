@@ -26,8 +26,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "output folder", required=True)
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  from ddiloco.launch import configurables  # After flags and XLA_FLAGS: it imports jax.
   from ddiloco.metrics.writer import HEADLINE_KEYS
-  from ddiloco.simulation import simulate as simulate_lib  # After flags: gin registrations.
+  from ddiloco.simulation.simulate import simulate
 
   with cli.bad_config():
     config_text = gin_flags.parse_gin()
@@ -39,7 +40,7 @@ def main(argv: list[str]) -> None:
     cli.make_workdir(_WORKDIR.value, config_text, remote_ok=True)
 
   try:
-    summary = simulate_lib.simulate(
+    summary = configurables.configured(simulate)(
       workdir=_WORKDIR.value,
       progress=lambda line: print(line, file=sys.stderr, flush=True),
       on_start=start,

@@ -46,16 +46,17 @@ _INSECURE = flags.DEFINE_bool(
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  # Imported after flag parsing: these register the gin configurables.
-  from ddiloco.checkpoint.syncer import RestoreError
-  from ddiloco.launch import job as job_lib
-  from ddiloco.launch import runtime
+  # Imported after flag parsing and JAX_PLATFORMS: these import jax.
+  from ddiloco.checkpoint.syncer import RestoreError, SyncerCheckpointConfig
+  from ddiloco.launch import configurables, runtime
+  from ddiloco.launch.job import JobConfig
 
   if bool(_TLS_CERT.value) != bool(_TLS_KEY.value):
     raise app.UsageError("--tls_cert_file and --tls_key_file go together.")
   with cli.bad_config():
     config_text = gin_flags.parse_gin()
-    job = job_lib.JobConfig()
+    job = configurables.configured(JobConfig)()
+    checkpoint = configurables.configured(SyncerCheckpointConfig)()
   workdir = cli.make_workdir(
     _WORKDIR.value, config_text, why_local="the syncer fsyncs its merge journal before it serves"
   )
@@ -70,7 +71,7 @@ def main(argv: list[str]) -> None:
   if ":" in _HOST.value and not _HOST.value.startswith("["):
     address = f"[{_HOST.value}]:{_PORT.value}"  # An IPv6 literal.
   try:
-    run = runtime.SyncerRun(job, workdir=workdir)
+    run = runtime.SyncerRun(job, workdir=workdir, checkpoint=checkpoint)
   except RestoreError as e:
     raise SystemExit(f"ddiloco-syncer: cannot restart: {e}") from None
   try:

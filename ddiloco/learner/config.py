@@ -2,12 +2,9 @@
 
 import dataclasses
 
-import gin
-
 from ddiloco.syncer.types import SyncerConfig
 
 
-@gin.configurable(module="ddiloco")
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
   """Learner-side protocol knobs.

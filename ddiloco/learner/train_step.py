@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import optax
@@ -23,15 +22,7 @@ from ddiloco.parallel import partitioning
 from ddiloco.tasks.base import RESERVED_METRICS, LossOutput, Task
 from ddiloco.types import PyTree
 
-# The optax transformations an inner optimizer may be built from in gin, e.g.
-#   InnerOptConfig.optimizer = @optax.sgd
-#   optax.sgd.momentum = 0.9
-# Any other callable taking `learning_rate` and returning an optax transformation works from Python.
-for _transform in (optax.sgd, optax.adam, optax.adamw, optax.lion, optax.lamb, optax.rmsprop):
-  gin.external_configurable(_transform, module="optax")
 
-
-@gin.configurable(module="ddiloco")
 @dataclasses.dataclass(frozen=True)
 class InnerOptConfig:
   """The inner optimizer: AdamW with linear warm-up and cosine decay by default (DiLoCo's).

@@ -1,7 +1,7 @@
 """ddiloco.models: logical-axis-annotated models (dense and MoE transformer, ViT) and named sizes.
 
-Importing this package registers `transformer_config`, `TransformerConfig`, `vit_config` and
-`VitConfig` with gin.
+The entry points register `transformer_config`, `TransformerConfig`, `vit_config` and `VitConfig`
+with gin (ddiloco/launch/configurables.py).
 """
 
 from ddiloco.models.configs import (

@@ -1,7 +1,8 @@
 """Named model sizes (dense, mixture-of-experts and vision) and parameter counters.
 
-`transformer_config` and `vit_config` are registered with gin (as `ddiloco.transformer_config` and
-`ddiloco.vit_config`), so a model .gin file binds `transformer_config.size = "tiny"` and a run file
+The entry points register `transformer_config` and `vit_config` with gin (as
+`ddiloco.transformer_config` and `ddiloco.vit_config`, ddiloco/launch/configurables.py), so a
+model .gin file binds `transformer_config.size = "tiny"` and a run file
 refers to `@transformer_config()`. The functions stay plain Python: calling them directly ignores
 gin bindings.
 
@@ -33,7 +34,6 @@ import dataclasses
 import math
 from typing import Any
 
-import gin
 import jax
 import jax.numpy as jnp
 
@@ -184,10 +184,3 @@ def count_params(params: Any) -> int:
     The sum over leaves of the product of their shapes.
   """
   return sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(params))
-
-
-# gin registration (module "ddiloco"): bindings read `transformer_config.size = "tiny"`.
-gin.external_configurable(transformer_config, module="ddiloco")
-gin.external_configurable(TransformerConfig, module="ddiloco")
-gin.external_configurable(vit_config, module="ddiloco")
-gin.external_configurable(VitConfig, module="ddiloco")

@@ -3,13 +3,10 @@
 import dataclasses
 import math
 
-import gin
-
 from ddiloco.faults import parse_faults
 from ddiloco.learner.factory import LearnerSpec  # Re-exported: the fleet is a list of them.
 
 
-@gin.configurable(module="ddiloco")
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
   """A simulated fleet: what executes a run (`RunConfig`) on the virtual clock.

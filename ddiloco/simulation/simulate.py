@@ -9,8 +9,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import gin
-
 from ddiloco import storage
 from ddiloco.distributed.virtual import VirtualSyncer
 from ddiloco.metrics.writer import MetricsWriter, write_summary
@@ -21,11 +19,10 @@ from ddiloco.simulation.config import ClusterConfig
 log = logging.getLogger(__name__)
 
 
-@gin.configurable(module="ddiloco", denylist=["workdir", "progress"])
 def simulate(
   *,
   workdir: str,
-  run: RunConfig = gin.REQUIRED,
+  run: RunConfig,
   fleet: ClusterConfig | None = None,
   sync: bool = True,
   tensorboard: bool = True,

@@ -1,7 +1,8 @@
 """Shared pieces of the simulated studies (experiments/*.py): run systems over seeds, report them.
 
 A *system* is a stack of gin files plus bindings; a run is (system, seed) through `simulate`, so
-every study row uses the same code as `ddiloco-simulate`. Seeds change the parameter
+every study row uses the same code as `ddiloco-simulate`. This module never parses gin itself: the
+experiments pass `ddiloco.launch.configurables.simulate_files`, which does (`SimulateFiles`). Seeds change the parameter
 initialisation, the data shuffle and the step-time jitter RNG together (`seed_bindings`). Per-seed
 numbers are kept in a JSON store next to the table, so a study can be resumed, re-plotted or
 re-aggregated without re-running, and the tables show mean ± a 95 % Student-t confidence interval
@@ -19,13 +20,11 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import gin
 import jax
 import numpy as np
 from scipy import stats
 
 from ddiloco.metrics.writer import HEADLINE_KEYS, read_events
-from ddiloco.simulation.simulate import simulate
 
 TEXT_SEEDS = (
   "RunConfig.seed = {seed}",
@@ -48,6 +47,11 @@ _KEPT = (
   "num_params",
 )
 
+
+# Runs `simulate` configured by gin files then bindings, parsed afresh, and returns its summary:
+# `simulate_files(files, bindings, search_paths=[...], workdir=..., progress=..., tensorboard=False)`
+# (`ddiloco.launch.configurables.simulate_files`).
+SimulateFiles = Callable[..., dict[str, Any]]
 
 # The protocol a stored result was computed with: results of an older one are run again. 2: rounds
 # paced by the syncer (1: learner-paced sends, re-anchored stale reports).
@@ -116,6 +120,7 @@ def run_system(
   *,
   seed: int,
   workdir: str,
+  simulate_files: SimulateFiles,
   gin_root: str = "gin_configs",
   progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
@@ -125,6 +130,7 @@ def run_system(
     system: the gin stack.
     seed: the run's seed (formatted into `system.seed_bindings`).
     workdir: the run's output folder; emptied first (metrics.jsonl is appended to otherwise).
+    simulate_files: parses the stack and runs `simulate` (see `SimulateFiles`).
     gin_root: folder that relative gin paths and includes are resolved against.
     progress: called with simulate's one-line status.
 
@@ -134,15 +140,18 @@ def run_system(
     "curve" ([virtual time, tokens, eval loss] per evaluation),
     "elapsed_s" (wall seconds, start-up included) and "config" (the run's signature).
   """
-  gin.clear_config()
-  gin.add_config_file_search_path(gin_root)
   files = [f if os.path.isabs(f) else os.path.join(gin_root, f) for f in system.gin_files]
-  gin.parse_config_files_and_bindings(files, system.all_bindings(seed))
   if os.path.exists(workdir):
     shutil.rmtree(workdir)
   t0 = time.time()
-  summary = simulate(workdir=workdir, progress=progress, tensorboard=False)
-  gin.clear_config()
+  summary = simulate_files(
+    files,
+    system.all_bindings(seed),
+    search_paths=[gin_root],
+    workdir=workdir,
+    progress=progress,
+    tensorboard=False,
+  )
   result = {k: summary.get(k) for k in _KEPT}
   result["learners"] = summary.get("learners", {})
   # Learner-seconds of compute used (busy) and paid for (busy + blocked + down), from the ledger.
@@ -195,6 +204,7 @@ def run_grid(
   *,
   store: ResultStore,
   workdir: str,
+  simulate_files: SimulateFiles,
   gin_root: str = "gin_configs",
   rerun: bool = False,
 ) -> None:
@@ -204,6 +214,7 @@ def run_grid(
     plan: systems with the seeds to run each for.
     store: where results are kept (written after every run, so an interrupted study resumes).
     workdir: parent folder of the runs' workdirs (`workdir/<system slug>/seed_<seed>`).
+    simulate_files: see `run_system`.
     gin_root: see `run_system`.
     rerun: run even if a matching result is stored.
   """
@@ -218,6 +229,7 @@ def run_grid(
           system,
           seed=seed,
           workdir=os.path.join(workdir, slug(system.name), f"seed_{seed}"),
+          simulate_files=simulate_files,
           gin_root=gin_root,
           progress=lambda line, tag=tag: print(f"{tag} {line}", file=sys.stderr, flush=True),
         )

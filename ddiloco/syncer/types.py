@@ -9,7 +9,6 @@ import collections
 import dataclasses
 import math
 
-import gin
 import numpy as np
 import optax
 
@@ -77,7 +76,6 @@ NEW_COUNTERS = (
 )
 
 
-@gin.configurable(module="ddiloco")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SyncerConfig:
   """Syncer settings (docs/algorithm.md §4). Bound from gin as `ddiloco.SyncerConfig.<field>`.

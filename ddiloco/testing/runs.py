@@ -33,19 +33,14 @@ def config_path(name: str) -> str:
 def parse_job(gin_file: str, bindings: Sequence[str] = ()) -> Any:
   """The `JobConfig` of `gin_file` with `bindings`, as every process of the run builds it (gin is
   cleared afterwards)."""
-  import gin
-
-  from ddiloco.launch import gin_flags
+  from ddiloco.launch import configurables
   from ddiloco.launch.job import JobConfig
 
-  gin_flags.register_configurables()
-  gin.clear_config()
-  gin.add_config_file_search_path(CONFIGS)
   try:
-    gin.parse_config_files_and_bindings([gin_file], list(bindings))
-    return JobConfig()
+    configurables.parse([gin_file], bindings, search_paths=[CONFIGS])
+    return configurables.configured(JobConfig)()
   finally:
-    gin.clear_config()
+    configurables.clear()
 
 
 def gin_args(gin_file: str, bindings: Sequence[str] = ()) -> list[str]:

@@ -3,7 +3,6 @@
 import json
 import os
 
-import gin
 import pytest
 
 from ddiloco.chaos import replay
@@ -72,11 +71,13 @@ def test_double_kill_is_rejected():
 
 @pytest.fixture
 def tiny_gin():
-  from ddiloco.simulation import simulate  # noqa: F401 - registers the configurables.
+  """The fleet and the simulation of sim_tiny.gin, shortened, as `ddiloco-replay` builds them."""
+  from ddiloco.launch import configurables
+  from ddiloco.run_config import RunConfig
+  from ddiloco.simulation.config import ClusterConfig
+  from ddiloco.simulation.simulate import simulate
 
-  gin.clear_config()
-  gin.add_config_file_search_path(ROOT)
-  gin.parse_config_files_and_bindings(
+  configurables.parse(
     [os.path.join(ROOT, "sim_tiny.gin")],
     [
       "STEPS = 4",
@@ -86,9 +87,14 @@ def tiny_gin():
       "FragmentSchedule.num_fragments = 4",
       "FragmentSchedule.period = 4",
     ],
+    search_paths=[ROOT],
   )
-  yield
-  gin.clear_config()
+  yield {
+    "run": configurables.configured(RunConfig)(),
+    "fleet": configurables.configured(ClusterConfig)(),
+    "simulate_fn": configurables.configured(simulate),
+  }
+  configurables.clear()
 
 
 def test_replay_runs_the_tiny_simulator(tmp_path, tiny_gin):
@@ -104,7 +110,9 @@ def test_replay_runs_the_tiny_simulator(tmp_path, tiny_gin):
   # (uplink latency); learner 1, alive and holding fragment 2, has not answered, so the round
   # waits out its grace window before it merges, and its delivery 0.05 s later is the last event. Learner 3's slowdown (virtual 9) and learner 0's
   # crash (virtual 15) come after the end.
-  summary = replay.replay(TAPE, workdir=str(tmp_path), real_step_time_s=0.5, tensorboard=False)
+  summary = replay.replay(
+    TAPE, workdir=str(tmp_path), real_step_time_s=0.5, tensorboard=False, **tiny_gin
+  )
   assert summary["replay"]["faults"] == list(EXPECTED)
   assert summary["replay"]["time_scale"] == 2.0
   assert summary["tokens_trained"] == 4 * 4 * 8 * 64  # LEARNERS x STEPS x BATCH x SEQ_LEN
@@ -124,7 +132,7 @@ def test_replay_runs_the_tiny_simulator(tmp_path, tiny_gin):
 def test_replay_rejects_learners_beyond_the_fleet(tmp_path, tiny_gin):
   tape = [{"t": 1.0, "kind": "kill_learner", "learner": 7}]
   with pytest.raises(ValueError, match=r"learners \[7\]"):
-    replay.replay(tape, workdir=str(tmp_path), real_step_time_s=1.0)
+    replay.replay(tape, workdir=str(tmp_path), real_step_time_s=1.0, **tiny_gin)
 
 
 def test_logged_step_time_is_the_median_over_learners(tmp_path):

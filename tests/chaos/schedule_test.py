@@ -2,7 +2,6 @@
 
 import dataclasses
 
-import gin
 import pytest
 
 from ddiloco.chaos.schedule import KINDS, ChaosConfig, make_schedule
@@ -231,14 +230,16 @@ def test_schedule_arguments_validated():
 
 
 def test_gin_binds_the_config():
+  from ddiloco.launch import configurables
+
   try:
-    gin.parse_config(
-      ["ddiloco.ChaosConfig.learner_mtbf_s = 7.0", "ChaosConfig.syncer_kill_times_s = (5.0,)"]
+    configurables.parse(
+      [], ["ddiloco.ChaosConfig.learner_mtbf_s = 7.0", "ChaosConfig.syncer_kill_times_s = (5.0,)"]
     )
-    cfg = gin.get_configurable(ChaosConfig)()
+    cfg = configurables.configured(ChaosConfig)()
     assert (cfg.learner_mtbf_s, cfg.syncer_kill_times_s) == (7.0, (5.0,))
   finally:
-    gin.clear_config()
+    configurables.clear()
 
 
 def test_all_kinds_are_distinct():

@@ -3,7 +3,6 @@
 import json
 import math
 
-import gin
 import numpy as np
 import pytest
 
@@ -69,12 +68,15 @@ def test_config_validation(kwargs):
 
 
 def test_config_is_gin_configurable():
+  from ddiloco.launch import configurables
+
   try:
-    gin.bind_parameter("ddiloco.TextDataConfig.seq_len", 64)
-    assert text.TextDataConfig().seq_len == 64
+    configurables.parse([], ["ddiloco.TextDataConfig.seq_len = 64"])
+    assert configurables.configured(text.TextDataConfig)().seq_len == 64
+    assert text.TextDataConfig().seq_len == 128  # A direct call ignores gin.
   finally:
-    gin.clear_config()
-  assert text.TextDataConfig().seq_len == 128
+    configurables.clear()
+  assert configurables.configured(text.TextDataConfig)().seq_len == 128
 
 
 def test_spans_split_every_play_disjointly():

@@ -1,6 +1,5 @@
 """Tests for ddiloco.fragments.schedule (docs/algorithm.md §2, §3)."""
 
-import gin
 import pytest
 
 from ddiloco.fragments.schedule import FragmentSchedule
@@ -87,15 +86,19 @@ def test_validation():
 
 
 def test_gin_configurable():
+  from ddiloco.launch import configurables
+
   try:
-    gin.parse_config(
+    configurables.parse(
+      [],
       [
         "FragmentSchedule.num_fragments = 4",
         "FragmentSchedule.period = 8",
         "FragmentSchedule.overlap = 3",
-      ]
+      ],
     )
-    s = FragmentSchedule()
+    s = configurables.configured(FragmentSchedule)()
     assert (s.num_fragments, s.period, s.overlap) == (4, 8, 3)
+    assert FragmentSchedule().num_fragments == 24  # A direct call ignores gin.
   finally:
-    gin.clear_config()
+    configurables.clear()

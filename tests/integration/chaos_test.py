@@ -17,22 +17,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_chaos_smoke_keeps_every_invariant(tmp_path):
-  import gin
-
   from ddiloco.chaos.schedule import ChaosConfig
-  from ddiloco.launch import gin_flags
+  from ddiloco.launch import configurables
   from ddiloco.launch.chaos import ChaosRun
   from ddiloco.launch.job import JobConfig
 
-  gin.clear_config()
-  gin.add_config_file_search_path(os.path.join(ROOT, "gin_configs"))
-  gin.add_config_file_search_path(os.path.join(ROOT, "gin_configs", "chaos"))
-  gin_flags.register_configurables()
-  gin.parse_config_files_and_bindings([GIN], [])
+  search = [os.path.join(ROOT, "gin_configs"), os.path.join(ROOT, "gin_configs", "chaos")]
+  configurables.parse([GIN], search_paths=search)
   try:
-    job, chaos = JobConfig(), ChaosConfig()
+    job = configurables.configured(JobConfig)()
+    chaos = configurables.configured(ChaosConfig)()
   finally:
-    gin.clear_config()
+    configurables.clear()
   args = [
     f"--gin_file={GIN}",
     f"--gin_search_paths={os.path.join(ROOT, 'gin_configs')}",

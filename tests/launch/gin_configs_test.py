@@ -1,4 +1,8 @@
-"""Every shipped gin config parses, and every tiny run trains for a few steps (so examples cannot rot)."""
+"""Every shipped gin config parses, and every tiny run trains for a few steps (so examples cannot rot).
+
+Configs are parsed and built as the entry points do: after `configurables.register()`, through
+`configurables.configured(...)` (a direct call such as `ClusterConfig()` ignores gin).
+"""
 
 import glob
 import os
@@ -6,6 +10,7 @@ import os
 import gin
 import pytest
 
+from ddiloco.launch import configurables
 from ddiloco.simulation.simulate import simulate
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "gin_configs")
@@ -30,16 +35,15 @@ FAST = [
 ]
 
 
-def _parse(files, bindings=()):
-  gin.clear_config()
-  gin.add_config_file_search_path(ROOT)
-  gin.parse_config_files_and_bindings([os.path.join(ROOT, f) for f in files], list(bindings))
+def _parse(files, bindings=(), search_paths=()):
+  files = [os.path.join(ROOT, f) for f in files]
+  configurables.parse(files, bindings, search_paths=[ROOT, *search_paths])
 
 
 @pytest.fixture(autouse=True)
 def _clean_gin():
   yield
-  gin.clear_config()
+  configurables.clear()
 
 
 def test_every_config_is_covered():
@@ -72,7 +76,7 @@ def test_model_configs_parse(size):
   from ddiloco.models import configs
 
   _parse([f"models/{size}.gin"])
-  cfg = gin.get_configurable(configs.transformer_config)()
+  cfg = configurables.configured(configs.transformer_config)()
   assert cfg.num_layers >= 4
 
 
@@ -83,16 +87,16 @@ def test_run_configs_parse_and_build(run):
   from ddiloco.syncer.core import SyncerConfig
 
   _parse([run])
-  assert RunConfig().num_learners == gin.query_parameter("%LEARNERS")
-  assert SyncerConfig().min_quorum == 1
-  assert ClusterConfig().faults == gin.query_parameter("%FAULTS")
+  assert configurables.configured(RunConfig)().num_learners == gin.query_parameter("%LEARNERS")
+  assert configurables.configured(SyncerConfig)().min_quorum == 1
+  assert configurables.configured(ClusterConfig)().faults == gin.query_parameter("%FAULTS")
 
 
 @pytest.mark.parametrize("baseline", [None, *BASELINES])
 def test_tiny_runs_train(tmp_path, baseline):
   files = ["sim_tiny.gin"] + ([baseline] if baseline else [])
   _parse(files, FAST)
-  summary = simulate(workdir=str(tmp_path), tensorboard=False)
+  summary = configurables.configured(simulate)(workdir=str(tmp_path), tensorboard=False)
   assert summary["tokens_trained"] == 4 * 3 * 8 * 64  # LEARNERS x STEPS x BATCH x SEQ_LEN
   assert summary["final_eval_loss"] < 6.0
   assert os.path.exists(tmp_path / "summary.json")
@@ -100,14 +104,12 @@ def test_tiny_runs_train(tmp_path, baseline):
 
 @pytest.mark.parametrize("run", DISTRIBUTED)
 def test_distributed_configs_build_a_job(run):
-  from ddiloco.launch import gin_flags
   from ddiloco.launch.job import JobConfig
   from ddiloco.launch.ray_config import RayConfig
 
-  gin_flags.register_configurables()
   _parse([run])
-  job = JobConfig()
-  RayConfig()  # Its bindings, where the file has them, are valid.
+  job = configurables.configured(JobConfig)()
+  configurables.configured(RayConfig)()  # Its bindings, where the file has them, are valid.
   run = job.run
   assert run.num_learners >= 2
   factory = job.factory()
@@ -120,16 +122,15 @@ def test_the_simulator_and_the_launchers_read_one_run_config():
   differ only in the wire codecs (their bases') and in their own evaluation cadence."""
   import dataclasses
 
-  from ddiloco.launch import gin_flags
   from ddiloco.launch.job import JobConfig
   from ddiloco.run_config import RunConfig
 
-  gin_flags.register_configurables()
   _parse(["sim_tiny.gin"], ["STEPS = 50"])
-  sim = RunConfig()
+  sim = configurables.configured(RunConfig)()
   _parse(["local_tiny.gin"], ["STEPS = 50"])
-  job = JobConfig()
-  assert job.run == RunConfig()  # JobConfig.run = @RunConfig(): the very bindings.
+  job = configurables.configured(JobConfig)()
+  # JobConfig.run = @RunConfig(): the very bindings.
+  assert job.run == configurables.configured(RunConfig)()
   assert (sim.service.uplink_codec, job.run.service.uplink_codec) == ("fp32", "int4")
   same = dataclasses.replace(
     job.run,
@@ -143,15 +144,11 @@ def test_the_simulator_and_the_launchers_read_one_run_config():
 @pytest.mark.parametrize("run", CHAOS)
 def test_chaos_configs_build_a_job_and_a_schedule(run):
   from ddiloco.chaos.schedule import ChaosConfig, make_schedule
-  from ddiloco.launch import gin_flags
   from ddiloco.launch.job import JobConfig
 
-  gin_flags.register_configurables()
-  gin.clear_config()
-  gin.add_config_file_search_path(ROOT)
-  gin.add_config_file_search_path(os.path.join(ROOT, "chaos"))
-  gin.parse_config_files_and_bindings([os.path.join(ROOT, run)], [])
-  job, chaos = JobConfig(), ChaosConfig()
+  _parse([run], search_paths=[os.path.join(ROOT, "chaos")])
+  job = configurables.configured(JobConfig)()
+  chaos = configurables.configured(ChaosConfig)()
   schedule = make_schedule(chaos, job.run.num_learners)
   assert len(CHAOS) == 3
   assert sum(ev.kind == "kill_syncer" for ev in schedule) == len(chaos.syncer_kill_times_s) >= 1
@@ -164,6 +161,8 @@ def test_study_configs_parse_and_build(run):
   from ddiloco.simulation.config import ClusterConfig
 
   _parse([run])
-  assert RunConfig().num_learners == gin.query_parameter("%LEARNERS") == 4
-  assert ClusterConfig().faults == ()  # The studies' rows add their own faults (or none).
+  assert configurables.configured(RunConfig)().num_learners == gin.query_parameter("%LEARNERS") == 4
+  assert (
+    configurables.configured(ClusterConfig)().faults == ()
+  )  # The studies' rows add their own faults (or none).
   assert len(STUDIES) == 3

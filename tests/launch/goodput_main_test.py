@@ -5,11 +5,11 @@ import pathlib
 import subprocess
 import sys
 
-import gin
 import pytest
 
 from ddiloco.goodput import model as goodput_model
-from ddiloco.launch import goodput_main
+from ddiloco.goodput import report as goodput_report
+from ddiloco.launch import configurables
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 _CONFIGS = sorted((_ROOT / "gin_configs" / "goodput").glob("*.gin"))
@@ -75,12 +75,11 @@ def test_shipped_config_runs(config, tmp_path):
 
 
 def test_paper_config_matches_the_fitted_python_defaults():
-  gin.clear_config()
   try:
-    gin.parse_config_file(str(_ROOT / "gin_configs" / "goodput" / "paper_table.gin"))
-    study, bw, _ = goodput_main.experiment()
+    configurables.parse([str(_ROOT / "gin_configs" / "goodput" / "paper_table.gin")])
+    study, bw, _ = configurables.configured(goodput_report.experiment)()
   finally:
-    gin.clear_config()
+    configurables.clear()
   assert bw is None
   assert study.fleet == goodput_model.Fleet()
   assert study.costs == goodput_model.Costs()

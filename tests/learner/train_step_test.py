@@ -207,20 +207,24 @@ def test_inner_optimizer_may_be_any_optax_transformation():
 
 
 def test_inner_optimizer_binds_from_gin():
-  import gin
+  from ddiloco.launch import configurables
 
-  with gin.unlock_config():
-    gin.parse_config(
-      "ddiloco.InnerOptConfig.optimizer = @optax.sgd\noptax.sgd.momentum = 0.9\n"
-      "ddiloco.InnerOptConfig.warmup_steps = 1\nddiloco.InnerOptConfig.decay_steps = 4\n"
-    )
+  configurables.parse(
+    [],
+    [
+      "ddiloco.InnerOptConfig.optimizer = @optax.sgd",
+      "optax.sgd.momentum = 0.9",
+      "ddiloco.InnerOptConfig.warmup_steps = 1",
+      "ddiloco.InnerOptConfig.decay_steps = 4",
+    ],
+  )
   try:
-    cfg = train_step.InnerOptConfig()
+    cfg = configurables.configured(train_step.InnerOptConfig)()
     state = train_step.make_inner_optimizer(cfg).init({"w": jnp.ones(3)})
     # clip → sgd(momentum) = trace → scale_by_learning_rate(schedule).
     assert any(isinstance(s, optax.TraceState) for s in jax.tree.leaves(state, is_leaf=_is_state))
   finally:
-    gin.clear_config()
+    configurables.clear()
 
 
 def _is_state(x):

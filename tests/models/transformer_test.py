@@ -4,7 +4,6 @@ import math
 import pathlib
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -254,14 +253,15 @@ def test_transformer_config_overrides_and_errors():
   [("tiny", 4, 256), ("small", 6, 256), ("2b", 18, 32768), ("5b", 32, 32768), ("9b", 42, 32768)],
 )
 def test_gin_model_files(size, layers, vocab):
-  gin.clear_config()
+  from ddiloco.launch import configurables
+
   try:
-    gin.parse_config_files_and_bindings(
+    configurables.parse(
       [str(REPO / "gin_configs" / "models" / f"{size}.gin")], ["transformer_config.max_len = 32"]
     )
-    cfg = gin.get_configurable("ddiloco.transformer_config")()
+    cfg = configurables.configured("ddiloco.transformer_config")()
   finally:
-    gin.clear_config()
+    configurables.clear()
   assert cfg == configs.transformer_config(
     size, max_len=32, **({} if size in ("tiny", "small") else {"dtype": "bfloat16", "remat": True})
   )

@@ -25,18 +25,16 @@ pytestmark = pytest.mark.timeout(300)
 
 _CHECK = r"""
 import json, math, sys
-import gin, jax
+import jax
 from ddiloco.fragments import tree
-from ddiloco.launch import gin_flags
+from ddiloco.launch import configurables
 from ddiloco.launch.job import JobConfig
 from ddiloco.launch.ray_config import RayConfig
 from ddiloco.parallel import mesh as mesh_lib, partitioning
 
 root, path = sys.argv[1], sys.argv[2]
-gin_flags.register_configurables()
-gin.add_config_file_search_path(root + "/gin_configs")
-gin.parse_config_files_and_bindings([path], [])
-job, ray = JobConfig(), RayConfig()
+configurables.parse([path], search_paths=[root + "/gin_configs"])
+job, ray = configurables.configured(JobConfig)(), configurables.configured(RayConfig)()
 task = job.run.the_task()
 mesh = mesh_lib.make_mesh(devices=jax.devices(), model_parallelism=job.model_parallelism)
 abstract, _ = partitioning.abstract_params(task.model, mesh, inputs=task.dummy_inputs(1))

@@ -369,11 +369,11 @@ def test_shipped_task_runs_train(tmp_path, run):
 
   import gin
 
+  from ddiloco.launch import configurables
+
   root = os.path.join(os.path.dirname(__file__), "..", "..", "gin_configs")
-  gin.clear_config()
-  gin.add_config_file_search_path(root)
   try:
-    gin.parse_config_files_and_bindings(
+    configurables.parse(
       [os.path.join(root, run)],
       [
         "LEARNERS = 2",
@@ -384,11 +384,12 @@ def test_shipped_task_runs_train(tmp_path, run):
         # Fewer compiles (one per learner's device slice), smaller programs (>= 24 leaves for P = 24).
         "vit_config.num_layers = 2" if "vit" in run else "transformer_config.num_layers = 3",
       ],
+      search_paths=[root],
     )
-    summary = simulate(workdir=str(tmp_path), tensorboard=False)
+    summary = configurables.configured(simulate)(workdir=str(tmp_path), tensorboard=False)
     units = gin.query_parameter("%BATCH") * (1 if "vit" in run else gin.query_parameter("%SEQ_LEN"))
   finally:
-    gin.clear_config()
+    configurables.clear()
   assert summary["tokens_trained"] == 2 * 2 * units  # LEARNERS x STEPS x units per step
   assert np.isfinite(summary["final_eval_loss"])
 

@@ -103,6 +103,9 @@ def test_result_store_round_trip_and_config_check(tmp_path):
 
 
 def test_one_tiny_run_and_a_failing_row(tmp_path, capsys):
+  from ddiloco.launch import configurables
+
+  run = {"simulate_files": configurables.simulate_files, "gin_root": GIN_ROOT}
   fast = (
     "LEARNERS = 2",
     "STEPS = 3",
@@ -114,9 +117,7 @@ def test_one_tiny_run_and_a_failing_row(tmp_path, capsys):
   good = study.System(name="tiny", gin_files=("sim_tiny.gin",), bindings=fast)
   bad = study.System(name="broken", gin_files=("no_such_file.gin",))
   store = study.ResultStore(str(tmp_path / "r.json"))
-  study.run_grid(
-    [(bad, [0]), (good, [0])], store=store, workdir=str(tmp_path / "runs"), gin_root=GIN_ROOT
-  )
+  study.run_grid([(bad, [0]), (good, [0])], store=store, workdir=str(tmp_path / "runs"), **run)
   assert "[broken seed 0] FAILED" in capsys.readouterr().err
   assert store.get(bad, 0) is None
   result = store.get(good, 0)
@@ -131,7 +132,7 @@ def test_one_tiny_run_and_a_failing_row(tmp_path, capsys):
   assert sorted(result["learners"]) == ["0", "1"]
   assert result["busy_learner_s"] == pytest.approx(result["provisioned_learner_s"])
   # A second grid run finds it stored and does not run it again.
-  study.run_grid([(good, [0])], store=store, workdir=str(tmp_path / "runs"), gin_root=GIN_ROOT)
+  study.run_grid([(good, [0])], store=store, workdir=str(tmp_path / "runs"), **run)
   assert "stored, skipped" in capsys.readouterr().err
 
 

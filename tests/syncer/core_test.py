@@ -2,7 +2,6 @@
 
 import dataclasses
 
-import gin
 import jax
 import ml_dtypes
 import numpy as np
@@ -806,13 +805,15 @@ def test_config_validation_and_gin():
   # A learner answering a round may still hold the previous version: two versions at least.
   with pytest.raises(ValueError, match="keep_versions must be >= 2"):
     SyncerConfig(keep_versions=1)
-  with gin.unlock_config():
-    gin.parse_config("ddiloco.SyncerConfig.min_quorum = 3")
+  from ddiloco.launch import configurables
+
+  configurables.parse([], ["ddiloco.SyncerConfig.min_quorum = 3"])
   try:
-    assert SyncerConfig().min_quorum == 3
+    assert configurables.configured(SyncerConfig)().min_quorum == 3
+    assert SyncerConfig().min_quorum == 1  # A direct call ignores gin.
   finally:
-    gin.clear_config()
-  assert SyncerConfig().min_quorum == 1
+    configurables.clear()
+  assert configurables.configured(SyncerConfig)().min_quorum == 1
 
 
 def test_fleet_step_is_the_step_clock():

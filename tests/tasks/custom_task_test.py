@@ -73,22 +73,18 @@ def test_a_short_simulated_run_learns(tmp_path):
 
 
 def test_its_gin_file_builds_a_distributed_job(tmp_path):
-  import gin
-
-  from ddiloco.launch import gin_flags
+  from ddiloco.launch import configurables
   from ddiloco.launch.job import JobConfig
 
-  gin_flags.register_configurables()
-  gin.clear_config()
   try:
-    gin.add_config_file_search_path(os.path.join(ROOT, "gin_configs"))
-    gin.parse_config_files_and_bindings(
+    configurables.parse(
       [os.path.join(ROOT, "gin_configs", "examples", "custom_task.gin")],
       [f"RecordsTask.data_dir = '{tmp_path}'"],
+      search_paths=[os.path.join(ROOT, "gin_configs")],
     )
-    job = JobConfig()
+    job = configurables.configured(JobConfig)()
   finally:
-    gin.clear_config()
+    configurables.clear()
   assert isinstance(job.run.the_task(), custom_task.RecordsTask)
   assert job.factory().layout.num_fragments == 4
   assert os.path.exists(os.path.join(tmp_path, "eval.array_record"))
