@@ -15,17 +15,9 @@ import json
 import os
 import sys
 
-# One BLAS thread for the in-process syncer's merge (see launch/simulate.py), before numpy loads.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-# Fake CPU devices for the learners' meshes; must be set before jax is imported.
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  ).strip()
-
 from absl import app, flags
 
-from ddiloco.launch import cli, gin_flags
+from ddiloco.launch import cli, gin_flags, sim_env  # noqa: F401 - sim_env: before numpy, jax.
 
 _TAPE = flags.DEFINE_string("tape", None, "a chaos run's tape.jsonl", required=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "output folder", required=True)

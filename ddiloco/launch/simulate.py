@@ -7,18 +7,9 @@
 import os
 import sys
 
-# The in-process syncer's merge calls BLAS (merge.py); an idle OpenBLAS thread pool spins and takes
-# CPU from the learners' steps (as in ddiloco-syncer). Must be set before numpy is imported.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-# Fake CPU devices for the learners' meshes; must be set before jax is imported.
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  ).strip()
-
 from absl import app, flags
 
-from ddiloco.launch import cli, gin_flags
+from ddiloco.launch import cli, gin_flags, sim_env  # noqa: F401 - sim_env: before numpy, jax.
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "output folder", required=True)
 
