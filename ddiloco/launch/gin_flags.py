@@ -8,7 +8,7 @@ top-level object with `configurables.configured(...)`.
 
 import difflib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import gin
@@ -75,6 +75,24 @@ def did_you_mean(name: str, candidates: Sequence[str]) -> str:
   return f"Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
+def references() -> Iterator[gin.config.ConfigurableReference]:
+  """Every reference (`@X()`, `%MACRO`) in the parsed configuration's values, nested ones too."""
+
+  def walk(value: Any) -> Iterator[gin.config.ConfigurableReference]:
+    if isinstance(value, gin.config.ConfigurableReference):
+      yield value
+    elif isinstance(value, list | tuple | set):
+      for v in value:
+        yield from walk(v)
+    elif isinstance(value, dict):
+      for v in value.values():
+        yield from walk(v)
+
+  for params in gin.config._CONFIG.values():  # gin has no public listing of its bindings.
+    for value in params.values():
+      yield from walk(value)
+
+
 def _check_macros(bindings: Sequence[str]) -> None:
   """Refuses a macro set by a binding (`--gin.NAME=VALUE`) that no binding uses (`%NAME`).
 
@@ -84,24 +102,11 @@ def _check_macros(bindings: Sequence[str]) -> None:
   Raises:
     ValueError: naming the macro and the closest macros the configuration uses.
   """
-  config = gin.config._CONFIG  # gin has no public listing of its bindings.
-  used: set[str] = set()
-
-  def walk(value: Any) -> None:
-    if isinstance(value, gin.config.ConfigurableReference):
-      selector = value.scoped_selector
-      if selector.endswith("/gin.macro"):
-        used.add(selector.split("/")[-2])
-    elif isinstance(value, list | tuple | set):
-      for v in value:
-        walk(v)
-    elif isinstance(value, dict):
-      for v in value.values():
-        walk(v)
-
-  for params in config.values():
-    for value in params.values():
-      walk(value)
+  used = {
+    ref.scoped_selector.split("/")[-2]
+    for ref in references()
+    if ref.scoped_selector.endswith("/gin.macro")
+  }
   for binding in bindings:
     name = binding.split("=", 1)[0].strip()
     if not name or "." in name or "/" in name or name in used:

@@ -7,7 +7,7 @@ import os
 import gin
 import pytest
 
-from ddiloco.launch import configurables
+from ddiloco.launch import configurables, gin_flags
 from ddiloco.launch.job import JobConfig
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.run_config import RunConfig
@@ -179,23 +179,10 @@ def test_every_binding_of_a_shipped_config_reaches_an_object(files, monkeypatch)
   )  # examples/custom_task.gin imports experiments.
   search = [ROOT, os.path.join(ROOT, "chaos"), os.path.dirname(ROOT)]
   configurables.parse([os.path.join(ROOT, f) for f in files], search_paths=search)
-  referenced, bound = set(), set()
-
-  def walk(value):
-    if isinstance(value, gin.config.ConfigurableReference):
-      name = value.scoped_selector.split("/")[-1]
-      match = gin.config._REGISTRY.get_match(name)
-      referenced.add(match.selector if match else name)
-    elif isinstance(value, list | tuple | set):
-      for v in value:
-        walk(v)
-    elif isinstance(value, dict):
-      for v in value.values():
-        walk(v)
-
-  for (_, selector), params in gin.config._CONFIG.items():
-    if not selector.endswith("gin.macro"):
-      bound.add(selector)
-    for value in params.values():
-      walk(value)
+  referenced = set()
+  for ref in gin_flags.references():
+    name = ref.scoped_selector.split("/")[-1]
+    match = gin.config._REGISTRY.get_match(name)
+    referenced.add(match.selector if match else name)
+  bound = {selector for _, selector in gin.config._CONFIG if not selector.endswith("gin.macro")}
   assert bound - referenced - BUILT == UNUSED.get(files[-1], set())
