@@ -22,25 +22,28 @@ each answer, in the same pass as the door's NaN/Inf check (`merge.finite_sq_norm
   numpy        the numpy merge (`merge.merge_reports`, block by block into a reused buffer), then
                the jitted step (`fused_merge_bytes` above the fragment's size), RDA and the mean.
   rda + int4   the fused RDA merge in a `make_syncer` service with an int4 downlink codec: the
-               merge plus `DownlinkAdopter` (encode Θ_new − Θ_old, decode it as a learner will,
-               adopt it; then cut the encoded bytes into chunks at publication, docs/algorithm.md
-               §5). The service's public `stop(flush=True)` performs exactly that
-               flush-and-publish; its merge thread is never started.
+               merge plus `DownlinkAdopter` (encode Θ_new − Θ_old and, in the same pass, form
+               what a learner holding Θ_old decodes from those bytes, the adopted values; then
+               wrap the chunks in messages at publication, docs/algorithm.md §5). The service's
+               public `stop(flush=True)` performs exactly that flush-and-publish; its merge
+               thread is never started.
   int4 adopt   the adoption alone, timed directly: a fresh `DownlinkAdopter("int4")` called on the
-               last merge's (Θ_new, Θ_old) and then `published` (the chunking).
+               last merge's (Θ_new, Θ_old) and then `published`.
 The numpy merge's parts are also timed offline, with the functions the core calls:
 `merge_reports` (RDA with the norms unknown, i.e. both passes, and the 8 norms on their own: the
-pass filing does), RDA given the norms, the mean, the outer step as the core runs it, and the
-digest. Every row has a wall-clock median and a process-CPU-time median (the machine is shared:
+pass filing does), RDA given the norms, the mean, the outer step as the core runs it, and
+`blockwise.summarize` (the new version's digest, norm and check, one pass). Every row has a wall-clock median and a process-CPU-time median (the machine is shared:
 CPU time is what contention with other processes spares; it sums all threads, so multithreaded
 XLA can make it exceed wall time), each with its ratio to the read row's. It prints the
 merge/read ratios against their goals (2x for the merges, 3x with int4 adoption); wall time is
 the figure that counts when "process CPU/wall" in the header is near or above 1, i.e. the process
 was not starved. Like `ddiloco-syncer`, the script pins one OpenBLAS thread (unless
 OPENBLAS_NUM_THREADS is set): an idle OpenBLAS thread spins, and on a loaded machine the spinning
-made the merge 80x the read.
+made the merge 80x the read. `--cpus=1` pins the process (XLA's threads included) to the CPUs
+listed, e.g. one core of its own beside other work, where the read, single-threaded, and the
+merge then get the same CPU.
 
-  python scripts/bench_merge.py --tensors=4 --mib=16 --learners=8 --rounds=5
+  python scripts/bench_merge.py --tensors=4 --mib=16 --learners=8 --rounds=5 [--cpus=1]
 """
 
 import os
@@ -53,7 +56,6 @@ import statistics
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
@@ -61,15 +63,15 @@ from absl import app, flags
 from ddiloco.distributed.downlink import DownlinkAdopter
 from ddiloco.distributed.server import make_syncer
 from ddiloco.distributed.service_config import ServiceConfig
-from ddiloco.fragments.digest import values_digest
+from ddiloco.syncer import blockwise, outer
 from ddiloco.syncer import merge as merge_lib
-from ddiloco.syncer import outer
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
 
 _TENSORS = flags.DEFINE_integer("tensors", 4, "tensors in the fragment")
 _MIB = flags.DEFINE_integer("mib", 16, "fragment size in MiB (float32 values)")
 _LEARNERS = flags.DEFINE_integer("learners", 8, "contributions per merge")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "timed rounds (median reported)")
+_CPUS = flags.DEFINE_list("cpus", [], "pin the process to these CPUs (default: not pinned)")
 _UPLINK = flags.DEFINE_enum(
   "uplink",
   "delta",
@@ -210,8 +212,7 @@ class _OuterStep:
     self._state = self._step.init({k: jnp.asarray(v) for k, v in init.items()})
 
   def __call__(self, theta: dict[str, np.ndarray], merged: dict[str, np.ndarray]) -> dict:
-    params = jax.device_put(theta)
-    new, self._state, _ = self._step.step(params, merged, dict.fromkeys(merged, 1.0), self._state)
+    new, self._state, _ = self._step.step(theta, merged, dict.fromkeys(merged, 1.0), self._state)
     return {k: np.asarray(v) for k, v in new.items()}
 
 
@@ -227,7 +228,7 @@ def _parts(
   with _Stopwatch() as rda_watch:
     merged = merge_lib.merge_reports(anchors, thetas, weights, method="rda")
   with _Stopwatch() as digest_watch:
-    values_digest(merged)
+    blockwise.summarize(merged)
   with _Stopwatch() as step_watch:
     outer_step(anchor, merged)
   del merged
@@ -252,6 +253,8 @@ def _parts(
 
 def main(argv: list[str]) -> None:
   del argv
+  if _CPUS.value:
+    os.sched_setaffinity(0, {int(c) for c in _CPUS.value})
   n = _MIB.value * (1 << 20) // 4 // _TENSORS.value
   side = round(n**0.5)
   shape = (side, n // side) if side * (n // side) == n else (n,)
@@ -306,6 +309,7 @@ def main(argv: list[str]) -> None:
     f"fragment: {_TENSORS.value} tensors x {shape} float32 = {_MIB.value} MiB; "
     f"{_LEARNERS.value} contributions ({total_mib} MiB); {_ROUNDS.value} rounds (median); "
     f"load avg {os.getloadavg()[0]:.1f}, process CPU/wall {total.seconds[1] / total.seconds[0]:.2f}"
+    f"{', CPUs ' + ','.join(_CPUS.value) if _CPUS.value else ''}"
   )
   print(f"  {'row':40s} {'wall ms':>8s} {'cpu ms':>8s} {'/read':>7s} {'/read':>6s}")
   rows = [
@@ -322,7 +326,7 @@ def main(argv: list[str]) -> None:
     ("  rda, norms given (2nd pass: flush)", "rda known"),
     ("  merge_reports mean", "mean alone"),
     ("  outer step (views in, jit, view out)", "step"),
-    ("  values_digest of the new version", "digest"),
+    ("  summarize: digest, norm, check", "digest"),
   ]
   read = med["read"]
   for label, key in rows:

@@ -11,9 +11,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from ddiloco.fragments import compression
+from ddiloco.syncer import blockwise
 from ddiloco.transport import messages
 from ddiloco.transport.fragment_encoder import serialize_chunks
-from ddiloco.transport.fragment_reader import read_layout
 
 
 class DownlinkAdopter:
@@ -32,15 +32,25 @@ class DownlinkAdopter:
 
   def __call__(self, p: int, new: Mapping[str, np.ndarray], prev: Mapping[str, np.ndarray]):
     # The bytes are encoded once and kept: re-encoding adopted − prev need not give the same ints.
-    pieces = list(
-      serialize_chunks(new, self._codec, block_size=self._block, base=prev, chunk_size=self._chunk)
+    # What a learner holding `prev` decodes from them is formed in the same pass, run by run
+    # while each is in cache, from the encoding's own integers and scales with the operations of
+    # the learner's decoder (`FragmentEncoder(received=...)`): bit-identical, without a decoding
+    # pass (tests/distributed/downlink_test.py checks it against `read_layout`).
+    keys = sorted(new)
+    dtypes = [np.asarray(new[k]).dtype for k in keys]
+    flats = blockwise.aligned_empties([(np.size(new[k]), d) for k, d in zip(keys, dtypes)])
+    received = dict(zip(keys, flats))
+    self._staged[p] = list(
+      serialize_chunks(
+        new,
+        self._codec,
+        block_size=self._block,
+        base=prev,
+        chunk_size=self._chunk,
+        received=received,
+      )
     )
-    layout = {k: (tuple(np.shape(v)), np.asarray(v).dtype) for k, v in new.items()}
-    adopted = read_layout(
-      pieces, layout, codec_name=self._codec, max_bytes=sum(map(len, pieces)), base=prev
-    )
-    self._staged[p] = pieces
-    return adopted
+    return {k: received[k].reshape(np.shape(new[k])) for k in keys}
 
   def published(self, p: int, version: int, digest: str) -> None:
     """Called (under the service lock) when version `version` of p, just adopted, is published.

@@ -42,6 +42,10 @@ def check_len(what: str, data: bytes | memoryview | np.ndarray, expected: int) -
     raise ValueError(f"{what} has {nbytes} bytes, expected {expected}.")
 
 
+class NonFiniteRun(ValueError):
+  """Raised by the `encode_run` of a codec with `checks_finite` for a run with a NaN/Inf."""
+
+
 _REGISTRY: dict[str, type["Codec"]] = {}
 # The registered codec classes by name: a read-only view of the registry (`register` adds to it).
 REGISTRY = types.MappingProxyType(_REGISTRY)
@@ -71,6 +75,10 @@ class Codec:
   unit_bytes: ClassVar[int] = 1
   values_per_unit: ClassVar[int] = 1
 
+  # Whether `encode_run` itself refuses NaN/Inf (`NonFiniteRun`), so `encode_runs` need not check
+  # every value first (the block-quantized codecs see it in their scales).
+  checks_finite: ClassVar[bool] = False
+
   block_size: int = 64
 
   def __post_init__(self):
@@ -92,8 +100,8 @@ class Codec:
     return self.values_per_unit * max(1, RUN_VALUES // self.values_per_unit)
 
   def encode_runs(
-    self, x: np.ndarray, *, base: np.ndarray | None = None
-  ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    self, x: np.ndarray, *, base: np.ndarray | None = None, decoded: bool = False
+  ) -> Iterator[tuple[np.ndarray, ...]]:
     """Encodes `x`, or the float32 delta `x − base`, run by run (C order).
 
     Each run is made float32 (and the delta taken), checked for NaN/Inf and encoded while it is in
@@ -102,10 +110,14 @@ class Codec:
     Args:
       x: any float array (numpy or jax).
       base: an array of x's shape, or None.
+      decoded: also yield the run's values as `decode_run` gives them back from its bytes
+        (`encode_run_decoded`): a sender that must hold what its receivers decode (the syncer's
+        lossy downlink, docs/algorithm.md §5) gets them in the same pass, without decoding.
 
     Yields:
-      (payload bytes as a uint8 array, float32 scales of the run's blocks; empty for fp32/bf16).
-      Both may be overwritten by the next run: use them before asking for it.
+      (payload bytes as a uint8 array, float32 scales of the run's blocks; empty for fp32/bf16),
+      and the decoded float32 values if `decoded`. All may be overwritten by the next run: use
+      them before asking for it.
 
     Raises:
       ValueError: on a base of another shape, NaN/Inf (of the delta), or bf16 overflow.
@@ -128,13 +140,29 @@ class Codec:
           np.copyto(x32, flat[start:stop], casting="unsafe")
         else:
           np.subtract(as_f32(flat[start:stop]), as_f32(base_flat[start:stop]), out=x32)
-      if not np.isfinite(x32, out=finite[: stop - start]).all():
+      if not self.checks_finite and not np.isfinite(x32, out=finite[: stop - start]).all():
         raise _non_finite_error(self._count_non_finite(flat, base_flat))
-      yield self.encode_run(x32)
+      try:
+        encoded = self.encode_run_decoded(x32) if decoded else self.encode_run(x32)
+      except NonFiniteRun:
+        raise _non_finite_error(self._count_non_finite(flat, base_flat)) from None
+      yield encoded
 
   def encode_run(self, x32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(payload bytes as uint8, float32 scales) of a run of finite float32 values."""
+    """(payload bytes as uint8, float32 scales) of a run of finite float32 values.
+
+    A codec with `checks_finite` raises `NonFiniteRun` for a run with a NaN/Inf instead.
+    """
     raise NotImplementedError
+
+  def encode_run_decoded(self, x32: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`encode_run(x32)` and the float32 values `decode_run` gives back for those bytes.
+
+    Bit for bit what a receiver decodes (the default decodes the run; a codec may instead form
+    the values from its quantized integers with the same operations). `x32` may be overwritten.
+    """
+    payload, scales = self.encode_run(x32)
+    return payload, scales, self.decode_run(payload, 0, x32.size, scales)
 
   @staticmethod
   def _count_non_finite(flat: np.ndarray, base_flat: np.ndarray | None) -> int:

@@ -9,14 +9,30 @@ is XXH3-128, a non-cryptographic 128-bit hash made for checksumming, rather than
 and every learner every applied one (scripts/bench_merge.py: the digest was a quarter of a merge).
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import xxhash
 
 
-def values_digest(values: Mapping[str, np.ndarray]) -> str:
-  """XXH3-128 (32 hex digits) of names, dtypes, shapes and raw bytes, in path order."""
+def values_digest(
+  values: Mapping[str, np.ndarray],
+  *,
+  visit: Callable[[str, np.ndarray], None] | None = None,
+  block_values: int = 1 << 17,
+) -> str:
+  """XXH3-128 (32 hex digits) of names, dtypes, shapes and raw bytes, in path order.
+
+  Args:
+    values: {name: array}.
+    visit: if given, called as `visit(name, block)` on every block of `block_values` values of
+      each array (flat, its own dtype, in name order), just after the block is hashed: a caller
+      that needs a pass of its own over the values (a norm, a check) makes it while the block is
+      in cache. The digest does not depend on it, nor on `block_values`.
+    block_values: values per block handed to `visit` (>= 1).
+  """
+  if block_values < 1:
+    raise ValueError(f"block_values must be >= 1, got {block_values}.")
   h = xxhash.xxh3_128()
   for name in sorted(values):
     arr = np.ascontiguousarray(np.asarray(values[name]))
@@ -24,5 +40,12 @@ def values_digest(values: Mapping[str, np.ndarray]) -> str:
     for field in (name.encode(), str(arr.dtype).encode(), repr(tuple(arr.shape)).encode()):
       h.update(len(field).to_bytes(8, "little"))
       h.update(field)
-    h.update(memoryview(arr.reshape(-1).view(np.uint8)))  # No copy (tobytes doubled the cost).
+    flat = arr.reshape(-1)
+    if visit is None:
+      h.update(memoryview(flat.view(np.uint8)))  # No copy (tobytes doubled the cost).
+      continue
+    for start in range(0, flat.size, block_values):  # XXH3 streams: the same digest in pieces.
+      block = flat[start : start + block_values]
+      h.update(memoryview(block.view(np.uint8)))
+      visit(name, block)
   return h.hexdigest()

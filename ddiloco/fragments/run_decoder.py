@@ -5,6 +5,14 @@ import numpy as np
 from ddiloco.fragments.codec import RUN_VALUES, Codec, as_f32
 
 
+def add_base(dst: np.ndarray, base: np.ndarray, x: np.ndarray) -> None:
+  """dst = cast(float32(base) + x), what a receiver holding `base` makes of decoded delta values."""
+  if dst.dtype == np.float32:
+    np.add(as_f32(base), x, out=dst)
+  else:
+    dst[...] = as_f32(base) + x
+
+
 class RunDecoder:
   """Decodes one array's payload, fed in pieces of any size, into a flat output array.
 
@@ -75,10 +83,8 @@ class RunDecoder:
     with np.errstate(over="ignore"):  # Overflow to Inf in the cast is counted below, precisely.
       if self._base is None:
         dst[...] = x
-      elif dst.dtype == np.float32:
-        np.add(as_f32(self._base[start:stop]), x, out=dst)
       else:
-        dst[...] = as_f32(self._base[start:stop]) + x
+        add_base(dst, self._base[start:stop], x)
     if self._finite is not None:
       finite = np.isfinite(dst, out=self._finite[: x.size])
       self._non_finite += x.size - int(np.count_nonzero(finite))

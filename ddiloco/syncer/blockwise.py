@@ -1,12 +1,16 @@
 """Block-wise passes over large float arrays, the merge's kernel: contributions v_m formed block by
-block (`Diffs`), a finiteness check without a full-size temporary, and 64-byte-aligned output memory."""
+block (`Diffs`), a finiteness check without a full-size temporary, a new version's digest, norm
+and check in one pass (`summarize`), and 64-byte-aligned output memory."""
 
+import math
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 from scipy.linalg import blas
 
 from ddiloco.fragments import buffers
+from ddiloco.fragments.digest import values_digest
 
 # Values per block: 512 KiB of float32, half this machine's 1 MiB L2. Measured on the 16 MiB,
 # 8-contribution benchmark (scripts/bench_merge.py): 8K-32K-value blocks lose more to per-call
@@ -38,6 +42,48 @@ def all_finite(x: np.ndarray, *, block_values: int = BLOCK_VALUES) -> bool:
     if not np.isfinite(block, out=buf[: block.size]).all():
       return False
   return True
+
+
+class Summary(NamedTuple):
+  """A new version's digest, its norm and the keys with a NaN/Inf (`summarize`)."""
+
+  digest: str
+  norm: float
+  non_finite: tuple[str, ...]
+
+
+def block_sq_norm(values: Mapping[str, np.ndarray], dots: Mapping[str, Sequence[float]]) -> float:
+  """‖values‖ from per-block float32 dot products, summed in float64 in `values`' key order."""
+  sq = 0.0
+  for key in values:
+    for dot in dots[key]:
+      sq += dot
+  return math.sqrt(sq)
+
+
+def summarize(values: Mapping[str, np.ndarray]) -> Summary:
+  """`values_digest(values)`, ‖values‖ and the keys with a NaN/Inf, in one pass over the values.
+
+  Each block of `BLOCK_VALUES` values is hashed, then cast to float32 and its dot product taken
+  while it is in cache; the norm is summed from those dot products in float64, in the same order
+  as `versions.norm` (the same bits). A finite float32 dot product proves its block finite (a
+  NaN/Inf makes it NaN/Inf); only a block whose dot product is not finite (also an overflow of
+  finite values) is checked value by value. So `non_finite` is exactly the keys that
+  `all_finite` refuses, without a pass of its own.
+  """
+  dots: dict[str, list[float]] = {key: [] for key in values}
+  bad: set[str] = set()
+
+  def visit(key: str, block: np.ndarray) -> None:
+    b32 = block.astype(np.float32, copy=False)
+    dot = float(np.dot(b32, b32))
+    if not math.isfinite(dot) and not np.isfinite(block).all():
+      bad.add(key)
+    dots[key].append(dot)
+
+  with np.errstate(over="ignore", invalid="ignore"):  # Judged below, not warned about.
+    digest = values_digest(values, visit=visit, block_values=BLOCK_VALUES)
+  return Summary(digest, block_sq_norm(values, dots), tuple(sorted(bad)))
 
 
 def _layout(specs: Sequence[tuple[int, np.dtype]]) -> tuple[list[int], int]:

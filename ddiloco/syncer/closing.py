@@ -106,12 +106,12 @@ class RoundCloser:
       # v_m = Θ^(base) − θ_m in float32; the base is Θ_p itself (only this round merges p).
       # An answer sent as δ is merged as decoded; one sent as θ against the base.
       base = self._versions.anchor(p, rnd.base_version)
-      new, new_state = self._updater.updated(p, entries, weights, base)
+      update = self._updater.updated(p, entries, weights, base)
     except Exception as e:  # Any failure leaves Θ_p and its optimizer state as they were.
       self._fail_round(p, e)
       return None
-    self._updater.commit(p, new_state)
-    self._versions.publish(p, new)
+    self._updater.commit(p, update.opt_state)
+    self._versions.publish(p, update.values, update.summary)
     self._admission.note_merged(p, [e.norm for e in entries if e.norm is not None])
     self._accounts.book_merged(p, contributors, entries)
     self._rounds.close(p)  # Answers to it are late from now on.

@@ -19,7 +19,8 @@ that keeps the cast to the tensor's own dtype and the downlink codec's arithmeti
 new optimizer state has a non-finite value. Nothing is donated, so the inputs stay valid whatever
 `ok` says: the caller keeps the old state and discards the new values when it is False (a merge is
 all or nothing). The checks are max reductions, which propagate NaN (NaN <= limit is False).
-Float32 inputs reach XLA without a copy (`jax.device_put` of 64-byte-aligned arrays).
+Float32 inputs reach XLA without a copy: 64-byte-aligned numpy arrays are passed to the jitted
+program as they are (its C++ dispatch wraps them; a `jax.device_put` per array cost more).
 """
 
 import functools
@@ -102,7 +103,7 @@ class OuterStep:
     step reads the gradients rather than in a pass of their own.
     """
     scales32 = {k: np.float32(f) for k, f in scales.items()}
-    return self._step((params32, jax.device_put(dict(grads)), scales32), opt_state)
+    return self._step((params32, dict(grads), scales32), opt_state)
 
   def merge_and_step(
     self,
@@ -135,7 +136,9 @@ class OuterStep:
     r = {k: np.float32(radius[k] or 0.0) for k in params32}
     if base is None and not all(deltas):
       raise ValueError("An answer of θ (not δ) needs the base values.")
-    base = jax.device_put(dict(base)) if base is not None and not all(deltas) else None
-    answers = tuple(jax.device_put(dict(a)) for a in answers)
+    # numpy arrays go to the program as they are: jit hands an aligned array to XLA without a
+    # copy, in its C++ dispatch (a `jax.device_put` per answer cost ~0.1 ms per array in Python).
+    base = dict(base) if base is not None and not all(deltas) else None
+    answers = tuple(dict(a) for a in answers)
     plan = (tuple(bool(d) for d in deltas), rda_keys, self._eps)
     return self._fused(plan, (params32, base, answers, c, r), opt_state)

@@ -2,7 +2,7 @@
 optimizer states (docs/algorithm.md §4.3-4.6)."""
 
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,14 @@ def _value_limit(dtype: np.dtype) -> float:
   """The largest magnitude a merged value of `dtype` may take: a quarter of the dtype's range,
   so that casting it, and the downlink's Θ_new − Θ_old and its decoding, cannot overflow."""
   return float(jnp.finfo(dtype).max) / 4
+
+
+class Update(NamedTuple):
+  """A merge's result (`FragmentUpdater.updated`), not yet committed nor published."""
+
+  values: dict[str, np.ndarray]  # Θ_p's next values, read-only.
+  opt_state: optax.OptState  # The next optimizer state (`FragmentUpdater.commit`).
+  summary: blockwise.Summary  # Their digest and norm (`VersionStore.publish`).
 
 
 class FragmentUpdater:
@@ -59,8 +67,9 @@ class FragmentUpdater:
 
   def updated(
     self, p: int, entries: list[RoundEntry], weights: tuple[float, ...], base: dict
-  ) -> tuple[dict[str, np.ndarray], optax.OptState]:
-    """(Θ_p's next values as read-only arrays, the next optimizer state); changes nothing.
+  ) -> "Update":
+    """Θ_p's next values (read-only arrays), the next optimizer state and the values' digest and
+    norm (`Update`); changes nothing.
 
     Raises:
       FloatingPointError: if the outer step would produce a non-finite or out-of-range value, or
@@ -79,10 +88,13 @@ class FragmentUpdater:
     if self._adopt is not None:
       new = self._adopt(p, new, theta)
       new = {k: np.asarray(new[k], dtype=theta[k].dtype) for k in theta}
-      bad = [k for k, v in new.items() if not blockwise.all_finite(v)]
-      if bad:
-        raise FloatingPointError(f"the published values of {bad[:3]} are not finite")
-    return {k: readonly(v) for k, v in new.items()}, new_state
+    # The digest and norm that publishing needs, and the adopted values' check, in one pass.
+    summary = blockwise.summarize(new)
+    if summary.non_finite:
+      raise FloatingPointError(
+        f"the published values of {list(summary.non_finite[:3])} are not finite"
+      )
+    return Update({k: readonly(v) for k, v in new.items()}, new_state, summary)
 
   def commit(self, p: int, new_state: optax.OptState) -> None:
     """Makes `new_state` (from `updated`) p's optimizer state."""
@@ -173,12 +185,12 @@ class FragmentUpdater:
     )
     jax.block_until_ready(out)
 
-  def _params32(self, p: int) -> dict[str, jax.Array]:
-    """Θ_p in float32 for the outer step: float32 values as they are (`device_put` hands an
-    aligned array to XLA without a copy; nothing is donated, so XLA never writes into them);
+  def _params32(self, p: int) -> dict[str, np.ndarray | jax.Array]:
+    """Θ_p in float32 for the outer step: float32 values as they are (numpy arrays; jit hands an
+    aligned array to XLA without a copy, and nothing is donated, so XLA never writes into them);
     other dtypes cast."""
     return {
-      k: jax.device_put(v) if v.dtype == np.float32 else jnp.asarray(v, jnp.float32)
+      k: v if v.dtype == np.float32 else jnp.asarray(v, jnp.float32)
       for k, v in self._versions.values(p).items()
     }
 

@@ -130,12 +130,20 @@ class VersionStore:
       raise KeyError(f"Version {version} of fragment {p} is not kept ({sorted(self._history[p])}).")
     return dict(self._history[p][version])
 
-  def publish(self, p: int, new: dict[str, np.ndarray]) -> None:
-    """Makes `new` (read-only arrays) Θ_p at version + 1 (a merge)."""
+  def publish(
+    self, p: int, new: dict[str, np.ndarray], summary: blockwise.Summary | None = None
+  ) -> None:
+    """Makes `new` (read-only arrays) Θ_p at version + 1 (a merge).
+
+    `summary`: `blockwise.summarize(new)` if the caller has it (its pass over `new` is then not
+    made again); the digest and norm are the same bits either way.
+    """
+    if summary is None:
+      summary = blockwise.Summary(values_digest(new), norm(new), ())
     self._global[p] = new
-    self._theta_norm[p] = norm(new)
+    self._theta_norm[p] = summary.norm
     self._version[p] += 1
-    self._digest[p] = values_digest(new)
+    self._digest[p] = summary.digest
     self._history[p][self._version[p]] = new
     self._trim(p)
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from ddiloco.fragments import compression
 from ddiloco.fragments.codec import F32, Codec
+from ddiloco.fragments.run_decoder import add_base
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ChunkWriter, Prefix, num_chunks_for
 from ddiloco.transport.wire import (
   ENTRY_TAIL,
@@ -62,6 +63,7 @@ class FragmentEncoder:
     *,
     block_size: int = 64,
     base: Mapping[str, np.ndarray] | None = None,
+    received: Mapping[str, np.ndarray] | None = None,
   ):
     """Checks and frames `values`.
 
@@ -71,6 +73,11 @@ class FragmentEncoder:
       block_size: values per absmax scale block for int8/int4.
       base: if given, `values − base` is encoded (a delta, docs/algorithm.md §5); dtypes recorded are still those
         of `values`.
+      received: per key, a flat array of the value's size: as each run is encoded, it is filled
+        with what a receiver makes of the bytes, `cast(base + decoded)` (`read_layout` with the
+        base), bit for bit, from the encoding itself (`Codec.encode_run_decoded`); no decoding
+        pass. For a sender that must hold what its receivers hold (the lossy downlink); needs
+        `base`.
 
     Raises:
       ValueError: on an unknown codec, a base with other keys or shapes, or a key/shape the format
@@ -79,6 +86,9 @@ class FragmentEncoder:
     self._codec = compression.get_codec(codec_name, block_size)
     if base is not None and set(base) != set(values):
       raise ValueError(f"base keys differ from values keys: {sorted(set(base) ^ set(values))[:3]}.")
+    if received is not None and (base is None or set(received) != set(values)):
+      raise ValueError("`received` needs a base and one output array per key.")
+    self._received = received
     self._entries = []
     self.nbytes = FILE_HEADER.size
     for key in sorted(values):
@@ -87,6 +97,8 @@ class FragmentEncoder:
       if b is not None and b.shape != x.shape:
         raise ValueError(f"{key!r}: base shape {b.shape} != values shape {x.shape}.")
       shape = tuple(int(d) for d in x.shape)
+      if received is not None and (received[key].ndim != 1 or received[key].size != x.size):
+        raise ValueError(f"{key!r}: `received` needs a flat array of {x.size} values.")
       head = _entry_head(key, shape, resolve_dtype(x.dtype).name, self._codec)
       self._entries.append((key, head, x, b))
       self.nbytes += len(head) + sum(self._codec.nbytes(x.size))
@@ -105,8 +117,16 @@ class FragmentEncoder:
       yield head
       scales = np.empty(codec.nbytes(x.size)[1] // 4, F32)
       filled = 0
+      out = None if self._received is None else self._received[key]
+      flat_base = None if out is None else np.ravel(b)
+      at = 0
       try:
-        for payload, run_scales in codec.encode_runs(x, base=b):
+        for payload, run_scales, *values in codec.encode_runs(x, base=b, decoded=out is not None):
+          if values:  # What a receiver decodes, base added, while the run is in cache.
+            n = values[0].size
+            with np.errstate(over="ignore"):  # Inf from the cast: the caller checks its values.
+              add_base(out[at : at + n], flat_base[at : at + n], values[0])
+            at += n
           yield payload
           scales[filled : filled + run_scales.size] = run_scales
           filled += run_scales.size
@@ -146,11 +166,13 @@ def serialize_chunks(
   block_size: int = 64,
   base: Mapping[str, np.ndarray] | None = None,
   chunk_size: int = DEFAULT_CHUNK_SIZE,
+  received: Mapping[str, np.ndarray] | None = None,
 ) -> Iterator[bytes]:
   """`FragmentEncoder(...)`'s serialized fragment cut into chunks of `chunk_size`, made one by one as iterated.
 
   Every byte is copied once, into its chunk, and no joined copy is made: a sender that wraps each
-  chunk in its message as it comes holds one chunk of `bytes` at a time.
+  chunk in its message as it comes holds one chunk of `bytes` at a time. `received`: as
+  `FragmentEncoder`'s.
 
   Yields:
     The chunks in order; one empty chunk for an empty payload (there is always one).
@@ -159,7 +181,7 @@ def serialize_chunks(
     ValueError: at once on a bad codec, base, key or shape, or if chunk_size < 1; while iterating,
       on a NaN/Inf value.
   """
-  encoder = FragmentEncoder(values, codec_name, block_size=block_size, base=base)
+  encoder = FragmentEncoder(values, codec_name, block_size=block_size, base=base, received=received)
   return encoder.chunks(chunk_size)
 
 
