@@ -49,3 +49,15 @@ def test_sensitivity():
   assert values_digest({"a": strided}) == values_digest({"a": strided.copy()})
   bf = a.astype(ml_dtypes.bfloat16)
   assert values_digest({"a": bf}) != values_digest({"a": bf.view(np.float16)})
+
+
+def test_visit_sees_every_block_and_leaves_the_digest_unchanged():
+  a, b = np.arange(10, dtype=np.float32), np.ones((2, 3), ml_dtypes.bfloat16)
+  seen = []
+  got = values_digest(
+    {"b": b, "a": a}, visit=lambda k, blk: seen.append((k, blk.copy())), block_values=4
+  )
+  assert got == values_digest({"a": a, "b": b})
+  assert [k for k, _ in seen] == ["a", "a", "a", "b", "b"]  # Name order, blocks of 4 values.
+  np.testing.assert_array_equal(np.concatenate([blk for k, blk in seen if k == "a"]), a)
+  assert all(blk.dtype == ml_dtypes.bfloat16 for k, blk in seen if k == "b")

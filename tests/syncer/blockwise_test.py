@@ -4,7 +4,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ddiloco.syncer import blockwise
+from ddiloco.fragments.digest import values_digest
+from ddiloco.syncer import blockwise, versions
 
 # -- blockwise finiteness (the core's door check) ----------------------------------------
 
@@ -31,3 +32,24 @@ def test_all_finite_edge_cases():
   assert not blockwise.all_finite(half, block_values=2)
   with pytest.raises(ValueError, match="block_values must be >= 1"):
     blockwise.all_finite(huge, block_values=0)
+
+
+def test_summarize_is_digest_norm_and_check_in_one_pass():
+  # Against the three passes it replaces: the same digest, the same norm bits, the same verdict.
+  rng = np.random.default_rng(3)
+  values = {
+    "b": rng.standard_normal(300_001).astype(np.float32),  # Several blocks, a partial last one.
+    "a": rng.standard_normal((7, 5)).astype(ml_dtypes.bfloat16),
+    "c": np.float32(3e19) * np.ones(40, np.float32),  # Finite, but its dot product overflows.
+    "d": np.zeros((0, 3), np.float32),
+  }
+  got = blockwise.summarize(values)
+  assert got.digest == values_digest(values)
+  assert got.norm == versions.norm(values)  # Bit-equal: same blocks, same order.
+  assert got.non_finite == ()
+  bad = dict(values, b=values["b"].copy(), e=np.array([1.0, np.inf], np.float32))
+  bad["b"][200_000] = np.nan
+  got = blockwise.summarize(bad)
+  assert got.non_finite == ("b", "e")
+  assert got.non_finite == tuple(k for k in sorted(bad) if not blockwise.all_finite(bad[k]))
+  assert got.digest == values_digest(bad)
