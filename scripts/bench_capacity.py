@@ -1,36 +1,38 @@
 r"""Capacity: how much push ingest S syncer shards sustain from a synthetic fleet of M learners.
 
-  python scripts/bench_capacity.py --shards=1,2 --learners=8 --fragment_mib=4 \
-      --ramp_gbps=0.05,0.1,0.15,0.2,0.3,0.4 --shard_cpus=0,1 [--sweep]
+  python scripts/bench_capacity.py --shards=1,2 --learners=8 --fragments=8 --fragment_mib=16 \
+      --ramp_gbps=0.05,0.075,0.1,0.125,0.15,0.175,0.2,0.25,0.3 --shard_cpus=0,1 [--sweep]
+  python scripts/bench_capacity.py --analyze=capacity.json    # the summary of a saved --json
 
-The fleet is fake and cheap: `--fleet_procs` processes, each holding its share of the M learners.
-A fake learner registers with every shard, pulls each of its fragments once (the syncer counts an
-answer only from a learner that received the fragment), holds a Rounds stream per shard and
-answers every round with a pre-encoded δ push (the payload encoded once per fragment at start; a
-push re-makes only the first chunk's header). A heartbeat thread reports steps at `step_s`, so the
-syncer's step clock (its default `fleet_rate` clock) opens rounds at P/H rounds per step fleet-wide
-whatever the answers do. Learners do not pull merged versions: this measures ingest (egress is
-scripts/bench_wire.py's pull figure).
+The fleet (scripts/bench_capacity_fleet.py) is fake and cheap: `--fleet_procs` processes holding
+the M learners. Each registers with every shard, pulls each fragment once, holds a Rounds stream
+per shard and answers every round with a pre-encoded δ push (only the first chunk, the header, is
+made per push). Heartbeats report steps at `step_s`, so the syncer's step clock (its default
+`fleet_rate` clock) opens P/H rounds per step fleet-wide whatever the answers do. Learners do not
+pull merged versions: this measures ingest (egress is scripts/bench_wire.py's pull figure).
 
 A shard is an independent syncer process (`make_syncer` + `serve`: the `SyncerService` and
-`SyncerCore` a `ddiloco-syncer` runs, warmed up as `SyncerRun.warm_up` does) holding its share of
-the fragments: P/S fragments of `--fragment_mib` (float32) with the schedule (P/S, H, τ), so its
-rounds come at 1/S of the fleet's rate, as those of a shard that owns the fragments p with
-p mod S == i will. It merges with quorum M (every learner's answer), RDA. `start_shard` is the one
-place a shard is started; when `ddiloco-syncer --shard=i` exists it becomes that command.
+`SyncerCore` a `ddiloco-syncer` runs, warmed up as `SyncerRun.warm_up` does) holding P/S
+fragments of `--fragment_mib` (float32) with the schedule (P/S, H, τ): its rounds come at 1/S of
+the fleet's rate, as those of a shard that owns the fragments p with p mod S == i will. It merges
+with quorum M (every learner's answer), RDA, bf16 downlink adoption. `start_shard` is the one place
+a shard is started; when `ddiloco-syncer --shard=i` exists it becomes that command.
 
-Load: the offered ingest is M · (fragment's wire bytes) · (P/H) / step_s over all shards; the ramp
-lowers step_s to offer each `--ramp_gbps` in turn, stopping after the first level a configuration
-does not keep up with. A level keeps up when every shard merged at least `--keep_up` of the answers
-to the rounds it opened in the measured window (one round of lag allowed) and its p99 round latency
-(round open → published, on the shard's clock) is within the grace budget τ · step_s. A configuration's sustained ingest is the highest
-merged ingest of a level it kept up with. Per level and shard it prints merged fragments/s and
-GB/s, p50/p99 latency (open → published, and quorum → published: the merge itself), the shard's
-CPU (cores) and RSS, and the fleet's CPU; then "ingest(S=2)/ingest(S=1)".
+Load: the offered ingest is M · (fragment's wire bytes) · (P/H) / step_s over all shards. The ramp
+offers each `--ramp_gbps` to every shard count in turn (S = 1 then S = 2 at each level, so the
+machine's noise hits them alike); a shard count stops after its first level not kept up with. A
+shard keeps up when, in the measured window, it opened `--keep_up` of the rounds its schedule has
+(a late step clock skips a round whose previous one is still open), merged `--keep_up` of the
+answers to those (one round of lag allowed), and its p99 round latency (open → published, on its
+own clock) is within the grace budget τ · step_s. Sustained ingest is the highest merged ingest of
+a level kept up with; it prints "ingest(S=2)/ingest(S=1)" from those. Per level and shard: merged
+GB/s, rounds opened/scheduled, p50/p99 open → published and p99 quorum → published (the merge)
+latency, the shard's CPU (cores) and RSS, the fleet's push answers and its CPU.
 
-Placement: shard i runs under `taskset -c <--shard_cpus[i]>`; the fleet under `--fleet_cpus`
-(default: unpinned). On a 2-core machine the fleet competes with the shards for the same cores, so
-the fleet's CPU share is printed beside the shards'. `--sweep` then ramps S = 1 at M = 2, 4 and at
+Placement: shard i runs under `taskset -c <--shard_cpus[i]>`, the fleet under `--fleet_cpus`
+(default unpinned). On a 2-core machine the fleet shares the shards' cores, so the summary fits
+each side's CPU (a fixed part plus CPU-seconds per GB, scripts/bench_capacity_summary.py) and
+prints the ingest CPU alone would allow. `--sweep` ramps S = 1 at `--sweep_learners` and at
 `--sweep_mib` fragment sizes, and fits RSS per parameter held. `--json` writes every figure.
 """
 
@@ -38,7 +40,6 @@ import ctypes
 import dataclasses
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -46,8 +47,10 @@ import tempfile
 import threading
 import time
 
+import bench_capacity_fleet  # Beside this script: its folder is first on sys.path when it runs.
 import numpy as np
 from absl import app, flags, logging
+from bench_capacity_summary import summarize
 
 _ROLE = flags.DEFINE_enum("role", "main", ["main", "shard", "fleet"], "internal: process role")
 _SHARDS = flags.DEFINE_list("shards", ["1", "2"], "shard counts S compared side by side")
@@ -68,13 +71,14 @@ _SWEEP = flags.DEFINE_bool("sweep", False, "also ramp S = 1 over M and fragment 
 _SWEEP_MIB = flags.DEFINE_list("sweep_mib", ["1", "16"], "fragment sizes of the sweep, MiB")
 _SWEEP_M = flags.DEFINE_list("sweep_learners", ["2", "4"], "learner counts of the sweep")
 _JSON = flags.DEFINE_string("json", "", "write every figure here")
+_ANALYZE = flags.DEFINE_string("analyze", "", "print the summary of a --json file; run nothing")
 # Internal (shard and fleet roles).
 _SPEC = flags.DEFINE_string("spec", "", "internal: JSON of the point")
 _INDEX = flags.DEFINE_integer("index", 0, "internal: shard or fleet process index")
 _OUT = flags.DEFINE_string("out", "", "internal: where a child writes its results")
 
-_TOKEN = "capacity"
-_TIMEOUT_S = 120.0  # Longest wait for a child to start or finish.
+_TOKEN = bench_capacity_fleet.TOKEN
+_TIMEOUT_S = bench_capacity_fleet.TIMEOUT_S  # Longest wait for a child to start or finish.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +137,7 @@ def _shard_main(pt: Point, out: str) -> None:
     layout_digest=pt.digest,
     schedule=FragmentSchedule(num_fragments=pt.here, period=pt.fragments, overlap=pt.overlap),
   )
+  del init  # The core keeps its own copy: RSS is the shard's alone.
   for p in range(pt.here):  # As SyncerRun.warm_up: no merge compiles under the lock.
     svc.core.warm_up(p, pt.learners)
   srv = serve(svc, token=_TOKEN)
@@ -147,161 +152,6 @@ def _shard_main(pt: Point, out: str) -> None:
   srv.stop(grace_s=0.5, flush=False)
   with open(out, "w") as f:
     json.dump(result, f)
-
-
-# ---- fleet process -------------------------------------------------------------------------
-
-
-class _Answerer:
-  """One fake learner's connection to one shard: pulls once, then answers every round."""
-
-  def __init__(self, learner: int, shard: int, pt: Point, *, chunks, log: list, asks: list, stop):
-    import grpc
-
-    from ddiloco.transport.client import SyncerClient
-    from ddiloco.transport.proto import syncer_pb2
-
-    limit = 8 << 20
-    opts = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
-    self._channel = grpc.insecure_channel(pt.addresses[shard], opts)
-    self.client = SyncerClient(channel=self._channel, token=_TOKEN, transfer_deadline_s=60.0)
-    self._push = self._channel.stream_unary(
-      "/ddiloco.v1.Syncer/Push",
-      request_serializer=None,
-      response_deserializer=syncer_pb2.PushResponse.FromString,
-    )
-    self.learner, self.shard, self._pt, self._chunks = learner, shard, pt, chunks
-    self._log, self._asks, self._stop = log, asks, stop
-    self._requests: queue.Queue = queue.Queue()
-
-  def start(self) -> None:
-    pt = self._pt
-    self.client.wait_ready(_TIMEOUT_S)
-    self.client.register(self.learner, layout_digest=pt.digest, num_fragments=pt.here)
-    shape = {f"f{p}": (pt.fragment_params,) for p in range(pt.here)}
-    for p in range(pt.here):
-      key = f"f{p}"
-      self.client.pull(
-        self.learner, p, -1, layout_keys=[key], shapes={key: shape[key]}, dtypes={key: "float32"}
-      )
-    for target in (self._rounds, self._sender, self._sender):  # Two senders, as a learner's.
-      threading.Thread(target=target, daemon=True).start()
-
-  def _rounds(self) -> None:
-    import grpc
-
-    from ddiloco.protocol import RoundRequest
-
-    stream = self.client.rounds(self.learner)
-    try:
-      for event in stream:
-        if isinstance(event, RoundRequest):
-          self._asks.append((self.shard, self.learner, time.monotonic()))
-          self._requests.put((time.monotonic(), event))
-    except grpc.RpcError:  # The stream ends when the shard stops.
-      pass
-
-  def _sender(self) -> None:
-    import grpc
-
-    from ddiloco.transport import events
-    from ddiloco.transport.frames import chunk_prefix
-    from ddiloco.transport.proto import syncer_pb2
-
-    pt = self._pt
-    while not self._stop.is_set():
-      try:
-        asked, req = self._requests.get(timeout=0.2)
-      except queue.Empty:
-        continue
-      first, rest, total = self._chunks[req.fragment]
-      step = max(req.round_step, int((time.monotonic() - pt.t0) / pt.step_s))
-      header = syncer_pb2.PushHeader(
-        learner_id=self.learner,
-        fragment=req.fragment,
-        anchor_version=req.base_version,
-        tokens=1000,
-        steps=pt.fragments,
-        step=step,
-        step_time_s=pt.step_s,
-        new_tokens=1000,
-        round_step=req.round_step,
-        codec=pt.codec,
-        total_bytes=total,
-        num_chunks=1 + len(rest),
-        delta=True,
-      ).SerializeToString()
-      messages = [chunk_prefix(0, len(first), header) + first, *rest]
-      try:
-        resp = self._push(
-          iter(messages), timeout=60.0, metadata=self.client.learner_metadata(self.learner)
-        )
-        status = events.report_result(resp).status
-      except grpc.RpcError as e:
-        status = e.code().name
-      except ValueError:  # The channel closed under the call: the fleet is stopping.
-        return
-      self._log.append((self.shard, asked, time.monotonic(), status))
-
-  def set_point(self, pt: Point) -> None:
-    self._pt = pt
-
-  def close(self) -> None:
-    self._channel.close()
-
-
-def _encode_payloads(pt: Point) -> dict[int, tuple[bytes, list[bytes], int]]:
-  """Per fragment: first chunk's data, the other chunk messages, total payload bytes."""
-  from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE
-  from ddiloco.transport.fragment_encoder import FragmentEncoder
-  from ddiloco.transport.frames import chunk_prefix
-
-  delta = 1e-3 * np.random.default_rng(0).standard_normal(pt.fragment_params, np.float32)
-  out = {}
-  for p in range(pt.here):
-    enc = FragmentEncoder({f"f{p}": delta}, pt.codec)
-    data = list(enc.chunks(DEFAULT_CHUNK_SIZE))
-    rest = [chunk_prefix(i, len(d)) + d for i, d in enumerate(data) if i]
-    out[p] = (data[0], rest, enc.nbytes)
-  return out
-
-
-def _fleet_main(pt: Point, out: str) -> None:
-  """Fake learners `index::fleet_procs` of M against every shard until the window ends."""
-  stop = threading.Event()
-  chunks = _encode_payloads(pt)
-  log: list = []
-  asks: list = []
-  ids = range(_INDEX.value, pt.learners, _FLEET_PROCS.value)
-  conns = [
-    _Answerer(m, s, pt, chunks=chunks, log=log, asks=asks, stop=stop)
-    for m in ids
-    for s in range(pt.shards)
-  ]
-  for c in conns:
-    c.start()
-  with open(out + ".ready", "w"):
-    pass
-  deadline = time.monotonic() + _TIMEOUT_S
-  while not os.path.exists(out + ".go"):  # t0, once every fleet process has registered and pulled.
-    if time.monotonic() > deadline:
-      raise TimeoutError("no go from the coordinator")
-    time.sleep(0.05)
-  with open(out + ".go") as f:
-    pt = dataclasses.replace(pt, t0=float(f.read()))
-  for c in conns:
-    c.set_point(pt)
-  end = pt.t0 + pt.warmup_s + pt.window_s + 0.5
-  while (now := time.monotonic()) < end:  # Heartbeats: the steps the syncer's clock follows.
-    step = max(0, int((now - pt.t0) / pt.step_s))
-    for c in conns:
-      c.client.heartbeat(c.learner, step=step, step_time_s=pt.step_s)
-    time.sleep(0.2)
-  stop.set()
-  with open(out, "w") as f:
-    json.dump({"pushes": list(log), "asks": list(asks)}, f)
-  for c in conns:
-    c.close()
 
 
 # ---- coordinator ---------------------------------------------------------------------------
@@ -443,17 +293,22 @@ def _statuses(pushes: list, shard: int, start: float, end: float) -> dict:
 
 
 def _shard_figures(pt: Point, merges: list, opened: int) -> dict:
-  """A shard's figures over the window. It keeps up when it merged the answers to the rounds
-  opened in the window (one round of lag allowed, `--keep_up` of them) and its p99 round latency
-  (open -> published) is within the grace budget."""
+  """A shard's figures over the window. It keeps up when it opened the rounds its schedule has
+  in the window (a late clock skips a round whose previous one is still open), merged the
+  answers to those it opened (one round of lag allowed; `--keep_up` of each), and its p99 round
+  latency (open -> published) is within the grace budget."""
   answers = sum(m[4] for m in merges)
   open_s = np.array([m[1] - m[2] for m in merges] or [np.inf])
   merge_s = np.array([m[1] - m[3] for m in merges] or [np.inf])
   rate = answers / pt.window_s
+  scheduled = pt.window_s / pt.step_s / pt.shards  # P = H: one round a step over all shards.
   due = _KEEP_UP.value * pt.learners * max(opened - 1, 0)
   budget = pt.overlap * pt.step_s
   return {
-    "keeps_up": opened > 0 and answers >= due and float(np.quantile(open_s, 0.99)) <= budget,
+    "keeps_up": opened >= _KEEP_UP.value * scheduled - 1
+    and answers >= due
+    and float(np.quantile(open_s, 0.99)) <= budget,
+    "scheduled_rounds": scheduled,
     "opened_rounds": opened,
     "merges": len(merges),
     "fragments_per_s": rate,
@@ -473,8 +328,8 @@ def ramp(shard_counts: list[int], learners: int, fragment_mib: float, tmp: str) 
   wire = wire_bytes(params, _CODEC.value)
   print(
     f"\nM={learners} P={_FRAGMENTS.value} fragment {fragment_mib:g} MiB float32 "
-    f"({wire / 2**20:.2f} MiB {_CODEC.value} on the wire). Per shard: [merged GB/s, p50/p99 "
-    "open->published ms, p99 quorum->published ms, cores, RSS MiB, fleet's push answers]"
+    f"({wire / 2**20:.2f} MiB {_CODEC.value} on the wire). Per shard: [merged GB/s, rounds "
+    "opened/scheduled, p50/p99 open->published ms, p99 quorum->published ms, cores, RSS MiB, fleet's push answers]"
   )
   print(f"{'S':>2s} {'offered':>8s} {'merged':>7s} {'frag/s':>7s} {'budget':>7s} {'fleet':>6s}")
   levels: dict[int, list[dict]] = {s: [] for s in shard_counts}
@@ -497,7 +352,8 @@ def ramp(shard_counts: list[int], learners: int, fragment_mib: float, tmp: str) 
       r = measure(pt, tmp)
       levels[shards].append(r)
       shard_txt = "  ".join(
-        f"[{s['gbps']:.3f} {1e3 * s['p50_open_s']:.0f}/{1e3 * s['p99_open_s']:.0f} "
+        f"[{s['gbps']:.3f} {s['opened_rounds']}/{s['scheduled_rounds']:.0f} "
+        f"{1e3 * s['p50_open_s']:.0f}/{1e3 * s['p99_open_s']:.0f} "
         f"{1e3 * s['p99_merge_s']:.0f} {s['cores']:.2f} {s['rss_mib']:.0f} {s['push_status']}]"
         for s in r["shards"]
       )
@@ -525,50 +381,27 @@ def ramp(shard_counts: list[int], learners: int, fragment_mib: float, tmp: str) 
   return runs
 
 
-def per_core(run: dict) -> dict:
-  """CPU cost figures of a ramp, pooled over its levels: `capacity.MeasuredShard`'s inputs.
-
-  shard_gbps_per_core: wire GB a shard takes in (merged answers) per CPU-second it uses: receiving,
-    decoding, filing, merging, adopting and publishing, heartbeats and Rounds streams included.
-  fleet_gbps_per_core: wire GB the fake fleet pushes per CPU-second it uses.
-  merge_gbps: one round's decoded answer bytes (M · fragment · 4 B) over its quorum -> published
-    time at the least loaded level.
-  """
-  lv = run["levels"]
-  shard_gb = sum(s["gbps"] for r in lv for s in r["shards"])
-  shard_cores = sum(s["cores"] for r in lv for s in r["shards"])
-  fleet_cores = sum(r["fleet_cores"] for r in lv)
-  low = lv[0]
-  frag_bytes = low["point"]["fragment_params"] * 4 * low["point"]["learners"]
-  merge = [frag_bytes / s["p50_merge_s"] / 1e9 for s in low["shards"]]
-  return {
-    "shard_gbps_per_core": shard_gb / shard_cores if shard_cores else 0.0,
-    "fleet_gbps_per_core": shard_gb / fleet_cores if fleet_cores else 0.0,
-    "merge_gbps": float(np.mean(merge)),
-  }
-
-
-def cpu_bound(shards: int, cpus: int, shard_gbps_per_core: float, fleet_gbps_per_core: float):
-  """The ingest (GB/s) `shards` shards pinned one per core sustain on `cpus` cores shared with the
-  fleet, if CPU were the only limit: each shard within its core, all of it within the machine."""
-  c_s, c_f = 1 / shard_gbps_per_core, 1 / fleet_gbps_per_core  # CPU-seconds per GB.
-  return min(min(shards, cpus) / c_s, cpus / (c_s + c_f))
-
-
 def main(argv):
   del argv
   if _ROLE.value != "main":
     logging.set_verbosity(logging.WARNING)  # Not a line per registration.
     pt = Point(**{**json.loads(_SPEC.value), "addresses": ()})
     pt = dataclasses.replace(pt, addresses=tuple(json.loads(_SPEC.value)["addresses"]))
-    (_shard_main if _ROLE.value == "shard" else _fleet_main)(pt, _OUT.value)
+    if _ROLE.value == "shard":
+      _shard_main(pt, _OUT.value)
+    else:
+      bench_capacity_fleet.fleet_main(pt, _OUT.value, index=_INDEX.value, procs=_FLEET_PROCS.value)
+    return
+  if _ANALYZE.value:
+    with open(_ANALYZE.value) as f:
+      summarize(json.load(f))
     return
   shard_counts = [int(s) for s in _SHARDS.value]
   if any(_FRAGMENTS.value % s for s in shard_counts):
     raise app.UsageError(f"--fragments={_FRAGMENTS.value} must divide by every --shards.")
   with open("/proc/loadavg") as f:
     print(f"load before: {f.read().strip()}; {os.cpu_count()} CPUs")
-  out: dict = {"runs": [], "sweep": []}
+  out: dict = {"runs": [], "sweep": [], "cpus": len(os.sched_getaffinity(0))}
   with tempfile.TemporaryDirectory(prefix="bench_capacity_") as tmp:
     out["runs"] = ramp(shard_counts, _LEARNERS.value, _FRAGMENT_MIB.value, tmp)
     if _SWEEP.value:
@@ -578,54 +411,10 @@ def main(argv):
         out["sweep"] += ramp([1], _LEARNERS.value, mib, tmp)
   with open("/proc/loadavg") as f:
     print(f"\nload after: {f.read().strip()}")
-  for run in out["runs"] + out["sweep"]:
-    run["per_core"] = per_core(run)
-    c = run["per_core"]
-    print(
-      f"S={run['shards']} M={run['learners']} {run['fragment_mib']:g} MiB: sustained "
-      f"{run['sustained_gbps']:.3f} GB/s ({run['sustained_fragments_per_s']:.1f} fragments/s), "
-      f"peak {run['peak_gbps']:.3f}; GB per CPU-second: shard {c['shard_gbps_per_core']:.3f}, "
-      f"fleet {c['fleet_gbps_per_core']:.3f}; merge {c['merge_gbps']:.2f} GB/s"
-    )
-  by_s = {r["shards"]: r for r in out["runs"]}
-  if 1 in by_s and 2 in by_s and by_s[1]["sustained_gbps"] > 0:
-    ratio = by_s[2]["sustained_gbps"] / by_s[1]["sustained_gbps"]
-    peak = by_s[2]["peak_gbps"] / by_s[1]["peak_gbps"]
-    out["ratio"], out["peak_ratio"] = ratio, peak
-    print(f"ingest(S=2)/ingest(S=1) = {ratio:.2f} sustained ({peak:.2f} at peak; goal >= 1.7)")
-    c = by_s[1]["per_core"]  # S = 1's costs: what S = 2 would pay if sharding cost nothing.
-    cpus = len(os.sched_getaffinity(0))
-    bound = [cpu_bound(s, cpus, c["shard_gbps_per_core"], c["fleet_gbps_per_core"]) for s in (1, 2)]
-    out["cpu_bound_gbps"] = bound
-    print(
-      f"CPU-bound on {cpus} cores with S = 1's measured costs: S=1 {bound[0]:.3f} GB/s, S=2 "
-      f"{bound[1]:.3f} GB/s, ratio {bound[1] / bound[0]:.2f} (the fleet's CPU is on the same cores)"
-    )
-  rss = rss_per_param(out["runs"] + out["sweep"])
-  if rss is not None:
-    out["rss"] = rss
-    print(
-      f"RSS per parameter held: {rss['bytes_per_param']:.1f} B + {rss['base_mib']:.0f} MiB "
-      f"(fit over {rss['points']} shards)"
-    )
+  summarize(out)
   if _JSON.value:
     with open(_JSON.value, "w") as f:
       json.dump(out, f, indent=1)
-
-
-def rss_per_param(runs: list[dict]) -> dict | None:
-  """Least-squares line of a shard's RSS against the parameters it holds (needs 2 sizes)."""
-  xs, ys = [], []
-  for run in runs:
-    for level in run["levels"]:
-      pt = level["point"]
-      for s in level["shards"]:
-        xs.append(pt["fragment_params"] * pt["fragments"] / pt["shards"])
-        ys.append(s["rss_mib"] * 2**20)
-  if len(set(xs)) < 2:
-    return None
-  slope, base = np.polyfit(np.array(xs, float), np.array(ys, float), 1)
-  return {"bytes_per_param": float(slope), "base_mib": float(base / 2**20), "points": len(xs)}
 
 
 if __name__ == "__main__":
