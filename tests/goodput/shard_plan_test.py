@@ -30,7 +30,18 @@ def test_a_2b_fleet_needs_8_shards_of_one_core():
   assert z.ingest_gbps == pytest.approx(1.3333 / 8, rel=1e-4)
   assert z.ram_bytes == pytest.approx(6.5e9)
   assert z.merge_s == pytest.approx(1.3333, rel=1e-4)
-  assert z.grace_budget_s == 2.0
+  # The round's 8 bf16 answers, 8 · 2e9/24 · 2 B = 1.333 GB, reach one shard at 0.2 GB/s: 6.667 s,
+  # then its merge: 8 s in all, over the 2 s budget whatever S is.
+  assert z.round_s == pytest.approx(6.6667 + 1.3333, rel=1e-4)
+  assert z.grace_budget_s == 2.0 and not z.in_budget
+
+
+def test_a_round_within_its_budget():
+  """1e8 parameters, 4 s steps: a round is 8 · 1e8/24 · 2 B = 66.7 MB in at 0.2 GB/s = 0.333 s,
+  plus 8 · 1e8/24 · 4 B = 133 MB merged at 2 GB/s = 0.0667 s: 0.4 s, within τ · 4 s = 8 s."""
+  z = capacity.plan_shards(_load(1e8, step_time_s=4.0), SHARD)
+  assert z.round_s == pytest.approx(0.4, rel=1e-4)
+  assert z.in_budget
 
 
 def test_uneven_split_is_sized_by_the_busiest_shard():
