@@ -206,6 +206,149 @@ def format_sizing(rows: list[tuple[str, ShardSizing]]) -> str:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MeasuredShard:
+  """One shard's cost, measured end to end under a synthetic fleet (scripts/bench_capacity.py).
+
+  Where `SyncerCosts` adds up the parts a shard does (wire, merge, adoption) measured apart, these
+  figures come from a running shard, so they include everything it does per pushed byte.
+
+  Attributes:
+    ingest_gbps_per_core: wire bytes a shard takes in per CPU-second it uses, GB (receiving,
+      decoding and filing pushes, merging, adopting, publishing, its streams and heartbeats).
+    merge_gbps: decoded answer bytes (M answers of a fragment, float32) one round goes through
+      per second from its quorum to its publication: a round's merge latency.
+    rss_bytes_per_param: RSS a shard grows by per parameter it holds, at `keep_versions`, with a
+      float32 global model and Nesterov momentum (the decoded answers of its open rounds included).
+    rss_base_bytes: RSS of a shard holding nothing (the intercept of the same fit).
+    keep_versions: the `keep_versions` the RSS was measured at.
+    egress_gbps_per_core: pulled bytes a core serves per second, GB; None: the measured fleet did
+      not pull, and egress is left out of the cores.
+    source: the command and load the figures come from.
+  """
+
+  ingest_gbps_per_core: float
+  merge_gbps: float
+  rss_bytes_per_param: float
+  rss_base_bytes: float
+  keep_versions: int = 4
+  egress_gbps_per_core: float | None = None
+  source: str = ""
+
+  def __post_init__(self):
+    for name in ("ingest_gbps_per_core", "merge_gbps", "rss_bytes_per_param"):
+      value = getattr(self, name)
+      if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {value}.")
+    egress = self.egress_gbps_per_core
+    if egress is not None and not (math.isfinite(egress) and egress > 0):
+      raise ValueError(f"egress_gbps_per_core must be finite and > 0 or None, got {egress}.")
+    if not (math.isfinite(self.rss_base_bytes) and self.rss_base_bytes >= 0):
+      raise ValueError(f"rss_base_bytes must be finite and >= 0, got {self.rss_base_bytes}.")
+    if self.keep_versions < 1:
+      raise ValueError(f"keep_versions must be >= 1, got {self.keep_versions}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardPlan:
+  """How many shards a fleet needs, and what the busiest one needs (`plan_shards`).
+
+  Attributes:
+    shards: S.
+    cores: CPU work of the busiest shard (the one with ceil(P / S) fragments), cores.
+    ram_bytes: its RSS.
+    ingest_gbps: the wire bytes it takes in per second, GB.
+    merge_s: one round's merge (quorum to publication).
+    round_s: one round from its opening to its publication at the least: its M answers received
+      at one core's ingest rate (they all go to the one shard that owns the fragment), then
+      merged. Sharding does not shorten it.
+    grace_budget_s: τ · step time.
+    limited_by: what set S: "cores", "ram", or "one shard".
+    fits: whether every limit holds at S <= P (False: no S does; the figures are at S = P).
+  """
+
+  shards: int
+  cores: float
+  ram_bytes: float
+  ingest_gbps: float
+  merge_s: float
+  round_s: float
+  grace_budget_s: float
+  limited_by: str
+  fits: bool
+
+  @property
+  def in_budget(self) -> bool:
+    """Whether a round can be received and merged within its grace budget (τ steps)."""
+    return self.round_s <= self.grace_budget_s
+
+
+def plan_shards(
+  load: SyncerLoad, shard: MeasuredShard, *, max_cores: float = 1.0, max_ram_bytes: float = math.inf
+) -> ShardPlan:
+  """The fewest shards (at most P) whose busiest shard needs at most `max_cores` cores of work and
+  `max_ram_bytes` of RSS, from measured figures; `load.shards` is ignored.
+
+  A shard owns the fragments p with p mod S == i, so the busiest holds ceil(P / S) of the P and
+  takes that share of the fleet's ingest. RSS per parameter is scaled to `load.keep_versions` by
+  `load.param_bytes` per version kept more or less than measured. `max_cores` is 1 for a shard
+  that is one Python process (its GIL); a merge is not split, so `merge_s` does not fall with S.
+  """
+  m, p = load.learners, load.fragments
+  rounds_per_s = p / load.period / load.step_time_s  # Fleet-wide; one answer per learner each.
+  fragment_params = load.params / p
+  fleet_ingest = rounds_per_s * m * fragment_params * load.uplink.bits / 8 / _GB
+  fleet_cores = fleet_ingest / shard.ingest_gbps_per_core
+  if shard.egress_gbps_per_core is not None:
+    fleet_egress = rounds_per_s * m * fragment_params * load.downlink.bits / 8 / _GB
+    fleet_cores += fleet_egress / shard.egress_gbps_per_core
+  per_param = shard.rss_bytes_per_param
+  per_param += (load.keep_versions - shard.keep_versions) * load.param_bytes
+  merge_s = m * fragment_params * 4 / (shard.merge_gbps * _GB)
+  receive_s = m * fragment_params * load.uplink.bits / 8 / (shard.ingest_gbps_per_core * _GB)
+
+  def at(s: int, limited_by: str, fits: bool) -> ShardPlan:
+    share = math.ceil(p / s) / p
+    return ShardPlan(
+      shards=s,
+      cores=fleet_cores * share,
+      ram_bytes=shard.rss_base_bytes + load.params * share * per_param,
+      ingest_gbps=fleet_ingest * share,
+      merge_s=merge_s,
+      round_s=receive_s + merge_s,
+      grace_budget_s=load.overlap * load.step_time_s,
+      limited_by=limited_by,
+      fits=fits,
+    )
+
+  for s in range(1, p + 1):
+    z = at(s, "one shard", True)
+    if z.cores <= max_cores and z.ram_bytes <= max_ram_bytes:
+      if s == 1:
+        return z
+      prev = at(s - 1, "", True)
+      return at(s, "cores" if prev.cores > max_cores else "ram", True)
+  z = at(p, "", False)
+  return at(p, "cores" if z.cores > max_cores else "ram", False)
+
+
+def format_plans(rows: list[tuple[str, ShardPlan]]) -> str:
+  """A table: one row per (label, plan), figures for the busiest shard."""
+  head = (
+    f"{'fleet':34s} {'S':>3s} {'cores':>6s} {'RAM GB':>7s} {'in GB/s':>8s} {'merge ms':>9s} "
+    f"{'round ms':>9s} {'budget ms':>9s}  limited by"
+  )
+  lines = [head]
+  for label, z in rows:
+    lines.append(
+      f"{label:34s} {z.shards:3d} {z.cores:6.2f} {z.ram_bytes / _GB:7.1f} {z.ingest_gbps:8.3f} "
+      f"{1e3 * z.merge_s:9.0f} {1e3 * z.round_s:9.0f} {1e3 * z.grace_budget_s:9.0f}  {z.limited_by}"
+      + ("" if z.fits else " (does not fit even at S = P)")
+      + ("" if z.in_budget else " (round over budget)")
+    )
+  return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CapacityStudy:
   """Fleets to size against one machine's measured costs (`ddiloco-goodput`).
 
@@ -215,19 +358,24 @@ class CapacityStudy:
     costs: the per-core costs.
     max_cores: cores one shard may use.
     max_ram_gb: memory one shard may use, GB.
+    measured: a shard's end-to-end measured figures; if given, every fleet is also planned from
+      them (`plan_shards`, one core per shard: `measured_cores` cores of work at most).
+    measured_cores: cores of work one shard may need in that plan.
   """
 
   fleets: Sequence[tuple[str, SyncerLoad]]
   costs: SyncerCosts
   max_cores: float = 8.0
   max_ram_gb: float = 128.0
+  measured: MeasuredShard | None = None
+  measured_cores: float = 1.0
 
   def __post_init__(self):
     object.__setattr__(self, "fleets", tuple((str(n), f) for n, f in self.fleets))
     if not self.fleets:
       raise ValueError("A capacity study needs at least one fleet.")
-    if not (self.max_cores > 0 and self.max_ram_gb > 0):
-      raise ValueError("max_cores and max_ram_gb must be > 0.")
+    if not (self.max_cores > 0 and self.max_ram_gb > 0 and self.measured_cores > 0):
+      raise ValueError("max_cores, max_ram_gb and measured_cores must be > 0.")
 
 
 def run_capacity_study(study: CapacityStudy, workdir: str) -> dict[str, object]:
@@ -260,6 +408,18 @@ def run_capacity_study(study: CapacityStudy, workdir: str) -> dict[str, object]:
     "max_ram_gb": study.max_ram_gb,
     "fleets": out,
   }
+  if study.measured is not None:
+    plans = [
+      (
+        label,
+        plan_shards(
+          load, study.measured, max_cores=study.measured_cores, max_ram_bytes=study.max_ram_gb * _GB
+        ),
+      )
+      for label, load in study.fleets
+    ]
+    result["measured"] = dataclasses.asdict(study.measured)
+    result["measured_plans"] = [{"fleet": n, **dataclasses.asdict(z)} for n, z in plans]
   with open(os.path.join(workdir, "capacity.json"), "w") as f:
     json.dump(result, f, indent=1)
   print(format_sizing(rows))
@@ -267,4 +427,8 @@ def run_capacity_study(study: CapacityStudy, workdir: str) -> dict[str, object]:
     f"per shard; limits {study.max_cores:g} cores, {study.max_ram_gb:g} GB; costs: "
     f"{study.costs.source or 'unstated'}"
   )
+  if study.measured is not None:
+    print(f"\nFrom measured shards ({study.measured.source or 'source unstated'}):")
+    print(format_plans(plans))
+    print(f"busiest shard; limits {study.measured_cores:g} cores, {study.max_ram_gb:g} GB")
   return result

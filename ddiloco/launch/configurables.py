@@ -109,7 +109,11 @@ _CONFIGURABLES: tuple[tuple[str, tuple[Callable[..., Any], ...], dict[str, Any]]
     ),
     {},
   ),
-  ("capacity", (capacity.SyncerCosts, capacity.SyncerLoad, capacity.CapacityStudy), {}),
+  (
+    "capacity",
+    (capacity.SyncerCosts, capacity.SyncerLoad, capacity.MeasuredShard, capacity.CapacityStudy),
+    {},
+  ),
 )
 
 # Arguments that the library replaces, when None, by their class built without arguments

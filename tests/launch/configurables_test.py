@@ -59,7 +59,7 @@ NAMES = {
     ]
   ),
   *(f"bandwidth.{n}" for n in ("BandwidthStudy", "DataParallelLink", "DiLoCoLink", "Wire")),
-  *(f"capacity.{n}" for n in ("CapacityStudy", "SyncerCosts", "SyncerLoad")),
+  *(f"capacity.{n}" for n in ("CapacityStudy", "MeasuredShard", "SyncerCosts", "SyncerLoad")),
 }
 # What the entry points build themselves (`configurables.configured(X)()`), and the defaults that
 # `configured` builds for RunConfig, JobConfig and simulate; everything else a file binds must be

@@ -1,0 +1,421 @@
+r"""Capacity: how much push ingest S syncer shards sustain from a synthetic fleet of M learners.
+
+  python scripts/bench_capacity.py --shards=1,2 --learners=8 --fragments=8 --fragment_mib=16 \
+      --ramp_gbps=0.05,0.075,0.1,0.125,0.15,0.175,0.2,0.25,0.3 --shard_cpus=0,1 [--sweep]
+  python scripts/bench_capacity.py --analyze=capacity.json    # the summary of a saved --json
+
+The fleet (scripts/bench_capacity_fleet.py) is fake and cheap: `--fleet_procs` processes holding
+the M learners. Each registers with every shard, pulls each fragment once, holds a Rounds stream
+per shard and answers every round with a pre-encoded δ push (only the first chunk, the header, is
+made per push). Heartbeats report steps at `step_s`, so the syncer's step clock (its default
+`fleet_rate` clock) opens P/H rounds per step fleet-wide whatever the answers do. Learners do not
+pull merged versions: this measures ingest (egress is scripts/bench_wire.py's pull figure).
+
+A shard is an independent syncer process (`make_syncer` + `serve`: the `SyncerService` and
+`SyncerCore` a `ddiloco-syncer` runs, warmed up as `SyncerRun.warm_up` does) holding P/S
+fragments of `--fragment_mib` (float32) with the schedule (P/S, H, τ): its rounds come at 1/S of
+the fleet's rate, as those of a shard that owns the fragments p with p mod S == i will. It merges
+with quorum M (every learner's answer), RDA, bf16 downlink adoption. `start_shard` is the one place
+a shard is started; when `ddiloco-syncer --shard=i` exists it becomes that command.
+
+Load: the offered ingest is M · (fragment's wire bytes) · (P/H) / step_s over all shards. The ramp
+offers each `--ramp_gbps` to every shard count in turn (S = 1 then S = 2 at each level, so the
+machine's noise hits them alike); a shard count stops after its first level not kept up with. A
+shard keeps up when, in the measured window, it opened `--keep_up` of the rounds its schedule has
+(a late step clock skips a round whose previous one is still open), merged `--keep_up` of the
+answers to those (one round of lag allowed), and its p99 round latency (open → published, on its
+own clock) is within the grace budget τ · step_s. Sustained ingest is the highest merged ingest of
+a level kept up with; it prints "ingest(S=2)/ingest(S=1)" from those. Per level and shard: merged
+GB/s, rounds opened/scheduled, p50/p99 open → published and p99 quorum → published (the merge)
+latency, the shard's CPU (cores) and RSS, the fleet's push answers and its CPU.
+
+Placement: shard i runs under `taskset -c <--shard_cpus[i]>`, the fleet under `--fleet_cpus`
+(default unpinned). On a 2-core machine the fleet shares the shards' cores, so the summary fits
+each side's CPU (a fixed part plus CPU-seconds per GB, scripts/bench_capacity_summary.py) and
+prints the ingest CPU alone would allow. `--sweep` ramps S = 1 at `--sweep_learners` and at
+`--sweep_mib` fragment sizes, and fits RSS per parameter held. `--json` writes every figure.
+"""
+
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import bench_capacity_fleet  # Beside this script: its folder is first on sys.path when it runs.
+import numpy as np
+from absl import app, flags, logging
+from bench_capacity_summary import summarize
+
+_ROLE = flags.DEFINE_enum("role", "main", ["main", "shard", "fleet"], "internal: process role")
+_SHARDS = flags.DEFINE_list("shards", ["1", "2"], "shard counts S compared side by side")
+_LEARNERS = flags.DEFINE_integer("learners", 8, "M, fake learners")
+_FRAGMENTS = flags.DEFINE_integer("fragments", 24, "P, fragments over all shards (H = P)")
+_OVERLAP = flags.DEFINE_integer("overlap", 2, "τ: the grace budget is τ · step_s")
+_FRAGMENT_MIB = flags.DEFINE_float("fragment_mib", 4.0, "one fragment's float32 size, MiB")
+_CODEC = flags.DEFINE_string("codec", "bf16", "uplink codec of the pushes")
+_DOWNLINK = flags.DEFINE_string("downlink", "bf16", "the syncer's downlink codec (adoption)")
+_RAMP = flags.DEFINE_list("ramp_gbps", ["0.05", "0.1", "0.15", "0.2", "0.3"], "offered GB/s")
+_WINDOW = flags.DEFINE_float("window_s", 8.0, "measured seconds per level")
+_WARMUP = flags.DEFINE_float("warmup_s", 3.0, "seconds of load before the window")
+_KEEP_UP = flags.DEFINE_float("keep_up", 0.9, "merged/asked answers a level must reach")
+_FLEET_PROCS = flags.DEFINE_integer("fleet_procs", 2, "processes the fake learners run in")
+_SHARD_CPUS = flags.DEFINE_list("shard_cpus", [], "taskset CPU list per shard (cycled)")
+_FLEET_CPUS = flags.DEFINE_string("fleet_cpus", "", "taskset CPU list of the fleet")
+_SWEEP = flags.DEFINE_bool("sweep", False, "also ramp S = 1 over M and fragment sizes")
+_SWEEP_MIB = flags.DEFINE_list("sweep_mib", ["1", "16"], "fragment sizes of the sweep, MiB")
+_SWEEP_M = flags.DEFINE_list("sweep_learners", ["2", "4"], "learner counts of the sweep")
+_JSON = flags.DEFINE_string("json", "", "write every figure here")
+_ANALYZE = flags.DEFINE_string("analyze", "", "print the summary of a --json file; run nothing")
+# Internal (shard and fleet roles).
+_SPEC = flags.DEFINE_string("spec", "", "internal: JSON of the point")
+_INDEX = flags.DEFINE_integer("index", 0, "internal: shard or fleet process index")
+_OUT = flags.DEFINE_string("out", "", "internal: where a child writes its results")
+
+_TOKEN = bench_capacity_fleet.TOKEN
+_TIMEOUT_S = bench_capacity_fleet.TIMEOUT_S  # Longest wait for a child to start or finish.
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+  """One measured configuration: S shards, M learners, fragments, the offered load."""
+
+  shards: int
+  learners: int
+  fragments: int
+  fragment_params: int
+  step_s: float
+  overlap: int
+  codec: str
+  downlink: str
+  t0: float = 0.0  # time.monotonic() at which the fleet's step 0 starts (shared clock).
+  warmup_s: float = 3.0
+  window_s: float = 8.0
+  addresses: tuple[str, ...] = ()
+
+  @property
+  def here(self) -> int:
+    """Fragments per shard."""
+    return self.fragments // self.shards
+
+  @property
+  def digest(self) -> str:
+    return f"capacity-{self.here}x{self.fragment_params}"
+
+
+def wire_bytes(params: int, codec: str) -> int:
+  """Bytes one pushed fragment of `params` values puts on the wire (payload, headers included)."""
+  from ddiloco.transport.fragment_encoder import FragmentEncoder
+
+  return FragmentEncoder({"f0": np.zeros(params, np.float32)}, codec).nbytes
+
+
+# ---- shard process -------------------------------------------------------------------------
+
+
+def _shard_main(pt: Point, out: str) -> None:
+  """One shard: a syncer service over its P/S fragments; writes its merge log on SIGTERM."""
+  from ddiloco.distributed.server import make_syncer, serve
+  from ddiloco.distributed.service_config import ServiceConfig
+  from ddiloco.fragments.schedule import FragmentSchedule
+  from ddiloco.syncer.core import SyncerConfig
+
+  stop = threading.Event()
+  signal.signal(signal.SIGTERM, lambda *_: stop.set())
+  rng = np.random.default_rng(_INDEX.value)
+  init = {f"f{k}": rng.standard_normal(pt.fragment_params, np.float32) for k in range(pt.here)}
+  svc = make_syncer(
+    fragment_keys=[[f"f{k}"] for k in range(pt.here)],
+    init_values=init,
+    syncer_config=SyncerConfig(min_quorum=pt.learners, grace_max_s=pt.overlap * pt.step_s),
+    service_config=ServiceConfig(uplink_codec=pt.codec, downlink_codec=pt.downlink),
+    layout_digest=pt.digest,
+    schedule=FragmentSchedule(num_fragments=pt.here, period=pt.fragments, overlap=pt.overlap),
+  )
+  del init  # The core keeps its own copy: RSS is the shard's alone.
+  for p in range(pt.here):  # As SyncerRun.warm_up: no merge compiles under the lock.
+    svc.core.warm_up(p, pt.learners)
+  srv = serve(svc, token=_TOKEN)
+  with open(out + ".port.tmp", "w") as f:
+    f.write(str(srv.port))
+  os.rename(out + ".port.tmp", out + ".port")
+  stop.wait(3600)
+  merges = [
+    (m.fragment, m.time, m.open_time, m.quorum_time, len(m.contributors)) for m in svc.merge_log()
+  ]
+  result = {"merges": merges, "refused": svc.refused(), "push_latency": svc.push_latency()}
+  srv.stop(grace_s=0.5, flush=False)
+  with open(out, "w") as f:
+    json.dump(result, f)
+
+
+# ---- coordinator ---------------------------------------------------------------------------
+
+
+_PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # Resolved before any fork.
+
+
+def _die_with_parent() -> None:  # Runs in the child between fork and exec: one libc call.
+  _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no shard outlives a killed coordinator.
+
+
+def _child(role: str, pt: Point, index: int, out: str, cpus: str) -> subprocess.Popen:
+  cmd = [sys.executable, os.path.abspath(__file__), f"--role={role}", f"--index={index}"]
+  cmd += [f"--spec={json.dumps(dataclasses.asdict(pt))}", f"--out={out}"]
+  cmd += [f"--fleet_procs={_FLEET_PROCS.value}"]
+  if cpus:
+    cmd = ["taskset", "-c", cpus, *cmd]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.Popen(
+    cmd,
+    env=env,
+    start_new_session=True,
+    preexec_fn=_die_with_parent,  # noqa: PLW1509 - one libc call, resolved before the fork.
+  )
+
+
+def start_shard(pt: Point, i: int, out: str) -> subprocess.Popen:
+  """Starts shard i of `pt.shards` (a syncer process over P/S fragments), pinned if asked.
+
+  The one place a shard starts: with a sharded `ddiloco-syncer`, this runs
+  `ddiloco-syncer --shard=i` over the whole layout instead of a syncer over a layout of P/S.
+  """
+  cpus = _SHARD_CPUS.value[i % len(_SHARD_CPUS.value)] if _SHARD_CPUS.value else ""
+  return _child("shard", pt, i, out, cpus)
+
+
+def _wait_file(path: str, procs: list[subprocess.Popen]) -> None:
+  deadline = time.monotonic() + _TIMEOUT_S
+  while not os.path.exists(path):
+    if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+      raise RuntimeError(f"a child failed before writing {path}")
+    time.sleep(0.05)
+
+
+def _cpu_s(pid: int) -> float:
+  """User + system CPU seconds of a process (all its threads) so far."""
+  with open(f"/proc/{pid}/stat") as f:
+    fields = f.read().rsplit(")", 1)[1].split()
+  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mib(pid: int) -> float:
+  with open(f"/proc/{pid}/status") as f:
+    for line in f:
+      if line.startswith("VmRSS:"):
+        return int(line.split()[1]) / 1024
+  return float("nan")
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+  for p in procs:
+    if p.poll() is None:
+      p.send_signal(signal.SIGTERM)
+  for p in procs:
+    try:
+      p.wait(15)
+    except subprocess.TimeoutExpired:
+      p.kill()
+      p.wait(5)
+
+
+def measure(pt: Point, tmp: str) -> dict:
+  """Runs one point: S shards and the fleet; returns its figures (see the module docstring)."""
+  tag = f"{tmp}/s{pt.shards}m{pt.learners}f{pt.fragment_params}t{pt.step_s:.4f}"
+  shards = [start_shard(pt, i, f"{tag}.shard{i}") for i in range(pt.shards)]
+  fleets: list[subprocess.Popen] = []
+  try:
+    ports = []
+    for i in range(pt.shards):
+      _wait_file(f"{tag}.shard{i}.port", shards)
+      with open(f"{tag}.shard{i}.port") as f:
+        ports.append(f"127.0.0.1:{int(f.read())}")
+    pt = dataclasses.replace(pt, addresses=tuple(ports))
+    fleets = [
+      _child("fleet", pt, k, f"{tag}.fleet{k}", _FLEET_CPUS.value)
+      for k in range(min(_FLEET_PROCS.value, pt.learners))
+    ]
+    for k in range(len(fleets)):
+      _wait_file(f"{tag}.fleet{k}.ready", fleets + shards)
+    t0 = time.monotonic() + 0.2
+    for k in range(len(fleets)):
+      with open(f"{tag}.fleet{k}.go", "w") as f:
+        f.write(repr(t0))
+    start, end = t0 + pt.warmup_s, t0 + pt.warmup_s + pt.window_s
+    time.sleep(max(0.0, start - time.monotonic()))
+    cpu0 = [_cpu_s(p.pid) for p in shards + fleets]
+    time.sleep(max(0.0, end - time.monotonic()))
+    cpu1 = [_cpu_s(p.pid) for p in shards + fleets]
+    rss = [_rss_mib(p.pid) for p in shards]
+    for p in fleets:
+      p.wait(_TIMEOUT_S)
+  finally:
+    _stop(fleets)
+    _stop(shards)
+  cores = [(b - a) / pt.window_s for a, b in zip(cpu0, cpu1)]
+  pushes, asks = [], []
+  for k in range(len(fleets)):
+    with open(f"{tag}.fleet{k}") as f:
+      fleet = json.load(f)
+    pushes += fleet["pushes"]
+    asks += fleet["asks"]
+  per_shard = []
+  for i in range(pt.shards):
+    with open(f"{tag}.shard{i}") as f:
+      merges = [m for m in json.load(f)["merges"] if start <= m[1] < end]
+    opened = sum(1 for a in asks if a[0] == i and a[1] == 0 and start <= a[2] < end)
+    per_shard.append(_shard_figures(pt, merges, opened))
+    per_shard[-1].update(cores=cores[i], rss_mib=rss[i], **_statuses(pushes, i, start, end))
+  offered = pt.learners * (pt.fragments / pt.fragments) / pt.step_s  # P/H = 1 round per step.
+  merged = sum(s["fragments_per_s"] for s in per_shard)
+  return {
+    "point": dataclasses.asdict(pt),
+    "offered_fragments_per_s": offered,
+    "offered_gbps": offered * wire_bytes(pt.fragment_params, pt.codec) / 1e9,
+    "fragments_per_s": merged,
+    "gbps": sum(s["gbps"] for s in per_shard),
+    "budget_s": pt.overlap * pt.step_s,
+    "keeps_up": all(s["keeps_up"] for s in per_shard),
+    "fleet_cores": sum(cores[pt.shards :]),
+    "shards": per_shard,
+  }
+
+
+def _statuses(pushes: list, shard: int, start: float, end: float) -> dict:
+  done = [q[3] for q in pushes if q[0] == shard and start <= q[2] < end]
+  counts = {s: done.count(s) for s in sorted(set(done))}
+  return {"push_status": counts}
+
+
+def _shard_figures(pt: Point, merges: list, opened: int) -> dict:
+  """A shard's figures over the window. It keeps up when it opened the rounds its schedule has
+  in the window (a late clock skips a round whose previous one is still open), merged the
+  answers to those it opened (one round of lag allowed; `--keep_up` of each), and its p99 round
+  latency (open -> published) is within the grace budget."""
+  answers = sum(m[4] for m in merges)
+  open_s = np.array([m[1] - m[2] for m in merges] or [np.inf])
+  merge_s = np.array([m[1] - m[3] for m in merges] or [np.inf])
+  rate = answers / pt.window_s
+  scheduled = pt.window_s / pt.step_s / pt.shards  # P = H: one round a step over all shards.
+  due = _KEEP_UP.value * pt.learners * max(opened - 1, 0)
+  budget = pt.overlap * pt.step_s
+  return {
+    "keeps_up": opened >= _KEEP_UP.value * scheduled - 1
+    and answers >= due
+    and float(np.quantile(open_s, 0.99)) <= budget,
+    "scheduled_rounds": scheduled,
+    "opened_rounds": opened,
+    "merges": len(merges),
+    "fragments_per_s": rate,
+    "gbps": rate * wire_bytes(pt.fragment_params, pt.codec) / 1e9,
+    "p50_open_s": float(np.median(open_s)),
+    "p99_open_s": float(np.quantile(open_s, 0.99)),
+    "p50_merge_s": float(np.median(merge_s)),
+    "p99_merge_s": float(np.quantile(merge_s, 0.99)),
+  }
+
+
+def ramp(shard_counts: list[int], learners: int, fragment_mib: float, tmp: str) -> list[dict]:
+  """Offers each `--ramp_gbps` in turn to every shard count, interleaved (S = 1, then S = 2, at
+  each level) so that the machine's noise hits them alike; a shard count stops ramping after its
+  first level not kept up with. Returns one run per shard count."""
+  params = int(fragment_mib * (1 << 20) / 4)
+  wire = wire_bytes(params, _CODEC.value)
+  print(
+    f"\nM={learners} P={_FRAGMENTS.value} fragment {fragment_mib:g} MiB float32 "
+    f"({wire / 2**20:.2f} MiB {_CODEC.value} on the wire). Per shard: [merged GB/s, rounds "
+    "opened/scheduled, p50/p99 open->published ms, p99 quorum->published ms, cores, RSS MiB, fleet's push answers]"
+  )
+  print(f"{'S':>2s} {'offered':>8s} {'merged':>7s} {'frag/s':>7s} {'budget':>7s} {'fleet':>6s}")
+  levels: dict[int, list[dict]] = {s: [] for s in shard_counts}
+  for gbps in (float(g) for g in _RAMP.value):
+    for shards in shard_counts:
+      if levels[shards] and not levels[shards][-1]["keeps_up"]:
+        continue
+      pt = Point(
+        shards=shards,
+        learners=learners,
+        fragments=_FRAGMENTS.value,
+        fragment_params=params,
+        step_s=learners * wire / (gbps * 1e9),  # P = H: one round per step, M answers each.
+        overlap=_OVERLAP.value,
+        codec=_CODEC.value,
+        downlink=_DOWNLINK.value,
+        warmup_s=_WARMUP.value,
+        window_s=_WINDOW.value,
+      )
+      r = measure(pt, tmp)
+      levels[shards].append(r)
+      shard_txt = "  ".join(
+        f"[{s['gbps']:.3f} {s['opened_rounds']}/{s['scheduled_rounds']:.0f} "
+        f"{1e3 * s['p50_open_s']:.0f}/{1e3 * s['p99_open_s']:.0f} "
+        f"{1e3 * s['p99_merge_s']:.0f} {s['cores']:.2f} {s['rss_mib']:.0f} {s['push_status']}]"
+        for s in r["shards"]
+      )
+      print(
+        f"{shards:2d} {r['offered_gbps']:8.3f} {r['gbps']:7.3f} {r['fragments_per_s']:7.1f} "
+        f"{1e3 * r['budget_s']:5.0f}ms {r['fleet_cores']:6.2f}  {shard_txt}"
+        f"{'' if r['keeps_up'] else '  <- does not keep up'}",
+        flush=True,
+      )
+  runs = []
+  for shards, lv in levels.items():
+    kept = [r for r in lv if r["keeps_up"]]
+    best = max(kept, key=lambda r: r["gbps"]) if kept else None
+    runs.append(
+      {
+        "shards": shards,
+        "learners": learners,
+        "fragment_mib": fragment_mib,
+        "levels": lv,
+        "sustained_gbps": best["gbps"] if best else 0.0,
+        "sustained_fragments_per_s": best["fragments_per_s"] if best else 0.0,
+        "peak_gbps": max(r["gbps"] for r in lv),
+      }
+    )
+  return runs
+
+
+def main(argv):
+  del argv
+  if _ROLE.value != "main":
+    logging.set_verbosity(logging.WARNING)  # Not a line per registration.
+    pt = Point(**{**json.loads(_SPEC.value), "addresses": ()})
+    pt = dataclasses.replace(pt, addresses=tuple(json.loads(_SPEC.value)["addresses"]))
+    if _ROLE.value == "shard":
+      _shard_main(pt, _OUT.value)
+    else:
+      bench_capacity_fleet.fleet_main(pt, _OUT.value, index=_INDEX.value, procs=_FLEET_PROCS.value)
+    return
+  if _ANALYZE.value:
+    with open(_ANALYZE.value) as f:
+      summarize(json.load(f))
+    return
+  shard_counts = [int(s) for s in _SHARDS.value]
+  if any(_FRAGMENTS.value % s for s in shard_counts):
+    raise app.UsageError(f"--fragments={_FRAGMENTS.value} must divide by every --shards.")
+  with open("/proc/loadavg") as f:
+    print(f"load before: {f.read().strip()}; {os.cpu_count()} CPUs")
+  out: dict = {"runs": [], "sweep": [], "cpus": len(os.sched_getaffinity(0))}
+  with tempfile.TemporaryDirectory(prefix="bench_capacity_") as tmp:
+    out["runs"] = ramp(shard_counts, _LEARNERS.value, _FRAGMENT_MIB.value, tmp)
+    if _SWEEP.value:
+      for m in (int(m) for m in _SWEEP_M.value):
+        out["sweep"] += ramp([1], m, _FRAGMENT_MIB.value, tmp)
+      for mib in (float(x) for x in _SWEEP_MIB.value):
+        out["sweep"] += ramp([1], _LEARNERS.value, mib, tmp)
+  with open("/proc/loadavg") as f:
+    print(f"\nload after: {f.read().strip()}")
+  summarize(out)
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)

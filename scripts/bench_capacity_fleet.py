@@ -1,0 +1,177 @@
+"""scripts/bench_capacity.py's fake learners: cheap clients that answer every round of every shard.
+
+A fake learner registers with every shard, pulls each fragment once (the syncer counts an answer
+only from a learner that received the fragment), holds a Rounds stream per shard and answers every
+round with a pre-encoded δ push: the payload is encoded once per fragment, and a push re-makes only
+its first chunk (the header). Two sender threads per shard, as a learner's. A heartbeat loop reports
+steps at `step_s`, which paces the syncer's step clock.
+"""
+
+import contextlib
+import dataclasses
+import json
+import os
+import queue
+import threading
+import time
+
+import numpy as np
+
+TOKEN = "capacity"
+TIMEOUT_S = 120.0  # Longest wait for the coordinator or a shard.
+
+
+class _Answerer:
+  """One fake learner's connection to one shard: pulls once, then answers every round."""
+
+  def __init__(self, learner: int, shard: int, pt, *, chunks, log: list, asks: list, stop):
+    import grpc
+
+    from ddiloco.transport.client import SyncerClient
+    from ddiloco.transport.proto import syncer_pb2
+
+    limit = 8 << 20
+    opts = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+    self._channel = grpc.insecure_channel(pt.addresses[shard], opts)
+    self.client = SyncerClient(channel=self._channel, token=TOKEN, transfer_deadline_s=60.0)
+    self._push = self._channel.stream_unary(
+      "/ddiloco.v1.Syncer/Push",
+      request_serializer=None,
+      response_deserializer=syncer_pb2.PushResponse.FromString,
+    )
+    self.learner, self.shard, self._pt, self._chunks = learner, shard, pt, chunks
+    self._log, self._asks, self._stop = log, asks, stop
+    self._requests: queue.Queue = queue.Queue()
+
+  def start(self) -> None:
+    pt = self._pt
+    self.client.wait_ready(TIMEOUT_S)
+    self.client.register(self.learner, layout_digest=pt.digest, num_fragments=pt.here)
+    shape = {f"f{p}": (pt.fragment_params,) for p in range(pt.here)}
+    for p in range(pt.here):
+      key = f"f{p}"
+      self.client.pull(
+        self.learner, p, -1, layout_keys=[key], shapes={key: shape[key]}, dtypes={key: "float32"}
+      )
+    for target in (self._rounds, self._sender, self._sender):  # Two senders, as a learner's.
+      threading.Thread(target=target, daemon=True).start()
+
+  def _rounds(self) -> None:
+    import grpc
+
+    from ddiloco.protocol import RoundRequest
+
+    stream = self.client.rounds(self.learner)
+    try:
+      for event in stream:
+        if isinstance(event, RoundRequest):
+          self._asks.append((self.shard, self.learner, time.monotonic()))
+          self._requests.put((time.monotonic(), event))
+    except grpc.RpcError:  # The stream ends when the shard stops.
+      pass
+
+  def _sender(self) -> None:
+    import grpc
+
+    from ddiloco.transport import events
+    from ddiloco.transport.frames import chunk_prefix
+    from ddiloco.transport.proto import syncer_pb2
+
+    pt = self._pt
+    while not self._stop.is_set():
+      try:
+        asked, req = self._requests.get(timeout=0.2)
+      except queue.Empty:
+        continue
+      first, rest, total = self._chunks[req.fragment]
+      step = max(req.round_step, int((time.monotonic() - pt.t0) / pt.step_s))
+      header = syncer_pb2.PushHeader(
+        learner_id=self.learner,
+        fragment=req.fragment,
+        anchor_version=req.base_version,
+        tokens=1000,
+        steps=pt.fragments,
+        step=step,
+        step_time_s=pt.step_s,
+        new_tokens=1000,
+        round_step=req.round_step,
+        codec=pt.codec,
+        total_bytes=total,
+        num_chunks=1 + len(rest),
+        delta=True,
+      ).SerializeToString()
+      messages = [chunk_prefix(0, len(first), header) + first, *rest]
+      try:
+        resp = self._push(
+          iter(messages), timeout=60.0, metadata=self.client.learner_metadata(self.learner)
+        )
+        status = events.report_result(resp).status
+      except grpc.RpcError as e:
+        status = e.code().name
+      except ValueError:  # The channel closed under the call: the fleet is stopping.
+        return
+      self._log.append((self.shard, asked, time.monotonic(), status))
+
+  def set_point(self, pt) -> None:
+    self._pt = pt
+
+  def close(self) -> None:
+    self._channel.close()
+
+
+def _encode_payloads(pt) -> dict[int, tuple[bytes, list[bytes], int]]:
+  """Per fragment: first chunk's data, the other chunk messages, total payload bytes."""
+  from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE
+  from ddiloco.transport.fragment_encoder import FragmentEncoder
+  from ddiloco.transport.frames import chunk_prefix
+
+  delta = 1e-3 * np.random.default_rng(0).standard_normal(pt.fragment_params, np.float32)
+  out = {}
+  for p in range(pt.here):
+    enc = FragmentEncoder({f"f{p}": delta}, pt.codec)
+    data = list(enc.chunks(DEFAULT_CHUNK_SIZE))
+    rest = [chunk_prefix(i, len(d)) + d for i, d in enumerate(data) if i]
+    out[p] = (data[0], rest, enc.nbytes)
+  return out
+
+
+def fleet_main(pt, out: str, *, index: int, procs: int) -> None:
+  """Fake learners `index::procs` of the M in `pt` (bench_capacity.Point) against every shard, until
+  its window ends; writes their pushes and round requests to `out`."""
+  import grpc
+
+  stop = threading.Event()
+  chunks = _encode_payloads(pt)
+  log: list = []
+  asks: list = []
+  ids = range(index, pt.learners, procs)
+  conns = [
+    _Answerer(m, s, pt, chunks=chunks, log=log, asks=asks, stop=stop)
+    for m in ids
+    for s in range(pt.shards)
+  ]
+  for c in conns:
+    c.start()
+  with open(out + ".ready", "w"):
+    pass
+  deadline = time.monotonic() + TIMEOUT_S
+  while not os.path.exists(out + ".go"):  # t0, once every fleet process has registered and pulled.
+    if time.monotonic() > deadline:
+      raise TimeoutError("no go from the coordinator")
+    time.sleep(0.05)
+  with open(out + ".go") as f:
+    pt = dataclasses.replace(pt, t0=float(f.read()))
+  for c in conns:
+    c.set_point(pt)
+  end = pt.t0 + pt.warmup_s + pt.window_s + 0.5
+  while (now := time.monotonic()) < end:  # Heartbeats: the steps the syncer's clock follows.
+    step = max(0, int((now - pt.t0) / pt.step_s))
+    for c in conns:  # A late heartbeat under load is dropped: the next one carries the step.
+      with contextlib.suppress(grpc.RpcError):
+        c.client.heartbeat(c.learner, step=step, step_time_s=pt.step_s)
+    time.sleep(0.2)
+  stop.set()
+  with open(out, "w") as f:
+    json.dump({"pushes": list(log), "asks": list(asks)}, f)
+  for c in conns:
+    c.close()

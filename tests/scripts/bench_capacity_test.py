@@ -1,0 +1,60 @@
+"""Smoke test of scripts/bench_capacity.py: tiny shards and fleet, every figure present, no leftovers."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _processes_naming(text: str) -> list[int]:
+  pids = []
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        with open(f"/proc/{entry}/cmdline", "rb") as f:
+          if text.encode() in f.read():
+            pids.append(int(entry))
+      except OSError:
+        pass  # Gone meanwhile.
+  return pids
+
+
+@pytest.mark.timeout(300)
+def test_two_shard_counts_side_by_side(tmp_path):
+  out = tmp_path / "capacity.json"
+  cmd = [
+    sys.executable,
+    str(_ROOT / "scripts" / "bench_capacity.py"),
+    "--shards=1,2",
+    "--learners=2",
+    "--fragments=4",
+    "--fragment_mib=0.0625",
+    "--ramp_gbps=0.001",
+    "--window_s=1.5",
+    "--warmup_s=1",
+    "--fleet_procs=1",
+    f"--json={out}",
+  ]
+  env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(_ROOT))
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "ingest(S=2)/ingest(S=1) =" in proc.stdout
+  assert not _processes_naming(str(tmp_path))  # Every shard and fleet process is gone.
+  figures = json.loads(out.read_text())
+  runs = {r["shards"]: r for r in figures["runs"]}
+  assert sorted(runs) == [1, 2]
+  for s, run in runs.items():
+    (level,) = run["levels"]
+    assert len(level["shards"]) == s
+    assert level["offered_gbps"] == pytest.approx(0.001, rel=1e-6)
+    for shard in level["shards"]:
+      assert shard["merges"] > 0 and shard["fragments_per_s"] > 0
+      assert shard["push_status"].get("accepted", 0) > 0
+      assert shard["rss_mib"] > 0 and shard["cores"] >= 0
+    assert run["per_core"]["shard_gbps_per_core"] > 0
+  assert "ratio" in figures and len(figures["cpu_bound_gbps"]) == 2
