@@ -44,9 +44,6 @@ MAX_SESSION_BYTES = 256
 MAX_REQUEST_BYTES = 4096
 MAX_MESSAGE_BYTES = 4096
 MAX_BODY_BYTES = 64 * 1024
-# Socket buffers of the bulk port: a 1 MiB chunk or more in flight each way (the kernel's default
-# autotuning may start far lower; it still grows them up to its own maximum).
-SOCKET_BUFFER_BYTES = 4 << 20
 
 _BUCKET = 64 << 10
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -77,10 +74,14 @@ class BulkClosed(ConnectionError):
 
 
 def tune(sock: socket.socket) -> None:
-  """Large socket buffers and no Nagle delay: trailers and small frames go out at once."""
+  """No Nagle delay: a hello, a trailer or a frame's tail goes out at once.
+
+  The socket buffers are left to the kernel's autotuning, which grows them with the path's
+  bandwidth-delay product up to `net.ipv4.tcp_rmem`/`tcp_wmem`'s maximum: a fixed SO_RCVBUF would
+  turn it off and cap the window (4 MiB over 50 ms is 80 MiB/s), and on loopback it measured no
+  better (scripts/bench_wire.py).
+  """
   sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-  for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-    sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
 
 
 def hello(op: int, token: str | None, session: str, request: bytes = b"") -> bytes:
