@@ -274,6 +274,7 @@ def serve(
       raise
     if bulk is not None:
       service.advertise_bulk(bulk.port)
+      log.info("Push and Pull also served on bulk port %d", bulk.port)
   service.start()
   server.start()
   for name in ("", SERVICE_NAME):

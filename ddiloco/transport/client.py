@@ -183,6 +183,7 @@ class SyncerClient:
     )
     with self._lock:
       self._sessions[learner_id] = resp.session
+      self._bulk = None  # A syncer restarted without one (or with another port) is heeded.
       if self._bulk_wanted and resp.bulk_port:
         self._bulk = bulk_client.BulkClient(
           bulk_client.address_host(self.address),
