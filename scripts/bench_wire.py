@@ -25,11 +25,18 @@ the rounds is reported:
   bare   gRPC's own floor: the same bytes as 1 MiB raw `bytes` messages (no protobuf) streamed to
          a generic handler that counts and drops them, no token, no service code, with the
          service's channel options.
+  bulk   the same push and pull over the syncer's bulk port (distributed/bulk_server.py): the
+         same chunk messages, handlers and checks, framed on a plain TCP socket
+         (`BulkClient`, called as `SyncerClient` calls it when Register advertises the port).
+  options  gRPC's own options on the bare stream, each against a bare server of its own: 256 KiB
+         and 4 MiB messages, the bytes split over 2 and 4 channels at once, TCP TX zero-copy,
+         16 MiB HTTP/2 frames with larger reads; and a bare pull (unary-stream), plain and with
+         gRPC Python's SingleThreadedUnaryStream channel option (`--nogrpc_options` skips them).
 Every path has a wall-clock median and a CPU-time median: CPU time sums every thread of both
 processes (both ends, gRPC's threads, the kernel's socket copies) and is what contention with
 other processes spares, so on a loaded machine it is the steadier figure; wall time counts when
 "CPU/wall" in the header is at most 2 (both ends busy at once). It prints the throughputs, the ratios push/raw (goal
->= 0.5), bare/raw and push/bare for both, the pull throughput of the same fragment (a learner
+>= 0.5) and pull/raw over gRPC and over the bulk port side by side, bare/raw for both, the pull throughput of the same fragment (a learner
 pulls it before it may push, docs/algorithm.md §3), and the push's time split: client serialization with each
 chunk dropped as it is made (as the client streams them), then a Push of pre-built chunk messages
 on a second channel (everything after serialization), of which the parsing of the chunk messages,
