@@ -25,11 +25,18 @@ the rounds is reported:
   bare   gRPC's own floor: the same bytes as 1 MiB raw `bytes` messages (no protobuf) streamed to
          a generic handler that counts and drops them, no token, no service code, with the
          service's channel options.
+  bulk   the same push and pull over the syncer's bulk port (distributed/bulk_server.py): the
+         same chunk messages, handlers and checks, framed on a plain TCP socket
+         (`BulkClient`, called as `SyncerClient` calls it when Register advertises the port).
+  options  gRPC's own options on the bare stream, each against a bare server of its own: 256 KiB
+         and 4 MiB messages, the bytes split over 2 and 4 channels at once, TCP TX zero-copy,
+         16 MiB HTTP/2 frames with larger reads; and a bare pull (unary-stream), plain and with
+         gRPC Python's SingleThreadedUnaryStream channel option (`--nogrpc_options` skips them).
 Every path has a wall-clock median and a CPU-time median: CPU time sums every thread of both
 processes (both ends, gRPC's threads, the kernel's socket copies) and is what contention with
 other processes spares, so on a loaded machine it is the steadier figure; wall time counts when
 "CPU/wall" in the header is at most 2 (both ends busy at once). It prints the throughputs, the ratios push/raw (goal
->= 0.5), bare/raw and push/bare for both, the pull throughput of the same fragment (a learner
+>= 0.5) and pull/raw over gRPC and over the bulk port side by side, bare/raw for both, the pull throughput of the same fragment (a learner
 pulls it before it may push, docs/algorithm.md §3), and the push's time split: client serialization with each
 chunk dropped as it is made (as the client streams them), then a Push of pre-built chunk messages
 on a second channel (everything after serialization), of which the parsing of the chunk messages,
@@ -52,6 +59,7 @@ import time
 from concurrent import futures
 
 import grpc
+import grpc.experimental
 import numpy as np
 from absl import app, flags
 
@@ -60,7 +68,8 @@ from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments import layout as layout_lib
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
 from ddiloco.transport import frames, messages
-from ddiloco.transport.chunks import ArrayPool
+from ddiloco.transport.bulk_client import BulkClient
+from ddiloco.transport.chunks import FRAMING_SLACK, ArrayPool
 from ddiloco.transport.client import SyncerClient
 from ddiloco.transport.proto import syncer_pb2
 
@@ -70,6 +79,9 @@ _DELTA = flags.DEFINE_bool(
   "delta",
   True,
   "push θ − Θ^(anchor) as the worker does once it holds the fragment (docs/algorithm.md §5)",
+)
+_OPTIONS = flags.DEFINE_bool(
+  "grpc_options", True, "also time gRPC's own options on the bare stream (sizes, channels...)"
 )
 _PIECE = 1 << 20  # Raw TCP: sendall of 1 MiB pieces, the service's chunk size.
 _KEY = "w"
@@ -139,6 +151,51 @@ def _drain(request_iterator, context) -> bytes:
   return sum(len(r) for r in request_iterator).to_bytes(8, "little")
 
 
+def _spew(request: bytes, context):
+  """A bare pull: `request` holds (total bytes, piece bytes); yields that many raw pieces."""
+  del context
+  total, piece = struct.unpack("<QQ", request)
+  block = bytes(piece)
+  for _ in range(total // piece):
+    yield block
+
+
+# gRPC's own options, each on a bare server of its own in the receiving process (server options)
+# and its client channel: {name: (server and channel options, piece bytes, channels)}.
+_ZEROCOPY = [("grpc.experimental.tcp_tx_zerocopy_enabled", 1)]
+_BIG = [("grpc.max_send_message_length", 5 << 20), ("grpc.max_receive_message_length", 5 << 20)]
+_VARIANTS = {
+  "256 KiB messages": (_BIG, 256 << 10, 1),
+  "4 MiB messages": (_BIG, 4 << 20, 1),
+  "1 MiB, 2 channels": (_BIG, 1 << 20, 2),
+  "1 MiB, 4 channels": (_BIG, 1 << 20, 4),
+  "1 MiB, tx zerocopy": (_BIG + _ZEROCOPY, 1 << 20, 1),
+  "4 MiB, 16 MiB frames+reads": (
+    [
+      *_BIG,
+      ("grpc.http2.max_frame_size", 16 << 20),
+      ("grpc.experimental.tcp_read_chunk_size", 4 << 20),
+      ("grpc.experimental.tcp_max_read_chunk_size", 16 << 20),
+    ],
+    4 << 20,
+    1,
+  ),
+}
+_SINGLE_THREADED = [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
+
+
+def _bare_server(options) -> tuple[grpc.Server, int]:
+  server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=options)
+  handlers = {
+    "S": grpc.stream_unary_rpc_method_handler(_drain, _identity, _identity),
+    "P": grpc.unary_stream_rpc_method_handler(_spew, _identity, _identity),
+  }
+  server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Bare", handlers)])
+  port = server.add_insecure_port("127.0.0.1:0")
+  server.start()
+  return server, port
+
+
 def _init_values(n: int) -> dict[str, np.ndarray]:
   """The fragment's initial global values: the same in both processes (seeded)."""
   return {_KEY: np.random.default_rng(0).standard_normal(n, dtype=np.float32)}
@@ -181,14 +238,10 @@ def _receivers(conn, n: int) -> None:
     raise RuntimeError("Could not open the round the pushes answer.")
   server = serve(service, token=_TOKEN)
   discard = _DiscardServer()
-  bare = grpc.server(
-    futures.ThreadPoolExecutor(max_workers=4), options=service_config.channel_options()
-  )
-  method = grpc.stream_unary_rpc_method_handler(_drain, _identity, _identity)
-  bare.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Bare", {"S": method})])
-  bare_port = bare.add_insecure_port("127.0.0.1:0")
-  bare.start()
-  conn.send({"syncer": server.port, "raw": discard.port, "bare": bare_port})
+  bares = {"bare": _bare_server(service_config.channel_options())}
+  bares |= {name: _bare_server(opts) for name, (opts, _, _) in _VARIANTS.items()}
+  ports = {"syncer": server.port, "bulk": server.bulk.port, "raw": discard.port}
+  conn.send(ports | {name: port for name, (_, port) in bares.items()})
   while (msg := conn.recv()) in (b"cpu", b"restart"):
     if msg == b"cpu":
       conn.send(time.process_time())
@@ -198,7 +251,8 @@ def _receivers(conn, n: int) -> None:
       conn.send(True)
   status = server.service.status()
   conn.send({**status.counters, "merges": status.merges, "refused": sum(status.refused.values())})
-  bare.stop(None)
+  for bare, _ in bares.values():
+    bare.stop(None)
   discard.close()
   server.stop(flush=False)
 
@@ -251,6 +305,29 @@ class _Floors:
       "/bench.Bare/S", request_serializer=_identity, response_deserializer=_identity
     )
     self._pieces = [payload[i : i + _PIECE] for i in range(0, len(payload), _PIECE)]
+    self._pull = self._channel.unary_stream(
+      "/bench.Bare/P", request_serializer=_identity, response_deserializer=_identity
+    )
+    self._variants = {}
+    for name, (opts, piece, channels) in _VARIANTS.items():
+      chans = [
+        grpc.insecure_channel(
+          f"127.0.0.1:{peer.ports[name]}", [*opts, ("grpc.use_local_subchannel_pool", 1)]
+        )
+        for _ in range(channels)
+      ]
+      calls = [
+        c.stream_unary(
+          "/bench.Bare/S", request_serializer=_identity, response_deserializer=_identity
+        )
+        for c in chans
+      ]
+      self._variants[name] = (chans, calls, piece)
+    single = grpc.insecure_channel(f"127.0.0.1:{peer.ports['bare']}", options + _SINGLE_THREADED)
+    self._variants["single"] = ([single], [], _PIECE)
+    self._pull_single = single.unary_stream(
+      "/bench.Bare/P", request_serializer=_identity, response_deserializer=_identity
+    )
 
   def raw(self) -> Seconds:
     """Time to send the payload in 1 MiB sendall pieces and receive the reader's ack."""
@@ -271,9 +348,35 @@ class _Floors:
       raise RuntimeError(f"The bare gRPC server counted {got} bytes of {len(self._payload)}.")
     return watch.seconds
 
+  def variant(self, name: str) -> Seconds:
+    """The bare stream with one of gRPC's own options (`_VARIANTS`): the payload split evenly
+    over the variant's channels, each one stream, all at once."""
+    _, calls, piece = self._variants[name]
+    share = len(self._payload) // len(calls)
+    pieces = [self._payload[i : min(i + piece, share)] for i in range(0, share, piece)]
+    with _Stopwatch(self._peer) as watch, futures.ThreadPoolExecutor(len(calls)) as pool:
+      got = sum(
+        pool.map(lambda call: int.from_bytes(call(iter(pieces), timeout=300.0), "little"), calls)
+      )
+    if got != sum(map(len, pieces)) * len(calls):
+      raise RuntimeError(f"The bare gRPC server counted {got} bytes.")
+    return watch.seconds
+
+  def bare_pull(self, *, single_threaded: bool = False) -> Seconds:
+    """The same bytes as 1 MiB raw messages streamed back by a bare unary-stream method."""
+    call = self._pull_single if single_threaded else self._pull
+    with _Stopwatch(self._peer) as watch:
+      got = sum(map(len, call(struct.pack("<QQ", len(self._payload), _PIECE), timeout=300.0)))
+    if got != len(self._payload) // _PIECE * _PIECE:
+      raise RuntimeError(f"The bare pull got {got} bytes.")
+    return watch.seconds
+
   def close(self) -> None:
     self._conn.close()
     self._channel.close()
+    for chans, _, _ in self._variants.values():
+      for c in chans:
+        c.close()
 
 
 class _Service:
@@ -286,9 +389,17 @@ class _Service:
     self.config, syncer_config = _syncer_configs()
     self._peer = peer
     address = f"127.0.0.1:{peer.ports['syncer']}"
-    self.client = SyncerClient(address, token=_TOKEN, transfer_deadline_s=300.0)
+    self.client = SyncerClient(address, token=_TOKEN, transfer_deadline_s=300.0, bulk=False)
     self.client.wait_ready(30.0)
     self.client.register(0, layout_digest=layout.digest, num_fragments=1)
+    # The bulk port, called as `SyncerClient` calls it when the syncer advertises it (with this
+    # registration's session; a second registration would void the gRPC client's).
+    self.bulk = BulkClient(
+      "127.0.0.1",
+      peer.ports["bulk"],
+      token=_TOKEN,
+      max_frame_bytes=self.config.max_chunk_bytes + FRAMING_SLACK,
+    )
     # A second channel streams pre-built chunk messages: the push minus serialization.
     self._channel = grpc.insecure_channel(address, self.config.channel_options())
     self._push_raw = self._channel.stream_unary(
@@ -345,6 +456,42 @@ class _Service:
       result = self.client.push(report, "fp32", anchor_values=self.anchor_values)
     if result.status not in ("accepted", "superseded") or result.weight <= 0:
       raise RuntimeError(f"Push was not filed with weight > 0: {result}")
+    return watch.seconds
+
+  def bulk_push(self) -> Seconds:
+    report = self.report()
+    self._peer.restart_learner()
+    with _Stopwatch(self._peer) as watch:
+      body = self.bulk.push(
+        messages.push_messages(report, "fp32", anchor_values=self.anchor_values),
+        self.client.session(0),
+        300.0,
+      )
+    resp = syncer_pb2.PushResponse.FromString(body)
+    if resp.status not in ("accepted", "superseded") or resp.weight <= 0:
+      raise RuntimeError(f"Bulk push was not filed with weight > 0: {resp}")
+    return watch.seconds
+
+  def bulk_prebuilt(self) -> Seconds:
+    chunks = self.chunks(self.report())
+    self._peer.restart_learner()
+    with _Stopwatch(self._peer) as watch:
+      body = self.bulk.push(iter(chunks), self.client.session(0), 300.0)
+    if syncer_pb2.PushResponse.FromString(body).status not in ("accepted", "superseded"):
+      raise RuntimeError("Pre-built bulk push was not filed.")
+    return watch.seconds
+
+  def bulk_pull(self) -> Seconds:
+    request = syncer_pb2.PullRequest(learner_id=0, fragment=0, known_version=-1)
+    with _Stopwatch(self._peer) as watch:
+      state = messages.chunks_to_state(
+        self.bulk.pull(request.SerializeToString(), self.client.session(0), 300.0),
+        [_KEY],
+        self.shapes,
+        self.dtypes,
+      )
+    if state.version != 0:
+      raise RuntimeError("The bulk pull did not return version 0 of the fragment.")
     return watch.seconds
 
   def push_prebuilt(self) -> Seconds:
@@ -407,6 +554,8 @@ def _print(med: dict[str, Seconds], *, n: int, wire_bytes: int, pull_bytes: int,
     ("bare gRPC stream (1 MiB)", "bare", wire_bytes),
     ("gRPC push (end to end)", "push", wire_bytes),
     ("gRPC pull (end to end)", "pull", pull_bytes),
+    ("bulk port push (end to end)", "bulk_push", wire_bytes),
+    ("bulk port pull (end to end)", "bulk_pull", pull_bytes),
   ):
     wall, cpu = med[key]
     print(
@@ -416,6 +565,7 @@ def _print(med: dict[str, Seconds], *, n: int, wire_bytes: int, pull_bytes: int,
   rows = (
     ("client serialize (push_messages, streamed)", "serialize"),
     ("Push of pre-built chunks (everything after)", "prebuilt"),
+    ("bulk push of pre-built chunks", "bulk_prebuilt"),
     ("  parse of the chunk messages (parse_chunk)", "parse"),
     ("  server reassemble+decode+validate", "decode"),
     ("  core filing (SyncerCore.report)", "filing"),
@@ -426,12 +576,29 @@ def _print(med: dict[str, Seconds], *, n: int, wire_bytes: int, pull_bytes: int,
     med["prebuilt"][i] - sum(med[k][i] for k in ("parse", "decode", "filing")) for i in (0, 1)
   ]
   print(f"    {'  rest: gRPC transport, token, locks':45s} {rest[0]:7.3f} {rest[1]:7.3f}")
+  if "bare_pull" in med:
+    print("  gRPC's own options on the bare stream (same bytes; ratio to raw TCP, wall / cpu):")
+    rows = [("1 MiB (the service's options)", "bare", wire_bytes)]
+    rows += [(name, f"opt:{name}", wire_bytes) for name in _VARIANTS]
+    rows += [("bare pull, 1 MiB", "bare_pull", wire_bytes)]
+    rows += [("bare pull, SingleThreadedUnaryStream", "bare_pull_single", wire_bytes)]
+    for label, key, nbytes in rows:
+      (wall, cpu), (raw_wall, raw_cpu) = med[key], med["raw"]
+      print(
+        f"    {label:38s} {_mib_s(nbytes, wall):8.1f} MiB/s  {raw_wall / wall:.3f} / "
+        f"{raw_cpu / cpu:.3f}"
+      )
+  # Throughput ratios are inverse time ratios; a pull's bytes differ a little from a push's.
+  ratio = {k: (lambda i, k=k: med["raw"][i] / med[k][i]) for k in ("push", "bare", "bulk_push")}
   for i, what in ((0, "wall"), (1, "cpu")):
-    push, raw, bare = (med[k][i] for k in ("push", "raw", "bare"))
-    # Throughput ratios are inverse time ratios: the same bytes cross every path.
+    pulls = {
+      k: _mib_s(pull_bytes, med[k][i]) / _mib_s(wire_bytes, med["raw"][i])
+      for k in ("pull", "bulk_pull")
+    }
     print(
-      f"  {what:4s}: push/raw = {raw / push:.3f} (goal >= 0.5), bare gRPC/raw = {raw / bare:.3f}, "
-      f"push/bare gRPC = {bare / push:.3f}"
+      f"  {what:4s}: push/raw gRPC = {ratio['push'](i):.3f}, bulk = {ratio['bulk_push'](i):.3f} "
+      f"(goal >= 0.5); pull/raw gRPC = {pulls['pull']:.3f}, bulk = {pulls['bulk_pull']:.3f}; "
+      f"bare gRPC/raw = {ratio['bare'](i):.3f}"
     )
 
 
@@ -455,7 +622,14 @@ def _run(n: int, peer: _Peer) -> None:
     "push": service.push,
     "prebuilt": service.push_prebuilt,
     "pull": service.pull,
+    "bulk_push": service.bulk_push,
+    "bulk_pull": service.bulk_pull,
+    "bulk_prebuilt": service.bulk_prebuilt,
   }
+  if _OPTIONS.value:
+    paths["bare_pull"] = floors.bare_pull
+    paths["bare_pull_single"] = lambda: floors.bare_pull(single_threaded=True)
+    paths |= {f"opt:{name}": (lambda name=name: floors.variant(name)) for name in _VARIANTS}
   for fn in paths.values():  # Warm-up of every path (connections, allocator).
     fn()
   times: dict[str, list[Seconds]] = {name: [] for name in paths}

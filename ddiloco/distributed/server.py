@@ -24,6 +24,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ddiloco.distributed import door
+from ddiloco.distributed.bulk_server import BulkServer
 from ddiloco.distributed.downlink import DownlinkAdopter
 from ddiloco.distributed.service import SERVICE_NAME, SyncerService
 from ddiloco.distributed.service_config import ServiceConfig
@@ -55,9 +56,13 @@ class SyncerServer:
   service: SyncerService
   port: int
   health: health.HealthServicer
+  bulk: BulkServer | None = None
 
   def stop(self, grace_s: float = 2.0, *, flush: bool = True) -> None:
     self.health.enter_graceful_shutdown()
+    if self.bulk is not None:
+      self.service.advertise_bulk(0)
+      self.bulk.stop()
     self.server.stop(grace_s).wait(grace_s + 5)
     self.service.stop(flush=flush)
 
@@ -260,11 +265,38 @@ def serve(
   if bound == 0:
     raise BindError(f"Could not bind the syncer to {address} (port in use?).")
   port = bound
+  bulk = None
+  if cfg.bulk:
+    try:
+      bulk = _serve_bulk(service, address, token=token, tls=tls)
+    except BindError:
+      server.stop(None)
+      raise
+    if bulk is not None:
+      service.advertise_bulk(bulk.port)
+      log.info("Push and Pull also served on bulk port %d", bulk.port)
   service.start()
   server.start()
   for name in ("", SERVICE_NAME):
     health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-  return SyncerServer(server=server, service=service, port=port, health=health_servicer)
+  return SyncerServer(server=server, service=service, port=port, health=health_servicer, bulk=bulk)
+
+
+def _serve_bulk(
+  service: SyncerService, address: str, *, token: str | None, tls: tuple[str, str] | None
+) -> BulkServer | None:
+  """The bulk port on the gRPC address's host, running the same handlers
+  (distributed/bulk_server.py); None for a unix socket address (no TCP host)."""
+  if address.startswith(("unix:", "unix-abstract:")):
+    return None
+  host, _ = door.split_address(address)
+  port = service.config.bulk_port
+  try:
+    return BulkServer(
+      service, method_handlers(service)[1], host=host or "0.0.0.0", port=port, token=token, tls=tls
+    )
+  except OSError as e:
+    raise BindError(f"Could not bind the syncer's bulk port {host}:{port} (in use?): {e}") from None
 
 
 @dataclasses.dataclass

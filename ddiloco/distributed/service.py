@@ -137,6 +137,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       watchdog=self._watchdog,
     )
     self._started = clock()
+    self._bulk_port = 0  # Advertised at Register once a bulk port serves (`advertise_bulk`).
 
   # -- lifecycle --------------------------------------------------------------------------------
 
@@ -181,6 +182,11 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     with self._cond:
       self._recovery.begin(lost, window_s)
       self._cond.notify_all()
+
+  def advertise_bulk(self, port: int) -> None:
+    """Tells learners at Register that Push and Pull also serve on `port` (0: no longer)."""
+    with self._cond:
+      self._bulk_port = port
 
   def refresh_published(self) -> None:
     """Records and serves the core's current versions (after its state was restored)."""
@@ -318,6 +324,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       heartbeat_interval_s=cfg.heartbeat_interval_s,
       session=session,
       recover=recover,
+      bulk_port=self._bulk_port,
     )
 
   def Push(self, request_iterator, context):

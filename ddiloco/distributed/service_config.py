@@ -39,6 +39,9 @@ class ServiceConfig:
     max_members: learner ids the service keeps a record of; a new id beyond it is refused while
       none of the known ones has left.
     member_retention_s: how long a learner that left or was declared dead stays in the record.
+    bulk: also serve Push and Pull on a bulk port beside gRPC (distributed/bulk_server.py),
+      advertised at Register; learners fall back to gRPC if it fails. False: gRPC only.
+    bulk_port: the bulk port (0: a free one, picked at start).
   """
 
   uplink_codec: str = "bf16"
@@ -57,6 +60,8 @@ class ServiceConfig:
   max_pending_calls: int = 256
   max_members: int = 1024
   member_retention_s: float = 600.0
+  bulk: bool = True
+  bulk_port: int = 0
 
   def __post_init__(self):
     for name in ("uplink_codec", "downlink_codec"):
@@ -91,6 +96,8 @@ class ServiceConfig:
       raise ValueError(f"max_pending_calls must be >= 0, got {self.max_pending_calls}.")
     if self.max_members < 1 or self.member_retention_s < 0:
       raise ValueError("Need max_members >= 1 and member_retention_s >= 0.")
+    if not 0 <= self.bulk_port <= 65535:
+      raise ValueError(f"bulk_port must be in [0, 65535], got {self.bulk_port}.")
 
   @property
   def server_threads(self) -> int:

@@ -116,6 +116,7 @@ def main(argv: list[str]) -> None:
       token=auth.read_token(_TOKEN_FILE.value),
       tls_ca_file=_TLS_CA.value,
       max_chunk_bytes=svc.max_chunk_bytes,
+      bulk=svc.bulk,  # The syncer's bulk port, if it advertises one (distributed/bulk_server.py).
     )
   make_worker = runtime.make_learner_worker
   if multi:

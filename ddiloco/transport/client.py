@@ -17,17 +17,21 @@ no protobuf object), and a pull's are parsed by hand and decoded as they arrive
 """
 
 import itertools
+import logging
+import ssl
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 
 from ddiloco.protocol import FragmentState, Report, ReportResult
-from ddiloco.transport import auth, events, messages, wire
+from ddiloco.transport import auth, bulk_client, events, messages, wire
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, FRAMING_SLACK
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 # Push refusals that are answers of the protocol, not failures of the call (distributed/refusals.py).
 _PROTOCOL_STATUSES = {
@@ -51,6 +55,9 @@ class SyncerClient:
     max_chunk_bytes: largest chunk payload (the syncer's limit).
     subscription_s: deadline of a Rounds subscription; the learner subscribes again when it ends
       (and then gets the open rounds and current versions again, so nothing is missed).
+    bulk: push and pull over the syncer's bulk port when its Register advertises one
+      (distributed/bulk_server.py); on a connection failure the client goes back to gRPC until
+      its next Register. Never over a given `channel`.
   """
 
   def __init__(
@@ -65,6 +72,7 @@ class SyncerClient:
     transfer_deadline_s: float = 60.0,
     max_chunk_bytes: int = DEFAULT_CHUNK_SIZE,
     subscription_s: float = 300.0,
+    bulk: bool = True,
   ):
     limit = max_chunk_bytes + FRAMING_SLACK
     options = [
@@ -110,6 +118,12 @@ class SyncerClient:
     self.max_chunk_bytes = max_chunk_bytes
     self.subscription_s = subscription_s
     self._lock = threading.Lock()
+    self._bulk_tls = None
+    if tls or tls_ca_file:
+      self._bulk_tls = ssl.create_default_context(cafile=tls_ca_file)
+    self._bulk_wanted = bulk and channel is None
+    self._bulk: bulk_client.BulkClient | None = None
+    self._token = token
     self.bytes_up = 0
     self.bytes_down = 0
 
@@ -169,7 +183,30 @@ class SyncerClient:
     )
     with self._lock:
       self._sessions[learner_id] = resp.session
+      self._bulk = None  # A syncer restarted without one (or with another port) is heeded.
+      if self._bulk_wanted and resp.bulk_port:
+        self._bulk = bulk_client.BulkClient(
+          bulk_client.address_host(self.address),
+          resp.bulk_port,
+          token=self._token,
+          tls=self._bulk_tls,
+          max_frame_bytes=self.max_chunk_bytes + FRAMING_SLACK,
+        )
     return resp
+
+  @property
+  def bulk_port(self) -> int | None:
+    """The syncer's bulk port this client pushes and pulls over; None: over gRPC."""
+    bulk = self._bulk
+    return None if bulk is None else bulk.port
+
+  def _bulk_down(self, error: Exception) -> None:
+    """Back to gRPC until the next Register: the bulk port is unreachable or broke a call."""
+    with self._lock:
+      if self._bulk is None:
+        return
+      self._bulk = None
+    log.warning("bulk port unavailable (%s): pushing and pulling over gRPC", error)
 
   def push(
     self,
@@ -188,18 +225,19 @@ class SyncerClient:
         ends short and the syncer refuses it as incomplete: nothing is filed.
       grpc.RpcError: for any failure other than a late or duplicate answer.
     """
-    outgoing = messages.push_messages(
-      report,
-      codec,
-      block_size=block_size,
-      chunk_size=self.max_chunk_bytes,
-      anchor_values=anchor_values,
-    )
     failed: list[ValueError] = []
     sent = 0
 
-    def stream():
+    def stream():  # Made anew if the bulk port fails and the push goes over gRPC.
       nonlocal sent
+      sent = 0
+      outgoing = messages.push_messages(
+        report,
+        codec,
+        block_size=block_size,
+        chunk_size=self.max_chunk_bytes,
+        anchor_values=anchor_values,
+      )
       try:
         for message in outgoing:
           sent += len(message)
@@ -208,11 +246,7 @@ class SyncerClient:
         failed.append(e)
 
     try:
-      resp = self._push_raw(
-        stream(),
-        timeout=self.transfer_deadline_s,
-        metadata=self.learner_metadata(report.learner_id),
-      )
+      resp = self._push_call(stream, report.learner_id)
     except grpc.RpcError as e:
       if failed:
         raise failed[0] from e
@@ -225,6 +259,20 @@ class SyncerClient:
       raise failed[0]
     self._count(up=sent)
     return events.report_result(resp)
+
+  def _push_call(self, stream: Callable, learner_id: int) -> syncer_pb2.PushResponse:
+    """A Push of `stream()`'s messages: over the bulk port if there is one, else (or if it fails
+    to connect or breaks) over gRPC."""
+    bulk = self._bulk
+    if bulk is not None:
+      try:
+        body = bulk.push(stream(), self.session(learner_id), self.transfer_deadline_s)
+        return syncer_pb2.PushResponse.FromString(body)
+      except bulk_client.BulkUnavailable as e:
+        self._bulk_down(e)
+    return self._push_raw(
+      stream(), timeout=self.transfer_deadline_s, metadata=self.learner_metadata(learner_id)
+    )
 
   def recover(
     self, learner_id: int, fragment: int, version: int, values: Mapping[str, np.ndarray]
@@ -268,12 +316,28 @@ class SyncerClient:
     Raises:
       grpc.RpcError: on a failed call; WireError on a malformed or mismatching stream.
     """
-    stream = self._pull_raw(
-      syncer_pb2.PullRequest(learner_id=learner_id, fragment=fragment, known_version=known_version),
-      timeout=self.transfer_deadline_s,
-      metadata=self.learner_metadata(learner_id),
+    request = syncer_pb2.PullRequest(
+      learner_id=learner_id, fragment=fragment, known_version=known_version
     )
-    first = next(stream, None)
+
+    def again(error: Exception) -> FragmentState | None:
+      """The same pull over gRPC, after the bulk port failed (a pull only reads)."""
+      self._bulk_down(error)
+      return self.pull(
+        learner_id,
+        fragment,
+        known_version,
+        layout_keys=layout_keys,
+        shapes=shapes,
+        dtypes=dtypes,
+        base_lookup=base_lookup,
+      )
+
+    stream, cancel = self._pull_call(request)
+    try:
+      first = next(stream, None)
+    except bulk_client.BulkUnavailable as e:
+      return again(e)
     if first is None:
       return None
     received = 0
@@ -293,9 +357,26 @@ class SyncerClient:
         base_lookup=base_lookup,
         max_chunk_bytes=self.max_chunk_bytes,
       )
+    except bulk_client.BulkUnavailable as e:
+      return again(e)
     finally:
-      stream.cancel()  # A no-op once the stream is done; stops it if decoding failed midway.
+      cancel()  # A no-op once the stream is done; stops it if decoding failed midway.
       self._count(down=received)
+
+  def _pull_call(self, request: syncer_pb2.PullRequest) -> tuple[Iterator, Callable[[], None]]:
+    """(the chunk messages of a Pull, a callable that stops it): over the bulk port if there is
+    one, else over gRPC."""
+    bulk = self._bulk
+    if bulk is not None:
+      session = self.session(int(request.learner_id))
+      stream = bulk.pull(request.SerializeToString(), session, self.transfer_deadline_s)
+      return stream, stream.close
+    call = self._pull_raw(
+      request,
+      timeout=self.transfer_deadline_s,
+      metadata=self.learner_metadata(int(request.learner_id)),
+    )
+    return call, call.cancel
 
   def heartbeat(
     self, learner_id: int, *, step: int = 0, step_time_s: float = 0.0

@@ -1,0 +1,369 @@
+"""The syncer's bulk port: Push and Pull payloads over a plain TCP (or TLS) socket beside gRPC.
+
+gRPC's Python stack caps a push at about a third of what the socket carries (scripts/bench_wire.py);
+the bulk port (framing in transport/bulk_wire.py) carries the same chunk messages with one kernel
+copy per byte on each side. Nothing is checked differently: each connection runs the *same*
+method handlers as the gRPC server (`server.method_handlers`: the Push and Pull of
+distributed/streams.py, admitted by the same `StreamGate`, read through the same `PacedStream`,
+watched by the same `Watchdog`), behind the *same* token check (`auth.TokenInterceptor`), with
+the learner's session passed as the call's metadata. The handlers see a `_Call` in place of
+gRPC's servicer context; a refusal they raise reaches the client as a trailer with its gRPC
+status and message, counted in `Status.refused` as on gRPC.
+
+The door's own bounds, on top of the handlers':
+- at most `max_connections` connections (default: `max_data_streams`); one more is answered
+  RESOURCE_EXHAUSTED and closed;
+- the hello must arrive within `stream_idle_s`, its lengths within `bulk_wire`'s bounds (checked
+  before anything is read), or INVALID_ARGUMENT / DEADLINE_EXCEEDED;
+- a Push frame over `max_chunk_bytes + FRAMING_SLACK` is refused RESOURCE_EXHAUSTED before a byte
+  of it is allocated; a stream cut mid-frame, or ended without its end mark, INVALID_ARGUMENT;
+- every socket operation has a timeout (`stream_idle_s`, plus a second so that the handlers' own
+  idle deadline, with its precise status, comes first); a Pull's stuck send is cut by the
+  watchdog (CANCELLED), a Push's silence by `PacedStream` (DEADLINE_EXCEEDED);
+- the port is bound without SO_REUSEPORT (never shared); `stop` closes the listener, cuts every
+  open connection and joins every thread.
+"""
+
+import collections
+import contextlib
+import logging
+import socket
+import ssl
+import threading
+import time
+
+import grpc
+
+from ddiloco.distributed.refusals import Refusal
+from ddiloco.distributed.service import SyncerService
+from ddiloco.transport import auth, bulk_wire
+from ddiloco.transport.chunks import FRAMING_SLACK, ArrayPool
+
+log = logging.getLogger(__name__)
+
+_METHODS = {bulk_wire.OP_PUSH: "Push", bulk_wire.OP_PULL: "Pull"}
+_DRAIN_S = 2.0  # Longest a refused push's unread bytes are drained (so the trailer is not reset).
+_CallDetails = collections.namedtuple("_CallDetails", ["method", "invocation_metadata"])
+
+
+class _Aborted(Exception):
+  """A handler aborted its call (`_Call.abort`): the status and message the client gets."""
+
+  def __init__(self, code: grpc.StatusCode, message: str):
+    super().__init__(message)
+    self.code, self.message = code, message
+
+
+class _Call:
+  """What the Push and Pull handlers use of gRPC's servicer context, for one bulk connection."""
+
+  def __init__(self, sock: socket.socket, metadata: tuple[tuple[str, str], ...]):
+    self._sock = sock
+    self._metadata = metadata
+    self._callbacks: list = []
+    self.closing = threading.Event()  # Set once the call is over: reads then stop quietly.
+
+  def invocation_metadata(self):
+    return self._metadata
+
+  def add_callback(self, callback) -> bool:
+    self._callbacks.append(callback)
+    return True
+
+  def abort(self, code: grpc.StatusCode, details: str):
+    raise _Aborted(code, details)
+
+  def cancel(self) -> None:
+    """The watchdog cuts a stuck send: the socket is shut, the blocked send raises."""
+    self.close()
+
+  def close(self) -> None:
+    self.closing.set()
+    with contextlib.suppress(OSError):
+      self._sock.shutdown(socket.SHUT_RDWR)
+
+  def run_callbacks(self) -> None:
+    for callback in self._callbacks:
+      callback()
+
+
+class BulkServer:
+  """Serves a `SyncerService`'s Push and Pull on a port of its own (see module docstring).
+
+  Args:
+    service: the service (its config bounds the door; refusals are counted in it).
+    handlers: the service's method handlers (`server.method_handlers(service)[1]`).
+    host: the interface to bind ("" or "0.0.0.0": every IPv4 one; "::": every one).
+    port: the port (0: a free one).
+    token: the shared token every call must carry (None: none).
+    tls: (cert_file, key_file) to serve TLS, as the gRPC port does; None: plain TCP.
+    max_connections: connections open at once (None: the config's `max_data_streams`).
+  """
+
+  def __init__(
+    self,
+    service: SyncerService,
+    handlers: dict[str, grpc.RpcMethodHandler],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    tls: tuple[str, str] | None = None,
+    max_connections: int | None = None,
+  ):
+    self._service = service
+    self._handlers = handlers
+    cfg = service.config
+    self._idle_s = cfg.stream_idle_s
+    self._max_frame = cfg.max_chunk_bytes + FRAMING_SLACK
+    self._max_connections = max_connections or cfg.max_data_streams
+    self._pool = bulk_wire.frame_pool(self._max_frame)
+    self._interceptor = auth.TokenInterceptor(token, service.count_refusal) if token else None
+    self._tls = None
+    if tls is not None:
+      self._tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+      self._tls.load_cert_chain(*tls)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # create_server sets SO_REUSEADDR (restarts past TIME_WAIT) and never SO_REUSEPORT.
+    self._listener = socket.create_server((host, port), family=family, backlog=64)
+    self._listener.settimeout(0.2)  # The accept loop checks for `stop` this often.
+    self.port = self._listener.getsockname()[1]
+    self._lock = threading.Lock()
+    self._open: dict[threading.Thread, list] = {}  # Thread -> [its socket, its _Call or None].
+    self._stopping = threading.Event()
+    self.calls: collections.Counter[str] = collections.Counter()  # Push and Pull calls served.
+    self._acceptor = threading.Thread(target=self._accept_loop, name="syncer-bulk", daemon=True)
+    self._acceptor.start()
+
+  def stop(self, timeout_s: float = 5.0) -> None:
+    """Stops accepting, cuts every open connection and joins every thread."""
+    self._stopping.set()
+    self._acceptor.join(timeout_s)
+    self._listener.close()
+    with self._lock:
+      threads = {t: list(v) for t, v in self._open.items()}
+    for sock, call in threads.values():
+      if call is not None:
+        call.close()
+      with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)  # A connection still in its hello ends too.
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+      thread.join(max(0.0, deadline - time.monotonic()))
+
+  def open_connections(self) -> int:
+    with self._lock:
+      return len(self._open)
+
+  # -- connections --------------------------------------------------------------------------------
+
+  def _accept_loop(self) -> None:
+    while not self._stopping.is_set():
+      try:
+        sock, _ = self._listener.accept()
+      except TimeoutError:
+        continue
+      except OSError:
+        if self._stopping.is_set():
+          return
+        time.sleep(0.05)  # Out of descriptors, say: the next try may pass.
+        continue
+      with self._lock:
+        full = len(self._open) >= self._max_connections
+        if not full:
+          thread = threading.Thread(
+            target=self._connection, args=(sock,), name="syncer-bulk-conn", daemon=True
+          )
+          self._open[thread] = [sock, None]
+      if full:
+        self._refuse_connection(sock)
+      else:
+        thread.start()
+
+  def _refuse_connection(self, sock: socket.socket) -> None:
+    """Answers a connection beyond the bound RESOURCE_EXHAUSTED (counted) and closes it."""
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    self._service.count_refusal(code, "")
+    message = f"The syncer's bulk port has {self._max_connections} connections open; retry later."
+    with contextlib.suppress(OSError), sock:
+      sock.settimeout(1.0)
+      if self._tls is None:  # A TLS client would need a handshake first: it just sees a close.
+        sock.sendall(bulk_wire.trailer(code, message))
+
+  def _connection(self, sock: socket.socket) -> None:
+    me = threading.current_thread()
+    call = None
+    try:
+      sock.settimeout(self._idle_s)
+      bulk_wire.tune(sock)
+      if self._tls is not None:
+        sock = self._tls.wrap_socket(sock, server_side=True)  # Handshake within the timeout.
+      op, metadata, request = self._hello(sock)
+      call = _Call(sock, metadata)
+      with self._lock:
+        self._open[me][1] = call
+      if self._stopping.is_set():
+        return
+      sock.settimeout(self._idle_s + 1.0)  # The handlers' deadlines come first (module doc).
+      self._run(sock, call, op, request)
+    except _Aborted as a:
+      self._send_status(sock, a.code, a.message)
+    except (OSError, ssl.SSLError, bulk_wire.BulkClosed) as e:
+      log.debug("bulk connection ended: %s", e)
+    except Exception:  # A bug must not kill the thread silently nor leak the connection.
+      log.exception("bulk connection failed")
+      self._send_status(sock, grpc.StatusCode.INTERNAL, "The syncer failed on this call.")
+    finally:
+      if call is not None:
+        call.close()
+        call.run_callbacks()
+      sock.close()
+      with self._lock:
+        self._open.pop(me, None)
+
+  def _hello(self, sock: socket.socket) -> tuple[int, tuple[tuple[str, str], ...], bytes]:
+    """(op, call metadata, request bytes) of the hello; refusals raised as `_Aborted`."""
+    try:
+      head = bulk_wire.recv_exact(sock, len(bulk_wire.MAGIC) + bulk_wire.HELLO.size)
+    except TimeoutError:
+      raise self._refused(
+        grpc.StatusCode.DEADLINE_EXCEEDED, f"No bulk hello within {self._idle_s} s."
+      ) from None
+    if bytes(head[:4]) != bulk_wire.MAGIC:
+      raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, "Not a bulk hello (bad magic).")
+    op, n_token, n_session, n_request = bulk_wire.HELLO.unpack(head[4:])
+    if (
+      op not in _METHODS
+      or n_token > bulk_wire.MAX_TOKEN_BYTES
+      or n_session > bulk_wire.MAX_SESSION_BYTES
+      or n_request > bulk_wire.MAX_REQUEST_BYTES
+    ):
+      raise self._refused(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"Bulk hello out of bounds: op {op}, token {n_token}, session {n_session}, request "
+        f"{n_request} bytes (at most {bulk_wire.MAX_TOKEN_BYTES}, {bulk_wire.MAX_SESSION_BYTES}, "
+        f"{bulk_wire.MAX_REQUEST_BYTES}).",
+      )
+    try:
+      rest = bytes(bulk_wire.recv_exact(sock, n_token + n_session + n_request))
+      token = rest[:n_token].decode()
+      session = rest[n_token : n_token + n_session].decode()
+    except TimeoutError:
+      raise self._refused(
+        grpc.StatusCode.DEADLINE_EXCEEDED, f"No whole bulk hello within {self._idle_s} s."
+      ) from None
+    except UnicodeDecodeError:
+      raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, "Bulk hello: text not UTF-8.") from None
+    metadata = auth.token_metadata(token) + auth.session_metadata(session)
+    return op, metadata, rest[n_token + n_session :]
+
+  def _refused(self, code: grpc.StatusCode, message: str) -> _Aborted:
+    self._service.count_refusal(code, "")
+    return _Aborted(code, message)
+
+  def _run(self, sock: socket.socket, call: _Call, op: int, request: bytes) -> None:
+    """Runs the call's handler, behind the token check, and sends its answer."""
+    method = f"/ddiloco.v1.Syncer/{_METHODS[op]}"
+    with self._lock:
+      self.calls[_METHODS[op]] += 1
+    handler = self._handlers[_METHODS[op]]
+    if self._interceptor is not None:
+      details = _CallDetails(method, call.invocation_metadata())
+      handler = self._interceptor.intercept_service(lambda _: handler, details)
+    if op == bulk_wire.OP_PUSH:
+      frames = _PushFrames(
+        sock,
+        call,
+        max_frame=self._max_frame,
+        idle_s=self._idle_s,
+        service=self._service,
+        pool=self._pool,
+      )
+      try:
+        response = handler.stream_unary(iter(frames), call)
+        status = (grpc.StatusCode.OK, "", handler.response_serializer(response))
+      except _Aborted as a:
+        status = (a.code, a.message, b"")
+      call.closing.set()  # A read still under way in the handler's reader thread ends quietly.
+      bulk_wire.send_parts(sock, [bulk_wire.trailer(*status)])
+      frames.drain()
+      return
+    chunks = handler.unary_stream(handler.request_deserializer(request), call)
+    with contextlib.closing(chunks):  # Its `finally` (the stream's ticket) runs on any exit.
+      for chunk in chunks:
+        bulk_wire.send_frame(sock, chunk)
+    bulk_wire.send_parts(sock, [bulk_wire.trailer(grpc.StatusCode.OK, "")])
+
+  def _send_status(self, sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+      bulk_wire.send_parts(sock, [bulk_wire.trailer(code, message)])
+
+
+class _Quiet(Exception):
+  """A read failed after the call was over: nobody listens, nothing is counted."""
+
+
+class _PushFrames:
+  """A Push's frames as the handler's request iterator: each chunk message read into its own
+  buffer, its length checked first; refusals counted and raised as the handler's `Refusal`s are.
+
+  The handler reads it in `PacedStream`'s helper thread; once the call is over (`call.closing`)
+  a read that fails ends it quietly: the call's status is already decided.
+  """
+
+  def __init__(
+    self,
+    sock,
+    call: _Call,
+    *,
+    max_frame: int,
+    idle_s: float,
+    service: SyncerService,
+    pool: ArrayPool,
+  ):
+    self._sock, self._call, self._max, self._idle_s = sock, call, max_frame, idle_s
+    self._service, self._pool = service, pool
+    self.ended = False  # The end mark was read: nothing of the client's is left unread.
+
+  def __iter__(self):
+    try:
+      while True:
+        (n,) = bulk_wire.LENGTH.unpack(bulk_wire.recv_exact(self._sock, bulk_wire.LENGTH.size))
+        if n == bulk_wire.END:
+          self.ended = True
+          return
+        if n > self._max:
+          raise self._refusal(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"Push frame of {n} bytes: chunk messages are at most {self._max} bytes.",
+          )
+        yield bulk_wire.recv_body(self._sock, n, self._pool)
+    except bulk_wire.BulkClosed as e:
+      raise self._refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Push stream truncated: {e}") from None
+    except TimeoutError:
+      raise self._refusal(
+        grpc.StatusCode.DEADLINE_EXCEEDED, f"No push bytes for {self._idle_s} s."
+      ) from None
+    except OSError:
+      if not self._call.closing.is_set():
+        raise
+
+  def _refusal(self, code: grpc.StatusCode, message: str) -> Exception:
+    if self._call.closing.is_set():
+      return _Quiet()
+    self._service.count_refusal(code, "")
+    return Refusal(code, message)
+
+  def drain(self) -> None:
+    """Reads what the client still sends of a refused push until it closes, for at most
+    `_DRAIN_S`: closing with unread bytes would make the kernel reset the connection, and the
+    client could lose the trailer before reading it. The client stops sending once it sees it."""
+    if self.ended:
+      return
+    deadline = time.monotonic() + _DRAIN_S
+    buf = bytearray(1 << 16)
+    with contextlib.suppress(OSError, ValueError):
+      while time.monotonic() < deadline:
+        self._sock.settimeout(max(0.01, deadline - time.monotonic()))
+        if self._sock.recv_into(buf) == 0:
+          return

@@ -1,0 +1,191 @@
+"""The learner's side of the syncer's bulk port (framing in transport/bulk_wire.py).
+
+`BulkClient` sends a Push's chunk messages, or reads a Pull's, over one TCP (or TLS) connection
+per call, with the shared token and the learner's session in the hello. A status other than OK
+raises `bulk_wire.BulkError`, a `grpc.RpcError` with the syncer's code and message, as the gRPC
+call would. A connection that cannot be made, or that breaks before the syncer's answer, raises
+`BulkUnavailable`: `SyncerClient` then makes the same call over gRPC (a push is idempotent at
+the syncer, a pull only reads), and keeps to gRPC until it registers again.
+
+Every socket operation has a timeout: the connect `connect_timeout_s`, then each read or write
+at most what is left of the call's deadline.
+"""
+
+import contextlib
+import select
+import socket
+import ssl
+import time
+from collections.abc import Iterable, Iterator
+
+from ddiloco.transport import bulk_wire
+
+
+class BulkUnavailable(ConnectionError):
+  """The bulk port could not be reached, or the connection broke before the syncer answered."""
+
+
+class BulkClient:
+  """Calls a syncer's bulk port.
+
+  Args:
+    host: the syncer's host (that of its gRPC address).
+    port: its bulk port (RegisterResponse.bulk_port).
+    token: the shared token (None: none).
+    tls: a client TLS context (trusting the syncer's CA), or None for plain TCP.
+    max_frame_bytes: the largest chunk message a Pull may send (the syncer's chunk bound).
+    connect_timeout_s: longest a connect (and TLS handshake) may take.
+  """
+
+  def __init__(
+    self,
+    host: str,
+    port: int,
+    *,
+    token: str | None,
+    tls: ssl.SSLContext | None = None,
+    max_frame_bytes: int,
+    connect_timeout_s: float = 5.0,
+  ):
+    self.host, self.port = host, port
+    self._max_frame = max_frame_bytes
+    self._pool = bulk_wire.frame_pool(max_frame_bytes)
+    self._token = token
+    self._tls = tls
+    self._connect_s = connect_timeout_s
+
+  def _connect(self, deadline: float) -> socket.socket:
+    try:
+      sock = socket.create_connection(
+        (self.host, self.port), timeout=min(self._connect_s, _left(deadline))
+      )
+    except OSError as e:
+      raise BulkUnavailable(f"bulk port {self.host}:{self.port}: {e}") from e
+    try:
+      bulk_wire.tune(sock)
+      if self._tls is not None:
+        sock = self._tls.wrap_socket(sock, server_hostname=self.host)
+    except OSError as e:
+      sock.close()
+      raise BulkUnavailable(f"bulk port {self.host}:{self.port}: {e}") from e
+    return sock
+
+  def push(self, messages: Iterable[bytes], session: str, timeout_s: float) -> bytes:
+    """Sends a Push's serialized chunk messages; returns the serialized PushResponse.
+
+    Stops sending as soon as the syncer answers (a push refused from its header).
+
+    Raises:
+      BulkError: the syncer's refusal. BulkUnavailable: no connection, or it broke first.
+      ValueError: from `messages` (a report that cannot be encoded): the stream is cut short.
+    """
+    deadline = time.monotonic() + timeout_s
+    sock = self._connect(deadline)
+    ahead = bulk_wire.Prefetch(messages, name="bulk-push-encoder")
+    with sock, contextlib.closing(ahead):
+      try:
+        _send(sock, deadline, [bulk_wire.hello(bulk_wire.OP_PUSH, self._token, session)])
+        for message in ahead:
+          if _answered(sock):
+            break
+          _send(sock, deadline, [bulk_wire.LENGTH.pack(len(message)), message])
+        else:
+          _send(sock, deadline, [bulk_wire.LENGTH.pack(bulk_wire.END)])
+        return _answer(sock, deadline)
+      except (OSError, bulk_wire.BulkClosed) as e:
+        answer = _late_answer(sock, deadline)  # A refusal may have closed it: read it if there.
+        if answer is None:
+          raise BulkUnavailable(f"bulk push to {self.host}:{self.port}: {e}") from e
+        return answer
+
+  def pull(self, request: bytes, session: str, timeout_s: float) -> Iterator[memoryview]:
+    """The chunk messages of a Pull (`request`: a serialized PullRequest), read as they come (a
+    helper thread reads the next frames while the caller decodes).
+
+    Raises (while iterated):
+      BulkError: the syncer's refusal. BulkUnavailable: no connection, or it broke first.
+    """
+    deadline = time.monotonic() + timeout_s
+    sock = self._connect(deadline)
+    hello = bulk_wire.hello(bulk_wire.OP_PULL, self._token, session, request)
+    ahead = bulk_wire.Prefetch(self._frames(sock, deadline, hello), name="bulk-pull-reader")
+    try:
+      yield from ahead
+    finally:
+      with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)  # A read under way in the helper ends at once.
+      ahead.close()
+      sock.close()
+
+  def _frames(self, sock: socket.socket, deadline: float, hello: bytes) -> Iterator[memoryview]:
+    try:
+      _send(sock, deadline, [hello])
+      while True:
+        sock.settimeout(_left(deadline))
+        (n,) = bulk_wire.LENGTH.unpack(bulk_wire.recv_exact(sock, bulk_wire.LENGTH.size))
+        if n == bulk_wire.END:
+          code, message, _ = bulk_wire.read_trailer(sock)
+          _raise_status(code, message)
+          return
+        if n > self._max_frame:
+          raise BulkUnavailable(f"bulk pull: a frame of {n} bytes is over the bound.")
+        yield bulk_wire.recv_body(sock, n, self._pool)
+    except (OSError, bulk_wire.BulkClosed, ValueError) as e:
+      raise BulkUnavailable(f"bulk pull from {self.host}:{self.port}: {e}") from e
+
+
+def address_host(address: str) -> str:
+  """The host of a "host:port" or "[v6]:port" address (what the bulk port is reached on)."""
+  if address.startswith("["):
+    return address[1:].partition("]")[0]
+  host, sep, _ = address.rpartition(":")
+  return host if sep else address
+
+
+def _left(deadline: float) -> float:
+  left = deadline - time.monotonic()
+  if left <= 0:
+    raise TimeoutError("The call's deadline passed.")
+  return left
+
+
+def _send(sock: socket.socket, deadline: float, parts: list) -> None:
+  sock.settimeout(_left(deadline))
+  bulk_wire.send_parts(sock, parts)
+
+
+def _answered(sock: socket.socket) -> bool:
+  """Whether the syncer has answered already (its trailer is waiting to be read).
+
+  Not known on TLS: the server's session tickets make the socket readable too, and TLS cannot
+  peek; a refused push is then sent whole (the syncer drains it for a while) or its connection
+  breaks, and the push goes over gRPC, which refuses it again with the same status.
+  """
+  if hasattr(sock, "cipher"):
+    return False
+  readable, _, _ = select.select([sock], [], [], 0)
+  return bool(readable)
+
+
+def _answer(sock: socket.socket, deadline: float) -> bytes:
+  """The body of the syncer's trailer (a Push's), or its refusal raised."""
+  sock.settimeout(_left(deadline))
+  (n,) = bulk_wire.LENGTH.unpack(bulk_wire.recv_exact(sock, bulk_wire.LENGTH.size))
+  if n != bulk_wire.END:
+    raise bulk_wire.BulkClosed(f"Expected the syncer's answer, got a {n}-byte frame.")
+  code, message, body = bulk_wire.read_trailer(sock)
+  _raise_status(code, message)
+  return body
+
+
+def _late_answer(sock: socket.socket, deadline: float) -> bytes | None:
+  """The answer of a syncer that cut the connection after answering; None if there is none."""
+  try:
+    return _answer(sock, min(deadline, time.monotonic() + 1.0))
+  except (OSError, bulk_wire.BulkClosed, ValueError):
+    return None
+
+
+def _raise_status(code, message: str) -> None:
+  if code.value[0] != 0:
+    raise bulk_wire.BulkError(code, message)

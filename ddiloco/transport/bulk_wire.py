@@ -1,0 +1,235 @@
+"""The bulk byte stream's framing: Push and Pull chunk messages over a plain TCP (or TLS) socket.
+
+gRPC's Python stack moves at most about a third of what a TCP socket does on loopback
+(scripts/bench_wire.py), so the syncer also listens on a second port, the bulk port
+(RegisterResponse.bulk_port), for the two calls that carry payloads. The control plane (Register,
+Heartbeat, Rounds, Status, Leave, Recover) stays on gRPC. The bulk stream carries the very same
+serialized chunk messages (PushChunk, FragmentChunk; transport/frames.py and messages.py), and the
+server feeds them to the very same Push and Pull handlers (distributed/bulk_server.py); only the
+framing around them differs. Every integer is little-endian.
+
+One call per connection:
+  hello     client -> server: MAGIC, then `HELLO` = (op, token length, session length, request
+            length), then the token, the session (UTF-8) and the request (a serialized PullRequest
+            for a Pull, nothing for a Push). The lengths are bounded (`MAX_TOKEN_BYTES`...) before
+            anything is read: the metadata gRPC would carry, as gRPC bounds it.
+  frames    u32 length, then that many bytes: one chunk message (Push: client -> server; Pull:
+            server -> client). A length of `END` ends a Push's frames (client -> server) or
+            starts the trailer (server -> client).
+  trailer   server -> client, after `END`: `TRAILER` = (status code, message length, body length),
+            the message (UTF-8) and the body (a serialized PushResponse for a Push; empty for a
+            Pull). The status codes are gRPC's, so a client raises them as `BulkError`, a
+            `grpc.RpcError` like the gRPC call's.
+"""
+
+import queue
+import socket
+import struct
+import threading
+from collections.abc import Iterable
+
+import grpc
+import numpy as np
+
+from ddiloco.transport.chunks import ArrayPool
+
+MAGIC = b"DDB1"
+OP_PUSH, OP_PULL = 1, 2
+HELLO = struct.Struct("<BHHI")
+LENGTH = struct.Struct("<I")
+TRAILER = struct.Struct("<III")
+END = 0xFFFF_FFFF
+MAX_TOKEN_BYTES = 4096
+MAX_SESSION_BYTES = 256
+MAX_REQUEST_BYTES = 4096
+MAX_MESSAGE_BYTES = 4096
+MAX_BODY_BYTES = 64 * 1024
+
+_BUCKET = 64 << 10
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(value: int) -> grpc.StatusCode:
+  """gRPC's status code of an integer on the wire (UNKNOWN for one it does not have)."""
+  return _CODES.get(value, grpc.StatusCode.UNKNOWN)
+
+
+class BulkError(grpc.RpcError):
+  """A call over the bulk port answered with a status other than OK, as gRPC's call raises it."""
+
+  def __init__(self, code: grpc.StatusCode, details: str):
+    super().__init__(f"{code.name}: {details}")
+    self._code = code
+    self._details = details
+
+  def code(self) -> grpc.StatusCode:
+    return self._code
+
+  def details(self) -> str:
+    return self._details
+
+
+class BulkClosed(ConnectionError):
+  """The peer closed the connection (or it broke) before a whole frame or trailer came."""
+
+
+def tune(sock: socket.socket) -> None:
+  """No Nagle delay: a hello, a trailer or a frame's tail goes out at once.
+
+  The socket buffers are left to the kernel's autotuning, which grows them with the path's
+  bandwidth-delay product up to `net.ipv4.tcp_rmem`/`tcp_wmem`'s maximum: a fixed SO_RCVBUF would
+  turn it off and cap the window (4 MiB over 50 ms is 80 MiB/s), and on loopback it measured no
+  better (scripts/bench_wire.py).
+  """
+  sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def hello(op: int, token: str | None, session: str, request: bytes = b"") -> bytes:
+  """The hello of a call (see module docstring).
+
+  Raises:
+    ValueError: a token, session or request over its bound.
+  """
+  tok, ses = (token or "").encode(), session.encode()
+  if len(tok) > MAX_TOKEN_BYTES or len(ses) > MAX_SESSION_BYTES or len(request) > MAX_REQUEST_BYTES:
+    raise ValueError("A bulk hello's token, session or request is over its bound.")
+  return MAGIC + HELLO.pack(op, len(tok), len(ses), len(request)) + tok + ses + request
+
+
+def recv_exact(sock: socket.socket, n: int) -> memoryview:
+  """Exactly `n` bytes read into a fresh buffer (a view of it).
+
+  Raises:
+    BulkClosed: the connection ended first. socket.timeout / OSError as the socket raises them.
+  """
+  buf = bytearray(n)
+  view = memoryview(buf)
+  got = 0
+  while got < n:
+    k = sock.recv_into(view[got:], n - got)
+    if k == 0:
+      raise BulkClosed(f"The connection ended {got} bytes into a {n}-byte read.")
+    got += k
+  return view
+
+
+def frame_pool(max_frame_bytes: int, frames: int = 16) -> ArrayPool:
+  """A pool of frame buffers (`recv_body`) keeping up to `frames` free ones of the largest size."""
+  return ArrayPool(frames * _bucket(max_frame_bytes))
+
+
+def _bucket(n: int) -> int:
+  """Frame buffers come in multiples of 64 KiB: frames of nearly one size share buffers."""
+  return -(-n // _BUCKET) * _BUCKET
+
+
+def recv_body(sock: socket.socket, n: int, pool: ArrayPool) -> memoryview:
+  """A frame's `n` bytes, read straight into recycled memory (one copy: the kernel's).
+
+  The reader keeps views of early chunks (transport/chunks.py), so a buffer is reused only once
+  every view of it has died (`ArrayPool`); fresh pages would cost the kernel's zeroing on every
+  frame.
+  """
+  view = memoryview(pool.empty(_bucket(n), np.uint8))[:n]
+  got = 0
+  while got < n:
+    k = sock.recv_into(view[got:], n - got)
+    if k == 0:
+      raise BulkClosed(f"The connection ended {got} bytes into a {n}-byte frame.")
+    got += k
+  return view
+
+
+def send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
+  """Sends `parts` in order: one gathered `sendmsg` per try on a plain socket (no join, no copy
+  in user space); `sendall` of each on a TLS socket, which has no `sendmsg`."""
+  if not hasattr(sock, "sendmsg") or hasattr(sock, "cipher"):
+    for part in parts:
+      sock.sendall(part)
+    return
+  views = [memoryview(p).cast("B") for p in parts]
+  while views:
+    sent = sock.sendmsg(views)
+    while views and sent >= len(views[0]):
+      sent -= len(views[0])
+      views.pop(0)
+    if views and sent:
+      views[0] = views[0][sent:]
+
+
+def send_frame(sock: socket.socket, message: bytes | memoryview) -> None:
+  """One frame: the length, then the message."""
+  send_parts(sock, [LENGTH.pack(len(message)), message])
+
+
+def trailer(code: grpc.StatusCode, message: str, body: bytes = b"") -> bytes:
+  """`END` and the trailer of a call's status (see module docstring); long messages are cut."""
+  text = message.encode()[:MAX_MESSAGE_BYTES]
+  return LENGTH.pack(END) + TRAILER.pack(code.value[0], len(text), len(body)) + text + body
+
+
+def read_trailer(sock: socket.socket) -> tuple[grpc.StatusCode, str, bytes]:
+  """(status, message, body) of a trailer whose `END` was just read.
+
+  Raises:
+    BulkClosed: on a cut-off trailer; ValueError on one over its bounds.
+  """
+  code, n_text, n_body = TRAILER.unpack(recv_exact(sock, TRAILER.size))
+  if n_text > MAX_MESSAGE_BYTES or n_body > MAX_BODY_BYTES:
+    raise ValueError(f"A bulk trailer of {n_text} + {n_body} bytes is over its bounds.")
+  text = bytes(recv_exact(sock, n_text)).decode(errors="replace")
+  return status_code(code), text, bytes(recv_exact(sock, n_body))
+
+
+_DONE = object()
+
+
+class Prefetch:
+  """Iterates `source` in a helper thread, up to `depth` items ahead: a Push's chunks are encoded
+  while the previous ones are sent, a Pull's frames read while the previous ones are decoded (the
+  copies release the GIL). An exception of `source` is raised where the item would have been.
+  `close` stops and joins the helper; call it when done (it is idempotent).
+  """
+
+  def __init__(self, source: Iterable, *, depth: int = 2, name: str = "bulk-prefetch"):
+    self._items: queue.Queue = queue.Queue(maxsize=depth)
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, args=(source,), name=name, daemon=True)
+    self._thread.start()
+
+  def _run(self, source: Iterable) -> None:
+    try:
+      for item in source:
+        if not self._put(item):
+          close = getattr(source, "close", None)  # A generator's `finally` runs here, now.
+          if close is not None:
+            close()
+          return
+      self._put(_DONE)
+    except BaseException as e:  # Handed to the consumer, which raises it.
+      self._put(e)
+
+  def _put(self, item) -> bool:
+    while not self._stop.is_set():
+      try:
+        self._items.put(item, timeout=0.1)
+        return True
+      except queue.Full:
+        continue
+    return False
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    item = self._items.get()
+    if item is _DONE:
+      self._items.put(_DONE)  # Iterating again stays at the end.
+      raise StopIteration
+    if isinstance(item, BaseException):
+      raise item
+    return item
+
+  def close(self, timeout_s: float = 5.0) -> None:
+    self._stop.set()
+    self._thread.join(timeout_s)
