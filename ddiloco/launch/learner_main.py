@@ -96,6 +96,7 @@ def main(argv: list[str]) -> None:
   from ddiloco.launch.job import JobConfig
   from ddiloco.metrics.writer import write_summary
   from ddiloco.transport import auth
+  from ddiloco.distributed.shard_client import ShardedClient
   from ddiloco.transport.client import SyncerClient
 
   workdir = learner_workdir = _WORKDIR.value
@@ -111,12 +112,15 @@ def main(argv: list[str]) -> None:
   svc = job.run.the_service()
   client = None
   if _PROCESS_ID.value == 0:  # The other processes of a learner never talk to the syncer.
-    client = SyncerClient(
-      _ADDRESS.value,
-      token=auth.read_token(_TOKEN_FILE.value),
-      tls_ca_file=_TLS_CA.value,
-      max_chunk_bytes=svc.max_chunk_bytes,
-    )
+    token = auth.read_token(_TOKEN_FILE.value)
+
+    def connect(address: str) -> SyncerClient:
+      return SyncerClient(
+        address, token=token, tls_ca_file=_TLS_CA.value, max_chunk_bytes=svc.max_chunk_bytes
+      )
+
+    # A sharded syncer's other shards are learned at Register (a pass-through when unsharded).
+    client = ShardedClient(connect(_ADDRESS.value), connect)
   make_worker = runtime.make_learner_worker
   if multi:
     make_worker = functools.partial(runtime.make_multihost_worker, learner_workdir=learner_workdir)
