@@ -92,11 +92,11 @@ def main(argv: list[str]) -> None:
       process_id=_PROCESS_ID.value,
     )
   from ddiloco.checkpoint.learner import LearnerCheckpointConfig
+  from ddiloco.distributed.shard_client import ShardedClient
   from ddiloco.launch import configurables, runtime
   from ddiloco.launch.job import JobConfig
   from ddiloco.metrics.writer import write_summary
   from ddiloco.transport import auth
-  from ddiloco.distributed.shard_client import ShardedClient
   from ddiloco.transport.client import SyncerClient
 
   workdir = learner_workdir = _WORKDIR.value

@@ -162,7 +162,9 @@ class RayCluster(LocalCluster):
     self._handles.append(handle)
     return handle
 
-  def spawn_syncer(self, *, port: int = 0) -> None:
+  def spawn_syncer(self, *, port: int = 0, shard: int = 0) -> None:
+    if shard or self.shard_ports:
+      raise ValueError("ddiloco-ray runs one syncer process: JobConfig.syncer_shards must be 1.")
     strategy = self._syncer_strategy()
     if port == 0:  # The configured port, or one free on the syncer's node; its restarts keep it.
       self.syncer_host, free = ray.get(

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ddiloco.launch import syncer_shards
 from ddiloco.launch.job import JobConfig
 from ddiloco.metrics.writer import write_summary
 
@@ -42,9 +43,33 @@ def read_json(path: str) -> dict:
     return json.load(f)
 
 
-def _syncer_summary(workdir: str) -> dict:
-  path = os.path.join(workdir, "syncer", "summary.json")
+def _syncer_summary(workdir: str, shard: int = 0) -> dict:
+  folder = syncer_shards.shard_workdir(os.path.join(workdir, "syncer"), shard)
+  path = os.path.join(folder, "summary.json")
   return {**_NO_SYNCER, **read_json(path)} if os.path.exists(path) else dict(_NO_SYNCER)
+
+
+def _shards(syncers: Sequence[dict], applies: Sequence[tuple[int, int, str]]) -> list[dict]:
+  """Per syncer shard: its merges, its digest checks (the learners' applies of its fragments
+  against its published digests) and whether its token ledger balances."""
+  out = []
+  for shard, syncer in enumerate(syncers):
+    mine = [(p, v, d) for p, v, d in applies if p % len(syncers) == shard]
+    ledger = syncer.get("token_ledger") or {}
+    totals = [ledger.get(k, 0) for k in ("received", "merged", "dropped", "pending")]
+    out.append(
+      {
+        "merges": syncer["merges"],
+        "digest_checks": len(mine),
+        "digests_agree": bool(mine)
+        and all(d and syncer["digests"].get(f"{p}:{v}") == d for p, v, d in mine),
+        "ledger_balanced": bool(ledger) and totals[0] == sum(totals[1:]),
+        "final_versions": syncer["stats"].get("versions"),
+        "recovery": syncer.get("recovery"),
+        "restarted": syncer.get("restored") is not None,
+      }
+    )
+  return out
 
 
 def summarize(
@@ -72,13 +97,14 @@ def summarize(
     interrupted: the run was stopped by Ctrl-C: a partial run, never "ok" (the processes that had
       not written their summaries yet count as empty).
   """
-  syncer = _syncer_summary(workdir)
+  syncers = [_syncer_summary(workdir, i) for i in range(job.syncer_shards)]
+  syncer = syncers[0]
   learners = {}
   for i in range(num_learners) if learner_ids is None else learner_ids:
     path = os.path.join(workdir, f"learner_{i}", "summary.json")
     if os.path.exists(path):
       learners[i] = read_json(path)
-  digests = syncer["digests"]
+  digests = {k: d for s in syncers for k, d in s["digests"].items()}  # Each its own fragments'.
   applies = [(p, v, d) for s in learners.values() for p, v, d in s["applies"]]
   agree = bool(applies) and all(d and digests.get(f"{p}:{v}") == d for p, v, d in applies)
   agree = agree and all(s["digest_mismatches"] == 0 for s in learners.values())
@@ -100,11 +126,11 @@ def summarize(
     "tokens_trained": tokens,
     "goodput": busy / provisioned if provisioned > 0 else 0.0,
     "global_downtime_s": downtime,
-    "merges": syncer["merges"],
+    "merges": sum(s["merges"] for s in syncers),
     "mean_quorum_size": syncer["mean_quorum_size"],
-    "dropped_reports": int(syncer["stats"].get("late", 0)),
-    "bytes_up": syncer["bytes_up"],
-    "bytes_down": syncer["bytes_down"],
+    "dropped_reports": sum(int(s["stats"].get("late", 0)) for s in syncers),
+    "bytes_up": sum(s["bytes_up"] for s in syncers),
+    "bytes_down": sum(s["bytes_down"] for s in syncers),
     "wall_time_s": wall_time_s,
     "virtual_time_s": wall_time_s,  # Real processes: virtual time is wall time.
     "digests_agree": agree,
@@ -137,6 +163,8 @@ def summarize(
     "syncer_alive_at_end": None if syncer_alive_at_end is None else list(syncer_alive_at_end),
     "interrupted": interrupted,
   }
+  if len(syncers) > 1:
+    summary["shards"] = _shards(syncers, applies)
   summary["ok"] = bool(
     agree
     and summary["budget_reached"]

@@ -10,7 +10,8 @@ be on a file system every shard mounts for that last evaluation; training does n
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -112,3 +113,81 @@ def gather(
     )
     return None
   return read_final_values(workdir, range(1, num_shards), newer_than=started, timeout_s=timeout_s)
+
+
+def status_client(addresses: Sequence[str], connect: Callable[[str], Any]) -> Any:
+  """The launcher's status client: the syncer's own, or a `ShardsStatus` over every shard's."""
+  clients = [connect(a) for a in addresses]
+  return clients[0] if len(clients) == 1 else ShardsStatus(clients)
+
+
+class ShardsStatus:
+  """The `Status` of every shard as one syncer's, for the launcher's progress lines and fleet
+  requests: each fragment's version from its owner, merges, counters and refusals summed, the
+  alive learners of any shard. `status_line` adds the merges of each shard.
+
+  Args:
+    clients: one client per shard (`status()`), in shard order.
+  """
+
+  def __init__(self, clients: Sequence):
+    self._clients = list(clients)
+
+  def close(self) -> None:
+    for c in self._clients:
+      c.close()
+
+  def status(self):
+    """The merged StatusResponse of the shards that answer (a shard that is down counts its
+    fragments at version 0); raises a shard's error if none answers."""
+    import grpc
+
+    from ddiloco.transport.proto import syncer_pb2
+
+    answers, error = [], None
+    for c in self._clients:
+      try:
+        answers.append(c.status())
+      except grpc.RpcError as e:  # A shard that is down: the others still answer.
+        answers.append(None)
+        error = error or e
+    if all(a is None for a in answers):
+      raise error
+    num = len(answers)
+    first = next(a for a in answers if a is not None)
+    versions = [
+      answers[p % num].versions[p] if answers[p % num] is not None else 0
+      for p in range(len(first.versions))
+    ]
+    answers = [a for a in answers if a is not None]
+    merged = syncer_pb2.StatusResponse()
+    merged.CopyFrom(answers[0])
+    merged.versions[:] = versions
+    merged.merges = sum(a.merges for a in answers)
+    merged.alive[:] = sorted({i for a in answers for i in a.alive})
+    for a in answers[1:]:
+      for k, v in a.counters.items():
+        merged.counters[k] = merged.counters.get(k, 0) + v
+      for k, v in a.refused.items():
+        merged.refused[k] = merged.refused.get(k, 0) + v
+      hist = list(merged.quorum_histogram)
+      hist += [0] * (len(a.quorum_histogram) - len(hist))
+      for q, n in enumerate(a.quorum_histogram):
+        hist[q] += n
+      merged.quorum_histogram[:] = hist
+      merged.bytes_up += a.bytes_up
+      merged.bytes_down += a.bytes_down
+    merged.num_shards = num
+    return merged
+
+  def shard_merges(self) -> list[int | None]:
+    """Each shard's merges (None for a shard that does not answer)."""
+    import grpc
+
+    out = []
+    for c in self._clients:
+      try:
+        out.append(int(c.status().merges))
+      except grpc.RpcError:
+        out.append(None)
+    return out
