@@ -49,6 +49,12 @@ def _syncer_summary(workdir: str, shard: int = 0) -> dict:
   return {**_NO_SYNCER, **read_json(path)} if os.path.exists(path) else dict(_NO_SYNCER)
 
 
+def _mean_quorum(syncers: Sequence[dict]) -> float:
+  """The mean quorum size over every shard's merges."""
+  merges = sum(s["merges"] for s in syncers)
+  return sum(s["mean_quorum_size"] * s["merges"] for s in syncers) / merges if merges else 0.0
+
+
 def _shards(syncers: Sequence[dict], applies: Sequence[tuple[int, int, str]]) -> list[dict]:
   """Per syncer shard: its merges, its digest checks (the learners' applies of its fragments
   against its published digests) and whether its token ledger balances."""
@@ -64,7 +70,11 @@ def _shards(syncers: Sequence[dict], applies: Sequence[tuple[int, int, str]]) ->
         "digests_agree": bool(mine)
         and all(d and syncer["digests"].get(f"{p}:{v}") == d for p, v, d in mine),
         "ledger_balanced": bool(ledger) and totals[0] == sum(totals[1:]),
-        "final_versions": syncer["stats"].get("versions"),
+        "final_versions": {
+          p: v
+          for p, v in enumerate(syncer["stats"].get("versions") or [])
+          if p in syncer.get("owned", ())
+        },
         "recovery": syncer.get("recovery"),
         "restarted": syncer.get("restored") is not None,
       }
@@ -127,7 +137,7 @@ def summarize(
     "goodput": busy / provisioned if provisioned > 0 else 0.0,
     "global_downtime_s": downtime,
     "merges": sum(s["merges"] for s in syncers),
-    "mean_quorum_size": syncer["mean_quorum_size"],
+    "mean_quorum_size": _mean_quorum(syncers),
     "dropped_reports": sum(int(s["stats"].get("late", 0)) for s in syncers),
     "bytes_up": sum(s["bytes_up"] for s in syncers),
     "bytes_down": sum(s["bytes_down"] for s in syncers),
