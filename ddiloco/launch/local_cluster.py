@@ -92,8 +92,7 @@ class LocalCluster:
     self.extra_learner_args = list(extra_learner_args)
     self.token = secrets.token_hex(16)
     self.syncer: Child | None = None
-    # A sharded syncer (`JobConfig.syncer_shards` > 1): shards 1.. and every shard's port.
-    self.shards: dict[int, Child] = {}
+    self.shards: dict[int, Child] = {}  # Shards 1.. of a sharded syncer (JobConfig.syncer_shards).
     self.shard_ports: list[int] = []
     self.learners: dict[int, Child] = {}  # Shared with `fleet`: filled in place, never rebound.
     self.port: int | None = None
@@ -157,7 +156,8 @@ class LocalCluster:
 
   def start_syncers(self, num_shards: int, timeout_s: float = 180.0) -> None:
     """Starts the syncer, or its `num_shards` shards on ports chosen now, and waits for all."""
-    self.shard_ports = [processes.free_port() for _ in range(num_shards)] if num_shards > 1 else []
+    if num_shards > 1 and len(self.shard_ports) != num_shards:  # Unless a backend chose them.
+      self.shard_ports = [processes.free_port() for _ in range(num_shards)]
     for shard in range(num_shards):
       self.spawn_syncer(shard=shard)
     [self.wait_syncer(timeout_s, shard=shard) for shard in range(num_shards)]
