@@ -256,7 +256,7 @@ class SyncerRun:
       # Re-raises a failure.
       list(pool.map(lambda p: core.warm_up(p, answers), sorted(core.owned)))
     seconds = time.monotonic() - t0
-    log.info("outer steps of %d fragments compiled in %.1f s", core.num_fragments, seconds)
+    log.info("outer steps of %d fragments compiled in %.1f s", len(core.owned), seconds)
     self.writer.event("warm_up", time=round(time.time(), 4), seconds=round(seconds, 3))
     return seconds
 
