@@ -44,9 +44,20 @@ def read_json(path: str) -> dict:
 
 
 def _syncer_summary(workdir: str, shard: int = 0) -> dict:
+  """A syncer's (shard's) summary, its digests completed from its merge journal: a restarted
+  syncer's summary lists only what it published since, and learners may hold older versions."""
+  from ddiloco.checkpoint.journal import JOURNAL_NAME, read_journal_records  # Imports jax.
+
   folder = syncer_shards.shard_workdir(os.path.join(workdir, "syncer"), shard)
   path = os.path.join(folder, "summary.json")
-  return {**_NO_SYNCER, **read_json(path)} if os.path.exists(path) else dict(_NO_SYNCER)
+  out = {**_NO_SYNCER, **read_json(path)} if os.path.exists(path) else dict(_NO_SYNCER)
+  digests = dict(out["digests"])
+  for p, versions in read_journal_records(os.path.join(folder, JOURNAL_NAME)).items():
+    for v, digest in versions.items():
+      if digest is not None:
+        digests.setdefault(f"{p}:{v}", digest)
+  out["digests"] = digests
+  return out
 
 
 def _mean_quorum(syncers: Sequence[dict]) -> float:
