@@ -23,6 +23,8 @@ is counted by status name (`Status.refused`):
                         `max_rounds_streams`, a new learner id beyond `max_members`
     DEADLINE_EXCEEDED   a push stream with no chunk for `stream_idle_s`, a push or pull stream open
                         past `stream_deadline_s`
+    OUT_OF_RANGE        a Push, Pull or Recover of a fragment another syncer shard owns
+                        (fragments/shards.py)
     CANCELLED           a Pull or Rounds stream whose client stopped reading: a send stuck for
                         `stream_idle_s` is cut by the watchdog (the client sees CANCELLED)
 """

@@ -16,7 +16,7 @@
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 
 import grpc
@@ -28,7 +28,7 @@ from ddiloco.distributed.bulk_server import BulkServer
 from ddiloco.distributed.downlink import DownlinkAdopter
 from ddiloco.distributed.service import SERVICE_NAME, SyncerService
 from ddiloco.distributed.service_config import ServiceConfig
-from ddiloco.fragments import compression
+from ddiloco.fragments import compression, shards
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.syncer.core import MergeEvent, SyncerCore
 from ddiloco.transport import auth, in_process
@@ -80,13 +80,20 @@ def make_syncer(
   on_merge: Callable[[MergeEvent], None] | None = None,
   record: Callable[[MergeEvent], None] | None = None,
   on_recovery: Callable[[int, int, str], None] | None = None,
+  shard: int = 0,
+  shard_addresses: Sequence[str] = (),
 ) -> SyncerService:
   """A SyncerCore and its SyncerService wired together (adoption for a lossy downlink codec).
 
   `schedule` is the run's fragment schedule (P, H, τ): the syncer's step clock opens each
   fragment's rounds by it. None: `SyncerCore`'s default (P = H = the number of fragments, τ = 2),
   for tests and benchmarks; a run passes its own (`RunConfig.the_schedule()`).
+
+  With `shard_addresses` (every shard's host:port, S > 1) this is syncer shard `shard`: its core
+  owns the fragments `shards.owned(shard, S, P)` and needs `init_values` only for them.
   """
+  num_shards = max(1, len(shard_addresses))
+  owned = shards.owned(shard, num_shards, len(fragment_keys))
   adopter = None
   if not compression.codec_class(service_config.downlink_codec).exact:
     adopter = DownlinkAdopter(
@@ -102,6 +109,7 @@ def make_syncer(
     embedding_keys=embedding_keys,
     adopt=adopter,
     schedule=schedule,
+    owned=owned,
   )
   return SyncerService(
     core,
@@ -112,6 +120,8 @@ def make_syncer(
     on_merge=on_merge,
     record=record,
     on_recovery=on_recovery,
+    shard=shard,
+    shard_addresses=shard_addresses,
   )
 
 

@@ -46,7 +46,7 @@ learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runti
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 import numpy as np
@@ -88,6 +88,8 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       served; an OSError from it halts the service (see the module docstring).
     on_recovery: called with (fragment, version, "recovered" | "republished") when a version a
       restart lost was handed back by a learner or republished without (`begin_recovery`).
+    shard: this syncer's shard index (its core owns `core.owned`; fragments/shards.py).
+    shard_addresses: every shard's host:port, told to learners at Register (empty: unsharded).
   """
 
   def __init__(
@@ -101,8 +103,12 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     on_merge: Callable[[MergeEvent], None] | None = None,
     record: Callable[[MergeEvent], None] | None = None,
     on_recovery: Callable[[int, int, str], None] | None = None,
+    shard: int = 0,
+    shard_addresses: Sequence[str] = (),
   ):
     self._core = core
+    self._shard = shard
+    self._shard_addresses = tuple(shard_addresses)
     self._cfg = config
     self._layout_digest = layout_digest
     self._clock = clock
@@ -324,6 +330,8 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       heartbeat_interval_s=cfg.heartbeat_interval_s,
       session=session,
       recover=recover,
+      shard=self._shard,
+      shard_addresses=self._shard_addresses,
       bulk_port=self._bulk_port,
     )
 
@@ -399,7 +407,11 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         )
       self._subscribers.replace(learner_id, sink)
       initial = [round_event(r) for r in self._core.open_rounds()]
-      initial += [published_event(p, v) for p, v in enumerate(self._publisher.versions())]
+      initial += [
+        published_event(p, v)
+        for p, v in enumerate(self._publisher.versions())
+        if self._core.owns(p)  # A shard announces only its own fragments.
+      ]
     return initial
 
   def Rounds(self, request, context):
@@ -437,4 +449,6 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         bytes_down=bytes_down,
         uptime_s=self._clock() - self._started,
         fleet_step=self._core.fleet_step(),
+        shard=self._shard,
+        num_shards=max(1, len(self._shard_addresses)),
       )

@@ -421,3 +421,10 @@ class DataStreams:
         grpc.StatusCode.INVALID_ARGUMENT,
         f"Unknown fragment {fragment}; this syncer holds 0..{self._core.num_fragments - 1}.",
       )
+    if not self._core.owns(fragment):  # A syncer shard's: the learner asked the wrong shard.
+      owned = sorted(self._core.owned)
+      raise self._refuse(
+        grpc.StatusCode.OUT_OF_RANGE,
+        f"Fragment {fragment} belongs to another syncer shard; this one owns {owned[:16]}"
+        f"{' ...' if len(owned) > 16 else ''}.",
+      )

@@ -85,6 +85,8 @@ class ChaosRun:
     progress: Callable[[str], None] | None = None,
   ):
     self.job, self.chaos, self.cluster = job, chaos, cluster
+    if job is not None and job.syncer_shards > 1:  # Its proxy, kills and checks know one syncer.
+      raise ValueError("ddiloco-chaos runs one syncer process: JobConfig.syncer_shards must be 1.")
     self.progress = progress or (lambda line: None)
     self.schedule: list[FaultEvent] = make_schedule(chaos, cluster.num_learners)
     self.tape_path = os.path.join(cluster.workdir, "tape.jsonl")

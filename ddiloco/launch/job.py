@@ -27,6 +27,9 @@ class JobConfig:
       axis gets the rest of its devices); must divide a learner's device count.
     senders: each learner process's sender threads, each with one push in flight (of different
       fragments; distributed/senders.py).
+    syncer_shards: S syncer processes, fragment p merged by shard p mod S (fragments/shards.py),
+      each with its own port, checkpoint and journal; learners learn the shards' addresses at
+      Register (docs/architecture.md, "The sharded syncer"). At most the fragment count.
   """
 
   run: RunConfig = dataclasses.field(default_factory=RunConfig)
@@ -34,12 +37,25 @@ class JobConfig:
   processes_per_learner: int = 1
   model_parallelism: int = 1
   senders: int = 2
+  syncer_shards: int = 1
 
   def __post_init__(self):
-    counts = ("devices_per_learner", "processes_per_learner", "model_parallelism", "senders")
+    counts = (
+      "devices_per_learner",
+      "processes_per_learner",
+      "model_parallelism",
+      "senders",
+      "syncer_shards",
+    )
     bad = [f"{name}={getattr(self, name)}" for name in counts if getattr(self, name) < 1]
     if bad:
       raise ValueError(f"{', '.join(bad)}: {', '.join(counts)} must be >= 1.")
+    if self.syncer_shards > self.run.the_schedule().num_fragments:
+      raise ValueError(
+        f"syncer_shards={self.syncer_shards} exceeds the "
+        f"{self.run.the_schedule().num_fragments} fragments: "
+        "a shard would own none."
+      )
 
   def factory(self) -> LearnerFactory:
     """Task, layout and compiled steps, identical in every process of the run."""

@@ -92,6 +92,7 @@ def main(argv: list[str]) -> None:
       process_id=_PROCESS_ID.value,
     )
   from ddiloco.checkpoint.learner import LearnerCheckpointConfig
+  from ddiloco.distributed.shard_client import ShardedClient
   from ddiloco.launch import configurables, runtime
   from ddiloco.launch.job import JobConfig
   from ddiloco.metrics.writer import write_summary
@@ -111,13 +112,19 @@ def main(argv: list[str]) -> None:
   svc = job.run.the_service()
   client = None
   if _PROCESS_ID.value == 0:  # The other processes of a learner never talk to the syncer.
-    client = SyncerClient(
-      _ADDRESS.value,
-      token=auth.read_token(_TOKEN_FILE.value),
-      tls_ca_file=_TLS_CA.value,
-      max_chunk_bytes=svc.max_chunk_bytes,
-      bulk=svc.bulk,  # The syncer's bulk port, if it advertises one (distributed/bulk_server.py).
-    )
+    token = auth.read_token(_TOKEN_FILE.value)
+
+    def connect(address: str) -> SyncerClient:
+      return SyncerClient(
+        address,
+        token=token,
+        tls_ca_file=_TLS_CA.value,
+        max_chunk_bytes=svc.max_chunk_bytes,
+        bulk=svc.bulk,  # The syncer's bulk port, if it advertises one (distributed/bulk_server.py).
+      )
+
+    # A sharded syncer's other shards are learned at Register (a pass-through when unsharded).
+    client = ShardedClient(connect(_ADDRESS.value), connect)
   make_worker = runtime.make_learner_worker
   if multi:
     make_worker = functools.partial(runtime.make_multihost_worker, learner_workdir=learner_workdir)

@@ -142,6 +142,10 @@ def run_job(
     if hasattr(cluster, "disconnect"):
       cluster.disconnect()
   print("summary:", {k: summary[k] for k in HEADLINE_KEYS})
+  for shard, s in enumerate(summary.get("shards", [])):  # A sharded syncer: each shard's checks.
+    print(
+      f"syncer shard {shard}:", {k: s[k] for k in ("merges", "digests_agree", "ledger_balanced")}
+    )
   print(f"wrote {_written(summary_file, plot_file)}")
   if not summary["ok"]:
     sys.exit(1)

@@ -23,10 +23,10 @@ A backend that places the programs elsewhere (launch/ray_cluster.py) overrides h
 started (`_popen`, `_env`, `_coordinator_address`, `spawn_syncer`, `start_learner`).
 """
 
+import contextlib
 import os
+import pathlib
 import secrets
-import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ddiloco import storage
-from ddiloco.launch import elastic, fleet_requests, processes, progress_lines
+from ddiloco.launch import elastic, fleet_requests, processes, progress_lines, syncer_shards
 from ddiloco.launch import fleet as fleet_lib
 from ddiloco.launch.job import JobConfig
 from ddiloco.launch.processes import Child
@@ -92,6 +92,8 @@ class LocalCluster:
     self.extra_learner_args = list(extra_learner_args)
     self.token = secrets.token_hex(16)
     self.syncer: Child | None = None
+    self.shards: dict[int, Child] = {}  # Shards 1.. of a sharded syncer (JobConfig.syncer_shards).
+    self.shard_ports: list[int] = []
     self.learners: dict[int, Child] = {}  # Shared with `fleet`: filled in place, never rebound.
     self.port: int | None = None
     self.syncer_host = "127.0.0.1"  # Where learners and the launcher reach the syncer.
@@ -128,69 +130,87 @@ class LocalCluster:
     folder = os.path.join(self.workdir, name)
     log_path = os.path.join(folder, "log.txt")
     argv = ["-m", module, f"--workdir={folder}", *args, *self.gin_args, *overrides]
-    role = "syncer" if name == "syncer" else "learner"
+    role = "syncer" if name.startswith("syncer") else "learner"
     proc = self._popen(processes.Launch(argv, env, log_path, role))
     return Child(name, proc, log_path, os.path.join(folder, "metrics.jsonl"))
 
   def _popen(self, launch: processes.Launch) -> subprocess.Popen:
     return processes.spawn(self.python, launch)
 
-  def start_syncer(self, timeout_s: float = 180.0, *, port: int = 0) -> int:
-    """Starts the syncer and waits until it serves; returns its port.
+  def start_syncer(self, timeout_s: float = 180.0, *, port: int = 0, shard: int = 0) -> int:
+    """Starts the syncer (or one shard of it) and waits until it serves; returns its port. A
+    restart passes the previous `port` so that learners reconnect to the same address; the syncer
+    restores its checkpoint from its workdir (docs/resilience.md)."""
+    self.spawn_syncer(port=port, shard=shard)
+    return self.wait_syncer(timeout_s, shard=shard)
 
-    A restart passes the previous `port` so that learners reconnect to the same address; the syncer
-    restores its checkpoint from its workdir (docs/resilience.md).
-    """
-    self.spawn_syncer(port=port)
+  def wait_syncer(self, timeout_s: float = 180.0, *, shard: int = 0) -> int:
+    """Waits until a syncer shard started by `spawn_syncer` serves; returns its port."""
     deadline = time.monotonic() + timeout_s
-    while not self.syncer_ready():
+    while not self.syncer_ready(shard):
       if time.monotonic() > deadline:
-        raise TimeoutError(
-          f"The syncer did not serve within {timeout_s} s:\n{self.tail(self.syncer)}"
-        )
+        log = self.tail(self.syncer_child(shard))
+        raise TimeoutError(f"The syncer did not serve within {timeout_s} s:\n{log}")
       time.sleep(0.1)
-    return self.port
+    return self.shard_ports[shard] if self.shard_ports else self.port
 
-  def spawn_syncer(self, *, port: int = 0) -> None:
-    """Starts the syncer without waiting: `syncer_ready` tells when it serves (a chaos driver
-    keeps its schedule meanwhile)."""
-    port_file = self._port_file()
-    if os.path.exists(port_file):
+  def start_syncers(self, num_shards: int, timeout_s: float = 180.0) -> None:
+    """Starts the syncer, or its `num_shards` shards on ports chosen now, and waits for all."""
+    if num_shards > 1 and len(self.shard_ports) != num_shards:  # Unless a backend chose them.
+      self.shard_ports = [processes.free_port() for _ in range(num_shards)]
+    for shard in range(num_shards):
+      self.spawn_syncer(shard=shard)
+    [self.wait_syncer(timeout_s, shard=shard) for shard in range(num_shards)]
+
+  def syncer_child(self, shard: int = 0) -> Child:
+    return self.syncer if shard == 0 else self.shards[shard]
+
+  def spawn_syncer(self, *, port: int = 0, shard: int = 0) -> None:
+    """Starts the syncer (or shard `shard` of it) without waiting: `syncer_ready` tells when it
+    serves (a chaos driver keeps its schedule meanwhile)."""
+    port_file = self._port_file(shard)
+    with contextlib.suppress(FileNotFoundError):
       os.remove(port_file)
-    self.syncer = self._spawn(
-      "syncer",
+    addresses = ",".join(f"{self.syncer_host}:{p}" for p in self.shard_ports)
+    # Every shard's address, for learners to learn at Register.
+    sharded = [f"--shard={shard}", f"--shard_addresses={addresses}"] if self.shard_ports else []
+    port = port or (self.shard_ports[shard] if self.shard_ports else 0)
+    child = self._spawn(
+      "syncer" if shard == 0 else f"syncer_{shard}",
       "ddiloco.launch.syncer_main",
       [
         f"--port_file={port_file}",
         f"--host={self.syncer_host}",
         f"--port={port}",
+        *sharded,
         *([f"--tls_cert_file={self.tls[0]}", f"--tls_key_file={self.tls[1]}"] if self.tls else []),
       ],
       self._env(1),
     )
+    self.shards[shard] = child
+    self.syncer = self.shards.pop(0, self.syncer)
 
-  def syncer_ready(self) -> bool:
-    """Whether the syncer started by `spawn_syncer` serves; sets `port` when it does.
+  def syncer_ready(self, shard: int = 0) -> bool:
+    """Whether the syncer (shard) started by `spawn_syncer` serves; sets `port` when shard 0 does.
 
     Raises:
       RuntimeError: if it exited instead.
     """
-    port_file = self._port_file()
-    if not os.path.exists(port_file):
-      if self.syncer.proc.poll() is not None:
-        raise RuntimeError(
-          f"The syncer exited with {self.syncer.proc.returncode}:\n{self.tail(self.syncer)}"
-        )
+    port_file, child = self._port_file(shard), self.syncer_child(shard)
+    text = pathlib.Path(port_file).read_text() if os.path.exists(port_file) else ""
+    if not text.strip():  # Not written yet, or being written.
+      if child.proc.poll() is not None:
+        raise RuntimeError(f"The syncer exited with {child.proc.returncode}:\n{self.tail(child)}")
       return False
-    with open(port_file) as f:
-      text = f.read()
-    if not text.strip():
-      return False  # Being written.
-    self.port = int(text)
+    if shard == 0:
+      self.port = int(text)
     return True
 
-  def _port_file(self) -> str:
-    return os.path.join(self.workdir, "syncer", "port")
+  def _port_file(self, shard: int = 0) -> str:
+    return os.path.join(self.workdir, "syncer" if shard == 0 else f"syncer_{shard}", "port")
+
+  def syncers(self) -> list[Child]:  # The syncer's processes: one, or one per shard.
+    return [*([self.syncer] if self.syncer else []), *self.shards.values()]
 
   def start_learner(
     self,
@@ -344,24 +364,14 @@ class LocalCluster:
     The compile cache stays. Without this, a restarted syncer or learner resumes from the
     checkpoints it finds in its folder (docs/resilience.md).
     """
-    removed = []
-    if not os.path.isdir(self.workdir):
-      return removed
-    for name in sorted(os.listdir(self.workdir)):
-      path = os.path.join(self.workdir, name)
-      if os.path.isdir(path) and (name == "syncer" or name.startswith("learner_")):
-        shutil.rmtree(path)
-        removed.append(name)
-    return removed
+    return processes.remove_folders(self.workdir, ("syncer", "learner_"))
 
   def children(self) -> list[Child]:
-    return [*self.learners.values(), *([self.syncer] if self.syncer else [])]
+    return [*self.learners.values(), *self.syncers()]
 
   def stop_all(self, grace_s: float = 15.0) -> None:
     """SIGTERM to every live child (learners first), then SIGKILL after `grace_s`. Idempotent."""
-    processes.stop_in_order(
-      [list(self.learners.values()), [self.syncer] if self.syncer else []], grace_s
-    )
+    processes.stop_in_order([list(self.learners.values()), self.syncers()], grace_s)
 
   @staticmethod
   def tail(child: Child, lines: int = 30) -> str:
@@ -412,23 +422,24 @@ class LocalCluster:
           progress(
             f"fresh run: removed the previous run's {', '.join(removed)} (--resume keeps them)"
           )
-      self.start_syncer()
+      self.start_syncers(job.syncer_shards)
       for i in range(self.num_learners):
         self.fleet.join(
           i, devices=self.devices_per_learner, batch_size=None, steps=None, elastic=False
         )
-      client = SyncerClient(
-        f"{self.syncer_host}:{self.port}",
-        token=self.token,
-        tls_ca_file=self.tls[2] if self.tls else None,
-        deadline_s=2.0,
+      client = syncer_shards.status_client(
+        [f"{self.syncer_host}:{p}" for p in self.shard_ports or [self.port]],
+        lambda address: SyncerClient(
+          address, token=self.token, tls_ca_file=self.tls[2] if self.tls else None, deadline_s=2.0
+        ),
       )
       deadline = time.monotonic() + timeout_s
       next_progress = 0.0
       while True:
         done = self.check_fleet(progress, client)
-        if self.syncer.proc.poll() is not None:
-          raise RuntimeError(f"The syncer exited early:\n{self.tail(self.syncer)}")
+        for c in self.syncers():
+          if c.proc.poll() is not None:
+            raise RuntimeError(f"The syncer exited early:\n{self.tail(c)}")
         if done:
           break
         if time.monotonic() > deadline:
@@ -442,12 +453,8 @@ class LocalCluster:
         time.sleep(0.2)
       self.syncer_alive_at_end = elastic.syncer_alive(client)
       client.close()
-      processes.signal_group(
-        self.syncer.proc, signal.SIGTERM
-      )  # Graceful: flush merges, final eval, summary.
-      self.syncer.proc.wait(timeout=300)
-      if self.syncer.proc.returncode != 0:
-        raise RuntimeError(f"The syncer failed at shutdown:\n{self.tail(self.syncer)}")
+      # Graceful: flush merges, final eval, summary.
+      processes.terminate_all(self.syncers(), "The syncer failed at shutdown", timeout_s=300)
     except KeyboardInterrupt:
       interrupted = True
     finally:

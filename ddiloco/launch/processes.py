@@ -17,6 +17,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -333,3 +334,30 @@ def stop_in_order(groups: Sequence[Sequence[Child]], grace_s: float) -> None:
       except subprocess.TimeoutExpired:
         signal_group(c.proc, signal.SIGKILL)
         c.proc.wait(timeout=10)
+
+
+def terminate_all(children: Sequence[Child], what: str, *, timeout_s: float) -> None:
+  """SIGTERMs every child's group at once, then waits for each.
+
+  Raises:
+    RuntimeError: `what` with the log's tail of a child that exited with a non-zero status.
+  """
+  for c in children:
+    signal_group(c.proc, signal.SIGTERM)
+  for c in children:
+    c.proc.wait(timeout=timeout_s)
+    if c.proc.returncode != 0:
+      raise RuntimeError(f"{what}:\n{tail(c)}")
+
+
+def remove_folders(workdir: str, prefixes: tuple[str, ...]) -> list[str]:
+  """Removes the folders of `workdir` whose names start with one of `prefixes`; returns their names."""
+  removed = []
+  if not os.path.isdir(workdir):
+    return removed
+  for name in sorted(os.listdir(workdir)):
+    path = os.path.join(workdir, name)
+    if os.path.isdir(path) and name.startswith(prefixes):
+      shutil.rmtree(path)
+      removed.append(name)
+  return removed

@@ -42,6 +42,8 @@ def progress_line(
     )
   except grpc.RpcError as e:
     head = f"t={time.time() - t0:6.1f}s syncer {e.code().name}"
+  if hasattr(client, "shard_merges"):  # A sharded syncer: each shard's merges ("-": down).
+    head += " shards " + "+".join("-" if m is None else str(m) for m in client.shard_merges())
   parts, paces = [], []
   for i, c in sorted(learners.items()):
     member = fleet.members.get(i)

@@ -162,9 +162,27 @@ class RayCluster(LocalCluster):
     self._handles.append(handle)
     return handle
 
-  def spawn_syncer(self, *, port: int = 0) -> None:
+  def start_syncers(self, num_shards: int, timeout_s: float = 180.0) -> None:
+    """A sharded syncer's shards on the syncer's node: each on the configured port + its index,
+    or on one found free there; Ray restarts each shard alone."""
+    if num_shards > 1:
+      strategy = self._syncer_strategy()
+      probes = [
+        ray.get(
+          ray_actors.probe.options(scheduling_strategy=strategy).remote(),
+          timeout=self.ray_config.start_timeout_s,
+        )
+        for _ in range(num_shards)
+      ]
+      self.syncer_host = probes[0][0]
+      base = self.ray_config.syncer_port
+      self.shard_ports = [base + i if base else free for i, (_, free) in enumerate(probes)]
+    super().start_syncers(num_shards, timeout_s)
+
+  def spawn_syncer(self, *, port: int = 0, shard: int = 0) -> None:
     strategy = self._syncer_strategy()
-    if port == 0:  # The configured port, or one free on the syncer's node; its restarts keep it.
+    if port == 0 and not self.shard_ports:  # The configured port, or one free on the syncer's
+      # node; its restarts keep it.
       self.syncer_host, free = ray.get(
         ray_actors.probe.options(scheduling_strategy=strategy).remote(),
         timeout=self.ray_config.start_timeout_s,
@@ -175,7 +193,7 @@ class RayCluster(LocalCluster):
       "resources": dict(self.ray_config.syncer_resources),
       "scheduling_strategy": strategy,
     }
-    super().spawn_syncer(port=port)
+    super().spawn_syncer(port=port, shard=shard)
 
   def _popen(self, launch: processes.Launch) -> ray_actors.ActorProcess:
     if launch.role == "syncer":
@@ -260,7 +278,7 @@ class RayCluster(LocalCluster):
     for name, n in self.restarts().items():
       if n > self._restarts_seen.get(name, 0):
         self._restarts_seen[name] = n
-        learner_id = -1 if name == "syncer" else int(name.split("_")[1])
+        learner_id = -1 if name.startswith("syncer") else int(name.split("_")[1])
         self.fleet.record("restart", learner_id, program=name, restarts=n)
         if progress is not None:
           progress(f"ray: {name} restarted after it died ({n} so far)")
@@ -303,10 +321,13 @@ class RayCluster(LocalCluster):
       self._reservations.clear()
 
   def restarts(self) -> dict[str, int]:
-    """Restarts Ray made, per program that had any ("syncer", "learner_<i>")."""
+    """Restarts Ray made, per program that had any ("syncer", "syncer_<i>", "learner_<i>")."""
     out = {}
     if self.syncer is not None and self.syncer.proc.restarts:
       out["syncer"] = self.syncer.proc.restarts
+    for i, child in sorted(self.shards.items()):  # A sharded syncer's other shards.
+      if child.proc.restarts:
+        out[f"syncer_{i}"] = child.proc.restarts
     for i, child in sorted(self.learners.items()):
       n = self._unit_restarts.get(i, 0)
       if isinstance(child.proc, ray_actors.ActorProcess):

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ddiloco.launch import syncer_shards
 from ddiloco.launch.job import JobConfig
 from ddiloco.metrics.writer import write_summary
 
@@ -42,9 +43,54 @@ def read_json(path: str) -> dict:
     return json.load(f)
 
 
-def _syncer_summary(workdir: str) -> dict:
-  path = os.path.join(workdir, "syncer", "summary.json")
-  return {**_NO_SYNCER, **read_json(path)} if os.path.exists(path) else dict(_NO_SYNCER)
+def _syncer_summary(workdir: str, shard: int = 0) -> dict:
+  """A syncer's (shard's) summary, its digests completed from its merge journal: a restarted
+  syncer's summary lists only what it published since, and learners may hold older versions."""
+  from ddiloco.checkpoint.journal import JOURNAL_NAME, read_journal_records  # Imports jax.
+
+  folder = syncer_shards.shard_workdir(os.path.join(workdir, "syncer"), shard)
+  path = os.path.join(folder, "summary.json")
+  out = {**_NO_SYNCER, **read_json(path)} if os.path.exists(path) else dict(_NO_SYNCER)
+  digests = dict(out["digests"])
+  for p, versions in read_journal_records(os.path.join(folder, JOURNAL_NAME)).items():
+    for v, digest in versions.items():
+      if digest is not None:
+        digests.setdefault(f"{p}:{v}", digest)
+  out["digests"] = digests
+  return out
+
+
+def _mean_quorum(syncers: Sequence[dict]) -> float:
+  """The mean quorum size over every shard's merges."""
+  merges = sum(s["merges"] for s in syncers)
+  return sum(s["mean_quorum_size"] * s["merges"] for s in syncers) / merges if merges else 0.0
+
+
+def _shards(syncers: Sequence[dict], applies: Sequence[tuple[int, int, str]]) -> list[dict]:
+  """Per syncer shard: its merges, its digest checks (the learners' applies of its fragments
+  against its published digests) and whether its token ledger balances."""
+  out = []
+  for shard, syncer in enumerate(syncers):
+    mine = [(p, v, d) for p, v, d in applies if p % len(syncers) == shard]
+    ledger = syncer.get("token_ledger") or {}
+    totals = [ledger.get(k, 0) for k in ("received", "merged", "dropped", "pending")]
+    out.append(
+      {
+        "merges": syncer["merges"],
+        "digest_checks": len(mine),
+        "digests_agree": bool(mine)
+        and all(d and syncer["digests"].get(f"{p}:{v}") == d for p, v, d in mine),
+        "ledger_balanced": bool(ledger) and totals[0] == sum(totals[1:]),
+        "final_versions": {
+          p: v
+          for p, v in enumerate(syncer["stats"].get("versions") or [])
+          if p in syncer.get("owned", ())
+        },
+        "recovery": syncer.get("recovery"),
+        "restarted": syncer.get("restored") is not None,
+      }
+    )
+  return out
 
 
 def summarize(
@@ -72,13 +118,14 @@ def summarize(
     interrupted: the run was stopped by Ctrl-C: a partial run, never "ok" (the processes that had
       not written their summaries yet count as empty).
   """
-  syncer = _syncer_summary(workdir)
+  syncers = [_syncer_summary(workdir, i) for i in range(job.syncer_shards)]
+  syncer = syncers[0]
   learners = {}
   for i in range(num_learners) if learner_ids is None else learner_ids:
     path = os.path.join(workdir, f"learner_{i}", "summary.json")
     if os.path.exists(path):
       learners[i] = read_json(path)
-  digests = syncer["digests"]
+  digests = {k: d for s in syncers for k, d in s["digests"].items()}  # Each its own fragments'.
   applies = [(p, v, d) for s in learners.values() for p, v, d in s["applies"]]
   agree = bool(applies) and all(d and digests.get(f"{p}:{v}") == d for p, v, d in applies)
   agree = agree and all(s["digest_mismatches"] == 0 for s in learners.values())
@@ -100,11 +147,11 @@ def summarize(
     "tokens_trained": tokens,
     "goodput": busy / provisioned if provisioned > 0 else 0.0,
     "global_downtime_s": downtime,
-    "merges": syncer["merges"],
-    "mean_quorum_size": syncer["mean_quorum_size"],
-    "dropped_reports": int(syncer["stats"].get("late", 0)),
-    "bytes_up": syncer["bytes_up"],
-    "bytes_down": syncer["bytes_down"],
+    "merges": sum(s["merges"] for s in syncers),
+    "mean_quorum_size": _mean_quorum(syncers),
+    "dropped_reports": sum(int(s["stats"].get("late", 0)) for s in syncers),
+    "bytes_up": sum(s["bytes_up"] for s in syncers),
+    "bytes_down": sum(s["bytes_down"] for s in syncers),
     "wall_time_s": wall_time_s,
     "virtual_time_s": wall_time_s,  # Real processes: virtual time is wall time.
     "digests_agree": agree,
@@ -137,6 +184,8 @@ def summarize(
     "syncer_alive_at_end": None if syncer_alive_at_end is None else list(syncer_alive_at_end),
     "interrupted": interrupted,
   }
+  if len(syncers) > 1:
+    summary["shards"] = _shards(syncers, applies)
   summary["ok"] = bool(
     agree
     and summary["budget_reached"]

@@ -13,28 +13,28 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
-import jax
 import numpy as np
 
 from ddiloco import storage
 from ddiloco.checkpoint import syncer as ckpt_lib
 from ddiloco.checkpoint.learner import (
   LearnerCheckpointConfig,
-  LearnerCheckpointer,
-  abstract_opt_state,
 )
-from ddiloco.distributed import multihost as multihost_lib
 from ddiloco.distributed import server as server_lib
 from ddiloco.distributed.worker import LearnerWorker
+from ddiloco.launch import syncer_shards
 from ddiloco.launch.job import JobConfig
+from ddiloco.launch.learner_workers import make_multihost_worker, worker_args
 from ddiloco.metrics.writer import MetricsWriter, write_summary
-from ddiloco.parallel.multihost import GlobalBatches, ProcessGroup
 from ddiloco.syncer.core import MergeEvent
-from ddiloco.transport.client import SyncerClient, fragment_layouts
+from ddiloco.transport.client import SyncerClient
+
+# make_multihost_worker lives in learner_workers.py; the entry points and tests find it here too.
+__all__ = ["SyncerRun", "make_learner_worker", "make_multihost_worker"]
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,12 @@ class SyncerRun:
     *,
     workdir: str,
     checkpoint: ckpt_lib.SyncerCheckpointConfig | None = None,
+    shard: int = 0,
+    shard_addresses: Sequence[str] = (),
   ):
     self.job = job
+    # One shard of a sharded syncer (launch/syncer_shards.py): it merges only its fragments.
+    self.shard, self.num_shards = shard, max(1, len(shard_addresses))
     self.workdir = workdir
     storage.require_local(
       workdir, who="The syncer", why="it fsyncs its merge journal before it serves a version"
@@ -65,9 +69,10 @@ class SyncerRun:
       layout_digest=self.layout.digest,
       fragment_bytes=[self.layout.fragment_bytes(p) for p in range(self.layout.num_fragments)],
     )
+    init_values = self.factory.global_init_values()
     self.service = server_lib.make_syncer(
       fragment_keys=self.layout.fragments,
-      init_values=self.factory.global_init_values(),
+      init_values=init_values,
       syncer_config=job.run.the_syncer(),
       service_config=job.run.the_service(),
       layout_digest=self.layout.digest,
@@ -76,7 +81,14 @@ class SyncerRun:
       on_merge=self._on_merge,
       record=self._record,
       on_recovery=self._on_recovery,
+      shard=shard,
+      shard_addresses=shard_addresses,
     )
+    # Shard 0 of several evaluates version 0 with the other shards' initial values (`serve`).
+    self._others = syncer_shards.others(
+      self.layout.fragments, init_values, self.service.core, shard
+    )
+    del init_values
     self.server: server_lib.SyncerServer | None = None
     self.merge_times: list[list] = []  # [wall time, fragment, version, contributors]
     # TensorBoard scalars of merges, written outside the service's lock (`_write_scalars`).
@@ -219,6 +231,7 @@ class SyncerRun:
     self.warm_up()
     if self.restored is None:
       self.evaluate()  # Version 0, before any learner connects (a restart evaluates in `loop`).
+    self._others = None  # A shard's periodic evaluations have no global model.
     if self.restored is not None and self.restored.to_recover:
       # Versions the kill lost: the learners hold them, digest-checked against the journal. The
       # window starts now, when they can reach us: the warm-up above took 19 s at a restart
@@ -241,20 +254,30 @@ class SyncerRun:
     answers = self.job.run.num_learners  # The full fleet: the common answer count.
     with futures.ThreadPoolExecutor(2) as pool:
       # Re-raises a failure.
-      list(pool.map(lambda p: core.warm_up(p, answers), range(core.num_fragments)))
+      list(pool.map(lambda p: core.warm_up(p, answers), sorted(core.owned)))
     seconds = time.monotonic() - t0
-    log.info("outer steps of %d fragments compiled in %.1f s", core.num_fragments, seconds)
+    log.info("outer steps of %d fragments compiled in %.1f s", len(core.owned), seconds)
     self.writer.event("warm_up", time=round(time.time(), 4), seconds=round(seconds, 3))
     return seconds
 
-  def global_flat(self) -> dict[str, np.ndarray]:
+  def global_flat(self) -> dict[str, np.ndarray] | None:
+    """The global model's flat values; None on a shard that lacks the others' fragments."""
     with self.service.lock:
       states = [self.service.core.state(p).values for p in range(self.layout.num_fragments)]
+    if self.num_shards > 1:
+      if self._others is None:
+        return None
+      states = [self._others.get(p, vals) for p, vals in enumerate(states)]
     return self.layout.join(states)
 
   def evaluate(self) -> float:
+    """Evaluates the global model; NaN (nothing recorded) on a shard without the whole model."""
+    flat = self.global_flat()
+    if flat is None:
+      return float("nan")
+    self._others = None  # Shard 0 of several: the initial or final values, used once.
     merges = len(self.service.merge_log())
-    metrics = self.factory.evaluate_flat_metrics(self.global_flat())
+    metrics = self.factory.evaluate_flat_metrics(flat)
     loss = metrics["loss"]
     self.evals.append((time.time(), merges, loss))
     aux = {k: float(v) for k, v in metrics.items() if k != "loss"}  # e.g. accuracy, moe_aux_loss
@@ -306,6 +329,10 @@ class SyncerRun:
       self._checkpointer.close()
     if self._journal is not None:
       self._journal.close()
+    if self.num_shards > 1:  # Shard i > 0 hands its final values to shard 0, which evaluates.
+      self._others = syncer_shards.gather(
+        self.workdir, self.service.core, self.shard, self.num_shards, started=self._t0
+      )
     final = self.evaluate()
     svc = self.service
     with svc.lock:
@@ -315,7 +342,10 @@ class SyncerRun:
     log_ = svc.merge_log()
     summary = {
       "final_eval_loss": final,
-      "initial_eval_loss": self.evals[0][2],
+      "initial_eval_loss": self.evals[0][2] if self.evals else float("nan"),
+      "shard": self.shard,
+      "num_shards": self.num_shards,
+      "owned": sorted(svc.core.owned),
       "merges": len(log_),
       "mean_quorum_size": stats["mean_quorum_size"],
       "stats": {k: v for k, v in stats.items() if k != "quorum_size_counts"},
@@ -326,7 +356,9 @@ class SyncerRun:
       "push_latency_s": svc.push_latency(),
       "bytes_up": up,
       "bytes_down": down,
-      "digests": {f"{p}:{v}": d for (p, v), d in svc.published_digests().items()},
+      "digests": {
+        f"{p}:{v}": d for (p, v), d in svc.published_digests().items() if svc.core.owns(p)
+      },
       "merge_times": self.merge_times,
       "evals": [[round(t, 4), m, loss] for t, m, loss in self.evals],
       "num_params": self.factory.num_params,
@@ -379,7 +411,7 @@ def make_learner_worker(
     data=data,
     client=client,
     writer=writer,
-    **_worker_args(
+    **worker_args(
       job,
       factory,
       learner,
@@ -387,100 +419,6 @@ def make_learner_worker(
       checkpoint=checkpoint,
       ckpt_workdir=workdir,
       connect_timeout_s=connect_timeout_s,
-    ),
-  )
-  return worker, writer
-
-
-def _worker_args(
-  job: JobConfig,
-  factory: Any,
-  learner: Any,
-  *,
-  learner_id: int,
-  checkpoint: LearnerCheckpointConfig | None,
-  ckpt_workdir: str,
-  connect_timeout_s: float,
-  group: ProcessGroup | None = None,
-) -> dict[str, Any]:
-  """The arguments every kind of learner worker takes from the run and its factory; the
-  checkpointer (None unless `checkpoint` is enabled) keeps its folder under `ckpt_workdir`."""
-  checkpointer = None
-  if checkpoint is not None and checkpoint.enabled:
-    checkpointer = LearnerCheckpointer(
-      checkpoint,
-      learner_id=learner_id,
-      workdir=ckpt_workdir,
-      opt_target=abstract_opt_state(learner.steps, learner.params),
-      layout_digest=factory.layout.digest,
-      group=group,
-    )
-  return {
-    "layout_digest": factory.layout.digest,
-    "layouts": fragment_layouts(factory.layout.fragments, factory.global_init_values()),
-    "batch_size": job.run.learner_batch_size(),
-    "log_every": job.run.log_every,
-    "senders": job.senders,
-    "connect_timeout_s": connect_timeout_s,
-    "checkpointer": checkpointer,
-  }
-
-
-def make_multihost_worker(
-  job: JobConfig,
-  *,
-  learner_id: int,
-  client: SyncerClient | None,
-  workdir: str,
-  connect_timeout_s: float = 120.0,
-  checkpoint: LearnerCheckpointConfig | None = None,
-  learner_workdir: str | None = None,
-) -> tuple[multihost_lib.MultihostWorker, MetricsWriter]:
-  """This process's part of learner `learner_id`, on the global devices of all its processes.
-
-  Call after `parallel.multihost.initialize`. Every process reads the learner's data shard and feeds
-  the rows of its own devices (`GlobalBatches`), so the learner's batch is `job.run.batch_size`.
-
-  Args:
-    job: the run's config (identical in every process).
-    learner_id: the learner's id at the syncer.
-    client: the syncer client (process 0 only; None elsewhere).
-    workdir: this process's output folder.
-    connect_timeout_s: how long process 0's first registration may take.
-    checkpoint: learner checkpoints (None or not enabled: none), shared by the processes.
-    learner_workdir: the learner's output folder (process 0's `workdir`, the default), where the
-      checkpoint folder is unless `checkpoint.directory` says otherwise: the same in every process.
-
-  Returns:
-    The worker and its metrics writer.
-
-  Raises:
-    ValueError: without a client on process 0, or with one elsewhere.
-  """
-  if (client is not None) != (jax.process_index() == 0):
-    raise ValueError("Process 0, and only process 0, of a learner needs a syncer client.")
-  # jax.devices() is global here: the learner's mesh spans every process of the learner.
-  factory, spec, learner = job.make_learner(learner_id)
-  group = ProcessGroup(learner.steps.mesh)
-  data = GlobalBatches(iter(factory.make_data(learner_id, spec=spec)), learner.steps.batch_sharding)
-  storage.makedirs(workdir)
-  # One TensorBoard run per learner: process 0's (the others' curves would repeat it).
-  writer = MetricsWriter(workdir, tensorboard=jax.process_index() == 0)
-  worker = multihost_lib.MultihostWorker(
-    group=group,
-    learner=learner,
-    data=data,
-    client=client if client is not None else multihost_lib.NoSyncer(),
-    writer=writer,
-    **_worker_args(
-      job,
-      factory,
-      learner,
-      learner_id=learner_id,
-      checkpoint=checkpoint,
-      ckpt_workdir=learner_workdir or workdir,
-      connect_timeout_s=connect_timeout_s,
-      group=group,
     ),
   )
   return worker, writer

@@ -2,6 +2,10 @@
 
   ddiloco-syncer --gin_file=gin_configs/local_tiny.gin --workdir=/tmp/run/syncer --port=50051
 
+With `--gin.JobConfig.syncer_shards=S` (S > 1) run S of them, each with its own `--shard=i`,
+workdir, port and the same `--shard_addresses=host:port,...` (every shard's, in shard order):
+shard i merges the fragments p with p mod S = i (docs/architecture.md, "The sharded syncer").
+
 Binds to 127.0.0.1 unless `--host` says otherwise. The shared token comes from `--auth_token_file` or
 the DDILOCO_TOKEN environment variable; TLS is on with `--tls_cert_file` and `--tls_key_file`. A
 non-loopback `--host` without a token is refused unless `--insecure` is given. A port in use (by
@@ -32,6 +36,15 @@ _HOST = flags.DEFINE_string("host", "127.0.0.1", "address to bind; loopback unle
 _PORT = flags.DEFINE_integer(
   "port", 0, "port to bind; 0 picks a free one (see --port_file)", lower_bound=0, upper_bound=65535
 )
+_SHARD = flags.DEFINE_integer(
+  "shard", 0, "this process's syncer shard, in [0, JobConfig.syncer_shards)", lower_bound=0
+)
+_SHARD_ADDRESSES = flags.DEFINE_string(
+  "shard_addresses",
+  "",
+  "with JobConfig.syncer_shards = S > 1: every shard's host:port, comma-separated, in shard order "
+  "(told to learners at Register)",
+)
 _PORT_FILE = flags.DEFINE_string("port_file", None, "write the bound port here once serving")
 _TOKEN_FILE = flags.DEFINE_string(
   "auth_token_file", None, "shared token file (else $DDILOCO_TOKEN)"
@@ -57,6 +70,11 @@ def main(argv: list[str]) -> None:
     config_text = gin_flags.parse_gin()
     job = configurables.configured(JobConfig)()
     checkpoint = configurables.configured(SyncerCheckpointConfig)()
+    from ddiloco.launch import syncer_shards
+
+    shard_addresses = syncer_shards.parse_addresses(_SHARD_ADDRESSES.value, job.syncer_shards)
+    if _SHARD.value >= job.syncer_shards:
+      raise ValueError(f"--shard={_SHARD.value} with JobConfig.syncer_shards={job.syncer_shards}.")
   workdir = cli.make_workdir(
     _WORKDIR.value, config_text, why_local="the syncer fsyncs its merge journal before it serves"
   )
@@ -71,7 +89,13 @@ def main(argv: list[str]) -> None:
   if ":" in _HOST.value and not _HOST.value.startswith("["):
     address = f"[{_HOST.value}]:{_PORT.value}"  # An IPv6 literal.
   try:
-    run = runtime.SyncerRun(job, workdir=workdir, checkpoint=checkpoint)
+    run = runtime.SyncerRun(
+      job,
+      workdir=workdir,
+      checkpoint=checkpoint,
+      shard=_SHARD.value,
+      shard_addresses=shard_addresses,
+    )
   except RestoreError as e:
     raise SystemExit(f"ddiloco-syncer: cannot restart: {e}") from None
   try:
@@ -80,7 +104,7 @@ def main(argv: list[str]) -> None:
     )
   except (server_lib.BindError, server_lib.InsecureServeError) as e:
     sys.exit(f"ddiloco-syncer: {e}")  # One line, no traceback: the operator's mistake.
-  logging.info("syncer serving on %s:%d", _HOST.value, server.port)
+  logging.info("syncer shard %d serving on %s:%d", _SHARD.value, _HOST.value, server.port)
   if _PORT_FILE.value:
     tmp = f"{_PORT_FILE.value}.tmp"
     with open(tmp, "w") as f:

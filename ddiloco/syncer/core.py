@@ -92,6 +92,7 @@ class SyncerCore:
     outer_optimizer: optax.GradientTransformation | None = None,
     adopt: Callable[[int, Mapping[str, np.ndarray], Mapping[str, np.ndarray]], dict] | None = None,
     schedule: FragmentSchedule | None = None,
+    owned: Collection[int] | None = None,
   ):
     """Creates the syncer at version 0 of every fragment.
 
@@ -108,12 +109,15 @@ class SyncerCore:
       schedule: when each fragment is due on the syncer's step clock, and τ (the overlap the grace
         window spends): the run's one `FragmentSchedule`, which the learners follow too.
         Default: P = H = the number of fragments (at least 3), τ = 2.
+      owned: the fragments this core merges, on a syncer shard (fragments/shards.py): it holds
+        values, versions and outer states only for them and opens rounds only for them; fragment
+        ids stay global. Default: all.
 
     Raises:
       ValueError: if fragments are empty or overlap, keys and init_values disagree, a value is not
         a floating array, or the schedule does not fit.
     """
-    self._versions = VersionStore(fragment_keys, init_values, config.keep_versions)
+    self._versions = VersionStore(fragment_keys, init_values, config.keep_versions, owned)
     num = self._versions.num_fragments
     self._config = config
     if schedule is None:
@@ -177,6 +181,15 @@ class SyncerCore:
   def config(self) -> SyncerConfig:
     return self._config
 
+  @property
+  def owned(self) -> frozenset[int]:
+    """The fragments this core merges (all of them unless it is one shard of several)."""
+    return self._versions.owned
+
+  def owns(self, p: int) -> bool:
+    """Whether this core merges fragment p."""
+    return p in self._versions.owned
+
   def register(self, learner_id: int) -> dict[int, int]:
     """Marks a learner alive (`LearnerRegistry.register`) and returns {fragment: current version}
     (its "vector clock", docs/algorithm.md §6)."""
@@ -220,6 +233,8 @@ class SyncerCore:
       ValueError: on an unknown fragment, or a step not after p's newest round.
     """
     self._check_fragment(p)
+    if not self.owns(p):
+      raise ValueError(f"Fragment {p} belongs to another syncer shard.")
     return self._pacer.open_round(p, step)
 
   def open_rounds(self) -> list[RoundRequest]:

@@ -121,8 +121,10 @@ class RoundPacer:
       if t < 1:
         continue
       for p in self._schedule.due(t):
-        if t <= self._rounds.last_step(p) or p in self._frozen:
-          continue  # Opened already (`open_round` called directly, or a restored round); frozen.
+        if t <= self._rounds.last_step(p) or p in self._frozen or p not in self._versions.owned:
+          # Opened already (`open_round` called directly, or a restored round); frozen; another
+          # shard's.
+          continue
         request = self.open_round(p, t)
         if request is not None:
           opened.append(request)

@@ -3,7 +3,7 @@ kept recent versions (docs/algorithm.md §4.3, §4.7)."""
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -37,6 +37,10 @@ class VersionStore:
 
   Values are read-only arrays, shared by every reader and never mutated: a new version replaces a
   fragment's dict. Not thread-safe (the core's owner locks).
+
+  A syncer shard's store owns only some fragments (`owned`, fragments/shards.py): it holds values
+  only for those; every other fragment stays at version 0 with no values (empty dicts), so its
+  memory scales with its share of the model. Fragment ids stay global.
   """
 
   def __init__(
@@ -44,12 +48,20 @@ class VersionStore:
     fragment_keys: Sequence[Sequence[str]],
     init_values: Mapping[str, np.ndarray],
     keep_versions: int,
+    owned: Collection[int] | None = None,
   ):
-    """Holds version 0 of every fragment: `init_values`, copied.
+    """Holds version 0 of every owned fragment: `init_values`, copied.
+
+    Args:
+      fragment_keys: per fragment (all of the layout's), its parameter keys.
+      init_values: the initial value of every key of the owned fragments (keys of other fragments
+        may be present: they are not read).
+      keep_versions: versions kept per fragment.
+      owned: the fragments this store holds (default: all).
 
     Raises:
-      ValueError: if fragments are empty or overlap, keys and init_values disagree, or a value is
-        not a floating array.
+      ValueError: if fragments are empty or overlap, keys and init_values disagree, a value is
+        not a floating array, or `owned` names no fragment or an unknown one.
     """
     self._keys = tuple(tuple(ks) for ks in fragment_keys)
     if not self._keys or any(not ks for ks in self._keys):
@@ -57,21 +69,25 @@ class VersionStore:
     all_keys = [k for ks in self._keys for k in ks]
     if len(set(all_keys)) != len(all_keys):
       raise ValueError("A key appears in more than one fragment (or twice in one).")
-    if set(all_keys) != set(init_values):
-      missing = sorted(set(all_keys) - set(init_values))[:3]
+    num = len(self._keys)
+    self._owned = frozenset(range(num)) if owned is None else frozenset(int(p) for p in owned)
+    if not self._owned or not all(0 <= p < num for p in self._owned):
+      raise ValueError(f"owned must name some of the fragments 0..{num - 1}, got {sorted(owned)}.")
+    held_keys = {k for p in self._owned for k in self._keys[p]}
+    if not held_keys <= set(init_values) or not set(init_values) <= set(all_keys):
+      missing = sorted(held_keys - set(init_values))[:3]
       extra = sorted(set(init_values) - set(all_keys))[:3]
       raise ValueError(f"fragment_keys and init_values disagree: missing {missing}, extra {extra}.")
     self._keep = keep_versions
     self._global: list[dict[str, np.ndarray]] = []
-    for ks in self._keys:
+    for p, ks in enumerate(self._keys):
       vals = {}
-      for k in ks:
+      for k in ks if p in self._owned else ():
         a = np.array(init_values[k], copy=True)
         if not jnp.issubdtype(a.dtype, jnp.floating):
           raise ValueError(f"{k!r} has dtype {a.dtype}; only floating parameters can be synced.")
         vals[k] = readonly(a)
       self._global.append(vals)
-    num = len(self._keys)
     self._version = [0] * num
     self._digest = [values_digest(v) for v in self._global]
     # ‖Θ_p‖ of each current version: the scale of the plausibility bound (`admission.py`).
@@ -82,9 +98,14 @@ class VersionStore:
   def num_fragments(self) -> int:
     return len(self._keys)
 
+  @property
+  def owned(self) -> frozenset[int]:
+    """The fragments this store holds values of (all but on a syncer shard)."""
+    return self._owned
+
   def keys(self, p: int) -> tuple[str, ...]:
-    """The parameter keys of fragment p, in the layout's order."""
-    return self._keys[p]
+    """The parameter keys of fragment p this store holds, in the layout's order (none if not owned)."""
+    return self._keys[p] if p in self._owned else ()
 
   def version(self, p: int) -> int:
     return self._version[p]
@@ -223,5 +244,8 @@ class VersionStore:
     h = hashlib.sha256()
     for p, vals in enumerate(self._global):
       for k in self._keys[p]:
-        h.update(f"{p}|{k}|{vals[k].dtype}|{vals[k].shape};".encode())
+        # A fragment another shard owns: its keys only (the same hash as before when all owned).
+        h.update(
+          (f"{p}|{k}|{vals[k].dtype}|{vals[k].shape};" if k in vals else f"{p}|{k}|-;").encode()
+        )
     return h.hexdigest()[:32]

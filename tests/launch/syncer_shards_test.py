@@ -1,0 +1,103 @@
+"""Tests of the sharded syncer's launcher side: the shard count's checks, `--shard_addresses`, the
+shards' folders and final values, and the merged Status the launcher reads."""
+
+import os
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from ddiloco.data import text as text_data
+from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.launch import syncer_shards
+from ddiloco.launch.job import JobConfig
+from ddiloco.models import configs
+from ddiloco.run_config import RunConfig
+from ddiloco.transport.proto import syncer_pb2
+
+
+def test_the_shard_count_is_checked_against_the_fragments():
+  run = RunConfig(
+    model=configs.transformer_config("tiny", vocab_size=256, max_len=8),
+    data=text_data.TextDataConfig(seq_len=8, batch_size=8),
+    schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
+  )
+  assert JobConfig(run=run, syncer_shards=4).syncer_shards == 4
+  with pytest.raises(ValueError, match="exceeds the 4 fragments"):
+    JobConfig(run=run, syncer_shards=5)
+  with pytest.raises(ValueError, match="syncer_shards=0"):
+    JobConfig(run=run, syncer_shards=0)
+
+
+def test_shard_addresses_must_name_every_shard():
+  assert syncer_shards.parse_addresses("", 1) == ()
+  assert syncer_shards.parse_addresses("a:1, b:2", 2) == ("a:1", "b:2")
+  for text, num in (("", 2), ("a:1", 2), ("a:1,,c:3", 3), ("a:1,b:2", 1)):
+    with pytest.raises(ValueError, match="--shard_addresses"):
+      syncer_shards.parse_addresses(text, num)
+
+
+def test_shard_folders_and_final_values(tmp_path):
+  base = str(tmp_path / "syncer")
+  assert syncer_shards.shard_workdir(base, 0) == base
+  assert syncer_shards.shard_workdir(base, 2) == base + "_2"
+  started = time.time() - 1.0
+  one = syncer_shards.shard_workdir(base, 1)
+  os.makedirs(one)
+  values = {1: {"w": np.arange(3, dtype=np.float32)}, 3: {"v": np.ones(2, np.float32)}}
+  syncer_shards.write_final_values(one, values, {1: 4, 3: 2})
+  got = syncer_shards.read_final_values(base, [1], newer_than=started, timeout_s=0.0)
+  assert set(got) == {1, 3}
+  np.testing.assert_array_equal(got[1]["w"], values[1]["w"])
+  # A file older than this start (a previous life's) is not taken.
+  assert (
+    syncer_shards.read_final_values(base, [1], newer_than=time.time() + 60, timeout_s=0.0) is None
+  )
+
+
+class _FakeClient:
+  def __init__(self, status=None):
+    self._status = status
+
+  def status(self):
+    if self._status is None:
+      raise _Unavailable()
+    return self._status
+
+  def close(self):
+    pass
+
+
+class _Unavailable(grpc.RpcError):
+  def code(self):
+    return grpc.StatusCode.UNAVAILABLE
+
+
+def _status(shard, versions, merges, alive, *, late, hist):
+  return syncer_pb2.StatusResponse(
+    versions=versions,
+    merges=merges,
+    alive=alive,
+    counters={"late": late},
+    quorum_histogram=hist,
+    shard=shard,
+    num_shards=2,
+  )
+
+
+def test_the_launcher_sees_the_shards_as_one_syncer():
+  a = _status(0, [3, 0, 5, 0], 8, [0, 1], late=1, hist=[0, 2, 6])
+  b = _status(1, [0, 4, 0, 2], 6, [1, 2], late=2, hist=[0, 6])
+  merged = syncer_shards.ShardsStatus([_FakeClient(a), _FakeClient(b)])
+  st = merged.status()
+  assert list(st.versions) == [3, 4, 5, 2]  # Each fragment from its owner.
+  assert st.merges == 14 and list(st.alive) == [0, 1, 2]
+  assert st.counters["late"] == 3 and list(st.quorum_histogram) == [0, 8, 6]
+  assert merged.shard_merges() == [8, 6]
+  # A shard that is down: the other still answers; its fragments count at version 0.
+  half = syncer_shards.ShardsStatus([_FakeClient(a), _FakeClient(None)])
+  assert list(half.status().versions) == [3, 0, 5, 0]
+  assert half.shard_merges() == [8, None]
+  with pytest.raises(grpc.RpcError):
+    syncer_shards.ShardsStatus([_FakeClient(None), _FakeClient(None)]).status()
