@@ -11,12 +11,13 @@ made per push). Heartbeats report steps at `step_s`, so the syncer's step clock 
 `fleet_rate` clock) opens P/H rounds per step fleet-wide whatever the answers do. Learners do not
 pull merged versions: this measures ingest (egress is scripts/bench_wire.py's pull figure).
 
-A shard is an independent syncer process (`make_syncer` + `serve`: the `SyncerService` and
-`SyncerCore` a `ddiloco-syncer` runs, warmed up as `SyncerRun.warm_up` does) holding P/S
-fragments of `--fragment_mib` (float32) with the schedule (P/S, H, τ): its rounds come at 1/S of
-the fleet's rate, as those of a shard that owns the fragments p with p mod S == i will. It merges
-with quorum M (every learner's answer), RDA, bf16 downlink adoption. `start_shard` is the one place
-a shard is started; when `ddiloco-syncer --shard=i` exists it becomes that command.
+Shard i is a syncer shard as `ddiloco-syncer --shard=i` builds it (`make_syncer` with
+`shard`/`shard_addresses` + `serve`, warmed up as `SyncerRun.warm_up` does): its core owns the
+fragments p with p mod S == i of the whole layout of P fragments of `--fragment_mib` (float32),
+holds values only for those, and opens their rounds on the run's schedule (P, H, τ), so its rounds
+come at 1/S of the fleet's rate. It merges with quorum M (every learner's answer), RDA, bf16
+downlink adoption. The fake learners push over gRPC (the learners' bulk port is measured by
+scripts/bench_wire.py).
 
 Load: the offered ingest is M · (fragment's wire bytes) · (P/H) / step_s over all shards. The ramp
 offers each `--ramp_gbps` to every shard count in turn (S = 1 then S = 2 at each level, so the
@@ -49,6 +50,7 @@ import time
 
 import bench_capacity_fleet  # Beside this script: its folder is first on sys.path when it runs.
 import numpy as np
+import portpicker
 from absl import app, flags, logging
 from bench_capacity_summary import summarize
 
@@ -99,13 +101,14 @@ class Point:
   addresses: tuple[str, ...] = ()
 
   @property
-  def here(self) -> int:
-    """Fragments per shard."""
-    return self.fragments // self.shards
-
-  @property
   def digest(self) -> str:
-    return f"capacity-{self.here}x{self.fragment_params}"
+    return f"capacity-{self.fragments}x{self.fragment_params}"
+
+  def owned(self, shard: int) -> frozenset[int]:
+    """The fragments shard `shard` owns (p mod S == shard)."""
+    from ddiloco.fragments import shards
+
+    return shards.owned(shard, self.shards, self.fragments)
 
 
 def wire_bytes(params: int, codec: str) -> int:
@@ -119,7 +122,7 @@ def wire_bytes(params: int, codec: str) -> int:
 
 
 def _shard_main(pt: Point, out: str) -> None:
-  """One shard: a syncer service over its P/S fragments; writes its merge log on SIGTERM."""
+  """Syncer shard `--index` of `pt.shards`; writes its merge log on SIGTERM."""
   from ddiloco.distributed.server import make_syncer, serve
   from ddiloco.distributed.service_config import ServiceConfig
   from ddiloco.fragments.schedule import FragmentSchedule
@@ -128,19 +131,22 @@ def _shard_main(pt: Point, out: str) -> None:
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   rng = np.random.default_rng(_INDEX.value)
-  init = {f"f{k}": rng.standard_normal(pt.fragment_params, np.float32) for k in range(pt.here)}
+  owned = sorted(pt.owned(_INDEX.value))
+  init = {f"f{k}": rng.standard_normal(pt.fragment_params, np.float32) for k in owned}
   svc = make_syncer(
-    fragment_keys=[[f"f{k}"] for k in range(pt.here)],
+    fragment_keys=[[f"f{k}"] for k in range(pt.fragments)],
     init_values=init,
     syncer_config=SyncerConfig(min_quorum=pt.learners, grace_max_s=pt.overlap * pt.step_s),
     service_config=ServiceConfig(uplink_codec=pt.codec, downlink_codec=pt.downlink),
     layout_digest=pt.digest,
-    schedule=FragmentSchedule(num_fragments=pt.here, period=pt.fragments, overlap=pt.overlap),
+    schedule=FragmentSchedule(num_fragments=pt.fragments, period=pt.fragments, overlap=pt.overlap),
+    shard=_INDEX.value,
+    shard_addresses=pt.addresses if pt.shards > 1 else (),
   )
   del init  # The core keeps its own copy: RSS is the shard's alone.
-  for p in range(pt.here):  # As SyncerRun.warm_up: no merge compiles under the lock.
+  for p in owned:  # As SyncerRun.warm_up: no merge compiles under the lock.
     svc.core.warm_up(p, pt.learners)
-  srv = serve(svc, token=_TOKEN)
+  srv = serve(svc, address=pt.addresses[_INDEX.value], token=_TOKEN)
   with open(out + ".port.tmp", "w") as f:
     f.write(str(srv.port))
   os.rename(out + ".port.tmp", out + ".port")
@@ -180,11 +186,7 @@ def _child(role: str, pt: Point, index: int, out: str, cpus: str) -> subprocess.
 
 
 def start_shard(pt: Point, i: int, out: str) -> subprocess.Popen:
-  """Starts shard i of `pt.shards` (a syncer process over P/S fragments), pinned if asked.
-
-  The one place a shard starts: with a sharded `ddiloco-syncer`, this runs
-  `ddiloco-syncer --shard=i` over the whole layout instead of a syncer over a layout of P/S.
-  """
+  """Starts shard i of `pt.shards` on `pt.addresses[i]` (module docstring), pinned if asked."""
   cpus = _SHARD_CPUS.value[i % len(_SHARD_CPUS.value)] if _SHARD_CPUS.value else ""
   return _child("shard", pt, i, out, cpus)
 
@@ -227,15 +229,15 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 def measure(pt: Point, tmp: str) -> dict:
   """Runs one point: S shards and the fleet; returns its figures (see the module docstring)."""
   tag = f"{tmp}/s{pt.shards}m{pt.learners}f{pt.fragment_params}t{pt.step_s:.4f}"
+  # Every shard's address before any starts: a shard advertises the map at Register, as
+  # ddiloco-local's shards do.
+  ports = [portpicker.pick_unused_port() for _ in range(pt.shards)]
+  pt = dataclasses.replace(pt, addresses=tuple(f"127.0.0.1:{port}" for port in ports))
   shards = [start_shard(pt, i, f"{tag}.shard{i}") for i in range(pt.shards)]
   fleets: list[subprocess.Popen] = []
   try:
-    ports = []
     for i in range(pt.shards):
       _wait_file(f"{tag}.shard{i}.port", shards)
-      with open(f"{tag}.shard{i}.port") as f:
-        ports.append(f"127.0.0.1:{int(f.read())}")
-    pt = dataclasses.replace(pt, addresses=tuple(ports))
     fleets = [
       _child("fleet", pt, k, f"{tag}.fleet{k}", _FLEET_CPUS.value)
       for k in range(min(_FLEET_PROCS.value, pt.learners))

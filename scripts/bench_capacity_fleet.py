@@ -46,12 +46,16 @@ class _Answerer:
   def start(self) -> None:
     pt = self._pt
     self.client.wait_ready(TIMEOUT_S)
-    self.client.register(self.learner, layout_digest=pt.digest, num_fragments=pt.here)
-    shape = {f"f{p}": (pt.fragment_params,) for p in range(pt.here)}
-    for p in range(pt.here):
+    self.client.register(self.learner, layout_digest=pt.digest, num_fragments=pt.fragments)
+    for p in sorted(pt.owned(self.shard)):  # The shard's own fragments: ids are global.
       key = f"f{p}"
       self.client.pull(
-        self.learner, p, -1, layout_keys=[key], shapes={key: shape[key]}, dtypes={key: "float32"}
+        self.learner,
+        p,
+        -1,
+        layout_keys=[key],
+        shapes={key: (pt.fragment_params,)},
+        dtypes={key: "float32"},
       )
     for target in (self._rounds, self._sender, self._sender):  # Two senders, as a learner's.
       threading.Thread(target=target, daemon=True).start()
@@ -127,7 +131,7 @@ def _encode_payloads(pt) -> dict[int, tuple[bytes, list[bytes], int]]:
 
   delta = 1e-3 * np.random.default_rng(0).standard_normal(pt.fragment_params, np.float32)
   out = {}
-  for p in range(pt.here):
+  for p in range(pt.fragments):
     enc = FragmentEncoder({f"f{p}": delta}, pt.codec)
     data = list(enc.chunks(DEFAULT_CHUNK_SIZE))
     rest = [chunk_prefix(i, len(d)) + d for i, d in enumerate(data) if i]
