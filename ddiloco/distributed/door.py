@@ -21,7 +21,6 @@ token holder or not, from starving the server or growing its memory:
   another process holds.
 """
 
-import contextlib
 import dataclasses
 import errno
 import ipaddress
@@ -33,6 +32,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 
 from google.protobuf import descriptor, message
+
+from ddiloco.transport.read_ahead import ReadAhead
 
 # Longest text a client may send, by field name (characters); any other string field: `_TEXT_LIMIT`.
 # Host names are at most 253 characters (RFC 1035); layout digests are hex sha256 (64); codec names
@@ -211,9 +212,6 @@ class StreamTimeout(Exception):
   """A request stream passed its idle or total deadline (`PacedStream`)."""
 
 
-_END = object()
-
-
 class PacedStream:
   """Iterates a gRPC request iterator with an idle deadline per item and a total deadline.
 
@@ -237,33 +235,11 @@ class PacedStream:
     total_s: float,
     clock: Callable[[], float] = time.monotonic,
   ):
-    self._source = source
     self._idle_s = idle_s
     self._clock = clock
     self._deadline = clock() + total_s
-    self._items: queue.Queue = queue.Queue(maxsize=2)
-    self._closed = threading.Event()
     self._interrupted = threading.Event()
-    self._thread = threading.Thread(target=self._read, name="syncer-push-reader", daemon=True)
-    self._thread.start()
-
-  def _read(self) -> None:
-    try:
-      for item in self._source:
-        if not self._put(item):
-          return
-      self._put(_END)
-    except Exception as e:  # The call ended (cancelled, deadline): hand the error to the handler.
-      self._put(e)
-
-  def _put(self, item) -> bool:
-    while not self._closed.is_set():
-      try:
-        self._items.put(item, timeout=0.1)
-        return True
-      except queue.Full:
-        continue
-    return False
+    self._ahead = ReadAhead(source, depth=2, name="syncer-push-reader")
 
   def __iter__(self):
     return self
@@ -276,27 +252,25 @@ class PacedStream:
     if left <= 0:
       raise StreamTimeout("total")
     try:
-      item = self._items.get(timeout=min(self._idle_s, left))
+      item = self._ahead.get(timeout=min(self._idle_s, left))
     except queue.Empty:
       raise StreamTimeout("idle" if self._clock() < self._deadline else "total") from None
+    except StopIteration:
+      if self._interrupted.is_set():
+        raise StreamTimeout("evicted") from None
+      raise
     if self._interrupted.is_set():
       raise StreamTimeout("evicted")
-    if item is _END:
-      self._items.put(_END)  # Iterating again stays at the end.
-      raise StopIteration
-    if isinstance(item, Exception):
-      raise item
     return item
 
   def close(self) -> None:
     """Stops the reader handing over items (it exits once gRPC ends the call)."""
-    self._closed.set()
+    self._ahead.stop()
 
   def interrupt(self) -> None:
     """Makes the next read raise `StreamTimeout("evicted")` (from any thread)."""
     self._interrupted.set()
-    with contextlib.suppress(queue.Full):  # Items are waiting: the flag is checked before each.
-      self._items.put_nowait(_END)  # Wakes a waiting reader; the flag says why.
+    self._ahead.wake()  # Wakes a waiting reader; the flag says why (checked before each item too).
 
 
 class Watchdog:

@@ -22,16 +22,15 @@ One call per connection:
             `grpc.RpcError` like the gRPC call's.
 """
 
-import queue
 import socket
 import struct
-import threading
 from collections.abc import Iterable
 
 import grpc
 import numpy as np
 
 from ddiloco.transport.chunks import ArrayPool
+from ddiloco.transport.read_ahead import ReadAhead
 
 MAGIC = b"DDB1"
 OP_PUSH, OP_PULL = 1, 2
@@ -181,9 +180,6 @@ def read_trailer(sock: socket.socket) -> tuple[grpc.StatusCode, str, bytes]:
   return status_code(code), text, bytes(recv_exact(sock, n_body))
 
 
-_DONE = object()
-
-
 class Prefetch:
   """Iterates `source` in a helper thread, up to `depth` items ahead: a Push's chunks are encoded
   while the previous ones are sent, a Pull's frames read while the previous ones are decoded (the
@@ -192,44 +188,14 @@ class Prefetch:
   """
 
   def __init__(self, source: Iterable, *, depth: int = 2, name: str = "bulk-prefetch"):
-    self._items: queue.Queue = queue.Queue(maxsize=depth)
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._run, args=(source,), name=name, daemon=True)
-    self._thread.start()
-
-  def _run(self, source: Iterable) -> None:
-    try:
-      for item in source:
-        if not self._put(item):
-          close = getattr(source, "close", None)  # A generator's `finally` runs here, now.
-          if close is not None:
-            close()
-          return
-      self._put(_DONE)
-    except BaseException as e:  # Handed to the consumer, which raises it.
-      self._put(e)
-
-  def _put(self, item) -> bool:
-    while not self._stop.is_set():
-      try:
-        self._items.put(item, timeout=0.1)
-        return True
-      except queue.Full:
-        continue
-    return False
+    self._ahead = ReadAhead(source, depth=depth, name=name, close_source=True)
 
   def __iter__(self):
     return self
 
   def __next__(self):
-    item = self._items.get()
-    if item is _DONE:
-      self._items.put(_DONE)  # Iterating again stays at the end.
-      raise StopIteration
-    if isinstance(item, BaseException):
-      raise item
-    return item
+    return self._ahead.get()
 
   def close(self, timeout_s: float = 5.0) -> None:
-    self._stop.set()
-    self._thread.join(timeout_s)
+    self._ahead.stop()
+    self._ahead.join(timeout_s)

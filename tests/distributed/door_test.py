@@ -100,14 +100,16 @@ def test_paced_stream_times_out_an_idle_source_and_releases_its_reader():
     release.wait(10)  # A client that sends one chunk and then nothing.
     yield "late"
 
+  before = set(threading.enumerate())
   stream = door.PacedStream(source(), idle_s=0.2, total_s=30.0)
+  (reader,) = set(threading.enumerate()) - before
   assert next(stream) == "first"
   with pytest.raises(door.StreamTimeout, match="idle"):
     next(stream)
   stream.close()
   release.set()
-  stream._thread.join(5)
-  assert not stream._thread.is_alive()  # Closed: it drops the late item and ends.
+  reader.join(5)
+  assert not reader.is_alive()  # Closed: it drops the late item and ends.
 
 
 def test_paced_stream_total_deadline_is_checked_before_waiting():
