@@ -1,0 +1,69 @@
+"""The chaos driver on a syncer sharded over two processes: shard 1 alone is killed mid-run and
+restarted; every invariant holds per shard and the restart loses no merge.
+
+Slow (a few minutes on 2 loaded cores): `bash scripts/run_slow_tests.sh` runs it. It drives
+`ddiloco.launch.chaos.ChaosRun` with gin_configs/chaos/sharded.gin.
+"""
+
+import os
+import re
+
+import pytest
+
+from ddiloco.chaos.tape import read_tape
+from ddiloco.launch import local_cluster
+from ddiloco.testing import runs
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+GIN = os.path.join(ROOT, "gin_configs", "chaos", "sharded.gin")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def test_a_shard_killed_alone_loses_no_merge_and_every_invariant_holds(tmp_path):
+  from ddiloco.chaos.schedule import ChaosConfig
+  from ddiloco.launch import configurables
+  from ddiloco.launch.chaos import ChaosRun
+  from ddiloco.launch.job import JobConfig
+
+  search = [os.path.join(ROOT, "gin_configs"), os.path.join(ROOT, "gin_configs", "chaos")]
+  configurables.parse([GIN], search_paths=search)
+  try:
+    job = configurables.configured(JobConfig)()
+    chaos = configurables.configured(ChaosConfig)()
+  finally:
+    configurables.clear()
+  assert job.syncer_shards == 2 and chaos.syncer_kill_shards == (1,)
+  args = [f"--gin_file={GIN}", f"--gin_search_paths={os.path.join(ROOT, 'gin_configs')}"]
+  cluster = local_cluster.LocalCluster(
+    workdir=str(tmp_path / "chaos"), gin_args=args, num_learners=job.run.num_learners
+  )
+  run = ChaosRun(job, chaos, cluster)
+  run.run(timeout_s=800)
+  runs.assert_all_gone(cluster)
+  summary = run.summary()
+  assert summary["ok"], summary["table"]
+  names = {r["name"] for r in summary["invariants"]}
+  assert {"max_merge_gap", "digests_agree", "ledger_balances", "monotonic_versions"} <= names
+  tape = read_tape(run.tape_path)
+  down = [r for r in tape if r["kind"] == "syncer_down"]
+  assert [r["shard"] for r in down] == [1]  # Shard 1 alone went down, once.
+  killed_at = down[0]["t"]
+  back_at = next(r["t"] for r in tape if r["kind"] == "syncer_up" and r["t"] > killed_at)
+  merges = {s: [r["t"] for r in tape if r["kind"] == "merge" and r["shard"] == s] for s in (0, 1)}
+  assert any(t < killed_at for t in merges[1])  # Killed mid-run, after it had merged...
+  assert any(t > back_at for t in merges[1])  # ...and merging again after its restart,
+  assert any(killed_at < t < back_at for t in merges[0])  # while shard 0 merged on meanwhile.
+  # The restart lost merges (no checkpoint, no version log) and took every one back.
+  restores = [r for r in tape if r["kind"] == "syncer_restore"]
+  assert [r["shard"] for r in restores] == [1] and restores[0]["lost_merges"] > 0
+  assert summary["shards"][1]["merges_lost_at_restarts"] == [0]
+  assert summary["shards"][0]["merges_lost_at_restarts"] == []
+  assert summary["merges_lost_at_restarts"] == [0]
+  assert all(s["merges"] > 0 for s in summary["shards"])
+  assert summary["syncer_kills"] == 1 and summary["learner_kills"] >= 1
+  # The learners reached each shard through its proxy (the shard map held the proxies): each
+  # proxy's last log line has its counters.
+  for name in ("proxy.log", "proxy_1.log"):
+    stats = re.findall(r"connections=(\d+)", (tmp_path / "chaos" / name).read_text())
+    assert stats and int(stats[-1]) > 0, name
