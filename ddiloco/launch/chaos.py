@@ -126,6 +126,8 @@ class ChaosRun:
     return c.shard_ports[shard] if c.shard_ports else c.port
 
   def _shards(self, ev: FaultEvent) -> list[int]:
+    if ev.shard is not None and ev.shard >= self.num_shards:
+      raise ValueError(f"{ev}: the syncer has {self.num_shards} shard(s).")
     return list(range(self.num_shards)) if ev.shard is None else [ev.shard]
 
   def _observe(self, tape: TapeWriter) -> None:

@@ -69,6 +69,8 @@ def test_a_syncer_event_kills_and_restarts_its_shard_alone(tmp_path):
     assert not run._starting and not run._down
     again = cluster.syncer_child(1).proc
     assert again is not first[1] and cluster.syncer_child(0).proc is first[0]
+    with pytest.raises(ValueError, match="has 2 shard"):
+      run.execute(FaultEvent(tape.now(), "kill_syncer", shard=2))
     assert run.execute(FaultEvent(tape.now(), "kill_syncer"))  # Every shard.
     assert all(cluster.syncer_child(s).proc.poll() is not None for s in (0, 1))
   finally:
