@@ -5,8 +5,8 @@ the traffic to the shards without one. A chaos run therefore starts S proxies (o
 syncer), each forwarding to one shard, and has every shard advertise the proxies' addresses at
 Register (`LocalCluster.shard_addresses`): a learner given proxy 0's address then learns the others'
 from shard 0 and talks to every shard through its proxy. A fault with `shard=None` hits every proxy
-at once, like a fault of the learners' own network; one with a shard hits the connections to that
-shard only.
+(one after the other, within milliseconds), like a fault of the learners' own network; one with a
+shard hits the connections to that shard only.
 """
 
 import contextlib
