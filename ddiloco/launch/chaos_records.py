@@ -75,6 +75,7 @@ def record_syncer_events(
         shard=shard,
         lost_merges=ev["lost_merges"],
         to_recover=ev.get("to_recover", {}),
+        from_log=ev.get("from_log", {}),  # Taken back from its version log: nothing lost.
       )
     elif kind == "recovery":  # A lost version handed back by a learner, or republished.
       tape.record(
