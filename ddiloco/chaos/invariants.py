@@ -12,6 +12,11 @@ A gap is a maximal interval with no merge during which >= K learners were up thr
   - the observation ends at run_end (or the last record);
   - a gap that overlaps a syncer outage (syncer_down .. syncer_up) cannot be closed by any merge, so
     it is reported separately and not held to `max_gap_s`; its length is in the detail.
+
+A sharded syncer (records with a `shard`; one without is shard 0's): each shard merges only its own
+fragments, so the gaps are measured per shard, between that shard's merges and against that shard's
+outages: a shard killed alone excuses its own gap, not the others'. The syncer's digests and token
+ledger are checked per shard too, and `merges_lost_at_restarts` counts each shard's restarts.
 """
 
 import dataclasses
@@ -77,10 +82,23 @@ def _quorum_intervals(tape: Tape, min_quorum: int, end: float) -> list[tuple[flo
   return [(a, min(b, end)) for a, b in out if a < end]
 
 
-def _outages(tape: Tape, end: float) -> list[tuple[float, float]]:
-  """Syncer downtime intervals [syncer_down, next syncer_up or end]."""
+def _shard(r: Mapping[str, Any]) -> int:
+  return int(r.get("shard", 0))
+
+
+def shards_on(tape: Tape) -> list[int]:
+  """The syncer shards a tape's records speak of ([0] for an unsharded syncer's tape)."""
+  kinds = ("merge", "syncer_up", "syncer_down", "syncer_restore")
+  found = {_shard(r) for r in tape if r["kind"] in kinds or r.get("role") == "syncer"}
+  return sorted(found | {0})
+
+
+def _outages(tape: Tape, end: float, shard: int = 0) -> list[tuple[float, float]]:
+  """A syncer shard's downtime intervals [syncer_down, next syncer_up or end]."""
   out, since = [], None
   for r in _sorted(tape):
+    if r["kind"] not in ("syncer_down", "syncer_up") or _shard(r) != shard:
+      continue
     if r["kind"] == "syncer_down" and since is None:
       since = r["t"]
     elif r["kind"] == "syncer_up" and since is not None:
@@ -91,21 +109,22 @@ def _outages(tape: Tape, end: float) -> list[tuple[float, float]]:
   return out
 
 
-def merge_gaps(tape: Tape, *, min_quorum: int) -> list[Gap]:
-  """Every merge gap of the run (module docstring), in time order.
+def merge_gaps(tape: Tape, *, min_quorum: int, shard: int = 0) -> list[Gap]:
+  """Every merge gap of one syncer shard (module docstring), in time order.
 
   Args:
     tape: the records.
     min_quorum: K (docs/algorithm.md §4.1).
+    shard: the syncer shard (0 for an unsharded syncer).
 
   Returns:
-    Gaps from the first merge on; empty if there was no merge.
+    Gaps from the shard's first merge on; empty if it did not merge.
   """
-  merges = sorted(r["t"] for r in tape if r["kind"] == "merge")
+  merges = sorted(r["t"] for r in tape if r["kind"] == "merge" and _shard(r) == shard)
   if not merges:
     return []
   end = _end_time(tape)
-  outages = _outages(tape, end)
+  outages = _outages(tape, end, shard)
   gaps = []
   for up_from, b in _quorum_intervals(tape, min_quorum, end):
     a = max(up_from, merges[0])
@@ -120,16 +139,26 @@ def merge_gaps(tape: Tape, *, min_quorum: int) -> list[Gap]:
 
 
 def check_merge_gap(tape: Tape, *, min_quorum: int, max_gap_s: float) -> InvariantResult:
-  """The longest merge gap outside syncer outages is at most max_gap_s (module docstring)."""
+  """The longest merge gap outside syncer outages is at most max_gap_s, for every syncer shard
+  (module docstring)."""
   name = "max_merge_gap"
   if not any(r["kind"] == "learner_up" for r in tape):
     return InvariantResult(name, False, "no learner_up on the tape: up time unknown")
-  if not any(r["kind"] == "merge" for r in tape):
+  shards = shards_on(tape)
+  results = [_shard_gap(tape, min_quorum, max_gap_s, s) for s in shards]
+  if len(shards) == 1:
+    return InvariantResult(name, *results[0])
+  detail = "; ".join(f"shard {s}: {d}" for s, (_, d) in zip(shards, results))
+  return InvariantResult(name, all(ok for ok, _ in results), detail)
+
+
+def _shard_gap(tape: Tape, min_quorum: int, max_gap_s: float, shard: int) -> tuple[bool, str]:
+  if not any(r["kind"] == "merge" and _shard(r) == shard for r in tape):
     up = _quorum_intervals(tape, min_quorum, _end_time(tape))
     if up:
-      return InvariantResult(name, False, f"no merge at all while >= {min_quorum} learners were up")
-    return InvariantResult(name, False, "no merge and never a quorum of learners up")
-  gaps = merge_gaps(tape, min_quorum=min_quorum)
+      return False, f"no merge at all while >= {min_quorum} learners were up"
+    return False, "no merge and never a quorum of learners up"
+  gaps = merge_gaps(tape, min_quorum=min_quorum, shard=shard)
   normal = [g for g in gaps if not g.during_outage]
   outage = [g for g in gaps if g.during_outage]
   worst = max(normal, key=lambda g: g.length, default=None)
@@ -143,11 +172,14 @@ def check_merge_gap(tape: Tape, *, min_quorum: int, max_gap_s: float) -> Invaria
       f"; {len(outage)} gap(s) overlapping syncer downtime, longest {w.length:.3f} s at "
       f"[{w.start:.3f}, {w.end:.3f}] (not bounded)"
     )
-  return InvariantResult(name, longest <= max_gap_s, detail)
+  return longest <= max_gap_s, detail
 
 
 def check_monotonic_versions(tape: Tape) -> InvariantResult:
-  """Each fragment's merge versions strictly increase in tape order (jumps forward allowed)."""
+  """Each fragment's merge versions strictly increase in tape order (jumps forward allowed).
+
+  A fragment is merged by one shard only, so this holds per shard, across its restarts.
+  """
   last: dict[int, int] = {}
   merges = jumps = 0
   for r in tape:
@@ -172,17 +204,20 @@ def check_digests(tape: Tape) -> InvariantResult:
 
   The syncer's digests are its final_digests record(s), completed by the digests of earlier versions
   carried by merge events (later records win), so a learner one version behind is compared too when
-  that version's merge carried a digest, and skipped otherwise. Zero comparisons is a failure.
+  that version's merge carried a digest, and skipped otherwise. Zero comparisons is a failure, for
+  the syncer and for each shard of a sharded one (the shard whose records gave the digest).
   """
-  syncer: dict[tuple[int, int], str] = {}
+  syncer: dict[tuple[int, int], tuple[str, int]] = {}
   for r in tape:
     if r["kind"] == "merge" and r.get("digest"):
-      syncer[(int(r["fragment"]), int(r["version"]))] = r["digest"]
+      syncer[(int(r["fragment"]), int(r["version"]))] = (r["digest"], _shard(r))
   for r in tape:
     if r["kind"] == "final_digests" and r.get("role") == "syncer":
       for p, d in r["digests"].items():
-        syncer[(int(p), int(d["version"]))] = d["digest"]
-  compared = skipped = 0
+        syncer[(int(p), int(d["version"]))] = (d["digest"], _shard(r))
+  shards = shards_on(tape)
+  compared = dict.fromkeys(shards, 0)
+  skipped = 0
   bad = []
   for r in tape:
     if r["kind"] != "final_digests" or r.get("role") != "learner":
@@ -192,34 +227,39 @@ def check_digests(tape: Tape) -> InvariantResult:
       if key not in syncer:
         skipped += 1
         continue
-      compared += 1
-      if syncer[key] != d["digest"]:
+      digest, shard = syncer[key]
+      compared[shard] = compared.get(shard, 0) + 1
+      if digest != d["digest"]:
         bad.append(f"learner {r['learner']} fragment {key[0]} v{key[1]}")
-  detail = f"{compared} compared, {len(bad)} mismatched, {skipped} without a syncer digest"
+  total = sum(compared.values())
+  detail = f"{total} compared, {len(bad)} mismatched, {skipped} without a syncer digest"
+  if len(compared) > 1:
+    detail += " (per shard: " + ", ".join(f"{s}: {n}" for s, n in sorted(compared.items())) + ")"
   if bad:
     detail += ": " + ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else "")
-  return InvariantResult("digests_agree", compared > 0 and not bad, detail)
+  return InvariantResult("digests_agree", min(compared.values()) > 0 and not bad, detail)
 
 
 def check_ledger(tape: Tape) -> InvariantResult:
   """Every token ledger on the tape balances, in exact integer counts (learner/ledger.py).
 
   The last "ledger" record of each learner (role "learner", the default) must have trained ==
-  merged + dropped + in_flight, and the syncer's (role "syncer", if any) received == merged +
+  merged + dropped + in_flight, and each syncer shard's (role "syncer", if any) received == merged +
   dropped + pending; all counts ints >= 0. The detail sums the learners' books.
   """
   last: dict[tuple[str, Any], Mapping[str, Any]] = {}
   for r in tape:
     if r["kind"] == "ledger":
       role = r.get("role", "learner")
-      last[(role, r.get("learner") if role == "learner" else None)] = r
+      last[(role, r.get("learner") if role == "learner" else _shard(r))] = r
+  sharded = len({who for role, who in last if role == "syncer"}) > 1
   if not any(role == "learner" for role, _ in last):
     return InvariantResult("ledger_balances", False, "no learner ledger record on the tape")
   sums = dict.fromkeys(_LEDGER_KEYS, 0)
   bad = []
   for (role, who), r in sorted(last.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
     keys = _LEDGER_KEYS if role == "learner" else _SYNCER_LEDGER_KEYS
-    name = f"learner {who}" if role == "learner" else "syncer"
+    name = f"learner {who}" if role == "learner" else f"syncer{f' shard {who}' * sharded}"
     missing = [k for k in keys if k not in r]
     if missing:
       return InvariantResult("ledger_balances", False, f"{name}'s ledger lacks {missing}")
@@ -233,11 +273,10 @@ def check_ledger(tape: Tape) -> InvariantResult:
         sums[k] += v
   t, m, d, f = (sums[k] for k in _LEDGER_KEYS)
   detail = f"trained {t} vs merged {m} + dropped {d} + in flight {f} = {m + d + f}"
-  if ("syncer", None) in last:
-    s = last[("syncer", None)]
+  for who, s in sorted((who, r) for (role, who), r in last.items() if role == "syncer"):
     detail += (
-      f"; syncer received {s['received']} = merged {s['merged']} + dropped {s['dropped']} + "
-      f"pending {s['pending']}"
+      f"; syncer{f' shard {who}' * sharded} received {s['received']} = merged {s['merged']} + "
+      f"dropped {s['dropped']} + pending {s['pending']}"
     )
   if bad:
     detail += "; unbalanced: " + ", ".join(bad)
@@ -334,6 +373,28 @@ def check_all(
   if baseline_loss is not None:
     results.append(check_eval(tape, baseline_loss=baseline_loss, tolerance=eval_tolerance))
   return results
+
+
+def merges_lost_at_restarts(tape: Tape) -> list[int]:
+  """Per syncer (shard) restart, in time order, the merges it lost: those its checkpoint lacked,
+  less the ones the learners handed back to that shard before its next restart (a fragment not
+  handed back by the run's end counts as lost)."""
+  out: list[tuple[float, int]] = []
+  open_: dict[int, tuple[Mapping[str, Any], set[str]]] = {}  # shard: (its restore, recovered)
+  for r in _sorted(tape):
+    if r["kind"] == "syncer_restore":
+      if _shard(r) in open_:
+        out.append((open_[_shard(r)][0]["t"], _lost(*open_[_shard(r)])))
+      open_[_shard(r)] = (r, set())
+    elif r["kind"] == "syncer_recovery" and r["how"] == "recovered" and _shard(r) in open_:
+      open_[_shard(r)][1].add(str(r["fragment"]))
+  out += [(restore["t"], _lost(restore, got)) for restore, got in open_.values()]
+  return [lost for _, lost in sorted(out, key=lambda x: x[0])]
+
+
+def _lost(restore: Mapping[str, Any], recovered: set[str]) -> int:
+  back = sum(v[3] for p, v in restore["to_recover"].items() if p in recovered and len(v) > 3)
+  return int(restore["lost_merges"]) - back
 
 
 def all_ok(results: Iterable[InvariantResult]) -> bool:

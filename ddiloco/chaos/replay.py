@@ -48,7 +48,8 @@ class ReplayPlan:
 
   Attributes:
     faults: fault strings for ClusterConfig.faults, sorted by time.
-    skipped: "kind@t" of the injected events that cannot be replayed.
+    skipped: "kind@t" of the injected events that cannot be replayed ("kind:shard@t" for one
+      aimed at one shard of a sharded syncer).
     time_scale: virtual seconds per real second.
   """
 
@@ -61,6 +62,11 @@ def _num(x: float) -> str:
   """A time or factor in the fault grammar's plain decimal form (no exponent)."""
   text = f"{x:.6f}".rstrip("0").rstrip(".")
   return text or "0"
+
+
+def _skipped(r: Mapping[str, Any]) -> str:
+  shard = f":{r['shard']}" if "shard" in r else ""
+  return f"{r['kind']}{shard}@{r['t']}"
 
 
 def _pairs(
@@ -139,7 +145,7 @@ def tape_to_faults(
 
   parsed = [parse_fault(f)[0] for f in faults]  # Validates the grammar.
   order = sorted(range(len(faults)), key=lambda i: (parsed[i].t, parsed[i].learner, faults[i]))
-  skipped = tuple(f"{r['kind']}@{r['t']}" for r in records if r["kind"] in _SKIPPED_KINDS)
+  skipped = tuple(_skipped(r) for r in records if r["kind"] in _SKIPPED_KINDS)
   return ReplayPlan(faults=tuple(faults[i] for i in order), skipped=skipped, time_scale=time_scale)
 
 

@@ -17,7 +17,10 @@ others' arrival times), arrivals in [start_s, duration_s):
   network delay     windows of `net_delay_s` with `net_latency_s` of added one-way latency.
   network drops     every connection through the proxy reset at once (skipped during a partition).
   partitions        windows of `net_partition_s`; params carry the proxy's partition mode.
-  syncer kills      at explicit times, restarted after syncer_restart_delay_s.
+  syncer kills      at explicit times, restarted after syncer_restart_delay_s. With a sharded
+                    syncer (S > 1) each kill takes down the shard `syncer_kill_shards` names for
+                    it, or every shard at once; the network faults hit the connections to
+                    `net_shard` (through its proxy), or to every shard.
 Completions (restart, resume, clear, heal) always follow their cause, also past duration_s.
 
 Why `min_up` counts learners that are up (a paused process is up): with min_up ≥ K (docs/algorithm.md §4.1) a
@@ -79,7 +82,12 @@ class ChaosConfig:
     net_partition_mode: "hold" (traffic stalls, connections survive) or "reset" (connections reset
       and new ones refused), see ddiloco.chaos.proxy.
     syncer_kill_times_s: explicit syncer kill times, increasing.
+    syncer_kill_shards: with a sharded syncer, the shard each kill of `syncer_kill_times_s` takes
+      down (its restart brings back the same shard), one per kill; empty: every kill takes down
+      every shard at once. An unsharded syncer is shard 0.
     syncer_restart_delay_s: the syncer's restart delay after each kill.
+    net_shard: the shard whose connections (its proxy) the network faults hit; None: every
+      shard's.
     max_gap_s: invariant bound: the longest merge-free interval with >= K learners up (outside
       syncer outages), see ddiloco.chaos.invariants.
     eval_tolerance: invariant bound: final eval loss at most this much above the fault-free one,
@@ -104,7 +112,9 @@ class ChaosConfig:
   net_partition_s: float = 3.0
   net_partition_mode: str = "hold"
   syncer_kill_times_s: tuple[float, ...] = ()
+  syncer_kill_shards: tuple[int, ...] = ()
   syncer_restart_delay_s: float = 5.0
+  net_shard: int | None = None
   max_gap_s: float = 30.0
   eval_tolerance: float = 0.03
 
@@ -138,6 +148,14 @@ class ChaosConfig:
         f"syncer_kill_times_s {kills} must be >= 0, increasing, and at least "
         f"syncer_restart_delay_s ({self.syncer_restart_delay_s}) apart (no kill of a dead syncer)."
       )
+    shards = tuple(self.syncer_kill_shards)
+    if shards and (len(shards) != len(kills) or min(shards) < 0):
+      raise ValueError(
+        f"syncer_kill_shards {shards} must name a shard >= 0 for each of the {len(kills)} "
+        "syncer kills, or be empty (every kill takes down every shard)."
+      )
+    if self.net_shard is not None and self.net_shard < 0:
+      raise ValueError(f"net_shard must be >= 0 or None, got {self.net_shard}.")
     if not self.max_gap_s > 0 or not self.eval_tolerance >= 0:
       raise ValueError("max_gap_s must be > 0 and eval_tolerance >= 0.")
 
@@ -185,8 +203,13 @@ class _Planner:
     prio = 0 if action in COMPLETIONS else 1
     heapq.heappush(self.heap, (_t(t), prio, next(self.seq), action, payload))
 
-  def emit(self, t: float, kind: str, learner: int | None = None, **params: Any) -> None:
-    self.out.append(FaultEvent(t, kind, learner, params))
+  def emit(
+    self, t: float, kind: str, learner: int | None = None, *, shard: int | None = None, **params
+  ) -> None:
+    self.out.append(FaultEvent(t, kind, learner, params, shard))
+
+  def emit_net(self, t: float, kind: str, **params: Any) -> None:
+    self.emit(t, kind, shard=self.config.net_shard, **params)
 
   def run(self) -> list[FaultEvent]:
     cfg = self.config
@@ -199,8 +222,9 @@ class _Planner:
     ):
       for t in _arrivals(self.rngs[name], mtbf, cfg.start_s, cfg.duration_s):
         self.push(t, name)
-    for t in cfg.syncer_kill_times_s:
-      self.push(t, "kill_syncer")
+    shards = cfg.syncer_kill_shards or (None,) * len(cfg.syncer_kill_times_s)
+    for t, shard in zip(cfg.syncer_kill_times_s, shards, strict=True):
+      self.push(t, "kill_syncer", shard)
     while self.heap:  # Popped in time order, so `out` comes out sorted.
       t, _, _, action, payload = heapq.heappop(self.heap)
       getattr(self, f"_on_{action}")(t, payload)
@@ -246,24 +270,24 @@ class _Planner:
   def _on_delay(self, t: float, _) -> None:
     if not self.delaying:
       self.delaying = True
-      self.emit(t, "net_delay", latency_s=self.config.net_latency_s)
+      self.emit_net(t, "net_delay", latency_s=self.config.net_latency_s)
       self.push(t + self.config.net_delay_s, "net_clear")
 
   def _on_drop(self, t: float, _) -> None:
     if not self.partitioned:  # A partition has no connections to drop that it has not cut.
-      self.emit(t, "net_drop")
+      self.emit_net(t, "net_drop")
 
   def _on_partition(self, t: float, _) -> None:
     cfg = self.config
     if not self.partitioned:
       self.partitioned = True
-      self.emit(t, "net_partition", duration_s=cfg.net_partition_s, mode=cfg.net_partition_mode)
+      self.emit_net(t, "net_partition", duration_s=cfg.net_partition_s, mode=cfg.net_partition_mode)
       self.push(t + cfg.net_partition_s, "net_heal")
 
-  def _on_kill_syncer(self, t: float, _) -> None:
+  def _on_kill_syncer(self, t: float, shard: int | None) -> None:
     delay = self.config.syncer_restart_delay_s
-    self.emit(t, "kill_syncer", restart_delay_s=delay)
-    self.push(t + delay, "start_syncer")
+    self.emit(t, "kill_syncer", shard=shard, restart_delay_s=delay)
+    self.push(t + delay, "start_syncer", shard)
 
   # -- scheduled consequences (always happen) -------------------------------------------------
 
@@ -283,22 +307,23 @@ class _Planner:
 
   def _on_net_clear(self, t: float, _) -> None:
     self.delaying = False
-    self.emit(t, "net_clear")
+    self.emit_net(t, "net_clear")
 
   def _on_net_heal(self, t: float, _) -> None:
     self.partitioned = False
-    self.emit(t, "net_heal")
+    self.emit_net(t, "net_heal")
 
-  def _on_start_syncer(self, t: float, _) -> None:
-    self.emit(t, "start_syncer")
+  def _on_start_syncer(self, t: float, shard: int | None) -> None:
+    self.emit(t, "start_syncer", shard=shard)
 
 
-def make_schedule(config: ChaosConfig, num_learners: int) -> list[FaultEvent]:
+def make_schedule(config: ChaosConfig, num_learners: int, num_shards: int = 1) -> list[FaultEvent]:
   """The injected events of one chaos run, sorted by time (see the module docstring).
 
   Args:
     config: the fault rates.
     num_learners: learners 0..num_learners-1, all up at t = 0.
+    num_shards: the syncer's shards (JobConfig.syncer_shards).
 
   Returns:
     Causal events: no kill or pause of a learner that is down or already paused, every kill followed
@@ -306,10 +331,17 @@ def make_schedule(config: ChaosConfig, num_learners: int) -> list[FaultEvent]:
     than `min_up` learners up.
 
   Raises:
-    ValueError: if num_learners < 1 or min_up > num_learners.
+    ValueError: if num_learners < 1, min_up > num_learners, or a shard named in the config is not
+      one of the syncer's.
   """
   if num_learners < 1:
     raise ValueError(f"num_learners must be >= 1, got {num_learners}.")
+  named = [*config.syncer_kill_shards, *([] if config.net_shard is None else [config.net_shard])]
+  if num_shards < 1 or any(s >= num_shards for s in named):
+    raise ValueError(
+      f"ChaosConfig names syncer shards {sorted(set(named))}; the syncer has {num_shards} "
+      "(JobConfig.syncer_shards)."
+    )
   if config.min_up > num_learners:
     raise ValueError(f"min_up ({config.min_up}) exceeds the fleet ({num_learners} learners).")
   return _Planner(config, num_learners).run()

@@ -5,19 +5,25 @@ event) and `kind`. The driver writes; `ddiloco.chaos.invariants` and `ddiloco.ch
 
 Kinds and their fields (extra fields are allowed and kept):
   injected (ddiloco.faults.KINDS), as executed, with real times (`TapeWriter.record_event`):
-    learner (learner kinds), the event's params, `scheduled_t` (the planned time).
-  observed:
+    learner (learner kinds), shard (a syncer or network event aimed at one shard of a sharded
+    syncer), the event's params, `scheduled_t` (the planned time).
+  observed (`shard`: the syncer shard it comes from or is about, 0 for an unsharded syncer; a
+  record without one is about shard 0):
     run_start / run_end       the observation window (invariants measure gaps up to run_end).
     merge                     fragment, version, contributors (list), tokens (int), digest (str,
                               optional): copied from the syncer's metrics.jsonl "merge" events
-                              (launch/runtime.py SyncerRun._on_merge), with `t` on the tape's clock.
+                              (launch/runtime.py SyncerRun._on_merge), with `t` on the tape's clock;
+                              shard.
     learner_up / learner_down learner (process state; learner_down may carry a `reason`).
     learner_done              learner, step (its final step), target (the step it had to reach).
-    syncer_up / syncer_down   the syncer's process state (optional `port`).
-    final_digests             role ("learner" | "syncer"), learner (for a learner), digests:
+    syncer_up / syncer_down   a syncer (shard) process's state: shard, optional `port`.
+    final_digests             role ("learner" | "syncer"), learner (for a learner), shard (for a
+                              syncer shard), digests:
                               {"<fragment>": {"version": int, "digest": str}}, the newest version
                               of each fragment that holder has.
-    ledger                    trained, merged, dropped, in_flight: token counts (ints).
+    ledger                    role ("learner" | "syncer"), learner or shard; a learner's trained,
+                              merged, dropped, in_flight, a syncer shard's received, merged,
+                              dropped, pending: token counts (ints).
     eval                      loss (optional `final`: true for the end-of-run evaluation).
 
 Durability: each record is one `write` of a whole line followed by a flush, so a SIGKILL of the
@@ -53,8 +59,8 @@ OBSERVED_KINDS = (
   "final_digests",
   "ledger",
   "eval",
-  "syncer_restore",  # A restarted syncer's restore: the merges its checkpoint lacked.
-  "syncer_recovery",  # A lost version handed back by a learner, or republished without.
+  "syncer_restore",  # A restarted syncer (shard)'s restore: the merges its checkpoint lacked.
+  "syncer_recovery",  # A lost version handed back by a learner, or republished without; shard.
 )
 TAPE_KINDS = INJECTED_KINDS + OBSERVED_KINDS
 
@@ -118,6 +124,7 @@ class TapeWriter:
   def record_event(self, event: FaultEvent, *, t: float | None = None, **fields: Any) -> dict:
     """Records an injected schedule event as executed at `t` (its planned time is `scheduled_t`)."""
     extra = {} if event.learner is None else {"learner": event.learner}
+    extra.update({} if event.shard is None else {"shard": event.shard})
     return self.record(
       event.kind, t=t, scheduled_t=event.t, **extra, **dict(event.params), **fields
     )

@@ -14,6 +14,10 @@ fault with its completion, so a runtime never has to remember to undo one.
   net_delay / net_clear            added one-way latency on every connection, and its end.
   net_drop                         every connection reset at once.
   net_partition / net_heal         traffic stalls (or is refused), and flows again.
+
+A syncer or network event may name a shard of a sharded syncer (`FaultEvent.shard`): the shard's
+process, or the connections to it. Without one it acts on every shard at once: the whole syncer
+dies and restarts, every connection to the syncer misbehaves. An unsharded syncer is shard 0.
 """
 
 import dataclasses
@@ -56,12 +60,15 @@ class FaultEvent:
     learner: the learner for LEARNER_KINDS, None otherwise.
     params: kind-specific values, JSON-serialisable (e.g. {"latency_s": 0.2} for net_delay,
       {"factor": 2.0} for slow_learner, {"restart_delay_s": 20.0} for a kill that is restarted).
+    shard: for SYNCER_KINDS and NETWORK_KINDS, the syncer shard it acts on; None (the default):
+      every shard (module docstring). None for learner kinds.
   """
 
   t: float
   kind: str
   learner: int | None = None
   params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  shard: int | None = None
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -72,5 +79,7 @@ class FaultEvent:
       raise ValueError(f"{self.kind} needs a learner exactly when it is a learner event: {self}.")
     if self.learner is not None and self.learner < 0:
       raise ValueError(f"Negative learner index in {self}.")
+    if self.shard is not None and (self.kind not in SYNCER_KINDS + NETWORK_KINDS or self.shard < 0):
+      raise ValueError(f"A shard (>= 0) is for syncer and network events only: {self}.")
     if self.kind == "slow_learner" and not self.params.get("factor", 0) > 0:
       raise ValueError(f"slow_learner needs a factor > 0: {self}.")

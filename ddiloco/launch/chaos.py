@@ -9,6 +9,12 @@ same port (it restores its checkpoint and journal), and delay, drop or partition
 tails the syncer's metrics for merges and evaluations and writes everything to `tape.jsonl`. When
 every learner has finished it stops the syncer gracefully, records final digests and the ledger, and
 checks the invariants (`ddiloco.chaos.invariants`).
+
+A sharded syncer (`JobConfig.syncer_shards` = S > 1) gets one proxy per shard (`ProxySet`), and
+every shard advertises the proxies' addresses at Register, so learners reach each shard through
+its proxy. A syncer event kills or restarts the shard it names (`FaultEvent.shard`) or every shard;
+a network event hits that shard's proxy or every proxy. Each shard's merges, restores, digests and
+ledger go on the tape with its `shard`, and the invariants hold per shard.
 """
 
 import dataclasses
@@ -21,46 +27,21 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from ddiloco.chaos import invariants, replay
-from ddiloco.chaos.proxy_process import ProxyProcess
+from ddiloco.chaos.proxy_set import ProxySet
 from ddiloco.chaos.schedule import ChaosConfig, make_schedule
 from ddiloco.chaos.tape import TapeWriter, read_tape
-from ddiloco.checkpoint import syncer as syncer_ckpt
 from ddiloco.faults import NETWORK_KINDS, FaultEvent, check_supported
+from ddiloco.launch import chaos_records, processes
 from ddiloco.launch.job import JobConfig
 from ddiloco.launch.local_cluster import LocalCluster
 from ddiloco.launch.processes import Child
 
 
-class _Tail:
-  """Reads the complete new lines of a JSONL file (a process's metrics.jsonl) as it grows."""
-
-  def __init__(self, path: str):
-    self.path = path
-    self.offset = 0
-
-  def read(self) -> list[dict]:
-    try:
-      with open(self.path, "rb") as f:
-        f.seek(self.offset)
-        data = f.read()
-    except FileNotFoundError:
-      return []
-    end = data.rfind(b"\n") + 1
-    self.offset += end
-    out = []
-    for line in data[:end].splitlines():
-      try:
-        out.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
-    return out
-
-
 class _Fired(NamedTuple):
-  """An executed fault: extra fields for its tape record, and the record that follows it."""
+  """An executed fault: extra fields for its tape record, and the records that follow it."""
 
   fields: dict[str, Any] = {}
-  then: tuple[str, dict[str, Any]] | None = None
+  then: tuple[tuple[str, dict[str, Any]], ...] = ()
 
 
 _GRPC_ONLY = "--gin_bindings=ServiceConfig.bulk = False"
@@ -85,17 +66,22 @@ class ChaosRun:
     progress: Callable[[str], None] | None = None,
   ):
     self.job, self.chaos, self.cluster = job, chaos, cluster
-    if job is not None and job.syncer_shards > 1:  # Its proxy, kills and checks know one syncer.
-      raise ValueError("ddiloco-chaos runs one syncer process: JobConfig.syncer_shards must be 1.")
+    self.num_shards = 1 if job is None else job.syncer_shards  # No job: a test of `execute`.
     self.progress = progress or (lambda line: None)
-    self.schedule: list[FaultEvent] = make_schedule(chaos, cluster.num_learners)
+    self.schedule: list[FaultEvent] = make_schedule(chaos, cluster.num_learners, self.num_shards)
     self.tape_path = os.path.join(cluster.workdir, "tape.jsonl")
-    self.proxy: ProxyProcess | None = None
+    self.proxies: ProxySet | None = None
     self._wall0 = 0.0
     self._killed: set[int] = set()  # Learners down by our hand, waiting for their restart.
     self._done: dict[int, int] = {}
-    self._syncer_down = False
-    self._syncer_starting = False  # Spawned by the schedule, not serving yet.
+    self._down: set[int] = set()  # Syncer shards down by our hand (or being stopped at the end).
+    self._starting: set[int] = set()  # Shards respawned by the schedule, not serving yet.
+    self._tails = [  # Each shard's metrics: its merges, restores and recoveries.
+      chaos_records.Tail(
+        os.path.join(chaos_records.syncer_folder(cluster.workdir, s), "metrics.jsonl")
+      )
+      for s in range(self.num_shards)
+    ]
     self._tape: TapeWriter | None = None
     self._handlers = {
       "kill_learner": self._kill_learner,
@@ -133,38 +119,20 @@ class ChaosRun:
 
   def _start_learner(self, i: int) -> Child:
     # Over gRPC only: the syncer's bulk port is reached directly, past the proxy and its faults.
-    return self.cluster.start_learner(i, address=self.proxy.address, extra_args=[_GRPC_ONLY])
+    return self.cluster.start_learner(i, address=self.proxies.address, extra_args=[_GRPC_ONLY])
 
-  def _observe(self, tape: TapeWriter, syncer_tail: _Tail) -> None:
-    for ev in syncer_tail.read():
-      kind = ev.get("kind")
-      if kind == "merge":
-        tape.record(
-          "merge",
-          t=self._t(ev["time"]),
-          fragment=ev["fragment"],
-          version=ev["version"],
-          contributors=ev["contributors"],
-          tokens=ev["tokens"],
-          digest=ev.get("digest"),
-        )
-      elif kind == "eval":
-        tape.record("eval", t=self._t(ev["time"]), loss=ev["loss"], merges=ev["merges"])
-      elif kind == "restore":  # A restarted syncer: what its checkpoint lacked.
-        tape.record(
-          "syncer_restore",
-          t=self._t(ev["time"]),
-          lost_merges=ev["lost_merges"],
-          to_recover=ev.get("to_recover", {}),
-        )
-      elif kind == "recovery":  # A lost version handed back by a learner, or republished.
-        tape.record(
-          "syncer_recovery",
-          t=self._t(ev["time"]),
-          fragment=ev["fragment"],
-          version=ev["version"],
-          how=ev["how"],
-        )
+  def _port(self, shard: int) -> int:
+    c = self.cluster
+    return c.shard_ports[shard] if c.shard_ports else c.port
+
+  def _shards(self, ev: FaultEvent) -> list[int]:
+    if ev.shard is not None and ev.shard >= self.num_shards:
+      raise ValueError(f"{ev}: the syncer has {self.num_shards} shard(s).")
+    return list(range(self.num_shards)) if ev.shard is None else [ev.shard]
+
+  def _observe(self, tape: TapeWriter) -> None:
+    for shard, tail in enumerate(self._tails):
+      chaos_records.record_syncer_events(tape, tail.read(), shard=shard, t=self._t)
     for i, child in self.cluster.learners.items():
       if i in self._done or i in self._killed:
         continue
@@ -178,11 +146,17 @@ class ChaosRun:
       tape.record(
         "learner_done", learner=i, step=self._done[i], target=self.job.run.steps_per_learner
       )
-    if self._syncer_starting and self.cluster.syncer_ready():  # Raises if it exited instead.
-      self._syncer_starting = self._syncer_down = False
-      tape.record("syncer_up", port=self.cluster.port)
-    if not self._syncer_down and self.cluster.syncer.proc.poll() is not None:
-      raise RuntimeError(f"The syncer exited on its own:\n{self.cluster.tail(self.cluster.syncer)}")
+    for shard in sorted(self._starting):
+      if self.cluster.syncer_ready(shard):  # Raises if it exited instead.
+        self._starting.discard(shard)
+        self._down.discard(shard)
+        tape.record("syncer_up", shard=shard, port=self._port(shard))
+    for shard in range(self.num_shards):
+      child = self.cluster.syncer_child(shard)
+      if shard not in self._down and child.proc.poll() is not None:
+        raise RuntimeError(
+          f"The syncer (shard {shard}) exited on its own:\n{self.cluster.tail(child)}"
+        )
 
   # -- the fault executor (ddiloco.faults.FaultExecutor) --------------------------------------
 
@@ -195,8 +169,8 @@ class ChaosRun:
     if fired is None:
       return False
     self._tape.record_event(event, **fired.fields, late_s=round(late_s, 3))
-    if fired.then is not None:
-      self._tape.record(fired.then[0], **fired.then[1])
+    for kind, fields in fired.then:
+      self._tape.record(kind, **fields)
     return True
 
   def _kill_learner(self, ev: FaultEvent) -> _Fired | None:
@@ -205,7 +179,7 @@ class ChaosRun:
       return None  # Finished (or already down): nothing to kill.
     self.cluster.kill(self.cluster.learners[i])
     self._killed.add(i)
-    return _Fired(then=("learner_down", {"learner": i, "reason": "killed"}))
+    return _Fired(then=(("learner_down", {"learner": i, "reason": "killed"}),))
 
   def _start_learner_event(self, ev: FaultEvent) -> _Fired | None:
     i = ev.learner
@@ -213,7 +187,7 @@ class ChaosRun:
       return None
     self._killed.discard(i)
     self._start_learner(i)
-    return _Fired(then=("learner_up", {"learner": i}))
+    return _Fired(then=(("learner_up", {"learner": i}),))
 
   def _signal_learner(self, ev: FaultEvent) -> _Fired | None:
     c, i = self.cluster, ev.learner
@@ -223,33 +197,39 @@ class ChaosRun:
     return _Fired()
 
   def _kill_syncer(self, ev: FaultEvent) -> _Fired | None:
-    c = self.cluster
-    if c.syncer.proc.poll() is not None:
-      return None  # Down already: nothing to kill. (One still starting up is killed: a real case.)
-    self._syncer_down, self._syncer_starting = True, False
-    c.kill(c.syncer)
-    return _Fired(then=("syncer_down", {"port": c.port}))
+    c, then = self.cluster, []
+    for shard in self._shards(ev):
+      child = c.syncer_child(shard)
+      if child.proc.poll() is not None:
+        continue  # Down already: nothing to kill. (One still starting up is killed: a real case.)
+      self._down.add(shard)
+      self._starting.discard(shard)
+      c.kill(child)
+      then.append(("syncer_down", {"shard": shard, "port": self._port(shard)}))
+    return _Fired(then=tuple(then)) if then else None
 
   def _start_syncer(self, ev: FaultEvent) -> _Fired | None:
-    if not self._syncer_down or self._syncer_starting:
-      return None
-    # Not waited for: restoring and compiling takes seconds, and the schedule goes on meanwhile.
-    # `_observe` records syncer_up once it serves.
-    self.cluster.spawn_syncer(port=self.cluster.port)
-    self._syncer_starting = True
-    return _Fired()
+    shards = [s for s in self._shards(ev) if s in self._down and s not in self._starting]
+    for shard in shards:
+      # Not waited for: restoring and compiling takes seconds, and the schedule goes on meanwhile.
+      # `_observe` records syncer_up once it serves. Same port: the proxy's upstream stays.
+      self.cluster.spawn_syncer(port=self._port(shard), shard=shard)
+      self._starting.add(shard)
+    return _Fired() if shards else None
 
   def _net(self, ev: FaultEvent) -> _Fired | None:
+    proxies, shard = self.proxies, ev.shard
     if ev.kind == "net_delay":
-      self.proxy.set_latency(float(ev.params.get("latency_s", self.chaos.net_latency_s)))
+      latency = float(ev.params.get("latency_s", self.chaos.net_latency_s))
+      proxies.set_latency(latency, shard=shard)
     elif ev.kind == "net_clear":
-      self.proxy.set_latency(0.0)
+      proxies.set_latency(0.0, shard=shard)
     elif ev.kind == "net_drop":
-      return _Fired(fields={"connections": self.proxy.drop()})
+      return _Fired(fields={"connections": proxies.drop(shard=shard)})
     elif ev.kind == "net_partition":
-      self.proxy.partition(mode=ev.params.get("mode", self.chaos.net_partition_mode))
+      proxies.partition(mode=ev.params.get("mode", self.chaos.net_partition_mode), shard=shard)
     else:
-      self.proxy.heal()
+      proxies.heal(shard=shard)
     return _Fired()
 
   # -- the run ----------------------------------------------------------------------------------
@@ -272,15 +252,10 @@ class ChaosRun:
       tape.record(
         "run_start", learners=c.num_learners, min_quorum=self.job.run.the_syncer().min_quorum
       )
-      c.start_syncer()
-      tape.record("syncer_up", port=c.port)
-      # A process of its own: traffic never waits for this driver's CPU share or GIL.
-      self.proxy = ProxyProcess(c.port, log_path=os.path.join(c.workdir, "proxy.log"))
-      self.proxy.start()
+      self._start_syncer_and_proxies(tape)
       for i in range(c.num_learners):
         self._start_learner(i)
         tape.record("learner_up", learner=i)
-      syncer_tail = _Tail(os.path.join(c.workdir, "syncer", "metrics.jsonl"))
       # Schedule times count from here: the syncer's start (building and compiling the model) takes
       # a variable while, and faults before the fleet exists would test nothing.
       offset = tape.now()
@@ -291,89 +266,89 @@ class ChaosRun:
         now = tape.now()
         while pending and pending[0].t <= now:
           self.execute(pending.pop(0))
-        self._observe(tape, syncer_tail)
+        self._observe(tape)
         if time.monotonic() > deadline:
           raise TimeoutError(f"The chaos run did not finish within {timeout_s} s.")
         if time.monotonic() >= next_line:
           self.progress(self._line(now))
           next_line = time.monotonic() + 5.0
         time.sleep(0.1)
-      # Wake anything still paused and bring the syncer back if the run ended during an outage.
-      if self._syncer_down:
-        if not self._syncer_starting:
-          c.spawn_syncer(port=c.port)
-        deadline_up = time.monotonic() + 180
-        while not c.syncer_ready():
-          if time.monotonic() > deadline_up:
-            raise TimeoutError(f"The syncer did not serve within 180 s:\n{c.tail(c.syncer)}")
-          time.sleep(0.1)
-        self._syncer_starting = self._syncer_down = False
-        tape.record("syncer_up", port=c.port)
-      self.proxy.heal()
-      self.proxy.set_latency(0.0)
-      self._syncer_down = True  # From here on its exit is ours.
-      c.signal(c.syncer, signal.SIGTERM)  # Graceful: flush, final eval, checkpoint, summary.
-      c.syncer.proc.wait(timeout=300)
-      self._observe(tape, syncer_tail)
-      self._finish(tape)
+      self._bring_back(tape)
+      self.proxies.heal()
+      self.proxies.set_latency(0.0)
+      self._down = set(range(self.num_shards))  # From here on their exits are ours.
+      # Graceful, every shard at once (shard 0 waits for the others' final values): flush, final
+      # eval, checkpoint, summary.
+      for shard in range(self.num_shards):
+        c.signal(c.syncer_child(shard), signal.SIGTERM)
+      for shard in range(self.num_shards):
+        c.syncer_child(shard).proc.wait(timeout=300)
+      self._observe(tape)
+      learners = {i: self._learner_summary(i) for i in range(c.num_learners)}
+      chaos_records.record_final(
+        tape, c.workdir, num_shards=self.num_shards, learner_summaries=learners
+      )
       tape.record("run_end")
     finally:
-      if self.proxy is not None:
-        self.proxy.stop()
+      if self.proxies is not None:
+        self.proxies.stop()
       c.stop_all()
       tape.close()
 
+  def _start_syncer_and_proxies(self, tape: TapeWriter) -> None:
+    """Starts the syncer (its shards) and a proxy in front of each (module docstring)."""
+    c = self.cluster
+    if self.num_shards == 1:
+      c.start_syncer()
+      tape.record("syncer_up", shard=0, port=c.port)
+      upstreams = [c.port]
+    else:  # The proxies first: every shard advertises their addresses at Register.
+      c.shard_ports = [processes.free_port() for _ in range(self.num_shards)]
+      upstreams = list(c.shard_ports)
+    # Processes of their own: traffic never waits for this driver's CPU share or GIL.
+    self.proxies = ProxySet(upstreams, log_dir=c.workdir)
+    self.proxies.start()
+    if self.num_shards > 1:
+      c.shard_addresses = self.proxies.addresses
+      c.start_syncers(self.num_shards)
+      for shard in range(self.num_shards):
+        tape.record("syncer_up", shard=shard, port=self._port(shard))
+
+  def _bring_back(self, tape: TapeWriter, timeout_s: float = 180.0) -> None:
+    """Restarts the shards the run ended without (it ended during an outage) and waits for them."""
+    c = self.cluster
+    for shard in sorted(self._down - self._starting):
+      c.spawn_syncer(port=self._port(shard), shard=shard)
+      self._starting.add(shard)
+    deadline = time.monotonic() + timeout_s
+    for shard in sorted(self._starting):
+      while not c.syncer_ready(shard):
+        if time.monotonic() > deadline:
+          log = c.tail(c.syncer_child(shard))
+          raise TimeoutError(
+            f"The syncer (shard {shard}) did not serve within {timeout_s} s:\n{log}"
+          )
+        time.sleep(0.1)
+      tape.record("syncer_up", shard=shard, port=self._port(shard))
+    self._starting.clear()
+    self._down.clear()
+
   def _line(self, now: float) -> str:
-    if self._syncer_starting:
-      syncer = "starting"  # Restarted by the schedule, not serving yet.
-    else:
-      syncer = "down" if self._syncer_down else "up"
+    states = [
+      "starting" if s in self._starting else "down" if s in self._down else "up"
+      for s in range(self.num_shards)
+    ]
     return status_line(
-      now, syncer=syncer, num_learners=self.cluster.num_learners, down=self._killed, done=self._done
+      now,
+      syncer="/".join(states),
+      num_learners=self.cluster.num_learners,
+      down=self._killed,
+      done=self._done,
     )
 
-  def _finish(self, tape: TapeWriter) -> None:
-    """Final eval, digests of every holder, and the token counters on the tape."""
-    workdir = self.cluster.workdir
-    with open(os.path.join(workdir, "syncer", "summary.json")) as f:
-      syncer = json.load(f)
-    tape.record("eval", loss=syncer["final_eval_loss"], final=True)
-    journal = os.path.join(workdir, "syncer", syncer_ckpt.JOURNAL_NAME)
-    newest: dict[str, dict] = {}
-    with open(journal) as f:
-      for line in f:
-        e = json.loads(line)
-        newest[str(e["fragment"])] = {"version": e["version"], "digest": e["digest"]}
-    for key, digest in syncer["digests"].items():  # Newer than the journal: none expected.
-      p, v = key.split(":")
-      if int(v) >= newest.get(p, {"version": -1})["version"]:
-        newest[p] = {"version": int(v), "digest": digest}
-    tape.record("final_digests", role="syncer", digests=newest)
-    for i in range(self.cluster.num_learners):
-      s = self._learner_summary(i)
-      if s is None:
-        continue
-      held = {}
-      for p, v, d in s["applies"]:
-        held[str(p)] = {"version": int(v), "digest": d}
-      tape.record("final_digests", role="learner", learner=i, digests=held)
-      if "ledger" in s:  # Exact token-fragment counts of its surviving history (ledger.py).
-        book, num = s["ledger"]["token_fragments"], s["ledger"]["num_fragments"]
-        tape.record(
-          "ledger",
-          role="learner",
-          learner=i,
-          trained=s["ledger"]["trained"] * num,
-          merged=book["merged"],
-          dropped=book["dropped"],
-          in_flight=book["unsent"] + book["awaiting"] + book["pending"],
-        )
-    book = syncer.get("token_ledger")
-    if book:
-      tape.record("ledger", role="syncer", **{k: book[k] for k in _SYNCER_BOOK})
-
   def summary(self, baseline_loss: float | None = None) -> dict[str, Any]:
-    """Invariants and headline figures from the tape and the processes' summaries.
+    """Invariants and headline figures from the tape and the processes' summaries (`shards`: each
+    syncer shard's merges and the merges each of its restarts lost).
 
     Goodput of a learner (the fraction of its time spent on steps that reached the global
     model) is `time_fraction` × `merged_fraction`: the time its surviving steps took (final step
@@ -383,9 +358,10 @@ class ChaosRun:
     `accepted_fraction` is the share of its pushes a round took (accepted or superseded).
     """
     tape = read_tape(self.tape_path)
+    quorum = self.job.run.the_syncer().min_quorum
     results = invariants.check_all(
       tape,
-      min_quorum=self.job.run.the_syncer().min_quorum,
+      min_quorum=quorum,
       max_gap_s=self.chaos.max_gap_s,
       baseline_loss=baseline_loss,
       eval_tolerance=self.chaos.eval_tolerance,
@@ -424,51 +400,38 @@ class ChaosRun:
         merged += ledger["token_fragments"]["merged"]
         trained += ledger["trained"] * ledger["num_fragments"]
     merges = [r for r in tape if r["kind"] == "merge"]
-    gaps = invariants.merge_gaps(tape, min_quorum=self.job.run.the_syncer().min_quorum)
+    gaps = [
+      g
+      for s in range(self.num_shards)
+      for g in invariants.merge_gaps(tape, min_quorum=quorum, shard=s)
+    ]
     final = [r for r in tape if r["kind"] == "eval" and r.get("final")]
     return {
       "invariants": [{"name": r.name, "ok": r.ok, "detail": r.detail} for r in results],
       "ok": invariants.all_ok(results),
       "merges": len(merges),
+      "shards": [
+        {
+          "merges": sum(1 for r in merges if r.get("shard", 0) == s),
+          "merges_lost_at_restarts": invariants.merges_lost_at_restarts(
+            [r for r in tape if r.get("shard", 0) == s]
+          ),
+        }
+        for s in range(self.num_shards)
+      ],
       "longest_gap_s": max((g.length for g in gaps), default=0.0),
       "final_eval_loss": final[-1]["loss"] if final else None,
       "baseline_loss": baseline_loss,
       "goodput": useful / provisioned if provisioned > 0 else 0.0,
       "merged_fraction": merged / trained if trained else 0.0,
       "learners": learners,
-      "merges_lost_at_restarts": merges_lost_at_restarts(tape),
+      "merges_lost_at_restarts": invariants.merges_lost_at_restarts(tape),
       "learner_kills": count(tape, "kill_learner"),
       "syncer_kills": count(tape, "kill_syncer"),
       "pauses": count(tape, "pause_learner"),
       "net_events": sum(count(tape, k) for k in ("net_delay", "net_drop", "net_partition")),
       "table": invariants.format_table(results),
     }
-
-
-_SYNCER_BOOK = ("received", "merged", "dropped", "pending")
-
-
-def merges_lost_at_restarts(tape: Sequence[dict]) -> list[int]:
-  """Per syncer restart, the merges it lost: those its checkpoint lacked, less the ones the
-  learners handed back (a fragment not handed back by the run's end counts as lost)."""
-  out: list[int] = []
-  recovered: set[str] = set()
-  restore = None
-  for r in sorted(tape, key=lambda r: r["t"]):
-    if r["kind"] == "syncer_restore":
-      if restore is not None:
-        out.append(_lost(restore, recovered))
-      restore, recovered = r, set()
-    elif r["kind"] == "syncer_recovery" and r["how"] == "recovered":
-      recovered.add(str(r["fragment"]))
-  if restore is not None:
-    out.append(_lost(restore, recovered))
-  return out
-
-
-def _lost(restore: dict, recovered: set[str]) -> int:
-  back = sum(v[3] for p, v in restore["to_recover"].items() if p in recovered and len(v) > 3)
-  return int(restore["lost_merges"]) - back
 
 
 def count(tape: Sequence[dict], kind: str) -> int:
@@ -479,8 +442,9 @@ def count(tape: Sequence[dict], kind: str) -> int:
 def status_line(
   now: float, *, syncer: str, num_learners: int, down: Iterable[int], done: Iterable[int]
 ) -> str:
-  """The chaos driver's progress line: the syncer's state ("up", "down", "starting") and which
-  learners train, are down by the schedule's hand, or have finished."""
+  """The chaos driver's progress line: the syncer's state ("up", "down", "starting"; each shard's,
+  joined by "/", for a sharded syncer) and which learners train, are down by the schedule's hand,
+  or have finished."""
   down, done = sorted(down), sorted(done)
   up = [i for i in range(num_learners) if i not in down and i not in done]
   return f"t={now:6.1f}s syncer {syncer} | learners up {up} down {down} done {done}"

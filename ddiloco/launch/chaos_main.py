@@ -3,7 +3,8 @@
   ddiloco-chaos --gin_file=gin_configs/chaos/local_tiny_chaos.gin --workdir=workdirs/chaos
 
 The faults are `ddiloco.ChaosConfig` (gin): Poisson learner kills and restarts, SIGSTOP/SIGCONT
-slowdowns, network delay, drops and partitions through a loopback proxy, and syncer kills. The event
+slowdowns, network delay, drops and partitions through a loopback proxy, and syncer kills (with
+`--gin.JobConfig.syncer_shards=S`, of one shard or all: `ChaosConfig.syncer_kill_shards`). The event
 tape goes to `workdir/chaos/tape.jsonl`, the verdict to `workdir/chaos_summary.json`. With
 `--run_baseline` the same job first runs without faults in `workdir/baseline`, and its final eval
 loss is the bound of the eval invariant (or pass `--baseline_loss`). Exits 1 when an invariant fails.
@@ -45,7 +46,7 @@ def main(argv: list[str]) -> None:
     job = configurables.configured(JobConfig)()
     chaos = configurables.configured(ChaosConfig)()
     # A bad fault schedule is refused before anything runs.
-    make_schedule(chaos, job.run.num_learners)
+    make_schedule(chaos, job.run.num_learners, job.syncer_shards)
   cli.make_workdir(workdir, config_text)
   args = gin_flags.forwarded_args()
 
@@ -101,6 +102,8 @@ def main(argv: list[str]) -> None:
   keys += ("learner_kills", "syncer_kills", "merges_lost_at_restarts", "pauses", "net_events")
   print("summary:", {k: summary[k] for k in keys})
   print("per learner:", summary["learners"])
+  if len(summary["shards"]) > 1:
+    print("per syncer shard:", summary["shards"])
   path = os.path.join(workdir, "chaos_summary.json")
   with open(path, "w") as f:
     json.dump(summary, f, indent=2)

@@ -15,9 +15,8 @@ command lines, environments and ports) and `run`s the job; the rest it composes:
 
 Multi-process learners (`JobConfig.processes_per_learner` = N > 1; docs/algorithm.md §1, a learner
 on a multi-host slice): learner m is N `ddiloco-learner` processes joined by `jax.distributed`
-(`learner_launches`), held as one `processes.ProcessUnit` (the `Child.proc` of the learner), so
-that restarts and removals treat it as one learner. Progress lines and summary.json read the
-leader's (process 0's) metrics and summary.
+(`learner_launches`), held as one `processes.ProcessUnit` (its `Child.proc`), so that restarts and
+removals treat it as one learner; progress lines and summary.json read process 0's files.
 
 A backend that places the programs elsewhere (launch/ray_cluster.py) overrides how a program is
 started (`_popen`, `_env`, `_coordinator_address`, `spawn_syncer`, `start_learner`).
@@ -94,6 +93,7 @@ class LocalCluster:
     self.syncer: Child | None = None
     self.shards: dict[int, Child] = {}  # Shards 1.. of a sharded syncer (JobConfig.syncer_shards).
     self.shard_ports: list[int] = []
+    self.shard_addresses: list[str] = []  # Advertised instead of the shards' own (chaos proxies).
     self.learners: dict[int, Child] = {}  # Shared with `fleet`: filled in place, never rebound.
     self.port: int | None = None
     self.syncer_host = "127.0.0.1"  # Where learners and the launcher reach the syncer.
@@ -171,8 +171,8 @@ class LocalCluster:
     port_file = self._port_file(shard)
     with contextlib.suppress(FileNotFoundError):
       os.remove(port_file)
-    addresses = ",".join(f"{self.syncer_host}:{p}" for p in self.shard_ports)
-    # Every shard's address, for learners to learn at Register.
+    own = [f"{self.syncer_host}:{p}" for p in self.shard_ports]
+    addresses = ",".join(self.shard_addresses or own)  # For learners to learn at Register.
     sharded = [f"--shard={shard}", f"--shard_addresses={addresses}"] if self.shard_ports else []
     port = port or (self.shard_ports[shard] if self.shard_ports else 0)
     child = self._spawn(

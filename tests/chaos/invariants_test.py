@@ -272,8 +272,7 @@ def test_faults_on_time():
 
 
 def test_merges_lost_at_restarts():
-  from ddiloco.launch.chaos import merges_lost_at_restarts
-
+  merges_lost_at_restarts = inv.merges_lost_at_restarts
   tape = [
     {"t": 1.0, "kind": "syncer_restore", "lost_merges": 5, "to_recover": {"0": [9, "d", 6, 3], "1": [4, "e", 2, 2]}},
     {"t": 2.0, "kind": "syncer_recovery", "fragment": 0, "version": 9, "how": "recovered"},
@@ -283,3 +282,87 @@ def test_merges_lost_at_restarts():
   ]  # fmt: skip
   assert merges_lost_at_restarts(tape) == [2, 0]
   assert merges_lost_at_restarts([]) == []
+
+
+# -- a sharded syncer: every check per shard ---------------------------------------------------
+
+
+def _shard(records, shard):
+  return [{**r, "shard": shard} for r in records]
+
+
+def test_gaps_per_shard_and_each_shards_outage_excuses_only_its_own_gap():
+  # Shard 0 merges at 1, 3, 5, ..., 21 (gaps of 2 s); shard 1 at 1, 3, then 19, 21 and is down over
+  # [4, 8]: its 16 s gap [3, 19] overlaps its own outage. End 22.
+  zero = _shard(_merges(*range(1, 22, 2)), 0)
+  one = _shard(_merges(1.0, 3.0, 19.0, 21.0, fragment=1), 1)
+  outage = [
+    {"t": 4.0, "kind": "syncer_down", "shard": 1},
+    {"t": 8.0, "kind": "syncer_up", "shard": 1},
+  ]
+  tape = [*_up(0.0, 0), *zero, *one, *outage, {"t": 22.0, "kind": "run_end"}]
+  assert inv.shards_on(tape) == [0, 1]
+  assert [g.during_outage for g in inv.merge_gaps(tape, min_quorum=1, shard=1)] == [
+    False, True, False, False
+  ]  # fmt: skip
+  assert not any(g.during_outage for g in inv.merge_gaps(tape, min_quorum=1, shard=0))
+  result = inv.check_merge_gap(tape, min_quorum=1, max_gap_s=5.0)
+  assert result.ok, result.detail
+  assert result.detail.startswith("shard 0: longest 2.000 s (bound 5 s) at [1.000, 3.000]; ")
+  assert "shard 1: longest 2.000 s" in result.detail and "longest 16.000 s at [3.000, 19.000]" in (
+    result.detail
+  )
+  # The same outage on shard 0's records excuses nothing of shard 1's: its 16 s gap fails.
+  elsewhere = [*_up(0.0, 0), *zero, *one, *_shard(outage, 0), {"t": 22.0, "kind": "run_end"}]
+  assert not inv.check_merge_gap(elsewhere, min_quorum=1, max_gap_s=5.0).ok
+  # A shard that never merges fails, though the other merges throughout.
+  silent = [*_up(0.0, 0), *zero, {"t": 1.0, "kind": "syncer_up", "shard": 1}]
+  result = inv.check_merge_gap([*silent, {"t": 22.0, "kind": "run_end"}], min_quorum=1, max_gap_s=5)
+  assert not result.ok and "shard 1: no merge at all" in result.detail
+
+
+def test_digests_per_shard():
+  tape = [
+    {**_digests("syncer", f0=(5, "d5"), f2=(3, "g3")), "shard": 0},
+    {**_digests("syncer", f1=(2, "e2")), "shard": 1},
+    _digests("learner", 0, f0=(5, "d5"), f1=(2, "e2"), f2=(3, "g3")),
+  ]
+  result = inv.check_digests(tape)
+  assert result.ok
+  assert (
+    result.detail == "3 compared, 0 mismatched, 0 without a syncer digest (per shard: 0: 2, 1: 1)"
+  )
+  # Shard 1's fragment held at a version shard 1 has no digest for: shard 1 is never compared.
+  stale = [*tape[:2], _digests("learner", 0, f0=(5, "d5"), f1=(1, "e1"))]
+  result = inv.check_digests(stale)
+  assert not result.ok and "(per shard: 0: 1, 1: 0)" in result.detail
+
+
+def test_ledger_per_shard():
+  learner = {"t": 3.0, "kind": "ledger", "role": "learner", "learner": 0, "trained": 4,
+             "merged": 4, "dropped": 0, "in_flight": 0}  # fmt: skip
+
+  def syncer(shard, received, merged, dropped, pending):
+    return {"t": 3.0, "kind": "ledger", "role": "syncer", "shard": shard, "received": received,
+            "merged": merged, "dropped": dropped, "pending": pending}  # fmt: skip
+
+  result = inv.check_ledger([learner, syncer(0, 5, 4, 1, 0), syncer(1, 3, 2, 0, 1)])
+  assert result.ok
+  assert result.detail.endswith(
+    "; syncer shard 0 received 5 = merged 4 + dropped 1 + pending 0"
+    "; syncer shard 1 received 3 = merged 2 + dropped 0 + pending 1"
+  )
+  bad = inv.check_ledger([learner, syncer(0, 5, 4, 1, 0), syncer(1, 3, 2, 0, 0)])
+  assert not bad.ok and "syncer shard 1: received 3 != 2 + 0 + 0" in bad.detail
+
+
+def test_merges_lost_per_shard_restart():
+  # Shard 1 restarts at 1 (lost 3 merges of fragment 1, handed back) and shard 0 at 2 (lost 2 of
+  # fragment 0, not handed back). A recovery on shard 0 of fragment 1 gives shard 1 nothing.
+  tape = [
+    {"t": 1.0, "kind": "syncer_restore", "shard": 1, "lost_merges": 3, "to_recover": {"1": [7, "f", 4, 3]}},
+    {"t": 2.0, "kind": "syncer_restore", "shard": 0, "lost_merges": 2, "to_recover": {"0": [5, "d", 3, 2]}},
+    {"t": 2.5, "kind": "syncer_recovery", "shard": 0, "fragment": 1, "version": 7, "how": "recovered"},
+    {"t": 3.0, "kind": "syncer_recovery", "shard": 1, "fragment": 1, "version": 7, "how": "recovered"},
+  ]  # fmt: skip
+  assert inv.merges_lost_at_restarts(tape) == [0, 2]  # In the restarts' time order.

@@ -47,6 +47,11 @@ def test_tape_to_faults_by_hand():
   assert plan.time_scale == 2.0
   # Valid grammar: three lasting faults (with their completions) and a crash for good.
   assert len(parse_faults(plan.faults)) == 7
+  # A syncer event aimed at one shard is listed with its shard.
+  sharded = [{**r, "shard": 1} if "syncer" in r["kind"] else r for r in TAPE]
+  plan = replay.tape_to_faults(sharded, time_scale=2.0, sim_step_time_s=1.0)
+  assert plan.skipped == ("kill_syncer:1@13.5", "start_syncer:1@14.5", "net_delay@15.25")
+  assert plan.faults == EXPECTED
 
 
 def test_short_pause_still_slows_one_step():

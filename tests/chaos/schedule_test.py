@@ -193,6 +193,43 @@ def test_syncer_kills_and_network_windows_exact():
   clears = [e for e in events if e.kind == "net_clear"]
   assert delays and [c.t for c in clears] == [round(d.t + 4.0, 6) for d in delays]
   assert delays[0].params == {"latency_s": 0.25}
+  assert all(e.shard is None for e in events)  # Every shard: the whole syncer, every connection.
+
+
+def test_syncer_kills_and_network_faults_aimed_at_one_shard():
+  cfg = ChaosConfig(
+    duration_s=100.0,
+    syncer_kill_times_s=(10.0, 30.0),
+    syncer_kill_shards=(1, 0),
+    syncer_restart_delay_s=5.0,
+    net_drop_mtbf_s=10.0,
+    net_delay_mtbf_s=20.0,
+    net_shard=1,
+  )
+  events = make_schedule(cfg, 2, num_shards=2)
+  syncer = [(e.t, e.kind, e.shard) for e in events if "syncer" in e.kind]
+  # Each restart brings back the shard its kill took down.
+  assert syncer == [
+    (10.0, "kill_syncer", 1),
+    (15.0, "start_syncer", 1),
+    (30.0, "kill_syncer", 0),
+    (35.0, "start_syncer", 0),
+  ]
+  net = [e for e in events if e.kind.startswith("net_")]
+  assert {e.kind for e in net} == {"net_drop", "net_delay", "net_clear"}
+  assert all(e.shard == 1 for e in net)
+  # The shards change nothing else: the same arrivals as the schedule aimed at every shard.
+  whole = make_schedule(dataclasses.replace(cfg, syncer_kill_shards=(), net_shard=None), 2)
+  assert [dataclasses.replace(e, shard=None) for e in events] == whole
+
+
+def test_shards_must_be_the_syncers():
+  cfg = ChaosConfig(syncer_kill_times_s=(10.0,), syncer_kill_shards=(1,))
+  with pytest.raises(ValueError, match=r"shards \[1\]; the syncer has 1"):
+    make_schedule(cfg, 2)  # An unsharded syncer is shard 0 only.
+  assert make_schedule(cfg, 2, num_shards=2)[0].shard == 1
+  with pytest.raises(ValueError, match="syncer has 2"):
+    make_schedule(ChaosConfig(net_shard=2), 2, num_shards=2)
 
 
 def test_nothing_before_start_s():
@@ -214,6 +251,9 @@ def test_nothing_before_start_s():
     {"min_up": -1},
     {"net_partition_mode": "blackhole"},
     {"syncer_kill_times_s": (10.0, 12.0), "syncer_restart_delay_s": 5.0},
+    {"syncer_kill_times_s": (10.0, 20.0), "syncer_kill_shards": (1,)},  # One per kill.
+    {"syncer_kill_times_s": (10.0,), "syncer_kill_shards": (-1,)},
+    {"net_shard": -1},
     {"max_gap_s": 0.0},
   ],
 )
@@ -234,10 +274,16 @@ def test_gin_binds_the_config():
 
   try:
     configurables.parse(
-      [], ["ddiloco.ChaosConfig.learner_mtbf_s = 7.0", "ChaosConfig.syncer_kill_times_s = (5.0,)"]
+      [],
+      [
+        "ddiloco.ChaosConfig.learner_mtbf_s = 7.0",
+        "ChaosConfig.syncer_kill_times_s = (5.0,)",
+        "ChaosConfig.syncer_kill_shards = (1,)",
+      ],
     )
     cfg = configurables.configured(ChaosConfig)()
     assert (cfg.learner_mtbf_s, cfg.syncer_kill_times_s) == (7.0, (5.0,))
+    assert cfg.syncer_kill_shards == (1,)
   finally:
     configurables.clear()
 

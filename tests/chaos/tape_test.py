@@ -68,6 +68,16 @@ def test_record_event_keeps_params_and_planned_time(tmp_path):
   assert read_tape(path) == [rec]
 
 
+def test_record_event_keeps_the_shard_of_a_syncer_event(tmp_path):
+  path = tmp_path / "tape.jsonl"
+  with TapeWriter(path) as tape:
+    one = tape.record_event(FaultEvent(3.0, "kill_syncer", shard=1), t=3.5)
+    every = tape.record_event(FaultEvent(4.0, "net_drop"), t=4.0)
+  assert one == {"t": 3.5, "kind": "kill_syncer", "scheduled_t": 3.0, "shard": 1}
+  assert "shard" not in every  # Every shard.
+  assert read_tape(path) == [one, every]
+
+
 def test_each_record_is_on_disk_before_close(tmp_path):
   path = tmp_path / "tape.jsonl"
   tape = TapeWriter(path)

@@ -149,8 +149,8 @@ def test_chaos_configs_build_a_job_and_a_schedule(run):
   _parse([run], search_paths=[os.path.join(ROOT, "chaos")])
   job = configurables.configured(JobConfig)()
   chaos = configurables.configured(ChaosConfig)()
-  schedule = make_schedule(chaos, job.run.num_learners)
-  assert len(CHAOS) == 3
+  schedule = make_schedule(chaos, job.run.num_learners, job.syncer_shards)
+  assert len(CHAOS) == 4
   assert sum(ev.kind == "kill_syncer" for ev in schedule) == len(chaos.syncer_kill_times_s) >= 1
   assert any(ev.kind == "kill_learner" for ev in schedule)
 

@@ -239,7 +239,7 @@ def test_chaos_kills_and_restarts_every_process_of_a_learner(tmp_path):
   cluster = _cluster(tmp_path, processes=2)
   cluster.python = _fake_python(tmp_path)
   run = ChaosRun(None, ChaosConfig(), cluster)  # The job is not read by execute.
-  run.proxy = type("Proxy", (), {"address": "127.0.0.1:9"})()
+  run.proxies = type("Proxies", (), {"address": "127.0.0.1:9"})()
   tape = run._tape = TapeWriter(tmp_path / "tape.jsonl")
   first = []
   try:
@@ -280,14 +280,13 @@ def test_chaos_schedule_goes_on_while_the_syncer_restarts(tmp_path):
   from ddiloco.chaos.schedule import ChaosConfig
   from ddiloco.chaos.tape import TapeWriter, read_tape
   from ddiloco.faults import FaultEvent
-  from ddiloco.launch.chaos import ChaosRun, _Tail
+  from ddiloco.launch.chaos import ChaosRun
 
   cluster = _cluster(tmp_path, processes=1)
   cluster.python = _slow_syncer_python(tmp_path, ready_after_s=3.0)
   run = ChaosRun(None, ChaosConfig(), cluster)
-  run.proxy = type("Proxy", (), {"address": "127.0.0.1:9"})()
+  run.proxies = type("Proxies", (), {"address": "127.0.0.1:9"})()
   tape = run._tape = TapeWriter(tmp_path / "tape.jsonl")
-  tail = _Tail(str(tmp_path / "syncer" / "metrics.jsonl"))
   try:
     cluster.spawn_syncer(port=4321)  # The syncer that the schedule kills.
     cluster.start_learner(0)
@@ -296,13 +295,13 @@ def test_chaos_schedule_goes_on_while_the_syncer_restarts(tmp_path):
     run.execute(FaultEvent(t=now, kind="start_syncer"))
     run.execute(FaultEvent(t=now, kind="kill_learner", learner=0))
     assert tape.now() - now < 1.0  # Nothing waited for the syncer.
-    run._observe(tape, tail)
-    assert run._syncer_starting
+    run._observe(tape)
+    assert run._starting == {0}
     deadline = time.monotonic() + 30
-    while run._syncer_starting and time.monotonic() < deadline:
-      run._observe(tape, tail)
+    while run._starting and time.monotonic() < deadline:
+      run._observe(tape)
       time.sleep(0.05)
-    assert not run._syncer_starting and not run._syncer_down
+    assert not run._starting and not run._down
   finally:
     tape.close()
     cluster.stop_all(grace_s=5)
