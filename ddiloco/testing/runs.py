@@ -52,6 +52,27 @@ def gin_args(gin_file: str, bindings: Sequence[str] = ()) -> list[str]:
   ]
 
 
+def chaos_run(gin_file: str, workdir: str) -> Any:
+  """A `ChaosRun` of the shipped chaos config `gin_file` (its job and schedule as `ddiloco-chaos`
+  builds them) on a `LocalCluster` in `workdir`; call its `run`."""
+  from ddiloco.chaos.schedule import ChaosConfig
+  from ddiloco.launch import configurables, local_cluster
+  from ddiloco.launch.chaos import ChaosRun
+  from ddiloco.launch.job import JobConfig
+
+  search = [CONFIGS, os.path.join(CONFIGS, "chaos")]
+  configurables.parse([gin_file], search_paths=search)
+  try:
+    job = configurables.configured(JobConfig)()
+    chaos = configurables.configured(ChaosConfig)()
+  finally:
+    configurables.clear()
+  cluster = local_cluster.LocalCluster(
+    workdir=workdir, gin_args=gin_args(gin_file), num_learners=job.run.num_learners
+  )
+  return ChaosRun(job, chaos, cluster)
+
+
 def self_signed_certificate(folder: str, *, san: str) -> tuple[str, str]:
   """A throwaway self-signed certificate and key (PEM, in `folder`) valid for `san`, such as
   "IP:127.0.0.1" or "DNS:localhost"; made with the openssl command."""

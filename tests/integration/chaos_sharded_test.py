@@ -5,40 +5,20 @@ Slow (a few minutes on 2 loaded cores): `bash scripts/run_slow_tests.sh` runs it
 `ddiloco.launch.chaos.ChaosRun` with gin_configs/chaos/sharded.gin.
 """
 
-import os
 import re
 
 import pytest
 
 from ddiloco.chaos.tape import read_tape
-from ddiloco.launch import local_cluster
 from ddiloco.testing import runs
-
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-GIN = os.path.join(ROOT, "gin_configs", "chaos", "sharded.gin")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_a_shard_killed_alone_loses_no_merge_and_every_invariant_holds(tmp_path):
-  from ddiloco.chaos.schedule import ChaosConfig
-  from ddiloco.launch import configurables
-  from ddiloco.launch.chaos import ChaosRun
-  from ddiloco.launch.job import JobConfig
-
-  search = [os.path.join(ROOT, "gin_configs"), os.path.join(ROOT, "gin_configs", "chaos")]
-  configurables.parse([GIN], search_paths=search)
-  try:
-    job = configurables.configured(JobConfig)()
-    chaos = configurables.configured(ChaosConfig)()
-  finally:
-    configurables.clear()
-  assert job.syncer_shards == 2 and chaos.syncer_kill_shards == (1,)
-  args = [f"--gin_file={GIN}", f"--gin_search_paths={os.path.join(ROOT, 'gin_configs')}"]
-  cluster = local_cluster.LocalCluster(
-    workdir=str(tmp_path / "chaos"), gin_args=args, num_learners=job.run.num_learners
-  )
-  run = ChaosRun(job, chaos, cluster)
+  run = runs.chaos_run(runs.config_path("chaos/sharded.gin"), str(tmp_path / "chaos"))
+  cluster = run.cluster
+  assert run.job.syncer_shards == 2 and run.chaos.syncer_kill_shards == (1,)
   run.run(timeout_s=800)
   runs.assert_all_gone(cluster)
   summary = run.summary()

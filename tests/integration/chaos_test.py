@@ -4,39 +4,16 @@ Slow (about two minutes here): `bash scripts/run_slow_tests.sh` runs it. It driv
 `ddiloco.launch.chaos.ChaosRun` with gin_configs/chaos/smoke.gin and checks the invariants on the tape.
 """
 
-import os
-
 import pytest
 
-from ddiloco.launch import local_cluster
-
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-GIN = os.path.join(ROOT, "gin_configs", "chaos", "smoke.gin")
+from ddiloco.testing import runs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_chaos_smoke_keeps_every_invariant(tmp_path):
-  from ddiloco.chaos.schedule import ChaosConfig
-  from ddiloco.launch import configurables
-  from ddiloco.launch.chaos import ChaosRun
-  from ddiloco.launch.job import JobConfig
-
-  search = [os.path.join(ROOT, "gin_configs"), os.path.join(ROOT, "gin_configs", "chaos")]
-  configurables.parse([GIN], search_paths=search)
-  try:
-    job = configurables.configured(JobConfig)()
-    chaos = configurables.configured(ChaosConfig)()
-  finally:
-    configurables.clear()
-  args = [
-    f"--gin_file={GIN}",
-    f"--gin_search_paths={os.path.join(ROOT, 'gin_configs')}",
-  ]
-  cluster = local_cluster.LocalCluster(
-    workdir=str(tmp_path / "chaos"), gin_args=args, num_learners=job.run.num_learners
-  )
-  run = ChaosRun(job, chaos, cluster)
+  run = runs.chaos_run(runs.config_path("chaos/smoke.gin"), str(tmp_path / "chaos"))
+  cluster = run.cluster
   run.run(timeout_s=800)
   summary = run.summary()
   for child in cluster.children():
