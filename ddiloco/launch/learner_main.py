@@ -93,7 +93,7 @@ def main(argv: list[str]) -> None:
     )
   from ddiloco.checkpoint.learner import LearnerCheckpointConfig
   from ddiloco.distributed.shard_client import ShardedClient
-  from ddiloco.launch import configurables, runtime
+  from ddiloco.launch import configurables, learner_workers, runtime
   from ddiloco.launch.job import JobConfig
   from ddiloco.metrics.writer import write_summary
   from ddiloco.transport import auth
@@ -127,7 +127,9 @@ def main(argv: list[str]) -> None:
     client = ShardedClient(connect(_ADDRESS.value), connect)
   make_worker = runtime.make_learner_worker
   if multi:
-    make_worker = functools.partial(runtime.make_multihost_worker, learner_workdir=learner_workdir)
+    make_worker = functools.partial(
+      learner_workers.make_multihost_worker, learner_workdir=learner_workdir
+    )
   worker, writer = make_worker(
     job,
     learner_id=_LEARNER_ID.value,

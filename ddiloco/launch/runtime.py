@@ -28,13 +28,12 @@ from ddiloco.distributed import server as server_lib
 from ddiloco.distributed.worker import LearnerWorker
 from ddiloco.launch import syncer_shards
 from ddiloco.launch.job import JobConfig
-from ddiloco.launch.learner_workers import make_multihost_worker, worker_args
+from ddiloco.launch.learner_workers import worker_args
 from ddiloco.metrics.writer import MetricsWriter, write_summary
 from ddiloco.syncer.core import MergeEvent
 from ddiloco.transport.client import SyncerClient
 
-# make_multihost_worker lives in learner_workers.py; the entry points and tests find it here too.
-__all__ = ["SyncerRun", "make_learner_worker", "make_multihost_worker"]
+__all__ = ["SyncerRun", "make_learner_worker"]
 
 log = logging.getLogger(__name__)
 

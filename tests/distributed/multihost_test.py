@@ -18,7 +18,7 @@ from ddiloco.distributed import multihost
 from ddiloco.distributed import server as server_lib
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
-from ddiloco.launch import runtime
+from ddiloco.launch import learner_workers
 from ddiloco.launch.job import JobConfig
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.train_step import InnerOptConfig
@@ -88,7 +88,7 @@ def syncer():
 
 def test_process_zero_needs_the_client(tmp_path):
   with pytest.raises(ValueError, match="only process 0"):
-    runtime.make_multihost_worker(JOB, learner_id=0, client=None, workdir=str(tmp_path))
+    learner_workers.make_multihost_worker(JOB, learner_id=0, client=None, workdir=str(tmp_path))
 
 
 # Lock-step (the synchronous baselines' pacing): the syncer opens round (p, t) once the learner's
@@ -118,7 +118,7 @@ def test_one_process_trains_applies_exact_bits_and_digests_params(tmp_path):
   srv = server_lib.serve(svc)
   try:
     client = SyncerClient(f"127.0.0.1:{srv.port}", deadline_s=10.0)
-    worker, writer = runtime.make_multihost_worker(
+    worker, writer = learner_workers.make_multihost_worker(
       LOCK_STEP, learner_id=0, client=client, workdir=str(tmp_path), connect_timeout_s=30.0
     )
     worker.connect()
@@ -153,7 +153,7 @@ def test_one_process_trains_applies_exact_bits_and_digests_params(tmp_path):
 def test_a_stop_request_takes_effect_at_the_next_shared_step(syncer, tmp_path):
   _, address = syncer
   client = SyncerClient(address, deadline_s=10.0)
-  worker, writer = runtime.make_multihost_worker(
+  worker, writer = learner_workers.make_multihost_worker(
     JOB, learner_id=0, client=client, workdir=str(tmp_path), connect_timeout_s=30.0
   )
   worker.connect()
