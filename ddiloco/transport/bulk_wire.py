@@ -101,13 +101,17 @@ def recv_exact(sock: socket.socket, n: int) -> memoryview:
   Raises:
     BulkClosed: the connection ended first. socket.timeout / OSError as the socket raises them.
   """
-  buf = bytearray(n)
-  view = memoryview(buf)
+  return _fill(sock, memoryview(bytearray(n)), "read")
+
+
+def _fill(sock: socket.socket, view: memoryview, what: str) -> memoryview:
+  """Reads until `view` is full; returns it. Raises BulkClosed if the connection ends first."""
+  n = len(view)
   got = 0
   while got < n:
     k = sock.recv_into(view[got:], n - got)
     if k == 0:
-      raise BulkClosed(f"The connection ended {got} bytes into a {n}-byte read.")
+      raise BulkClosed(f"The connection ended {got} bytes into a {n}-byte {what}.")
     got += k
   return view
 
@@ -129,14 +133,7 @@ def recv_body(sock: socket.socket, n: int, pool: ArrayPool) -> memoryview:
   every view of it has died (`ArrayPool`); fresh pages would cost the kernel's zeroing on every
   frame.
   """
-  view = memoryview(pool.empty(_bucket(n), np.uint8))[:n]
-  got = 0
-  while got < n:
-    k = sock.recv_into(view[got:], n - got)
-    if k == 0:
-      raise BulkClosed(f"The connection ended {got} bytes into a {n}-byte frame.")
-    got += k
-  return view
+  return _fill(sock, memoryview(pool.empty(_bucket(n), np.uint8))[:n], "frame")
 
 
 def send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
