@@ -50,9 +50,10 @@ import time
 
 import bench_capacity_fleet  # Beside this script: its folder is first on sys.path when it runs.
 import numpy as np
-import portpicker
 from absl import app, flags, logging
 from bench_capacity_summary import summarize
+
+from ddiloco.launch import processes
 
 _ROLE = flags.DEFINE_enum("role", "main", ["main", "shard", "fleet"], "internal: process role")
 _SHARDS = flags.DEFINE_list("shards", ["1", "2"], "shard counts S compared side by side")
@@ -231,7 +232,7 @@ def measure(pt: Point, tmp: str) -> dict:
   tag = f"{tmp}/s{pt.shards}m{pt.learners}f{pt.fragment_params}t{pt.step_s:.4f}"
   # Every shard's address before any starts: a shard advertises the map at Register, as
   # ddiloco-local's shards do.
-  ports = [portpicker.pick_unused_port() for _ in range(pt.shards)]
+  ports = [processes.free_port() for _ in range(pt.shards)]
   pt = dataclasses.replace(pt, addresses=tuple(f"127.0.0.1:{port}" for port in ports))
   shards = [start_shard(pt, i, f"{tag}.shard{i}") for i in range(pt.shards)]
   fleets: list[subprocess.Popen] = []
