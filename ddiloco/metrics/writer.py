@@ -18,6 +18,7 @@ import glob
 import json
 import math
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -84,6 +85,9 @@ class MetricsWriter:
       their rounds.
     sync_every_s: with an object store workdir, the least time between two copies of the growing
       files (at `flush`); `close` copies the rest.
+    flush_every_s: event lines reach the file at most this long after they are written (checked
+      at each event), so a process killed with SIGKILL loses at most that much of its log; None
+      leaves them to `flush`/`close`.
   """
 
   def __init__(
@@ -93,8 +97,11 @@ class MetricsWriter:
     tensorboard: bool = True,
     deferred: bool = False,
     sync_every_s: float = 30.0,
+    flush_every_s: float | None = 1.0,
   ):
     self.workdir = workdir
+    self._flush_every_s = flush_every_s
+    self._last_flush = time.monotonic()
     self._mirror: storage.Mirror | None = None
     local, first_run = workdir, 0
     if storage.is_remote(workdir):
@@ -120,6 +127,11 @@ class MetricsWriter:
   def event(self, kind: str, **fields: Any) -> None:
     """Writes one event line."""
     self._jsonl.write(json.dumps({"kind": kind, **_plain(fields)}) + "\n")
+    if self._flush_every_s is not None:
+      now = time.monotonic()
+      if now - self._last_flush >= self._flush_every_s:
+        self._jsonl.flush()
+        self._last_flush = now
 
   def scalars(self, values: Mapping[str, float], *, tokens: int, step: int | None = None) -> None:
     """Writes TensorBoard scalars at x = `tokens`; with `step`, also as `steps/<tag>` at x = step.

@@ -58,3 +58,16 @@ def test_deferred_scalars_are_written_at_close(tmp_path):
   scalars = writer.read_scalars(str(tmp_path))
   assert scalars["learner_0/loss"] == [(64, 3.0), (128, 2.5)]
   assert scalars["steps/learner_0/loss"] == [(1, 3.0), (2, 2.5)]
+
+
+def test_event_lines_reach_the_file_without_an_explicit_flush(tmp_path):
+  # A process killed with SIGKILL never reaches flush/close: its lines must already be on disk.
+  path = tmp_path / "metrics.jsonl"
+  buffered = writer.MetricsWriter(str(tmp_path / "a"), tensorboard=False, flush_every_s=None)
+  buffered.event("merge", version=1)
+  assert (tmp_path / "a" / "metrics.jsonl").read_text() == ""  # Still in the write buffer.
+  eager = writer.MetricsWriter(str(tmp_path), tensorboard=False, flush_every_s=0.0)
+  eager.event("merge", version=1)
+  assert json.loads(path.read_text())["version"] == 1
+  buffered.close()
+  eager.close()
