@@ -26,6 +26,7 @@ from ddiloco.checkpoint.learner import (
 )
 from ddiloco.distributed import server as server_lib
 from ddiloco.distributed.worker import LearnerWorker
+from ddiloco.fragments import shards as shards_lib
 from ddiloco.launch import syncer_shards
 from ddiloco.launch.job import JobConfig
 from ddiloco.launch.learner_workers import worker_args
@@ -68,7 +69,9 @@ class SyncerRun:
       layout_digest=self.layout.digest,
       fragment_bytes=[self.layout.fragment_bytes(p) for p in range(self.layout.num_fragments)],
     )
-    init_values = self.factory.global_init_values()
+    owned = shards_lib.owned(shard, self.num_shards, self.layout.num_fragments)
+    # Only this shard's fragments are initialised: a shard holds 1/S of the model from the start.
+    init_values = self.factory.global_init_values(owned)
     self.service = server_lib.make_syncer(
       fragment_keys=self.layout.fragments,
       init_values=init_values,
@@ -83,11 +86,11 @@ class SyncerRun:
       shard=shard,
       shard_addresses=shard_addresses,
     )
-    # Shard 0 of several evaluates version 0 with the other shards' initial values (`serve`).
-    self._others = syncer_shards.others(
-      self.layout.fragments, init_values, self.service.core, shard
-    )
     del init_values
+    # Shard 0 of several evaluates version 0 with the other shards' initial values, made when
+    # that evaluation runs (`global_flat`) and dropped after it.
+    self._others: dict[int, dict[str, np.ndarray]] | None = None
+    self._others_initial = shard == 0 and self.num_shards > 1
     self.server: server_lib.SyncerServer | None = None
     self.merge_times: list[list] = []  # [wall time, fragment, version, contributors]
     # TensorBoard scalars of merges, written outside the service's lock (`_write_scalars`).
@@ -231,6 +234,7 @@ class SyncerRun:
     if self.restored is None:
       self.evaluate()  # Version 0, before any learner connects (a restart evaluates in `loop`).
     self._others = None  # A shard's periodic evaluations have no global model.
+    self._others_initial = False
     if self.restored is not None and self.restored.to_recover:
       # Versions the kill lost: the learners hold them, digest-checked against the journal. The
       # window starts now, when they can reach us: the warm-up above took 19 s at a restart
@@ -264,6 +268,11 @@ class SyncerRun:
     with self.service.lock:
       states = [self.service.core.state(p).values for p in range(self.layout.num_fragments)]
     if self.num_shards > 1:
+      if self._others is None and self._others_initial:
+        self._others_initial = False  # Used once: version 0's evaluation.
+        others = [p for p in range(self.layout.num_fragments) if not self.service.core.owns(p)]
+        init = self.factory.global_init_values(others)
+        self._others = {p: self.layout.select(init, p) for p in others}
       if self._others is None:
         return None
       states = [self._others.get(p, vals) for p, vals in enumerate(states)]

@@ -84,21 +84,6 @@ def read_final_values(
   return out
 
 
-def others(
-  fragment_keys: Sequence[Sequence[str]],
-  init_values: Mapping[str, np.ndarray],
-  core,
-  shard: int,
-) -> dict[int, dict[str, np.ndarray]] | None:
-  """On shard 0 of several, the other shards' fragments' initial values (for the evaluation of
-  version 0); None on any other shard or when the syncer is not sharded."""
-  if shard != 0 or len(core.owned) == len(fragment_keys):
-    return None
-  return {
-    p: {k: init_values[k] for k in keys} for p, keys in enumerate(fragment_keys) if not core.owns(p)
-  }
-
-
 def gather(
   workdir: str, core, shard: int, num_shards: int, *, started: float, timeout_s: float = 120.0
 ) -> dict[int, dict[str, np.ndarray]] | None:

@@ -7,6 +7,7 @@ What is trained (model, loss, data, eval, mean-merged tensors) comes from a `ddi
 
 import dataclasses
 import math
+from collections.abc import Iterable
 
 import jax
 import numpy as np
@@ -113,52 +114,92 @@ class LearnerFactory:
     self.num_shards = num_shards
     self.seed = seed
     self._steps: dict[tuple[int, ...], train_step_lib.CompiledSteps] = {}
-    self._host_init = None
+    self._host_init = None  # The whole initial model, made on first need (`_full_init`).
+    self._init_flat: dict[str, np.ndarray] | None = None
     self.tokens_per_step = self.task.units_per_step(batch_size)
     self.last_eval: dict[str, float] | None = None
     # This process's own first device: in a multi-process learner jax.devices()[0] is process 0's,
     # which the other processes cannot read back (distributed/multihost.py).
     own = mesh_lib.learner_devices(0, 1, jax.local_devices())
-    steps0, params0 = self._compiled(own, math.gcd(model_parallelism, len(own)))
-    self._init_flat = {k: np.asarray(jax.device_get(v)) for k, v in tree.flatten(params0).items()}
-    self.num_params = int(sum(v.size for v in self._init_flat.values()))
+    self._eval_steps = self._steps_for(own, math.gcd(model_parallelism, len(own)))
+    # Shapes only: a syncer shard never materialises the parts of the model it does not own.
+    inputs = self.task.dummy_inputs(batch_size=1)
+    shapes = tree.flatten(
+      partitioning.abstract_params(self.model, self._eval_steps.mesh, inputs=inputs)[0]
+    )
+    self.num_params = int(sum(math.prod(v.shape) for v in shapes.values()))
     self.layout = layout_lib.make_layout(
-      self._init_flat,
+      shapes,
       num_fragments=num_fragments,
       strategy=layout_strategy,
       split_large=split_large,
     )
-    self._eval_steps = steps0
     self._eval_batches = self.task.eval_batches(eval_batches)
 
-  def _compiled(self, devices: list[jax.Device], model_parallelism: int | None = None):
-    """Compiled steps and the initial params placed on a device slice; steps cached per slice.
-
-    Parameters are initialised once (on the first slice) and copied to later slices: learners
-    overwrite them with the global fragments at start anyway, and a jitted init per mesh costs a
-    compile each.
-    """
+  def _steps_for(
+    self, devices: list[jax.Device], model_parallelism: int | None = None
+  ) -> train_step_lib.CompiledSteps:
+    """Compiled steps on a device slice, cached per slice (no parameter values needed)."""
     mp = self.model_parallelism if model_parallelism is None else model_parallelism
     key = (*(d.id for d in devices), mp)
     if key not in self._steps:
       mesh = mesh_lib.make_mesh(devices=devices, model_parallelism=mp)
       inputs = self.task.dummy_inputs(batch_size=1)
-      if not self._steps:
-        params, shardings = partitioning.init_params(
-          self.model, mesh, jax.random.key(self.seed), inputs=inputs
-        )
-        self._host_init = jax.device_get(params)
-      else:
-        _, shardings = partitioning.abstract_params(self.model, mesh, inputs=inputs)
-      abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._host_init)
-      steps = train_step_lib.CompiledSteps(self.task, self.optimizer, mesh, abstract, shardings)
-      self._steps[key] = steps
-    steps = self._steps[key]
-    return steps, jax.device_put(self._host_init, steps.param_shardings)
+      abstract, shardings = partitioning.abstract_params(self.model, mesh, inputs=inputs)
+      abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)
+      self._steps[key] = train_step_lib.CompiledSteps(
+        self.task, self.optimizer, mesh, abstract, shardings
+      )
+    return self._steps[key]
 
-  def global_init_values(self) -> dict[str, np.ndarray]:
-    """The initial global parameters keyed as the layout keys them (split pieces included)."""
-    return {k: v for frag in self.layout.split(self._init_flat) for k, v in frag.items()}
+  def _full_init(self):
+    """The whole initial model on the host, initialised once on the factory's own slice.
+
+    Learners overwrite their parameters with the global fragments at start anyway, and a jitted
+    init per mesh would cost a compile each, so later slices get copies of these values.
+    """
+    if self._host_init is None:
+      steps = self._eval_steps
+      params, _ = partitioning.init_params(
+        self.model,
+        steps.mesh,
+        jax.random.key(self.seed),
+        inputs=self.task.dummy_inputs(batch_size=1),
+      )
+      self._host_init = jax.device_get(params)
+    return self._host_init
+
+  def _compiled(self, devices: list[jax.Device], model_parallelism: int | None = None):
+    """Compiled steps and the initial params placed on a device slice; steps cached per slice."""
+    steps = self._steps_for(devices, model_parallelism)
+    return steps, jax.device_put(self._full_init(), steps.param_shardings)
+
+  def global_init_values(self, fragments: Iterable[int] | None = None) -> dict[str, np.ndarray]:
+    """The initial global parameters keyed as the layout keys them (split pieces included).
+
+    Args:
+      fragments: only these fragments' keys (a syncer shard's own); None: every fragment. Only
+        the leaves they need are initialised (`partitioning.init_leaves`), unless the whole model
+        is already on the host.
+    """
+    wanted = range(self.layout.num_fragments) if fragments is None else sorted(set(fragments))
+    keys = [k for p in wanted for k in self.layout.fragments[p]]
+    leaves = {layout_lib.parse_key(k)[0] for k in keys}
+    if fragments is None or self._host_init is not None:
+      if self._init_flat is None:
+        self._init_flat = {k: np.asarray(v) for k, v in tree.flatten(self._full_init()).items()}
+      flat = self._init_flat
+    else:
+      steps = self._eval_steps
+      some = partitioning.init_leaves(
+        self.model,
+        steps.mesh,
+        jax.random.key(self.seed),
+        leaves,
+        inputs=self.task.dummy_inputs(batch_size=1),
+      )
+      flat = {k: np.asarray(jax.device_get(v)) for k, v in some.items()}
+    return {k: v for p in wanted for k, v in self.layout.select(flat, p).items()}
 
   def embedding_keys(self) -> frozenset[str]:
     """Layout keys merged with the weighted mean (docs/algorithm.md §4.5 decision; `Task.mean_merged`)."""

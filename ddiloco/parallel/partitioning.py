@@ -17,7 +17,7 @@ train step should trace its forward/backward inside the same context.
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import flax.linen as nn
 import jax
@@ -238,3 +238,39 @@ def init_params(
   with partitioning_context(mesh, rules):
     params = jax.jit(init_unboxed, out_shardings=shardings)(rng)
   return params, shardings
+
+
+def init_leaves(
+  model: nn.Module,
+  mesh: jax.sharding.Mesh,
+  rng: jax.Array,
+  paths: Iterable[str],
+  *,
+  rules: LogicalRules = LOGICAL_AXIS_RULES,
+  inputs: jax.ShapeDtypeStruct | None = None,
+) -> dict[str, jax.Array]:
+  """Initialises only the params at `paths` ({leaf path: array}), as `init_params` would.
+
+  The whole init is traced, but the jitted function returns only these leaves, so XLA drops the
+  rest of the computation: a syncer shard that owns 1/S of the model allocates 1/S of it. The
+  values are those of `init_params` with the same `rng` (each leaf's random stream is derived from
+  its module path, not from what else is computed; tested bit for bit).
+
+  Raises:
+    KeyError: if a path is not a leaf of the model's params.
+    ValueError: as `abstract_params`.
+  """
+  _, shardings = abstract_params(model, mesh, rules=rules, inputs=inputs)
+  flat_shardings = flatten(shardings)
+  wanted = sorted(set(paths))
+  unknown = [p for p in wanted if p not in flat_shardings]
+  if unknown:
+    raise KeyError(f"Not a parameter of the model: {unknown[:3]}.")
+  init = _init_fn(model, 1, 8, inputs)
+
+  def init_some(rng: jax.Array) -> dict[str, jax.Array]:
+    flat = flatten(nn.unbox(init(rng)))
+    return {p: flat[p] for p in wanted}
+
+  with partitioning_context(mesh, rules):
+    return jax.jit(init_some, out_shardings={p: flat_shardings[p] for p in wanted})(rng)

@@ -59,3 +59,19 @@ def test_model_parallelism_must_divide_the_learners_devices():
   for bad in (0, -2, 1.5, True):
     with pytest.raises(ValueError, match="model_parallelism"):
       _factory(bad)
+
+
+def test_a_syncer_shard_initialises_only_its_fragments_with_the_same_bits():
+  # A shard's factory never builds the whole model: its fragments come from a partial init.
+  shard, whole = _factory(1), _factory(1)
+  mine = shard.global_init_values([1, 3])
+  assert shard._host_init is None  # Nothing else was materialised.
+  everything = whole.global_init_values()
+  keys = [k for p in (1, 3) for k in whole.layout.fragments[p]]
+  assert sorted(mine) == sorted(keys)
+  for k in keys:
+    assert mine[k].dtype == everything[k].dtype
+    np.testing.assert_array_equal(mine[k], everything[k])  # Bit for bit, not close.
+  assert whole.num_params == shard.num_params == sum(v.size for v in everything.values())
+  # Once the whole model is on the host (a learner was made), subsets are cut from it.
+  np.testing.assert_equal(whole.global_init_values([1, 3]), mine)

@@ -147,3 +147,18 @@ class _Unannotated(nn.Module):
 def test_unannotated_params_are_rejected(mesh):
   with pytest.raises(ValueError, match=r"without logical axis names.*'w'"):
     partitioning.abstract_params(_Unannotated(), mesh)
+
+
+def test_init_leaves_matches_init_params_and_refuses_unknown_paths():
+  mesh = mesh_lib.make_mesh(devices=jax.devices()[:2])
+  model = transformer.Transformer(configs.transformer_config("tiny", max_len=16))
+  full, _ = partitioning.init_params(model, mesh, jax.random.key(3))
+  flat = flatten(full)
+  some = sorted(flat)[::3]
+  part = partitioning.init_leaves(model, mesh, jax.random.key(3), some)
+  assert sorted(part) == some
+  for path in some:
+    assert part[path].sharding == flat[path].sharding
+    np.testing.assert_array_equal(np.asarray(part[path]), np.asarray(flat[path]))
+  with pytest.raises(KeyError, match="Not a parameter"):
+    partitioning.init_leaves(model, mesh, jax.random.key(3), ["no/such/leaf"])
