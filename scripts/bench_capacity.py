@@ -357,8 +357,21 @@ def measure(pt: Point, tmp: str) -> dict:
     ],
     "shard_gc_s": [sum(lg["gc"]["seconds"]) for lg in logs],  # In the cyclic GC, whole run.
     "bulk_pushes": [lg["bulk_pushes"] for lg in logs],  # Pushes over each shard's bulk port.
+    # Whole run, per shard: rounds not opened because the fragment's last one was still open, and
+    # how many steps its step clock trailed the fleet's at the end of the last window.
+    "overrun_rounds": [lg["counts"].get("overrun_rounds", 0) for lg in logs],
+    "clock_lag_steps": [_clock_lag(lg["clock"], t0, bounds[-1], pt.step_s) for lg in logs],
     "windows": windows,
   }
+
+
+def _clock_lag(samples: list, t0: float, at: float, step_s: float) -> float:
+  """The fleet's step minus the shard's step clock at the last sample before `at` (NaN if none)."""
+  before = [(t, c) for t, c in samples if t <= at]
+  if not before:
+    return float("nan")
+  t, c = before[-1]
+  return (t - t0) / step_s - c
 
 
 def _medians(windows: list[dict]) -> dict:
@@ -461,6 +474,7 @@ def ramp(shard_counts: list[int], learners: int, fragment_mib: float, tmp: str) 
         f"{' retried {:.0f}'.format(s['retried']) if s['retried'] else ''}]"
         for s in r["shards"]
       )
+      overruns = f", overrun rounds {r['overrun_rounds']}" if any(r["overrun_rounds"]) else ""
       lo, hi = r["gbps_range"]
       p_lo, p_hi = r["p99_open_range_s"]
       print(
@@ -468,6 +482,7 @@ def ramp(shard_counts: list[int], learners: int, fragment_mib: float, tmp: str) 
         f"{1e3 * r['budget_s']:5.0f}ms {r['fleet_cores']:6.2f}  {shard_txt}  "
         f"kept {r['kept_windows']}/{len(r['windows'])}, {lo:.3f}-{hi:.3f} GB/s, "
         f"p99 {1e3 * p_lo:.0f}-{1e3 * p_hi:.0f} ms"
+        f"{overruns}"
         f"{'' if r['keeps_up'] else '  <- does not keep up'}",
         flush=True,
       )

@@ -108,7 +108,7 @@ def main(argv: list[str]) -> None:
   logging.info("syncer shard %d serving on %s:%d", _SHARD.value, _HOST.value, server.port)
   # The start-up heap (jax, gRPC, the model, the compiled outer steps: ~140k objects) never turns
   # into garbage. Frozen, the cyclic GC's full passes skip it; unfrozen, one full pass over it
-  # stopped every thread, and every push and merge with them, for 0.6 s (a syncer shard of
+  # stopped every thread, and every push and merge with them, for 0.6-1.1 s (a syncer shard of
   # scripts/bench_capacity.py on the 2-core VM under load).
   gc.freeze()
   if _PORT_FILE.value:

@@ -58,6 +58,7 @@ def test_two_shard_counts_side_by_side(tmp_path):
     lo, hi = level["gbps_range"]
     assert lo <= level["gbps"] <= hi
     assert all(n > 0 for n in level["bulk_pushes"])  # The fleet pushed over the bulk port.
+    assert len(level["overrun_rounds"]) == len(level["clock_lag_steps"]) == s
     for shard in level["shards"]:
       assert shard["merges"] > 0 and shard["fragments_per_s"] > 0
       # Pushed over the bulk port (the default fleet wire), every answer filed.
