@@ -61,7 +61,7 @@ import time
 import bench_capacity_fleet  # Beside this script: its folder is first on sys.path when it runs.
 import numpy as np
 from absl import app, flags, logging
-from bench_capacity_summary import summarize
+from bench_capacity_summary import clock_lag, medians, shard_figures, statuses, summarize
 
 from ddiloco.launch import processes
 
@@ -321,6 +321,7 @@ def measure(pt: Point, tmp: str) -> dict:
   for i in range(pt.shards):
     with open(f"{tag}.shard{i}") as f:
       logs.append(json.load(f))
+  wire = wire_bytes(pt.fragment_params, pt.codec)
   windows = []
   for w in range(pt.windows):
     start, end = bounds[w], bounds[w + 1]
@@ -329,8 +330,8 @@ def measure(pt: Point, tmp: str) -> dict:
     for i in range(pt.shards):
       merges = [m for m in logs[i]["merges"] if start <= m[1] < end]
       opened = sum(1 for a in asks if a[0] == i and a[1] == 0 and start <= a[2] < end)
-      per_shard.append(_shard_figures(pt, merges, opened))
-      per_shard[-1].update(cores=cores[i], rss_mib=rss[i], **_statuses(pushes, i, start, end))
+      per_shard.append(shard_figures(pt, merges, opened, keep_up=_KEEP_UP.value, wire=wire))
+      per_shard[-1].update(cores=cores[i], rss_mib=rss[i], **statuses(pushes, i, start, end))
     windows.append(
       {
         "fragments_per_s": sum(s["fragments_per_s"] for s in per_shard),
@@ -346,7 +347,7 @@ def measure(pt: Point, tmp: str) -> dict:
     "point": dataclasses.asdict(pt),
     "offered_fragments_per_s": offered,
     "offered_gbps": offered * wire_bytes(pt.fragment_params, pt.codec) / 1e9,
-    **_medians(windows),
+    **medians(windows),
     "budget_s": pt.overlap * pt.step_s,
     "keeps_up": 2 * kept > len(windows),  # Most windows: one neighbour's burst does not decide.
     "kept_windows": kept,
@@ -360,76 +361,8 @@ def measure(pt: Point, tmp: str) -> dict:
     # Whole run, per shard: rounds not opened because the fragment's last one was still open, and
     # how many steps its step clock trailed the fleet's at the end of the last window.
     "overrun_rounds": [lg["counts"].get("overrun_rounds", 0) for lg in logs],
-    "clock_lag_steps": [_clock_lag(lg["clock"], t0, bounds[-1], pt.step_s) for lg in logs],
+    "clock_lag_steps": [clock_lag(lg["clock"], t0, bounds[-1], pt.step_s) for lg in logs],
     "windows": windows,
-  }
-
-
-def _clock_lag(samples: list, t0: float, at: float, step_s: float) -> float:
-  """The fleet's step minus the shard's step clock at the last sample before `at` (NaN if none)."""
-  before = [(t, c) for t, c in samples if t <= at]
-  if not before:
-    return float("nan")
-  t, c = before[-1]
-  return (t - t0) / step_s - c
-
-
-def _medians(windows: list[dict]) -> dict:
-  """Each figure of a level as the median over its windows (push statuses summed)."""
-  out = {k: float(np.median([w[k] for w in windows])) for k in ("fragments_per_s", "gbps")}
-  out["fleet_cores"] = float(np.median([w["fleet_cores"] for w in windows]))
-  shards = []
-  for i in range(len(windows[0]["shards"])):
-    per = [w["shards"][i] for w in windows]
-    fig = {
-      k: float(np.median([s[k] for s in per]))
-      for k, v in per[0].items()
-      if isinstance(v, int | float) and not isinstance(v, bool)
-    }
-    fig["keeps_up"] = 2 * sum(s["keeps_up"] for s in per) > len(per)
-    status: dict[str, int] = {}
-    for s in per:
-      for k, n in s["push_status"].items():
-        status[k] = status.get(k, 0) + n
-    fig["push_status"] = status
-    shards.append(fig)
-  out["shards"] = shards
-  return out
-
-
-def _statuses(pushes: list, shard: int, start: float, end: float) -> dict:
-  """The final status of each answer the shard's fleet finished in [start, end), and how many of
-  them needed more than one try (a transient refusal retried, as a learner does)."""
-  done = [q for q in pushes if q[0] == shard and start <= q[2] < end]
-  counts = {s: sum(1 for q in done if q[3] == s) for s in sorted({q[3] for q in done})}
-  return {"push_status": counts, "retried": sum(1 for q in done if q[7] > 1)}
-
-
-def _shard_figures(pt: Point, merges: list, opened: int) -> dict:
-  """A shard's figures over the window. It keeps up when it opened the rounds its schedule has
-  in the window (a late clock skips a round whose previous one is still open), merged the
-  answers to those it opened (one round of lag allowed; `--keep_up` of each), and its p99 round
-  latency (open -> published) is within the grace budget."""
-  answers = sum(m[4] for m in merges)
-  open_s = np.array([m[1] - m[2] for m in merges] or [np.inf])
-  merge_s = np.array([m[1] - m[3] for m in merges] or [np.inf])
-  rate = answers / pt.window_s
-  scheduled = pt.window_s / pt.step_s / pt.shards  # P = H: one round a step over all shards.
-  due = _KEEP_UP.value * pt.learners * max(opened - 1, 0)
-  budget = pt.overlap * pt.step_s
-  return {
-    "keeps_up": opened >= _KEEP_UP.value * scheduled - 1
-    and answers >= due
-    and float(np.quantile(open_s, 0.99)) <= budget,
-    "scheduled_rounds": scheduled,
-    "opened_rounds": opened,
-    "merges": len(merges),
-    "fragments_per_s": rate,
-    "gbps": rate * wire_bytes(pt.fragment_params, pt.codec) / 1e9,
-    "p50_open_s": float(np.median(open_s)),
-    "p99_open_s": float(np.quantile(open_s, 0.99)),
-    "p50_merge_s": float(np.median(merge_s)),
-    "p99_merge_s": float(np.quantile(merge_s, 0.99)),
   }
 
 
