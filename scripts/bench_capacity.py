@@ -7,31 +7,40 @@ r"""Capacity: how much push ingest S syncer shards sustain from a synthetic flee
 The fleet (scripts/bench_capacity_fleet.py) is fake and cheap: `--fleet_procs` processes holding
 the M learners. Each registers with every shard, pulls each fragment once, holds a Rounds stream
 per shard and answers every round with a pre-encoded δ push (only the first chunk, the header, is
-made per push). Heartbeats report steps at `step_s`, so the syncer's step clock (its default
-`fleet_rate` clock) opens P/H rounds per step fleet-wide whatever the answers do. Learners do not
-pull merged versions: this measures ingest (egress is scripts/bench_wire.py's pull figure).
+made per push), over the shard's bulk port as learners push (`--fleet_wire=grpc`: over gRPC,
+which costs the fleet ~3x the CPU and takes it from the shards' cores). A push refused for a
+transient reason (RESOURCE_EXHAUSTED, UNAVAILABLE...) is retried with backoff, as a learner's
+sender does: with quorum M a round waits for every answer, and one answer given up left its
+fragment's round open for the rest of the run, every later round of it skipped. Heartbeats report
+steps at `step_s`, so the syncer's step clock (its default `fleet_rate` clock) opens P/H rounds
+per step fleet-wide whatever the answers do. Learners do not pull merged versions: this measures
+ingest (egress is scripts/bench_wire.py's pull figure).
 
 Shard i is a syncer shard as `ddiloco-syncer --shard=i` builds it (`make_syncer` with
-`shard`/`shard_addresses` + `serve`, warmed up as `SyncerRun.warm_up` does): its core owns the
+`shard`/`shard_addresses` + `serve`, warmed up as `SyncerRun.warm_up` does, its start-up heap
+frozen out of the GC as ddiloco-syncer's is; `--nogc_freeze` leaves it in): its core owns the
 fragments p with p mod S == i of the whole layout of P fragments of `--fragment_mib` (float32),
 holds values only for those, and opens their rounds on the run's schedule (P, H, τ), so its rounds
 come at 1/S of the fleet's rate. It merges with quorum M (every learner's answer), RDA, bf16
-downlink adoption. The fake learners push over gRPC (the learners' bulk port is measured by
-scripts/bench_wire.py).
+downlink adoption.
 
 Load: the offered ingest is M · (fragment's wire bytes) · (P/H) / step_s over all shards. The ramp
 offers each `--ramp_gbps` to every shard count in turn (S = 1 then S = 2 at each level, so the
-machine's noise hits them alike); a shard count stops after its first level not kept up with. A
-shard keeps up when, in the measured window, it opened `--keep_up` of the rounds its schedule has
-(a late step clock skips a round whose previous one is still open), merged `--keep_up` of the
-answers to those (one round of lag allowed), and its p99 round latency (open → published, on its
-own clock) is within the grace budget τ · step_s. Sustained ingest is the highest merged ingest of
-a level kept up with; it prints "ingest(S=2)/ingest(S=1)" from those. Per level and shard: merged
-GB/s, rounds opened/scheduled, p50/p99 open → published and p99 quorum → published (the merge)
-latency, the shard's CPU (cores) and RSS, the fleet's push answers and its CPU.
+machine's noise hits them alike); a shard count stops after its first level not kept up with. Each
+level runs `--windows` windows of `--window_s` one after the other after `--warmup_s`. A shard keeps
+up in a window when it opened `--keep_up` of the rounds its schedule has (a late step clock skips
+a round whose previous one is still open), merged `--keep_up` of the answers to those (one round of
+lag allowed), and its p99 round latency (open → published, on its own clock) is within the grace
+budget τ · step_s; a level is kept up with when most of its windows were, and its figures are the
+medians over its windows (the spread over windows is printed beside them: the noise). Sustained
+ingest is the highest merged ingest of a level kept up with; it prints "ingest(S=2)/ingest(S=1)"
+from those. Per level and shard: merged GB/s, rounds opened/scheduled, p50/p99 open → published
+and p99 quorum → published (the merge) latency, the shard's CPU (cores) and RSS, the fleet's push
+answers (and how many needed a retry) and its CPU.
 
 Placement: shard i runs under `taskset -c <--shard_cpus[i]>`, the fleet under `--fleet_cpus`
-(default unpinned). On a 2-core machine the fleet shares the shards' cores, so the summary fits
+(default unpinned: S = 1 and S = 2 see the same machine, the fleet where the scheduler puts it).
+On a 2-core machine the fleet shares the shards' cores, so the summary fits
 each side's CPU (a fixed part plus CPU-seconds per GB, scripts/bench_capacity_summary.py) and
 prints the ingest CPU alone would allow. `--sweep` ramps S = 1 at `--sweep_learners` and at
 `--sweep_mib` fragment sizes, and fits RSS per parameter held. `--json` writes every figure.
@@ -39,6 +48,7 @@ prints the ingest CPU alone would allow. `--sweep` ramps S = 1 at `--sweep_learn
 
 import ctypes
 import dataclasses
+import gc
 import json
 import os
 import signal
@@ -51,7 +61,7 @@ import time
 import bench_capacity_fleet  # Beside this script: its folder is first on sys.path when it runs.
 import numpy as np
 from absl import app, flags, logging
-from bench_capacity_summary import summarize
+from bench_capacity_summary import clock_lag, medians, shard_figures, statuses, summarize
 
 from ddiloco.launch import processes
 
@@ -64,12 +74,21 @@ _FRAGMENT_MIB = flags.DEFINE_float("fragment_mib", 4.0, "one fragment's float32 
 _CODEC = flags.DEFINE_string("codec", "bf16", "uplink codec of the pushes")
 _DOWNLINK = flags.DEFINE_string("downlink", "bf16", "the syncer's downlink codec (adoption)")
 _RAMP = flags.DEFINE_list("ramp_gbps", ["0.05", "0.1", "0.15", "0.2", "0.3"], "offered GB/s")
-_WINDOW = flags.DEFINE_float("window_s", 8.0, "measured seconds per level")
+_WINDOW = flags.DEFINE_float("window_s", 8.0, "seconds of one measured window")
+_WINDOWS = flags.DEFINE_integer(
+  "windows", 3, "windows per level, one after the other; figures are their medians"
+)
 _WARMUP = flags.DEFINE_float("warmup_s", 3.0, "seconds of load before the window")
 _KEEP_UP = flags.DEFINE_float("keep_up", 0.9, "merged/asked answers a level must reach")
 _FLEET_PROCS = flags.DEFINE_integer("fleet_procs", 2, "processes the fake learners run in")
 _SHARD_CPUS = flags.DEFINE_list("shard_cpus", [], "taskset CPU list per shard (cycled)")
 _FLEET_CPUS = flags.DEFINE_string("fleet_cpus", "", "taskset CPU list of the fleet")
+_GC_FREEZE = flags.DEFINE_bool(
+  "gc_freeze", True, "shards freeze their start-up heap out of the GC, as SyncerRun.serve does"
+)
+_FLEET_WIRE = flags.DEFINE_enum(
+  "fleet_wire", "bulk", ["bulk", "grpc"], "what the fake learners push over: the bulk port or gRPC"
+)
 _SWEEP = flags.DEFINE_bool("sweep", False, "also ramp S = 1 over M and fragment sizes")
 _SWEEP_MIB = flags.DEFINE_list("sweep_mib", ["1", "16"], "fragment sizes of the sweep, MiB")
 _SWEEP_M = flags.DEFINE_list("sweep_learners", ["2", "4"], "learner counts of the sweep")
@@ -99,6 +118,7 @@ class Point:
   t0: float = 0.0  # time.monotonic() at which the fleet's step 0 starts (shared clock).
   warmup_s: float = 3.0
   window_s: float = 8.0
+  windows: int = 1  # Measured windows of window_s, one after the other (`measure`).
   addresses: tuple[str, ...] = ()
 
   @property
@@ -147,15 +167,43 @@ def _shard_main(pt: Point, out: str) -> None:
   del init  # The core keeps its own copy: RSS is the shard's alone.
   for p in owned:  # As SyncerRun.warm_up: no merge compiles under the lock.
     svc.core.warm_up(p, pt.learners)
+  if _GC_FREEZE.value:  # As ddiloco-syncer does once serving (launch/syncer_main.py).
+    gc.freeze()
   srv = serve(svc, address=pt.addresses[_INDEX.value], token=_TOKEN)
   with open(out + ".port.tmp", "w") as f:
     f.write(str(srv.port))
   os.rename(out + ".port.tmp", out + ".port")
-  stop.wait(3600)
+  # Seconds in the cyclic GC and collections, per generation (a full pass stops every thread).
+  gc_s = [0.0, 0.0, 0.0]
+  gc_n = [0, 0, 0]
+  gc_t0 = [0.0]
+
+  def _gc_timer(phase: str, info: dict) -> None:
+    if phase == "start":
+      gc_t0[0] = time.perf_counter()
+    else:
+      gc_s[info["generation"]] += time.perf_counter() - gc_t0[0]
+      gc_n[info["generation"]] += 1
+
+  gc.callbacks.append(_gc_timer)
+  clock = []  # (time, the shard's step clock): how far it lags the fleet's steps.
+  while not stop.wait(0.25):
+    with svc.lock:
+      clock.append((time.monotonic(), svc.core.cadence_step()))
+  with svc.lock:
+    counts = svc.core.stats()
   merges = [
     (m.fragment, m.time, m.open_time, m.quorum_time, len(m.contributors)) for m in svc.merge_log()
   ]
-  result = {"merges": merges, "refused": svc.refused(), "push_latency": svc.push_latency()}
+  result = {
+    "merges": merges,
+    "refused": svc.refused(),
+    "push_latency": svc.push_latency(),
+    "clock": clock,
+    "gc": {"seconds": gc_s, "collections": gc_n},
+    "bulk_pushes": srv.bulk.calls["Push"] if srv.bulk is not None else 0,
+    "counts": {k: v for k, v in counts.items() if isinstance(v, int | float)},
+  }
   srv.stop(grace_s=0.5, flush=False)
   with open(out, "w") as f:
     json.dump(result, f)
@@ -174,7 +222,8 @@ def _die_with_parent() -> None:  # Runs in the child between fork and exec: one 
 def _child(role: str, pt: Point, index: int, out: str, cpus: str) -> subprocess.Popen:
   cmd = [sys.executable, os.path.abspath(__file__), f"--role={role}", f"--index={index}"]
   cmd += [f"--spec={json.dumps(dataclasses.asdict(pt))}", f"--out={out}"]
-  cmd += [f"--fleet_procs={_FLEET_PROCS.value}"]
+  cmd += [f"--fleet_procs={_FLEET_PROCS.value}", f"--fleet_wire={_FLEET_WIRE.value}"]
+  cmd += [f"--gc_freeze={_GC_FREEZE.value}"]
   if cpus:
     cmd = ["taskset", "-c", cpus, *cmd]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -228,7 +277,9 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def measure(pt: Point, tmp: str) -> dict:
-  """Runs one point: S shards and the fleet; returns its figures (see the module docstring)."""
+  """Runs one point: S shards and the fleet under load for `pt.windows` windows of `window_s`
+  after the warm-up; returns its figures, each the median over the windows, a level kept up with
+  when most windows were (see the module docstring), and every window's own figures."""
   tag = f"{tmp}/s{pt.shards}m{pt.learners}f{pt.fragment_params}t{pt.step_s:.4f}"
   # Every shard's address before any starts: a shard advertises the map at Register, as
   # ddiloco-local's shards do.
@@ -236,6 +287,7 @@ def measure(pt: Point, tmp: str) -> dict:
   pt = dataclasses.replace(pt, addresses=tuple(f"127.0.0.1:{port}" for port in ports))
   shards = [start_shard(pt, i, f"{tag}.shard{i}") for i in range(pt.shards)]
   fleets: list[subprocess.Popen] = []
+  cpu: list[list[float]] = []  # Per window boundary: CPU seconds of every shard and fleet process.
   try:
     for i in range(pt.shards):
       _wait_file(f"{tag}.shard{i}.port", shards)
@@ -249,77 +301,68 @@ def measure(pt: Point, tmp: str) -> dict:
     for k in range(len(fleets)):
       with open(f"{tag}.fleet{k}.go", "w") as f:
         f.write(repr(t0))
-    start, end = t0 + pt.warmup_s, t0 + pt.warmup_s + pt.window_s
-    time.sleep(max(0.0, start - time.monotonic()))
-    cpu0 = [_cpu_s(p.pid) for p in shards + fleets]
-    time.sleep(max(0.0, end - time.monotonic()))
-    cpu1 = [_cpu_s(p.pid) for p in shards + fleets]
+    bounds = [t0 + pt.warmup_s + w * pt.window_s for w in range(pt.windows + 1)]
+    for b in bounds:
+      time.sleep(max(0.0, b - time.monotonic()))
+      cpu.append([_cpu_s(p.pid) for p in shards + fleets])
     rss = [_rss_mib(p.pid) for p in shards]
     for p in fleets:
       p.wait(_TIMEOUT_S)
   finally:
     _stop(fleets)
     _stop(shards)
-  cores = [(b - a) / pt.window_s for a, b in zip(cpu0, cpu1)]
   pushes, asks = [], []
   for k in range(len(fleets)):
     with open(f"{tag}.fleet{k}") as f:
       fleet = json.load(f)
     pushes += fleet["pushes"]
     asks += fleet["asks"]
-  per_shard = []
+  logs = []
   for i in range(pt.shards):
     with open(f"{tag}.shard{i}") as f:
-      merges = [m for m in json.load(f)["merges"] if start <= m[1] < end]
-    opened = sum(1 for a in asks if a[0] == i and a[1] == 0 and start <= a[2] < end)
-    per_shard.append(_shard_figures(pt, merges, opened))
-    per_shard[-1].update(cores=cores[i], rss_mib=rss[i], **_statuses(pushes, i, start, end))
+      logs.append(json.load(f))
+  wire = wire_bytes(pt.fragment_params, pt.codec)
+  windows = []
+  for w in range(pt.windows):
+    start, end = bounds[w], bounds[w + 1]
+    cores = [(b - a) / pt.window_s for a, b in zip(cpu[w], cpu[w + 1])]
+    per_shard = []
+    for i in range(pt.shards):
+      merges = [m for m in logs[i]["merges"] if start <= m[1] < end]
+      opened = sum(1 for a in asks if a[0] == i and a[1] == 0 and start <= a[2] < end)
+      per_shard.append(shard_figures(pt, merges, opened, keep_up=_KEEP_UP.value, wire=wire))
+      per_shard[-1].update(cores=cores[i], rss_mib=rss[i], **statuses(pushes, i, start, end))
+    windows.append(
+      {
+        "fragments_per_s": sum(s["fragments_per_s"] for s in per_shard),
+        "gbps": sum(s["gbps"] for s in per_shard),
+        "keeps_up": all(s["keeps_up"] for s in per_shard),
+        "fleet_cores": sum(cores[pt.shards :]),
+        "shards": per_shard,
+      }
+    )
   offered = pt.learners * (pt.fragments / pt.fragments) / pt.step_s  # P/H = 1 round per step.
-  merged = sum(s["fragments_per_s"] for s in per_shard)
+  kept = sum(w["keeps_up"] for w in windows)
   return {
     "point": dataclasses.asdict(pt),
     "offered_fragments_per_s": offered,
     "offered_gbps": offered * wire_bytes(pt.fragment_params, pt.codec) / 1e9,
-    "fragments_per_s": merged,
-    "gbps": sum(s["gbps"] for s in per_shard),
+    **medians(windows),
     "budget_s": pt.overlap * pt.step_s,
-    "keeps_up": all(s["keeps_up"] for s in per_shard),
-    "fleet_cores": sum(cores[pt.shards :]),
-    "shards": per_shard,
-  }
-
-
-def _statuses(pushes: list, shard: int, start: float, end: float) -> dict:
-  done = [q[3] for q in pushes if q[0] == shard and start <= q[2] < end]
-  counts = {s: done.count(s) for s in sorted(set(done))}
-  return {"push_status": counts}
-
-
-def _shard_figures(pt: Point, merges: list, opened: int) -> dict:
-  """A shard's figures over the window. It keeps up when it opened the rounds its schedule has
-  in the window (a late clock skips a round whose previous one is still open), merged the
-  answers to those it opened (one round of lag allowed; `--keep_up` of each), and its p99 round
-  latency (open -> published) is within the grace budget."""
-  answers = sum(m[4] for m in merges)
-  open_s = np.array([m[1] - m[2] for m in merges] or [np.inf])
-  merge_s = np.array([m[1] - m[3] for m in merges] or [np.inf])
-  rate = answers / pt.window_s
-  scheduled = pt.window_s / pt.step_s / pt.shards  # P = H: one round a step over all shards.
-  due = _KEEP_UP.value * pt.learners * max(opened - 1, 0)
-  budget = pt.overlap * pt.step_s
-  return {
-    "keeps_up": opened >= _KEEP_UP.value * scheduled - 1
-    and answers >= due
-    and float(np.quantile(open_s, 0.99)) <= budget,
-    "scheduled_rounds": scheduled,
-    "opened_rounds": opened,
-    "merges": len(merges),
-    "fragments_per_s": rate,
-    "gbps": rate * wire_bytes(pt.fragment_params, pt.codec) / 1e9,
-    "p50_open_s": float(np.median(open_s)),
-    "p99_open_s": float(np.quantile(open_s, 0.99)),
-    "p50_merge_s": float(np.median(merge_s)),
-    "p99_merge_s": float(np.quantile(merge_s, 0.99)),
+    "keeps_up": 2 * kept > len(windows),  # Most windows: one neighbour's burst does not decide.
+    "kept_windows": kept,
+    "gbps_range": [min(w["gbps"] for w in windows), max(w["gbps"] for w in windows)],
+    "p99_open_range_s": [
+      min(max(s["p99_open_s"] for s in w["shards"]) for w in windows),
+      max(max(s["p99_open_s"] for s in w["shards"]) for w in windows),
+    ],
+    "shard_gc_s": [sum(lg["gc"]["seconds"]) for lg in logs],  # In the cyclic GC, whole run.
+    "bulk_pushes": [lg["bulk_pushes"] for lg in logs],  # Pushes over each shard's bulk port.
+    # Whole run, per shard: rounds not opened because the fragment's last one was still open, and
+    # how many steps its step clock trailed the fleet's at the end of the last window.
+    "overrun_rounds": [lg["counts"].get("overrun_rounds", 0) for lg in logs],
+    "clock_lag_steps": [clock_lag(lg["clock"], t0, bounds[-1], pt.step_s) for lg in logs],
+    "windows": windows,
   }
 
 
@@ -331,8 +374,10 @@ def ramp(shard_counts: list[int], learners: int, fragment_mib: float, tmp: str) 
   wire = wire_bytes(params, _CODEC.value)
   print(
     f"\nM={learners} P={_FRAGMENTS.value} fragment {fragment_mib:g} MiB float32 "
-    f"({wire / 2**20:.2f} MiB {_CODEC.value} on the wire). Per shard: [merged GB/s, rounds "
-    "opened/scheduled, p50/p99 open->published ms, p99 quorum->published ms, cores, RSS MiB, fleet's push answers]"
+    f"({wire / 2**20:.2f} MiB {_CODEC.value} on the wire), {_WINDOWS.value} windows of "
+    f"{_WINDOW.value:g} s per level, medians. Per shard: [merged GB/s, rounds opened/scheduled, "
+    "p50/p99 open->published ms, p99 quorum->published ms, cores, RSS MiB, fleet's push answers]; "
+    "then windows kept up with, merged GB/s and the worst shard's p99 (min-max over windows)"
   )
   print(f"{'S':>2s} {'offered':>8s} {'merged':>7s} {'frag/s':>7s} {'budget':>7s} {'fleet':>6s}")
   levels: dict[int, list[dict]] = {s: [] for s in shard_counts}
@@ -351,18 +396,26 @@ def ramp(shard_counts: list[int], learners: int, fragment_mib: float, tmp: str) 
         downlink=_DOWNLINK.value,
         warmup_s=_WARMUP.value,
         window_s=_WINDOW.value,
+        windows=_WINDOWS.value,
       )
       r = measure(pt, tmp)
       levels[shards].append(r)
       shard_txt = "  ".join(
-        f"[{s['gbps']:.3f} {s['opened_rounds']}/{s['scheduled_rounds']:.0f} "
+        f"[{s['gbps']:.3f} {s['opened_rounds']:.0f}/{s['scheduled_rounds']:.0f} "
         f"{1e3 * s['p50_open_s']:.0f}/{1e3 * s['p99_open_s']:.0f} "
-        f"{1e3 * s['p99_merge_s']:.0f} {s['cores']:.2f} {s['rss_mib']:.0f} {s['push_status']}]"
+        f"{1e3 * s['p99_merge_s']:.0f} {s['cores']:.2f} {s['rss_mib']:.0f} {s['push_status']}"
+        f"{' retried {:.0f}'.format(s['retried']) if s['retried'] else ''}]"
         for s in r["shards"]
       )
+      overruns = f", overrun rounds {r['overrun_rounds']}" if any(r["overrun_rounds"]) else ""
+      lo, hi = r["gbps_range"]
+      p_lo, p_hi = r["p99_open_range_s"]
       print(
         f"{shards:2d} {r['offered_gbps']:8.3f} {r['gbps']:7.3f} {r['fragments_per_s']:7.1f} "
-        f"{1e3 * r['budget_s']:5.0f}ms {r['fleet_cores']:6.2f}  {shard_txt}"
+        f"{1e3 * r['budget_s']:5.0f}ms {r['fleet_cores']:6.2f}  {shard_txt}  "
+        f"kept {r['kept_windows']}/{len(r['windows'])}, {lo:.3f}-{hi:.3f} GB/s, "
+        f"p99 {1e3 * p_lo:.0f}-{1e3 * p_hi:.0f} ms"
+        f"{overruns}"
         f"{'' if r['keeps_up'] else '  <- does not keep up'}",
         flush=True,
       )
@@ -393,7 +446,9 @@ def main(argv):
     if _ROLE.value == "shard":
       _shard_main(pt, _OUT.value)
     else:
-      bench_capacity_fleet.fleet_main(pt, _OUT.value, index=_INDEX.value, procs=_FLEET_PROCS.value)
+      bench_capacity_fleet.fleet_main(
+        pt, _OUT.value, index=_INDEX.value, procs=_FLEET_PROCS.value, wire=_FLEET_WIRE.value
+      )
     return
   if _ANALYZE.value:
     with open(_ANALYZE.value) as f:

@@ -3,8 +3,12 @@
 A fake learner registers with every shard, pulls each fragment once (the syncer counts an answer
 only from a learner that received the fragment), holds a Rounds stream per shard and answers every
 round with a pre-encoded δ push: the payload is encoded once per fragment, and a push re-makes only
-its first chunk (the header). Two sender threads per shard, as a learner's. A heartbeat loop reports
-steps at `step_s`, which paces the syncer's step clock.
+its first chunk (the header). Two sender threads per shard, as a learner's. A push goes over the
+shard's bulk port (RegisterResponse.bulk_port, as real learners push: one connection per push, the
+same chunk messages in the port's framing, sent in one gathered write) or, with `wire="grpc"`,
+over gRPC; the control calls
+(Register, Pull, Rounds, Heartbeat) over gRPC. A heartbeat loop reports steps at `step_s`, which
+paces the syncer's step clock.
 """
 
 import contextlib
@@ -12,9 +16,11 @@ import dataclasses
 import json
 import os
 import queue
+import socket
 import threading
 import time
 
+import grpc
 import numpy as np
 
 TOKEN = "capacity"
@@ -24,9 +30,9 @@ TIMEOUT_S = 120.0  # Longest wait for the coordinator or a shard.
 class _Answerer:
   """One fake learner's connection to one shard: pulls once, then answers every round."""
 
-  def __init__(self, learner: int, shard: int, pt, *, chunks, log: list, asks: list, stop):
-    import grpc
-
+  def __init__(
+    self, learner: int, shard: int, pt, *, chunks, log: list, asks: list, stop, wire: str
+  ):
     from ddiloco.transport.client import SyncerClient
     from ddiloco.transport.proto import syncer_pb2
 
@@ -42,11 +48,20 @@ class _Answerer:
     self.learner, self.shard, self._pt, self._chunks = learner, shard, pt, chunks
     self._log, self._asks, self._stop = log, asks, stop
     self._requests: queue.Queue = queue.Queue()
+    self._wire = wire
+    self._bulk = None
+    self.refusals: list = []  # (code, message start) of each transient refusal, retried.
 
   def start(self) -> None:
+    from ddiloco.transport import bulk_client
+
     pt = self._pt
     self.client.wait_ready(TIMEOUT_S)
-    self.client.register(self.learner, layout_digest=pt.digest, num_fragments=pt.fragments)
+    resp = self.client.register(self.learner, layout_digest=pt.digest, num_fragments=pt.fragments)
+    if self._wire == "bulk":
+      if not resp.bulk_port:
+        raise RuntimeError(f"shard {self.shard} advertises no bulk port")
+      self._bulk = (bulk_client.address_host(pt.addresses[self.shard]), resp.bulk_port)
     for p in sorted(pt.owned(self.shard)):  # The shard's own fragments: ids are global.
       key = f"f{p}"
       self.client.pull(
@@ -61,33 +76,49 @@ class _Answerer:
       threading.Thread(target=target, daemon=True).start()
 
   def _rounds(self) -> None:
-    import grpc
-
     from ddiloco.protocol import RoundRequest
 
     stream = self.client.rounds(self.learner)
     try:
       for event in stream:
         if isinstance(event, RoundRequest):
-          self._asks.append((self.shard, self.learner, time.monotonic()))
+          self._asks.append(
+            (self.shard, self.learner, time.monotonic(), event.fragment, event.round_step)
+          )
           self._requests.put((time.monotonic(), event))
     except grpc.RpcError:  # The stream ends when the shard stops.
       pass
 
   def _sender(self) -> None:
-    import grpc
-
-    from ddiloco.transport import events
-    from ddiloco.transport.frames import chunk_prefix
-    from ddiloco.transport.proto import syncer_pb2
-
-    pt = self._pt
     while not self._stop.is_set():
       try:
         asked, req = self._requests.get(timeout=0.2)
       except queue.Empty:
         continue
-      first, rest, total = self._chunks[req.fragment]
+      outcome = self._answer(req)
+      if outcome is None:  # The fleet is stopping.
+        return
+      status, tries = outcome
+      now = time.monotonic()
+      self._log.append(
+        (self.shard, asked, now, status, self.learner, req.fragment, req.round_step, tries)
+      )
+
+  def _answer(self, req) -> tuple[str, int] | None:
+    """Pushes the answer to `req`, retrying a transient refusal with backoff as a learner's sender
+    does (distributed/retry.py: a round with quorum M waits for every answer, so an answer given up
+    would leave its fragment's round open for good). (final status, tries); None when stopping."""
+    from ddiloco.distributed.retry import TRANSIENT, Backoff
+    from ddiloco.transport import bulk_wire, events
+    from ddiloco.transport.frames import chunk_prefix
+    from ddiloco.transport.proto import syncer_pb2
+
+    pt = self._pt
+    first, rest, total = self._chunks[req.fragment]
+    backoff = Backoff(seed=self.learner)
+    tries = 0
+    while not self._stop.is_set():
+      tries += 1
       step = max(req.round_step, int((time.monotonic() - pt.t0) / pt.step_s))
       header = syncer_pb2.PushHeader(
         learner_id=self.learner,
@@ -106,21 +137,56 @@ class _Answerer:
       ).SerializeToString()
       messages = [chunk_prefix(0, len(first), header) + first, *rest]
       try:
-        resp = self._push(
-          iter(messages), timeout=60.0, metadata=self.client.learner_metadata(self.learner)
-        )
-        status = events.report_result(resp).status
-      except grpc.RpcError as e:
-        status = e.code().name
+        if self._bulk is not None:
+          body = _bulk_push(self._bulk, messages, self.client.session(self.learner))
+          resp = syncer_pb2.PushResponse.FromString(body)
+        else:
+          resp = self._push(
+            iter(messages), timeout=60.0, metadata=self.client.learner_metadata(self.learner)
+          )
+        return events.report_result(resp).status, tries
+      except grpc.RpcError as e:  # A bulk refusal is one too (bulk_wire.BulkError).
+        if e.code() not in TRANSIENT:
+          return e.code().name, tries
+        self.refusals.append((e.code().name, (e.details() or "")[:60]))
+      except (OSError, bulk_wire.BulkClosed):
+        pass  # Retried (a learner's client would fall back to gRPC).
       except ValueError:  # The channel closed under the call: the fleet is stopping.
-        return
-      self._log.append((self.shard, asked, time.monotonic(), status))
+        return None
+      self._stop.wait(backoff.next_delay())
+    return None
 
   def set_point(self, pt) -> None:
     self._pt = pt
 
   def close(self) -> None:
     self._channel.close()
+
+
+def _bulk_push(address: tuple[str, int], messages: list[bytes], session: str) -> bytes:
+  """One push over the bulk port, the cheapest way: the hello, every frame and the end mark in
+  one gathered send (the kernel copies each byte once), then the syncer's answer.
+
+  Returns the serialized PushResponse. Raises `bulk_wire.BulkError` (a grpc.RpcError) on a
+  refusal, OSError or `bulk_wire.BulkClosed` if the connection fails.
+  """
+  from ddiloco.transport import bulk_wire
+
+  parts = [bulk_wire.hello(bulk_wire.OP_PUSH, TOKEN, session)]
+  for m in messages:
+    parts += [bulk_wire.LENGTH.pack(len(m)), m]
+  parts.append(bulk_wire.LENGTH.pack(bulk_wire.END))
+  with socket.create_connection(address, timeout=60.0) as sock:
+    bulk_wire.tune(sock)
+    with contextlib.suppress(OSError):  # A refusal from the header may close it before the rest.
+      bulk_wire.send_parts(sock, parts)
+    (n,) = bulk_wire.LENGTH.unpack(bulk_wire.recv_exact(sock, bulk_wire.LENGTH.size))
+    if n != bulk_wire.END:
+      raise bulk_wire.BulkClosed(f"expected the syncer's answer, got a {n}-byte frame")
+    code, message, body = bulk_wire.read_trailer(sock)
+  if code != grpc.StatusCode.OK:
+    raise bulk_wire.BulkError(code, message)
+  return body
 
 
 def _encode_payloads(pt) -> dict[int, tuple[bytes, list[bytes], int]]:
@@ -139,18 +205,17 @@ def _encode_payloads(pt) -> dict[int, tuple[bytes, list[bytes], int]]:
   return out
 
 
-def fleet_main(pt, out: str, *, index: int, procs: int) -> None:
+def fleet_main(pt, out: str, *, index: int, procs: int, wire: str = "bulk") -> None:
   """Fake learners `index::procs` of the M in `pt` (bench_capacity.Point) against every shard, until
-  its window ends; writes their pushes and round requests to `out`."""
-  import grpc
-
+  its window ends, pushing over `wire` ("bulk" or "grpc"); writes their pushes and round requests
+  to `out`."""
   stop = threading.Event()
   chunks = _encode_payloads(pt)
   log: list = []
   asks: list = []
   ids = range(index, pt.learners, procs)
   conns = [
-    _Answerer(m, s, pt, chunks=chunks, log=log, asks=asks, stop=stop)
+    _Answerer(m, s, pt, chunks=chunks, log=log, asks=asks, stop=stop, wire=wire)
     for m in ids
     for s in range(pt.shards)
   ]
@@ -167,7 +232,7 @@ def fleet_main(pt, out: str, *, index: int, procs: int) -> None:
     pt = dataclasses.replace(pt, t0=float(f.read()))
   for c in conns:
     c.set_point(pt)
-  end = pt.t0 + pt.warmup_s + pt.window_s + 0.5
+  end = pt.t0 + pt.warmup_s + pt.windows * pt.window_s + 0.5
   while (now := time.monotonic()) < end:  # Heartbeats: the steps the syncer's clock follows.
     step = max(0, int((now - pt.t0) / pt.step_s))
     for c in conns:  # A late heartbeat under load is dropped: the next one carries the step.
@@ -176,6 +241,7 @@ def fleet_main(pt, out: str, *, index: int, procs: int) -> None:
     time.sleep(0.2)
   stop.set()
   with open(out, "w") as f:
-    json.dump({"pushes": list(log), "asks": list(asks)}, f)
+    refusals = [r for c in conns for r in c.refusals]
+    json.dump({"pushes": list(log), "asks": list(asks), "refusals": refusals}, f)
   for c in conns:
     c.close()

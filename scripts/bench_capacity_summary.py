@@ -1,4 +1,5 @@
-"""scripts/bench_capacity.py's analysis: CPU cost fits, the CPU-bound projection, RSS per parameter.
+"""scripts/bench_capacity.py's analysis: a level's medians over its windows, CPU cost fits, the
+CPU-bound projection, RSS per parameter.
 
 python scripts/bench_capacity.py --analyze=capacity.json   # the summary of a saved run
 """
@@ -98,3 +99,72 @@ def rss_per_param(runs: list[dict]) -> dict | None:
     return None
   slope, base = np.polyfit(np.array(xs, float), np.array(ys, float), 1)
   return {"bytes_per_param": float(slope), "base_mib": float(base / 2**20), "points": len(xs)}
+
+
+def clock_lag(samples: list, t0: float, at: float, step_s: float) -> float:
+  """The fleet's step minus the shard's step clock at the last sample before `at` (NaN if none)."""
+  before = [(t, c) for t, c in samples if t <= at]
+  if not before:
+    return float("nan")
+  t, c = before[-1]
+  return (t - t0) / step_s - c
+
+
+def medians(windows: list[dict]) -> dict:
+  """Each figure of a level as the median over its windows (push statuses summed)."""
+  out = {k: float(np.median([w[k] for w in windows])) for k in ("fragments_per_s", "gbps")}
+  out["fleet_cores"] = float(np.median([w["fleet_cores"] for w in windows]))
+  shards = []
+  for i in range(len(windows[0]["shards"])):
+    per = [w["shards"][i] for w in windows]
+    fig = {
+      k: float(np.median([s[k] for s in per]))
+      for k, v in per[0].items()
+      if isinstance(v, int | float) and not isinstance(v, bool)
+    }
+    fig["keeps_up"] = 2 * sum(s["keeps_up"] for s in per) > len(per)
+    status: dict[str, int] = {}
+    for s in per:
+      for k, n in s["push_status"].items():
+        status[k] = status.get(k, 0) + n
+    fig["push_status"] = status
+    shards.append(fig)
+  out["shards"] = shards
+  return out
+
+
+def statuses(pushes: list, shard: int, start: float, end: float) -> dict:
+  """The final status of each answer the shard's fleet finished in [start, end), and how many of
+  them needed more than one try (a transient refusal retried, as a learner does)."""
+  done = [q for q in pushes if q[0] == shard and start <= q[2] < end]
+  counts = {s: sum(1 for q in done if q[3] == s) for s in sorted({q[3] for q in done})}
+  return {"push_status": counts, "retried": sum(1 for q in done if q[7] > 1)}
+
+
+def shard_figures(pt, merges: list, opened: int, *, keep_up: float, wire: int) -> dict:
+  """A shard's figures over the window. It keeps up when it opened the rounds its schedule has
+  in the window (a late clock skips a round whose previous one is still open), merged the
+  answers to those it opened (one round of lag allowed; `--keep_up` of each), and its p99 round
+  latency (open -> published) is within the grace budget. `pt` is bench_capacity.Point; `wire` the
+  bytes one pushed fragment puts on the wire."""
+  answers = sum(m[4] for m in merges)
+  open_s = np.array([m[1] - m[2] for m in merges] or [np.inf])
+  merge_s = np.array([m[1] - m[3] for m in merges] or [np.inf])
+  rate = answers / pt.window_s
+  scheduled = pt.window_s / pt.step_s / pt.shards  # P = H: one round a step over all shards.
+  due = keep_up * pt.learners * max(opened - 1, 0)
+  budget = pt.overlap * pt.step_s
+  return {
+    "keeps_up": opened >= keep_up * scheduled - 1
+    and answers >= due
+    and float(np.quantile(open_s, 0.99)) <= budget,
+    "scheduled_rounds": scheduled,
+    "opened_rounds": opened,
+    "merges": len(merges),
+    "fragments_per_s": rate,
+    "gbps": rate * wire / 1e9,
+    "p50_open_s": float(np.median(open_s)),
+    "p99_open_s": float(np.quantile(open_s, 0.99)),
+    "p50_merge_s": float(np.median(merge_s)),
+    "p99_merge_s": float(np.quantile(merge_s, 0.99)),
+  }

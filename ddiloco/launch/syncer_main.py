@@ -23,6 +23,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # The syncer is a CPU service (be
 # from the learners on the same host (measured: 65-90 ms of syncer CPU per merge, 13 ms with this).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+import gc
 import signal
 import sys
 import threading
@@ -105,6 +106,11 @@ def main(argv: list[str]) -> None:
   except (server_lib.BindError, server_lib.InsecureServeError) as e:
     sys.exit(f"ddiloco-syncer: {e}")  # One line, no traceback: the operator's mistake.
   logging.info("syncer shard %d serving on %s:%d", _SHARD.value, _HOST.value, server.port)
+  # The start-up heap (jax, gRPC, the model, the compiled outer steps: ~140k objects) never turns
+  # into garbage. Frozen, the cyclic GC's full passes skip it; unfrozen, one full pass over it
+  # stopped every thread, and every push and merge with them, for 0.6-1.1 s (a syncer shard of
+  # scripts/bench_capacity.py on the 2-core VM under load).
+  gc.freeze()
   if _PORT_FILE.value:
     tmp = f"{_PORT_FILE.value}.tmp"
     with open(tmp, "w") as f:

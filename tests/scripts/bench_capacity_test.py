@@ -35,7 +35,8 @@ def test_two_shard_counts_side_by_side(tmp_path):
     "--fragments=4",
     "--fragment_mib=0.0625",
     "--ramp_gbps=0.001",
-    "--window_s=1.5",
+    "--window_s=1",
+    "--windows=2",
     "--warmup_s=1",
     "--fleet_procs=1",
     f"--json={out}",
@@ -52,9 +53,17 @@ def test_two_shard_counts_side_by_side(tmp_path):
     (level,) = run["levels"]
     assert len(level["shards"]) == s
     assert level["offered_gbps"] == pytest.approx(0.001, rel=1e-6)
+    assert len(level["windows"]) == 2  # Medians over two windows, each with its own figures.
+    assert 0 <= level["kept_windows"] <= 2
+    lo, hi = level["gbps_range"]
+    assert lo <= level["gbps"] <= hi
+    assert all(n > 0 for n in level["bulk_pushes"])  # The fleet pushed over the bulk port.
+    assert len(level["overrun_rounds"]) == len(level["clock_lag_steps"]) == s
     for shard in level["shards"]:
       assert shard["merges"] > 0 and shard["fragments_per_s"] > 0
+      # Pushed over the bulk port (the default fleet wire), every answer filed.
       assert shard["push_status"].get("accepted", 0) > 0
+      assert set(shard["push_status"]) == {"accepted"}
       assert shard["rss_mib"] > 0 and shard["cores"] >= 0
     assert run["per_core"]["shard_gbps_per_core"] > 0
   assert "ratio" in figures and len(figures["cpu_bound_gbps"]) == 2
