@@ -11,7 +11,6 @@ import numpy as np
 
 from ddiloco.fragments import compression
 from ddiloco.fragments.codec import F32, Codec
-from ddiloco.fragments.run_decoder import add_base
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ChunkWriter, Prefix, num_chunks_for
 from ddiloco.transport.wire import (
   ENTRY_TAIL,
@@ -75,7 +74,7 @@ class FragmentEncoder:
         of `values`.
       received: per key, a flat array of the value's size: as each run is encoded, it is filled
         with what a receiver makes of the bytes, `cast(base + decoded)` (`read_layout` with the
-        base), bit for bit, from the encoding itself (`Codec.encode_run_decoded`); no decoding
+        base), bit for bit, from the encoding itself (`Codec.encode_run_into`); no decoding
         pass. For a sender that must hold what its receivers hold (the lossy downlink); needs
         `base`.
 
@@ -118,15 +117,10 @@ class FragmentEncoder:
       scales = np.empty(codec.nbytes(x.size)[1] // 4, F32)
       filled = 0
       out = None if self._received is None else self._received[key]
-      flat_base = None if out is None else np.ravel(b)
-      at = 0
       try:
-        for payload, run_scales, *values in codec.encode_runs(x, base=b, decoded=out is not None):
-          if values:  # What a receiver decodes, base added, while the run is in cache.
-            n = values[0].size
-            with np.errstate(over="ignore"):  # Inf from the cast: the caller checks its values.
-              add_base(out[at : at + n], flat_base[at : at + n], values[0])
-            at += n
+        # With `received`, what a receiver decodes, base added, is written while the run is in
+        # cache (`Codec.encode_run_into`).
+        for payload, run_scales in codec.encode_runs(x, base=b, into=out):
           yield payload
           scales[filled : filled + run_scales.size] = run_scales
           filled += run_scales.size

@@ -9,6 +9,7 @@ bits as the reference below, which is the codecs' earlier code, kept here as the
 import numpy as np
 import pytest
 
+from ddiloco.fragments.codec import INTO_RUN_VALUES
 from ddiloco.fragments.compression import get_codec
 
 _TINY = np.finfo(np.float32).tiny
@@ -99,3 +100,74 @@ def test_int4_decode_refusals_unchanged():
     codec.decode_run(bytes([0x88, 0x88]), 0, 2, s32)
   with pytest.raises(ValueError, match="scales cover"):
     codec.decode_run(bytes([0x88] * 4), 0, 8, s32)  # 8 values, scales for 4.
+
+
+def _ref_received(name: str, x: np.ndarray, base: np.ndarray, bs: int) -> np.ndarray:
+  """What a receiver holding `base` makes of the reference bytes of `x − base`: cast(base + q·s)."""
+  delta = x.astype(np.float32) - base.astype(np.float32)
+  payload, scales = _ref_encode(name, delta, bs)
+  decoded = _ref_decode(name, payload, 0, x.size, scales=np.frombuffer(scales, "<f4"), bs=bs)
+  with np.errstate(over="ignore"):
+    return (base.astype(np.float32) + decoded).astype(base.dtype)
+
+
+def _edge_pair(n: int, seed: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+  """(x, base) whose delta has `_values`' blocks (zeros, -0.0, subnormal scales, wide magnitudes),
+  a base of -0.0 where q rounds to -0.0, and values at ±float32 max / 4 (the merge's limit)."""
+  rng = np.random.default_rng(seed)
+  base = rng.standard_normal(n).astype(np.float32)
+  base[: min(n, 64) : 3] = -0.0
+  delta = _values(n, seed)
+  if n > 200:
+    delta[100] = np.float32(-1e-9)  # Beside larger values: q = -0.0 on a -0.0 base.
+    base[100] = -0.0
+    delta[130] = np.finfo(np.float32).max / 4
+    delta[131] = -np.finfo(np.float32).max / 4
+  base = base.astype(dtype)
+  with np.errstate(over="ignore"):
+    x = (base.astype(np.float32) + delta).astype(np.float32)
+  return x, base
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("bs", [64, 16, 7, 1])
+@pytest.mark.parametrize("n", [1, 63, 1000, 4097, INTO_RUN_VALUES + 1, 2 * INTO_RUN_VALUES + 7000])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_encode_into_matches_reference(name, bs, n, dtype):
+  """The fused encode-and-adopt kernel (`encode_run_into`): the reference's bytes, and what a
+  receiver decodes from them, base added, bit for bit (the larger n span several runs)."""
+  codec = get_codec(name, bs)
+  x, base = _edge_pair(n, seed=n + bs, dtype=dtype)
+  into = np.full(n, np.nan, dtype)
+  runs = [(p.tobytes(), s.tobytes()) for p, s in codec.encode_runs(x, base=base, into=into)]
+  want_payload, want_scales = _ref_encode(name, x - base.astype(np.float32), bs)
+  assert b"".join(p for p, _ in runs) == want_payload
+  assert b"".join(s for _, s in runs) == want_scales
+  want = _ref_received(name, x, base, bs)
+  np.testing.assert_array_equal(into.view(np.uint8), want.view(np.uint8))
+  # The bytes are those of the encoding without `into`.
+  plain = b"".join(p.tobytes() for p, _ in codec.encode_runs(x, base=base))
+  assert plain == want_payload
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_encode_into_refuses_non_finite(name, bad):
+  codec = get_codec(name, 64)
+  x, base = _edge_pair(INTO_RUN_VALUES + 5000, seed=3, dtype=np.float32)
+  x[INTO_RUN_VALUES + 10] = bad  # In the second run.
+  with pytest.raises(ValueError, match="1 non-finite"):
+    list(codec.encode_runs(x, base=base, into=np.empty_like(x)))
+
+
+def test_encode_into_needs_a_base_and_a_flat_output():
+  codec = get_codec("int4", 64)
+  x = np.ones(10, np.float32)
+  for kwargs in (
+    {"into": np.empty(10, np.float32)},
+    {"base": x, "into": np.empty((2, 5), np.float32)},
+    {"base": x, "into": np.empty(9, np.float32)},
+    {"base": x, "into": np.empty(10, np.float32), "decoded": True},
+  ):
+    with pytest.raises(ValueError, match="`into` needs"):
+      list(codec.encode_runs(x, **kwargs))
