@@ -67,10 +67,11 @@ from ddiloco.distributed.server import make_syncer, serve
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments import layout as layout_lib
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
-from ddiloco.transport import frames, messages
+from ddiloco.transport import bulk_wire, frames, messages
 from ddiloco.transport.bulk_client import BulkClient
 from ddiloco.transport.chunks import FRAMING_SLACK, ArrayPool
 from ddiloco.transport.client import SyncerClient
+from ddiloco.transport.placement import Placement
 from ddiloco.transport.proto import syncer_pb2
 
 _MIB = flags.DEFINE_integer("mib", 64, "fragment size in MiB (float32 values)")
@@ -463,7 +464,9 @@ class _Service:
     self._peer.restart_learner()
     with _Stopwatch(self._peer) as watch:
       body = self.bulk.push(
-        messages.push_messages(report, "fp32", anchor_values=self.anchor_values),
+        messages.push_pieces(
+          report, "fp32", bulk_wire.frame_head, anchor_values=self.anchor_values
+        ),
         self.client.session(0),
         300.0,
       )
@@ -476,19 +479,23 @@ class _Service:
     chunks = self.chunks(self.report())
     self._peer.restart_learner()
     with _Stopwatch(self._peer) as watch:
-      body = self.bulk.push(iter(chunks), self.client.session(0), 300.0)
+      body = self.bulk.push(bulk_wire.message_frames(chunks), self.client.session(0), 300.0)
     if syncer_pb2.PushResponse.FromString(body).status not in ("accepted", "superseded"):
       raise RuntimeError("Pre-built bulk push was not filed.")
     return watch.seconds
 
   def bulk_pull(self) -> Seconds:
     request = syncer_pb2.PullRequest(learner_id=0, fragment=0, known_version=-1)
+    placement = Placement()
     with _Stopwatch(self._peer) as watch:
       state = messages.chunks_to_state(
-        self.bulk.pull(request.SerializeToString(), self.client.session(0), 300.0),
+        self.bulk.pull(
+          request.SerializeToString(), self.client.session(0), 300.0, placement=placement
+        ),
         [_KEY],
         self.shapes,
         self.dtypes,
+        placement=placement,
       )
     if state.version != 0:
       raise RuntimeError("The bulk pull did not return version 0 of the fragment.")

@@ -154,6 +154,39 @@ class FragmentEncoder:
     if writer.nbytes != self.nbytes:  # The framing and the codecs disagree: a bug, not bad input.
       raise AssertionError(f"Serialized {writer.nbytes} bytes, announced {self.nbytes}.")
 
+  def framed(self, chunk_size: int, head: Prefix) -> Iterator[bytes | memoryview]:
+    """The serialized fragment cut into chunks of `chunk_size`, with `head(index, n)` in front of
+    each chunk's n bytes, as one flat stream of pieces, nothing copied.
+
+    For a sender that writes each piece to a socket as it comes (the bulk port: one kernel copy
+    per byte, from the encoder's cache-sized runs). The `bytes` pieces stay valid; a memoryview
+    piece may be overwritten once the next piece is asked for, so it must be sent first. There is
+    always at least one chunk.
+
+    Raises:
+      ValueError: at once if chunk_size < 1; while iterating, as `pieces`.
+    """
+    if chunk_size < 1:
+      raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    return self._framed(chunk_size, head)
+
+  def _framed(self, chunk_size: int, head: Prefix) -> Iterator[bytes | memoryview]:
+    index, left, done = 0, 0, 0
+    for piece in self.pieces():
+      view = memoryview(piece).cast("B")
+      while view:
+        if not left:
+          left = min(chunk_size, self.nbytes - done)
+          yield head(index, left)
+          index += 1
+        m = min(left, len(view))
+        yield piece if isinstance(piece, bytes) and m == len(piece) else view[:m]
+        view, left, done = view[m:], left - m, done + m
+    if not index:
+      yield head(0, 0)  # Every payload has a chunk to carry its header.
+    if done != self.nbytes or left:  # The framing and the codecs disagree: a bug.
+      raise AssertionError(f"Serialized {done} bytes, announced {self.nbytes}.")
+
   def num_chunks(self, chunk_size: int = DEFAULT_CHUNK_SIZE) -> int:
     """How many chunks `chunks(chunk_size)` makes."""
     return num_chunks_for(self.nbytes, chunk_size)
