@@ -100,7 +100,12 @@ class Codec:
     return self.values_per_unit * max(1, RUN_VALUES // self.values_per_unit)
 
   def encode_runs(
-    self, x: np.ndarray, *, base: np.ndarray | None = None, decoded: bool = False
+    self,
+    x: np.ndarray,
+    *,
+    base: np.ndarray | None = None,
+    decoded: bool = False,
+    run_values: int | None = None,
   ) -> Iterator[tuple[np.ndarray, ...]]:
     """Encodes `x`, or the float32 delta `x − base`, run by run (C order).
 
@@ -113,6 +118,8 @@ class Codec:
       decoded: also yield the run's values as `decode_run` gives them back from its bytes
         (`encode_run_decoded`): a sender that must hold what its receivers decode (the syncer's
         lossy downlink, docs/algorithm.md §5) gets them in the same pass, without decoding.
+      run_values: values per run of an unquantized codec (default `RUN_VALUES`): a sender that
+        hands each run to the kernel as it is made takes longer runs, fewer calls per byte.
 
     Yields:
       (payload bytes as a uint8 array, float32 scales of the run's blocks; empty for fp32/bf16),
@@ -130,7 +137,7 @@ class Codec:
         raise ValueError(f"base shape {base_arr.shape} != values shape {np.shape(x)}.")
       base_flat = np.ravel(base_arr)
     n = flat.size
-    run = self._run_length()
+    run = self._run_length() if run_values is None or self.quantized else run_values
     scratch, finite = np.empty(min(run, n), F32), np.empty(min(run, n), bool)
     for start in range(0, n, run):
       stop = min(start + run, n)

@@ -300,7 +300,10 @@ def _state_encoder(
   if base is not None and base.fragment != state.fragment:
     raise ValueError(f"base is fragment {base.fragment}, state is fragment {state.fragment}.")
   base_values = None if base is None else base.values
-  encoder = FragmentEncoder(state.values, codec, block_size=block_size, base=base_values)
+  # A served version's values are finite (checked when merged) and never mutated.
+  encoder = FragmentEncoder(
+    state.values, codec, block_size=block_size, base=base_values, finite=True
+  )
   exact = compression.codec_class(codec).exact and base is None
   exact = exact and all(np.asarray(v).dtype.itemsize <= 4 for v in state.values.values())
   if exact:
