@@ -28,7 +28,7 @@ import numpy as np
 
 from ddiloco.protocol import FragmentState, Report, ReportResult
 from ddiloco.transport import auth, bulk_client, bulk_wire, events, messages, wire
-from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, FRAMING_SLACK
+from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, FRAMING_SLACK, ArrayPool
 from ddiloco.transport.frames import ChunkFrame
 from ddiloco.transport.placement import Placement
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
@@ -124,6 +124,10 @@ class SyncerClient:
     if tls or tls_ca_file:
       self._bulk_tls = ssl.create_default_context(cafile=tls_ca_file)
     self._bulk_wanted = bulk and channel is None
+    # Pulled values are received into recycled memory: fresh pages cost the kernel's zeroing on
+    # every pull. A buffer comes back once the caller dropped every array made from it; at most
+    # the largest fragment pulled so far is kept free.
+    self._pull_pool = ArrayPool(0)
     self._bulk: bulk_client.BulkClient | None = None
     self._token = token
     self.bytes_up = 0
@@ -380,12 +384,18 @@ class SyncerClient:
         base_lookup=base_lookup,
         max_chunk_bytes=self.max_chunk_bytes,
         placement=placement,
+        alloc=self._pull_alloc,
       )
     except bulk_client.BulkUnavailable as e:
       return again(e)
     finally:
       cancel()  # A no-op once the stream is done; stops it if decoding failed midway.
       self._count(down=received)
+
+  def _pull_alloc(self, n: int, dtype: np.dtype) -> np.ndarray:
+    pool = self._pull_pool
+    pool.max_free_bytes = max(pool.max_free_bytes, n * np.dtype(dtype).itemsize)
+    return pool.empty(n, dtype)
 
   def _pull_call(
     self, request: syncer_pb2.PullRequest, placement: Placement | None

@@ -427,6 +427,7 @@ def chunks_to_state(
   max_bytes: int | None = None,
   max_chunk_bytes: int = DEFAULT_CHUNK_SIZE,
   placement: Placement | None = None,
+  alloc: wire.Allocator | None = None,
 ) -> FragmentState:
   """Rebuilds a FragmentState from a Pull stream and checks its digest (docs/algorithm.md §4.7).
 
@@ -440,6 +441,8 @@ def chunks_to_state(
     max_bytes: payload size limit; defaults to `max_wire_bytes` of the layout.
     max_chunk_bytes: per-chunk size limit.
     placement: where the stream's socket reader receives chunks in place (transport/placement.py).
+    alloc: makes the arrays the values are decoded into (`FragmentReader`; e.g. a client's
+      `chunks.ArrayPool.empty`, recycling what it pulled before).
 
   Returns:
     The state, values cast to the layout dtypes, with the header's (verified) digest.
@@ -467,6 +470,7 @@ def chunks_to_state(
     max_chunk_bytes=max_chunk_bytes,
     base_for=base_for,
     placement=placement,
+    alloc=alloc,
   )
   digest = values_digest(values)
   if digest != header.digest:
