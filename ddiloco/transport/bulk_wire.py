@@ -257,9 +257,10 @@ def read_trailer(sock: socket.socket) -> tuple[grpc.StatusCode, str, bytes]:
 
 
 class Prefetch:
-  """Iterates `source` in a helper thread, up to `depth` items ahead: a Push's chunks are encoded
-  while the previous ones are sent, a Pull's frames read while the previous ones are decoded (the
-  copies release the GIL). An exception of `source` is raised where the item would have been.
+  """Iterates `source` in a helper thread, up to `depth` items ahead: a Pull's frames are read
+  while the previous ones are decoded (the reads release the GIL; a Push is sent from the
+  encoder's runs in the caller's thread, as each run's memory is reused). An exception of `source`
+  is raised where the item would have been.
   `close` stops and joins the helper; call it when done (it is idempotent).
   """
 
