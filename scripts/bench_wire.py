@@ -15,9 +15,9 @@ the rounds is reported:
          `SyncerCore.report` (validation again, and the NaN/Inf check of every value fused with
          RDA's squared norm of the outer gradient; the service files the decoded values without
          a copy). The receiving process opens one round of the fragment (`open_round`), and the
-         syncer runs with min_quorum=2 and one learner, so the round never merges: no merge is
+         syncer runs with min_quorum=3 and two learners, so the round never merges: no merge is
          timed. A learner answers a round once (a second answer is a refused duplicate), so before
-         each push the receiving process restarts learner 0 in the core, untimed: it registers it
+         each push the receiving process restarts the learner in the core, untimed: it registers it
          again and marks the fragment delivered, as a rejoined learner's pull would. Each push then
          supersedes the previous answer in the round, whose memory the next push reuses.
   raw    `socket.sendall` of the same number of bytes in 1 MiB pieces over one TCP connection to a
@@ -25,9 +25,12 @@ the rounds is reported:
   bare   gRPC's own floor: the same bytes as 1 MiB raw `bytes` messages (no protobuf) streamed to
          a generic handler that counts and drops them, no token, no service code, with the
          service's channel options.
-  bulk   the same push and pull over the syncer's bulk port (distributed/bulk_server.py): the
-         same chunk messages, handlers and checks, framed on a plain TCP socket
-         (`BulkClient`, called as `SyncerClient` calls it when Register advertises the port).
+  bulk   the same push and pull by learner 1, a `SyncerClient` with the bulk port on (as learners
+         run it), over the syncer's bulk port (distributed/bulk_server.py): the same chunk
+         messages, handlers and checks, framed on a plain TCP socket; a push is sent piece by
+         piece from the encoder's runs and received into its output arrays
+         (transport/placement.py), a pull likewise. "bulk push of pre-built chunks" sends learner
+         0's whole chunk messages over the port (`BulkClient`).
   options  gRPC's own options on the bare stream, each against a bare server of its own: 256 KiB
          and 4 MiB messages, the bytes split over 2 and 4 channels at once, TCP TX zero-copy,
          16 MiB HTTP/2 frames with larger reads; and a bare pull (unary-stream), plain and with
@@ -67,7 +70,7 @@ from ddiloco.distributed.server import make_syncer, serve
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments import layout as layout_lib
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
-from ddiloco.transport import frames, messages
+from ddiloco.transport import bulk_wire, frames, messages
 from ddiloco.transport.bulk_client import BulkClient
 from ddiloco.transport.chunks import FRAMING_SLACK, ArrayPool
 from ddiloco.transport.client import SyncerClient
@@ -205,23 +208,25 @@ _ROUND_STEP = 1  # The one round every push answers; opened by the receiving pro
 
 
 def _syncer_configs() -> tuple[ServiceConfig, SyncerConfig]:
-  # min_quorum=2 with one learner: a push files into the round and never triggers a merge.
-  return ServiceConfig(uplink_codec="fp32", downlink_codec="fp32"), SyncerConfig(
-    min_quorum=2, use_grace=False
-  )
+  # min_quorum=3 with two learners (0 over gRPC, 1 over the bulk port): a push files into the
+  # round and never triggers a merge.
+  # No learner is declared dead between its calls, however long a loaded round takes.
+  service = ServiceConfig(uplink_codec="fp32", downlink_codec="fp32", liveness_timeout_s=3600.0)
+  return service, SyncerConfig(min_quorum=3, use_grace=False)
 
 
-def _restart_learner(core: SyncerCore) -> None:
-  """Learner 0 rejoins and holds the current version: its next answer supersedes its last one."""
-  core.register(0)
-  core.mark_delivered(0, 0, core.version(0))
+def _restart_learner(core: SyncerCore, learner: int = 0) -> None:
+  """The learner rejoins and holds the current version: its next answer supersedes its last one."""
+  core.register(learner)
+  core.mark_delivered(learner, 0, core.version(0))
 
 
 def _receivers(conn, n: int) -> None:
   """The receiving process: the syncer service, the raw TCP reader and the bare gRPC server.
 
-  Sends their ports, then answers b"cpu" with this process's CPU seconds, b"restart" by restarting
-  learner 0 in the core (`_restart_learner`), and b"stop" with the service's counters, and exits.
+  Sends their ports, then answers b"cpu" with this process's CPU seconds, b"restart0" and
+  b"restart1" by restarting learner 0 or 1 in the core (`_restart_learner`), and b"stop" with the
+  service's counters, and exits.
   """
   init = _init_values(n)
   layout = layout_lib.make_layout(init, num_fragments=1)
@@ -242,12 +247,12 @@ def _receivers(conn, n: int) -> None:
   bares |= {name: _bare_server(opts) for name, (opts, _, _) in _VARIANTS.items()}
   ports = {"syncer": server.port, "bulk": server.bulk.port, "raw": discard.port}
   conn.send(ports | {name: port for name, (_, port) in bares.items()})
-  while (msg := conn.recv()) in (b"cpu", b"restart"):
+  while (msg := conn.recv()) in (b"cpu", b"restart0", b"restart1"):
     if msg == b"cpu":
       conn.send(time.process_time())
     else:
       with service.lock:
-        _restart_learner(service.core)
+        _restart_learner(service.core, int(msg[-1:]))
       conn.send(True)
   status = server.service.status()
   conn.send({**status.counters, "merges": status.merges, "refused": sum(status.refused.values())})
@@ -274,9 +279,9 @@ class _Peer:
     self._conn.send(b"cpu")
     return self._conn.recv()
 
-  def restart_learner(self) -> None:
-    """Restarts learner 0 in the service's core (`_restart_learner`), so it may answer again."""
-    self._conn.send(b"restart")
+  def restart_learner(self, learner: int = 0) -> None:
+    """Restarts a learner in the service's core (`_restart_learner`), so it may answer again."""
+    self._conn.send(b"restart%d" % learner)
     self._conn.recv()
 
   def stop(self) -> dict[str, int]:
@@ -392,8 +397,13 @@ class _Service:
     self.client = SyncerClient(address, token=_TOKEN, transfer_deadline_s=300.0, bulk=False)
     self.client.wait_ready(30.0)
     self.client.register(0, layout_digest=layout.digest, num_fragments=1)
-    # The bulk port, called as `SyncerClient` calls it when the syncer advertises it (with this
-    # registration's session; a second registration would void the gRPC client's).
+    # Learner 1 is a `SyncerClient` as learners run it: its pushes and pulls go over the bulk
+    # port the syncer advertises.
+    self.bulk_client = SyncerClient(address, token=_TOKEN, transfer_deadline_s=300.0)
+    self.bulk_client.register(1, layout_digest=layout.digest, num_fragments=1)
+    if self.bulk_client.bulk_port != peer.ports["bulk"]:
+      raise RuntimeError("The syncer did not advertise its bulk port.")
+    # Learner 0's session on the bulk port itself, for pre-built chunk messages.
     self.bulk = BulkClient(
       "127.0.0.1",
       peer.ports["bulk"],
@@ -409,6 +419,7 @@ class _Service:
     )
     self.shapes, self.dtypes = {_KEY: (n,)}, {_KEY: np.float32}
     self.pull()  # Registered and delivered: the learner's reports now weigh > 0 (docs/algorithm.md §3).
+    self.bulk_pull()
     anchor = self._pulled.values
     noise = np.random.default_rng(1).standard_normal(n, dtype=np.float32)
     self._theta = {_KEY: anchor[_KEY] + np.float32(1e-3) * noise}
@@ -423,11 +434,11 @@ class _Service:
     self._pool = ArrayPool(max_free_bytes=4 * n)  # Recycles memory as the service does.
     self._step = 0
 
-  def report(self) -> Report:
+  def report(self, learner: int = 0) -> Report:
     # Every report answers the one open round; the learner is restarted before each is filed.
     self._step += 1
     return Report(
-      learner_id=0,
+      learner_id=learner,
       fragment=0,
       values=self._theta,
       tokens=1024,
@@ -459,38 +470,29 @@ class _Service:
     return watch.seconds
 
   def bulk_push(self) -> Seconds:
-    report = self.report()
-    self._peer.restart_learner()
+    report = self.report(learner=1)
+    self._peer.restart_learner(1)
     with _Stopwatch(self._peer) as watch:
-      body = self.bulk.push(
-        messages.push_messages(report, "fp32", anchor_values=self.anchor_values),
-        self.client.session(0),
-        300.0,
-      )
-    resp = syncer_pb2.PushResponse.FromString(body)
-    if resp.status not in ("accepted", "superseded") or resp.weight <= 0:
-      raise RuntimeError(f"Bulk push was not filed with weight > 0: {resp}")
+      result = self.bulk_client.push(report, "fp32", anchor_values=self.anchor_values)
+    if result.status not in ("accepted", "superseded") or result.weight <= 0:
+      raise RuntimeError(f"Bulk push was not filed with weight > 0: {result}")
     return watch.seconds
 
   def bulk_prebuilt(self) -> Seconds:
     chunks = self.chunks(self.report())
     self._peer.restart_learner()
     with _Stopwatch(self._peer) as watch:
-      body = self.bulk.push(iter(chunks), self.client.session(0), 300.0)
+      body = self.bulk.push(bulk_wire.message_frames(chunks), self.client.session(0), 300.0)
     if syncer_pb2.PushResponse.FromString(body).status not in ("accepted", "superseded"):
       raise RuntimeError("Pre-built bulk push was not filed.")
     return watch.seconds
 
   def bulk_pull(self) -> Seconds:
-    request = syncer_pb2.PullRequest(learner_id=0, fragment=0, known_version=-1)
     with _Stopwatch(self._peer) as watch:
-      state = messages.chunks_to_state(
-        self.bulk.pull(request.SerializeToString(), self.client.session(0), 300.0),
-        [_KEY],
-        self.shapes,
-        self.dtypes,
+      state = self.bulk_client.pull(
+        1, 0, -1, layout_keys=[_KEY], shapes=self.shapes, dtypes=self.dtypes
       )
-    if state.version != 0:
+    if state is None or state.version != 0:
       raise RuntimeError("The bulk pull did not return version 0 of the fragment.")
     return watch.seconds
 
@@ -536,6 +538,7 @@ class _Service:
   def close(self) -> None:
     self._channel.close()
     self.client.close()
+    self.bulk_client.close()
 
 
 def _mib_s(nbytes: int, seconds: float) -> float:

@@ -38,6 +38,8 @@ from ddiloco.distributed.refusals import Refusal
 from ddiloco.distributed.service import SyncerService
 from ddiloco.transport import auth, bulk_wire
 from ddiloco.transport.chunks import FRAMING_SLACK, ArrayPool
+from ddiloco.transport.placement import Placement
+from ddiloco.transport.proto import syncer_pb2
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,10 @@ class _Call:
     self._metadata = metadata
     self._callbacks: list = []
     self.closing = threading.Event()  # Set once the call is over: reads then stop quietly.
+    # A push's chunks are received where the handler's reader offers (transport/placement.py).
+    self.placement: Placement | None = None
+    # A pull's stream is sent as pieces framed by this (`messages.state_pieces`).
+    self.frame_head = None
 
   def invocation_metadata(self):
     return self._metadata
@@ -271,6 +277,7 @@ class BulkServer:
       details = _CallDetails(method, call.invocation_metadata())
       handler = self._interceptor.intercept_service(lambda _: handler, details)
     if op == bulk_wire.OP_PUSH:
+      call.placement = Placement()
       frames = _PushFrames(
         sock,
         call,
@@ -284,19 +291,49 @@ class BulkServer:
         status = (grpc.StatusCode.OK, "", handler.response_serializer(response))
       except _Aborted as a:
         status = (a.code, a.message, b"")
+      call.placement.stop()  # Lets go of the arrays it offered.
       call.closing.set()  # A read still under way in the handler's reader thread ends quietly.
       bulk_wire.send_parts(sock, [bulk_wire.trailer(*status)])
       frames.drain()
       return
-    chunks = handler.unary_stream(handler.request_deserializer(request), call)
-    with contextlib.closing(chunks):  # Its `finally` (the stream's ticket) runs on any exit.
-      for chunk in chunks:
-        bulk_wire.send_frame(sock, chunk)
-    bulk_wire.send_parts(sock, [bulk_wire.trailer(grpc.StatusCode.OK, "")])
+    framing = _PullFraming()
+    call.frame_head = framing.head  # The stream comes as pieces, framed (module doc).
+    pieces = handler.unary_stream(handler.request_deserializer(request), call)
+    try:
+      with contextlib.closing(pieces):  # Its `finally` (the stream's ticket) runs on any exit.
+        pending = bulk_wire.send_pieces(sock, framing.counted(pieces))
+    except Exception as e:
+      if framing.mid_frame():  # A trailer now would be read as the frame's bytes: cut instead.
+        log.warning("bulk pull failed mid-frame, connection cut: %r", e)
+        raise bulk_wire.BulkClosed("The pull failed mid-frame.") from None
+      raise
+    bulk_wire.send_parts(sock, [*pending, bulk_wire.trailer(grpc.StatusCode.OK, "")])
 
   def _send_status(self, sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
     with contextlib.suppress(OSError, ValueError):
       bulk_wire.send_parts(sock, [bulk_wire.trailer(code, message)])
+
+
+class _PullFraming:
+  """Frames a Pull's pieces (`bulk_wire.frame_head`) and knows whether a frame is under way: a
+  failure mid-frame must cut the connection, as a trailer would be read as the frame's bytes."""
+
+  def __init__(self):
+    self._yielded = 0  # Bytes of the pieces handed to the sender.
+    self._frame_end = 0  # Where the last frame begun ends.
+
+  def head(self, message_head: bytes, data_len: int) -> bytes:
+    head = bulk_wire.frame_head(message_head, data_len)
+    self._frame_end = self._yielded + len(head) + data_len
+    return head
+
+  def counted(self, pieces):
+    for piece in pieces:
+      self._yielded += len(piece)
+      yield piece
+
+  def mid_frame(self) -> bool:
+    return self._yielded != self._frame_end and self._yielded > 0
 
 
 class _Quiet(Exception):
@@ -322,7 +359,8 @@ class _PushFrames:
     pool: ArrayPool,
   ):
     self._sock, self._call, self._max, self._idle_s = sock, call, max_frame, idle_s
-    self._service, self._pool = service, pool
+    self._service = service
+    self._reader = bulk_wire.FrameReader(sock, pool, call.placement, syncer_pb2.PushHeader)
     self.ended = False  # The end mark was read: nothing of the client's is left unread.
 
   def __iter__(self):
@@ -337,7 +375,7 @@ class _PushFrames:
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"Push frame of {n} bytes: chunk messages are at most {self._max} bytes.",
           )
-        yield bulk_wire.recv_body(self._sock, n, self._pool)
+        yield self._reader.read(n)
     except bulk_wire.BulkClosed as e:
       raise self._refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Push stream truncated: {e}") from None
     except TimeoutError:

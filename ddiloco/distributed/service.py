@@ -336,7 +336,11 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     )
 
   def Push(self, request_iterator, context):
-    return run_or_abort(context, self._streams.push, request_iterator, call_session(context))
+    # A bulk port call's context carries where its chunks may be received (bulk_server._Call).
+    placement = getattr(context, "placement", None)
+    return run_or_abort(
+      context, self._streams.push, request_iterator, call_session(context), placement
+    )
 
   def Recover(self, request_iterator, context):
     return run_or_abort(context, self._streams.recover, request_iterator, call_session(context))

@@ -33,6 +33,7 @@ from ddiloco.transport.chunks import ArrayPool
 from ddiloco.transport.client import fragment_layouts
 from ddiloco.transport.errors import WireError, WireSizeError
 from ddiloco.transport.events import push_response
+from ddiloco.transport.placement import Placement
 from ddiloco.transport.proto import syncer_pb2
 
 log = logging.getLogger(__name__)
@@ -120,9 +121,16 @@ class DataStreams:
 
   # -- Push and Recover -------------------------------------------------------------------------
 
-  def push(self, request_iterator, session: str) -> syncer_pb2.PushResponse:
-    """A learner's answer to a round, filed in the core."""
-    return self._admitted_push(request_iterator, session, self._push)
+  def push(
+    self, request_iterator, session: str, placement: Placement | None = None
+  ) -> syncer_pb2.PushResponse:
+    """A learner's answer to a round, filed in the core; `placement`: where the bulk port
+    receives its chunks in place (transport/placement.py)."""
+    return self._admitted_push(
+      request_iterator,
+      session,
+      lambda it, session, ticket: self._push(it, session, ticket, placement),
+    )
 
   def recover(self, request_iterator, session: str) -> syncer_pb2.RecoverResponse:
     """A learner hands back a version a restart lost (distributed/recovery.py)."""
@@ -230,7 +238,9 @@ class DataStreams:
     self._check_fragment(h.fragment)
     return first
 
-  def _push(self, it: Iterator, session: str, ticket: door.StreamTicket):
+  def _push(
+    self, it: Iterator, session: str, ticket: door.StreamTicket, placement: Placement | None
+  ):
     first = self._stream_header(it, session, ticket, "push")
     t_first = time.monotonic()
     h = first.header
@@ -284,6 +294,7 @@ class DataStreams:
         # NaN/Inf: the core's filing checks every value in the same pass as RDA's norm and
         # refuses the report untouched ("rejected", INVALID_ARGUMENT); one pass, not two.
         check_finite=False,
+        placement=placement,
       )
     except WireError as e:
       code = grpc.StatusCode.INVALID_ARGUMENT
@@ -346,7 +357,9 @@ class DataStreams:
     try:
       ticket = self._admit(int(request.learner_id))  # Named at once: never "unclaimed".
       context.add_callback(ticket.close)  # Also freed if gRPC drops the generator unfinished.
-      chunks = self._pull(request, call_session(context))
+      # A bulk port call's context names its framing: it sends the stream as pieces
+      # (bulk_server._Call.frame_head), each byte copied once, by the kernel.
+      chunks = self._pull(request, call_session(context), getattr(context, "frame_head", None))
       # A client that stops reading blocks a send: the watchdog cuts it after stream_idle_s.
       yield from self._watchdog.watched(context, chunks)
     except Refusal as r:
@@ -355,8 +368,11 @@ class DataStreams:
       if ticket is not None:
         ticket.close()
 
-  def _pull(self, request, session: str) -> Iterator[bytes]:
-    """The serialized FragmentChunk messages of p's newest version (sent without a serializer)."""
+  def _pull(
+    self, request, session: str, frame: Callable[[bytes, int], bytes] | None = None
+  ) -> Iterator[bytes | memoryview]:
+    """The serialized FragmentChunk messages of p's newest version (sent without a serializer);
+    with `frame`, the same messages framed by it, as pieces (`messages.state_pieces`)."""
     deadline = time.monotonic() + self._cfg.stream_deadline_s
     self._check_fragment(request.fragment)
     p, known = int(request.fragment), int(request.known_version)
@@ -371,18 +387,31 @@ class DataStreams:
       )
     if known == state.version:
       return
-    if cached is not None and known == state.version - 1:
-      chunks = cached
-    else:
-      chunks = messages.state_messages(state, "fp32", chunk_size=self._cfg.max_chunk_bytes)
     sent = 0
-    for c in chunks:
+
+    def in_time() -> None:
       if time.monotonic() > deadline:
         raise self._refuse(
           grpc.StatusCode.DEADLINE_EXCEEDED,
           f"Pull stream open for more than {self._cfg.stream_deadline_s} s: it was cut.",
         )
-      sent += len(c)
+
+    def framed(head: bytes, n: int) -> bytes:
+      nonlocal sent
+      in_time()  # Between two messages, as for whole messages.
+      sent += len(head) + n
+      return frame(head, n)
+
+    if cached is not None and known == state.version - 1:
+      chunks = cached if frame is None else _framed_messages(cached, framed)
+    elif frame is None:
+      chunks = messages.state_messages(state, "fp32", chunk_size=self._cfg.max_chunk_bytes)
+    else:
+      chunks = messages.state_pieces(state, "fp32", framed, chunk_size=self._cfg.max_chunk_bytes)
+    for c in chunks:
+      if frame is None:
+        in_time()
+        sent += len(c)
       yield c
     with self._cond:
       self._bytes_down += sent
@@ -428,3 +457,10 @@ class DataStreams:
         f"Fragment {fragment} belongs to another syncer shard; this one owns {owned[:16]}"
         f"{' ...' if len(owned) > 16 else ''}.",
       )
+
+
+def _framed_messages(messages_: list[bytes], frame: Callable[[bytes, int], bytes]):
+  """Whole serialized messages as pieces, each after `frame(b"", its length)`."""
+  for m in messages_:
+    yield frame(b"", len(m))
+    yield m

@@ -126,6 +126,7 @@ class Codec:
     base: np.ndarray | None = None,
     decoded: bool = False,
     into: np.ndarray | None = None,
+    run_values: int | None = None,
   ) -> Iterator[tuple[np.ndarray, ...]]:
     """Encodes `x`, or the float32 delta `x − base`, run by run (C order).
 
@@ -141,6 +142,8 @@ class Codec:
       into: with `base`, a flat array of x's size filled run by run with what a receiver holding
         `base` makes of the bytes, cast(float32(base) + decoded) (`run_decoder.add_base`), bit
         for bit (`encode_run_into`); the runs then yield (payload, scales) only.
+      run_values: values per run of an unquantized codec (default `RUN_VALUES`): a sender that
+        hands each run to the kernel as it is made takes longer runs, fewer calls per byte.
 
     Yields:
       (payload bytes as a uint8 array, float32 scales of the run's blocks; empty for fp32/bf16),
@@ -160,7 +163,12 @@ class Codec:
         raise ValueError(f"base shape {base_arr.shape} != values shape {np.shape(x)}.")
       base_flat = np.ravel(base_arr)
     n = flat.size
-    run = self._run_length(RUN_VALUES if into is None else INTO_RUN_VALUES)
+    if into is not None:
+      run = self._run_length(INTO_RUN_VALUES)
+    elif run_values is not None and not self.quantized:
+      run = self._run_length(run_values)
+    else:
+      run = self._run_length(RUN_VALUES)
     scratch, finite = np.empty(min(run, n), F32), np.empty(min(run, n), bool)
     work = RunScratch(min(run, n))
     for start in range(0, n, run):

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from ddiloco.fragments.codec import F32 as _F32
 from ddiloco.fragments.codec import RUN_VALUES, Codec, as_f32
 
 
@@ -41,6 +42,8 @@ class RunDecoder:
       check: count NaN/Inf in the output (after the cast), see `close`.
     """
     self._codec, self._out, self._base = codec, out, base
+    # Whether a piece may already sit in `out` (received in place, transport/placement.py).
+    self._plain = base is None and codec.exact and out.dtype == _F32 and codec.unit_bytes == 4
     self._scales = np.empty(0, np.float32) if scales is None else scales
     self._max_run = RUN_VALUES * codec.unit_bytes // codec.values_per_unit
     self._finite = np.empty(min(out.size, RUN_VALUES), bool) if check else None
@@ -64,9 +67,32 @@ class RunDecoder:
         return
       self._run(memoryview(self._carry))
     whole = len(piece) - (len(piece) - head) % unit
-    for i in range(head, whole, self._max_run):
-      self._run(piece[i : min(i + self._max_run, whole)])
+    if whole > head and self._in_place(piece[head:whole]):
+      self._skip((whole - head) // unit)
+    else:
+      for i in range(head, whole, self._max_run):
+        self._run(piece[i : min(i + self._max_run, whole)])
     self._carry = bytes(piece[whole:])
+
+  def _in_place(self, view: memoryview) -> bool:
+    """Whether `view` holds the next values where they belong in `out` already."""
+    if not self._plain or self._start + len(view) // 4 > self._out.size:
+      return False
+    x = np.frombuffer(view, _F32)
+    dst = self._out[self._start : self._start + x.size]
+    # may_share_memory compares bounds only (cheap); the addresses settle it.
+    return np.may_share_memory(x, dst) and (
+      x.__array_interface__["data"][0] == dst.__array_interface__["data"][0]
+    )
+
+  def _skip(self, n: int) -> None:
+    """Takes `n` values that are in place: only counted for NaN/Inf."""
+    if self._finite is not None:
+      for i in range(self._start, self._start + n, RUN_VALUES):
+        run = self._out[i : min(i + RUN_VALUES, self._start + n)]
+        finite = np.isfinite(run, out=self._finite[: run.size])
+        self._non_finite += run.size - int(np.count_nonzero(finite))
+    self._start += n
 
   def _run(self, run: memoryview) -> None:
     codec, start = self._codec, self._start

@@ -19,6 +19,12 @@ import time
 from collections.abc import Iterable, Iterator
 
 from ddiloco.transport import bulk_wire
+from ddiloco.transport.frames import ChunkFrame
+from ddiloco.transport.placement import Placement
+from ddiloco.transport.proto.syncer_pb2 import FragmentHeader
+
+# Bytes sent between two looks for an early answer from the syncer (`_answered`).
+_CHECK_BYTES = 1 << 20
 
 
 class BulkUnavailable(ConnectionError):
@@ -70,27 +76,35 @@ class BulkClient:
       raise BulkUnavailable(f"bulk port {self.host}:{self.port}: {e}") from e
     return sock
 
-  def push(self, messages: Iterable[bytes], session: str, timeout_s: float) -> bytes:
-    """Sends a Push's serialized chunk messages; returns the serialized PushResponse.
+  def push(self, pieces: Iterable[bytes | memoryview], session: str, timeout_s: float) -> bytes:
+    """Sends a Push's frames, then the end mark; returns the serialized PushResponse.
 
+    `pieces` are the frames' bytes in order (`messages.push_pieces` with `bulk_wire.frame_head`,
+    or `bulk_wire.message_frames` of whole chunk messages). Small `bytes` pieces are gathered; any other
+    piece is sent, with what was gathered, in one `sendmsg` before the next is asked for, so the
+    source may reuse its memory (the encoder's runs: each byte is copied once, by the kernel).
     Stops sending as soon as the syncer answers (a push refused from its header).
 
     Raises:
       BulkError: the syncer's refusal. BulkUnavailable: no connection, or it broke first.
-      ValueError: from `messages` (a report that cannot be encoded): the stream is cut short.
+      ValueError: from `pieces` (a report that cannot be encoded): the connection is cut mid-frame,
+        so the syncer refuses the stream as truncated and files nothing.
     """
     deadline = time.monotonic() + timeout_s
     sock = self._connect(deadline)
-    ahead = bulk_wire.Prefetch(messages, name="bulk-push-encoder")
-    with sock, contextlib.closing(ahead):
+    with sock:
       try:
-        _send(sock, deadline, [bulk_wire.hello(bulk_wire.OP_PUSH, self._token, session)])
-        for message in ahead:
-          if _answered(sock):
-            break
-          _send(sock, deadline, [bulk_wire.LENGTH.pack(len(message)), message])
-        else:
-          _send(sock, deadline, [bulk_wire.LENGTH.pack(bulk_wire.END)])
+        try:
+          _send_pieces(
+            sock, deadline, bulk_wire.hello(bulk_wire.OP_PUSH, self._token, session), pieces
+          )
+        except ValueError:
+          # Cut mid-frame: the syncer refuses the stream as truncated. Its answer is awaited, so
+          # the refusal is settled (and counted) when the error reaches the caller.
+          with contextlib.suppress(OSError, bulk_wire.BulkError):
+            sock.shutdown(socket.SHUT_WR)
+            _late_answer(sock, deadline)
+          raise
         return _answer(sock, deadline)
       except (OSError, bulk_wire.BulkClosed) as e:
         answer = _late_answer(sock, deadline)  # A refusal may have closed it: read it if there.
@@ -98,9 +112,14 @@ class BulkClient:
           raise BulkUnavailable(f"bulk push to {self.host}:{self.port}: {e}") from e
         return answer
 
-  def pull(self, request: bytes, session: str, timeout_s: float) -> Iterator[memoryview]:
+  def pull(
+    self, request: bytes, session: str, timeout_s: float, placement: Placement | None = None
+  ) -> Iterator[memoryview | ChunkFrame]:
     """The chunk messages of a Pull (`request`: a serialized PullRequest), read as they come (a
     helper thread reads the next frames while the caller decodes).
+
+    With `placement` (given to the reader that decodes the stream, transport/placement.py), a
+    chunk whose bytes belong in an offered array is read into it and comes as a `ChunkFrame`.
 
     Raises (while iterated):
       BulkError: the syncer's refusal. BulkUnavailable: no connection, or it broke first.
@@ -108,7 +127,8 @@ class BulkClient:
     deadline = time.monotonic() + timeout_s
     sock = self._connect(deadline)
     hello = bulk_wire.hello(bulk_wire.OP_PULL, self._token, session, request)
-    ahead = bulk_wire.Prefetch(self._frames(sock, deadline, hello), name="bulk-pull-reader")
+    reader = bulk_wire.FrameReader(sock, self._pool, placement, FragmentHeader)
+    ahead = bulk_wire.Prefetch(self._frames(sock, deadline, hello, reader), name="bulk-pull-reader")
     try:
       yield from ahead
     finally:
@@ -117,7 +137,9 @@ class BulkClient:
       ahead.close()
       sock.close()
 
-  def _frames(self, sock: socket.socket, deadline: float, hello: bytes) -> Iterator[memoryview]:
+  def _frames(
+    self, sock: socket.socket, deadline: float, hello: bytes, reader: "bulk_wire.FrameReader"
+  ) -> Iterator[memoryview | ChunkFrame]:
     try:
       _send(sock, deadline, [hello])
       while True:
@@ -129,7 +151,7 @@ class BulkClient:
           return
         if n > self._max_frame:
           raise BulkUnavailable(f"bulk pull: a frame of {n} bytes is over the bound.")
-        yield bulk_wire.recv_body(sock, n, self._pool)
+        yield reader.read(n)
     except (OSError, bulk_wire.BulkClosed, ValueError) as e:
       raise BulkUnavailable(f"bulk pull from {self.host}:{self.port}: {e}") from e
 
@@ -152,6 +174,25 @@ def _left(deadline: float) -> float:
 def _send(sock: socket.socket, deadline: float, parts: list) -> None:
   sock.settimeout(_left(deadline))
   bulk_wire.send_parts(sock, parts)
+
+
+def _send_pieces(sock: socket.socket, deadline: float, hello: bytes, pieces: Iterable) -> None:
+  """The hello, then `pieces` (see `BulkClient.push`), then the end mark unless the syncer
+  answered first."""
+  pending, gathered, unchecked = [hello], 0, 0
+  for piece in pieces:
+    pending.append(piece)
+    gathered += len(piece)
+    if isinstance(piece, bytes) and gathered < bulk_wire.GATHER_BYTES:
+      continue
+    if unchecked >= _CHECK_BYTES:  # Now and then, not per send: select is a system call.
+      if _answered(sock):
+        return
+      unchecked = 0
+    _send(sock, deadline, pending)
+    unchecked += gathered
+    pending, gathered = [], 0
+  _send(sock, deadline, [*pending, bulk_wire.LENGTH.pack(bulk_wire.END)])
 
 
 def _answered(sock: socket.socket) -> bool:

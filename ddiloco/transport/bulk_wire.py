@@ -24,12 +24,15 @@ One call per connection:
 
 import socket
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import grpc
 import numpy as np
 
+from ddiloco.transport import frames
 from ddiloco.transport.chunks import ArrayPool
+from ddiloco.transport.errors import WireError
+from ddiloco.transport.placement import Placement
 from ddiloco.transport.read_ahead import ReadAhead
 
 MAGIC = b"DDB1"
@@ -45,6 +48,8 @@ MAX_MESSAGE_BYTES = 4096
 MAX_BODY_BYTES = 64 * 1024
 
 _BUCKET = 64 << 10
+# Small pieces of a stream (frame heads, the format's framing) are gathered up to this many bytes.
+GATHER_BYTES = 64 << 10
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -101,10 +106,10 @@ def recv_exact(sock: socket.socket, n: int) -> memoryview:
   Raises:
     BulkClosed: the connection ended first. socket.timeout / OSError as the socket raises them.
   """
-  return _fill(sock, memoryview(bytearray(n)), "read")
+  return fill(sock, memoryview(bytearray(n)), "read")
 
 
-def _fill(sock: socket.socket, view: memoryview, what: str) -> memoryview:
+def fill(sock: socket.socket, view: memoryview, what: str = "frame") -> memoryview:
   """Reads until `view` is full; returns it. Raises BulkClosed if the connection ends first."""
   n = len(view)
   got = 0
@@ -126,14 +131,78 @@ def _bucket(n: int) -> int:
   return -(-n // _BUCKET) * _BUCKET
 
 
-def recv_body(sock: socket.socket, n: int, pool: ArrayPool) -> memoryview:
-  """A frame's `n` bytes, read straight into recycled memory (one copy: the kernel's).
+def recv_body(
+  sock: socket.socket, n: int, pool: ArrayPool, head: bytes | memoryview = b""
+) -> memoryview:
+  """A frame's `n` bytes, read straight into recycled memory (one copy: the kernel's); `head`:
+  its first bytes, read already.
 
   The reader keeps views of early chunks (transport/chunks.py), so a buffer is reused only once
   every view of it has died (`ArrayPool`); fresh pages would cost the kernel's zeroing on every
   frame.
   """
-  return _fill(sock, memoryview(pool.empty(_bucket(n), np.uint8))[:n], "frame")
+  view = memoryview(pool.empty(_bucket(n), np.uint8))[:n]
+  view[: len(head)] = head
+  fill(sock, view[len(head) :])
+  return view
+
+
+class FrameReader:
+  """Reads the chunk messages of one stream's frames, each into the array it belongs in when the
+  stream's `placement` has one (transport/placement.py), else into recycled memory.
+
+  Without a placement, a frame is its bytes (`recv_body`). With one, its first bytes are read
+  alone: a message of an index and data only (`frames.plain_head`) whose data the placement
+  claims is read straight into that memory and comes as a `ChunkFrame`; any other is read whole
+  and parsed here (a `ChunkFrame` too), or handed on as its bytes if it does not parse (the
+  handler refuses it) and placement stops.
+  """
+
+  def __init__(
+    self,
+    sock: socket.socket,
+    pool: ArrayPool,
+    placement: Placement | None,
+    header_type: type,
+  ):
+    self._sock, self._pool, self._placement, self._header = sock, pool, placement, header_type
+
+  def read(self, n: int) -> memoryview | frames.ChunkFrame:
+    """The next frame's message, of `n` bytes (its length read and bounded by the caller)."""
+    placement = self._placement
+    if placement is None:
+      return recv_body(self._sock, n, self._pool)
+    head = recv_exact(self._sock, min(n, frames.PLAIN_HEAD_BYTES))
+    plain = frames.plain_head(head, n)
+    if plain is not None:
+      index, at = plain
+      into = placement.claim(index, n - at)
+      if into is not None:
+        into[: len(head) - at] = head[at:]
+        fill(self._sock, into[len(head) - at :])
+        return frames.ChunkFrame(None, index, into, n)
+      return frames.ChunkFrame(None, index, recv_body(self._sock, n, self._pool, head)[at:], n)
+    body = recv_body(self._sock, n, self._pool, head)
+    try:
+      frame = frames.parse_chunk(body, self._header)
+    except WireError:
+      placement.stop()
+      return body
+    placement.skip(frame.index, len(frame.data))
+    return frame
+
+
+def frame_head(message_head: bytes, data_len: int) -> bytes:
+  """The bytes in front of a chunk message's data on the bulk stream: its frame length, then the
+  message's fields before its data (`messages.push_pieces`' `frame`)."""
+  return LENGTH.pack(len(message_head) + data_len) + message_head
+
+
+def message_frames(messages: Iterable[bytes | memoryview]) -> Iterator[bytes | memoryview]:
+  """Whole chunk messages as the pieces of their frames (`BulkClient.push`)."""
+  for message in messages:
+    yield LENGTH.pack(len(message))
+    yield message
 
 
 def send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
@@ -153,9 +222,19 @@ def send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
       views[0] = views[0][sent:]
 
 
-def send_frame(sock: socket.socket, message: bytes | memoryview) -> None:
-  """One frame: the length, then the message."""
-  send_parts(sock, [LENGTH.pack(len(message)), message])
+def send_pieces(sock: socket.socket, pieces: Iterable[bytes | memoryview]) -> list:
+  """Sends `pieces` in order: small `bytes` gathered, any other piece sent (with what was
+  gathered) before the next is asked for, as its memory may be reused; returns what is left
+  gathered, for the caller to send with what follows."""
+  pending, gathered = [], 0
+  for piece in pieces:
+    pending.append(piece)
+    gathered += len(piece)
+    if isinstance(piece, bytes) and gathered < GATHER_BYTES:
+      continue
+    send_parts(sock, pending)
+    pending, gathered = [], 0
+  return pending
 
 
 def trailer(code: grpc.StatusCode, message: str, body: bytes = b"") -> bytes:
@@ -178,9 +257,10 @@ def read_trailer(sock: socket.socket) -> tuple[grpc.StatusCode, str, bytes]:
 
 
 class Prefetch:
-  """Iterates `source` in a helper thread, up to `depth` items ahead: a Push's chunks are encoded
-  while the previous ones are sent, a Pull's frames read while the previous ones are decoded (the
-  copies release the GIL). An exception of `source` is raised where the item would have been.
+  """Iterates `source` in a helper thread, up to `depth` items ahead: a Pull's frames are read
+  while the previous ones are decoded (the reads release the GIL; a Push is sent from the
+  encoder's runs in the caller's thread, as each run's memory is reused). An exception of `source`
+  is raised where the item would have been.
   `close` stops and joins the helper; call it when done (it is idempotent).
   """
 

@@ -27,8 +27,10 @@ import grpc
 import numpy as np
 
 from ddiloco.protocol import FragmentState, Report, ReportResult
-from ddiloco.transport import auth, bulk_client, events, messages, wire
-from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, FRAMING_SLACK
+from ddiloco.transport import auth, bulk_client, bulk_wire, events, messages, wire
+from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, FRAMING_SLACK, ArrayPool
+from ddiloco.transport.frames import ChunkFrame
+from ddiloco.transport.placement import Placement
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -122,6 +124,10 @@ class SyncerClient:
     if tls or tls_ca_file:
       self._bulk_tls = ssl.create_default_context(cafile=tls_ca_file)
     self._bulk_wanted = bulk and channel is None
+    # Pulled values are received into recycled memory: fresh pages cost the kernel's zeroing on
+    # every pull. A buffer comes back once the caller dropped every array made from it; at most
+    # the largest fragment pulled so far is kept free.
+    self._pull_pool = ArrayPool(0)
     self._bulk: bulk_client.BulkClient | None = None
     self._token = token
     self.bytes_up = 0
@@ -245,8 +251,26 @@ class SyncerClient:
       except ValueError as e:  # gRPC's request thread would only log it: keep it for the caller.
         failed.append(e)
 
+    def pieces():  # The bulk port's: the same messages, framed, sent piece by piece uncopied.
+      nonlocal sent
+      sent = 0
+
+      def frame(head: bytes, n: int) -> bytes:
+        nonlocal sent
+        sent += len(head) + n
+        return bulk_wire.frame_head(head, n)
+
+      return messages.push_pieces(
+        report,
+        codec,
+        frame,
+        block_size=block_size,
+        chunk_size=self.max_chunk_bytes,
+        anchor_values=anchor_values,
+      )
+
     try:
-      resp = self._push_call(stream, report.learner_id)
+      resp = self._push_call(stream, pieces, report.learner_id)
     except grpc.RpcError as e:
       if failed:
         raise failed[0] from e
@@ -260,13 +284,15 @@ class SyncerClient:
     self._count(up=sent)
     return events.report_result(resp)
 
-  def _push_call(self, stream: Callable, learner_id: int) -> syncer_pb2.PushResponse:
-    """A Push of `stream()`'s messages: over the bulk port if there is one, else (or if it fails
-    to connect or breaks) over gRPC."""
+  def _push_call(
+    self, stream: Callable, pieces: Callable, learner_id: int
+  ) -> syncer_pb2.PushResponse:
+    """A Push: `pieces()` over the bulk port if there is one, else (or if it fails to connect or
+    breaks) `stream()`'s messages over gRPC."""
     bulk = self._bulk
     if bulk is not None:
       try:
-        body = bulk.push(stream(), self.session(learner_id), self.transfer_deadline_s)
+        body = bulk.push(pieces(), self.session(learner_id), self.transfer_deadline_s)
         return syncer_pb2.PushResponse.FromString(body)
       except bulk_client.BulkUnavailable as e:
         self._bulk_down(e)
@@ -333,7 +359,8 @@ class SyncerClient:
         base_lookup=base_lookup,
       )
 
-    stream, cancel = self._pull_call(request)
+    placement = Placement() if self._bulk is not None else None
+    stream, cancel = self._pull_call(request, placement)
     try:
       first = next(stream, None)
     except bulk_client.BulkUnavailable as e:
@@ -345,7 +372,7 @@ class SyncerClient:
     def counted():
       nonlocal received
       for message in itertools.chain([first], stream):
-        received += len(message)
+        received += message.nbytes if isinstance(message, ChunkFrame) else len(message)
         yield message
 
     try:
@@ -356,6 +383,8 @@ class SyncerClient:
         dtypes,
         base_lookup=base_lookup,
         max_chunk_bytes=self.max_chunk_bytes,
+        placement=placement,
+        alloc=self._pull_alloc,
       )
     except bulk_client.BulkUnavailable as e:
       return again(e)
@@ -363,13 +392,22 @@ class SyncerClient:
       cancel()  # A no-op once the stream is done; stops it if decoding failed midway.
       self._count(down=received)
 
-  def _pull_call(self, request: syncer_pb2.PullRequest) -> tuple[Iterator, Callable[[], None]]:
+  def _pull_alloc(self, n: int, dtype: np.dtype) -> np.ndarray:
+    pool = self._pull_pool
+    pool.max_free_bytes = max(pool.max_free_bytes, n * np.dtype(dtype).itemsize)
+    return pool.empty(n, dtype)
+
+  def _pull_call(
+    self, request: syncer_pb2.PullRequest, placement: Placement | None
+  ) -> tuple[Iterator, Callable[[], None]]:
     """(the chunk messages of a Pull, a callable that stops it): over the bulk port if there is
-    one, else over gRPC."""
+    one (chunks received in place where `placement` says), else over gRPC."""
     bulk = self._bulk
     if bulk is not None:
       session = self.session(int(request.learner_id))
-      stream = bulk.pull(request.SerializeToString(), session, self.transfer_deadline_s)
+      stream = bulk.pull(
+        request.SerializeToString(), session, self.transfer_deadline_s, placement=placement
+      )
       return stream, stream.close
     call = self._pull_raw(
       request,

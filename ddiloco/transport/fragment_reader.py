@@ -13,6 +13,7 @@ from ddiloco.fragments import buffers, compression
 from ddiloco.fragments.codec import Codec
 from ddiloco.fragments.run_decoder import RunDecoder
 from ddiloco.transport.errors import WireError, WireSizeError
+from ddiloco.transport.placement import Placement
 from ddiloco.transport.wire import (
   ENTRY_TAIL,
   FILE_HEADER,
@@ -25,7 +26,10 @@ from ddiloco.transport.wire import (
   Buffer,
   Layout,
   max_wire_bytes,
+  payload_offsets,
 )
+
+_LE_F32 = np.dtype("<f4")
 
 
 class FragmentReader:
@@ -50,6 +54,7 @@ class FragmentReader:
     base: Mapping[str, np.ndarray] | None = None,
     alloc: Allocator | None = None,
     check_finite: bool = True,
+    placement: Placement | None = None,
   ):
     """Prepares to read a fragment of `layout`.
 
@@ -63,6 +68,9 @@ class FragmentReader:
       check_finite: count NaN/Inf and raise on any. False only for a caller that checks every
         value itself (the syncer service: `SyncerCore.report` checks them at filing, fused with
         RDA's norm, so a second pass here would only cost time).
+      placement: where a socket reader may receive payload bytes in place (transport/placement.py):
+        with an fp32 `codec_name` and no base, the float32 arrays are made at once and offered at
+        the offsets the sender's encoding puts them; an entry that starts elsewhere gets a fresh one.
     """
     self._layout, self._codec_name, self._base = layout, codec_name, base
     self._check = check_finite
@@ -70,8 +78,22 @@ class FragmentReader:
     self.limit = max_wire_bytes(layout) if max_bytes is None else max_bytes
     self._fed = 0
     self._view, self._off, self._pos = memoryview(b""), 0, 0  # Current piece; stream offset.
+    self._preset: dict[str, tuple[int, np.ndarray]] = {}
+    if placement is not None and codec_name is not None and base is None:
+      self._offer(placement, compression.get_codec(codec_name))
     self._parser = self._parse()
     next(self._parser)  # Runs to the first read.
+
+  def _offer(self, placement: Placement, codec: Codec) -> None:
+    """Makes the arrays whose fp32 payload is their own bytes, and offers them (`placement`)."""
+    if not (codec.exact and codec.unit_bytes == 4 and not codec.quantized):
+      return
+    starts = payload_offsets(self._layout, codec)
+    for key, (shape, dtype) in self._layout.items():
+      if dtype == _LE_F32 and dtype.isnative:
+        out = self._alloc(math.prod(shape), dtype)
+        placement.offer(starts[key], out)
+        self._preset[key] = (starts[key], out)
 
   def feed(self, data: Buffer) -> None:
     """Parses and decodes the next piece of the serialized fragment.
@@ -211,7 +233,11 @@ class FragmentReader:
       if key not in self._base or np.shape(self._base[key]) != shape:
         raise WireError(f"{key!r}: the base has no array of shape {shape} for this key.")
       base = np.ravel(np.asarray(self._base[key]))
-    out = self._alloc(n, np.dtype(dtype))
+    preset = self._preset.pop(key, None)
+    if preset is not None and preset[0] == self._pos:  # Where it was offered: bytes may be there.
+      out = preset[1]
+    else:
+      out = self._alloc(n, np.dtype(dtype))
     what, at, left = f"{key!r} payload", self._pos, payload_len
     try:
       if not codec.quantized:

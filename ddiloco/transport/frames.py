@@ -134,6 +134,33 @@ def parse_chunk(message: bytes | memoryview, header_type: type) -> ChunkFrame:
   return ChunkFrame(header, index, data, end)
 
 
+# Bytes that hold a chunk message's fields before its data when they are only an index and the
+# data's length (`chunk_prefix` of a chunk past the first): two tags and two varints.
+PLAIN_HEAD_BYTES = 22
+
+
+def plain_head(head: bytes | memoryview, nbytes: int) -> tuple[int, int] | None:
+  """(index, offset of the data) of a serialized chunk message of `nbytes` bytes whose first bytes
+  are `head` (at least `min(nbytes, PLAIN_HEAD_BYTES)` of them), if its fields are an int32 index
+  >= 0 (or none) and then its data running to the message's end, as `chunk_prefix` writes chunks
+  past the first; None for any other message, which `parse_chunk` then reads whole. What both
+  give for such a message is the same: protobuf's parse of it.
+  """
+  view = memoryview(head).cast("B")
+  index, pos = 0, 0
+  try:
+    if len(view) > pos and view[pos] == _INDEX_TAG[0]:
+      index, pos = _read_varint(view, pos + 1)
+      if index > 0x7FFF_FFFF:
+        return None  # A negative int32, or one past its range: parse_chunk's rules apply.
+    if len(view) <= pos or view[pos] != _DATA_TAG[0]:
+      return None
+    length, pos = _read_varint(view, pos + 1)
+  except WireError:
+    return None
+  return (index, pos) if pos + length == nbytes else None
+
+
 def as_frame(chunk: object, header_type: type) -> ChunkFrame:
   """A ChunkFrame of a chunk given as a frame, its serialized bytes, or a protobuf message.
 

@@ -27,6 +27,7 @@ from ddiloco.transport.errors import WireError
 from ddiloco.transport.fragment_encoder import FragmentEncoder, outer_gradient_encoder
 from ddiloco.transport.fragment_reader import FragmentReader
 from ddiloco.transport.frames import ChunkFrame, as_frame, chunk_prefix
+from ddiloco.transport.placement import Placement
 from ddiloco.transport.proto import syncer_pb2
 
 BaseLookup = Callable[[int], Mapping[str, np.ndarray]]
@@ -42,6 +43,7 @@ def _read_stream(
   base_for: Callable[[object], Mapping[str, np.ndarray] | None],
   alloc: wire.Allocator | None = None,
   check_finite: bool = True,
+  placement: Placement | None = None,
 ) -> tuple[object, dict[str, np.ndarray]]:
   """Reads a chunk stream: (header of chunk 0, decoded values). Rejects bad streams early.
 
@@ -73,6 +75,7 @@ def _read_stream(
     base=base_for(header),
     alloc=alloc,
     check_finite=check_finite,
+    placement=placement,
   )
   for data in asm.add(first.index, first.data):
     reader.feed(data)
@@ -167,6 +170,33 @@ def push_messages(
   return _framed(encoder, header, chunk_size)
 
 
+def push_pieces(
+  report: Report,
+  codec: str,
+  frame: Callable[[bytes, int], bytes],
+  *,
+  block_size: int = 64,
+  chunk_size: int = DEFAULT_CHUNK_SIZE,
+  anchor_values: Mapping[str, np.ndarray] | None = None,
+) -> Iterator[bytes | memoryview]:
+  """`push_messages`' stream as one flat stream of pieces, nothing copied (`FragmentEncoder.framed`).
+
+  The same messages, byte for byte, each with `frame(message_head, data_len)` in front in place of
+  its head (the fields before its data; `frame` adds a transport's framing, e.g. the bulk port's
+  length). A memoryview piece may be overwritten once the next piece is asked for: send it first.
+
+  Raises:
+    ValueError: as `push_messages`.
+  """
+  encoder = push_encoder(report, codec, block_size, anchor_values)
+  header = push_header(
+    report, codec, encoder.nbytes, encoder.num_chunks(chunk_size), anchor_values is not None
+  ).SerializeToString()
+  return encoder.framed(
+    chunk_size, lambda i, n: frame(chunk_prefix(i, n, header if i == 0 else None), n)
+  )
+
+
 def chunks_to_report(
   chunks: Iterable[syncer_pb2.PushChunk | bytes | ChunkFrame],
   layout_keys: Sequence[str],
@@ -177,6 +207,7 @@ def chunks_to_report(
   max_chunk_bytes: int = DEFAULT_CHUNK_SIZE,
   alloc: wire.Allocator | None = None,
   check_finite: bool = True,
+  placement: Placement | None = None,
 ) -> Report:
   """Rebuilds a Report from a Push stream, validating everything (docs/architecture.md).
 
@@ -195,6 +226,7 @@ def chunks_to_report(
       `chunks.ArrayPool.empty` to recycle the memory of reports it no longer holds.
     check_finite: refuse NaN/Inf values (WireError). A service that files the report into a
       `SyncerCore` passes False: the core checks every value, fused with RDA's first pass.
+    placement: where the stream's socket reader receives chunks in place (transport/placement.py).
 
   Returns:
     The report, values cast to the layout dtypes: θ, or for a `delta` header the outer gradient
@@ -233,6 +265,7 @@ def chunks_to_report(
     base_for=base_for,
     alloc=alloc,
     check_finite=check_finite,
+    placement=placement,
   )
   return Report(
     learner_id=int(header.learner_id),
@@ -267,7 +300,10 @@ def _state_encoder(
   if base is not None and base.fragment != state.fragment:
     raise ValueError(f"base is fragment {base.fragment}, state is fragment {state.fragment}.")
   base_values = None if base is None else base.values
-  encoder = FragmentEncoder(state.values, codec, block_size=block_size, base=base_values)
+  # A served version's values are finite (checked when merged) and never mutated.
+  encoder = FragmentEncoder(
+    state.values, codec, block_size=block_size, base=base_values, finite=True
+  )
   exact = compression.codec_class(codec).exact and base is None
   exact = exact and all(np.asarray(v).dtype.itemsize <= 4 for v in state.values.values())
   if exact:
@@ -315,6 +351,32 @@ def state_messages(
     ValueError: at once if `base` is another fragment; while iterating, if the values cannot be
       encoded.
   """
+  encoder, header = _state_stream(state, codec, block_size, chunk_size, base)
+  return _framed(encoder, header, chunk_size)
+
+
+def state_pieces(
+  state: FragmentState,
+  codec: str,
+  frame: Callable[[bytes, int], bytes],
+  *,
+  block_size: int = 64,
+  chunk_size: int = DEFAULT_CHUNK_SIZE,
+  base: FragmentState | None = None,
+) -> Iterator[bytes | memoryview]:
+  """`state_messages`' stream as one flat stream of pieces, nothing copied, each message with
+  `frame(message_head, data_len)` in front (as `push_pieces`). A memoryview piece may be
+  overwritten once the next piece is asked for: send it first."""
+  encoder, header = _state_stream(state, codec, block_size, chunk_size, base)
+  return encoder.framed(
+    chunk_size, lambda i, n: frame(chunk_prefix(i, n, header if i == 0 else None), n)
+  )
+
+
+def _state_stream(
+  state: FragmentState, codec: str, block_size: int, chunk_size: int, base: FragmentState | None
+) -> tuple[FragmentEncoder, bytes]:
+  """(the encoder of a Pull stream's payload, its serialized FragmentHeader)."""
   encoder, digest = _state_encoder(state, codec, block_size, base)
   header = _fragment_header(
     fragment=state.fragment,
@@ -325,7 +387,7 @@ def state_messages(
     num_chunks=encoder.num_chunks(chunk_size),
     base=-1 if base is None else base.version,
   ).SerializeToString()
-  return _framed(encoder, header, chunk_size)
+  return encoder, header
 
 
 def encoded_state_messages(
@@ -364,6 +426,8 @@ def chunks_to_state(
   base_lookup: BaseLookup | None = None,
   max_bytes: int | None = None,
   max_chunk_bytes: int = DEFAULT_CHUNK_SIZE,
+  placement: Placement | None = None,
+  alloc: wire.Allocator | None = None,
 ) -> FragmentState:
   """Rebuilds a FragmentState from a Pull stream and checks its digest (docs/algorithm.md §4.7).
 
@@ -376,6 +440,9 @@ def chunks_to_state(
     base_lookup: version -> the receiver's values of that version; required for delta streams.
     max_bytes: payload size limit; defaults to `max_wire_bytes` of the layout.
     max_chunk_bytes: per-chunk size limit.
+    placement: where the stream's socket reader receives chunks in place (transport/placement.py).
+    alloc: makes the arrays the values are decoded into (`FragmentReader`; e.g. a client's
+      `chunks.ArrayPool.empty`, recycling what it pulled before).
 
   Returns:
     The state, values cast to the layout dtypes, with the header's (verified) digest.
@@ -402,6 +469,8 @@ def chunks_to_state(
     max_bytes=max_bytes,
     max_chunk_bytes=max_chunk_bytes,
     base_for=base_for,
+    placement=placement,
+    alloc=alloc,
   )
   digest = values_digest(values)
   if digest != header.digest:

@@ -39,6 +39,7 @@ import ml_dtypes
 import numpy as np
 
 from ddiloco.fragments import buffers, compression
+from ddiloco.fragments.codec import Codec
 from ddiloco.fragments.run_decoder import RunDecoder
 from ddiloco.transport.errors import WireError
 
@@ -102,6 +103,19 @@ def max_wire_bytes(layout: Layout) -> int:
     n = math.prod(shape)
     total += _ENTRY_FRAMING + len(k.encode()) + 8 * len(shape) + 5 * n
   return total
+
+
+def payload_offsets(layout: Layout, codec: Codec) -> dict[str, int]:
+  """Stream offset of each entry's payload in an encoding of `layout` with `codec` in the
+  sender's order (keys sorted, `FragmentEncoder`): where a receiver may expect them
+  (`placement.Placement`). A stream in another order is still valid; it just starts elsewhere."""
+  at, out = FILE_HEADER.size, {}
+  for key in sorted(layout):
+    shape, dtype = layout[key]
+    at += 2 + len(key.encode()) + 2 + len(dtype.name) + 1 + 8 * len(shape) + ENTRY_TAIL.size
+    out[key] = at
+    at += sum(codec.nbytes(math.prod(shape)))
+  return out
 
 
 def received_values(

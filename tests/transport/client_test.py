@@ -24,8 +24,18 @@ SHAPES, DTYPES = {"w": (N,)}, {"w": np.float32}
 ROUND = 3  # One fragment, τ = 2: the core's schedule has H = 3, so fragment 0 is due at step 3.
 
 
+@pytest.fixture(params=[True, False], ids=["bulk", "grpc"])
+def env_both(request):
+  """`env`'s syncer, the client pushing over the bulk port or over gRPC alone."""
+  yield from _env(bulk=request.param)
+
+
 @pytest.fixture
 def env():
+  yield from _env(bulk=True)
+
+
+def _env(*, bulk: bool):
   svc = make_syncer(
     fragment_keys=[["w"]],
     init_values=INIT,
@@ -37,7 +47,7 @@ def env():
     layout_digest="D",
   )
   srv = serve(svc, token=TOKEN)
-  client = SyncerClient(f"127.0.0.1:{srv.port}", token=TOKEN, max_chunk_bytes=CHUNK)
+  client = SyncerClient(f"127.0.0.1:{srv.port}", token=TOKEN, max_chunk_bytes=CHUNK, bulk=bulk)
   client.wait_ready(10)
   client.register(0, layout_digest="D", num_fragments=1)
   with svc.lock:
@@ -95,16 +105,19 @@ def test_generated_stub_still_pushes_protobuf_messages(env):
   assert svc.status().counters["accepted"] == 1
 
 
-def test_nan_found_midway_raises_and_files_nothing(env):
-  svc, _, client = env
+def test_nan_found_midway_raises_and_files_nothing(env_both):
+  svc, srv, client = env_both
   _pull(client)
   bad = {"w": INIT["w"].copy()}
-  bad["w"][RUN_VALUES + 5] = np.nan  # Second run: 4 chunks are sent before the encoder sees it.
+  bad["w"][RUN_VALUES + 5] = np.nan  # gRPC: the second run, after 4 chunks were sent.
   with pytest.raises(ValueError, match="'w': Refusing to encode 1 non-finite value"):
     client.push(_report(bad), "fp32", anchor_values=INIT)
   status = svc.status()
-  # The short stream is refused as incomplete at the door; the round stays empty.
-  assert dict(status.refused) == {"INVALID_ARGUMENT": 1}
+  if client.bulk_port is None:  # The short stream is refused as incomplete at the door.
+    assert dict(status.refused) == {"INVALID_ARGUMENT": 1}
+  else:  # Sent in runs of 1 MiB: the encoder saw it before a byte left; the syncer saw nothing.
+    assert dict(status.refused) == {} and srv.bulk.calls["Push"] == 0
+  # The round stays empty.
   assert status.counters["accepted"] == 0 and client.bytes_up == 0
   assert svc.core.stats()["open_rounds"] == 1 and svc.core._rounds[0].entries == {}
   good = client.push(_report({"w": INIT["w"] + 1}, step=2), "fp32", anchor_values=INIT)
