@@ -6,8 +6,10 @@ token holder or not, from starving the server or growing its memory:
 
 - `StreamGate` admits data streams (Push, Pull): at most `total` at once, `per_learner` per
   learner id, and `unclaimed` that have not named their learner yet (a Push names it in its first
-  chunk). When the unclaimed places are full, a new push evicts the oldest unclaimed one: a client
-  stalling before its first chunk cannot lock learners out, whose pushes name themselves at once.
+  chunk). When the unclaimed places are full, a new push evicts the oldest unclaimed one still
+  waiting for its first chunk: a client stalling before its first chunk cannot lock learners out,
+  whose pushes name themselves at once. A push whose first chunk has arrived is not stalling
+  (its handler may wait for the service's lock before it names its learner): it is not evicted.
 - `PacedStream` reads a Push's request iterator in a helper thread, so the handler can wait for each
   chunk with a timeout: a stream silent for the idle deadline, or open past its total deadline, is
   ended with DEADLINE_EXCEEDED by the handler itself. (gRPC's synchronous request iterator has no
@@ -103,7 +105,11 @@ class StreamGate:
   `unclaimed` (default: `total`) not yet counted against a learner.
 
   A stream is admitted in two steps: `enter` at its start, `claim` once its learner id is known (a
-  Push names it in its first chunk). `StreamTicket.close` undoes both; it is idempotent.
+  Push names it in its first chunk; `StreamTicket.arrived` marks that chunk's arrival, after which
+  the stream is no longer evicted). `StreamTicket.close` undoes both; it is idempotent, and every
+  handler closes its ticket on every exit (distributed/streams.py), so the counts never leak: a
+  stream counts against its learner from its claim until its handler ends, which may be after its
+  client gave up (a client deadline, a dropped connection) while the server still reads or files.
   """
 
   def __init__(self, total: int, per_learner: int, unclaimed: int | None = None):
@@ -118,27 +124,34 @@ class StreamGate:
   def enter(
     self, learner_id: int | None = None, on_evict: Callable[[], None] | None = None
   ) -> "StreamTicket | None":
-    """A ticket for a new stream, or None if `total` streams are open.
+    """`admit`'s ticket, or None."""
+    return self.admit(learner_id, on_evict)[0]
 
-    A stream whose learner is known at once (a Pull) passes `learner_id`: it is claimed at entry and
-    never counts as unclaimed; None if that learner has its share open too. An unclaimed stream
-    passes `on_evict`: when `unclaimed` are open, the oldest is evicted (its `on_evict` called;
-    its place in the total is freed when it closes) to admit the new one.
+  def admit(
+    self, learner_id: int | None = None, on_evict: Callable[[], None] | None = None
+  ) -> "tuple[StreamTicket | None, str]":
+    """(a ticket for a new stream, "") or (None, why: "total", "learner" or "unclaimed").
+
+    None if `total` streams are open ("total"). A stream whose learner is known at once (a Pull)
+    passes `learner_id`: it is claimed at entry and never counts as unclaimed; None if that learner
+    has its share open too ("learner"). An unclaimed stream passes `on_evict`: when `unclaimed` are
+    open, the oldest not yet `arrived` is evicted (its `on_evict` called; its place in the total is
+    freed when it closes) to admit the new one; None if every one has arrived ("unclaimed").
     """
     evicted = None
     with self._lock:
       if self._open >= self._total:
-        return None
+        return None, "total"
       if learner_id is None:
         if self._unclaimed >= self._unclaimed_limit:
           if not self._waiting:
-            return None
+            return None, "unclaimed"
           evicted = self._waiting.pop(next(iter(self._waiting)))
           evicted._evicted = True
           self._unclaimed -= 1
         self._unclaimed += 1
       elif self._by_learner[learner_id] >= self._per_learner:
-        return None
+        return None, "learner"
       else:
         self._by_learner[learner_id] += 1
       self._open += 1
@@ -149,12 +162,17 @@ class StreamGate:
         self._waiting[id(ticket)] = ticket
     if evicted is not None:
       evicted._on_evict()
-    return ticket
+    return ticket, ""
 
   def open_streams(self) -> tuple[int, dict[int, int]]:
     """(open streams, {learner id: its open streams})."""
     with self._lock:
       return self._open, dict(self._by_learner)
+
+  def _arrive(self, ticket: "StreamTicket") -> bool:
+    with self._lock:
+      self._waiting.pop(id(ticket), None)
+      return not ticket._evicted
 
   def _claim(self, ticket: "StreamTicket", learner_id: int) -> bool:
     with self._lock:
@@ -188,6 +206,16 @@ class StreamTicket:
     self._closed = False
     self._evicted = False
     self._on_evict: Callable[[], None] = lambda: None
+
+  @property
+  def evicted(self) -> bool:
+    """Whether the stream was evicted to admit a newer one (it can no longer be claimed)."""
+    return self._evicted
+
+  def arrived(self) -> bool:
+    """The stream's first chunk has arrived: it is no longer evicted for a newer stream. False if
+    it was evicted already."""
+    return self._gate._arrive(self)
 
   def claim(self, learner_id: int) -> bool:
     """Counts the stream against `learner_id`; False if that learner has its share open (or the

@@ -222,6 +222,8 @@ class DataStreams:
     alive learner with its session (the stream's ticket is then claimed by it), the fragment."""
     first = next(it, None)
     if first is not None:
+      if not ticket.arrived():  # Evicted between the read and now: cut as PacedStream cuts it.
+        raise door.StreamTimeout("evicted")
       first = self._push_frame(first)
     if first is None or first.index != 0 or first.header is None:
       raise self._refuse(
@@ -422,9 +424,9 @@ class DataStreams:
 
   def _admit(self, learner_id: int | None = None, on_evict=None) -> door.StreamTicket:
     """A place for a new data stream (of `learner_id` if known), or a refusal when none is left."""
-    ticket = self._gate.enter(learner_id, on_evict)
+    ticket, why = self._gate.admit(learner_id, on_evict)
     if ticket is None:
-      if learner_id is not None and self._gate.open_streams()[0] < self._cfg.max_data_streams:
+      if why == "learner":  # Decided by the gate itself: the total may have changed since.
         self._claim_refused(learner_id)
       raise self._refuse(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -435,9 +437,16 @@ class DataStreams:
 
   def _claim(self, ticket: door.StreamTicket, learner_id: int) -> None:
     if not ticket.claim(learner_id):
+      if ticket.evicted:  # Not the learner's share: the stream was cut for a newer one.
+        raise door.StreamTimeout("evicted")
       self._claim_refused(learner_id)
 
   def _claim_refused(self, learner_id: int):
+    """Refuses a stream of `learner_id`: the gate counted its share open (`StreamGate`'s count,
+    under its lock). Every stream's handler holds its place until it ends, which may be after its
+    client gave up on it (a client deadline or a dropped connection while the server still reads,
+    waits for the lock or files): a retry then meets its first attempt's place still held, and
+    is refused until that attempt's handler ends; the client's retry with backoff passes then."""
     raise self._refuse(
       grpc.StatusCode.RESOURCE_EXHAUSTED,
       f"Learner {learner_id} has {self._cfg.max_data_streams_per_learner} push and pull "

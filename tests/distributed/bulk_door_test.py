@@ -266,6 +266,44 @@ def test_too_many_connections():
     env.close()
 
 
+def test_a_push_given_up_by_its_client_holds_its_place_until_its_handler_ends():
+  # A learner's share is counted from its streams' handlers, not from its clients' view: a push
+  # whose client gave up (its deadline passed, say) still counts until the syncer's handler ends,
+  # and a retry meanwhile is refused as over the share (transient: the retry with backoff passes
+  # once the first attempt's handler is done). Nothing leaks: the place is freed then.
+  env = _Env(max_data_streams_per_learner=1, stream_idle_s=5.0)
+  try:
+    before, frames = env.model(), _frames(env.chunks())
+    first = env.connect()
+    first.sendall(env.hello() + frames[0] + frames[1][:100])  # Claimed, then mid-frame.
+    _wait_for(lambda: env.svc.open_streams()["data"] == 1)
+    time.sleep(0.3)  # Its handler has read the header and claimed the stream for learner 0.
+    retry = env.connect()
+    retry.sendall(env.hello() + b"".join(frames) + bulk_wire.LENGTH.pack(bulk_wire.END))
+    got, message = _status(retry)
+    retry.close()
+    assert got == grpc.StatusCode.RESOURCE_EXHAUSTED, message
+    assert "Learner 0 has 1 push and pull streams open" in message
+    assert env.svc.open_streams()["data"] == 1  # The first attempt's handler still holds it.
+    first.close()  # Its client is gone: the handler reads the cut frame and ends.
+    _wait_for(lambda: env.svc.open_streams()["data"] == 0)
+    assert env.svc.refused() == {"RESOURCE_EXHAUSTED": 1, "INVALID_ARGUMENT": 1}
+    assert env.model() == before
+    result = env.client.push(env.report(), "fp32", anchor_values=env.held.values)
+    assert result.status == "accepted"
+    assert env.svc.open_streams()["data"] == 0
+  finally:
+    env.close()
+
+
+def _wait_for(predicate, timeout_s: float = 10.0) -> None:
+  deadline = time.monotonic() + timeout_s
+  while not predicate():
+    if time.monotonic() > deadline:
+      pytest.fail("condition not reached")
+    time.sleep(0.02)
+
+
 # -- fallback, switch, shutdown, TLS ---------------------------------------------------------------
 
 

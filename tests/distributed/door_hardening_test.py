@@ -226,6 +226,33 @@ def _report_for(learner: int) -> Report:
   )
 
 
+def test_a_push_whose_header_arrived_is_not_evicted_nor_blamed_on_its_learner():
+  # Room for one push before its first chunk. A learner's push sends its chunks at once, but its
+  # handler waits for the service's lock (a busy syncer filing or merging) before it can name
+  # its learner. A stall that comes meanwhile must not evict it: the push's header has arrived,
+  # it is not stalling. (It used to be evicted, and its claim then refused with "Learner 0 has
+  # 4 push and pull streams open" although learner 0 had that one stream alone.)
+  env = _start(max_data_streams=4, max_unclaimed_streams=1, stream_idle_s=5.0)
+  stalls = _Stalls(env.stub, env.client.learner_metadata(0))
+  try:
+    with env.svc.lock:
+      push = env.stub.Push.future(
+        iter(_chunks()), timeout=20, metadata=env.client.learner_metadata(0)
+      )
+      _wait_for(lambda: env.svc.open_streams()["data"] == 1)
+      time.sleep(0.3)  # Its handler reads the first chunk, then waits for the lock.
+      stalls.open(1)  # No chunk at all: refused, the waiting push keeps its place.
+      time.sleep(0.3)  # Admitted or refused (counted once the lock is free).
+    assert push.result(timeout=20).status == "accepted"
+    stalls.release.set()
+    assert stalls.codes() == Counter(RESOURCE_EXHAUSTED=1)
+    assert env.svc.refused() == {"RESOURCE_EXHAUSTED": 1}
+    assert env.svc.open_streams()["data"] == 0
+  finally:
+    stalls.release.set()
+    env.close()
+
+
 def test_one_learner_holds_at_most_its_share_of_data_streams():
   env = _start(max_data_streams=8, max_data_streams_per_learner=2, stream_idle_s=0.5)
   stalls = _Stalls(env.stub, env.client.learner_metadata(0))

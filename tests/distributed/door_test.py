@@ -69,6 +69,38 @@ def test_stream_gate_evicts_the_oldest_unclaimed_stream_for_a_new_one():
   assert gate.open_streams() == (0, {})
 
 
+def test_stream_gate_does_not_evict_a_stream_whose_first_chunk_arrived():
+  gate = door.StreamGate(total=4, per_learner=4, unclaimed=2)
+  evicted: list[str] = []
+  a = gate.enter(on_evict=lambda: evicted.append("a"))
+  b = gate.enter(on_evict=lambda: evicted.append("b"))
+  assert a.arrived()  # Its header is in: it waits (for the service's lock) to name its learner.
+  c = gate.enter(on_evict=lambda: evicted.append("c"))
+  assert c is not None and evicted == ["b"]  # b, still silent, goes; a stays.
+  assert not b.arrived() and b.evicted and not b.claim(1)
+  assert c.arrived()
+  ticket, why = gate.admit(on_evict=lambda: evicted.append("d"))
+  assert ticket is None and why == "unclaimed"  # a and c arrived: neither is evicted.
+  assert evicted == ["b"] and not a.evicted and not c.evicted
+  assert a.claim(1) and c.claim(1)
+  for t in (a, b, c):
+    t.close()
+  assert gate.open_streams() == (0, {})
+
+
+def test_stream_gate_says_why_it_refused():
+  gate = door.StreamGate(total=2, per_learner=1)
+  first = gate.enter(learner_id=3)
+  assert gate.admit(learner_id=3) == (None, "learner")
+  second, why = gate.admit(learner_id=4)
+  assert second is not None and why == ""
+  assert gate.admit(learner_id=5) == (None, "total")
+  assert gate.admit(learner_id=3) == (None, "total")  # The total is checked first.
+  first.close()
+  second.close()
+  assert gate.open_streams() == (0, {})
+
+
 def test_paced_stream_interrupt_raises_evicted():
   release = threading.Event()
 
