@@ -381,6 +381,7 @@ class LearnerWorker:
       "resumed_step": self.resumed_step,
       "checkpoint_steps": list(self.checkpointer.saved_steps) if self.checkpointer else [],
       "ledger": learner.ledger.totals(),
+      "carried_applies": learner.answers.carried,  # learner/carry.py; 0 unless apply_rule = "carry".
     }
 
   def _write_scalars(self, loss: float) -> None:

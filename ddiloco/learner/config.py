@@ -2,6 +2,7 @@
 
 import dataclasses
 
+from ddiloco.learner.carry import APPLY_RULES
 from ddiloco.syncer.types import SyncerConfig
 
 
@@ -11,6 +12,9 @@ class LearnerConfig:
 
   Attributes:
     mixing_alpha: θ_p ← (1 − α)·Θ_p + α·θ_p on apply (docs/algorithm.md §3); 0 overwrites.
+    apply_rule: what an apply with α = 0 does to the progress made since this learner's answer:
+      "overwrite" (Decoupled DiLoCo, the default) drops it; "carry" keeps it, θ_p ← Θ_p + (θ_p −
+      θ_p^answered), when Θ_p is the merge of a round this learner answered (learner/carry.py).
     blocking: answer a round when this learner's own step reaches the round's step, and wait at
       answer + τ until the merge has arrived. True only for the synchronous baselines (DiLoCo,
       Streaming DiLoCo, K = M); Decoupled DiLoCo never waits.
@@ -21,12 +25,20 @@ class LearnerConfig:
   """
 
   mixing_alpha: float = 0.0
+  apply_rule: str = "overwrite"
   blocking: bool = False
   step_in_flight: bool = False
 
   def __post_init__(self):
     if not 0.0 <= self.mixing_alpha < 1.0:
       raise ValueError(f"mixing_alpha must be in [0, 1), got {self.mixing_alpha}.")
+    if self.apply_rule not in APPLY_RULES:
+      raise ValueError(f"apply_rule must be one of {APPLY_RULES}, got {self.apply_rule!r}.")
+    if self.apply_rule == "carry" and self.mixing_alpha > 0:
+      raise ValueError(
+        f"apply_rule = 'carry' needs mixing_alpha = 0 (got {self.mixing_alpha}): both decide what "
+        "an apply keeps of the learner's own θ_p, and together they are not defined."
+      )
 
 
 def check_pacing(learner: LearnerConfig, syncer: SyncerConfig) -> None:

@@ -11,16 +11,17 @@ The simulated cluster and the learner process both drive this object:
   learner.receive(fragment_state)           # whenever a merged fragment arrives
 
 Decisions (docs/algorithm.md, "Rounds"):
-- The syncer paces the rounds; a learner answers every round it is asked for at its next step
-  boundary, once, tagged with the round's step. A request is dropped unanswered if a newer version
-  of p than the round's base has arrived meanwhile (the round merged without this learner).
+- The syncer paces the rounds; a learner answers every round it is asked for, once, tagged with
+  the round's step, unless a version of p newer than the round's base arrived first (it merged).
 - A merged fragment is applied as soon as it has arrived and τ steps have passed since this learner
   answered p's round; a version of a round it did not answer is applied at once. The counters of p
   reset at every apply, whether or not the answer was merged: θ_p is overwritten either way.
 - `blocking` (the synchronous baselines) answers a round once the learner's own schedule step has
   reached the round's step, and waits at answer + τ until the merge has arrived: every learner
   runs the same number of inner steps per round, so the fast ones wait for the slow ones.
-- α = 0 overwrites θ_p with Θ_p (Decoupled DiLoCo); α = 0.5 mixes as Streaming DiLoCo.
+- α = 0 overwrites θ_p with Θ_p (Decoupled DiLoCo); α = 0.5 mixes as Streaming DiLoCo; with
+  `apply_rule = "carry"` an apply of a round this learner answered keeps the progress made since
+  the answer, and the counters of p keep what it holds (learner/carry.py).
 """
 
 from collections.abc import Callable, Iterable
@@ -35,9 +36,10 @@ from ddiloco.fragments import tree
 from ddiloco.fragments.digest import values_digest
 from ddiloco.fragments.layout import FragmentLayout
 from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner import carry
 from ddiloco.learner import train_step as train_step_lib
 from ddiloco.learner.config import LearnerConfig
-from ddiloco.learner.ledger import TokenLedger
+from ddiloco.learner.ledger import TokenLedger, taken
 from ddiloco.learner.rounds import RoundBook
 from ddiloco.learner.train_step import CompiledSteps
 from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
@@ -83,10 +85,11 @@ class Learner:
     self.tokens = np.zeros(num, np.int64)  # docs/algorithm.md §3 counters[p].tokens
     self.step_counts = np.zeros(num, np.int64)  # docs/algorithm.md §3 counters[p].steps
     self.anchor = np.full(num, -1, np.int64)  # Version of p last applied; -1 = never received.
-    self.applied_digest: dict[int, str] = {}  # p -> digest of θ_p read back after an α = 0 apply.
+    self.applied_digest: dict[int, str] = {}  # p -> digest of Θ_p read back after an α = 0 apply.
     self.ledger = TokenLedger(num)  # Where each trained token went (ledger.py).
     self._inbox: dict[int, FragmentState] = {}
     self._rounds = RoundBook(num)  # Asked for, answered, awaiting their merge (rounds.py).
+    self.answers = carry.AnswerBook()  # θ_p^answered of outstanding answers; "carry" only.
     leaves, self._treedef = jax.tree_util.tree_flatten_with_path(params)
     self._index = {tree.path_str(path): i for i, (path, _) in enumerate(leaves)}
     self._shardings = jax.tree_util.tree_leaves(
@@ -288,7 +291,8 @@ class Learner:
 
   def make_report(self, p: int, *, step_time_s: float = 0.0) -> Report:
     """The report of fragment p (docs/algorithm.md §3 send), recording it as outstanding."""
-    return self._record_send(p, self.fragment_values(p), step_time_s)
+    values = self.fragment_values(p)
+    return self._record_send(p, values, step_time_s, carry.Answer(-1, 0, 0, values=values))
 
   def snapshot_report(
     self, p: int, *, step_time_s: float = 0.0
@@ -318,12 +322,17 @@ class Learner:
       host = jax.device_get(copies)
       return self.layout.select({k: np.asarray(v) for k, v in zip(names, host)}, p)
 
-    return self._record_send(p, {}, step_time_s), fetch
+    return self._record_send(p, {}, step_time_s, carry.Answer(-1, 0, 0, fetch=fetch)), fetch
 
-  def _record_send(self, p: int, values: dict[str, np.ndarray], step_time_s: float) -> Report:
+  def _record_send(
+    self, p: int, values: dict[str, np.ndarray], step_time_s: float, answer: carry.Answer
+  ) -> Report:
     """Answers p's pending round (or, without one, sends an unsolicited report with no round)."""
     now = self.schedule_step
     round_step = self._rounds.answer(p, now, self.schedule.apply_step(now))
+    if self.config.apply_rule == "carry":
+      answer.step, answer.tokens, answer.steps = now, int(self.tokens[p]), int(self.step_counts[p])
+      self.answers.record(p, answer)
     return Report(
       learner_id=self.learner_id,
       fragment=p,
@@ -343,6 +352,7 @@ class Learner:
     if step is None:
       step = self._rounds.sent_step(p)
     self.ledger.answered(p, step, result.status, result.weight, result.round_version)
+    self.answers.result(p, step, taken(result.status, result.weight, result.round_version))
 
   # -- receiving ------------------------------------------------------------------------------
 
@@ -386,13 +396,18 @@ class Learner:
       ):
         continue  # Not before τ steps, unless a round of p based on it already waits for us.
       state = self._inbox.pop(p)
+      answer = self.answers.take(p)  # Not None: "carry", and this learner answered the round.
+      mine = self.fragment_values(p) if answer is not None else None
       self._write_fragment(p, state.values)
-      if self.config.mixing_alpha == 0:  # α > 0 keeps part of the unsent progress: not dropped.
-        self.ledger.overwritten(p)
       self.anchor[p] = state.version
-      self._check_apply(p, state.version)
-      self.tokens[p] = 0  # At every apply: θ_p was overwritten, merged or not.
-      self.step_counts[p] = 0
+      self._check_apply(p, state.version)  # Of Θ_p's bits on the devices, before any carry.
+      kept = (0, 0)  # θ_p was overwritten, merged or not: its counters restart...
+      if answer is not None:  # ... but for the progress since the answer, carried over.
+        self._write_fragment(p, carry.carried(state.values, mine, answer.host_values()), mix=False)
+        kept = (self.tokens[p] - answer.tokens, self.step_counts[p] - answer.steps)
+      if self.config.mixing_alpha == 0:  # α > 0 keeps part of the unsent progress: not dropped.
+        self.ledger.overwritten(p, keep=kept[0])
+      self.tokens[p], self.step_counts[p] = kept
       self._rounds.applied(p)
       applied.append((p, state.version))
     return applied
@@ -411,26 +426,21 @@ class Learner:
       self._write_fragment(state.fragment, state.values, mix=False)
       self.ledger.overwritten(state.fragment)
       self.anchor[state.fragment] = state.version
-      self._record_digest(state.fragment, mixed=False)
+      self._record_digest(state.fragment)
       self.tokens[state.fragment] = 0
       self.step_counts[state.fragment] = 0
       self._inbox.pop(state.fragment, None)
     self._rounds.clear()
+    self.answers.clear()
 
   def _write_fragment(self, p: int, values: dict[str, np.ndarray], *, mix: bool = True) -> None:
-    alpha = self.config.mixing_alpha if mix else 0.0
-    if alpha > 0:
-      mine = self.fragment_values(p)
-      values = {
-        k: ((1 - alpha) * values[k] + alpha * mine[k]).astype(mine[k].dtype) for k in values
-      }
+    if mix and self.config.mixing_alpha > 0:
+      values = carry.mixed(values, self.fragment_values(p), self.config.mixing_alpha)
     leaves = jax.tree_util.tree_leaves(self.params)
     pieces: dict[str, list[tuple[int, int, np.ndarray]]] = {}
     for key, value in values.items():
       leaf_key, start, stop = layout_lib.parse_key(key)
-      if (
-        start is not None
-      ):  # A piece of a tensor split along axis 0 (docs/algorithm.md §2, off by default).
+      if start is not None:  # A piece of a tensor split along axis 0 (docs/algorithm.md §2).
         pieces.setdefault(leaf_key, []).append((start, stop, value))
         continue
       i = self._index[leaf_key]
@@ -443,21 +453,21 @@ class Learner:
       leaves[i] = jax.device_put(full, self._shardings[i])
     self.params = jax.tree_util.tree_unflatten(self._treedef, leaves)
 
-  def _record_digest(self, p: int, *, mixed: bool = True) -> None:
+  def _record_digest(self, p: int) -> None:
     """Digest of what this learner now holds for p, read back from its devices (docs/algorithm.md §4.7).
 
     Comparing it with the syncer's digest proves the bits arrived intact (pieces, dtypes, shardings).
-    After an α > 0 mix the learner holds its own blend, so there is nothing to compare.
     """
-    if mixed and self.config.mixing_alpha > 0:
-      self.applied_digest.pop(p, None)
-    else:
-      self.applied_digest[p] = self.digest_of(p)
+    self.applied_digest[p] = self.digest_of(p)
 
   def _check_apply(self, p: int, version: int) -> None:
-    """Queues the digest check of an apply (`verified_applies`), read back at once or deferred."""
+    """Queues the digest check of an apply (`verified_applies`), read back at once or deferred.
+
+    After an α > 0 mix the learner holds its own blend: nothing to compare. With "carry" the check
+    reads the written Θ_p back before the carry is added (`apply_ready`).
+    """
     if self.config.mixing_alpha > 0:
-      self._record_digest(p)
+      self.applied_digest.pop(p, None)
       self._verified.append((p, version, None))
     elif self.defer_digests and self._by_reference:
       arrays = self._fragment_arrays(p)
@@ -486,5 +496,5 @@ class Learner:
     return out
 
   def digest_of(self, p: int) -> str:
-    """Digest of this learner's current θ_p (equals the syncer's after an α = 0 apply)."""
+    """Digest of this learner's current θ_p (the syncer's after an α = 0 apply but a carry)."""
     return values_digest(self.fragment_values(p))

@@ -10,7 +10,8 @@ learner's trained tokens are followed, as `new_tokens` of the reports that carry
               published: the tokens' progress on p reached the global model.
   dropped     never will: the report was late, a duplicate, weight 0 or refused; the round was lost in
               a syncer restart; or the learner overwrote its unsent progress on p with the global values
-              (an α = 0 apply, docs/algorithm.md §3, or a (re)load at registration).
+              (an α = 0 apply, docs/algorithm.md §3, or a (re)load at registration). An apply with
+              the `carry` rule keeps the progress since the answer, which stays unsent.
 
 so that, for every p, trained = unsent + awaiting + pending + merged + dropped, where "in flight" is
 unsent + awaiting + pending. The syncer books the same reports on its side (`SyncerCore.ledger`):
@@ -32,6 +33,11 @@ import numpy as np
 
 _TAKEN = ("accepted", "superseded")
 FATES = ("unsent", "awaiting", "pending", "merged", "dropped")
+
+
+def taken(status: str, weight: float, round_version: int) -> bool:
+  """Whether the syncer's answer to a report means a round took it: it merges once the round does."""
+  return status in _TAKEN and weight > 0 and round_version >= 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,16 +92,19 @@ class TokenLedger:
   def answered(self, p: int, step: int, status: str, weight: float, round_version: int) -> None:
     """The syncer answered the report of p at `step`: a round took it (pending) or not (dropped)."""
     n = self._awaiting[p].pop(step, 0)
-    if status in _TAKEN and weight > 0 and round_version >= 0:
+    if taken(status, weight, round_version):
       self._pending[p].append(_Pending(step, n, round_version))
     else:
       self._dropped[p] += n
 
-  def overwritten(self, p: int) -> int:
-    """θ_p was overwritten with the global values: the unsent progress on p is gone. Returns it."""
-    n = int(self._unsent[p])
+  def overwritten(self, p: int, *, keep: int = 0) -> int:
+    """θ_p was overwritten with the global values: the unsent progress on p is gone, but for the
+    `keep` tokens of it that the apply carried over (learner/carry.py), which stay unsent. Returns
+    the tokens dropped."""
+    kept = min(max(int(keep), 0), int(self._unsent[p]))
+    n = int(self._unsent[p]) - kept
     self._dropped[p] += n
-    self._unsent[p] = 0
+    self._unsent[p] = kept
     return n
 
   def settle(self, versions: Sequence[int], merged_steps: Sequence[int]) -> int:

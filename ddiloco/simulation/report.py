@@ -149,7 +149,11 @@ def summary(sim: "SimulatedCluster", final_loss: float, wall_s: float) -> dict[s
         "steps": s.steps_done,
         "tokens": s.tokens_done,
         "time": sim.ledger.totals(s.index),
-        **({"token_ledger": s.learner.ledger.totals()} if s.learner is not None else {}),
+        **(
+          {"token_ledger": s.learner.ledger.totals(), "carried_applies": s.learner.answers.carried}
+          if s.learner is not None
+          else {}
+        ),
       }
       for s in sim.slots.values()
     },
