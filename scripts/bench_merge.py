@@ -210,9 +210,15 @@ class _OuterStep:
   def __init__(self, init: dict[str, np.ndarray]):
     self._step = outer.OuterStep(SyncerConfig().outer_optimizer(), dict.fromkeys(init, 1e37))
     self._state = self._step.init({k: jnp.asarray(v) for k, v in init.items()})
+    # The state each step replaces holds the next one (donated, as the syncer does); the new
+    # values are returned as views, so they get fresh memory.
+    self._spare = self._step.spare(None, self._state)
 
   def __call__(self, theta: dict[str, np.ndarray], merged: dict[str, np.ndarray]) -> dict:
-    new, self._state, _ = self._step.step(theta, merged, dict.fromkeys(merged, 1.0), self._state)
+    old = self._state
+    ones = dict.fromkeys(merged, 1.0)
+    new, self._state, _ = self._step.step(theta, merged, ones, old, self._spare)
+    self._spare = (None, old)
     return {k: np.asarray(v) for k, v in new.items()}
 
 

@@ -16,9 +16,13 @@ the mean) and hands the result to the optax outer optimizer. Two ways, the same 
 
 Both check their result: `ok` is False if a new value is non-finite or beyond its limit (a bound
 that keeps the cast to the tensor's own dtype and the downlink codec's arithmetic finite), or the
-new optimizer state has a non-finite value. Nothing is donated, so the inputs stay valid whatever
-`ok` says: the caller keeps the old state and discards the new values when it is False (a merge is
-all or nothing). The checks are max reductions, which propagate NaN (NaN <= limit is False).
+new optimizer state has a non-finite value. The params, answers and state are not donated, so they
+stay valid whatever `ok` says: the caller keeps the old state and discards the new values when it
+is False (a merge is all or nothing). What is donated is `spare`: buffers nobody reads any more
+(the previous merge's discarded outputs, the state a merge replaced), shaped like the new params
+and the new state, which XLA writes the outputs into instead of fresh memory (fresh output memory
+cost thousands of minor page faults per merge). The checks are max reductions, which propagate NaN
+(NaN <= limit is False).
 Float32 inputs reach XLA without a copy: 64-byte-aligned numpy arrays are passed to the jitted
 program as they are (its C++ dispatch wraps them; a `jax.device_put` per array cost more).
 """
@@ -46,18 +50,22 @@ def _checked(limits, params, grads, opt_state, opt):
   return new, new_state, ok
 
 
-def _step(opt, limits, inputs, state):
+def _step(opt, limits, inputs, state, spare):
   """inputs: (params, grads, scales): the step on the gradients grads[k] · scales[k]."""
+  del spare  # Donated: its buffers hold the outputs.
   params, grads, scales = inputs
   grads = {k: g * scales[k] for k, g in grads.items()}
   return _checked(limits, params, grads, state, opt)
 
 
-def _merge_and_step(opt, limits, plan, inputs, state):
-  """plan (static): (deltas, rda_keys, eps): `deltas[m]`, whether answers[m] is δ_m (else θ_m, against `base`);
+def _merge_and_step(step, plan, inputs, state, spare):
+  """step: (opt, limits).
+
+  plan (static): (deltas, rda_keys, eps): `deltas[m]`, whether answers[m] is δ_m (else θ_m, against `base`);
   `rda_keys`, the keys merged by RDA (the others by the weighted mean); `eps`, RDA's zero-norm
   guard. inputs: (params, base,
   answers, coefs, radius): coefs[k], (M,) float32; radius[k], float32."""
+  del spare  # Donated: its buffers hold the outputs.
   deltas, rda_keys, eps = plan
   params, base, answers, coefs, radius = inputs
   grads = {}
@@ -73,6 +81,7 @@ def _merge_and_step(opt, limits, plan, inputs, state):
       norm = jnp.sqrt(jnp.vdot(g, g))
       g = jnp.where(norm > eps, g * (radius[k] / jnp.maximum(norm, eps)), jnp.zeros_like(g))
     grads[k] = g.reshape(p.shape)
+  opt, limits = step
   return _checked(limits, params, grads, state, opt)
 
 
@@ -89,21 +98,48 @@ class OuterStep:
     self._opt = optimizer
     self._eps = float(eps)
     limits = dict(limits)
-    self._step = jax.jit(functools.partial(_step, optimizer, limits))
-    self._fused = jax.jit(functools.partial(_merge_and_step, optimizer, limits), static_argnums=0)
+    # keep_unused: `spare` is not read, and an unused argument would be dropped with its donation.
+    self._step = jax.jit(
+      functools.partial(_step, optimizer, limits), donate_argnums=2, keep_unused=True
+    )
+    self._fused = jax.jit(
+      functools.partial(_merge_and_step, (optimizer, limits)),
+      static_argnums=0,
+      donate_argnums=3,
+      keep_unused=True,
+    )
 
   def init(self, params32: Arrays):
     """The optimizer state for float32 params."""
     return self._opt.init(params32)
 
-  def step(self, params32: Arrays, grads: Arrays, scales: Mapping[str, float], opt_state):
+  def spare(self, params32: Arrays | None, opt_state):
+    """Fresh `spare` buffers: zeros shaped like `params32` (None: no params part) and the state."""
+
+    def zeros(tree):
+      return jax.tree_util.tree_map(lambda v: jnp.zeros(v.shape, v.dtype), tree)
+
+    return (None if params32 is None else zeros(dict(params32)), zeros(opt_state))
+
+  def step(
+    self,
+    params32: Arrays,
+    grads: Arrays,
+    scales: Mapping[str, float],
+    opt_state,
+    spare: tuple | None = None,
+  ):
     """(new params, new state, ok) for the merged outer gradients `grads[k] · scales[k]`.
 
     `scales` are RDA's last factor (`merge.merge_reports(scales=...)`), applied here as the
-    step reads the gradients rather than in a pass of their own.
+    step reads the gradients rather than in a pass of their own. `spare` (donated: invalid
+    afterwards) is (params-shaped float32 arrays or None, a state's arrays), see the module
+    docstring; None: fresh ones (`spare()`).
     """
+    if spare is None:
+      spare = self.spare(params32, opt_state)
     scales32 = {k: np.float32(f) for k, f in scales.items()}
-    return self._step((params32, dict(grads), scales32), opt_state)
+    return self._step((params32, dict(grads), scales32), opt_state, spare)
 
   def merge_and_step(
     self,
@@ -115,6 +151,7 @@ class OuterStep:
     coefs: Mapping[str, Mapping[int, float]],
     radius: Mapping[str, float | None],
     opt_state,
+    spare: tuple | None = None,
   ):
     """(new params, new state, ok): merges the answers and applies the step in one program.
 
@@ -127,6 +164,7 @@ class OuterStep:
         `merge.rda_coefficients`); absent answers weigh 0.
       radius: per key, RDA's radius (the direction is scaled to it), or None for the mean.
       opt_state: the optimizer state.
+      spare: donated buffers for the outputs, as in `step` (None: fresh ones).
     """
     n = len(answers)
     if len(deltas) != n or not n:
@@ -141,4 +179,6 @@ class OuterStep:
     base = dict(base) if base is not None and not all(deltas) else None
     answers = tuple(dict(a) for a in answers)
     plan = (tuple(bool(d) for d in deltas), rda_keys, self._eps)
-    return self._fused(plan, (params32, base, answers, c, r), opt_state)
+    if spare is None:
+      spare = self.spare(params32, opt_state)
+    return self._fused(plan, (params32, base, answers, c, r), opt_state, spare)

@@ -50,10 +50,13 @@ class FragmentUpdater:
     self._embedding_keys = frozenset(embedding_keys)
     self._adopt = adopt
     self._opt = optimizer
-    # Nothing is donated to the outer step (`outer.py`): float32 params go in as views of the
-    # global values (`_params32`), and the old optimizer state stays valid until the step
-    # succeeded. Measured on 16 MiB: 8.5 ms against 12.1 ms for a donated copy of the params and a
-    # donated state gated by `where` (a third pass over the state to undo a failed step).
+    # The params and the optimizer state are not donated to the outer step (`outer.py`): float32
+    # params go in as views of the global values (`_params32`), and the old optimizer state stays
+    # valid until the step succeeded. Measured on 16 MiB: 8.5 ms against 12.1 ms for a donated
+    # copy of the params and a donated state gated by `where` (a third pass over the state to undo
+    # a failed step). What is donated is a spare set of output buffers per fragment (`_spare`):
+    # the state a commit replaced, and XLA's new params once nothing reads them (adopted or cast
+    # values are copies; float32 values published as they are stay XLA's, so no params part then).
     self._merge_out = blockwise.OutputBuffer()  # The merged outer gradients, every merge's.
     num = versions.num_fragments
     values = [versions.values(p) for p in range(num)]
@@ -64,6 +67,12 @@ class FragmentUpdater:
       sum(v.size for v in vals.values()) * 4 >= config.fused_merge_bytes for vals in values
     ]
     self._opt_state = [self._outer.init(self._params32(p)) for p in range(num)]
+    # Per fragment: whether XLA's new params are free once `updated` returns (see above).
+    self._reuse_params = [
+      adopt is not None or all(v.dtype != np.float32 for v in vals.values()) for vals in values
+    ]
+    self._spare_params: list[dict | None] = [None] * num
+    self._spare_state: list[optax.OptState | None] = [None] * num
 
   def updated(
     self, p: int, entries: list[RoundEntry], weights: tuple[float, ...], base: dict
@@ -81,13 +90,22 @@ class FragmentUpdater:
     else:
       new32, new_state, ok = self._merge_then_step(p, entries, weights, base)
     if not bool(ok):
+      self._spare_params[p], self._spare_state[p] = new32, new_state  # Read by nobody.
       raise FloatingPointError("the outer step produced a non-finite or out-of-range value")
     # A view of XLA's output for float32 (no copy); other dtypes are cast. Within the limits
     # checked by the step, the cast is finite.
-    new = {k: np.asarray(new32[k], dtype=theta[k].dtype) for k in theta}
+    views = {k: np.asarray(new32[k], dtype=theta[k].dtype) for k in theta}
+    new = views
     if self._adopt is not None:
       new = self._adopt(p, new, theta)
       new = {k: np.asarray(new[k], dtype=theta[k].dtype) for k in theta}
+    # XLA's new params become the next spare only if no value kept from here is a view of them
+    # (checked, not assumed: an adopter may return its input). A view held elsewhere would not be
+    # overwritten either: jax does not donate a buffer with a live numpy view (it writes the
+    # output into fresh memory instead), so donation can cost a fault, never a value.
+    free = self._reuse_params[p] and not any(np.may_share_memory(new[k], views[k]) for k in theta)
+    del views
+    self._spare_params[p] = new32 if free else None
     # The digest and norm that publishing needs, and the adopted values' check, in one pass.
     summary = blockwise.summarize(new)
     if summary.non_finite:
@@ -97,8 +115,21 @@ class FragmentUpdater:
     return Update({k: readonly(v) for k, v in new.items()}, new_state, summary)
 
   def commit(self, p: int, new_state: optax.OptState) -> None:
-    """Makes `new_state` (from `updated`) p's optimizer state."""
-    self._opt_state[p] = new_state
+    """Makes `new_state` (from `updated`) p's optimizer state; the state it replaces is read by
+    nobody from here on and becomes the next merge's spare output memory (`outer.py`)."""
+    self._spare_state[p], self._opt_state[p] = self._opt_state[p], new_state
+
+  def _spare(self, p: int) -> tuple:
+    """p's spare output buffers for the outer step (donated: taken from here), fresh if none."""
+    params, state = self._spare_params[p], self._spare_state[p]
+    self._spare_params[p] = self._spare_state[p] = None
+    if not self._reuse_params[p]:
+      params = None
+    elif params is None:
+      params = self._outer.spare(self._params32(p), None)[0]
+    if state is None:
+      state = self._outer.spare(None, self._opt_state[p])[1]
+    return params, state
 
   def _merge_then_step(
     self, p: int, entries: list[RoundEntry], weights: tuple[float, ...], base: dict
@@ -117,7 +148,7 @@ class FragmentUpdater:
       out=self._merge_out,  # Reused: the outer step below is done with it when _merge returns.
       scales=scales,  # RDA's final scaling is done by the outer step, as it reads them.
     )
-    return self._outer.step(self._params32(p), merged, scales, self._opt_state[p])
+    return self._outer.step(self._params32(p), merged, scales, self._opt_state[p], self._spare(p))
 
   def _merge_and_step(
     self, p: int, entries: list[RoundEntry], weights: tuple[float, ...], base: dict
@@ -146,6 +177,7 @@ class FragmentUpdater:
       coefs=coefs,
       radius=radius,
       opt_state=self._opt_state[p],
+      spare=self._spare(p),
     )
 
   def warm_up(self, p: int, answers: int = 1) -> None:
@@ -156,8 +188,9 @@ class FragmentUpdater:
     P fragments). For a fragment merged inside its outer step (`SyncerConfig.fused_merge_bytes`)
     the program depends on the number of answers: `answers` δ answers are compiled for (the
     fleet's size is the common case; other counts compile at their first merge). The step runs
-    once on the current values and zero outer gradients, and its results are discarded (nothing
-    is donated): nothing changes. Safe to call from several threads for different fragments.
+    once on the current values and zero outer gradients, and its results are discarded (only the
+    spare output buffers are donated, and its outputs are the next spare): nothing else changes.
+    Safe to call from several threads for different fragments, not beside a merge of p.
 
     Raises:
       ValueError: if answers < 1.
@@ -168,7 +201,9 @@ class FragmentUpdater:
     zeros = {k: jnp.zeros(v.shape, jnp.float32) for k, v in params.items()}
     if not self._fused[p]:
       ones = {k: 1.0 for k in params}
-      jax.block_until_ready(self._outer.step(params, zeros, ones, self._opt_state[p]))
+      out = self._outer.step(params, zeros, ones, self._opt_state[p], self._spare(p))
+      self._spare_params[p], self._spare_state[p] = out[0], out[1]  # Discarded: spare again.
+      jax.block_until_ready(out)
       return
     values = {k: np.zeros(v.shape, v.dtype) for k, v in self._versions.values(p).items()}
     out = self._outer.merge_and_step(
@@ -182,12 +217,14 @@ class FragmentUpdater:
         for k in params
       },
       opt_state=self._opt_state[p],
+      spare=self._spare(p),
     )
+    self._spare_params[p], self._spare_state[p] = out[0], out[1]  # Discarded: spare again.
     jax.block_until_ready(out)
 
   def _params32(self, p: int) -> dict[str, np.ndarray | jax.Array]:
     """Θ_p in float32 for the outer step: float32 values as they are (numpy arrays; jit hands an
-    aligned array to XLA without a copy, and nothing is donated, so XLA never writes into them);
+    aligned array to XLA without a copy, and they are not donated, so XLA never writes into them);
     other dtypes cast."""
     return {
       k: v if v.dtype == np.float32 else jnp.asarray(v, jnp.float32)
@@ -223,3 +260,4 @@ class FragmentUpdater:
   def restore(self, opt_state: list[optax.OptState]) -> None:
     """Replaces every fragment's optimizer state (from `state_from_leaves`)."""
     self._opt_state = opt_state
+    self._spare_state = [None] * len(opt_state)

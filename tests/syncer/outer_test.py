@@ -231,3 +231,39 @@ def test_warm_up_compiles_the_fused_program_for_the_fleet(caplog):
   assert core.state(0).digest != before
   with pytest.raises(ValueError, match="answers must be >= 1"):
     core.warm_up(0, answers=0)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_only_the_spare_buffers_are_donated(fused):
+  # The outputs go into `spare`'s memory; the params, answers and state stay readable (a failed
+  # step keeps them), and the results are those of a step into fresh memory.
+  step = outer.OuterStep(optax.sgd(0.5, momentum=0.9, nesterov=True), {"a": 1e30})
+  params = {"a": np.arange(6, dtype=np.float32)}
+  grads = {"a": np.linspace(-1, 1, 6, dtype=np.float32)}
+  state = step.step(params, grads, {"a": 1.0}, step.init(params))[1]  # Non-zero momentum.
+
+  def run(spare):
+    if fused:
+      return step.merge_and_step(
+        params,
+        base=None,
+        answers=[grads],
+        deltas=[True],
+        coefs={"a": {0: 2.0}},
+        radius={"a": None},
+        opt_state=state,
+        spare=spare,
+      )
+    return step.step(params, grads, {"a": 2.0}, state, spare)
+
+  want = run(None)
+  spare = step.spare(params, state)
+  got = run(spare)
+  assert all(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(spare))
+  for tree in (params, grads, state, want):
+    assert not any(
+      getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(tree)
+    )
+  for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got), strict=True):
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(g))
+  np.testing.assert_array_equal(params["a"], np.arange(6, dtype=np.float32))
