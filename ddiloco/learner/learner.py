@@ -39,6 +39,7 @@ from ddiloco.learner import train_step as train_step_lib
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.ledger import TokenLedger
 from ddiloco.learner.rounds import RoundBook
+from ddiloco.learner.snapshot import FragmentSnapshot
 from ddiloco.learner.train_step import CompiledSteps
 from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
 from ddiloco.types import PyTree
@@ -107,6 +108,9 @@ class Learner:
     # CPU the snapshot holds θ_p's arrays themselves and the next step keeps its input parameters.
     devices = jax.tree_util.tree_leaves(params)[0].sharding.device_set if self._index else set()
     self.snapshot_by_reference = all(d.platform == "cpu" for d in devices)
+    # Whether answers' δ is int4-encoded on the devices (learner/snapshot.py); not on CPU, where
+    # the numpy codec is cheaper than XLA's program.
+    self.device_encode = not self.snapshot_by_reference
     self._keep_params = False  # The next train step must not donate the parameters.
     # A step dispatched by `start_step` and not ended: (its parameters, its tokens).
     self._in_flight: tuple[PyTree, int] | None = None
@@ -290,15 +294,14 @@ class Learner:
     """The report of fragment p (docs/algorithm.md §3 send), recording it as outstanding."""
     return self._record_send(p, self.fragment_values(p), step_time_s)
 
-  def snapshot_report(
-    self, p: int, *, step_time_s: float = 0.0
-  ) -> tuple[Report, Callable[[], dict[str, np.ndarray]]]:
+  def snapshot_report(self, p: int, *, step_time_s: float = 0.0) -> tuple[Report, FragmentSnapshot]:
     """Like `make_report`, but θ_p stays on the devices: the training loop never waits for it.
 
-    Returns the report without values and a function that copies θ_p to host memory, for a
-    background sender. The leaves are copied on device first (asynchronously dispatched), so the next
-    train step may donate the parameters, and their host transfer starts at once. With
-    `snapshot_by_reference` (CPU) nothing is copied: the next train step keeps its parameters.
+    Returns the report without values and θ_p's snapshot, which a background sender copies to
+    host memory (or has the devices encode: learner/snapshot.py). The leaves are copied on device
+    first (asynchronously dispatched), so the next train step may donate the parameters, and their
+    host transfer starts at once. With `snapshot_by_reference` (CPU) nothing is copied: the next
+    train step keeps its parameters.
     """
     leaves = jax.tree_util.tree_leaves(self.params)
     names = self._leaf_names[p]
@@ -311,14 +314,14 @@ class Learner:
       self._keep_params = True
     else:  # A multi-process learner's replication (host_readable) makes new arrays itself.
       copies = self._readable([jnp.copy(leaves[self._index[k]]) for k in names])
-    for c in copies:
-      c.copy_to_host_async()
-
-    def fetch() -> dict[str, np.ndarray]:
-      host = jax.device_get(copies)
-      return self.layout.select({k: np.asarray(v) for k, v in zip(names, host)}, p)
-
-    return self._record_send(p, {}, step_time_s), fetch
+    # With device encoding only δ's bytes come back. Not for a multi-process learner: a program
+    # on its arrays would need every process, and only the leader sends.
+    encode = self.device_encode and self.host_readable is None
+    if not encode:
+      for c in copies:
+        c.copy_to_host_async()
+    snapshot = FragmentSnapshot(self.layout, p, names, copies, device_encode=encode)
+    return self._record_send(p, {}, step_time_s), snapshot
 
   def _record_send(self, p: int, values: dict[str, np.ndarray], step_time_s: float) -> Report:
     """Answers p's pending round (or, without one, sends an unsolicited report with no round)."""
@@ -426,21 +429,26 @@ class Learner:
       }
     leaves = jax.tree_util.tree_leaves(self.params)
     pieces: dict[str, list[tuple[int, int, np.ndarray]]] = {}
+    whole: dict[int, np.ndarray] = {}  # Leaf index -> its new host value.
     for key, value in values.items():
       leaf_key, start, stop = layout_lib.parse_key(key)
-      if (
-        start is not None
-      ):  # A piece of a tensor split along axis 0 (docs/algorithm.md §2, off by default).
+      if start is not None:  # A piece of a tensor split along axis 0 (docs/algorithm.md §2).
         pieces.setdefault(leaf_key, []).append((start, stop, value))
         continue
       i = self._index[leaf_key]
-      leaves[i] = jax.device_put(np.asarray(value, dtype=leaves[i].dtype), self._shardings[i])
+      whole[i] = np.asarray(value, dtype=leaves[i].dtype)
     for leaf_key, parts in pieces.items():
       i = self._index[leaf_key]
       full = np.array(jax.device_get(self._readable([leaves[i]])[0]))
       for start, stop, value in parts:
         full[start:stop] = value
-      leaves[i] = jax.device_put(full, self._shardings[i])
+      whole[i] = full
+    # One batched transfer for the fragment's leaves: a device_put per leaf costs its Python
+    # dispatch each (bench_learner_overhead.py).
+    order = sorted(whole)
+    placed = jax.device_put([whole[i] for i in order], [self._shardings[i] for i in order])
+    for i, array in zip(order, placed):
+      leaves[i] = array
     self.params = jax.tree_util.tree_unflatten(self._treedef, leaves)
 
   def _record_digest(self, p: int, *, mixed: bool = True) -> None:

@@ -64,6 +64,7 @@ class FragmentEncoder:
     block_size: int = 64,
     base: Mapping[str, np.ndarray] | None = None,
     received: Mapping[str, np.ndarray] | None = None,
+    encoded: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
   ):
     """Checks and frames `values`.
 
@@ -78,6 +79,9 @@ class FragmentEncoder:
         base), bit for bit, from the encoding itself (`Codec.encode_run_decoded`); no decoding
         pass. For a sender that must hold what its receivers hold (the lossy downlink); needs
         `base`.
+      encoded: per key, its payload (uint8) and float32 scales, already encoded in this codec
+        (a learner's devices encode δ: fragments/device_int4.py); `values` then only name the
+        keys, shapes and dtypes, and no base is taken. Their sizes are checked here.
 
     Raises:
       ValueError: on an unknown codec, a base with other keys or shapes, or a key/shape the format
@@ -88,7 +92,10 @@ class FragmentEncoder:
       raise ValueError(f"base keys differ from values keys: {sorted(set(base) ^ set(values))[:3]}.")
     if received is not None and (base is None or set(received) != set(values)):
       raise ValueError("`received` needs a base and one output array per key.")
+    if encoded is not None and (base is not None or set(encoded) != set(values)):
+      raise ValueError("`encoded` needs one (payload, scales) per key and no base.")
     self._received = received
+    self._encoded = encoded
     self._entries = []
     self.nbytes = FILE_HEADER.size
     for key in sorted(values):
@@ -100,6 +107,12 @@ class FragmentEncoder:
       if received is not None and (received[key].ndim != 1 or received[key].size != x.size):
         raise ValueError(f"{key!r}: `received` needs a flat array of {x.size} values.")
       head = _entry_head(key, shape, resolve_dtype(x.dtype).name, self._codec)
+      if encoded is not None:
+        sizes = tuple(np.asarray(a).nbytes for a in encoded[key])
+        if sizes != self._codec.nbytes(x.size):
+          raise ValueError(
+            f"{key!r}: encoded as {sizes} bytes, expected {self._codec.nbytes(x.size)}."
+          )
       self._entries.append((key, head, x, b))
       self.nbytes += len(head) + sum(self._codec.nbytes(x.size))
 
@@ -115,6 +128,12 @@ class FragmentEncoder:
     yield FILE_HEADER.pack(MAGIC, FORMAT_VERSION, len(self._entries))
     for key, head, x, b in self._entries:
       yield head
+      if self._encoded is not None:
+        payload, scales = self._encoded[key]
+        yield np.asarray(payload, np.uint8).reshape(-1)
+        if scales.size:
+          yield np.asarray(scales, F32).reshape(-1)
+        continue
       scales = np.empty(codec.nbytes(x.size)[1] // 4, F32)
       filled = 0
       out = None if self._received is None else self._received[key]
