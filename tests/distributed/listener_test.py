@@ -31,8 +31,7 @@ class _Client:
 
   def pull(self, learner_id, p, known, **kwargs):
     del learner_id, kwargs
-    self.pulls.append((p, known))
-    return None  # Nothing delivered: the next heartbeat must announce the version again.
+    self.pulls.append((p, known))  # None: nothing delivered, so heartbeats announce it again.
 
 
 def test_heartbeats_announce_only_versions_newer_than_held_and_again_until_pulled():
