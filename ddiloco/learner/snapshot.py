@@ -52,8 +52,8 @@ class FragmentSnapshot:
     self, codec: str, anchor: Mapping[str, np.ndarray], block_size: int
   ) -> device_int4.EncodedDelta | None:
     """δ = anchor − θ_p encoded on the devices, in host memory; None where the host must encode
-    (`device_encode` off, a codec other than int4, or a fragment whose values the device program
-    cannot match bit for bit: `DeviceEncoding.exact`).
+    (`device_encode` off, a codec other than int4, a fragment whose values the device program
+    cannot match bit for bit: `DeviceEncoding.exact`, or a device error such as out of memory).
 
     Raises:
       ValueError: if `anchor` lacks a key of the fragment or has another shape.
@@ -65,10 +65,13 @@ class FragmentSnapshot:
     missing = [k for k in keys if k not in anchor]
     if missing:
       raise ValueError(f"The anchor lacks keys {missing[:3]} of fragment {self._p}.")
-    encoding = device_int4.encode_delta(
-      [anchor[k] for k in keys], [theta[k] for k in keys], block_size=block_size
-    )
-    exact, pairs = encoding.to_host()
+    try:
+      encoding = device_int4.encode_delta(
+        [anchor[k] for k in keys], [theta[k] for k in keys], block_size=block_size
+      )
+      exact, pairs = encoding.to_host()
+    except jax.errors.JaxRuntimeError:  # E.g. out of device memory: the host path still works.
+      return None
     if not exact:
       return None
     return device_int4.EncodedDelta("int4", block_size, dict(zip(keys, pairs)))

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from ddiloco.fragments import device_int4
 from ddiloco.fragments import layout as layout_lib
 from ddiloco.learner.snapshot import FragmentSnapshot
 from ddiloco.protocol import Report
@@ -99,3 +100,15 @@ def test_a_push_with_a_wrongly_sized_encoding_is_refused():
   broken = dataclasses.replace(encoded, entries={**encoded.entries, key: (payload[:-1], scales)})
   with pytest.raises(ValueError, match="encoded as"):
     _wire(_report(1, {}), anchor, broken.entries)
+
+
+def test_a_device_error_leaves_the_encoding_to_the_host(monkeypatch):
+  flat, layout = _layout()
+  snap = _snapshot(flat, layout, 0)
+  anchor = {k: v + np.float32(1) for k, v in snap().items()}
+
+  def fail(*args, **kwargs):
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+  monkeypatch.setattr(device_int4, "encode_delta", fail)
+  assert snap.encode_delta("int4", anchor, 64) is None
