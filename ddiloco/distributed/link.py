@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from ddiloco.fragments.device_int4 import EncodedDelta
 from ddiloco.protocol import FragmentState, Report, ReportResult
 from ddiloco.transport import wire
 from ddiloco.transport.client import SyncerClient
@@ -176,6 +177,11 @@ class SyncerLink:
     with self._lock:
       return self._newest[p]
 
+  def newest_all(self) -> list[int]:
+    """`newest(p)` of every fragment, read at once."""
+    with self._lock:
+      return list(self._newest)
+
   def digest(self, p: int, version: int) -> str | None:
     with self._lock:
       return self._digests.get((p, version))
@@ -191,18 +197,40 @@ class SyncerLink:
     with self._lock:
       self._newest = [-1] * self.num_fragments
 
-  def push(self, report: Report, anchor_values: Mapping[str, np.ndarray] | None) -> ReportResult:
+  @property
+  def uplink(self) -> tuple[str, int]:
+    """(codec, block size) of pushes, as negotiated at the last registration."""
+    with self._lock:
+      return self.codec, self.block_size
+
+  def push(
+    self,
+    report: Report,
+    anchor_values: Mapping[str, np.ndarray] | None,
+    *,
+    encoded: EncodedDelta | None = None,
+  ) -> ReportResult:
     """Pushes `report` as the outer gradient against `anchor_values` (Θ^(anchor) as held when the
     report was made: `anchor_values`), in the negotiated codec; fp32 values without one.
+
+    `encoded`: that outer gradient already encoded (a learner's devices, fragments/device_int4.py),
+    sent in its own codec and block size; report.values are then not read.
 
     Raises:
       grpc.RpcError: for any failure other than a late or duplicate answer.
     """
-    with self._lock:
-      codec, block_size = self.codec, self.block_size
+    codec, block_size = self.uplink
     if anchor_values is None:
-      codec = "fp32"
-    return self.client.push(report, codec, block_size=block_size, anchor_values=anchor_values)
+      codec, encoded = "fp32", None
+    if encoded is None:
+      return self.client.push(report, codec, block_size=block_size, anchor_values=anchor_values)
+    return self.client.push(
+      report,
+      encoded.codec,
+      block_size=encoded.block_size,
+      anchor_values=anchor_values,
+      encoded=encoded.entries,
+    )
 
   def heartbeat(self, step: int, step_time_s: float = 0.0):
     """One heartbeat (the learner's schedule step and step time); the HeartbeatResponse."""

@@ -109,8 +109,12 @@ class SyncerListener:
         self._inbox.fleet_step = int(hb.fleet_step)
         # The training thread settles the ledger with it (`TrainingLoop.drain`).
         self._inbox.post_settle((list(hb.versions), list(hb.merged_steps)))
+        # Versions the Rounds stream missed (e.g. reconnecting), or whose pull failed: only
+        # those newer than held (one read of the link, not a lock per fragment per heartbeat).
+        newest = self._link.newest_all()
         for p, version in enumerate(hb.versions):
-          self._announce(p, int(version))  # Missed by the Rounds stream (e.g. reconnecting).
+          if p < len(newest) and version > newest[p]:
+            self._announce(p, int(version))
         if down_since is not None:
           self.unreachable_s += time.monotonic() - down_since
           self._event("reconnected", after_s=round(time.monotonic() - down_since, 3))

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class _Job:
   report: Report  # Without values.
-  fetch: Any  # () -> host values
+  fetch: Any  # () -> host values; a `FragmentSnapshot` may also encode δ on the devices.
   anchor_values: Mapping[str, np.ndarray] | None
   asked_at: float | None = None  # Monotonic times: the round request's arrival, the answer's
   answered_at: float | None = None  # snapshot (for `answer_latency`).
@@ -202,9 +202,15 @@ class Senders:
 
   def _push(self, job: _Job) -> ReportResult:
     job.picked_at = time.monotonic()
-    report = dataclasses.replace(job.report, values=job.fetch())
+    encoded = None
+    encode = getattr(job.fetch, "encode_delta", None)  # A `FragmentSnapshot`'s device encoding.
+    if encode is not None and job.anchor_values is not None:
+      codec, block_size = self._link.uplink
+      encoded = encode(codec, job.anchor_values, block_size)
+    values = job.fetch() if encoded is None else {}  # Encoded: the wire needs only its bytes.
+    report = dataclasses.replace(job.report, values=values)
     job.copied_at = time.monotonic()
-    return self._link.push(report, job.anchor_values)
+    return self._link.push(report, job.anchor_values, encoded=encoded)
 
   def _record_latency(self, job: _Job, *, late: bool = False) -> None:
     """Books an answer's latencies (`answer_latency`); a late answer's also go to metrics.jsonl

@@ -36,11 +36,12 @@ from ddiloco.fragments import tree
 from ddiloco.fragments.digest import values_digest
 from ddiloco.fragments.layout import FragmentLayout
 from ddiloco.fragments.schedule import FragmentSchedule
-from ddiloco.learner import carry
+from ddiloco.learner import carry, writes
 from ddiloco.learner import train_step as train_step_lib
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.ledger import TokenLedger, taken
 from ddiloco.learner.rounds import RoundBook
+from ddiloco.learner.snapshot import FragmentSnapshot
 from ddiloco.learner.train_step import CompiledSteps
 from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
 from ddiloco.types import PyTree
@@ -110,6 +111,9 @@ class Learner:
     # CPU the snapshot holds θ_p's arrays themselves and the next step keeps its input parameters.
     devices = jax.tree_util.tree_leaves(params)[0].sharding.device_set if self._index else set()
     self.snapshot_by_reference = all(d.platform == "cpu" for d in devices)
+    # Whether answers' δ is int4-encoded on the devices (learner/snapshot.py); not on CPU, where
+    # the numpy codec is cheaper than XLA's program.
+    self.device_encode = not self.snapshot_by_reference
     self._keep_params = False  # The next train step must not donate the parameters.
     # A step dispatched by `start_step` and not ended: (its parameters, its tokens).
     self._in_flight: tuple[PyTree, int] | None = None
@@ -294,15 +298,14 @@ class Learner:
     values = self.fragment_values(p)
     return self._record_send(p, values, step_time_s, carry.Answer(-1, 0, 0, values=values))
 
-  def snapshot_report(
-    self, p: int, *, step_time_s: float = 0.0
-  ) -> tuple[Report, Callable[[], dict[str, np.ndarray]]]:
+  def snapshot_report(self, p: int, *, step_time_s: float = 0.0) -> tuple[Report, FragmentSnapshot]:
     """Like `make_report`, but θ_p stays on the devices: the training loop never waits for it.
 
-    Returns the report without values and a function that copies θ_p to host memory, for a
-    background sender. The leaves are copied on device first (asynchronously dispatched), so the next
-    train step may donate the parameters, and their host transfer starts at once. With
-    `snapshot_by_reference` (CPU) nothing is copied: the next train step keeps its parameters.
+    Returns the report without values and θ_p's snapshot, which a background sender copies to
+    host memory (or has the devices encode: learner/snapshot.py). The leaves are copied on device
+    first (asynchronously dispatched), so the next train step may donate the parameters, and their
+    host transfer starts at once. With `snapshot_by_reference` (CPU) nothing is copied: the next
+    train step keeps its parameters.
     """
     leaves = jax.tree_util.tree_leaves(self.params)
     names = self._leaf_names[p]
@@ -315,14 +318,14 @@ class Learner:
       self._keep_params = True
     else:  # A multi-process learner's replication (host_readable) makes new arrays itself.
       copies = self._readable([jnp.copy(leaves[self._index[k]]) for k in names])
-    for c in copies:
-      c.copy_to_host_async()
-
-    def fetch() -> dict[str, np.ndarray]:
-      host = jax.device_get(copies)
-      return self.layout.select({k: np.asarray(v) for k, v in zip(names, host)}, p)
-
-    return self._record_send(p, {}, step_time_s, carry.Answer(-1, 0, 0, fetch=fetch)), fetch
+    # With device encoding only δ's bytes come back. Not for a multi-process learner: a program
+    # on its arrays would need every process, and only the leader sends.
+    encode = self.device_encode and self.host_readable is None
+    if not encode:
+      for c in copies:
+        c.copy_to_host_async()
+    snapshot = FragmentSnapshot(self.layout, p, names, copies, device_encode=encode)
+    return self._record_send(p, {}, step_time_s, carry.Answer(-1, 0, 0, fetch=snapshot)), snapshot
 
   def _record_send(
     self, p: int, values: dict[str, np.ndarray], step_time_s: float, answer: carry.Answer
@@ -437,20 +440,15 @@ class Learner:
     if mix and self.config.mixing_alpha > 0:
       values = carry.mixed(values, self.fragment_values(p), self.config.mixing_alpha)
     leaves = jax.tree_util.tree_leaves(self.params)
-    pieces: dict[str, list[tuple[int, int, np.ndarray]]] = {}
-    for key, value in values.items():
-      leaf_key, start, stop = layout_lib.parse_key(key)
-      if start is not None:  # A piece of a tensor split along axis 0 (docs/algorithm.md §2).
-        pieces.setdefault(leaf_key, []).append((start, stop, value))
-        continue
-      i = self._index[leaf_key]
-      leaves[i] = jax.device_put(np.asarray(value, dtype=leaves[i].dtype), self._shardings[i])
-    for leaf_key, parts in pieces.items():
-      i = self._index[leaf_key]
-      full = np.array(jax.device_get(self._readable([leaves[i]])[0]))
-      for start, stop, value in parts:
-        full[start:stop] = value
-      leaves[i] = jax.device_put(full, self._shardings[i])
+    whole = writes.leaf_values(
+      values, leaves, self._index, lambda i: jax.device_get(self._readable([leaves[i]])[0])
+    )
+    # One batched transfer for the fragment's leaves: a device_put per leaf costs its Python
+    # dispatch each (bench_learner_overhead.py).
+    order = sorted(whole)
+    placed = jax.device_put([whole[i] for i in order], [self._shardings[i] for i in order])
+    for i, array in zip(order, placed):
+      leaves[i] = array
     self.params = jax.tree_util.tree_unflatten(self._treedef, leaves)
 
   def _record_digest(self, p: int) -> None:

@@ -221,8 +221,11 @@ class SyncerClient:
     *,
     block_size: int = 64,
     anchor_values: Mapping[str, np.ndarray] | None = None,
+    encoded: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
   ) -> ReportResult:
     """Streams one report; `anchor_values` (Θ^(anchor) as held) makes it a delta (docs/algorithm.md §5).
+
+    `encoded`: that delta already encoded in `codec` (`messages.push_encoder`).
 
     The chunks are encoded while the stream is sent (`messages.push_messages`).
 
@@ -243,6 +246,7 @@ class SyncerClient:
         block_size=block_size,
         chunk_size=self.max_chunk_bytes,
         anchor_values=anchor_values,
+        encoded=encoded,
       )
       try:
         for message in outgoing:

@@ -68,6 +68,7 @@ class FragmentEncoder:
     base: Mapping[str, np.ndarray] | None = None,
     received: Mapping[str, np.ndarray] | None = None,
     finite: bool = False,
+    encoded: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
   ):
     """Checks and frames `values`.
 
@@ -85,6 +86,9 @@ class FragmentEncoder:
       finite: the caller vouches that `values` are finite (the syncer's published versions,
         checked when merged; receivers check them again): with "fp32" and no base, a float32
         array's own bytes are the payload, handed out as they are (no copy, no pass over them).
+      encoded: per key, its payload (uint8) and float32 scales, already encoded in this codec
+        (a learner's devices encode δ: fragments/device_int4.py); `values` then only name the
+        keys, shapes and dtypes, and no base is taken. Their sizes are checked here.
 
     Raises:
       ValueError: on an unknown codec, a base with other keys or shapes, or a key/shape the format
@@ -95,8 +99,11 @@ class FragmentEncoder:
       raise ValueError(f"base keys differ from values keys: {sorted(set(base) ^ set(values))[:3]}.")
     if received is not None and (base is None or set(received) != set(values)):
       raise ValueError("`received` needs a base and one output array per key.")
+    if encoded is not None and (base is not None or set(encoded) != set(values)):
+      raise ValueError("`encoded` needs one (payload, scales) per key and no base.")
     self._received = received
     self._as_is = finite and base is None and self._codec.exact and self._codec.unit_bytes == 4
+    self._encoded = encoded
     self._entries = []
     self.nbytes = FILE_HEADER.size
     for key in sorted(values):
@@ -108,6 +115,12 @@ class FragmentEncoder:
       if received is not None and (received[key].ndim != 1 or received[key].size != x.size):
         raise ValueError(f"{key!r}: `received` needs a flat array of {x.size} values.")
       head = _entry_head(key, shape, resolve_dtype(x.dtype).name, self._codec)
+      if encoded is not None:
+        sizes = tuple(np.asarray(a).nbytes for a in encoded[key])
+        if sizes != self._codec.nbytes(x.size):
+          raise ValueError(
+            f"{key!r}: encoded as {sizes} bytes, expected {self._codec.nbytes(x.size)}."
+          )
       self._entries.append((key, head, x, b))
       self.nbytes += len(head) + sum(self._codec.nbytes(x.size))
 
@@ -125,6 +138,12 @@ class FragmentEncoder:
       yield head
       if self._as_is and isinstance(x, np.ndarray) and x.dtype == F32 and x.flags.c_contiguous:
         yield memoryview(x.reshape(-1)).cast("B")  # fp32 of float32: the bytes themselves.
+        continue
+      if self._encoded is not None:
+        payload, scales = self._encoded[key]
+        yield np.asarray(payload, np.uint8).reshape(-1)
+        if scales.size:
+          yield np.asarray(scales, F32).reshape(-1)
         continue
       scales = np.empty(codec.nbytes(x.size)[1] // 4, F32)
       filled = 0

@@ -109,15 +109,26 @@ def push_header(report: Report, codec: str, total: int, num_chunks: int, delta: 
 
 
 def push_encoder(
-  report: Report, codec: str, block_size: int, anchor_values: Mapping[str, np.ndarray] | None
+  report: Report,
+  codec: str,
+  block_size: int,
+  anchor_values: Mapping[str, np.ndarray] | None,
+  encoded: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> FragmentEncoder:
   """The encoder of a report's Push payload: θ, or with `anchor_values` δ = Θ^(anchor) − θ.
+
+  `encoded`: δ already encoded in `codec` (per key, payload and scales; fragments/device_int4.py);
+  needs `anchor_values`, which then give the keys, shapes and dtypes, and ignores report.values.
 
   Raises:
     ValueError: on a report that already holds δ, or a delta without an anchor version.
   """
   if report.outer_gradient:
     raise ValueError("A push takes θ (report.values) and Θ^(anchor); it forms δ itself.")
+  if encoded is not None:
+    if anchor_values is None or report.anchor_version < 0:
+      raise ValueError("An encoded δ needs its anchor (anchor_version >= 0).")
+    return FragmentEncoder(anchor_values, codec, block_size=block_size, encoded=encoded)
   if anchor_values is None:
     return FragmentEncoder(report.values, codec, block_size=block_size)
   if report.anchor_version < 0:
@@ -139,6 +150,7 @@ def push_messages(
   block_size: int = 64,
   chunk_size: int = DEFAULT_CHUNK_SIZE,
   anchor_values: Mapping[str, np.ndarray] | None = None,
+  encoded: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> Iterator[bytes]:
   """A learner's report as the serialized PushChunk messages of a Push stream (docs/algorithm.md §3).
 
@@ -155,6 +167,7 @@ def push_messages(
     anchor_values: Θ^(anchor) as the learner holds it; if given, the payload is the outer
       gradient δ = Θ^(anchor) − θ (docs/algorithm.md §5), which the syncer merges as decoded, and
       the header says `delta`.
+    encoded: δ already encoded in `codec` (`push_encoder`).
 
   Returns:
     An iterator over the messages' bytes.
@@ -163,7 +176,7 @@ def push_messages(
     ValueError: at once on a bad codec, keys, shapes or anchor; while iterating, on a NaN/Inf value
       (the stream then ends short, and a receiver refuses it as incomplete).
   """
-  encoder = push_encoder(report, codec, block_size, anchor_values)
+  encoder = push_encoder(report, codec, block_size, anchor_values, encoded)
   header = push_header(
     report, codec, encoder.nbytes, encoder.num_chunks(chunk_size), anchor_values is not None
   ).SerializeToString()
