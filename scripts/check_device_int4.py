@@ -75,6 +75,18 @@ def _check(rng: np.random.Generator) -> int:
       want_payload, want_scales = _numpy_bytes(anchor, theta, bs)
       ok = exact and payload.tobytes() == want_payload and scales.tobytes() == want_scales
       print(f"  {'ok  ' if ok else 'FAIL'} {name}: exact {exact}, bytes equal {ok}")
+      if not ok:
+        got_p, got_s = np.asarray(payload, np.uint8).reshape(-1), np.asarray(scales, np.float32)
+        want_p = np.frombuffer(want_payload, np.uint8)
+        want_s = np.frombuffer(want_scales, np.float32)
+        print(
+          f"       payload {got_p.size} vs {want_p.size} bytes, "
+          f"{np.count_nonzero(got_p[: want_p.size] != want_p[: got_p.size])} differ; scales "
+          f"{got_s.size} vs {want_s.size}, "
+          f"{np.count_nonzero(got_s[: want_s.size] != want_s[: got_s.size])} differ; "
+          f"first payload {got_p[:8].tolist()} vs {want_p[:8].tolist()}, "
+          f"first scales {got_s[:3].tolist()} vs {want_s[:3].tolist()}"
+        )
     failures += not ok
   return failures
 

@@ -22,12 +22,19 @@ class LearnerConfig:
       boundary's work (draining, applying, answering, logging), which hides that host work behind
       the step. A round request that arrives meanwhile is then answered after that step too: about
       1.5 steps after it arrived on average instead of 0.5, which can miss the round's grace window.
+    device_encode: on an accelerator, answers' δ is int4-encoded by a program on the learner's
+      devices and only the encoded bytes come back (learner/snapshot.py, fragments/device_int4.py;
+      never on CPU, where the numpy codec is cheaper). Off by default: on an H200, XLA's float32
+      division gave block scales one ulp away from the numpy codec's in about half the blocks, so
+      the bytes are an equally valid int4 encoding but not the same bytes as the host path's
+      (scripts/check_device_int4.py; docs/results.md, "On a GPU").
   """
 
   mixing_alpha: float = 0.0
   apply_rule: str = "overwrite"
   blocking: bool = False
   step_in_flight: bool = False
+  device_encode: bool = False
 
   def __post_init__(self):
     if not 0.0 <= self.mixing_alpha < 1.0:

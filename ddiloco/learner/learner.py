@@ -111,9 +111,8 @@ class Learner:
     # CPU the snapshot holds θ_p's arrays themselves and the next step keeps its input parameters.
     devices = jax.tree_util.tree_leaves(params)[0].sharding.device_set if self._index else set()
     self.snapshot_by_reference = all(d.platform == "cpu" for d in devices)
-    # Whether answers' δ is int4-encoded on the devices (learner/snapshot.py); not on CPU, where
-    # the numpy codec is cheaper than XLA's program.
-    self.device_encode = not self.snapshot_by_reference
+    # Whether answers' δ is int4-encoded on the devices (`LearnerConfig.device_encode`).
+    self.device_encode = self.config.device_encode and not self.snapshot_by_reference
     self._keep_params = False  # The next train step must not donate the parameters.
     # A step dispatched by `start_step` and not ended: (its parameters, its tokens).
     self._in_flight: tuple[PyTree, int] | None = None
