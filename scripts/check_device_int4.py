@@ -20,19 +20,12 @@ from absl import app, flags
 
 from ddiloco.fragments import device_int4
 from ddiloco.fragments.compression import get_codec
+from ddiloco.testing.codecs import int4_delta_bytes
 
 _TIMING = flags.DEFINE_integer("timing_mib", 0, "MiB of float32 for the timing (0: no timing)")
 _SEED = flags.DEFINE_integer("seed", 0, "random seed")
 
 _TINY = np.finfo(np.float32).tiny
-
-
-def _numpy_bytes(anchor: np.ndarray, theta: np.ndarray, bs: int) -> tuple[bytes, bytes]:
-  payloads, scales = [], []
-  for payload, run_scales in get_codec("int4", bs).encode_runs(anchor, base=theta):
-    payloads.append(payload.tobytes())
-    scales.append(np.asarray(run_scales, "<f4").tobytes())
-  return b"".join(payloads), b"".join(scales)
 
 
 def _cases(rng: np.random.Generator):
@@ -72,7 +65,7 @@ def _check(rng: np.random.Generator) -> int:
       ok = not exact
       print(f"  {'ok  ' if ok else 'FAIL'} {name}: flagged for the host codec = {not exact}")
     else:
-      want_payload, want_scales = _numpy_bytes(anchor, theta, bs)
+      want_payload, want_scales = int4_delta_bytes(anchor, theta, bs)
       ok = exact and payload.tobytes() == want_payload and scales.tobytes() == want_scales
       print(f"  {'ok  ' if ok else 'FAIL'} {name}: exact {exact}, bytes equal {ok}")
       if not ok:

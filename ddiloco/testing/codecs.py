@@ -128,3 +128,13 @@ def decode_fragment(encoded: Mapping[str, Encoded]) -> dict[str, np.ndarray]:
 def fragment_wire_bytes(encoded: Mapping[str, Encoded]) -> int:
   """Total bytes on the wire (payload + scales) of an encoded fragment."""
   return sum(enc.nbytes for enc in encoded.values())
+
+
+def int4_delta_bytes(anchor: np.ndarray, theta: np.ndarray, block_size: int) -> tuple[bytes, bytes]:
+  """The numpy int4 codec's payload and scale bytes of δ = anchor − θ, as a push puts them on the
+  wire (`Codec.encode_runs` with θ as base): the reference the device encoder is checked against."""
+  payloads, scales = [], []
+  for payload, run_scales in get_codec("int4", block_size).encode_runs(anchor, base=theta):
+    payloads.append(payload.tobytes())
+    scales.append(np.asarray(run_scales, "<f4").tobytes())
+  return b"".join(payloads), b"".join(scales)

@@ -6,18 +6,9 @@ import numpy as np
 import pytest
 
 from ddiloco.fragments import device_int4
-from ddiloco.fragments.compression import get_codec
+from ddiloco.testing.codecs import int4_delta_bytes
 
 _TINY = np.finfo(np.float32).tiny
-
-
-def _numpy_bytes(anchor: np.ndarray, theta: np.ndarray, bs: int) -> tuple[bytes, bytes]:
-  """The reference: `Int4.encode_runs` of anchor with θ as base (what a push puts on the wire)."""
-  payloads, scales = [], []
-  for payload, run_scales in get_codec("int4", bs).encode_runs(anchor, base=theta):
-    payloads.append(payload.tobytes())
-    scales.append(np.asarray(run_scales, "<f4").tobytes())
-  return b"".join(payloads), b"".join(scales)
 
 
 def _device(anchors, thetas, bs=64):
@@ -28,7 +19,7 @@ def _device(anchors, thetas, bs=64):
 def _check_same(anchor, theta, bs=64):
   exact, [(payload, scales)] = _device([anchor], [theta], bs)
   assert exact
-  want_payload, want_scales = _numpy_bytes(anchor, theta, bs)
+  want_payload, want_scales = int4_delta_bytes(anchor, theta, bs)
   assert payload.tobytes() == want_payload
   assert scales.tobytes() == want_scales
 
@@ -80,7 +71,7 @@ def test_several_tensors_and_bf16_parameters_in_one_program():
   exact, pairs = _device(anchors, thetas)
   assert exact
   for (payload, scales), a, t in zip(pairs, anchors, thetas):
-    want_payload, want_scales = _numpy_bytes(a, t, 64)
+    want_payload, want_scales = int4_delta_bytes(a, t, 64)
     assert payload.tobytes() == want_payload
     assert scales.tobytes() == want_scales
 
