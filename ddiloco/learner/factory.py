@@ -116,6 +116,7 @@ class LearnerFactory:
     self._steps: dict[tuple[int, ...], train_step_lib.CompiledSteps] = {}
     self._host_init = None  # The whole initial model, made on first need (`_full_init`).
     self._init_flat: dict[str, np.ndarray] | None = None
+    self._shapes = None  # The params' shapes and dtypes, set by the first `_steps_for`.
     self.tokens_per_step = self.task.units_per_step(batch_size)
     self.last_eval: dict[str, float] | None = None
     # This process's own first device: in a multi-process learner jax.devices()[0] is process 0's,
@@ -123,10 +124,7 @@ class LearnerFactory:
     own = mesh_lib.learner_devices(0, 1, jax.local_devices())
     self._eval_steps = self._steps_for(own, math.gcd(model_parallelism, len(own)))
     # Shapes only: a syncer shard never materialises the parts of the model it does not own.
-    inputs = self.task.dummy_inputs(batch_size=1)
-    shapes = tree.flatten(
-      partitioning.abstract_params(self.model, self._eval_steps.mesh, inputs=inputs)[0]
-    )
+    shapes = tree.flatten(self._shapes)
     self.num_params = int(sum(math.prod(v.shape) for v in shapes.values()))
     self.layout = layout_lib.make_layout(
       shapes,
@@ -147,6 +145,7 @@ class LearnerFactory:
       inputs = self.task.dummy_inputs(batch_size=1)
       abstract, shardings = partitioning.abstract_params(self.model, mesh, inputs=inputs)
       abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)
+      self._shapes = abstract  # The same on every slice: the layout's input (shapes only).
       self._steps[key] = train_step_lib.CompiledSteps(
         self.task, self.optimizer, mesh, abstract, shardings
       )
