@@ -124,7 +124,7 @@ class Learner:
     # hands the checks out in apply order.
     self.defer_digests = False
     self._unverified: list[tuple[int, int, list[jax.Array]]] = []  # (p, version, θ_p's arrays).
-    self._verified: list[tuple[int, int, str | None]] = []  # (p, version, digest; None: mixed).
+    self._verified: list[tuple[int, int, str]] = []  # (p, version, Θ_p's digest read back).
 
   def _readable(self, arrays: list[jax.Array]) -> list[jax.Array]:
     return arrays if self.host_readable is None else self.host_readable(arrays)
@@ -399,14 +399,17 @@ class Learner:
         continue  # Not before τ steps, unless a round of p based on it already waits for us.
       state = self._inbox.pop(p)
       answer = self.answers.take(p)  # Not None: "carry", and this learner answered the round.
-      mine = self.fragment_values(p) if answer is not None else None
+      alpha = self.config.mixing_alpha
+      mine = self.fragment_values(p) if answer is not None or alpha > 0 else None
       self._write_fragment(p, state.values)
       self.anchor[p] = state.version
-      self._check_apply(p, state.version)  # Of Θ_p's bits on the devices, before any carry.
+      self._check_apply(p, state.version)  # Of Θ_p's bits on the devices, before a carry or mix.
       kept = (0, 0)  # θ_p was overwritten, merged or not: its counters restart...
       if answer is not None:  # ... but for the progress since the answer, carried over.
-        self._write_fragment(p, carry.carried(state.values, mine, answer.host_values()), mix=False)
+        self._write_fragment(p, carry.carried(state.values, mine, answer.host_values()))
         kept = (self.tokens[p] - answer.tokens, self.step_counts[p] - answer.steps)
+      elif alpha > 0:
+        self._write_fragment(p, carry.mixed(state.values, mine, alpha))
       if self.config.mixing_alpha == 0:  # α > 0 keeps part of the unsent progress: not dropped.
         self.ledger.overwritten(p, keep=kept[0])
       self.tokens[p], self.step_counts[p] = kept
@@ -425,7 +428,7 @@ class Learner:
     if self._in_flight is not None:
       raise RuntimeError("load_global while a step is in flight: call end_step first.")
     for state in states:
-      self._write_fragment(state.fragment, state.values, mix=False)
+      self._write_fragment(state.fragment, state.values)
       self.ledger.overwritten(state.fragment)
       self.anchor[state.fragment] = state.version
       self._record_digest(state.fragment)
@@ -435,9 +438,7 @@ class Learner:
     self._rounds.clear()
     self.answers.clear()
 
-  def _write_fragment(self, p: int, values: dict[str, np.ndarray], *, mix: bool = True) -> None:
-    if mix and self.config.mixing_alpha > 0:
-      values = carry.mixed(values, self.fragment_values(p), self.config.mixing_alpha)
+  def _write_fragment(self, p: int, values: dict[str, np.ndarray]) -> None:
     leaves = jax.tree_util.tree_leaves(self.params)
     whole = writes.leaf_values(
       values, leaves, self._index, lambda i: jax.device_get(self._readable([leaves[i]])[0])
@@ -460,13 +461,10 @@ class Learner:
   def _check_apply(self, p: int, version: int) -> None:
     """Queues the digest check of an apply (`verified_applies`), read back at once or deferred.
 
-    After an α > 0 mix the learner holds its own blend: nothing to compare. With "carry" the check
-    reads the written Θ_p back before the carry is added (`apply_ready`).
+    With "carry" or α > 0 the check reads the written Θ_p back before the carry or the mix is
+    written over it (`apply_ready`): the learner then holds its own θ_p, but Θ_p's bits were proven.
     """
-    if self.config.mixing_alpha > 0:
-      self.applied_digest.pop(p, None)
-      self._verified.append((p, version, None))
-    elif self.defer_digests and self._by_reference:
+    if self.defer_digests and self._by_reference:
       arrays = self._fragment_arrays(p)
       for a in arrays:
         a.copy_to_host_async()
@@ -475,10 +473,10 @@ class Learner:
       self._record_digest(p)
       self._verified.append((p, version, self.applied_digest[p]))
 
-  def verified_applies(self, *, block: bool = False) -> list[tuple[int, int, str | None]]:
+  def verified_applies(self, *, block: bool = False) -> list[tuple[int, int, str]]:
     """(fragment, version, digest read back) of the applies checked since the last call, in
-    apply order; None for an α > 0 mix, which has nothing to compare. Deferred checks whose
-    arrays are not ready yet wait for a later call unless `block`."""
+    apply order. Deferred checks whose arrays are not ready yet wait for a later call unless
+    `block`."""
     out, self._verified = self._verified, []
     waiting = []
     for p, version, arrays in self._unverified:
@@ -493,5 +491,5 @@ class Learner:
     return out
 
   def digest_of(self, p: int) -> str:
-    """Digest of this learner's current θ_p (the syncer's after an α = 0 apply but a carry)."""
+    """Digest of this learner's current θ_p (the syncer's after an overwrite; not after a carry or mix)."""
     return values_digest(self.fragment_values(p))

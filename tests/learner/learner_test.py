@@ -255,6 +255,11 @@ def test_mixing_alpha():
   for k in got:  # θ ← 0.5·0 + 0.5·θ
     np.testing.assert_allclose(got[k], 0.5 * after_step[k], rtol=1e-6)
   assert mine  # The fragment is not empty.
+  # The digest check read Θ_p's bits back before the mix was written over them.
+  [(p, version, digest)] = learner.verified_applies(block=True)
+  assert (p, version) == (1, 1)
+  assert digest == learner.applied_digest[1] == values_digest(zeros)
+  assert learner.digest_of(1) != digest  # It holds its own blend.
 
 
 def test_align_phase_moves_the_schedule_not_the_step():
