@@ -68,6 +68,20 @@ class Bf16(Codec):
     bits = np.frombuffer(payload, "<u2").astype(np.uint16, copy=False)
     return bits.view(ml_dtypes.bfloat16).astype(np.float32)
 
+  def decode_run_into(self, payload, out: np.ndarray) -> bool:
+    # A bfloat16 is the high half of the float32 it stands for: the float32's bits are the 16
+    # bits shifted left, for every pattern, NaNs included (what the cast above gives, checked
+    # over all 65536 in tests/fragments/codecs_test.py). One integer pass into `out`, without
+    # the cast's temporary and its copy.
+    if out.dtype != F32 or not out.flags.c_contiguous:
+      return False
+    self._check_whole_units(payload)
+    bits = np.frombuffer(payload, "<u2")
+    if bits.size != out.size:
+      raise ValueError(f"a run of {bits.size} values for {out.size} places.")
+    np.left_shift(bits, 16, out=out.view(np.uint32), dtype=np.uint32)
+    return True
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _BlockQuantized(Codec):
