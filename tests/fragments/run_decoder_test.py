@@ -1,9 +1,11 @@
-"""`RunDecoder`'s direct decoding (`Codec.decode_run_into`): bit for bit what `decode_run` gives."""
+"""Direct bf16 decoding (`Codec.decode_run_into`, `RunDecoder`) and its adoption kernel: bit for bit
+what the ml_dtypes cast gives."""
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+from ddiloco.fragments.codec import INTO_RUN_VALUES
 from ddiloco.fragments.codecs import Bf16, Fp32, Int8
 from ddiloco.fragments.run_decoder import RunDecoder
 
@@ -69,3 +71,32 @@ def test_too_long_a_payload_is_refused():
   decoder = RunDecoder(Bf16(), out)
   with pytest.raises(ValueError, match="more than the array's 10 values"):
     decoder.feed(np.zeros(11, "<u2").tobytes())
+
+
+@pytest.mark.parametrize("n", [1, 1000, INTO_RUN_VALUES + 1, 2 * INTO_RUN_VALUES + 7000])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_bf16_adoption_kernel_matches_the_cast(n, dtype):
+  """The downlink's encode-and-adopt (`encode_run_into`) of bf16: the bytes of the plain
+  encoding, and base + the values ml_dtypes decodes from them, bit for bit."""
+  rng = np.random.default_rng(n)
+  base = rng.standard_normal(n).astype(dtype)
+  x = base.astype(np.float32) + rng.standard_normal(n).astype(np.float32) * np.float32(1e-2)
+  if n > 10:
+    x[3], base[3] = np.float32(-1e-9), -0.0  # A -0.0 delta on a -0.0 base.
+    x[7] = np.float32(1e30)  # Far beyond the base: no rounding to it.
+  into = np.full(n, np.nan, dtype)
+  payload = b"".join(p.tobytes() for p, _ in Bf16().encode_runs(x, base=base, into=into))
+  delta = x - base.astype(np.float32)
+  want_bits = delta.astype(ml_dtypes.bfloat16)
+  assert payload == want_bits.view(np.uint16).astype("<u2").tobytes()
+  with np.errstate(over="ignore"):
+    want = (base.astype(np.float32) + want_bits.astype(np.float32)).astype(dtype)
+  np.testing.assert_array_equal(into.view(np.uint8), want.view(np.uint8))
+  assert payload == b"".join(p.tobytes() for p, _ in Bf16().encode_runs(x, base=base))
+
+
+def test_bf16_adoption_refuses_overflow():
+  x = np.ones(10, np.float32)
+  x[4] = np.finfo(np.float32).max  # Rounds to bfloat16's infinity.
+  with pytest.raises(ValueError, match="overflow bfloat16"):
+    list(Bf16().encode_runs(x, base=np.zeros(10, np.float32), into=np.empty(10, np.float32)))
