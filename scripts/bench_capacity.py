@@ -44,6 +44,13 @@ On a 2-core machine the fleet shares the shards' cores, so the summary fits
 each side's CPU (a fixed part plus CPU-seconds per GB, scripts/bench_capacity_summary.py) and
 prints the ingest CPU alone would allow. `--sweep` ramps S = 1 at `--sweep_learners` and at
 `--sweep_mib` fragment sizes, and fits RSS per parameter held. `--json` writes every figure.
+`--fleet_send=sendfile` has the fake learners send a push's frames after the first from an
+in-memory file with sendfile (the same bytes; ~30 % less of the fleet's CPU per push on this
+machine), so that less of what a fleet on other hosts would spend lands on the shards' cores.
+`--timeline` logs each round's phases in the shards (scripts/bench_capacity_timeline.py: round
+opened, requests received by the fleet, pushes connected, answers decoded and filed, the merge's
+step, adoption and digest, publication; the shard's CPU over the round) and prints their
+medians and p90 per shard under each level.
 """
 
 import ctypes
