@@ -44,6 +44,13 @@ On a 2-core machine the fleet shares the shards' cores, so the summary fits
 each side's CPU (a fixed part plus CPU-seconds per GB, scripts/bench_capacity_summary.py) and
 prints the ingest CPU alone would allow. `--sweep` ramps S = 1 at `--sweep_learners` and at
 `--sweep_mib` fragment sizes, and fits RSS per parameter held. `--json` writes every figure.
+`--fleet_send=sendfile` has the fake learners send a push's frames after the first from an
+in-memory file with sendfile (the same bytes; ~30 % less of the fleet's CPU per push on this
+machine), so that less of what a fleet on other hosts would spend lands on the shards' cores.
+`--timeline` logs each round's phases in the shards (scripts/bench_capacity_timeline.py: round
+opened, requests received by the fleet, pushes connected, answers decoded and filed, the merge's
+step, adoption and digest, publication; the shard's CPU over the round) and prints their
+medians and p90 per shard under each level.
 """
 
 import ctypes
@@ -59,6 +66,7 @@ import threading
 import time
 
 import bench_capacity_fleet  # Beside this script: its folder is first on sys.path when it runs.
+import bench_capacity_timeline as timeline
 import numpy as np
 from absl import app, flags, logging
 from bench_capacity_summary import clock_lag, medians, shard_figures, statuses, summarize
@@ -88,6 +96,18 @@ _GC_FREEZE = flags.DEFINE_bool(
 )
 _FLEET_WIRE = flags.DEFINE_enum(
   "fleet_wire", "bulk", ["bulk", "grpc"], "what the fake learners push over: the bulk port or gRPC"
+)
+_TIMELINE = flags.DEFINE_bool(
+  "timeline",
+  False,
+  "log each round's phases in the shards and print them (bench_capacity_timeline)",
+)
+_FLEET_SEND = flags.DEFINE_enum(
+  "fleet_send",
+  "sendmsg",
+  ["sendmsg", "sendfile"],
+  "how the fake learners send a bulk push's frames: one gathered sendmsg (the kernel copies each "
+  "byte), or sendfile from an in-memory file (the kernel lends its pages)",
 )
 _SWEEP = flags.DEFINE_bool("sweep", False, "also ramp S = 1 over M and fragment sizes")
 _SWEEP_MIB = flags.DEFINE_list("sweep_mib", ["1", "16"], "fragment sizes of the sweep, MiB")
@@ -151,6 +171,8 @@ def _shard_main(pt: Point, out: str) -> None:
 
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
+  if _TIMELINE.value:
+    timeline.install()
   rng = np.random.default_rng(_INDEX.value)
   owned = sorted(pt.owned(_INDEX.value))
   init = {f"f{k}": rng.standard_normal(pt.fragment_params, np.float32) for k in owned}
@@ -203,6 +225,7 @@ def _shard_main(pt: Point, out: str) -> None:
     "gc": {"seconds": gc_s, "collections": gc_n},
     "bulk_pushes": srv.bulk.calls["Push"] if srv.bulk is not None else 0,
     "counts": {k: v for k, v in counts.items() if isinstance(v, int | float)},
+    "timeline": timeline.events() if _TIMELINE.value else [],
   }
   srv.stop(grace_s=0.5, flush=False)
   with open(out, "w") as f:
@@ -223,7 +246,8 @@ def _child(role: str, pt: Point, index: int, out: str, cpus: str) -> subprocess.
   cmd = [sys.executable, os.path.abspath(__file__), f"--role={role}", f"--index={index}"]
   cmd += [f"--spec={json.dumps(dataclasses.asdict(pt))}", f"--out={out}"]
   cmd += [f"--fleet_procs={_FLEET_PROCS.value}", f"--fleet_wire={_FLEET_WIRE.value}"]
-  cmd += [f"--gc_freeze={_GC_FREEZE.value}"]
+  cmd += [f"--fleet_send={_FLEET_SEND.value}"]
+  cmd += [f"--gc_freeze={_GC_FREEZE.value}", f"--timeline={_TIMELINE.value}"]
   if cpus:
     cmd = ["taskset", "-c", cpus, *cmd]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -332,6 +356,10 @@ def measure(pt: Point, tmp: str) -> dict:
       opened = sum(1 for a in asks if a[0] == i and a[1] == 0 and start <= a[2] < end)
       per_shard.append(shard_figures(pt, merges, opened, keep_up=_KEEP_UP.value, wire=wire))
       per_shard[-1].update(cores=cores[i], rss_mib=rss[i], **statuses(pushes, i, start, end))
+      if logs[i]["timeline"]:
+        per_shard[-1]["timeline"] = timeline.rounds(
+          logs[i]["timeline"], merges, start, end, [a for a in asks if a[0] == i]
+        )
     windows.append(
       {
         "fragments_per_s": sum(s["fragments_per_s"] for s in per_shard),
@@ -419,6 +447,9 @@ def ramp(shard_counts: list[int], learners: int, fragment_mib: float, tmp: str) 
         f"{'' if r['keeps_up'] else '  <- does not keep up'}",
         flush=True,
       )
+      for i in range(shards) if _TIMELINE.value else ():
+        rows = [row for w in r["windows"] for row in w["shards"][i].get("timeline", [])]
+        timeline.print_rounds(f"shard {i}", rows)
   runs = []
   for shards, lv in levels.items():
     kept = [r for r in lv if r["keeps_up"]]
@@ -447,7 +478,12 @@ def main(argv):
       _shard_main(pt, _OUT.value)
     else:
       bench_capacity_fleet.fleet_main(
-        pt, _OUT.value, index=_INDEX.value, procs=_FLEET_PROCS.value, wire=_FLEET_WIRE.value
+        pt,
+        _OUT.value,
+        index=_INDEX.value,
+        procs=_FLEET_PROCS.value,
+        wire=_FLEET_WIRE.value,
+        send=_FLEET_SEND.value,
       )
     return
   if _ANALYZE.value:

@@ -8,7 +8,8 @@ shard's bulk port (RegisterResponse.bulk_port, as real learners push: one connec
 same chunk messages in the port's framing, sent in one gathered write) or, with `wire="grpc"`,
 over gRPC; the control calls
 (Register, Pull, Rounds, Heartbeat) over gRPC. A heartbeat loop reports steps at `step_s`, which
-paces the syncer's step clock.
+paces the syncer's step clock, every `heartbeat_interval_s` the syncer gives at Register (as a
+learner's listener does; 0.2 s before).
 """
 
 import contextlib
@@ -51,6 +52,7 @@ class _Answerer:
     self._wire = wire
     self._bulk = None
     self.refusals: list = []  # (code, message start) of each transient refusal, retried.
+    self.heartbeat_s = 0.25
 
   def start(self) -> None:
     from ddiloco.transport import bulk_client
@@ -58,6 +60,7 @@ class _Answerer:
     pt = self._pt
     self.client.wait_ready(TIMEOUT_S)
     resp = self.client.register(self.learner, layout_digest=pt.digest, num_fragments=pt.fragments)
+    self.heartbeat_s = float(resp.heartbeat_interval_s)  # Learners heartbeat at the syncer's.
     if self._wire == "bulk":
       if not resp.bulk_port:
         raise RuntimeError(f"shard {self.shard} advertises no bulk port")
@@ -114,7 +117,7 @@ class _Answerer:
     from ddiloco.transport.proto import syncer_pb2
 
     pt = self._pt
-    first, rest, total = self._chunks[req.fragment]
+    first, rest, total, tail = self._chunks[req.fragment]
     backoff = Backoff(seed=self.learner)
     tries = 0
     while not self._stop.is_set():
@@ -138,7 +141,8 @@ class _Answerer:
       messages = [chunk_prefix(0, len(first), header) + first, *rest]
       try:
         if self._bulk is not None:
-          body = _bulk_push(self._bulk, messages, self.client.session(self.learner))
+          sent = messages[:1] if tail is not None else messages
+          body = _bulk_push(self._bulk, sent, self.client.session(self.learner), tail)
           resp = syncer_pb2.PushResponse.FromString(body)
         else:
           resp = self._push(
@@ -163,9 +167,15 @@ class _Answerer:
     self._channel.close()
 
 
-def _bulk_push(address: tuple[str, int], messages: list[bytes], session: str) -> bytes:
+def _bulk_push(
+  address: tuple[str, int], messages: list[bytes], session: str, tail: "_Tail | None" = None
+) -> bytes:
   """One push over the bulk port, the cheapest way: the hello, every frame and the end mark in
-  one gathered send (the kernel copies each byte once), then the syncer's answer.
+  one gathered send (the kernel copies each byte once), then the syncer's answer. With `tail`
+  (`--fleet_send=sendfile`), `messages` is only the first chunk: the other frames and the end mark
+  are the same bytes, sent from `tail`'s file with sendfile, which lends the kernel the file's
+  pages instead of copying them (what a fake learner costs the machine is then mostly the
+  syncer's receive, as with learners on other hosts).
 
   Returns the serialized PushResponse. Raises `bulk_wire.BulkError` (a grpc.RpcError) on a
   refusal, OSError or `bulk_wire.BulkClosed` if the connection fails.
@@ -175,11 +185,14 @@ def _bulk_push(address: tuple[str, int], messages: list[bytes], session: str) ->
   parts = [bulk_wire.hello(bulk_wire.OP_PUSH, TOKEN, session)]
   for m in messages:
     parts += [bulk_wire.LENGTH.pack(len(m)), m]
-  parts.append(bulk_wire.LENGTH.pack(bulk_wire.END))
+  if tail is None:
+    parts.append(bulk_wire.LENGTH.pack(bulk_wire.END))
   with socket.create_connection(address, timeout=60.0) as sock:
     bulk_wire.tune(sock)
     with contextlib.suppress(OSError):  # A refusal from the header may close it before the rest.
       bulk_wire.send_parts(sock, parts)
+      if tail is not None:
+        sock.sendfile(tail.file, 0, tail.nbytes)
     (n,) = bulk_wire.LENGTH.unpack(bulk_wire.recv_exact(sock, bulk_wire.LENGTH.size))
     if n != bulk_wire.END:
       raise bulk_wire.BulkClosed(f"expected the syncer's answer, got a {n}-byte frame")
@@ -189,8 +202,36 @@ def _bulk_push(address: tuple[str, int], messages: list[bytes], session: str) ->
   return body
 
 
-def _encode_payloads(pt) -> dict[int, tuple[bytes, list[bytes], int]]:
-  """Per fragment: first chunk's data, the other chunk messages, total payload bytes."""
+@dataclasses.dataclass(frozen=True)
+class _Tail:
+  """A push's frames after the first chunk and its end mark, in an in-memory file (sendfile)."""
+
+  file: object
+  nbytes: int
+
+
+def _tail(rest: list[bytes]) -> _Tail:
+  from ddiloco.transport import bulk_wire
+
+  fd = os.memfd_create("bench-capacity-push")
+  with contextlib.ExitStack() as undo:
+    undo.callback(os.close, fd)
+    for m in rest:
+      os.write(fd, bulk_wire.LENGTH.pack(len(m)))
+      view = memoryview(m)
+      while view:
+        view = view[os.write(fd, view) :]
+    os.write(fd, bulk_wire.LENGTH.pack(bulk_wire.END))
+    undo.pop_all()
+  f = os.fdopen(fd, "rb")
+  return _Tail(f, os.fstat(fd).st_size)
+
+
+def _encode_payloads(
+  pt, send: str = "sendmsg"
+) -> dict[int, tuple[bytes, list[bytes], int, _Tail | None]]:
+  """Per fragment: first chunk's data, the other chunk messages, total payload bytes, and with
+  `send="sendfile"` the other frames in a file (`_bulk_push`)."""
   from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE
   from ddiloco.transport.fragment_encoder import FragmentEncoder
   from ddiloco.transport.frames import chunk_prefix
@@ -201,16 +242,18 @@ def _encode_payloads(pt) -> dict[int, tuple[bytes, list[bytes], int]]:
     enc = FragmentEncoder({f"f{p}": delta}, pt.codec)
     data = list(enc.chunks(DEFAULT_CHUNK_SIZE))
     rest = [chunk_prefix(i, len(d)) + d for i, d in enumerate(data) if i]
-    out[p] = (data[0], rest, enc.nbytes)
+    out[p] = (data[0], rest, enc.nbytes, _tail(rest) if send == "sendfile" else None)
   return out
 
 
-def fleet_main(pt, out: str, *, index: int, procs: int, wire: str = "bulk") -> None:
+def fleet_main(
+  pt, out: str, *, index: int, procs: int, wire: str = "bulk", send: str = "sendmsg"
+) -> None:
   """Fake learners `index::procs` of the M in `pt` (bench_capacity.Point) against every shard, until
-  its window ends, pushing over `wire` ("bulk" or "grpc"); writes their pushes and round requests
-  to `out`."""
+  its window ends, pushing over `wire` ("bulk" or "grpc"), the bulk port's frames by `send`
+  (`_bulk_push`); writes their pushes and round requests to `out`."""
   stop = threading.Event()
-  chunks = _encode_payloads(pt)
+  chunks = _encode_payloads(pt, send if wire == "bulk" else "sendmsg")
   log: list = []
   asks: list = []
   ids = range(index, pt.learners, procs)
@@ -238,7 +281,7 @@ def fleet_main(pt, out: str, *, index: int, procs: int, wire: str = "bulk") -> N
     for c in conns:  # A late heartbeat under load is dropped: the next one carries the step.
       with contextlib.suppress(grpc.RpcError):
         c.client.heartbeat(c.learner, step=step, step_time_s=pt.step_s)
-    time.sleep(0.2)
+    time.sleep(min(c.heartbeat_s for c in conns))
   stop.set()
   with open(out, "w") as f:
     refusals = [r for c in conns for r in c.refusals]

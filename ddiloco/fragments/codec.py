@@ -266,6 +266,19 @@ class Codec:
     """
     raise NotImplementedError
 
+  def decode_run_into(self, payload: bytes | memoryview | np.ndarray, out: np.ndarray) -> bool:
+    """Decodes a run of whole units straight into `out` if this codec can, bit for bit what
+    `decode_run` gives; False (nothing written) if it cannot: the caller uses `decode_run`.
+
+    Only for unquantized codecs, whose values do not depend on `start`, `n` or scales.
+
+    Args:
+      payload: bytes of whole units of an array's payload.
+      out: the flat, C-contiguous output for exactly the run's values (any float dtype).
+    """
+    del payload, out
+    return False
+
   def _check_whole_units(self, payload: bytes | memoryview | np.ndarray) -> None:
     """Raises ValueError unless `payload` holds whole units (no value cut in two)."""
     nbytes = memoryview(payload).nbytes

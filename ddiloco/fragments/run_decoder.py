@@ -69,6 +69,8 @@ class RunDecoder:
     whole = len(piece) - (len(piece) - head) % unit
     if whole > head and self._in_place(piece[head:whole]):
       self._skip((whole - head) // unit)
+    elif whole > head and self._into(piece[head:whole]):
+      pass
     else:
       for i in range(head, whole, self._max_run):
         self._run(piece[i : min(i + self._max_run, whole)])
@@ -84,6 +86,19 @@ class RunDecoder:
     return np.may_share_memory(x, dst) and (
       x.__array_interface__["data"][0] == dst.__array_interface__["data"][0]
     )
+
+  def _into(self, view: memoryview) -> bool:
+    """Decodes `view` (whole units) straight into `out` if the codec can (`Codec.decode_run_into`:
+    no base to add, the whole piece in one call); False if not, nothing done."""
+    if self._base is not None or self._codec.quantized:
+      return False
+    n = len(view) // self._codec.unit_bytes * self._codec.values_per_unit
+    if self._start + n > self._out.size:  # `_run` says how much too long.
+      return False
+    if not self._codec.decode_run_into(view, self._out[self._start : self._start + n]):
+      return False
+    self._skip(n)  # Counts NaN/Inf if asked, as `_run` does.
+    return True
 
   def _skip(self, n: int) -> None:
     """Takes `n` values that are in place: only counted for NaN/Inf."""

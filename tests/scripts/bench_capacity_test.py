@@ -67,3 +67,42 @@ def test_two_shard_counts_side_by_side(tmp_path):
       assert shard["rss_mib"] > 0 and shard["cores"] >= 0
     assert run["per_core"]["shard_gbps_per_core"] > 0
   assert "ratio" in figures and len(figures["cpu_bound_gbps"]) == 2
+
+
+@pytest.mark.timeout(300)
+def test_sendfile_fleet_and_round_timeline(tmp_path):
+  """The fleet's sendfile pushes are the same bytes (every answer filed), and `--timeline` gives
+  each merged round's phases in order."""
+  out = tmp_path / "capacity.json"
+  cmd = [
+    sys.executable,
+    str(_ROOT / "scripts" / "bench_capacity.py"),
+    "--shards=2",
+    "--learners=2",
+    "--fragments=4",
+    "--fragment_mib=1",
+    "--ramp_gbps=0.005",
+    "--window_s=2",
+    "--windows=1",
+    "--warmup_s=1",
+    "--fleet_procs=1",
+    "--fleet_send=sendfile",
+    "--timeline",
+    f"--json={out}",
+  ]
+  env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(_ROOT))
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "median ms: last_asked=" in proc.stdout
+  assert not _processes_naming(str(tmp_path))
+  (run,) = json.loads(out.read_text())["runs"]
+  (level,) = run["levels"]
+  rows = []
+  for shard in level["windows"][0]["shards"]:
+    assert set(shard["push_status"]) == {"accepted"}
+    rows += shard["timeline"]
+  assert rows
+  for r in rows:
+    assert r["answers"] == 2
+    assert 0 <= r["first_filed"] <= r["last_filed"] <= r["merge_start"] < r["published"]
+    assert r["merge"] > 0 and 0 <= r["adopt"] <= r["merge"] and r["round_cpu"] > 0

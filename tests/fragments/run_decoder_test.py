@@ -1,0 +1,102 @@
+"""Direct bf16 decoding (`Codec.decode_run_into`, `RunDecoder`) and its adoption kernel: bit for bit
+what the ml_dtypes cast gives."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ddiloco.fragments.codec import INTO_RUN_VALUES
+from ddiloco.fragments.codecs import Bf16, Fp32, Int8
+from ddiloco.fragments.run_decoder import RunDecoder
+
+
+def _reference(codec, payload: bytes, n: int) -> np.ndarray:
+  """The values as `decode_run` gives them, run by run (the path before direct decoding)."""
+  return codec.decode_run(payload, 0, n, np.empty(0, np.float32))
+
+
+def test_bf16_into_is_the_cast_for_every_bit_pattern():
+  bits = np.arange(1 << 16, dtype=np.uint16)  # Every bfloat16, NaNs, infinities and zeros too.
+  want = bits.view(ml_dtypes.bfloat16).astype(np.float32)
+  out = np.full(bits.size, 7.0, np.float32)
+  assert Bf16().decode_run_into(bits.astype("<u2").tobytes(), out)
+  np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+
+
+def test_bf16_into_refuses_what_it_cannot_write():
+  payload = np.ones(4, "<u2").tobytes()
+  assert not Bf16().decode_run_into(payload, np.zeros(4, np.float64))  # Not float32.
+  assert not Bf16().decode_run_into(payload, np.zeros(8, np.float32)[::2])  # Not contiguous.
+  with pytest.raises(ValueError):
+    Bf16().decode_run_into(payload, np.zeros(3, np.float32))
+  with pytest.raises(ValueError):
+    Bf16().decode_run_into(payload[:-1], np.zeros(4, np.float32))  # Half a value.
+  for codec in (Fp32(), Int8()):  # Only bf16 has a direct decoding.
+    assert not codec.decode_run_into(np.ones(4, np.uint8).tobytes(), np.zeros(1, np.float32))
+
+
+@pytest.mark.parametrize("offset", [0, 1])  # Payloads sit at any byte offset of a chunk.
+@pytest.mark.parametrize("piece", [1, 2, 3, 4097, 1 << 20])
+def test_pieces_decode_as_before(offset, piece):
+  rng = np.random.default_rng(piece + offset)
+  n = 300_001
+  values = rng.standard_normal(n).astype(np.float32) * np.float32(1e3)
+  values[[5, 77, 300_000]] = [np.nan, np.inf, -0.0]
+  payload = values.astype(ml_dtypes.bfloat16).view(np.uint16).astype("<u2").tobytes()
+  buf = memoryview(bytes(offset) + payload)[offset:]
+  out = np.full(n, 3.0, np.float32)
+  decoder = RunDecoder(Bf16(), out, check=True)
+  for i in range(0, len(buf), piece):
+    decoder.feed(buf[i : i + piece])
+  assert decoder.close() == 2  # The NaN and the Inf, counted as `_run` counts them.
+  want = _reference(Bf16(), payload, n)
+  np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+
+
+def test_a_base_still_adds_as_before():
+  rng = np.random.default_rng(1)
+  n = 70_000
+  base = rng.standard_normal(n).astype(np.float32)
+  delta = rng.standard_normal(n).astype(np.float32)
+  payload = delta.astype(ml_dtypes.bfloat16).view(np.uint16).astype("<u2").tobytes()
+  out = np.empty(n, np.float32)
+  decoder = RunDecoder(Bf16(), out, base=base)
+  decoder.feed(payload)
+  assert decoder.close() == 0
+  np.testing.assert_array_equal(out, base + _reference(Bf16(), payload, n))
+
+
+def test_too_long_a_payload_is_refused():
+  out = np.empty(10, np.float32)
+  decoder = RunDecoder(Bf16(), out)
+  with pytest.raises(ValueError, match="more than the array's 10 values"):
+    decoder.feed(np.zeros(11, "<u2").tobytes())
+
+
+@pytest.mark.parametrize("n", [1, 1000, INTO_RUN_VALUES + 1, 2 * INTO_RUN_VALUES + 7000])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_bf16_adoption_kernel_matches_the_cast(n, dtype):
+  """The downlink's encode-and-adopt (`encode_run_into`) of bf16: the bytes of the plain
+  encoding, and base + the values ml_dtypes decodes from them, bit for bit."""
+  rng = np.random.default_rng(n)
+  base = rng.standard_normal(n).astype(dtype)
+  x = base.astype(np.float32) + rng.standard_normal(n).astype(np.float32) * np.float32(1e-2)
+  if n > 10:
+    x[3], base[3] = np.float32(-1e-9), -0.0  # A -0.0 delta on a -0.0 base.
+    x[7] = np.float32(1e30)  # Far beyond the base: no rounding to it.
+  into = np.full(n, np.nan, dtype)
+  payload = b"".join(p.tobytes() for p, _ in Bf16().encode_runs(x, base=base, into=into))
+  delta = x - base.astype(np.float32)
+  want_bits = delta.astype(ml_dtypes.bfloat16)
+  assert payload == want_bits.view(np.uint16).astype("<u2").tobytes()
+  with np.errstate(over="ignore"):
+    want = (base.astype(np.float32) + want_bits.astype(np.float32)).astype(dtype)
+  np.testing.assert_array_equal(into.view(np.uint8), want.view(np.uint8))
+  assert payload == b"".join(p.tobytes() for p, _ in Bf16().encode_runs(x, base=base))
+
+
+def test_bf16_adoption_refuses_overflow():
+  x = np.ones(10, np.float32)
+  x[4] = np.finfo(np.float32).max  # Rounds to bfloat16's infinity.
+  with pytest.raises(ValueError, match="overflow bfloat16"):
+    list(Bf16().encode_runs(x, base=np.zeros(10, np.float32), into=np.empty(10, np.float32)))
