@@ -13,21 +13,29 @@ the rounds is reported:
          interceptor, chunk message parsing, header and size checks, chunk reassembly, `wire`
          parsing, decode into recycled memory (`chunks.ArrayPool`), adding the anchor back) and
          `SyncerCore.report` (validation again, and the NaN/Inf check of every value fused with
-         RDA's squared norm of the outer gradient; the service files the decoded values without
-         a copy). The receiving process opens one round of the fragment (`open_round`), and the
+         RDA's squared norm of the outer gradient, which for this delta push the decode sums as
+         the values arrive, `Report.sq_norms`; the service files the decoded values without a
+         copy). The receiving process opens one round of the fragment (`open_round`), and the
          syncer runs with min_quorum=3 and two learners, so the round never merges: no merge is
          timed. A learner answers a round once (a second answer is a refused duplicate), so before
          each push the receiving process restarts the learner in the core, untimed: it registers it
          again and marks the fragment delivered, as a rejoined learner's pull would. Each push then
          supersedes the previous answer in the round, whose memory the next push reuses.
   raw    `socket.sendall` of the same number of bytes in 1 MiB pieces over one TCP connection to a
-         thread that reads them into a buffer and discards them, then acknowledges with one byte.
+         thread that reads them, in order, into one preallocated buffer of their size (reused, its
+         pages faulted in the warm-up, as the service's recycled output arrays are: the bytes land
+         in memory as a push's do), then acknowledges with one byte. "raw into a 1 MiB buffer"
+         reads them into one reused 1 MiB buffer instead (the baseline of earlier sessions): the
+         bytes never leave the cache, which no receiver that keeps them gets. Raw, bulk push and
+         bulk pull are each timed twice in a row, at their place in the loop and at once again
+         ("settled": right after themselves), and bulk push/raw is printed against each raw.
   bare   gRPC's own floor: the same bytes as 1 MiB raw `bytes` messages (no protobuf) streamed to
          a generic handler that counts and drops them, no token, no service code, with the
          service's channel options.
   bulk   the same push and pull by learner 1, a `SyncerClient` with the bulk port on (as learners
          run it), over the syncer's bulk port (distributed/bulk_server.py): the same chunk
-         messages, handlers and checks, framed on a plain TCP socket; a push is sent piece by
+         messages (in the port's chunk size, `ServiceConfig.bulk_chunk_bytes`), handlers and
+         checks, framed on a plain TCP socket; a push is sent piece by
          piece from the encoder's runs and received into its output arrays
          (transport/placement.py), a pull likewise. "bulk push of pre-built chunks" sends learner
          0's whole chunk messages over the port (`BulkClient`).
