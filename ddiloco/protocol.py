@@ -80,6 +80,12 @@ class Report:
       (`RoundRequest.round_step`).
     outer_gradient: whether `values` is δ = Θ^(anchor) − θ (encoded once by the learner and merged
       as decoded, docs/algorithm.md §5) rather than θ. Needs anchor_version >= 0.
+    sq_norms: with `outer_gradient`, per key, ‖values[key]‖² summed as the syncer's door sums it
+      (`syncer/merge.finite_sq_norm`: float32 dot products of blocks of `blockwise.BLOCK_VALUES`
+      values, added in float64 in order), every block's finite: the syncer's receiving transport
+      computes it from the values as they arrive, while they are in cache (transport/
+      fragment_reader.py), and the door then takes it instead of a pass of its own over them. A
+      key without one (or None) is checked and summed by the door. Never read off the wire.
   """
 
   learner_id: int
@@ -93,6 +99,7 @@ class Report:
   new_tokens: int = 0
   round_step: int = -1
   outer_gradient: bool = False
+  sq_norms: Mapping[str, float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

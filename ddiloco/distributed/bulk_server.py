@@ -15,8 +15,9 @@ The door's own bounds, on top of the handlers':
   RESOURCE_EXHAUSTED and closed;
 - the hello must arrive within `stream_idle_s`, its lengths within `bulk_wire`'s bounds (checked
   before anything is read), or INVALID_ARGUMENT / DEADLINE_EXCEEDED;
-- a Push frame over `max_chunk_bytes + FRAMING_SLACK` is refused RESOURCE_EXHAUSTED before a byte
-  of it is allocated; a stream cut mid-frame, or ended without its end mark, INVALID_ARGUMENT;
+- a Push frame over `bulk_chunk_bytes + FRAMING_SLACK` is refused RESOURCE_EXHAUSTED before a
+  byte of it is allocated (the handlers bound each chunk's data by `bulk_chunk_bytes`, which
+  Register advertises, as they bound gRPC's by `max_chunk_bytes`); a stream cut mid-frame, or ended without its end mark, INVALID_ARGUMENT;
 - every socket operation has a timeout (`stream_idle_s`, plus a second so that the handlers' own
   idle deadline, with its precise status, comes first); a Pull's stuck send is cut by the
   watchdog (CANCELLED), a Push's silence by `PacedStream` (DEADLINE_EXCEEDED);
@@ -59,9 +60,12 @@ class _Aborted(Exception):
 class _Call:
   """What the Push and Pull handlers use of gRPC's servicer context, for one bulk connection."""
 
-  def __init__(self, sock: socket.socket, metadata: tuple[tuple[str, str], ...]):
+  def __init__(
+    self, sock: socket.socket, metadata: tuple[tuple[str, str], ...], max_chunk_bytes: int
+  ):
     self._sock = sock
     self._metadata = metadata
+    self.max_chunk_bytes = max_chunk_bytes  # The handlers' chunk bound on this port.
     self._callbacks: list = []
     self.closing = threading.Event()  # Set once the call is over: reads then stop quietly.
     # A push's chunks are received where the handler's reader offers (transport/placement.py).
@@ -121,7 +125,7 @@ class BulkServer:
     self._handlers = handlers
     cfg = service.config
     self._idle_s = cfg.stream_idle_s
-    self._max_frame = cfg.max_chunk_bytes + FRAMING_SLACK
+    self._max_frame = cfg.bulk_chunk_bytes + FRAMING_SLACK
     self._max_connections = max_connections or cfg.max_data_streams
     self._pool = bulk_wire.frame_pool(self._max_frame)
     self._interceptor = auth.TokenInterceptor(token, service.count_refusal) if token else None
@@ -205,7 +209,7 @@ class BulkServer:
       if self._tls is not None:
         sock = self._tls.wrap_socket(sock, server_side=True)  # Handshake within the timeout.
       op, metadata, request = self._hello(sock)
-      call = _Call(sock, metadata)
+      call = _Call(sock, metadata, self._service.config.bulk_chunk_bytes)
       with self._lock:
         self._open[me][1] = call
       if self._stopping.is_set():

@@ -333,13 +333,21 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       shard=self._shard,
       shard_addresses=self._shard_addresses,
       bulk_port=self._bulk_port,
+      bulk_chunk_bytes=cfg.bulk_chunk_bytes if self._bulk_port else 0,
     )
 
   def Push(self, request_iterator, context):
-    # A bulk port call's context carries where its chunks may be received (bulk_server._Call).
+    # A bulk port call's context carries where its chunks may be received and their bound
+    # (bulk_server._Call).
     placement = getattr(context, "placement", None)
+    chunk_bytes = getattr(context, "max_chunk_bytes", None)
     return run_or_abort(
-      context, self._streams.push, request_iterator, call_session(context), placement
+      context,
+      self._streams.push,
+      request_iterator,
+      call_session(context),
+      placement,
+      chunk_bytes,
     )
 
   def Recover(self, request_iterator, context):

@@ -42,6 +42,11 @@ class ServiceConfig:
     bulk: also serve Push and Pull on a bulk port beside gRPC (distributed/bulk_server.py),
       advertised at Register; learners fall back to gRPC if it fails. False: gRPC only.
     bulk_port: the bulk port (0: a free one, picked at start).
+    bulk_chunk_bytes: largest chunk payload accepted or sent on the bulk port (advertised at
+      Register): every chunk costs both ends per-message work (its frame's reads, its hand-over
+      to the handler), which 4 MiB chunks pay a quarter as often as 1 MiB ones
+      (scripts/bench_wire.py); a push the bulk port cannot place in its output arrays (not fp32)
+      holds up to three chunks of it per stream while it is read.
   """
 
   uplink_codec: str = "bf16"
@@ -62,6 +67,7 @@ class ServiceConfig:
   member_retention_s: float = 600.0
   bulk: bool = True
   bulk_port: int = 0
+  bulk_chunk_bytes: int = 4 << 20
 
   def __post_init__(self):
     for name in ("uplink_codec", "downlink_codec"):
@@ -71,8 +77,11 @@ class ServiceConfig:
         )
     if not 1 <= self.block_size <= wire.MAX_BLOCK_SIZE:
       raise ValueError(f"block_size must be in [1, {wire.MAX_BLOCK_SIZE}], got {self.block_size}.")
-    if self.max_chunk_bytes < 1024:
-      raise ValueError(f"max_chunk_bytes must be >= 1024, got {self.max_chunk_bytes}.")
+    if min(self.max_chunk_bytes, self.bulk_chunk_bytes) < 1024:
+      raise ValueError(
+        f"max_chunk_bytes and bulk_chunk_bytes must be >= 1024, got {self.max_chunk_bytes} and "
+        f"{self.bulk_chunk_bytes}."
+      )
     if not 0 < self.heartbeat_interval_s < self.liveness_timeout_s:
       raise ValueError("Need 0 < heartbeat_interval_s < liveness_timeout_s.")
     # Two control threads at least: a heartbeat must not wait behind a slow Register.

@@ -122,14 +122,20 @@ class DataStreams:
   # -- Push and Recover -------------------------------------------------------------------------
 
   def push(
-    self, request_iterator, session: str, placement: Placement | None = None
+    self,
+    request_iterator,
+    session: str,
+    placement: Placement | None = None,
+    chunk_bytes: int | None = None,
   ) -> syncer_pb2.PushResponse:
     """A learner's answer to a round, filed in the core; `placement`: where the bulk port
-    receives its chunks in place (transport/placement.py)."""
+    receives its chunks in place (transport/placement.py); `chunk_bytes`: the stream's chunk
+    bound (the bulk port's; default `max_chunk_bytes`)."""
+    chunk_bytes = chunk_bytes or self._cfg.max_chunk_bytes
     return self._admitted_push(
       request_iterator,
       session,
-      lambda it, session, ticket: self._push(it, session, ticket, placement),
+      lambda it, session, ticket: self._push(it, session, ticket, placement, chunk_bytes),
     )
 
   def recover(self, request_iterator, session: str) -> syncer_pb2.RecoverResponse:
@@ -241,13 +247,18 @@ class DataStreams:
     return first
 
   def _push(
-    self, it: Iterator, session: str, ticket: door.StreamTicket, placement: Placement | None
+    self,
+    it: Iterator,
+    session: str,
+    ticket: door.StreamTicket,
+    placement: Placement | None,
+    chunk_bytes: int,
   ):
     first = self._stream_header(it, session, ticket, "push")
     t_first = time.monotonic()
     h = first.header
     p = int(h.fragment)
-    self._check_push_header(h)
+    self._check_push_header(h, chunk_bytes)
     with self._cond:
       # A retry of an answer already filed gets the first answer's result, unread (idempotent).
       fingerprint = (
@@ -291,7 +302,7 @@ class DataStreams:
         {k: s for k, (s, _) in layout.items()},
         {k: d for k, (_, d) in layout.items()},
         max_bytes=self._max_bytes[p],
-        max_chunk_bytes=self._cfg.max_chunk_bytes,
+        max_chunk_bytes=chunk_bytes,
         alloc=self.pool.empty,
         # NaN/Inf: the core's filing checks every value in the same pass as RDA's norm and
         # refuses the report untouched ("rejected", INVALID_ARGUMENT); one pass, not two.
@@ -317,7 +328,7 @@ class DataStreams:
       times["file"].append(time.monotonic() - t_locked)
     return self._push_response(result)
 
-  def _check_push_header(self, h: syncer_pb2.PushHeader) -> None:
+  def _check_push_header(self, h: syncer_pb2.PushHeader, chunk_bytes: int) -> None:
     """Refuses a push whose header has another codec, too many bytes, or counters out of bounds."""
     p = int(h.fragment)
     if h.codec not in (self._cfg.uplink_codec, "fp32"):
@@ -325,13 +336,11 @@ class DataStreams:
         grpc.StatusCode.INVALID_ARGUMENT,
         f"Codec {h.codec!r}: this syncer takes {self._cfg.uplink_codec!r} (or exact 'fp32').",
       )
-    if (
-      h.total_bytes > self._max_bytes[p] or h.num_chunks * self._cfg.max_chunk_bytes < h.total_bytes
-    ):
+    if h.total_bytes > self._max_bytes[p] or h.num_chunks * chunk_bytes < h.total_bytes:
       raise self._refuse(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         f"Push of {h.total_bytes} bytes in {h.num_chunks} chunks: fragment {p} never needs more "
-        f"than {self._max_bytes[p]} bytes, chunks at most {self._cfg.max_chunk_bytes}.",
+        f"than {self._max_bytes[p]} bytes, chunks at most {chunk_bytes}.",
       )
     bad = counter_error(
       tokens=int(h.tokens), steps=int(h.steps), step=int(h.step), new_tokens=int(h.new_tokens)
@@ -361,7 +370,12 @@ class DataStreams:
       context.add_callback(ticket.close)  # Also freed if gRPC drops the generator unfinished.
       # A bulk port call's context names its framing: it sends the stream as pieces
       # (bulk_server._Call.frame_head), each byte copied once, by the kernel.
-      chunks = self._pull(request, call_session(context), getattr(context, "frame_head", None))
+      chunks = self._pull(
+        request,
+        call_session(context),
+        getattr(context, "frame_head", None),
+        getattr(context, "max_chunk_bytes", None) or self._cfg.max_chunk_bytes,
+      )
       # A client that stops reading blocks a send: the watchdog cuts it after stream_idle_s.
       yield from self._watchdog.watched(context, chunks)
     except Refusal as r:
@@ -371,10 +385,15 @@ class DataStreams:
         ticket.close()
 
   def _pull(
-    self, request, session: str, frame: Callable[[bytes, int], bytes] | None = None
+    self,
+    request,
+    session: str,
+    frame: Callable[[bytes, int], bytes] | None,
+    chunk_bytes: int,
   ) -> Iterator[bytes | memoryview]:
     """The serialized FragmentChunk messages of p's newest version (sent without a serializer);
-    with `frame`, the same messages framed by it, as pieces (`messages.state_pieces`)."""
+    with `frame`, the same messages framed by it, as pieces (`messages.state_pieces`), in chunks
+    of `chunk_bytes` (the cached downlink's are gRPC's, within any bound)."""
     deadline = time.monotonic() + self._cfg.stream_deadline_s
     self._check_fragment(request.fragment)
     p, known = int(request.fragment), int(request.known_version)
@@ -409,7 +428,7 @@ class DataStreams:
     elif frame is None:
       chunks = messages.state_messages(state, "fp32", chunk_size=self._cfg.max_chunk_bytes)
     else:
-      chunks = messages.state_pieces(state, "fp32", framed, chunk_size=self._cfg.max_chunk_bytes)
+      chunks = messages.state_pieces(state, "fp32", framed, chunk_size=chunk_bytes)
     for c in chunks:
       if frame is None:
         in_time()

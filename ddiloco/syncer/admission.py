@@ -126,11 +126,16 @@ class Admission:
       None if not joins or r.outer_gradient else self._versions.anchor(r.fragment, r.anchor_version)
     )
     sq_norms = {} if joins else None
+    # δ's norms summed by the transport as the values arrived (`Report.sq_norms`): the same sums.
+    summed = r.sq_norms if r.outer_gradient and r.sq_norms is not None else {}
     for k, ref in expected.items():
       v = np.asarray(r.values[k])
       if v.shape != ref.shape or v.dtype != ref.dtype:
         return f"{k!r} is {v.dtype}{list(v.shape)}, expected {ref.dtype}{list(ref.shape)}", None
-      if sq_norms is not None:
+      if k in summed:  # Every block's dot product finite: the values are.
+        if sq_norms is not None:
+          sq_norms[k] = summed[k]
+      elif sq_norms is not None:
         sq = merge_lib.finite_sq_norm(None if anchor is None else anchor[k], v)  # None: NaN/Inf.
         if sq is None:
           return non_finite(k, v), None

@@ -40,6 +40,9 @@ class BulkClient:
     token: the shared token (None: none).
     tls: a client TLS context (trusting the syncer's CA), or None for plain TCP.
     max_frame_bytes: the largest chunk message a Pull may send (the syncer's chunk bound).
+    chunk_bytes: the chunk size of this port's streams (RegisterResponse.bulk_chunk_bytes): a
+      caller cuts its pushes into chunks of it, and bounds a pull's chunks by it (default:
+      `max_frame_bytes`).
     connect_timeout_s: longest a connect (and TLS handshake) may take.
   """
 
@@ -51,10 +54,12 @@ class BulkClient:
     token: str | None,
     tls: ssl.SSLContext | None = None,
     max_frame_bytes: int,
+    chunk_bytes: int | None = None,
     connect_timeout_s: float = 5.0,
   ):
     self.host, self.port = host, port
     self._max_frame = max_frame_bytes
+    self.chunk_bytes = chunk_bytes or max_frame_bytes
     self._pool = bulk_wire.frame_pool(max_frame_bytes)
     self._token = token
     self._tls = tls

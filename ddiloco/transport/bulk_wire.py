@@ -121,9 +121,10 @@ def fill(sock: socket.socket, view: memoryview, what: str = "frame") -> memoryvi
   return view
 
 
-def frame_pool(max_frame_bytes: int, frames: int = 16) -> ArrayPool:
-  """A pool of frame buffers (`recv_body`) keeping up to `frames` free ones of the largest size."""
-  return ArrayPool(frames * _bucket(max_frame_bytes))
+def frame_pool(max_frame_bytes: int, free_bytes: int = 16 << 20) -> ArrayPool:
+  """A pool of frame buffers (`recv_body`) keeping up to `free_bytes` of free ones, and at least
+  four of the largest size."""
+  return ArrayPool(max(free_bytes, 4 * _bucket(max_frame_bytes)))
 
 
 def _bucket(n: int) -> int:

@@ -191,12 +191,15 @@ class SyncerClient:
       self._sessions[learner_id] = resp.session
       self._bulk = None  # A syncer restarted without one (or with another port) is heeded.
       if self._bulk_wanted and resp.bulk_port:
+        # The port's chunk bound (a syncer that does not advertise one takes gRPC's there).
+        chunk_bytes = resp.bulk_chunk_bytes or self.max_chunk_bytes
         self._bulk = bulk_client.BulkClient(
           bulk_client.address_host(self.address),
           resp.bulk_port,
           token=self._token,
           tls=self._bulk_tls,
-          max_frame_bytes=self.max_chunk_bytes + FRAMING_SLACK,
+          max_frame_bytes=chunk_bytes + FRAMING_SLACK,
+          chunk_bytes=chunk_bytes,
         )
     return resp
 
@@ -255,7 +258,8 @@ class SyncerClient:
       except ValueError as e:  # gRPC's request thread would only log it: keep it for the caller.
         failed.append(e)
 
-    def pieces():  # The bulk port's: the same messages, framed, sent piece by piece uncopied.
+    def pieces(chunk_bytes: int):  # The bulk port's: the same messages (in the port's chunk
+      # size), framed, sent piece by piece uncopied.
       nonlocal sent
       sent = 0
 
@@ -269,7 +273,7 @@ class SyncerClient:
         codec,
         frame,
         block_size=block_size,
-        chunk_size=self.max_chunk_bytes,
+        chunk_size=chunk_bytes,
         anchor_values=anchor_values,
       )
 
@@ -291,12 +295,14 @@ class SyncerClient:
   def _push_call(
     self, stream: Callable, pieces: Callable, learner_id: int
   ) -> syncer_pb2.PushResponse:
-    """A Push: `pieces()` over the bulk port if there is one, else (or if it fails to connect or
-    breaks) `stream()`'s messages over gRPC."""
+    """A Push: `pieces(the port's chunk size)` over the bulk port if there is one, else (or if it
+    fails to connect or breaks) `stream()`'s messages over gRPC."""
     bulk = self._bulk
     if bulk is not None:
       try:
-        body = bulk.push(pieces(), self.session(learner_id), self.transfer_deadline_s)
+        body = bulk.push(
+          pieces(bulk.chunk_bytes), self.session(learner_id), self.transfer_deadline_s
+        )
         return syncer_pb2.PushResponse.FromString(body)
       except bulk_client.BulkUnavailable as e:
         self._bulk_down(e)
@@ -363,8 +369,9 @@ class SyncerClient:
         base_lookup=base_lookup,
       )
 
-    placement = Placement() if self._bulk is not None else None
-    stream, cancel = self._pull_call(request, placement)
+    bulk = self._bulk
+    placement = Placement() if bulk is not None else None
+    stream, cancel = self._pull_call(request, bulk, placement)
     try:
       first = next(stream, None)
     except bulk_client.BulkUnavailable as e:
@@ -386,7 +393,7 @@ class SyncerClient:
         shapes,
         dtypes,
         base_lookup=base_lookup,
-        max_chunk_bytes=self.max_chunk_bytes,
+        max_chunk_bytes=self.max_chunk_bytes if bulk is None else bulk.chunk_bytes,
         placement=placement,
         alloc=self._pull_alloc,
       )
@@ -402,11 +409,13 @@ class SyncerClient:
     return pool.empty(n, dtype)
 
   def _pull_call(
-    self, request: syncer_pb2.PullRequest, placement: Placement | None
+    self,
+    request: syncer_pb2.PullRequest,
+    bulk: bulk_client.BulkClient | None,
+    placement: Placement | None,
   ) -> tuple[Iterator, Callable[[], None]]:
-    """(the chunk messages of a Pull, a callable that stops it): over the bulk port if there is
-    one (chunks received in place where `placement` says), else over gRPC."""
-    bulk = self._bulk
+    """(the chunk messages of a Pull, a callable that stops it): over the bulk port `bulk` if
+    there is one (chunks received in place where `placement` says), else over gRPC."""
     if bulk is not None:
       session = self.session(int(request.learner_id))
       stream = bulk.pull(

@@ -12,6 +12,7 @@ import numpy as np
 from ddiloco.fragments import buffers, compression
 from ddiloco.fragments.codec import Codec
 from ddiloco.fragments.run_decoder import RunDecoder
+from ddiloco.syncer.blockwise import BLOCK_VALUES
 from ddiloco.transport.errors import WireError, WireSizeError
 from ddiloco.transport.placement import Placement
 from ddiloco.transport.wire import (
@@ -55,6 +56,7 @@ class FragmentReader:
     alloc: Allocator | None = None,
     check_finite: bool = True,
     placement: Placement | None = None,
+    norms: bool = False,
   ):
     """Prepares to read a fragment of `layout`.
 
@@ -71,9 +73,17 @@ class FragmentReader:
       placement: where a socket reader may receive payload bytes in place (transport/placement.py):
         with an fp32 `codec_name` and no base, the float32 arrays are made at once and offered at
         the offsets the sender's encoding puts them; an entry that starts elsewhere gets a fresh one.
+      norms: sum each fp32 float32 entry's squared norm as the syncer's door does, block by block
+        as its values arrive (while they are in cache): `sq_norms` (`Report.sq_norms`).
+
+    Attributes:
+      sq_norms: with `norms`, {key: ‖values‖²} of the entries read so far whose every block's dot
+        product was finite (`_BlockDots`); an entry with a NaN/Inf (or an overflow) has none.
     """
     self._layout, self._codec_name, self._base = layout, codec_name, base
     self._check = check_finite
+    self._norms = norms
+    self.sq_norms: dict[str, float] = {}
     self._alloc = buffers.aligned_empty if alloc is None else alloc
     self.limit = max_wire_bytes(layout) if max_bytes is None else max_bytes
     self._fed = 0
@@ -242,10 +252,18 @@ class FragmentReader:
     try:
       if not codec.quantized:
         decoder = RunDecoder(codec, out, base=base, check=self._check)
+        # An exact fp32 float32 payload's values are final as its bytes arrive (whole values).
+        dots = None
+        if self._norms and codec.exact and codec.unit_bytes == 4 and base is None:
+          dots = _BlockDots(out) if out.dtype == _LE_F32 else None
         while left:
           piece = yield from self._some(left, what, payload_len, at)
           decoder.feed(piece)
           left -= len(piece)
+          if dots is not None:
+            dots.advance((payload_len - left) // 4)
+        if dots is not None and dots.finite:
+          self.sq_norms[key] = dots.sq
       else:  # The scales follow the payload: gather it (int payloads are 4-8x smaller).
         payload = memoryview(np.empty(payload_len, np.uint8))
         while left:
@@ -266,6 +284,33 @@ class FragmentReader:
         f"{key!r}: {bad} non-finite value(s) (NaN/Inf) after decoding as {dtype.name}."
       )
     return out.reshape(shape)
+
+
+class _BlockDots:
+  """‖out‖² summed exactly as the syncer's door sums an outer gradient's (`merge.finite_sq_norm`:
+  the float32 dot product of each block of `BLOCK_VALUES` values, added in float64 in order), a
+  block as soon as its values are final: the same bits, without a pass over the array later."""
+
+  def __init__(self, out: np.ndarray):
+    self._out = out
+    self._done = 0
+    self.sq = 0.0
+    self.finite = True  # False once a block's dot product is NaN/Inf: the door then checks it.
+
+  def advance(self, final: int) -> None:
+    """Values [0, final) of the array are final: sums every whole block among them (the last,
+    shorter block once the array is complete)."""
+    size = self._out.size
+    with np.errstate(over="ignore", invalid="ignore"):  # Judged below, not warned about.
+      while (
+        self.finite and self._done < final and (final - self._done >= BLOCK_VALUES or final == size)
+      ):
+        stop = min(self._done + BLOCK_VALUES, size)
+        block = self._out[self._done : stop]
+        dot = float(np.dot(block, block))
+        self.finite = math.isfinite(dot)
+        self.sq += dot
+        self._done = stop
 
 
 def read_layout(

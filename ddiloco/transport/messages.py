@@ -44,8 +44,9 @@ def _read_stream(
   alloc: wire.Allocator | None = None,
   check_finite: bool = True,
   placement: Placement | None = None,
-) -> tuple[object, dict[str, np.ndarray]]:
-  """Reads a chunk stream: (header of chunk 0, decoded values). Rejects bad streams early.
+  norms: Callable[[object], bool] | None = None,
+) -> tuple[object, dict[str, np.ndarray], dict[str, float]]:
+  """(header of chunk 0, values, `FragmentReader.sq_norms` if `norms(header)`) of a chunk stream.
 
   Chunks may be ChunkFrames, serialized messages or protobuf messages (`as_frame`). The header is
   checked (by `base_for` too, which returns the base of a delta or None) before any further chunk
@@ -76,6 +77,7 @@ def _read_stream(
     alloc=alloc,
     check_finite=check_finite,
     placement=placement,
+    norms=norms is not None and norms(header),
   )
   for data in asm.add(first.index, first.data):
     reader.feed(data)
@@ -86,7 +88,8 @@ def _read_stream(
     for data in asm.add(frame.index, frame.data):
       reader.feed(data)
   asm.check_complete()  # Before the reader's own end checks: a missing chunk is named as such.
-  return header, reader.finish()
+  values = reader.finish()
+  return header, values, reader.sq_norms
 
 
 def push_header(report: Report, codec: str, total: int, num_chunks: int, delta: bool):
@@ -238,7 +241,8 @@ def chunks_to_report(
     alloc: makes the arrays the values are decoded into (`FragmentReader`); a service passes
       `chunks.ArrayPool.empty` to recycle the memory of reports it no longer holds.
     check_finite: refuse NaN/Inf values (WireError). A service that files the report into a
-      `SyncerCore` passes False: the core checks every value, fused with RDA's first pass.
+      `SyncerCore` passes False: the core checks every value, fused with RDA's first pass; and
+      for a delta push, that pass is made here as the values arrive (`Report.sq_norms`).
     placement: where the stream's socket reader receives chunks in place (transport/placement.py).
 
   Returns:
@@ -269,7 +273,7 @@ def chunks_to_report(
     return None  # θ, or δ read as it is.
 
   layout = wire.make_layout(layout_keys, shapes, dtypes)
-  header, values = _read_stream(
+  header, values, sq_norms = _read_stream(
     chunks,
     layout,
     header_type=syncer_pb2.PushHeader,
@@ -279,6 +283,7 @@ def chunks_to_report(
     alloc=alloc,
     check_finite=check_finite,
     placement=placement,
+    norms=None if check_finite else lambda header: bool(header.delta),  # The core's pass, here.
   )
   return Report(
     learner_id=int(header.learner_id),
@@ -292,6 +297,7 @@ def chunks_to_report(
     new_tokens=int(header.new_tokens),
     round_step=int(header.round_step),
     outer_gradient=bool(header.delta),
+    sq_norms=sq_norms if header.delta and not check_finite else None,
   )
 
 
@@ -475,7 +481,7 @@ def chunks_to_state(
     return _lookup(base_lookup, header.base_version, "delta fragment", "base_version")
 
   layout = wire.make_layout(layout_keys, shapes, dtypes)
-  header, values = _read_stream(
+  header, values, _ = _read_stream(
     chunks,
     layout,
     header_type=syncer_pb2.FragmentHeader,

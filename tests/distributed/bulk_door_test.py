@@ -31,6 +31,7 @@ from ddiloco.syncer.core import Report, SyncerConfig
 from ddiloco.testing import runs
 from ddiloco.transport import bulk_wire, messages
 from ddiloco.transport.client import SyncerClient, fragment_layouts
+from ddiloco.transport.proto import syncer_pb2
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,6 +54,7 @@ class _Env:
         "uplink_codec": "fp32",
         "downlink_codec": "fp32",
         "max_chunk_bytes": CHUNK,
+        "bulk_chunk_bytes": CHUNK,
         "liveness_timeout_s": 600.0,
       }
       | config
@@ -148,6 +150,46 @@ def _refused(env: _Env, sock: socket.socket, code: grpc.StatusCode, words: str, 
 
 
 # -- the happy paths ----------------------------------------------------------------------------
+
+
+def test_the_bulk_port_has_its_own_larger_chunk_bound(monkeypatch):
+  """Register advertises the bulk port's chunk bound; the client cuts its pushes into it and the
+  syncer pulls in it over the port, while chunks that large are refused over gRPC, whose bound
+  does not change."""
+  sizes = {"push": [], "pull": []}
+  push_pieces, state_pieces = messages.push_pieces, messages.state_pieces
+
+  def spy(kind, fn):
+    def wrapped(*args, **kwargs):
+      sizes[kind].append(kwargs["chunk_size"])
+      return fn(*args, **kwargs)
+
+    return wrapped
+
+  monkeypatch.setattr(messages, "push_pieces", spy("push", push_pieces))
+  monkeypatch.setattr(messages, "state_pieces", spy("pull", state_pieces))
+  e = _Env(bulk_chunk_bytes=4 * CHUNK)
+  try:
+    assert (e.register.max_chunk_bytes, e.register.bulk_chunk_bytes) == (CHUNK, 4 * CHUNK)
+    assert e.held.version == 0 and sizes["pull"] == [4 * CHUNK]  # Pulled over the port.
+    big = list(messages.push_messages(e.report(), "fp32", chunk_size=4 * CHUNK))
+    assert len(big) < len(e.chunks())
+    channel = grpc.insecure_channel(f"127.0.0.1:{e.srv.port}")
+    grpc_push = channel.stream_unary(
+      "/ddiloco.v1.Syncer/Push",
+      request_serializer=None,
+      response_deserializer=syncer_pb2.PushResponse.FromString,
+    )
+    with pytest.raises(grpc.RpcError) as refused:
+      grpc_push(iter(big), timeout=10, metadata=e.client.learner_metadata(0))
+    channel.close()
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"chunks at most {CHUNK}" in refused.value.details()
+    result = e.client.push(e.report(), "fp32")
+    assert result.status == "accepted" and sizes["push"] == [4 * CHUNK]
+    assert e.srv.bulk.calls["Push"] == 1
+  finally:
+    e.close()
 
 
 def test_register_advertises_the_bulk_port_and_pushes_and_pulls_go_over_it(env):

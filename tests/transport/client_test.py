@@ -41,8 +41,13 @@ def _env(*, bulk: bool):
     init_values=INIT,
     # min_quorum=2 with one learner: pushes file into the round and never merge.
     syncer_config=SyncerConfig(min_quorum=2, use_grace=False),
+    # The bulk port in gRPC's chunk size: the byte counts below hold over both.
     service_config=ServiceConfig(
-      uplink_codec="fp32", downlink_codec="fp32", max_chunk_bytes=CHUNK, liveness_timeout_s=600.0
+      uplink_codec="fp32",
+      downlink_codec="fp32",
+      max_chunk_bytes=CHUNK,
+      bulk_chunk_bytes=CHUNK,
+      liveness_timeout_s=600.0,
     ),
     layout_digest="D",
   )
