@@ -67,25 +67,27 @@ class RunDecoder:
         return
       self._run(memoryview(self._carry))
     whole = len(piece) - (len(piece) - head) % unit
-    if whole > head and self._in_place(piece[head:whole]):
-      self._skip((whole - head) // unit)
-    elif whole > head and self._into(piece[head:whole]):
-      pass
-    else:
+    run = piece[head:whole]
+    if whole > head and not (self._in_place(run) or self._into(run)):
       for i in range(head, whole, self._max_run):
         self._run(piece[i : min(i + self._max_run, whole)])
     self._carry = bytes(piece[whole:])
 
   def _in_place(self, view: memoryview) -> bool:
-    """Whether `view` holds the next values where they belong in `out` already."""
+    """Takes `view` if it holds the next values where they belong in `out` already; False if
+    not, nothing done."""
     if not self._plain or self._start + len(view) // 4 > self._out.size:
       return False
     x = np.frombuffer(view, _F32)
     dst = self._out[self._start : self._start + x.size]
     # may_share_memory compares bounds only (cheap); the addresses settle it.
-    return np.may_share_memory(x, dst) and (
-      x.__array_interface__["data"][0] == dst.__array_interface__["data"][0]
-    )
+    if not (
+      np.may_share_memory(x, dst)
+      and x.__array_interface__["data"][0] == dst.__array_interface__["data"][0]
+    ):
+      return False
+    self._skip(x.size)
+    return True
 
   def _into(self, view: memoryview) -> bool:
     """Decodes `view` (whole units) straight into `out` if the codec can (`Codec.decode_run_into`:
