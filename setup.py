@@ -18,6 +18,8 @@ EXTRAS = {
   "test": [
     "pytest>=9,<10",
     "pytest-timeout>=2.4,<3",
+    # The default suite runs on three workers (pyproject.toml's addopts).
+    "pytest-xdist>=3.8,<4",
     "ruff>=0.17,<0.18",
     "grpcio-tools>=1.85,<2",
     # docs/colab/quickstart.ipynb is executed by a test so it cannot rot.

@@ -47,6 +47,8 @@ prints the ingest CPU alone would allow. `--sweep` ramps S = 1 at `--sweep_learn
 `--fleet_send=sendfile` has the fake learners send a push's frames after the first from an
 in-memory file with sendfile (the same bytes; ~30 % less of the fleet's CPU per push on this
 machine), so that less of what a fleet on other hosts would spend lands on the shards' cores.
+`--fleet_priority=idle` runs the fleet under SCHED_IDLE with its scheduler group's weight at its
+lowest, so that it takes only the CPU the shards leave (a round's work is never preempted by it).
 `--timeline` logs each round's phases in the shards (scripts/bench_capacity_timeline.py: round
 opened, requests received by the fleet, pushes connected, answers decoded and filed, the merge's
 step, adoption and digest, publication; the shard's CPU over the round) and prints their
@@ -108,6 +110,13 @@ _FLEET_SEND = flags.DEFINE_enum(
   ["sendmsg", "sendfile"],
   "how the fake learners send a bulk push's frames: one gathered sendmsg (the kernel copies each "
   "byte), or sendfile from an in-memory file (the kernel lends its pages)",
+)
+_FLEET_PRIORITY = flags.DEFINE_enum(
+  "fleet_priority",
+  "normal",
+  ["normal", "idle"],
+  "the fake learners' CPU priority: normal, or idle (SCHED_IDLE and the lowest group weight: they "
+  "run only on what the shards leave of the cores, as learners on other hosts would)",
 )
 _SWEEP = flags.DEFINE_bool("sweep", False, "also ramp S = 1 over M and fragment sizes")
 _SWEEP_MIB = flags.DEFINE_list("sweep_mib", ["1", "16"], "fragment sizes of the sweep, MiB")
@@ -242,11 +251,25 @@ def _die_with_parent() -> None:  # Runs in the child between fork and exec: one 
   _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no shard outlives a killed coordinator.
 
 
+def _lowest_priority() -> None:
+  """This process (and the threads it starts) runs only when nothing else wants the CPU.
+
+  Each child is its own session, so its own scheduler group (autogroup): SCHED_IDLE alone would
+  only rank it within that group, and the group's weight is lowered too.
+  """
+  try:
+    with open("/proc/self/autogroup", "w") as f:
+      f.write("19")
+  except OSError:
+    pass  # No autogroup on this kernel: SCHED_IDLE is still set.
+  os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
 def _child(role: str, pt: Point, index: int, out: str, cpus: str) -> subprocess.Popen:
   cmd = [sys.executable, os.path.abspath(__file__), f"--role={role}", f"--index={index}"]
   cmd += [f"--spec={json.dumps(dataclasses.asdict(pt))}", f"--out={out}"]
   cmd += [f"--fleet_procs={_FLEET_PROCS.value}", f"--fleet_wire={_FLEET_WIRE.value}"]
-  cmd += [f"--fleet_send={_FLEET_SEND.value}"]
+  cmd += [f"--fleet_send={_FLEET_SEND.value}", f"--fleet_priority={_FLEET_PRIORITY.value}"]
   cmd += [f"--gc_freeze={_GC_FREEZE.value}", f"--timeline={_TIMELINE.value}"]
   if cpus:
     cmd = ["taskset", "-c", cpus, *cmd]
@@ -477,6 +500,8 @@ def main(argv):
     if _ROLE.value == "shard":
       _shard_main(pt, _OUT.value)
     else:
+      if _FLEET_PRIORITY.value == "idle":
+        _lowest_priority()
       bench_capacity_fleet.fleet_main(
         pt,
         _OUT.value,

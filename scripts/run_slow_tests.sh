@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -m slow "$@"
+# One at a time: each slow test is a long multi-process run that wants the machine to itself.
+exec .venv/bin/python -m pytest -m slow -n 0 "$@"
