@@ -198,9 +198,11 @@ def _adopt_int4(bench: _Bench, workers: int | None = None) -> tuple[float, float
   cur = bench.core.state(0)
   prev = bench.core.state_at(0, cur.version - 1)
   cfg = ServiceConfig()
-  adopter = DownlinkAdopter(
-    "int4", block_size=cfg.block_size, chunk_size=cfg.max_chunk_bytes, workers=workers
-  )
+  kwargs = {"block_size": cfg.block_size, "chunk_size": cfg.max_chunk_bytes}
+  try:
+    adopter = DownlinkAdopter("int4", **kwargs, workers=workers)
+  except TypeError:  # An adopter without threads (older code, timed side by side): one thread.
+    adopter = DownlinkAdopter("int4", **kwargs)
   with _Stopwatch() as watch:
     adopter(0, cur.values, prev.values)
     adopter.published(0, cur.version, cur.digest)
