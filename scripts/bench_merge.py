@@ -28,7 +28,9 @@ each answer, in the same pass as the door's NaN/Inf check (`merge.finite_sq_norm
                public `stop(flush=True)` performs exactly that flush-and-publish; its merge
                thread is never started.
   int4 adopt   the adoption alone, timed directly: a fresh `DownlinkAdopter("int4")` called on the
-               last merge's (Θ_new, Θ_old) and then `published`.
+               last merge's (Θ_new, Θ_old) and then `published`; it encodes a large fragment in
+               two parts on two threads where the process may use two CPUs (as the service's),
+               so it is also timed on one thread (`workers=1`).
 The numpy merge's parts are also timed offline, with the functions the core calls:
 `merge_reports` (RDA with the norms unknown, i.e. both passes, and the 8 norms on their own: the
 pass filing does), RDA given the norms, the mean, the outer step as the core runs it, and
@@ -190,12 +192,17 @@ def _read_once(thetas: list[dict[str, np.ndarray]]) -> tuple[float, float]:
   return watch.seconds
 
 
-def _adopt_int4(bench: _Bench) -> tuple[float, float]:
-  """(wall, CPU) of int4 adoption of the bench's last merge: encode, decode, adopt, chunk."""
+def _adopt_int4(bench: _Bench, workers: int | None = None) -> tuple[float, float]:
+  """(wall, CPU) of int4 adoption of the bench's last merge: encode, decode, adopt, chunk, on
+  `workers` threads (None: the service's default)."""
   cur = bench.core.state(0)
   prev = bench.core.state_at(0, cur.version - 1)
   cfg = ServiceConfig()
-  adopter = DownlinkAdopter("int4", block_size=cfg.block_size, chunk_size=cfg.max_chunk_bytes)
+  kwargs = {"block_size": cfg.block_size, "chunk_size": cfg.max_chunk_bytes}
+  try:
+    adopter = DownlinkAdopter("int4", **kwargs, workers=workers)
+  except TypeError:  # An adopter without threads (older code, timed side by side): one thread.
+    adopter = DownlinkAdopter("int4", **kwargs)
   with _Stopwatch() as watch:
     adopter(0, cur.values, prev.values)
     adopter.published(0, cur.version, cur.digest)
@@ -289,7 +296,12 @@ def main(argv: list[str]) -> None:
 
   outer_step = _OuterStep(init)
   outer_step(init, {k: np.zeros_like(v) for k, v in init.items()})  # Warm-up: the jit.
-  times: dict[str, list[tuple[float, float]]] = {"read": [], "file 8 reports": [], "adopt": []}
+  times: dict[str, list[tuple[float, float]]] = {
+    "read": [],
+    "file 8 reports": [],
+    "adopt": [],
+    "adopt 1": [],
+  }
   times.update({name: [] for name in benches})
   for bench in benches.values():  # Warm-up: jit of the outer step, allocator.
     bench.file_reports(contributions(bench))
@@ -307,6 +319,7 @@ def main(argv: list[str]) -> None:
         times[name].append(bench.merge())
         if name == "rda merge":
           times["adopt"].append(_adopt_int4(bench))
+          times["adopt 1"].append(_adopt_int4(bench, workers=1))
 
   # Medians of wall and of CPU time, each taken separately.
   med = {k: tuple(statistics.median(t[i] for t in v) for i in (0, 1)) for k, v in times.items()}
@@ -327,6 +340,7 @@ def main(argv: list[str]) -> None:
     ("mean merge (numpy merge, then step)", "mean numpy"),
     ("RDA merge + int4 adoption (make_syncer)", "rda + int4 adopt"),
     ("int4 adoption alone (DownlinkAdopter)", "adopt"),
+    ("  the same on one thread", "adopt 1"),
     ("parts, offline: rda, norms unknown", "rda alone"),
     ("  1st pass, norms x 8 (now at filing)", "norms"),
     ("  rda, norms given (2nd pass: flush)", "rda known"),

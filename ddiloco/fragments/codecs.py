@@ -16,6 +16,7 @@ Decisions (docs/algorithm.md §5):
 """
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import ml_dtypes
@@ -26,6 +27,14 @@ from ddiloco.fragments.codec import F32, RUN_VALUES, Codec, NonFiniteRun, RunScr
 _NO_SCALES = np.empty(0, F32)
 _TINY = np.finfo(np.float32).tiny  # The smallest normal float32.
 _MAX = np.finfo(np.float32).max
+
+
+@functools.lru_cache(maxsize=16)
+def _block_starts(n: int, block_size: int) -> np.ndarray:
+  """The first index of each block of an n-value run (`np.maximum.reduceat`'s indices)."""
+  starts = np.arange(0, n, block_size, dtype=np.intp)
+  starts.flags.writeable = False
+  return starts
 
 
 @register
@@ -165,9 +174,9 @@ class _BlockQuantized(Codec):
     bits = per.view(np.int32)  # |x|'s bits, until the per-value scales overwrite them.
     np.bitwise_and(x.view(np.int32), np.int32(0x7FFFFFFF), out=bits)
     full = n - n % bs
-    absmax = bits[:full].reshape(-1, bs).max(axis=1)
-    if full < n:
-      absmax = np.append(absmax, bits[full:].max())
+    # One reduction per block, a partial last block included (faster than a max over the rows
+    # of a (blocks, bs) view here: 65 against 90 µs for 128K values).
+    absmax = np.maximum.reduceat(bits, _block_starts(n, bs))
     scales = absmax.view(np.float32) / np.float32(qmax)
     if not scales.max() <= _MAX:  # max propagates NaN: one reduction checks every block.
       raise NonFiniteRun("a run has NaN/Inf values")
@@ -270,10 +279,12 @@ class Int4(_BlockQuantized):
     q, per, scales = self._quantize_into(x32, work)
     n = q.size
     codes = work.get("codes", n + n % 2, np.uint8)
-    q += np.float32(8)
-    np.copyto(codes[:n], q, casting="unsafe")
+    # q as int8 (exact: integers in [-7, 7]), then + 8 in uint8: the codes, one byte a value
+    # for the add instead of four.
+    np.copyto(codes[:n].view(np.int8), q, casting="unsafe")
+    np.add(codes[:n], np.uint8(8), out=codes[:n])
     codes[n:] = 8  # The padding nibble of an odd count.
-    q -= np.float32(8)  # Exact on integers, and -0.0 becomes +0.0: `decode_run`'s code − 8.
+    q += np.float32(0)  # -0.0 becomes +0.0, as `decode_run`'s float32(code) − 8 gives it.
     pairs = codes.view("<u2")  # As `_encoded`: lo | hi << 4 in the low byte of lo + 256·hi.
     wide = work.get("wide", pairs.size, np.uint16)
     np.right_shift(pairs, 4, out=wide)

@@ -39,9 +39,13 @@ def _fragment(dtype, seed: int) -> tuple[dict, dict]:
 @pytest.mark.parametrize("codec", ["int4", "int8", "bf16"])
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
 @pytest.mark.parametrize("block_size", [64, 5])
-def test_adopted_values_are_what_a_learner_decodes(codec, dtype, block_size):
+# One thread; the fragment cut into 2 or 3 parts on threads (split_values=1: however small).
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_adopted_values_are_what_a_learner_decodes(codec, dtype, block_size, workers):
   new, prev = _fragment(dtype, seed=block_size)
-  adopter = DownlinkAdopter(codec, block_size=block_size, chunk_size=1000)
+  adopter = DownlinkAdopter(
+    codec, block_size=block_size, chunk_size=1000, workers=workers, split_values=1
+  )
   adopted = adopter(0, new, prev)
   adopter.published(0, 1, "digest")
   want_pieces = list(
@@ -65,3 +69,27 @@ def test_adopted_values_are_what_a_learner_decodes(codec, dtype, block_size):
 def test_exact_codec_refused():
   with pytest.raises(ValueError, match="needs no adoption"):
     DownlinkAdopter("fp32", block_size=64, chunk_size=1000)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("where", [0, 150, 1461])  # In the first, a middle and the last part.
+def test_non_finite_refused_as_one_encoding_refuses_it(workers, where):
+  new, prev = _fragment(np.float32, seed=0)
+  keys = sorted(new)
+  at = where
+  for k in keys:  # The value `where` of the fragment, in key order.
+    if at < new[k].size:
+      new[k].reshape(-1)[at] = np.nan
+      break
+    at -= new[k].size
+  with pytest.raises(ValueError) as want:
+    list(serialize_chunks(new, "int4", block_size=64, base=prev, chunk_size=1000))
+  adopter = DownlinkAdopter("int4", block_size=64, chunk_size=1000, workers=workers, split_values=1)
+  with pytest.raises(ValueError) as got:
+    adopter(0, new, prev)
+  assert str(got.value) == str(want.value)
+
+
+def test_workers_checked():
+  with pytest.raises(ValueError, match="workers"):
+    DownlinkAdopter("int4", block_size=64, chunk_size=1000, workers=0)
