@@ -25,6 +25,8 @@ NOTEBOOK = REPO / "docs" / "colab" / "quickstart.ipynb"
 KERNEL = "ddiloco-test-python3"
 # ~60-90 s on 2 idle cores (most of it the two training runs); generous for a loaded CI machine.
 CELL_TIMEOUT_S = 600
+# One worker runs this module's tests (pyproject.toml): they share one execution of the notebook.
+pytestmark = pytest.mark.xdist_group("notebook")
 
 
 def _kernel_spec(tmp: pathlib.Path) -> pathlib.Path:

@@ -28,7 +28,8 @@ from ddiloco.testing import runs  # noqa: E402
 GIN = runs.config_path("ray_tiny.gin")
 FAST = runs.quick(steps=64, more=["LearnerCheckpointConfig.save_every_steps = 8"])
 
-pytestmark = pytest.mark.timeout(420)
+# One Ray instance at a time (pyproject.toml): the Ctrl-C test counts the machine's Ray daemons.
+pytestmark = [pytest.mark.timeout(420), pytest.mark.xdist_group("ray")]
 
 
 def test_ray_restarts_a_failed_learner_alone_and_leaves_nothing(tmp_path):
@@ -198,6 +199,7 @@ def test_a_program_ray_cannot_place_ends_without_hanging_the_launcher(tmp_path):
     assert "stopped (SIGTERM) before Ray started it" in f.read()
 
 
+@pytest.mark.slow  # A second Ray instance and run: ~35 s.
 def test_runtime_env_ships_a_users_module_to_the_programs(tmp_path, monkeypatch):
   """A gin file that imports the user's own module: with `RayConfig.runtime_env` =
   {"working_dir": <their folder>}, Ray ships the folder and every program starts in it."""
@@ -233,6 +235,7 @@ def test_runtime_env_ships_a_users_module_to_the_programs(tmp_path, monkeypatch)
   assert [summary["learners"][i]["steps"] for i in ("0", "1")] == [12, 12]
 
 
+@pytest.mark.slow  # A Ray instance and six failing starts: ~30 s.
 def test_a_crash_loop_ends_the_run_instead_of_restarting_for_ever(tmp_path):
   """Learners whose own flags are bad fail at start every time: after `crash_loop_restarts`
   restarts the launcher stops them and the run fails, saying why."""

@@ -24,6 +24,7 @@ def _processes_naming(text: str) -> list[int]:
   return pids
 
 
+@pytest.mark.slow  # Two ramps of real shards, ~20 s; the test below runs the script too.
 @pytest.mark.timeout(300)
 def test_two_shard_counts_side_by_side(tmp_path):
   out = tmp_path / "capacity.json"

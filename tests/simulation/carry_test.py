@@ -1,6 +1,7 @@
 """The `carry` apply rule on the simulated cluster (learner/carry.py), against the default overwrite."""
 
 import numpy as np
+import pytest
 
 from ddiloco.data import text as text_data
 from ddiloco.fragments.schedule import FragmentSchedule
@@ -47,6 +48,7 @@ def _learners_ledger(summary):
   return merged, dropped, trained, balanced
 
 
+@pytest.mark.slow  # Two simulated runs, ~30 s; tests/learner/carry_test.py covers the rule itself.
 def test_carry_keeps_the_overlap_and_its_books_agree_with_the_syncer(tmp_path):
   overwrite = _summary(tmp_path, "overwrite")
   carry = _summary(tmp_path, "carry")
