@@ -46,9 +46,11 @@ def _kernel_spec(tmp: pathlib.Path) -> pathlib.Path:
   return tmp / "jupyter"
 
 
-@pytest.fixture(scope="module")
+# Not "module": between this module's tests a worker may run other modules', which would end a
+# module fixture and run the notebook again.
+@pytest.fixture(scope="session")
 def executed(tmp_path_factory):
-  """Runs the notebook once for the module: (executed notebook, its output folder)."""
+  """Runs the notebook once per test process: (executed notebook, its output folder)."""
   tmp = tmp_path_factory.mktemp("notebook")
   out = tmp / "out"
   with pytest.MonkeyPatch.context() as mp:  # The kernel process inherits this environment.
