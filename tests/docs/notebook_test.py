@@ -25,8 +25,6 @@ NOTEBOOK = REPO / "docs" / "colab" / "quickstart.ipynb"
 KERNEL = "ddiloco-test-python3"
 # ~60-90 s on 2 idle cores (most of it the two training runs); generous for a loaded CI machine.
 CELL_TIMEOUT_S = 600
-# One worker runs this module's tests (pyproject.toml): they share one execution of the notebook.
-pytestmark = pytest.mark.xdist_group("notebook")
 
 
 def _kernel_spec(tmp: pathlib.Path) -> pathlib.Path:
@@ -46,8 +44,8 @@ def _kernel_spec(tmp: pathlib.Path) -> pathlib.Path:
   return tmp / "jupyter"
 
 
-# Not "module": between this module's tests a worker may run other modules', which would end a
-# module fixture and run the notebook again.
+# One worker runs this module's tests (pyproject.toml); "session" keeps the one execution even if
+# a worker ran another module's tests between them.
 @pytest.fixture(scope="session")
 def executed(tmp_path_factory):
   """Runs the notebook once per test process: (executed notebook, its output folder)."""

@@ -22,7 +22,7 @@ FAST = runs.quick(
   more=["JobConfig.processes_per_learner = 2", "LearnerCheckpointConfig.save_every_steps = 8"],
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("ray")]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_a_multi_process_learner_restarts_as_a_whole(tmp_path):

@@ -28,8 +28,9 @@ from ddiloco.testing import runs  # noqa: E402
 GIN = runs.config_path("ray_tiny.gin")
 FAST = runs.quick(steps=64, more=["LearnerCheckpointConfig.save_every_steps = 8"])
 
-# One Ray instance at a time (pyproject.toml): the Ctrl-C test counts the machine's Ray daemons.
-pytestmark = [pytest.mark.timeout(420), pytest.mark.xdist_group("ray")]
+# One Ray instance at a time (this module runs on one worker, pyproject.toml): the Ctrl-C test
+# counts the machine's Ray daemons.
+pytestmark = pytest.mark.timeout(420)
 
 
 def test_ray_restarts_a_failed_learner_alone_and_leaves_nothing(tmp_path):
