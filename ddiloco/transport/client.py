@@ -275,6 +275,7 @@ class SyncerClient:
         block_size=block_size,
         chunk_size=chunk_bytes,
         anchor_values=anchor_values,
+        encoded=encoded,
       )
 
     try:

@@ -194,17 +194,19 @@ def push_pieces(
   block_size: int = 64,
   chunk_size: int = DEFAULT_CHUNK_SIZE,
   anchor_values: Mapping[str, np.ndarray] | None = None,
+  encoded: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> Iterator[bytes | memoryview]:
   """`push_messages`' stream as one flat stream of pieces, nothing copied (`FragmentEncoder.framed`).
 
   The same messages, byte for byte, each with `frame(message_head, data_len)` in front in place of
   its head (the fields before its data; `frame` adds a transport's framing, e.g. the bulk port's
   length). A memoryview piece may be overwritten once the next piece is asked for: send it first.
+  `encoded`: δ already encoded, as `push_messages`' (sent as it is).
 
   Raises:
     ValueError: as `push_messages`.
   """
-  encoder = push_encoder(report, codec, block_size, anchor_values)
+  encoder = push_encoder(report, codec, block_size, anchor_values, encoded)
   header = push_header(
     report, codec, encoder.nbytes, encoder.num_chunks(chunk_size), anchor_values is not None
   ).SerializeToString()

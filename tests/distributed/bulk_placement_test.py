@@ -5,6 +5,7 @@ Fragment 0 = {"a/w": f32[128, 64]} (32 KiB) in chunks of 4 KiB: chunks 1 to 7 li
 payload, so the syncer receives them in place; the client's pulls land in place too.
 """
 
+import dataclasses
 import socket
 
 import grpc
@@ -111,6 +112,18 @@ def test_a_push_received_in_place_files_exactly_what_was_sent(env):
   assert result.status == "accepted" and env.srv.bulk.calls["Push"] == 1
   want = env.held.values["a/w"] - (env.held.values["a/w"] + np.float32(0.25))
   np.testing.assert_array_equal(env.filed()["a/w"], want)
+  assert env.svc.traffic()[0] == env.client.bytes_up
+
+
+def test_an_answer_encoded_on_the_devices_goes_over_the_bulk_port_as_encoded(env):
+  # A learner whose devices encode δ (learner/snapshot.py) hands the push only the encoding: no
+  # θ on the host (values {}). The bulk port must send those bytes, not encode the values again.
+  delta = np.full(INIT["a/w"].shape, np.float32(-0.125))
+  encoded = {"a/w": (delta.reshape(-1).view(np.uint8), np.empty(0, np.float32))}
+  report = dataclasses.replace(env.report(1, 0.0), values={})
+  result = env.client.push(report, "fp32", anchor_values=env.held.values, encoded=encoded)
+  assert result.status == "accepted" and env.srv.bulk.calls["Push"] == 1
+  np.testing.assert_array_equal(env.filed()["a/w"], delta)
   assert env.svc.traffic()[0] == env.client.bytes_up
 
 
