@@ -38,23 +38,29 @@ the rounds is reported:
          checks, framed on a plain TCP socket; a push is sent piece by
          piece from the encoder's runs and received into its output arrays
          (transport/placement.py), a pull likewise. "bulk push of pre-built chunks" sends learner
-         0's whole chunk messages over the port (`BulkClient`).
+         0's whole chunk messages over the port (`BulkClient`). "bulk port push of θ" is the same
+         answer sent as θ itself, fp32, not as δ: the learner hands out θ's own bytes, each run
+         checked for NaN/Inf in place, and the syncer's door sums ‖Θ^(anchor) − θ‖² against its
+         kept anchor when it files the answer: the subtraction moves from the learner to the
+         syncer (learners send δ; this row measures the alternative).
   options  gRPC's own options on the bare stream, each against a bare server of its own: 256 KiB
          and 4 MiB messages, the bytes split over 2 and 4 channels at once, TCP TX zero-copy,
          16 MiB HTTP/2 frames with larger reads; and a bare pull (unary-stream), plain and with
          gRPC Python's SingleThreadedUnaryStream channel option (`--nogrpc_options` skips them).
 Every path has a wall-clock median and a CPU-time median: CPU time sums every thread of both
-processes (both ends, gRPC's threads, the kernel's socket copies) and is what contention with
-other processes spares, so on a loaded machine it is the steadier figure; wall time counts when
-"CPU/wall" in the header is at most 2 (both ends busy at once). It prints the throughputs, the ratios push/raw (goal
->= 0.5) and pull/raw over gRPC and over the bulk port side by side, bare/raw for both, the pull throughput of the same fragment (a learner
-pulls it before it may push, docs/algorithm.md §3), and the push's time split: client serialization with each
-chunk dropped as it is made (as the client streams them), then a Push of pre-built chunk messages
-on a second channel (everything after serialization), of which the parsing of the chunk messages,
-the server's reassembly/decode/validation and the core's filing, each timed offline in this process
-in one thread with the functions the two ends call, and the rest (gRPC transport, token check,
-locks). The end-to-end push overlaps the client's serialization with the server's decoding, so it
-may take less than serialization plus the pre-built push.
+processes (both ends, gRPC's threads, the kernel's socket copies) and is what contention with other
+processes spares, so on a loaded machine it is the steadier figure; wall time counts when "CPU/wall"
+in the header is at most 2 (both ends busy at once). It prints the throughputs, the ratios push/raw
+(δ and θ; goal >= 0.5) and pull/raw over gRPC and over the bulk port side by side, bare/raw for
+both, the pull throughput of the same fragment (a learner pulls it before it may push,
+docs/algorithm.md §3), and the push's time split: client serialization with each chunk dropped as it
+is made (as the client streams them), then a Push of pre-built chunk messages on a second channel
+(everything after serialization), of which the parsing of the chunk messages, the server's
+reassembly/decode/validation and the core's filing, each timed offline in this process in one thread
+with the functions the two ends call, and the rest (gRPC transport, token check, locks); and the CPU
+of raw TCP, the bulk δ push and the bulk θ push split by process (learner / syncer), the cost a θ
+push moves onto the syncer. The end-to-end push overlaps the client's serialization with the
+server's decoding, so it may take less than serialization plus the pre-built push.
 
   python scripts/bench_wire.py --mib=64 --rounds=5
 """
@@ -99,7 +105,7 @@ _PIECE = 1 << 20  # Raw TCP: sendall of 1 MiB pieces, the service's chunk size.
 _KEY = "w"
 _TOKEN = "bench-wire-token"
 _LEN = struct.Struct("<Q")
-Seconds = tuple[float, float]  # (wall, process CPU) seconds.
+Seconds = tuple[float, float, float]  # (wall, CPU of both processes, the receiver's CPU) seconds.
 
 
 class _Stopwatch:
@@ -110,8 +116,8 @@ class _Stopwatch:
   def __init__(self, peer: "_Peer | None" = None):
     self._peer = peer
 
-  def _cpu(self) -> float:
-    return time.process_time() + (self._peer.cpu_s() if self._peer is not None else 0.0)
+  def _cpu(self) -> tuple[float, float]:
+    return time.process_time(), (self._peer.cpu_s() if self._peer is not None else 0.0)
 
   def __enter__(self) -> "_Stopwatch":
     self._c0 = self._cpu()
@@ -120,7 +126,8 @@ class _Stopwatch:
 
   def __exit__(self, *exc) -> None:
     wall = time.perf_counter() - self._wall
-    self.seconds = (wall, self._cpu() - self._c0)
+    mine, peer = (b - a for a, b in zip(self._c0, self._cpu(), strict=True))
+    self.seconds = (wall, mine + peer, peer)
 
 
 class _DiscardServer:
@@ -508,6 +515,17 @@ class _Service:
       raise RuntimeError(f"Bulk push was not filed with weight > 0: {result}")
     return watch.seconds
 
+  def bulk_push_theta(self) -> Seconds:
+    """`bulk_push` of θ itself (no anchor values): fp32, θ's own bytes, checked in place; the
+    syncer's door sums ‖Θ^(anchor) − θ‖² against its kept anchor at filing."""
+    report = self.report(learner=1)
+    self._peer.restart_learner(1)
+    with _Stopwatch(self._peer) as watch:
+      result = self.bulk_client.push(report, "fp32")
+    if result.status not in ("accepted", "superseded") or result.weight <= 0:
+      raise RuntimeError(f"Bulk θ push was not filed with weight > 0: {result}")
+    return watch.seconds
+
   def bulk_prebuilt(self) -> Seconds:
     chunks = self.chunks(self.report())
     self._peer.restart_learner()
@@ -591,10 +609,12 @@ def _print(med: dict[str, Seconds], *, n: int, wire_bytes: int, pull_bytes: int,
     ("gRPC pull (end to end)", "pull", pull_bytes),
     ("bulk port push (end to end)", "bulk_push", wire_bytes),
     ("  again at once (settled)", "bulk_push_settled", wire_bytes),
+    ("bulk port push of θ (fp32)", "bulk_theta", wire_bytes),
+    ("  again at once (settled)", "bulk_theta_settled", wire_bytes),
     ("bulk port pull (end to end)", "bulk_pull", pull_bytes),
     ("  again at once (settled)", "bulk_pull_settled", pull_bytes),
   ):
-    wall, cpu = med[key]
+    wall, cpu = med[key][:2]
     print(
       f"  {label:28s} {wall:7.3f} {_mib_s(nbytes, wall):8.1f} {cpu:7.3f} {_mib_s(nbytes, cpu):10.1f}"
     )
@@ -620,7 +640,7 @@ def _print(med: dict[str, Seconds], *, n: int, wire_bytes: int, pull_bytes: int,
     rows += [("bare pull, 1 MiB", "bare_pull", wire_bytes)]
     rows += [("bare pull, SingleThreadedUnaryStream", "bare_pull_single", wire_bytes)]
     for label, key, nbytes in rows:
-      (wall, cpu), (raw_wall, raw_cpu) = med[key], med["raw"]
+      (wall, cpu), (raw_wall, raw_cpu) = med[key][:2], med["raw"][:2]
       print(
         f"    {label:38s} {_mib_s(nbytes, wall):8.1f} MiB/s  {raw_wall / wall:.3f} / "
         f"{raw_cpu / cpu:.3f}"
@@ -649,9 +669,21 @@ def _print_ratios(med: dict[str, Seconds], *, wire_bytes: int, pull_bytes: int) 
       f"{ratio('bulk_pull_settled', 'bulk_push_settled', i, pull_bytes):.3f} (goal >= 1)"
     )
     print(
+      f"        bulk push of θ/raw = {ratio('bulk_theta', 'raw', i):.3f} in the loop, "
+      f"{ratio('bulk_theta_settled', 'raw_settled', i):.3f} settled, "
+      f"{ratio('bulk_theta', 'raw_settled', i):.3f} against the settled raw (goal >= 0.5)"
+    )
+    print(
       f"        gRPC push/raw = {ratio('push', 'raw', i):.3f}, pull/raw = "
       f"{ratio('pull', 'raw', i, pull_bytes):.3f}; bare gRPC/raw = {ratio('bare', 'raw', i):.3f}"
     )
+  # Where the CPU goes: a θ push moves the subtraction Θ^(anchor) − θ from the learner to the
+  # syncer (one more read of the anchor there, per push, for every learner it serves).
+  sides = ", ".join(
+    f"{label} {1e3 * (med[k][1] - med[k][2]):.1f} / {1e3 * med[k][2]:.1f}"
+    for label, k in (("raw", "raw"), ("δ push", "bulk_push"), ("θ push", "bulk_theta"))
+  )
+  print(f"  cpu ms per transfer, learner / syncer process: {sides}")
 
 
 def main(argv: list[str]) -> None:
@@ -678,6 +710,8 @@ def _run(n: int, peer: _Peer) -> None:
     "pull": service.pull,
     "bulk_push": service.bulk_push,
     "bulk_push_settled": service.bulk_push,
+    "bulk_theta": service.bulk_push_theta,
+    "bulk_theta_settled": service.bulk_push_theta,
     "bulk_pull": service.bulk_pull,
     "bulk_pull_settled": service.bulk_pull,
     "bulk_prebuilt": service.bulk_prebuilt,
@@ -702,7 +736,7 @@ def _run(n: int, peer: _Peer) -> None:
   if counters["merges"] or counters["refused"]:
     raise RuntimeError(f"Pushes must only file into the round: {counters}")
   # Medians of wall and of CPU time, each taken separately.
-  med = {k: tuple(statistics.median(t[i] for t in v) for i in (0, 1)) for k, v in times.items()}
+  med = {k: tuple(statistics.median(t[i] for t in v) for i in range(3)) for k, v in times.items()}
   _print(
     med,
     n=n,

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 
 from ddiloco.fragments import compression
-from ddiloco.fragments.codec import F32, Codec
+from ddiloco.fragments.codec import F32, RUN_VALUES, Codec
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ChunkWriter, Prefix, num_chunks_for
 from ddiloco.transport.wire import (
   ENTRY_TAIL,
@@ -136,8 +136,12 @@ class FragmentEncoder:
     yield FILE_HEADER.pack(MAGIC, FORMAT_VERSION, len(self._entries))
     for key, head, x, b in self._entries:
       yield head
-      if self._as_is and isinstance(x, np.ndarray) and x.dtype == F32 and x.flags.c_contiguous:
-        yield memoryview(x.reshape(-1)).cast("B")  # fp32 of float32: the bytes themselves.
+      if self._own_bytes(x, b):
+        flat = x.reshape(-1)
+        if self._as_is:
+          yield memoryview(flat).cast("B")  # fp32 of float32, vouched finite: the bytes themselves.
+        else:
+          yield from _checked_runs(key, flat, run_values or RUN_VALUES)
         continue
       if self._encoded is not None:
         payload, scales = self._encoded[key]
@@ -159,6 +163,18 @@ class FragmentEncoder:
         raise ValueError(f"{key!r}: {e}") from e
       if scales.size:
         yield scales  # The format puts an entry's scales after its whole payload.
+
+  def _own_bytes(self, x: np.ndarray, b: np.ndarray | None) -> bool:
+    """Whether `x`'s payload is its own bytes: fp32 of a C-contiguous float32 array, no base."""
+    return (
+      b is None
+      and self._encoded is None
+      and self._codec.exact
+      and self._codec.unit_bytes == 4
+      and isinstance(x, np.ndarray)
+      and x.dtype == F32
+      and x.flags.c_contiguous
+    )
 
   def chunks(self, chunk_size: int = DEFAULT_CHUNK_SIZE, *, prefix: Prefix | None = None):
     """The serialized fragment cut into `bytes` chunks of `chunk_size`, made one by one.
@@ -215,6 +231,29 @@ class FragmentEncoder:
   def num_chunks(self, chunk_size: int = DEFAULT_CHUNK_SIZE) -> int:
     """How many chunks `chunks(chunk_size)` makes."""
     return num_chunks_for(self.nbytes, chunk_size)
+
+
+def _checked_runs(key: str, flat: np.ndarray, run: int) -> Iterator[memoryview]:
+  """A float32 array's own bytes run by run, each run checked for NaN/Inf as it is handed out.
+
+  A finite float32 dot product of a run with itself proves the run finite (a NaN or ±Inf makes
+  it NaN or Inf), and costs one read of the run, which the sender's copy then finds in cache;
+  only a run whose dot product is not finite (also an overflow of finite values) is checked value
+  by value. No copy is made.
+
+  Raises:
+    ValueError: on a NaN/Inf, before the run that holds it is handed out.
+  """
+  for start in range(0, flat.size, run):
+    piece = flat[start : start + run]
+    with np.errstate(over="ignore", invalid="ignore"):  # Judged below, not warned about.
+      dot = float(np.dot(piece, piece))
+    if not math.isfinite(dot) and not np.isfinite(piece).all():
+      bad = int(np.count_nonzero(~np.isfinite(flat)))
+      raise ValueError(
+        f"{key!r}: Refusing to encode {bad} non-finite value(s) (NaN/Inf or beyond float32 range)."
+      )
+    yield memoryview(piece).cast("B")
 
 
 def serialize_chunks(

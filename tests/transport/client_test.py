@@ -110,13 +110,14 @@ def test_generated_stub_still_pushes_protobuf_messages(env):
   assert svc.status().counters["accepted"] == 1
 
 
-def test_nan_found_midway_raises_and_files_nothing(env_both):
+@pytest.mark.parametrize("anchor", [INIT, None], ids=["delta", "theta"])
+def test_nan_found_midway_raises_and_files_nothing(env_both, anchor):
   svc, srv, client = env_both
   _pull(client)
   bad = {"w": INIT["w"].copy()}
   bad["w"][RUN_VALUES + 5] = np.nan  # gRPC: the second run, after 4 chunks were sent.
   with pytest.raises(ValueError, match="'w': Refusing to encode 1 non-finite value"):
-    client.push(_report(bad), "fp32", anchor_values=INIT)
+    client.push(_report(bad), "fp32", anchor_values=anchor)
   status = svc.status()
   if client.bulk_port is None:  # The short stream is refused as incomplete at the door.
     assert dict(status.refused) == {"INVALID_ARGUMENT": 1}
