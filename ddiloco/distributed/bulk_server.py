@@ -70,7 +70,7 @@ class _Call:
     self.closing = threading.Event()  # Set once the call is over: reads then stop quietly.
     # A push's chunks are received where the handler's reader offers (transport/placement.py).
     self.placement: Placement | None = None
-    # A pull's stream is sent as pieces framed by this (`messages.state_pieces`).
+    # A pull's stream is sent as pieces framed by this (`state_messages.state_pieces`).
     self.frame_head = None
 
   def invocation_metadata(self):

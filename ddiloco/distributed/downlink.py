@@ -15,7 +15,7 @@ import numpy as np
 
 from ddiloco.fragments import compression
 from ddiloco.syncer import blockwise
-from ddiloco.transport import messages
+from ddiloco.transport import state_messages
 from ddiloco.transport.fragment_encoder import FragmentEncoder, serialize_chunks
 
 # Fragments of fewer values are adopted on the calling thread alone: a thread's start and join
@@ -154,7 +154,7 @@ class DownlinkAdopter:
 
     `digest` is the core's digest of the adopted values (MergeEvent.digest).
     """
-    chunks = messages.encoded_state_messages(
+    chunks = state_messages.encoded_state_messages(
       self._staged.pop(p),
       fragment=p,
       version=version,

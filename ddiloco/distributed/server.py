@@ -141,7 +141,7 @@ def method_handlers(service: SyncerService) -> tuple[str, dict[str, grpc.RpcMeth
 
   The Push handler reads them with `frames.parse_chunk`, the payload a view into the received
   bytes: protobuf's parser would copy every payload byte twice (scripts/bench_wire.py).
-  Pull sends chunks made serialized (`messages.state_messages`) or cached serialized (the
+  Pull sends chunks made serialized (`state_messages.state_messages`) or cached serialized (the
   downlink deltas every learner pulls), so protobuf neither builds nor serializes them per pull.
   The bytes on the wire are the same; clients need not change.
 

@@ -28,7 +28,7 @@ from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.metrics.writer import quantiles
 from ddiloco.protocol import counter_error, step_time_error
 from ddiloco.syncer.core import ReportResult, SyncerCore
-from ddiloco.transport import messages, wire
+from ddiloco.transport import frames, messages, state_messages, wire
 from ddiloco.transport.chunks import ArrayPool
 from ddiloco.transport.client import fragment_layouts
 from ddiloco.transport.errors import WireError, WireSizeError
@@ -223,7 +223,7 @@ class DataStreams:
 
   def _stream_header(
     self, it: Iterator, session: str, ticket: door.StreamTicket, what: str
-  ) -> messages.ChunkFrame:
+  ) -> frames.ChunkFrame:
     """Chunk 0 of a push or recovery stream, its header checked: text bounds, a registered and
     alive learner with its session (the stream's ticket is then claimed by it), the fragment."""
     first = next(it, None)
@@ -290,7 +290,7 @@ class DataStreams:
     def counted(chunks):
       nonlocal nbytes
       for c in chunks:
-        frame = messages.as_frame(c, syncer_pb2.PushHeader)  # Raw bytes: see server._add_servicer.
+        frame = frames.as_frame(c, syncer_pb2.PushHeader)  # Raw bytes: see server._add_servicer.
         nbytes += frame.nbytes
         yield frame
 
@@ -353,10 +353,10 @@ class DataStreams:
       raise self._refuse(REPORT_STATUS_CODES[result.status], f"{result.status}: {result.reason}")
     return push_response(result)
 
-  def _push_frame(self, chunk) -> messages.ChunkFrame:
+  def _push_frame(self, chunk) -> frames.ChunkFrame:
     """A Push chunk (its raw bytes, see `server._add_servicer`, or a PushChunk) as a frame."""
     try:
-      return messages.as_frame(chunk, syncer_pb2.PushHeader)
+      return frames.as_frame(chunk, syncer_pb2.PushHeader)
     except WireError as e:
       raise self._refuse(grpc.StatusCode.INVALID_ARGUMENT, f"Push refused: {e}") from e
 
@@ -392,7 +392,7 @@ class DataStreams:
     chunk_bytes: int,
   ) -> Iterator[bytes | memoryview]:
     """The serialized FragmentChunk messages of p's newest version (sent without a serializer);
-    with `frame`, the same messages framed by it, as pieces (`messages.state_pieces`), in chunks
+    with `frame`, the same messages framed by it, as pieces (`state_messages.state_pieces`), in chunks
     of `chunk_bytes` (the cached downlink's are gRPC's, within any bound)."""
     deadline = time.monotonic() + self._cfg.stream_deadline_s
     self._check_fragment(request.fragment)
@@ -426,9 +426,9 @@ class DataStreams:
     if cached is not None and known == state.version - 1:
       chunks = cached if frame is None else _framed_messages(cached, framed)
     elif frame is None:
-      chunks = messages.state_messages(state, "fp32", chunk_size=self._cfg.max_chunk_bytes)
+      chunks = state_messages.state_messages(state, "fp32", chunk_size=self._cfg.max_chunk_bytes)
     else:
-      chunks = messages.state_pieces(state, "fp32", framed, chunk_size=chunk_bytes)
+      chunks = state_messages.state_pieces(state, "fp32", framed, chunk_size=chunk_bytes)
     for c in chunks:
       if frame is None:
         in_time()

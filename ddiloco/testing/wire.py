@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from ddiloco.protocol import FragmentState, Report
-from ddiloco.transport import messages, wire
+from ddiloco.transport import messages, state_messages, wire
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE
 from ddiloco.transport.fragment_encoder import FragmentEncoder
 from ddiloco.transport.fragment_reader import read_layout
@@ -157,7 +157,7 @@ def state_to_chunks(
   Raises:
     ValueError: if the values cannot be encoded or `base` is another fragment.
   """
-  msgs = messages.state_messages(
+  msgs = state_messages.state_messages(
     state, codec, block_size=block_size, chunk_size=chunk_size, base=base
   )
   return [syncer_pb2.FragmentChunk.FromString(m) for m in msgs]

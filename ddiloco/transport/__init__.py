@@ -2,7 +2,8 @@
 
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, ChunkAssembler, num_chunks_for
 from ddiloco.transport.errors import WireError
-from ddiloco.transport.messages import chunks_to_report, chunks_to_state
+from ddiloco.transport.messages import chunks_to_report
+from ddiloco.transport.state_messages import chunks_to_state
 from ddiloco.transport.wire import (
   FORMAT_VERSION,
   MAGIC,

@@ -27,7 +27,7 @@ import grpc
 import numpy as np
 
 from ddiloco.protocol import FragmentState, Report, ReportResult
-from ddiloco.transport import auth, bulk_client, bulk_wire, events, messages, wire
+from ddiloco.transport import auth, bulk_client, bulk_wire, events, messages, state_messages, wire
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, FRAMING_SLACK, ArrayPool
 from ddiloco.transport.frames import ChunkFrame
 from ddiloco.transport.placement import Placement
@@ -388,7 +388,7 @@ class SyncerClient:
         yield message
 
     try:
-      return messages.chunks_to_state(
+      return state_messages.chunks_to_state(
         counted(),
         layout_keys,
         shapes,

@@ -19,9 +19,9 @@ pickle:
   All integers are little-endian. Records of a kind keep their order.
 
 Every process must hold the leader's bits: a fragment travels as a Pull stream in fp32 with no
-base (`messages.state_messages`), exact for float32, bfloat16 and float16 values, each with its
+base (`state_messages.state_messages`), exact for float32, bfloat16 and float16 values, each with its
 dtype; wider floats are refused, since fp32 would round them. The reader checks the decoded values
-against the state's digest (`messages.chunks_to_state`), and the checksum covers every other byte,
+against the state's digest (`state_messages.chunks_to_state`), and the checksum covers every other byte,
 so a payload decodes to exactly what was encoded or raises `WireError`.
 """
 
@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence
 from google.protobuf.message import DecodeError
 
 from ddiloco.protocol import FragmentState, ReportResult, RoundRequest
-from ddiloco.transport import events, messages, wire
+from ddiloco.transport import events, state_messages, wire
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE
 from ddiloco.transport.errors import WireError
 from ddiloco.transport.frames import parse_chunk
@@ -227,7 +227,7 @@ def _state_parts(state: FragmentState) -> list[bytes]:
     dtype = wire.resolve_dtype(value.dtype)
     if dtype.itemsize > 4:
       raise ValueError(f"Fragment {state.fragment} {key!r}: {dtype} does not travel exactly.")
-  chunks = messages.state_messages(state, "fp32", chunk_size=DEFAULT_CHUNK_SIZE)
+  chunks = state_messages.state_messages(state, "fp32", chunk_size=DEFAULT_CHUNK_SIZE)
   parts = []
   for chunk in chunks:
     parts += [_LENGTH.pack(len(chunk)), chunk]
@@ -252,7 +252,7 @@ def _read_state(body: memoryview, layouts: Sequence[wire.Layout]) -> FragmentSta
   if not 0 <= p < len(layouts):
     raise WireError(f"A fragment record names fragment {p}; the layout has {len(layouts)}.")
   lay = layouts[p]
-  return messages.chunks_to_state(
+  return state_messages.chunks_to_state(
     itertools.chain([first], chunks[1:]),
     list(lay),
     {k: s for k, (s, _) in lay.items()},

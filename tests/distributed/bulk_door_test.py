@@ -29,7 +29,7 @@ from ddiloco.models import configs
 from ddiloco.run_config import RunConfig
 from ddiloco.syncer.core import Report, SyncerConfig
 from ddiloco.testing import runs
-from ddiloco.transport import bulk_wire, messages
+from ddiloco.transport import bulk_wire, messages, state_messages
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 from ddiloco.transport.proto import syncer_pb2
 
@@ -157,7 +157,7 @@ def test_the_bulk_port_has_its_own_larger_chunk_bound(monkeypatch):
   syncer pulls in it over the port, while chunks that large are refused over gRPC, whose bound
   does not change."""
   sizes = {"push": [], "pull": []}
-  push_pieces, state_pieces = messages.push_pieces, messages.state_pieces
+  push_pieces, state_pieces = messages.push_pieces, state_messages.state_pieces
 
   def spy(kind, fn):
     def wrapped(*args, **kwargs):
@@ -167,7 +167,7 @@ def test_the_bulk_port_has_its_own_larger_chunk_bound(monkeypatch):
     return wrapped
 
   monkeypatch.setattr(messages, "push_pieces", spy("push", push_pieces))
-  monkeypatch.setattr(messages, "state_pieces", spy("pull", state_pieces))
+  monkeypatch.setattr(state_messages, "state_pieces", spy("pull", state_pieces))
   e = _Env(bulk_chunk_bytes=4 * CHUNK)
   try:
     assert (e.register.max_chunk_bytes, e.register.bulk_chunk_bytes) == (CHUNK, 4 * CHUNK)

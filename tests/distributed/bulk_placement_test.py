@@ -162,7 +162,7 @@ def test_a_pull_that_fails_mid_frame_is_cut_and_the_client_pulls_over_grpc(env, 
     yield b"only part of the frame"
     raise ValueError("encoder failed")
 
-  monkeypatch.setattr(streams.messages, "state_pieces", broken)
+  monkeypatch.setattr(streams.state_messages, "state_pieces", broken)
   state = env.pull()
   assert env.client.bulk_port is None  # Cut: the client went back to gRPC, which served it.
   assert state.version == 0 and state.digest == env.held.digest

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ddiloco.distributed.downlink import DownlinkAdopter
-from ddiloco.transport import messages
+from ddiloco.transport import state_messages
 from ddiloco.transport.fragment_encoder import serialize_chunks
 from ddiloco.transport.fragment_reader import read_layout
 
@@ -60,7 +60,7 @@ def test_adopted_values_are_what_a_learner_decodes(codec, dtype, block_size, wor
     assert adopted[k].dtype == v.dtype and adopted[k].shape == v.shape
     np.testing.assert_array_equal(adopted[k].view(np.uint8), v.view(np.uint8), err_msg=k)
   # The adopter's bytes are the sender's, untouched by what it formed beside them.
-  want = messages.encoded_state_messages(
+  want = state_messages.encoded_state_messages(
     want_pieces, fragment=0, version=1, digest="digest", codec=codec, base_version=0
   )
   assert adopter.delta_chunks(0, 1) == want

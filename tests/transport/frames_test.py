@@ -15,7 +15,7 @@ from ddiloco.fragments.codec import RUN_VALUES
 from ddiloco.fragments.digest import values_digest
 from ddiloco.syncer.core import FragmentState, Report
 from ddiloco.testing.wire import received_outer_gradient, report_to_chunks, serialize_fragment
-from ddiloco.transport import frames, messages, wire
+from ddiloco.transport import frames, messages, state_messages, wire
 from ddiloco.transport.chunks import ChunkAssembler, ChunkWriter
 from ddiloco.transport.errors import WireError
 from ddiloco.transport.fragment_encoder import FragmentEncoder, serialize_chunks
@@ -238,10 +238,10 @@ def test_state_messages_are_protobufs_pull_stream(codec, chunk_size):
     want[0].header.CopyFrom(header)
     want = [m.SerializeToString() for m in want]
     got = list(
-      messages.state_messages(state, codec, block_size=5, chunk_size=chunk_size, base=base)
+      state_messages.state_messages(state, codec, block_size=5, chunk_size=chunk_size, base=base)
     )
     assert got == want
-    cached = messages.encoded_state_messages(
+    cached = state_messages.encoded_state_messages(
       pieces,
       fragment=2,
       version=5,
@@ -250,7 +250,7 @@ def test_state_messages_are_protobufs_pull_stream(codec, chunk_size):
       base_version=header.base_version,
     )
     assert cached == want
-    back = messages.chunks_to_state(
+    back = state_messages.chunks_to_state(
       got, ["w"], [(40, 30)], ["float32"], base_lookup=lambda v: older, max_chunk_bytes=chunk_size
     )
     assert back.version == 5 and back.values["w"].tobytes() == received["w"].tobytes()

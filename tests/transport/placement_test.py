@@ -10,7 +10,7 @@ import pytest
 from ddiloco.fragments.codecs import Fp32
 from ddiloco.fragments.run_decoder import RunDecoder
 from ddiloco.protocol import FragmentState, Report
-from ddiloco.transport import frames, messages, wire
+from ddiloco.transport import frames, messages, state_messages, wire
 from ddiloco.transport.errors import WireError
 from ddiloco.transport.fragment_encoder import FragmentEncoder
 from ddiloco.transport.placement import Placement
@@ -79,8 +79,8 @@ def test_push_pieces_are_push_messages_byte_for_byte(codec, chunk):
 
 def test_state_pieces_are_state_messages_and_an_empty_fragment_has_one_chunk():
   state = FragmentState(3, 7, VALUES, "digest")
-  whole = list(messages.state_messages(state, "fp32", chunk_size=CHUNK))
-  pieces = messages.state_pieces(state, "fp32", lambda h, n: h, chunk_size=CHUNK)
+  whole = list(state_messages.state_messages(state, "fp32", chunk_size=CHUNK))
+  pieces = state_messages.state_pieces(state, "fp32", lambda h, n: h, chunk_size=CHUNK)
   assert b"".join(bytes(p) for p in pieces) == b"".join(whole)
   empty = list(FragmentEncoder({}, "fp32").framed(CHUNK, lambda i, n: b"[%d:%d]" % (i, n)))
   assert empty[0] == b"[0:10]" and len(empty) == 2  # The format's header only, in chunk 0.
