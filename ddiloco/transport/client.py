@@ -348,7 +348,7 @@ class SyncerClient:
     """The newest version of `fragment`, or None if `known_version` is already the newest.
 
     Chunks are decoded as they arrive; the digest is verified against the header
-    (transport/messages.py).
+    (transport/state_messages.py).
 
     Raises:
       grpc.RpcError: on a failed call; WireError on a malformed or mismatching stream.
