@@ -46,7 +46,8 @@ class ServiceConfig:
       Register): every chunk costs both ends per-message work (its frame's reads, its hand-over
       to the handler), which 4 MiB chunks pay a quarter as often as 1 MiB ones
       (scripts/bench_wire.py); a push the bulk port cannot place in its output arrays (not fp32)
-      holds up to three chunks of it per stream while it is read.
+      holds up to three chunks of it per stream while it is read. With a lossy downlink codec
+      at least `max_chunk_bytes` (its deltas' chunks are cut once, in that size, for both ports).
   """
 
   uplink_codec: str = "bf16"
@@ -81,6 +82,16 @@ class ServiceConfig:
       raise ValueError(
         f"max_chunk_bytes and bulk_chunk_bytes must be >= 1024, got {self.max_chunk_bytes} and "
         f"{self.bulk_chunk_bytes}."
+      )
+    lossy_downlink = not compression.codec_class(self.downlink_codec).exact
+    if self.bulk and lossy_downlink and self.bulk_chunk_bytes < self.max_chunk_bytes:
+      # The downlink deltas are encoded once, in chunks of max_chunk_bytes, and every pull sends
+      # those chunks as they are, over either port: the bulk port's learners would refuse them.
+      raise ValueError(
+        f"bulk_chunk_bytes={self.bulk_chunk_bytes} is below max_chunk_bytes="
+        f"{self.max_chunk_bytes}: a {self.downlink_codec} downlink sends its deltas in chunks of "
+        "max_chunk_bytes over the bulk port too, which its learners refuse. Make bulk_chunk_bytes "
+        ">= max_chunk_bytes (or set bulk = False)."
       )
     if not 0 < self.heartbeat_interval_s < self.liveness_timeout_s:
       raise ValueError("Need 0 < heartbeat_interval_s < liveness_timeout_s.")
