@@ -134,8 +134,13 @@ class BulkServer:
       self._tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
       self._tls.load_cert_chain(*tls)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # create_server sets SO_REUSEADDR (restarts past TIME_WAIT) and never SO_REUSEPORT.
-    self._listener = socket.create_server((host, port), family=family, backlog=64)
+    # create_server sets SO_REUSEADDR (restarts past TIME_WAIT) and never SO_REUSEPORT. An IPv6
+    # socket takes IPv4 too, as gRPC's does on the same address: create_server alone would make it
+    # IPv6-only, and learners reaching a syncer on "[::]" over IPv4 would find no bulk port.
+    dualstack = family == socket.AF_INET6 and socket.has_dualstack_ipv6()
+    self._listener = socket.create_server(
+      (host, port), family=family, backlog=64, dualstack_ipv6=dualstack
+    )
     self._listener.settimeout(0.2)  # The accept loop checks for `stop` this often.
     self.port = self._listener.getsockname()[1]
     self._lock = threading.Lock()
