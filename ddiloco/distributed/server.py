@@ -300,7 +300,8 @@ def _serve_bulk(
   if address.startswith(("unix:", "unix-abstract:")):
     return None
   host, _ = door.split_address(address)
-  port = service.config.bulk_port
+  # A fixed port is shard 0's; shard i takes the i-th after it (shards may share a host).
+  port = service.config.bulk_port and service.config.bulk_port + service.shard
   try:
     return BulkServer(
       service, method_handlers(service)[1], host=host or "0.0.0.0", port=port, token=token, tls=tls

@@ -189,6 +189,11 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       self._recovery.begin(lost, window_s)
       self._cond.notify_all()
 
+  @property
+  def shard(self) -> int:
+    """This syncer's shard index (0 when unsharded)."""
+    return self._shard
+
   def advertise_bulk(self, port: int) -> None:
     """Tells learners at Register that Push and Pull also serve on `port` (0: no longer)."""
     with self._cond:

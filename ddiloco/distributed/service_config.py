@@ -41,7 +41,8 @@ class ServiceConfig:
     member_retention_s: how long a learner that left or was declared dead stays in the record.
     bulk: also serve Push and Pull on a bulk port beside gRPC (distributed/bulk_server.py),
       advertised at Register; learners fall back to gRPC if it fails. False: gRPC only.
-    bulk_port: the bulk port (0: a free one, picked at start).
+    bulk_port: the bulk port (0: a free one, picked at start); shard i of a sharded syncer
+      serves on `bulk_port + i`.
     bulk_chunk_bytes: largest chunk payload accepted or sent on the bulk port (advertised at
       Register): every chunk costs both ends per-message work (its frame's reads, its hand-over
       to the handler), which 4 MiB chunks pay a quarter as often as 1 MiB ones

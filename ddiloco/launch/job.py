@@ -56,6 +56,12 @@ class JobConfig:
         f"{self.run.the_schedule().num_fragments} fragments: "
         "a shard would own none."
       )
+    bulk_port = self.run.the_service().bulk_port
+    if bulk_port and bulk_port + self.syncer_shards - 1 > 65535:
+      raise ValueError(
+        f"ServiceConfig.bulk_port={bulk_port} with syncer_shards={self.syncer_shards}: shard i "
+        "serves its bulk port on bulk_port + i, past 65535."
+      )
 
   def factory(self) -> LearnerFactory:
     """Task, layout and compiled steps, identical in every process of the run."""
