@@ -34,7 +34,8 @@ class ServiceConfig:
     max_rounds_streams: Rounds streams open at once: one per learner (a new subscription replaces
       the learner's previous one), so this bounds the fleet that can subscribe.
     stream_idle_s: longest wait for a push's next chunk, and longest a send may be stuck.
-    stream_deadline_s: longest a push or pull stream may stay open.
+    stream_deadline_s: longest a push or pull stream may stay open (the learners' deadline of
+      theirs too: `launch/runtime.learner_client`).
     max_pending_calls: calls that may wait for a server thread (gRPC refuses any beyond).
     max_members: learner ids the service keeps a record of; a new id beyond it is refused while
       none of the known ones has left.

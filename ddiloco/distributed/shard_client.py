@@ -66,6 +66,7 @@ class ShardedClient:
     self._shards = [_Shard(0, client)]
     self.address = client.address
     self.deadline_s = client.deadline_s
+    self.transfer_deadline_s = client.transfer_deadline_s
     self.max_chunk_bytes = client.max_chunk_bytes
 
   # -- the shards --------------------------------------------------------------------------------

@@ -92,12 +92,10 @@ def main(argv: list[str]) -> None:
       process_id=_PROCESS_ID.value,
     )
   from ddiloco.checkpoint.learner import LearnerCheckpointConfig
-  from ddiloco.distributed.shard_client import ShardedClient
   from ddiloco.launch import configurables, learner_workers, runtime
   from ddiloco.launch.job import JobConfig
   from ddiloco.metrics.writer import write_summary
   from ddiloco.transport import auth
-  from ddiloco.transport.client import SyncerClient
 
   workdir = learner_workdir = _WORKDIR.value
   if _PROCESS_ID.value > 0:
@@ -109,22 +107,11 @@ def main(argv: list[str]) -> None:
     if _RESTORE.value:
       checkpoint = dataclasses.replace(checkpoint, init_from=_RESTORE.value)
   cli.make_workdir(workdir, config_text, remote_ok=True)
-  svc = job.run.the_service()
   client = None
   if _PROCESS_ID.value == 0:  # The other processes of a learner never talk to the syncer.
-    token = auth.read_token(_TOKEN_FILE.value)
-
-    def connect(address: str) -> SyncerClient:
-      return SyncerClient(
-        address,
-        token=token,
-        tls_ca_file=_TLS_CA.value,
-        max_chunk_bytes=svc.max_chunk_bytes,
-        bulk=svc.bulk,  # The syncer's bulk port, if it advertises one (distributed/bulk_server.py).
-      )
-
-    # A sharded syncer's other shards are learned at Register (a pass-through when unsharded).
-    client = ShardedClient(connect(_ADDRESS.value), connect)
+    client = runtime.learner_client(
+      job, _ADDRESS.value, token=auth.read_token(_TOKEN_FILE.value), tls_ca_file=_TLS_CA.value
+    )
   make_worker = runtime.make_learner_worker
   if multi:
     make_worker = functools.partial(

@@ -25,6 +25,7 @@ from ddiloco.checkpoint.learner import (
   LearnerCheckpointConfig,
 )
 from ddiloco.distributed import server as server_lib
+from ddiloco.distributed.shard_client import ShardedClient
 from ddiloco.distributed.worker import LearnerWorker
 from ddiloco.fragments import shards as shards_lib
 from ddiloco.launch import syncer_shards
@@ -390,6 +391,28 @@ class SyncerRun:
     except OSError as e:  # A full disk halted the service: the summary may not fit either.
       log.error("could not write the syncer's summary: %s", e)
     return summary
+
+
+def learner_client(
+  job: JobConfig, address: str, *, token: str | None = None, tls_ca_file: str | None = None
+) -> ShardedClient:
+  """A learner process's client of the syncer at `address` (shard 0's when sharded), set by the
+  run's `ServiceConfig` as the syncer is: its chunk bound, its bulk port and its stream deadline
+  (a push or pull the syncer allows `stream_deadline_s` is not cut sooner by the learner)."""
+  svc = job.run.the_service()
+
+  def connect(address: str) -> SyncerClient:
+    return SyncerClient(
+      address,
+      token=token,
+      tls_ca_file=tls_ca_file,
+      transfer_deadline_s=svc.stream_deadline_s,
+      max_chunk_bytes=svc.max_chunk_bytes,
+      bulk=svc.bulk,  # The syncer's bulk port, if it advertises one (distributed/bulk_server.py).
+    )
+
+  # A sharded syncer's other shards are learned at Register (a pass-through when unsharded).
+  return ShardedClient(connect(address), connect)
 
 
 def make_learner_worker(
