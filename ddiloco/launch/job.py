@@ -26,7 +26,8 @@ class JobConfig:
     model_parallelism: size of each learner mesh's "model" axis (tensor parallelism; the "data"
       axis gets the rest of its devices); must divide a learner's device count.
     senders: each learner process's sender threads, each with one push in flight (of different
-      fragments; distributed/senders.py).
+      fragments; distributed/senders.py); with its pull, at most the syncer's
+      `ServiceConfig.max_data_streams_per_learner`.
     syncer_shards: S syncer processes, fragment p merged by shard p mod S (fragments/shards.py),
       each with its own port, checkpoint and journal; learners learn the shards' addresses at
       Register (docs/architecture.md, "The sharded syncer"). At most the fragment count.
@@ -56,7 +57,16 @@ class JobConfig:
         f"{self.run.the_schedule().num_fragments} fragments: "
         "a shard would own none."
       )
-    bulk_port = self.run.the_service().bulk_port
+    service = self.run.the_service()
+    if self.senders + 1 > service.max_data_streams_per_learner:
+      # Each sender has a push open, the puller a pull: the syncer would refuse the one too many
+      # (RESOURCE_EXHAUSTED), and the answer would wait out a retry's backoff.
+      raise ValueError(
+        f"senders={self.senders} push at once beside a pull: "
+        f"ServiceConfig.max_data_streams_per_learner={service.max_data_streams_per_learner} "
+        f"must be at least {self.senders + 1}."
+      )
+    bulk_port = service.bulk_port
     if bulk_port and bulk_port + self.syncer_shards - 1 > 65535:
       raise ValueError(
         f"ServiceConfig.bulk_port={bulk_port} with syncer_shards={self.syncer_shards}: shard i "

@@ -8,14 +8,9 @@ import socket
 import numpy as np
 import pytest
 
-from ddiloco.data import text as text_data
 from ddiloco.distributed.server import make_syncer, serve
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.distributed.shard_client import ShardedClient
-from ddiloco.fragments.schedule import FragmentSchedule
-from ddiloco.launch.job import JobConfig
-from ddiloco.models import configs
-from ddiloco.run_config import RunConfig
 from ddiloco.syncer.core import SyncerConfig
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 
@@ -85,15 +80,3 @@ def test_every_shard_serves_its_bulk_port_and_the_client_uses_each():
   finally:
     for srv in servers:
       srv.stop(grace_s=0.5)
-
-
-def test_a_bulk_port_whose_shards_would_pass_65535_is_refused():
-  run = RunConfig(
-    model=configs.transformer_config("tiny", vocab_size=256, max_len=8),
-    data=text_data.TextDataConfig(seq_len=8, batch_size=8),
-    schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
-    service=ServiceConfig(bulk_port=65534),
-  )
-  JobConfig(run=run, syncer_shards=2)
-  with pytest.raises(ValueError, match="bulk_port=65534 with syncer_shards=3"):
-    JobConfig(run=run, syncer_shards=3)
