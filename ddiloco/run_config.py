@@ -76,6 +76,15 @@ class RunConfig:
     if self.eval_every_s < 0:
       raise ValueError(f"eval_every_s must be >= 0, got {self.eval_every_s}.")
     check_pacing(self.the_learner(), self.the_syncer())
+    service = self.the_service()
+    if self.num_learners > min(service.max_rounds_streams, service.max_members):
+      # Each learner holds a Rounds stream and a place in the syncer's record: those beyond the
+      # bounds would be refused them for as long as the others stay.
+      raise ValueError(
+        f"num_learners={self.num_learners} exceeds the syncer's ServiceConfig.max_rounds_streams="
+        f"{service.max_rounds_streams} or max_members={service.max_members}: the learners beyond "
+        "them could never subscribe to rounds. Raise those bounds."
+      )
 
   def the_task(self) -> Task:
     """The task: `task`, or a `TextTask` of (model, data) (cheap: built on each call)."""

@@ -1,4 +1,6 @@
-"""`JobConfig` refuses, at start, topologies the syncer's service settings cannot serve."""
+"""`JobConfig` and `RunConfig` refuse, at start, fleets the syncer's service settings cannot serve."""
+
+import dataclasses
 
 import pytest
 
@@ -12,6 +14,7 @@ from ddiloco.run_config import RunConfig
 
 def _run(**service) -> RunConfig:
   return RunConfig(
+    num_learners=2,
     model=configs.transformer_config("tiny", vocab_size=256, max_len=8),
     data=text_data.TextDataConfig(seq_len=8, batch_size=8),
     schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
@@ -32,3 +35,13 @@ def test_a_bulk_port_whose_shards_would_pass_65535_is_refused():
   JobConfig(run=_run(bulk_port=65534), syncer_shards=2)
   with pytest.raises(ValueError, match="bulk_port=65534 with syncer_shards=3"):
     JobConfig(run=_run(bulk_port=65534), syncer_shards=3)
+
+
+def test_a_fleet_larger_than_the_syncers_rounds_streams_is_refused():
+  # Without the check a simulation stopped at its third learner's subscription with a Refusal,
+  # and a distributed run's third learner was refused its Rounds stream while the others stayed.
+  dataclasses.replace(_run(max_rounds_streams=2), num_learners=2)
+  with pytest.raises(ValueError, match=r"num_learners=3 exceeds .*max_rounds_streams=2"):
+    dataclasses.replace(_run(max_rounds_streams=2), num_learners=3)
+  with pytest.raises(ValueError, match="max_members=2"):
+    dataclasses.replace(_run(max_members=2), num_learners=3)
