@@ -392,8 +392,9 @@ class DataStreams:
     chunk_bytes: int,
   ) -> Iterator[bytes | memoryview]:
     """The serialized FragmentChunk messages of p's newest version (sent without a serializer);
-    with `frame`, the same messages framed by it, as pieces (`state_messages.state_pieces`), in chunks
-    of `chunk_bytes` (the cached downlink's are gRPC's, within any bound)."""
+    with `frame`, the same messages framed by it, as pieces (`state_messages.state_pieces`), in
+    chunks of `chunk_bytes` (the cached downlink's are gRPC's, `max_chunk_bytes`: `ServiceConfig`
+    keeps the bulk port's bound at least that with a lossy downlink)."""
     deadline = time.monotonic() + self._cfg.stream_deadline_s
     self._check_fragment(request.fragment)
     p, known = int(request.fragment), int(request.known_version)
