@@ -100,6 +100,9 @@ def run_job(
     config_text = gin_flags.parse_gin()
     job = configurables.configured(JobConfig)()
     backend = {} if backend_config is None else {"backend_config": backend_config()}
+    check_job = getattr(backend.get("backend_config"), "check_job", None)
+    if check_job is not None:  # What the backend's own settings must agree with in the job.
+      check_job(job)
   workdir = cli.make_workdir(
     _WORKDIR.value, config_text, why_local="the launcher reads its programs' files while they run"
   )

@@ -29,7 +29,9 @@ class RayConfig:
     syncer_resources: further resources for the syncer, e.g. {"syncer_node": 1} for a custom
       resource of the machine meant for it.
     syncer_port: the port the syncer serves on (0: one free on its node when the run starts; a
-      fixed one is easier to open in a firewall). Its restarts keep it.
+      fixed one is easier to open in a firewall). Its restarts keep it. Shard i of a sharded
+      syncer serves on syncer_port + i, so with a fixed `ServiceConfig.bulk_port` (shard i's:
+      bulk_port + i) the two ranges must not meet (`check_job`, at start).
     max_restarts: how often Ray restarts one program after it died (-1: without limit).
     crash_loop_restarts: a program restarted this often within `crash_loop_window_s` is failing
       at start (a bad config or environment on its node, say): the launcher stops restarting it
@@ -96,3 +98,28 @@ class RayConfig:
       raise ValueError(f"runtime_env must be a dict, got {self.runtime_env!r}.")
     if not self.start_timeout_s > 0:
       raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s}.")
+
+  def check_job(self, job: Any) -> None:
+    """Refuses a fixed `syncer_port` the job's shards cannot all use: shard i serves on
+    `syncer_port + i` and, with a fixed `ServiceConfig.bulk_port`, its bulk port on
+    `bulk_port + i`, all on the syncer's node, so the two ranges must fit and must not meet.
+
+    Raises:
+      ValueError: naming both settings.
+    """
+    shards = job.syncer_shards
+    if not self.syncer_port:
+      return
+    if self.syncer_port + shards - 1 > 65535:
+      raise ValueError(
+        f"RayConfig.syncer_port={self.syncer_port} with syncer_shards={shards}: shard i serves "
+        "on syncer_port + i, past 65535."
+      )
+    bulk_port = job.run.the_service().bulk_port
+    grpc_ports = range(self.syncer_port, self.syncer_port + shards)
+    if bulk_port and set(grpc_ports) & set(range(bulk_port, bulk_port + shards)):
+      raise ValueError(
+        f"RayConfig.syncer_port={self.syncer_port} and ServiceConfig.bulk_port={bulk_port} with "
+        f"syncer_shards={shards}: shard i serves on syncer_port + i and bulk_port + i, and the "
+        "two ranges meet on the syncer's node."
+      )

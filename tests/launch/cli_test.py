@@ -246,6 +246,15 @@ def test_a_parameter_that_moved_to_the_run_config_says_so(
     ("ddiloco-local", ["--tls_cert_file=c.pem", "--tls_key_file=k.pem"], "no such TLS file"),
     ("ddiloco-ray", ["--tls_cert_file=c.pem"], "go together"),
     ("ddiloco-ray", ["--workdir=gs://bucket/run"], "needs a local or mounted folder"),
+    (
+      "ddiloco-ray",
+      [
+        "--gin.ddiloco.RayConfig.syncer_port=9000",
+        "--gin.ServiceConfig.bulk_port=9001",
+        "--gin.JobConfig.syncer_shards=2",
+      ],
+      "the two ranges meet",
+    ),
     ("ddiloco-fleet", ["--devices=0", "add"], "devices must be in [1, "),
     ("ddiloco-fleet", ["frobnicate"], "add | remove | list"),
   ],
