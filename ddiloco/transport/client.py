@@ -27,7 +27,16 @@ import grpc
 import numpy as np
 
 from ddiloco.protocol import FragmentState, Report, ReportResult
-from ddiloco.transport import auth, bulk_client, bulk_wire, events, messages, state_messages, wire
+from ddiloco.transport import (
+  auth,
+  bulk_client,
+  bulk_route,
+  bulk_wire,
+  events,
+  messages,
+  state_messages,
+  wire,
+)
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, FRAMING_SLACK, ArrayPool
 from ddiloco.transport.frames import ChunkFrame
 from ddiloco.transport.placement import Placement
@@ -58,8 +67,10 @@ class SyncerClient:
     subscription_s: deadline of a Rounds subscription; the learner subscribes again when it ends
       (and then gets the open rounds and current versions again, so nothing is missed).
     bulk: push and pull over the syncer's bulk port when its Register advertises one
-      (distributed/bulk_server.py); on a connection failure the client goes back to gRPC until
-      its next Register. Never over a given `channel`.
+      (distributed/bulk_server.py); on a connection failure the client goes back to gRPC and
+      tries the port again after a backoff (`bulk_route.BulkRoute`; `bulk_retry_s`, doubled
+      after each failure up to 5 minutes; a Register starts anew). Never over a given `channel`.
+    bulk_retry_s: the first backoff before the bulk port is tried again.
   """
 
   def __init__(
@@ -75,6 +86,7 @@ class SyncerClient:
     max_chunk_bytes: int = DEFAULT_CHUNK_SIZE,
     subscription_s: float = 300.0,
     bulk: bool = True,
+    bulk_retry_s: float = 10.0,
   ):
     limit = max_chunk_bytes + FRAMING_SLACK
     options = [
@@ -120,15 +132,18 @@ class SyncerClient:
     self.max_chunk_bytes = max_chunk_bytes
     self.subscription_s = subscription_s
     self._lock = threading.Lock()
-    self._bulk_tls = None
-    if tls or tls_ca_file:
-      self._bulk_tls = ssl.create_default_context(cafile=tls_ca_file)
+    bulk_tls = ssl.create_default_context(cafile=tls_ca_file) if tls or tls_ca_file else None
     self._bulk_wanted = bulk and channel is None
+    self._route = bulk_route.BulkRoute(
+      bulk_client.address_host(address) if address else "",
+      token=token,
+      tls=bulk_tls,
+      retry_s=bulk_retry_s,
+    )
     # Pulled values are received into recycled memory: fresh pages cost the kernel's zeroing on
     # every pull. A buffer comes back once the caller dropped every array made from it; at most
     # the largest fragment pulled so far is kept free.
     self._pull_pool = ArrayPool(0)
-    self._bulk: bulk_client.BulkClient | None = None
     self._token = token
     self.bytes_up = 0
     self.bytes_down = 0
@@ -189,33 +204,17 @@ class SyncerClient:
     )
     with self._lock:
       self._sessions[learner_id] = resp.session
-      self._bulk = None  # A syncer restarted without one (or with another port) is heeded.
-      if self._bulk_wanted and resp.bulk_port:
-        # The port's chunk bound (a syncer that does not advertise one takes gRPC's there).
-        chunk_bytes = resp.bulk_chunk_bytes or self.max_chunk_bytes
-        self._bulk = bulk_client.BulkClient(
-          bulk_client.address_host(self.address),
-          resp.bulk_port,
-          token=self._token,
-          tls=self._bulk_tls,
-          max_frame_bytes=chunk_bytes + FRAMING_SLACK,
-          chunk_bytes=chunk_bytes,
-        )
+    # A syncer restarted without a bulk port (or with another) is heeded. The port's chunk bound:
+    # a syncer that does not advertise one takes gRPC's there.
+    self._route.advertise(
+      resp.bulk_port if self._bulk_wanted else 0, resp.bulk_chunk_bytes or self.max_chunk_bytes
+    )
     return resp
 
   @property
   def bulk_port(self) -> int | None:
-    """The syncer's bulk port this client pushes and pulls over; None: over gRPC."""
-    bulk = self._bulk
-    return None if bulk is None else bulk.port
-
-  def _bulk_down(self, error: Exception) -> None:
-    """Back to gRPC until the next Register: the bulk port is unreachable or broke a call."""
-    with self._lock:
-      if self._bulk is None:
-        return
-      self._bulk = None
-    log.warning("bulk port unavailable (%s): pushing and pulling over gRPC", error)
+    """The syncer's bulk port this client pushes and pulls over now; None: over gRPC."""
+    return self._route.port
 
   def push(
     self,
@@ -298,7 +297,7 @@ class SyncerClient:
   ) -> syncer_pb2.PushResponse:
     """A Push: `pieces(the port's chunk size)` over the bulk port if there is one, else (or if it
     fails to connect or breaks) `stream()`'s messages over gRPC."""
-    bulk = self._bulk
+    bulk = self._route.current()
     if bulk is not None:
       try:
         body = bulk.push(
@@ -306,7 +305,7 @@ class SyncerClient:
         )
         return syncer_pb2.PushResponse.FromString(body)
       except bulk_client.BulkUnavailable as e:
-        self._bulk_down(e)
+        self._route.down(e)
     return self._push_raw(
       stream(), timeout=self.transfer_deadline_s, metadata=self.learner_metadata(learner_id)
     )
@@ -359,7 +358,7 @@ class SyncerClient:
 
     def again(error: Exception) -> FragmentState | None:
       """The same pull over gRPC, after the bulk port failed (a pull only reads)."""
-      self._bulk_down(error)
+      self._route.down(error)
       return self.pull(
         learner_id,
         fragment,
@@ -370,7 +369,7 @@ class SyncerClient:
         base_lookup=base_lookup,
       )
 
-    bulk = self._bulk
+    bulk = self._route.current()
     placement = Placement() if bulk is not None else None
     stream, cancel = self._pull_call(request, bulk, placement)
     try:

@@ -29,7 +29,7 @@ from ddiloco.models import configs
 from ddiloco.run_config import RunConfig
 from ddiloco.syncer.core import Report, SyncerConfig
 from ddiloco.testing import runs
-from ddiloco.transport import bulk_wire, messages, state_messages
+from ddiloco.transport import bulk_client, bulk_wire, messages, state_messages
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 from ddiloco.transport.proto import syncer_pb2
 
@@ -48,7 +48,7 @@ _ONE_BLOCK = {"num_layers": 1, "d_model": 32, "num_heads": 2, "head_dim": 16, "m
 class _Env:
   """A served syncer (bulk port on), learner 0 registered and holding version 0, a round open."""
 
-  def __init__(self, tmp_path=None, *, tls: bool = False, **config):
+  def __init__(self, tmp_path=None, *, tls: bool = False, bulk_retry_s: float = 10.0, **config):
     service_config = ServiceConfig(
       **{
         "uplink_codec": "fp32",
@@ -71,7 +71,11 @@ class _Env:
       cert, key = runs.self_signed_certificate(str(tmp_path), san="IP:127.0.0.1")
     self.srv = serve(self.svc, token=TOKEN, tls=None if cert is None else (cert, key))
     self.client = SyncerClient(
-      f"127.0.0.1:{self.srv.port}", token=TOKEN, max_chunk_bytes=CHUNK, tls_ca_file=cert
+      f"127.0.0.1:{self.srv.port}",
+      token=TOKEN,
+      max_chunk_bytes=CHUNK,
+      tls_ca_file=cert,
+      bulk_retry_s=bulk_retry_s,
     )
     self.client.wait_ready(10)
     self.register = self.client.register(0, layout_digest=DIGEST, num_fragments=1)
@@ -357,6 +361,31 @@ def test_a_refused_bulk_port_falls_back_to_grpc(env):
   assert env.pull(known=-1).digest == env.model()[0][1]
   assert env.srv.bulk.calls["Push"] == 0
   assert env.svc.refused() == {}
+
+
+def test_after_a_broken_call_the_bulk_port_is_tried_again_once_the_backoff_passed(monkeypatch):
+  env = _Env(bulk_retry_s=0.5)
+  try:
+    push = bulk_client.BulkClient.push
+    broken = []
+
+    def once_broken(self, *args, **kwargs):  # A connection reset mid-push, once.
+      if not broken:
+        broken.append(True)
+        raise bulk_client.BulkUnavailable("connection reset by peer")
+      return push(self, *args, **kwargs)
+
+    monkeypatch.setattr(bulk_client.BulkClient, "push", once_broken)
+    result = env.client.push(env.report(), "fp32", anchor_values=env.held.values)
+    assert result.status == "accepted" and env.srv.bulk.calls["Push"] == 0  # Over gRPC.
+    assert env.client.bulk_port is None
+    pulls = env.srv.bulk.calls["Pull"]
+    assert env.pull(known=-1).version == 0 and env.srv.bulk.calls["Pull"] == pulls  # Backoff.
+    time.sleep(0.6)
+    assert env.pull(known=-1).version == 0 and env.srv.bulk.calls["Pull"] == pulls + 1
+    assert env.client.bulk_port == env.srv.bulk.port
+  finally:
+    env.close()
 
 
 def test_the_switch_turns_the_bulk_port_off():
