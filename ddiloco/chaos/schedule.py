@@ -136,8 +136,8 @@ class ChaosConfig:
       raise ValueError(f"slowdown_fraction must be in (0, 1], got {self.slowdown_fraction}.")
     if self.min_up < 0:
       raise ValueError(f"min_up must be >= 0, got {self.min_up}.")
-    if self.net_latency_s < 0:
-      raise ValueError(f"net_latency_s must be >= 0, got {self.net_latency_s}.")
+    if not (self.net_latency_s >= 0 and math.isfinite(self.net_latency_s)):
+      raise ValueError(f"net_latency_s must be finite and >= 0, got {self.net_latency_s}.")
     if self.net_partition_mode not in PARTITION_MODES:
       raise ValueError(f"net_partition_mode must be one of {PARTITION_MODES}.")
     kills = tuple(self.syncer_kill_times_s)

@@ -74,8 +74,8 @@ class VisionDataConfig:
       raise ValueError(f"seed must be in [0, 2**32), got {self.seed}.")
     if not 0 <= self.max_shift < IMAGE_SIZE:
       raise ValueError(f"max_shift must be in [0, {IMAGE_SIZE}), got {self.max_shift}.")
-    if self.noise_std < 0:
-      raise ValueError(f"noise_std must be >= 0, got {self.noise_std}.")
+    if not (self.noise_std >= 0 and math.isfinite(self.noise_std)):
+      raise ValueError(f"noise_std must be finite and >= 0, got {self.noise_std}.")
     if self.num_threads < 0 or self.prefetch_buffer_size < 0:
       raise ValueError("num_threads and prefetch_buffer_size must be >= 0.")
 

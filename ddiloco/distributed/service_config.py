@@ -116,8 +116,10 @@ class ServiceConfig:
       raise ValueError("Need 0 < stream_idle_s <= stream_deadline_s.")
     if self.max_pending_calls < 0:
       raise ValueError(f"max_pending_calls must be >= 0, got {self.max_pending_calls}.")
-    if self.max_members < 1 or self.member_retention_s < 0:
-      raise ValueError("Need max_members >= 1 and member_retention_s >= 0.")
+    if self.max_members < 1:
+      raise ValueError(f"max_members must be >= 1, got {self.max_members}.")
+    if not self.member_retention_s >= 0:  # `not >=` refuses NaN too.
+      raise ValueError(f"member_retention_s must be >= 0, got {self.member_retention_s}.")
     if not 0 <= self.bulk_port <= 65535:
       raise ValueError(f"bulk_port must be in [0, 65535], got {self.bulk_port}.")
 

@@ -5,6 +5,7 @@ name without importing Ray.
 """
 
 import dataclasses
+import math
 from typing import Any
 
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -80,11 +81,12 @@ class RayConfig:
     if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
       raise ValueError(f"unknown placement_strategy {self.placement_strategy!r}.")
     for name in ("learner_num_cpus", "learner_num_gpus", "syncer_num_cpus"):
-      if getattr(self, name) < 0:
-        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
+      value = getattr(self, name)
+      if not (value >= 0 and math.isfinite(value)):  # Ray refuses NaN or inf only at placement.
+        raise ValueError(f"{name} must be finite and >= 0, got {value}.")
     for name in ("learner_resources", "syncer_resources"):
       for key, value in dict(getattr(self, name)).items():
-        if not isinstance(key, str) or not isinstance(value, int | float) or value < 0:
+        if not isinstance(key, str) or not isinstance(value, int | float) or not value >= 0:
           raise ValueError(f"{name} maps names to amounts >= 0, got {key!r}: {value!r}.")
     if not 0 <= self.syncer_port <= 65535:
       raise ValueError(f"syncer_port must be in [0, 65535], got {self.syncer_port}.")

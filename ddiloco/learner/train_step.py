@@ -8,6 +8,7 @@ still accepted and trained with `loss_fn`, the text task's loss).
 """
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -53,8 +54,18 @@ class InnerOptConfig:
   grad_clip_norm: float = 1.0
 
   def __post_init__(self):
-    if self.peak_lr <= 0:
-      raise ValueError(f"peak_lr must be > 0, got {self.peak_lr}.")
+    # `not x > 0` (not `x <= 0`) so NaN is refused too: it would train to NaN without a word.
+    if not (self.peak_lr > 0 and math.isfinite(self.peak_lr)):
+      raise ValueError(f"peak_lr must be finite and > 0, got {self.peak_lr}.")
+    for name in ("b1", "b2"):
+      if not 0 <= getattr(self, name) < 1:
+        raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}.")
+    if not (self.eps > 0 and math.isfinite(self.eps)):
+      raise ValueError(f"eps must be finite and > 0, got {self.eps}.")
+    for name in ("weight_decay", "grad_clip_norm"):
+      value = getattr(self, name)
+      if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be finite and >= 0, got {value}.")
     if self.warmup_steps < 0 or self.decay_steps < 1:
       raise ValueError("warmup_steps must be >= 0 and decay_steps >= 1.")
     if self.warmup_steps >= self.decay_steps:

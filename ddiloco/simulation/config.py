@@ -47,21 +47,21 @@ class ClusterConfig:
   seed: int = 0
 
   def __post_init__(self):
-    if self.step_time_s <= 0 or self.slow_factor <= 0:
-      raise ValueError("step_time_s and slow_factor must be > 0.")
+    # Written as `not x > 0` and with isfinite so NaN is refused too: `x <= 0` lets it through.
+    for name in ("step_time_s", "slow_factor"):
+      value = getattr(self, name)
+      if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be finite and > 0, got {value}.")
+    if not self.max_time_s > 0:
+      raise ValueError(f"max_time_s must be > 0 (inf: no limit), got {self.max_time_s}.")
     if self.slow_learners < 0 or self.devices_per_learner < 1:
       raise ValueError("slow_learners must be >= 0 and devices_per_learner >= 1.")
-    if (
-      min(
-        self.uplink_latency_s,
-        self.downlink_latency_s,
-        self.bandwidth_gbps,
-        self.jitter,
-        self.latency_jitter,
-      )
-      < 0
-    ):
-      raise ValueError("Latencies, bandwidth and jitter must be >= 0.")
+    for name in ("uplink_latency_s", "downlink_latency_s", "jitter", "latency_jitter"):
+      value = getattr(self, name)
+      if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be finite and >= 0, got {value}.")
+    if not self.bandwidth_gbps >= 0:
+      raise ValueError(f"bandwidth_gbps must be >= 0 (0: infinite), got {self.bandwidth_gbps}.")
     parse_faults(self.faults)  # Fails early on a malformed schedule.
 
   def check_fleet(self, num_learners: int) -> None:

@@ -1,0 +1,78 @@
+"""Config dataclasses refuse bad field values at construction, naming the field.
+
+NaN is the case most checks missed: `x < 0` and `x <= 0` are False for NaN, so it passed checks
+written that way and failed (or trained to NaN) only once the run was under way.
+"""
+
+import math
+
+import pytest
+
+from ddiloco.chaos.schedule import ChaosConfig
+from ddiloco.data.vision import VisionDataConfig
+from ddiloco.distributed.service_config import ServiceConfig
+from ddiloco.launch.ray_config import RayConfig
+from ddiloco.learner.train_step import InnerOptConfig
+from ddiloco.simulation.config import ClusterConfig
+
+NAN = math.nan
+INF = math.inf
+
+
+_CASES = [
+  # (builder, field, bad value)
+  (InnerOptConfig, "peak_lr", NAN),
+  (InnerOptConfig, "peak_lr", INF),
+  (InnerOptConfig, "b1", NAN),
+  (InnerOptConfig, "b1", -0.1),
+  (InnerOptConfig, "b2", 1.0),
+  (InnerOptConfig, "eps", 0.0),
+  (InnerOptConfig, "eps", NAN),
+  (InnerOptConfig, "weight_decay", -0.1),
+  (InnerOptConfig, "weight_decay", NAN),
+  (InnerOptConfig, "grad_clip_norm", NAN),
+  (InnerOptConfig, "grad_clip_norm", -1.0),
+  (ClusterConfig, "step_time_s", NAN),
+  (ClusterConfig, "step_time_s", INF),
+  (ClusterConfig, "slow_factor", NAN),
+  (ClusterConfig, "jitter", NAN),
+  (ClusterConfig, "latency_jitter", NAN),
+  (ClusterConfig, "uplink_latency_s", NAN),
+  (ClusterConfig, "downlink_latency_s", INF),
+  (ClusterConfig, "bandwidth_gbps", NAN),
+  (ClusterConfig, "max_time_s", NAN),
+  (ClusterConfig, "max_time_s", -1.0),
+  (ClusterConfig, "max_time_s", 0.0),
+  (ServiceConfig, "member_retention_s", NAN),
+  (ChaosConfig, "net_latency_s", NAN),
+  (ChaosConfig, "net_latency_s", INF),
+  (VisionDataConfig, "noise_std", NAN),
+  (VisionDataConfig, "noise_std", INF),
+  (RayConfig, "learner_num_cpus", NAN),
+  (RayConfig, "learner_num_gpus", INF),
+  (RayConfig, "syncer_num_cpus", NAN),
+]
+
+
+@pytest.mark.parametrize(
+  ("build", "field", "value"),
+  _CASES,
+  ids=[f"{getattr(b, '__name__', b)}-{f}-{v!r}" for b, f, v in _CASES],
+)
+def test_bad_value_is_refused_naming_the_field(build, field, value):
+  with pytest.raises(ValueError, match=field):
+    build(**{field: value})
+
+
+@pytest.mark.parametrize(
+  ("build", "kwargs"),
+  [
+    (ClusterConfig, {"max_time_s": INF, "bandwidth_gbps": INF}),
+    (InnerOptConfig, {"b1": 0.0, "weight_decay": 0.0, "grad_clip_norm": 0.0}),
+    (RayConfig, {"learner_num_cpus": 0.0, "learner_num_gpus": 0.5}),
+  ],
+)
+def test_edge_values_still_accepted(build, kwargs):
+  config = build(**kwargs)
+  for name, value in kwargs.items():
+    assert getattr(config, name) == value
