@@ -12,6 +12,7 @@ import dataclasses
 
 from ddiloco.data import text as text_data
 from ddiloco.distributed.service_config import ServiceConfig
+from ddiloco.fragments.layout import STRATEGIES
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner.config import LearnerConfig, check_pacing
 from ddiloco.learner.factory import LearnerFactory, resolve_task
@@ -69,11 +70,23 @@ class RunConfig:
 
   def __post_init__(self):
     self.the_task()  # Exactly one of a task and a (model, data) pair.
-    counts = ("num_learners", "steps_per_learner", "log_every")
+    counts = ("num_learners", "steps_per_learner", "log_every", "eval_batches")
+    for name in (*counts, "seed"):
+      if not isinstance(getattr(self, name), int):  # A gin typo such as 4.5 fails here, not later.
+        raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}.")
     bad = [f"{name}={getattr(self, name)}" for name in counts if getattr(self, name) < 1]
     if bad:
       raise ValueError(f"{', '.join(bad)}: {', '.join(counts)} must be >= 1.")
-    if self.eval_every_s < 0:
+    # 0 would fall through `batch_size or the task's` to the task's default without a word.
+    if self.batch_size is not None and not (
+      isinstance(self.batch_size, int) and self.batch_size >= 1
+    ):
+      raise ValueError(f"batch_size must be an integer >= 1 or None, got {self.batch_size!r}.")
+    if self.layout_strategy not in STRATEGIES:
+      raise ValueError(
+        f"layout_strategy must be one of {STRATEGIES}, got {self.layout_strategy!r}."
+      )
+    if not self.eval_every_s >= 0:  # `not >=` refuses NaN too.
       raise ValueError(f"eval_every_s must be >= 0, got {self.eval_every_s}.")
     check_pacing(self.the_learner(), self.the_syncer())
     service = self.the_service()

@@ -9,14 +9,33 @@ import math
 import pytest
 
 from ddiloco.chaos.schedule import ChaosConfig
+from ddiloco.data.text import TextDataConfig
 from ddiloco.data.vision import VisionDataConfig
 from ddiloco.distributed.service_config import ServiceConfig
+from ddiloco.launch.job import JobConfig
 from ddiloco.launch.ray_config import RayConfig
 from ddiloco.learner.train_step import InnerOptConfig
+from ddiloco.models.transformer import TransformerConfig
+from ddiloco.run_config import RunConfig
 from ddiloco.simulation.config import ClusterConfig
 
 NAN = math.nan
 INF = math.inf
+
+
+def _text() -> dict:
+  model = TransformerConfig(
+    vocab_size=64, d_model=8, num_layers=1, num_heads=1, head_dim=8, mlp_dim=8, max_len=128
+  )
+  return {"model": model, "data": TextDataConfig()}
+
+
+def _run(**kwargs) -> RunConfig:
+  return RunConfig(**_text(), **kwargs)
+
+
+def _job(**kwargs) -> JobConfig:
+  return JobConfig(run=_run(), **kwargs)
 
 
 _CASES = [
@@ -51,6 +70,17 @@ _CASES = [
   (RayConfig, "learner_num_cpus", NAN),
   (RayConfig, "learner_num_gpus", INF),
   (RayConfig, "syncer_num_cpus", NAN),
+  (_run, "num_learners", 1.5),
+  (_run, "steps_per_learner", 2.5),
+  (_run, "eval_batches", 0),
+  (_run, "seed", "x"),
+  (_run, "batch_size", 0),
+  (_run, "batch_size", -4),
+  (_run, "batch_size", 8.5),
+  (_run, "layout_strategy", "bogus"),
+  (_run, "eval_every_s", NAN),
+  (_job, "senders", 1.5),
+  (_job, "syncer_shards", 1.5),
 ]
 
 
@@ -70,6 +100,7 @@ def test_bad_value_is_refused_naming_the_field(build, field, value):
     (ClusterConfig, {"max_time_s": INF, "bandwidth_gbps": INF}),
     (InnerOptConfig, {"b1": 0.0, "weight_decay": 0.0, "grad_clip_norm": 0.0}),
     (RayConfig, {"learner_num_cpus": 0.0, "learner_num_gpus": 0.5}),
+    (_run, {"batch_size": None, "seed": -1, "layout_strategy": "tensor", "eval_every_s": 0.0}),
   ],
 )
 def test_edge_values_still_accepted(build, kwargs):

@@ -48,6 +48,9 @@ class JobConfig:
       "senders",
       "syncer_shards",
     )
+    for name in counts:
+      if not isinstance(getattr(self, name), int):
+        raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}.")
     bad = [f"{name}={getattr(self, name)}" for name in counts if getattr(self, name) < 1]
     if bad:
       raise ValueError(f"{', '.join(bad)}: {', '.join(counts)} must be >= 1.")
