@@ -12,6 +12,7 @@ loss is the bound of the eval invariant (or pass `--baseline_loss`). Exits 1 whe
 """
 
 import json
+import math
 import os
 import sys
 
@@ -41,6 +42,10 @@ def main(argv: list[str]) -> None:
   workdir = os.path.abspath(_WORKDIR.value)
   if _SUMMARIZE_ONLY.value and not os.path.isdir(workdir):
     raise app.UsageError(f"--summarize_only: no run in {workdir}")
+  baseline = _BASELINE_LOSS.value
+  if baseline is not None and not (baseline > 0 and math.isfinite(baseline)):
+    # The eval invariant would refuse it only after the whole run.
+    raise app.UsageError(f"--baseline_loss must be finite and > 0, got {baseline}.")
   with cli.bad_config():
     config_text = gin_flags.parse_gin()
     job = configurables.configured(JobConfig)()
@@ -53,7 +58,6 @@ def main(argv: list[str]) -> None:
   def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
-  baseline = _BASELINE_LOSS.value
   if _RUN_BASELINE.value and not _SUMMARIZE_ONLY.value:
     cluster = local_cluster.LocalCluster(
       workdir=os.path.join(workdir, "baseline"),

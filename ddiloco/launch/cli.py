@@ -18,6 +18,7 @@ one, and orbax's per-save INFO lines. Warnings and errors still show.
 import contextlib
 import inspect
 import logging
+import math
 import os
 import re
 import sys
@@ -68,9 +69,11 @@ def run(
       helps = [flags.FLAGS.module_help(m) for m in flag_modules]
       _print_help(entry.__doc__, "\n\n".join(h for h in helps if h), short=True)
     try:
-      return gin_flags.flags_parser(args) if gin else flags.FLAGS(args)
+      rest = gin_flags.flags_parser(args) if gin else flags.FLAGS(args)
     except (flags.Error, ValueError) as e:
       fail(prog, f"{_one_line(str(e))} (see {prog} --help)")
+    _refuse_nan_flags(prog)
+    return rest
 
   def checked_main(argv: list[str]) -> Any:
     try:
@@ -79,6 +82,15 @@ def run(
       fail(prog, str(e))
 
   app.run(checked_main, flags_parser=parse)
+
+
+def _refuse_nan_flags(prog: str) -> None:
+  """Fails on a float flag given as NaN: absl's bounds compare with `<`, which NaN passes, and a
+  NaN timeout or loss would only be found once the run was under way (or never)."""
+  for name in flags.FLAGS:
+    flag = flags.FLAGS[name]
+    if flag.present and isinstance(flag.value, float) and math.isnan(flag.value):
+      fail(prog, f"--{flag.name}={flag.value}: not a number (see {prog} --help)")
 
 
 def _print_help(doc: str | None, flag_help: str, *, short: bool = False) -> NoReturn:

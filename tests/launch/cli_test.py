@@ -241,6 +241,15 @@ def test_a_parameter_that_moved_to_the_run_config_says_so(
     ("ddiloco-syncer", ["--port=70000"], "--port"),
     ("ddiloco-learner", ["--learner_id=-1", "--syncer_address=x:1"], "--learner_id"),
     ("ddiloco-local", ["--timeout_s=-5"], "--timeout_s"),
+    # absl's bounds compare with `<`, which NaN passes: the run started and never timed out.
+    ("ddiloco-local", ["--timeout_s=nan"], "--timeout_s=nan: not a number"),
+    (
+      "ddiloco-learner",
+      ["--learner_id=0", "--syncer_address=x:1", "--connect_timeout_s=nan"],
+      "--connect_timeout_s=nan",
+    ),
+    # The eval invariant refused it only after the whole chaos run.
+    ("ddiloco-chaos", ["--baseline_loss=-1"], "--baseline_loss must be finite and > 0"),
     ("ddiloco-local", ["--tls_cert_file=c.pem"], "go together"),
     ("ddiloco-local", ["--tls_ca_file=c.pem"], "needs --tls_cert_file"),
     ("ddiloco-local", ["--tls_cert_file=c.pem", "--tls_key_file=k.pem"], "no such TLS file"),
