@@ -12,12 +12,14 @@ from ddiloco.chaos.schedule import ChaosConfig
 from ddiloco.data.text import TextDataConfig
 from ddiloco.data.vision import VisionDataConfig
 from ddiloco.distributed.service_config import ServiceConfig
+from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch.job import JobConfig
 from ddiloco.launch.ray_config import RayConfig
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.models.transformer import TransformerConfig
 from ddiloco.run_config import RunConfig
 from ddiloco.simulation.config import ClusterConfig
+from ddiloco.syncer.types import SyncerConfig
 
 NAN = math.nan
 INF = math.inf
@@ -63,6 +65,12 @@ _CASES = [
   (ClusterConfig, "max_time_s", -1.0),
   (ClusterConfig, "max_time_s", 0.0),
   (ServiceConfig, "member_retention_s", NAN),
+  # An int field given a float failed mid-run ("'float' object cannot be interpreted as an integer").
+  (ServiceConfig, "block_size", 1.5),
+  (ServiceConfig, "max_chunk_bytes", 1e6),
+  (FragmentSchedule, "num_fragments", 4.5),
+  (SyncerConfig, "fused_merge_bytes", 1.5),
+  (SyncerConfig, "keep_versions", "4"),
   (ChaosConfig, "net_latency_s", NAN),
   (ChaosConfig, "net_latency_s", INF),
   (VisionDataConfig, "noise_std", NAN),

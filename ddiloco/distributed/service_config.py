@@ -73,6 +73,10 @@ class ServiceConfig:
   bulk_chunk_bytes: int = 4 << 20
 
   def __post_init__(self):
+    for field in dataclasses.fields(self):  # A gin typo such as 4.5 fails here, not mid-run.
+      value = getattr(self, field.name)
+      if field.type in (int, "int") and not isinstance(value, int):
+        raise ValueError(f"{field.name} must be an integer, got {value!r}.")
     for name in ("uplink_codec", "downlink_codec"):
       if getattr(self, name) not in compression.CODECS:
         raise ValueError(

@@ -28,6 +28,10 @@ class FragmentSchedule:
   overlap: int = 2
 
   def __post_init__(self):
+    for field in dataclasses.fields(self):  # A gin typo such as 4.5 fails here, not mid-run.
+      value = getattr(self, field.name)
+      if field.type in (int, "int") and not isinstance(value, int):
+        raise ValueError(f"{field.name} must be an integer, got {value!r}.")
     if self.num_fragments < 1:
       raise ValueError(f"num_fragments must be >= 1, got {self.num_fragments}.")
     if self.period < 1:

@@ -130,6 +130,10 @@ class SyncerConfig:
   fused_merge_bytes: int = 8 << 20
 
   def __post_init__(self):
+    for field in dataclasses.fields(self):  # A gin typo such as 4.5 fails here, not mid-run.
+      value = getattr(self, field.name)
+      if field.type in (int, "int") and not isinstance(value, int):
+        raise ValueError(f"{field.name} must be an integer, got {value!r}.")
     if self.min_quorum < 1:
       raise ValueError(f"min_quorum must be >= 1, got {self.min_quorum}.")
     if not 0.0 <= self.grace_gamma <= 1.0:
