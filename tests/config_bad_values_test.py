@@ -9,6 +9,7 @@ import math
 import pytest
 
 from ddiloco.chaos.schedule import ChaosConfig
+from ddiloco.checkpoint.learner import LearnerCheckpointConfig
 from ddiloco.data.text import TextDataConfig
 from ddiloco.data.vision import VisionDataConfig
 from ddiloco.distributed.service_config import ServiceConfig
@@ -71,6 +72,13 @@ _CASES = [
   (FragmentSchedule, "num_fragments", 4.5),
   (SyncerConfig, "fused_merge_bytes", 1.5),
   (SyncerConfig, "keep_versions", "4"),
+  (ClusterConfig, "seed", "x"),
+  (ClusterConfig, "slow_learners", 1.5),
+  (ChaosConfig, "seed", 0.5),
+  (ChaosConfig, "min_up", 1.5),
+  (TextDataConfig, "seq_len", 64.5),
+  (VisionDataConfig, "batch_size", 8.5),
+  (LearnerCheckpointConfig, "save_every_steps", 10.5),
   (ChaosConfig, "net_latency_s", NAN),
   (ChaosConfig, "net_latency_s", INF),
   (VisionDataConfig, "noise_std", NAN),

@@ -119,6 +119,10 @@ class ChaosConfig:
   eval_tolerance: float = 0.03
 
   def __post_init__(self):
+    for field in dataclasses.fields(self):  # A gin typo such as 4.5 fails here, not mid-run.
+      value = getattr(self, field.name)
+      if field.type in (int, "int") and not isinstance(value, int):
+        raise ValueError(f"{field.name} must be an integer, got {value!r}.")
     if not 0 <= self.start_s <= self.duration_s or not math.isfinite(self.duration_s):
       raise ValueError(
         f"Need 0 <= start_s <= duration_s < inf, got {self.start_s}, {self.duration_s}."

@@ -83,6 +83,10 @@ class LearnerCheckpointConfig:
   init_from: str = "own"
 
   def __post_init__(self):
+    for field in dataclasses.fields(self):  # A gin typo such as 4.5 fails here, not mid-run.
+      value = getattr(self, field.name)
+      if field.type in (int, "int") and not isinstance(value, int):
+        raise ValueError(f"{field.name} must be an integer, got {value!r}.")
     if self.save_every_steps < 1:
       raise ValueError(f"save_every_steps must be >= 1, got {self.save_every_steps}.")
     if self.max_to_keep < 1:

@@ -131,6 +131,10 @@ class TextDataConfig:
   prefetch_buffer_size: int = 0
 
   def __post_init__(self):
+    for field in dataclasses.fields(self):  # A gin typo such as 4.5 fails here, not mid-run.
+      value = getattr(self, field.name)
+      if field.type in (int, "int") and not isinstance(value, int):
+        raise ValueError(f"{field.name} must be an integer, got {value!r}.")
     if self.seq_len < 1:
       raise ValueError(f"seq_len must be >= 1, got {self.seq_len}.")
     if self.batch_size < 1:
