@@ -9,6 +9,7 @@ gin_configs/runs/run_base.gin.
 """
 
 import dataclasses
+import numbers
 
 from ddiloco.data import text as text_data
 from ddiloco.distributed.service_config import ServiceConfig
@@ -72,14 +73,16 @@ class RunConfig:
     self.the_task()  # Exactly one of a task and a (model, data) pair.
     counts = ("num_learners", "steps_per_learner", "log_every", "eval_batches")
     for name in (*counts, "seed"):
-      if not isinstance(getattr(self, name), int):  # A gin typo such as 4.5 fails here, not later.
+      if not isinstance(
+        getattr(self, name), numbers.Integral
+      ):  # A gin typo such as 4.5 fails here, not later.
         raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}.")
     bad = [f"{name}={getattr(self, name)}" for name in counts if getattr(self, name) < 1]
     if bad:
       raise ValueError(f"{', '.join(bad)}: {', '.join(counts)} must be >= 1.")
     # 0 would fall through `batch_size or the task's` to the task's default without a word.
     if self.batch_size is not None and not (
-      isinstance(self.batch_size, int) and self.batch_size >= 1
+      isinstance(self.batch_size, numbers.Integral) and self.batch_size >= 1
     ):
       raise ValueError(f"batch_size must be an integer >= 1 or None, got {self.batch_size!r}.")
     if self.layout_strategy not in STRATEGIES:

@@ -5,6 +5,8 @@ Parameters travel between learners and the syncer as *flat* dicts keyed by the l
 the model's pytree structure (docs/architecture.md "Layers").
 """
 
+import dataclasses
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,3 +33,16 @@ LAYERS = "layers"
 # Mesh axis names of one learner's mesh.
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
+
+
+def check_int_fields(config: Any) -> None:
+  """Refuses a dataclass config whose `int` fields hold anything but an integer (numpy's count),
+  naming the field: a gin typo such as 4.5 fails at construction, not mid-run.
+
+  Raises:
+    ValueError: naming the first such field.
+  """
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    if field.type in (int, "int") and not isinstance(value, numbers.Integral):
+      raise ValueError(f"{field.name} must be an integer, got {value!r}.")

@@ -6,6 +6,7 @@ written that way and failed (or trained to NaN) only once the run was under way.
 
 import math
 
+import numpy as np
 import pytest
 
 from ddiloco.chaos.schedule import ChaosConfig
@@ -123,3 +124,8 @@ def test_edge_values_still_accepted(build, kwargs):
   config = build(**kwargs)
   for name, value in kwargs.items():
     assert getattr(config, name) == value
+
+
+def test_numpy_integers_count_as_integers():
+  # Counts computed with numpy (a study's grid, say) are integers too.
+  FragmentSchedule(num_fragments=np.int64(4), period=np.int32(4), overlap=np.int64(1))

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ddiloco.faults import COMPLETIONS, NETWORK_KINDS, FaultEvent
+from ddiloco.types import check_int_fields
 
 # The fault kinds the planner draws (a subset of ddiloco.faults.KINDS).
 KINDS = (
@@ -119,10 +120,7 @@ class ChaosConfig:
   eval_tolerance: float = 0.03
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):  # A gin typo such as 4.5 fails here, not mid-run.
-      value = getattr(self, field.name)
-      if field.type in (int, "int") and not isinstance(value, int):
-        raise ValueError(f"{field.name} must be an integer, got {value!r}.")
+    check_int_fields(self)  # A gin typo such as 4.5 fails here, not mid-run.
     if not 0 <= self.start_s <= self.duration_s or not math.isfinite(self.duration_s):
       raise ValueError(
         f"Need 0 <= start_s <= duration_s < inf, got {self.start_s}, {self.duration_s}."

@@ -48,7 +48,7 @@ from etils import epath
 from ddiloco import storage
 from ddiloco.learner.train_step import CompiledSteps
 from ddiloco.parallel.multihost import ProcessGroup
-from ddiloco.types import PyTree
+from ddiloco.types import PyTree, check_int_fields
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +83,7 @@ class LearnerCheckpointConfig:
   init_from: str = "own"
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):  # A gin typo such as 4.5 fails here, not mid-run.
-      value = getattr(self, field.name)
-      if field.type in (int, "int") and not isinstance(value, int):
-        raise ValueError(f"{field.name} must be an integer, got {value!r}.")
+    check_int_fields(self)  # A gin typo such as 4.5 fails here, not mid-run.
     if self.save_every_steps < 1:
       raise ValueError(f"save_every_steps must be >= 1, got {self.save_every_steps}.")
     if self.max_to_keep < 1:

@@ -37,6 +37,7 @@ import numpy as np
 from ddiloco.data import tokenizers
 from ddiloco.data.sharding import CheckedShardIterator, ShardBatchIds
 from ddiloco.data.tokenizers import get_tokenizer  # Re-exported: learner/factory.py uses it.
+from ddiloco.types import check_int_fields
 
 NUM_PLAYS = 38
 SPLITS = ("train", "eval")
@@ -131,10 +132,7 @@ class TextDataConfig:
   prefetch_buffer_size: int = 0
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):  # A gin typo such as 4.5 fails here, not mid-run.
-      value = getattr(self, field.name)
-      if field.type in (int, "int") and not isinstance(value, int):
-        raise ValueError(f"{field.name} must be an integer, got {value!r}.")
+    check_int_fields(self)  # A gin typo such as 4.5 fails here, not mid-run.
     if self.seq_len < 1:
       raise ValueError(f"seq_len must be >= 1, got {self.seq_len}.")
     if self.batch_size < 1:

@@ -34,6 +34,7 @@ import grain
 import numpy as np
 
 from ddiloco.data.sharding import CheckedShardIterator, ShardBatchIds
+from ddiloco.types import check_int_fields
 
 IMAGE_SIZE = 8
 CHANNELS = 1
@@ -66,10 +67,7 @@ class VisionDataConfig:
   prefetch_buffer_size: int = 0
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):  # A gin typo such as 4.5 fails here, not mid-run.
-      value = getattr(self, field.name)
-      if field.type in (int, "int") and not isinstance(value, int):
-        raise ValueError(f"{field.name} must be an integer, got {value!r}.")
+    check_int_fields(self)  # A gin typo such as 4.5 fails here, not mid-run.
     if self.batch_size < 1:
       raise ValueError(f"batch_size must be >= 1, got {self.batch_size}.")
     if not 0.0 < self.eval_fraction < 1.0:

@@ -9,6 +9,7 @@ import dataclasses
 from ddiloco.fragments import compression
 from ddiloco.transport import wire
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, FRAMING_SLACK
+from ddiloco.types import check_int_fields
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,10 +74,7 @@ class ServiceConfig:
   bulk_chunk_bytes: int = 4 << 20
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):  # A gin typo such as 4.5 fails here, not mid-run.
-      value = getattr(self, field.name)
-      if field.type in (int, "int") and not isinstance(value, int):
-        raise ValueError(f"{field.name} must be an integer, got {value!r}.")
+    check_int_fields(self)  # A gin typo such as 4.5 fails here, not mid-run.
     for name in ("uplink_codec", "downlink_codec"):
       if getattr(self, name) not in compression.CODECS:
         raise ValueError(

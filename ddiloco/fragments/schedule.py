@@ -11,6 +11,8 @@ round of the same fragment is sent.
 
 import dataclasses
 
+from ddiloco.types import check_int_fields
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FragmentSchedule:
@@ -28,10 +30,7 @@ class FragmentSchedule:
   overlap: int = 2
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):  # A gin typo such as 4.5 fails here, not mid-run.
-      value = getattr(self, field.name)
-      if field.type in (int, "int") and not isinstance(value, int):
-        raise ValueError(f"{field.name} must be an integer, got {value!r}.")
+    check_int_fields(self)  # A gin typo such as 4.5 fails here, not mid-run.
     if self.num_fragments < 1:
       raise ValueError(f"num_fragments must be >= 1, got {self.num_fragments}.")
     if self.period < 1:

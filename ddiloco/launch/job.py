@@ -7,6 +7,7 @@ codecs) and on its topology: the processes and devices of each learner. Bound fr
 """
 
 import dataclasses
+import numbers
 
 from ddiloco.learner.factory import LearnerFactory, LearnerSpec
 from ddiloco.learner.learner import Learner
@@ -49,7 +50,7 @@ class JobConfig:
       "syncer_shards",
     )
     for name in counts:
-      if not isinstance(getattr(self, name), int):
+      if not isinstance(getattr(self, name), numbers.Integral):
         raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}.")
     bad = [f"{name}={getattr(self, name)}" for name in counts if getattr(self, name) < 1]
     if bad:

@@ -5,6 +5,7 @@ import math
 
 from ddiloco.faults import parse_faults
 from ddiloco.learner.factory import LearnerSpec  # Re-exported: the fleet is a list of them.
+from ddiloco.types import check_int_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +48,7 @@ class ClusterConfig:
   seed: int = 0
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):  # A gin typo such as 4.5 fails here, not mid-run.
-      value = getattr(self, field.name)
-      if field.type in (int, "int") and not isinstance(value, int):
-        raise ValueError(f"{field.name} must be an integer, got {value!r}.")
+    check_int_fields(self)  # A gin typo such as 4.5 fails here, not mid-run.
     # Written as `not x > 0` and with isfinite so NaN is refused too: `x <= 0` lets it through.
     for name in ("step_time_s", "slow_factor"):
       value = getattr(self, name)

@@ -14,6 +14,7 @@ import optax
 
 from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
 from ddiloco.syncer import merge as merge_lib
+from ddiloco.types import check_int_fields
 
 # The types learners and the syncer exchange live in `ddiloco.protocol`; re-exported here.
 __all__ = [
@@ -130,10 +131,7 @@ class SyncerConfig:
   fused_merge_bytes: int = 8 << 20
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):  # A gin typo such as 4.5 fails here, not mid-run.
-      value = getattr(self, field.name)
-      if field.type in (int, "int") and not isinstance(value, int):
-        raise ValueError(f"{field.name} must be an integer, got {value!r}.")
+    check_int_fields(self)  # A gin typo such as 4.5 fails here, not mid-run.
     if self.min_quorum < 1:
       raise ValueError(f"min_quorum must be >= 1, got {self.min_quorum}.")
     if not 0.0 <= self.grace_gamma <= 1.0:
