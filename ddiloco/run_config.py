@@ -21,6 +21,7 @@ from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.models import transformer
 from ddiloco.syncer.types import SyncerConfig
 from ddiloco.tasks import Task
+from ddiloco.types import check_int_fields
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,11 +73,7 @@ class RunConfig:
   def __post_init__(self):
     self.the_task()  # Exactly one of a task and a (model, data) pair.
     counts = ("num_learners", "steps_per_learner", "log_every", "eval_batches")
-    for name in (*counts, "seed"):
-      if not isinstance(
-        getattr(self, name), numbers.Integral
-      ):  # A gin typo such as 4.5 fails here, not later.
-        raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}.")
+    check_int_fields(self)  # A gin typo such as 4.5 fails here, not later.
     bad = [f"{name}={getattr(self, name)}" for name in counts if getattr(self, name) < 1]
     if bad:
       raise ValueError(f"{', '.join(bad)}: {', '.join(counts)} must be >= 1.")

@@ -7,11 +7,11 @@ codecs) and on its topology: the processes and devices of each learner. Bound fr
 """
 
 import dataclasses
-import numbers
 
 from ddiloco.learner.factory import LearnerFactory, LearnerSpec
 from ddiloco.learner.learner import Learner
 from ddiloco.run_config import RunConfig
+from ddiloco.types import check_int_fields
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,9 +49,7 @@ class JobConfig:
       "senders",
       "syncer_shards",
     )
-    for name in counts:
-      if not isinstance(getattr(self, name), numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}.")
+    check_int_fields(self)  # A gin typo such as 4.5 fails here, not later.
     bad = [f"{name}={getattr(self, name)}" for name in counts if getattr(self, name) < 1]
     if bad:
       raise ValueError(f"{', '.join(bad)}: {', '.join(counts)} must be >= 1.")
