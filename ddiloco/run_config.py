@@ -47,6 +47,10 @@ class RunConfig:
     split_large: allow splitting tensors larger than total/P.
     seed: parameter-initialisation seed (the syncer's initial global model).
     eval_batches: held-out batches per evaluation of the global model.
+    eval_batch_size: examples per held-out batch. The held-out set (`eval_batches` x
+      `eval_batch_size` examples) is fixed by these two alone, never by the learners' batches, so
+      systems that split the same data differently (data-parallel, M learners) are scored on
+      the same set.
     eval_every_s: seconds between evaluations of the global model (virtual seconds in the
       simulator; 0: only at the end, and at the start of a distributed run).
     log_every: steps between logged training losses.
@@ -67,12 +71,13 @@ class RunConfig:
   split_large: bool = False
   seed: int = 0
   eval_batches: int = 8
+  eval_batch_size: int = 8
   eval_every_s: float = 0.0
   log_every: int = 10
 
   def __post_init__(self):
     self.the_task()  # Exactly one of a task and a (model, data) pair.
-    counts = ("num_learners", "steps_per_learner", "log_every", "eval_batches")
+    counts = ("num_learners", "steps_per_learner", "log_every", "eval_batches", "eval_batch_size")
     check_int_fields(self)  # A gin typo such as 4.5 fails here, not later.
     bad = [f"{name}={getattr(self, name)}" for name in counts if getattr(self, name) < 1]
     if bad:
@@ -143,6 +148,7 @@ class RunConfig:
       num_shards=self.num_learners if num_shards is None else num_shards,
       seed=self.seed,
       eval_batches=self.eval_batches,
+      eval_batch_size=self.eval_batch_size,
       batch_size=self.batch_size,
       model_parallelism=model_parallelism,
     )

@@ -61,12 +61,12 @@ FAST = ("0", "1")  # ClusterConfig.slow_learners = 2 makes the last two of the f
 NO_MOMENTUM = (
   "K = 1 + grace, outer momentum 0 (diagnostic)",
   "1",
-  ("SyncerConfig.outer_momentum = 0.0",),
+  ("outer/optax.sgd.momentum = 0.0",),
 )
 NO_MOMENTUM_NO_GRACE = (
   "K = 1, no grace, outer momentum 0 (diagnostic)",
   "1",
-  ("SyncerConfig.use_grace = False", "SyncerConfig.outer_momentum = 0.0"),
+  ("SyncerConfig.use_grace = False", "outer/optax.sgd.momentum = 0.0"),
 )
 # Answers that do not wait for a step arrive together over a network without jitter; with a
 # jittery one (each message's latency log-normal, σ = 1 around 0.05 s) they spread, and the grace

@@ -169,11 +169,11 @@ _MOVED = {
 _RUN_FIELDS = {
   "JobConfig": (
     "model data task schedule syncer learner inner_opt service num_learners steps_per_learner "
-    "batch_size layout_strategy split_large seed eval_batches eval_every_s log_every"
+    "batch_size layout_strategy split_large seed eval_batches eval_batch_size eval_every_s log_every"
   ),
   "simulate": (
     "model data task schedule syncer learner inner_opt service layout_strategy split_large seed "
-    "eval_batches"
+    "eval_batches eval_batch_size"
   ),
   "ClusterConfig": "num_learners steps_per_learner batch_size eval_every_s log_every",
 }

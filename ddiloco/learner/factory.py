@@ -76,6 +76,7 @@ class LearnerFactory:
     num_shards: disjoint data shards (one per learner slot).
     seed: parameter-initialisation seed (every learner starts from the same global init).
     eval_batches: held-out batches used for every evaluation.
+    eval_batch_size: examples per held-out batch.
     batch_size: per-learner batch override (None: the task's); sets `tokens_per_step` (merge
       units per nominal step: tokens for text, examples for vision).
     model_parallelism: size of every learner mesh's "model" axis (tensor parallelism over the
@@ -100,6 +101,7 @@ class LearnerFactory:
     num_shards: int = 1,
     seed: int = 0,
     eval_batches: int = 8,
+    eval_batch_size: int = 8,
     batch_size: int | None = None,
     model_parallelism: int = 1,
   ):
@@ -132,7 +134,8 @@ class LearnerFactory:
       strategy=layout_strategy,
       split_large=split_large,
     )
-    self._eval_batches = self.task.eval_batches(eval_batches)
+    # Fixed by these two alone (not by the learners' batches): one held-out set per run file.
+    self._eval_batches = self.task.eval_batches(eval_batches, batch_size=eval_batch_size)
 
   def _steps_for(
     self, devices: list[jax.Device], model_parallelism: int | None = None

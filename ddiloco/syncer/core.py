@@ -40,7 +40,6 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import optax
 
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.syncer import checkpoint
@@ -89,7 +88,6 @@ class SyncerCore:
     config: SyncerConfig,
     clock: Callable[[], float],
     embedding_keys: Collection[str] = (),
-    outer_optimizer: optax.GradientTransformation | None = None,
     adopt: Callable[[int, Mapping[str, np.ndarray], Mapping[str, np.ndarray]], dict] | None = None,
     schedule: FragmentSchedule | None = None,
     owned: Collection[int] | None = None,
@@ -102,7 +100,6 @@ class SyncerCore:
       config: syncer settings.
       clock: returns the current time in seconds (wall or virtual).
       embedding_keys: keys merged with the weighted mean (docs/algorithm.md §4.5); others may be absent.
-      outer_optimizer: overrides `config.outer_optimizer()`.
       adopt: maps (fragment, merged values, previous version's values) to the values published.
         A lossy downlink codec passes "what a learner holding the previous version decodes" here, so
         the syncer adopts the dequantized values and every copy stays bit-identical (docs/algorithm.md §5).
@@ -137,7 +134,7 @@ class SyncerCore:
     self._updater = FragmentUpdater(
       config=config,
       versions=self._versions,
-      optimizer=outer_optimizer if outer_optimizer is not None else config.outer_optimizer(),
+      optimizer=config.make_outer_optimizer(),
       embedding_keys=self._embedding_keys,
       adopt=adopt,
     )

@@ -8,6 +8,7 @@ by `ddiloco.syncer.core`, so `from ddiloco.syncer.core import SyncerConfig, Repo
 import collections
 import dataclasses
 import math
+from collections.abc import Callable
 
 import numpy as np
 import optax
@@ -77,6 +78,17 @@ NEW_COUNTERS = (
 )
 
 
+# The default outer step, DiLoCo's Nesterov SGD (docs/algorithm.md §4.6): its settings.
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.9
+
+
+def default_outer_optimizer() -> optax.GradientTransformation:
+  """The outer optimizer of a `SyncerConfig` that names none: SGD with Nesterov momentum
+  (docs/algorithm.md §4.6 gives the settings and the study behind them)."""
+  return optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SyncerConfig:
   """Syncer settings (docs/algorithm.md §4). Bound from gin as `ddiloco.SyncerConfig.<field>`.
@@ -94,9 +106,11 @@ class SyncerConfig:
       of the alive learners, whatever their positions. "slowest": to the lowest schedule step any
       alive learner has reached, so a round opens once every learner has reached its step; the
       synchronous baselines use it with blocking learners (lock-step).
-    outer_lr: outer SGD learning rate (DiLoCo 0.7, docs/algorithm.md §4.6).
-    outer_momentum: outer momentum; 0 disables it.
-    nesterov: Nesterov momentum.
+    outer_optimizer: builds the outer optimizer, called with no arguments: any optax
+      transformation, applied to each fragment's merged outer gradient with one state per
+      fragment (docs/algorithm.md §4.6). In gin, one binding, e.g.
+      `SyncerConfig.outer_optimizer = @outer/optax.sgd` with `outer/optax.sgd.learning_rate = 0.7`.
+      Default: `default_outer_optimizer`.
     keep_versions: recent versions kept per fragment, current included: the anchors a delta on
       the wire may be encoded against (a learner that has not applied the newest version yet).
     max_update_ratio: plausibility bound on an answer's outer gradient: its norm ‖Θ^(base) − θ_m‖
@@ -121,9 +135,7 @@ class SyncerConfig:
   ema_decay: float = 0.8
   merge_method: str = "rda"
   clock: str = "fleet_rate"
-  outer_lr: float = 0.7
-  outer_momentum: float = 0.9
-  nesterov: bool = True
+  outer_optimizer: Callable[[], optax.GradientTransformation] = default_outer_optimizer
   keep_versions: int = 4
   max_update_ratio: float = 10.0
   max_step_rate: float = 1000.0
@@ -146,10 +158,7 @@ class SyncerConfig:
       )
     if self.clock not in CLOCKS:
       raise ValueError(f"clock must be one of {CLOCKS}, got {self.clock!r}.")
-    if not self.outer_lr > 0:
-      raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}.")
-    if not 0.0 <= self.outer_momentum < 1.0:
-      raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}.")
+    self.make_outer_optimizer()  # A factory that cannot build one fails here, not at a merge.
     if self.keep_versions < 2:
       raise ValueError(
         f"keep_versions must be >= 2, got {self.keep_versions}: a learner answering a round may "
@@ -164,9 +173,27 @@ class SyncerConfig:
     if self.max_tokens_per_step is not None and self.max_tokens_per_step < 1:
       raise ValueError(f"max_tokens_per_step must be >= 1 or None, got {self.max_tokens_per_step}.")
 
-  def outer_optimizer(self) -> optax.GradientTransformation:
-    """optax.sgd(outer_lr, momentum or None, nesterov): DiLoCo's outer step (docs/algorithm.md §4.6)."""
-    return optax.sgd(self.outer_lr, momentum=self.outer_momentum or None, nesterov=self.nesterov)
+  def make_outer_optimizer(self) -> optax.GradientTransformation:
+    """The outer optimizer `outer_optimizer` builds (docs/algorithm.md §4.6).
+
+    Raises:
+      ValueError: if `outer_optimizer` is not callable, fails, or returns something that is not
+        an optax transformation (no `init` and `update`).
+    """
+    if not callable(self.outer_optimizer):
+      raise ValueError(
+        f"SyncerConfig.outer_optimizer must be a callable that builds an optax transformation "
+        f"(e.g. @outer/optax.sgd in gin), got {self.outer_optimizer!r}."
+      )
+    try:
+      opt = self.outer_optimizer()
+    except Exception as e:  # Reported with the field's name: gin's own message says which binding.
+      raise ValueError(f"SyncerConfig.outer_optimizer failed to build the optimizer: {e}") from e
+    if not (callable(getattr(opt, "init", None)) and callable(getattr(opt, "update", None))):
+      raise ValueError(
+        f"SyncerConfig.outer_optimizer must return an optax GradientTransformation, got {opt!r}."
+      )
+    return opt
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,7 @@ import os
 import shutil
 
 import numpy as np
+import optax
 import pytest
 
 from ddiloco.checkpoint import syncer as ckpt_lib
@@ -32,7 +33,8 @@ def _init():
 
 def _core(**cfg) -> SyncerCore:
   cfg.setdefault("use_grace", False)
-  cfg.setdefault("outer_momentum", 0.9)  # A non-trivial optimizer state to round-trip.
+  # A non-trivial optimizer state to round-trip.
+  cfg.setdefault("outer_optimizer", lambda: optax.sgd(0.7, momentum=0.9, nesterov=True))
   core = SyncerCore(
     fragment_keys=KEYS, init_values=_init(), config=SyncerConfig(**cfg), clock=FakeClock()
   )

@@ -15,6 +15,7 @@ import time
 
 import grpc
 import numpy as np
+import optax
 import pytest
 
 from ddiloco.data import text as text_data
@@ -436,7 +437,7 @@ def test_a_learner_worker_trains_over_the_bulk_port(tmp_path):
       model=configs.transformer_config("tiny", vocab_size=256, max_len=8, **_ONE_BLOCK),
       data=text_data.TextDataConfig(seq_len=8, batch_size=8),
       schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
-      syncer=SyncerConfig(use_grace=False, outer_momentum=0.0, clock="slowest"),
+      syncer=SyncerConfig(use_grace=False, outer_optimizer=lambda: optax.sgd(0.7), clock="slowest"),
       learner=LearnerConfig(blocking=True),
       inner_opt=InnerOptConfig(warmup_steps=1, decay_steps=50),
       service=ServiceConfig(

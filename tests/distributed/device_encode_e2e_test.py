@@ -11,6 +11,7 @@ Model: one block, d=32, byte vocabulary; P = 2 fragments, H = 2; int4 uplink, fp
 
 import threading
 
+import optax
 import pytest
 
 from ddiloco.data import text as text_data
@@ -39,7 +40,9 @@ def _job(bulk: bool) -> JobConfig:
       model=configs.transformer_config("tiny", vocab_size=256, max_len=L, **ONE_BLOCK),
       data=text_data.TextDataConfig(seq_len=L, batch_size=B),
       schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
-      syncer=SyncerConfig(use_grace=False, min_quorum=1, outer_momentum=0.0, clock="slowest"),
+      syncer=SyncerConfig(
+        use_grace=False, min_quorum=1, outer_optimizer=lambda: optax.sgd(0.7), clock="slowest"
+      ),
       learner=LearnerConfig(blocking=True, device_encode=True),
       inner_opt=InnerOptConfig(warmup_steps=1, decay_steps=50),
       service=ServiceConfig(

@@ -11,6 +11,7 @@ steps, fragment 0 at even ones); batches of 8 x 8 tokens.
 import dataclasses
 import queue
 
+import optax
 import pytest
 
 from ddiloco.data import text as text_data
@@ -36,7 +37,7 @@ JOB = JobConfig(
     model=configs.transformer_config("tiny", vocab_size=256, max_len=L, **ONE_BLOCK),
     data=text_data.TextDataConfig(seq_len=L, batch_size=B),
     schedule=FragmentSchedule(num_fragments=2, period=2, overlap=1),
-    syncer=SyncerConfig(use_grace=False, outer_momentum=0.0),
+    syncer=SyncerConfig(use_grace=False, outer_optimizer=lambda: optax.sgd(0.7)),
     inner_opt=InnerOptConfig(warmup_steps=1, decay_steps=50),
     service=ServiceConfig(
       uplink_codec="fp32", downlink_codec="fp32", heartbeat_interval_s=0.05, liveness_timeout_s=600

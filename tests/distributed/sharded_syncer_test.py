@@ -6,6 +6,7 @@ import threading
 import time
 
 import grpc
+import optax
 import pytest
 
 from ddiloco.data import text as text_data
@@ -31,7 +32,9 @@ JOB = JobConfig(
     model=configs.transformer_config("tiny", vocab_size=256, max_len=L, **ONE_BLOCK),
     data=text_data.TextDataConfig(seq_len=L, batch_size=B),
     schedule=FragmentSchedule(num_fragments=P, period=4, overlap=1),
-    syncer=SyncerConfig(use_grace=False, keep_versions=4, outer_momentum=0.0, clock="slowest"),
+    syncer=SyncerConfig(
+      use_grace=False, keep_versions=4, outer_optimizer=lambda: optax.sgd(0.7), clock="slowest"
+    ),
     learner=LearnerConfig(blocking=True),
     inner_opt=InnerOptConfig(warmup_steps=1, decay_steps=50),
     service=ServiceConfig(

@@ -5,6 +5,7 @@ outer SGD with lr 1: a merge publishes the answers' mean exactly.
 """
 
 import numpy as np
+import optax
 import pytest
 
 from ddiloco.distributed.service_config import ServiceConfig
@@ -32,7 +33,7 @@ def _syncer(clock, **service):
     fragment_keys=KEYS,
     init_values=INIT,
     syncer_config=SyncerConfig(
-      use_grace=False, merge_method="mean", outer_lr=1.0, outer_momentum=0.0, nesterov=False
+      use_grace=False, merge_method="mean", outer_optimizer=lambda: optax.sgd(1.0)
     ),
     service_config=ServiceConfig(uplink_codec="fp32", downlink_codec="fp32", **service),
     layout_digest="digest",

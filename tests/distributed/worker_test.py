@@ -22,6 +22,7 @@ import threading
 import time
 
 import numpy as np
+import optax
 import pytest
 
 from ddiloco.checkpoint.learner import LearnerCheckpointConfig
@@ -50,7 +51,9 @@ JOB = JobConfig(
     model=configs.transformer_config("tiny", vocab_size=256, max_len=L, **ONE_BLOCK),
     data=text_data.TextDataConfig(seq_len=L, batch_size=B),
     schedule=FragmentSchedule(num_fragments=P, period=2, overlap=1),
-    syncer=SyncerConfig(use_grace=False, keep_versions=9, outer_momentum=0.0, clock="slowest"),
+    syncer=SyncerConfig(
+      use_grace=False, keep_versions=9, outer_optimizer=lambda: optax.sgd(0.7), clock="slowest"
+    ),
     learner=LearnerConfig(blocking=True),
     inner_opt=InnerOptConfig(warmup_steps=1, decay_steps=50),
     service=ServiceConfig(

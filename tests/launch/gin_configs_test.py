@@ -8,6 +8,7 @@ import glob
 import os
 
 import gin
+import numpy as np
 import pytest
 
 from ddiloco.launch import configurables
@@ -132,11 +133,22 @@ def test_the_simulator_and_the_launchers_read_one_run_config():
   # JobConfig.run = @RunConfig(): the very bindings.
   assert job.run == configurables.configured(RunConfig)()
   assert (sim.service.uplink_codec, job.run.service.uplink_codec) == ("fp32", "int4")
+  # The outer optimizer is a factory gin builds anew per parse: compared by what it does.
+  grads = {"w": np.array([1.0, -2.0], np.float32)}
+  steps = []
+  for run in (sim, job.run):
+    opt = run.the_syncer().make_outer_optimizer()
+    state = opt.init(grads)
+    for _ in range(2):  # Twice, so that momentum shows.
+      update, state = opt.update(grads, state, grads)
+    steps.append(np.asarray(update["w"]))
+  np.testing.assert_array_equal(steps[0], steps[1])
   same = dataclasses.replace(
     job.run,
     service=sim.service,
     eval_every_s=sim.eval_every_s,
     log_every=sim.log_every,
+    syncer=dataclasses.replace(job.run.syncer, outer_optimizer=sim.syncer.outer_optimizer),
   )
   assert same == sim
 

@@ -43,9 +43,7 @@ def test_identity_reproduces_plain_training():
   syncer = SyncerConfig(
     min_quorum=1,
     use_grace=False,
-    outer_lr=1.0,
-    outer_momentum=0.0,
-    nesterov=False,
+    outer_optimizer=lambda: optax.sgd(1.0),
     clock="slowest",
   )
   sim = SimulatedCluster(

@@ -20,6 +20,7 @@ import platform
 import subprocess
 import sys
 
+import optax
 import pytest
 
 from ddiloco.data import text as text_data
@@ -54,7 +55,7 @@ def _trajectory(workdir: str) -> dict:
       model=configs.transformer_config("tiny", max_len=SEQ),
       data=text_data.TextDataConfig(seq_len=SEQ, batch_size=4),
       schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
-      syncer=SyncerConfig(outer_lr=0.7, outer_momentum=0.9, nesterov=True),
+      syncer=SyncerConfig(outer_optimizer=lambda: optax.sgd(0.7, momentum=0.9, nesterov=True)),
       inner_opt=train_step.InnerOptConfig(warmup_steps=2, decay_steps=24),
       service=ServiceConfig(uplink_codec="int8", downlink_codec="int4"),
       num_learners=3,

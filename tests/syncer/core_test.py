@@ -82,9 +82,14 @@ def rep(
   )
 
 
+def nesterov_sgd():
+  """DiLoCo's outer step: SGD, lr 0.7, Nesterov momentum 0.9."""
+  return optax.sgd(0.7, momentum=0.9, nesterov=True)
+
+
 def sgd1():
   """Outer SGD with lr 1 and no momentum: Θ_new = Θ − merged."""
-  return {"outer_lr": 1.0, "outer_momentum": 0.0}
+  return {"outer_optimizer": lambda: optax.sgd(1.0)}
 
 
 def test_register_returns_versions_and_alive():
@@ -555,7 +560,7 @@ def test_rejections_leave_the_state_untouched(case):
 
 
 def test_outer_step_matches_optax_sgd_nesterov_over_two_rounds():
-  core = make_core(learners=(0, 1), min_quorum=2, outer_lr=0.7, outer_momentum=0.9, nesterov=True)
+  core = make_core(learners=(0, 1), min_quorum=2, outer_optimizer=nesterov_sgd)
   opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
   params = {k: v for k, v in init_values().items() if k in KEYS[0]}
   opt_state = opt.init(params)
@@ -1444,9 +1449,10 @@ def test_merge_that_overflows_changes_nothing():
   core = SyncerCore(
     fragment_keys=KEYS,
     init_values=init_values(),
-    config=SyncerConfig(use_grace=False),
+    config=SyncerConfig(
+      use_grace=False, outer_optimizer=lambda: optax.sgd(1e38, momentum=0.9, nesterov=True)
+    ),
     clock=clock,
-    outer_optimizer=optax.sgd(1e38, momentum=0.9, nesterov=True),
   )
   for i in (0, 1):
     core.register(i)

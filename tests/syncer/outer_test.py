@@ -36,10 +36,13 @@ def _core(fused_bytes: int, *, optimizer=None, **cfg) -> SyncerCore:
   core = SyncerCore(
     fragment_keys=KEYS,
     init_values=_init(),
-    config=SyncerConfig(fused_merge_bytes=fused_bytes, **cfg),
+    config=SyncerConfig(
+      fused_merge_bytes=fused_bytes,
+      **({} if optimizer is None else {"outer_optimizer": lambda: optimizer}),
+      **cfg,
+    ),
     clock=_Clock(),
     embedding_keys=("emb",),
-    outer_optimizer=optimizer,
   )
   for i in LEARNERS:
     core.register(i)

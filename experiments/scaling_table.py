@@ -1,0 +1,385 @@
+"""The DiLoCo scaling table at this machine's scale: data-parallel against DiLoCo with M learners.
+
+The tiny model (1.1M parameters, byte tokens) trains for 5,760 steps of a global batch of 32
+sequences of 64 tokens: 11.8M tokens, about 10.6 tokens per parameter, and 192 outer steps per
+fragment at H = 30. Every row trains the same tokens with the same inner AdamW (peak lr 3e-3, the
+run files'; not tuned per M) and the global batch split as B / M, and is scored on one held-out
+set of 512 windows (16 batches of 32, fixed whatever the learners' batches).
+
+Rows:
+1. **Data-parallel**: one learner with the whole batch.
+2. **DiLoCo** (synchronous, P = 1, K = M, mean merge) with M in {1, 2, 4, 8}: outer SGD with
+   Nesterov momentum 0.9, its learning rate swept over three values per M (seed 0); a best value
+   on the sweep's edge extends it by one value.
+3. **Streaming DiLoCo** (synchronous, P = H = 30, τ = 2, K = M, mean merge) and **Decoupled
+   DiLoCo** as shipped (P = H = 30, τ = 2, K = 1 + grace, RDA, token weights, learner 1 down for
+   300 s) at M = 4 and M = 8, with the best DiLoCo outer lr of their M. The Decoupled rows run
+   α = 0 and α = 0.5 (seed 0); the better α (mean over M = 4 and 8) is the one both methods then
+   run for every seed.
+4. Seeds 1 and 2 of data-parallel, of each M's best DiLoCo row, and of the rows of 3.
+
+Runs go one per core (`--workers`, each pinned to its own core at the lowest priority), in the
+order above; a run's result is stored as soon as it ends, with the commit, date and machine, so an
+interrupted study resumes where it stopped. Writes docs/results/scaling_table.{md,png,json}.
+
+  python experiments/scaling_table.py            # runs what is missing, then reports
+  python experiments/scaling_table.py --tier=report
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import dataclasses
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+from absl import app, flags
+
+from ddiloco.simulation import study
+
+_OUT = flags.DEFINE_string("out", "docs/results", "folder for the table, plot and JSON")
+_WORKDIR = flags.DEFINE_string("workdir", "workdirs/scaling_table", "run outputs")
+_TIER = flags.DEFINE_enum("tier", "all", ["all", "report"], "run what is missing, or only report")
+_WORKERS = flags.DEFINE_integer("workers", 2, "runs at once, each pinned to its own core")
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds of the final rows")
+# One run, in a child process (the driver's): the system's name, its seed, where its result goes.
+_RUN = flags.DEFINE_string("run", None, "internal: run this system")
+_SEED = flags.DEFINE_integer("seed", 0, "internal: the run's seed")
+_RESULT = flags.DEFINE_string("result", None, "internal: where the run's result goes")
+
+STUDY = "scaling_table"
+PERIOD = 30  # H.
+OUTER_STEPS = 192
+STEPS = PERIOD * OUTER_STEPS
+GLOBAL_BATCH = 32
+SEQ_LEN = 64
+FRAGMENTS = 30  # P = H for the streaming rows.
+MS = (1, 2, 4, 8)
+MOMENTUM = 0.9
+# Outer learning rates per M (seed 0): the best one grows with M in the scaling-law study.
+SWEEP = {1: (0.2, 0.4, 0.7), 2: (0.4, 0.7, 1.0), 4: (0.4, 0.7, 1.0), 8: (0.4, 0.7, 1.0)}
+# One more value beyond each edge of a sweep, run only if the edge is best.
+EXTEND = {0.2: 0.1, 0.4: 0.2, 0.7: 1.0, 1.0: 1.4}
+ALPHAS = (0.0, 0.5)
+STREAMING_MS = (4, 8)
+CRASH = "crash:1@2000+300"
+
+# Every setting a row depends on is bound here, not left to the run files' defaults, so that a
+# stored row stays the run it names when a default changes.
+COMMON = (
+  f"STEPS = {STEPS}",
+  f"SEQ_LEN = {SEQ_LEN}",
+  f"DP_BATCH = {GLOBAL_BATCH}",
+  f"transformer_config.max_len = {SEQ_LEN}",
+  "RunConfig.eval_batches = 16",
+  "RunConfig.eval_batch_size = 32",
+  "RunConfig.eval_every_s = 240.0",
+  "RunConfig.log_every = 48",
+  "ClusterConfig.devices_per_learner = 1",
+  "ClusterConfig.step_time_s = 1.0",
+  "InnerOptConfig.peak_lr = 3e-3",
+  "InnerOptConfig.warmup_steps = 20",
+  "InnerOptConfig.final_lr_ratio = 0.1",
+)
+
+
+def _outer(lr: float) -> tuple[str, ...]:
+  return (
+    "SyncerConfig.outer_optimizer = @outer/optax.sgd",
+    f"outer/optax.sgd.learning_rate = {lr}",
+    f"outer/optax.sgd.momentum = {MOMENTUM}",
+    "outer/optax.sgd.nesterov = True",
+  )
+
+
+def _fleet(m: int) -> tuple[str, ...]:
+  return (f"LEARNERS = {m}", f"BATCH = {GLOBAL_BATCH // m}")
+
+
+def data_parallel() -> study.System:
+  return study.System(
+    name="data-parallel",
+    gin_files=("sim_tiny.gin", "baselines/data_parallel.gin"),
+    bindings=(*COMMON, *_fleet(1), "ClusterConfig.faults = ()"),
+  )
+
+
+def diloco(m: int, lr: float) -> study.System:
+  return study.System(
+    name=f"DiLoCo M={m}, outer lr {lr}",
+    gin_files=("sim_tiny.gin", "baselines/diloco.gin"),
+    bindings=(*COMMON, *_fleet(m), f"FragmentSchedule.period = {PERIOD}", *_outer(lr)),
+  )
+
+
+def _streamed(m: int, lr: float, alpha: float) -> tuple[str, ...]:
+  return (
+    *COMMON,
+    *_fleet(m),
+    'RunConfig.layout_strategy = "balanced"',
+    f"FragmentSchedule.num_fragments = {FRAGMENTS}",
+    f"FragmentSchedule.period = {PERIOD}",
+    "FragmentSchedule.overlap = 2",
+    *_outer(lr),
+    f"LearnerConfig.mixing_alpha = {alpha}",
+  )
+
+
+def streaming(m: int, lr: float, alpha: float) -> study.System:
+  return study.System(
+    name=f"Streaming DiLoCo M={m}, outer lr {lr}, alpha {alpha}",
+    gin_files=("sim_tiny.gin", "baselines/streaming_diloco.gin"),
+    bindings=_streamed(m, lr, alpha),
+  )
+
+
+def decoupled(m: int, lr: float, alpha: float) -> study.System:
+  return study.System(
+    name=f"Decoupled DiLoCo M={m}, outer lr {lr}, alpha {alpha}, 1 crash",
+    gin_files=("sim_tiny.gin",),
+    bindings=(*_streamed(m, lr, alpha), f'FAULTS = ("{CRASH}",)'),
+  )
+
+
+# -- the plan ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Plan:
+  """What to run next given what is stored: jobs ready now, and whether more will follow."""
+
+  ready: list[tuple[study.System, int]]
+  waiting: bool  # Some jobs wait for results not stored yet.
+
+
+def _loss(store: study.ResultStore, system: study.System, seed: int) -> float | None:
+  r = store.get(system, seed)
+  return None if r is None else r["final_eval_loss"]
+
+
+def sweep_of(store: study.ResultStore, m: int) -> list[float]:
+  """M's outer learning rates: the sweep, and the value past its edge if the edge is best."""
+  lrs = list(SWEEP[m])
+  for _ in range(2):  # At most one value past each edge.
+    losses = {lr: _loss(store, diloco(m, lr), 0) for lr in lrs}
+    if any(v is None for v in losses.values()):
+      return lrs
+    best = min(lrs, key=lambda lr: losses[lr])
+    nxt = EXTEND.get(best)
+    if best not in (min(lrs), max(lrs)) or nxt is None or nxt in lrs:
+      return lrs
+    lrs = sorted([*lrs, nxt])
+  return lrs
+
+
+def best_lr(store: study.ResultStore, m: int) -> float | None:
+  """M's best outer lr on seed 0, once its sweep (and any extension) is stored."""
+  lrs = sweep_of(store, m)
+  losses = {lr: _loss(store, diloco(m, lr), 0) for lr in lrs}
+  if any(v is None for v in losses.values()):
+    return None
+  return min(lrs, key=lambda lr: losses[lr])
+
+
+def best_alpha(store: study.ResultStore) -> float | None:
+  """The α of the lower mean seed-0 loss of the Decoupled rows over M = 4 and 8."""
+  means = {}
+  for alpha in ALPHAS:
+    losses = []
+    for m in STREAMING_MS:
+      lr = best_lr(store, m)
+      loss = None if lr is None else _loss(store, decoupled(m, lr, alpha), 0)
+      if loss is None:
+        return None
+      losses.append(loss)
+    means[alpha] = sum(losses) / len(losses)
+  return min(ALPHAS, key=lambda a: means[a])
+
+
+def plan(store: study.ResultStore, seeds: list[int]) -> Plan:
+  """The jobs of the study in order (the module docstring's), those whose inputs are known."""
+  jobs: list[tuple[study.System, int]] = []
+  waiting = False
+  first, rest = seeds[0], seeds[1:]
+  jobs.append((data_parallel(), first))
+  for m in (4, 8, 2, 1):  # The streaming rows need M = 4 and 8 first.
+    jobs += [(diloco(m, lr), first) for lr in sweep_of(store, m)]
+  for m in STREAMING_MS:
+    lr = best_lr(store, m)
+    if lr is None:
+      waiting = True
+      continue
+    jobs += [(decoupled(m, lr, alpha), first) for alpha in ALPHAS]
+  alpha = best_alpha(store)
+  for m in STREAMING_MS:
+    lr = best_lr(store, m)
+    if lr is None or alpha is None:
+      waiting = True
+      continue
+    jobs += [(streaming(m, lr, alpha), s) for s in seeds]
+    jobs += [(decoupled(m, lr, alpha), s) for s in rest]
+  jobs += [(data_parallel(), s) for s in rest]
+  for m in MS:
+    lr = best_lr(store, m)
+    if lr is None:
+      waiting = True
+      continue
+    jobs += [(diloco(m, lr), s) for s in rest]
+  ready = [(sys_, s) for sys_, s in jobs if store.get(sys_, s) is None]
+  return Plan(ready=ready, waiting=waiting)
+
+
+def all_systems(store: study.ResultStore) -> Iterator[study.System]:
+  """Every system the study may run (for looking one up by name)."""
+  yield data_parallel()
+  for m in MS:
+    for lr in sorted({*SWEEP[m], *EXTEND.values(), *EXTEND}):
+      yield diloco(m, lr)
+      for alpha in ALPHAS:
+        yield streaming(m, lr, alpha)
+        yield decoupled(m, lr, alpha)
+
+
+# -- running ----------------------------------------------------------------------------------------
+
+
+def provenance() -> dict[str, str]:
+  """The commit, date and machine a result was measured on."""
+  try:
+    commit = subprocess.run(
+      ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
+    ).stdout.strip()
+    dirty = subprocess.run(
+      ["git", "status", "--porcelain", "--", "ddiloco"],
+      capture_output=True,
+      text=True,
+      timeout=10,
+      check=False,
+    ).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    commit, dirty = "unknown", ""
+  return {
+    "commit": commit + ("+changes" if dirty else ""),
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    "machine": f"{_cpu_model()}, {os.cpu_count()} cores, {platform.machine()}",
+  }
+
+
+def _cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or "unknown CPU"
+
+
+def run_one(name: str, seed: int, result_path: str) -> None:
+  """Runs one system in this process and writes its result (a child of the driver)."""
+  from ddiloco.launch import configurables
+
+  store = study.ResultStore(os.path.join(_OUT.value, f"{STUDY}.json"))
+  system = next(s for s in all_systems(store) if s.name == name)
+  study.enable_compilation_cache("workdirs/jax_cache")
+  result = study.run_system(
+    system,
+    seed=seed,
+    workdir=os.path.join(_WORKDIR.value, study.slug(system.name), f"seed_{seed}"),
+    simulate_files=configurables.simulate_files,
+  )
+  result.update(provenance())
+  tmp = result_path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(result, f, default=str)
+  os.replace(tmp, result_path)
+
+
+def drive(seeds: list[int]) -> None:
+  """Runs the plan's ready jobs, `--workers` at a time, each pinned to a core, until none is left."""
+  store_path = os.path.join(_OUT.value, f"{STUDY}.json")
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  cores = sorted(os.sched_getaffinity(0))
+  slots: dict[int, tuple[subprocess.Popen, study.System, int, str, float]] = {}
+  failed: set[tuple[str, int]] = set()  # Not offered again by this driver: a rerun retries them.
+  while True:
+    store = study.ResultStore(store_path)
+    for core, (proc, system, seed, path, t0) in list(slots.items()):
+      if proc.poll() is None:
+        continue
+      del slots[core]
+      if proc.returncode == 0 and os.path.exists(path):
+        with open(path) as f:
+          result = json.load(f)
+        store.put(system, seed, result)
+        print(
+          f"[{system.name} seed {seed}] eval {result['final_eval_loss']:.4f} "
+          f"({(time.time() - t0) / 60:.0f} min)",
+          flush=True,
+        )
+      else:
+        failed.add((system.name, seed))
+        print(f"[{system.name} seed {seed}] FAILED (exit {proc.returncode})", flush=True)
+    running = {(s.name, seed) for _, s, seed, _, _ in slots.values()} | failed
+    todo = plan(store, seeds)
+    ready = [(s, seed) for s, seed in todo.ready if (s.name, seed) not in running]
+    free = [c for c in cores[: _WORKERS.value] if c not in slots]
+    for core, (system, seed) in zip(free, ready):
+      folder = os.path.join(_WORKDIR.value, study.slug(system.name), f"seed_{seed}")
+      os.makedirs(os.path.dirname(folder), exist_ok=True)
+      path = folder + ".result.json"
+      if os.path.exists(path):
+        os.remove(path)
+      log = open(folder + ".log", "w")  # noqa: SIM115 - the child's, closed with it.
+      cmd = [
+        "taskset",
+        "-c",
+        str(core),
+        "nice",
+        "-n",
+        "19",
+        sys.executable,
+        os.path.abspath(__file__),
+        f"--run={system.name}",
+        f"--seed={seed}",
+        f"--result={path}",
+        f"--out={_OUT.value}",
+        f"--workdir={_WORKDIR.value}",
+      ]
+      proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+      log.close()
+      slots[core] = (proc, system, seed, path, time.time())
+      print(f"[{system.name} seed {seed}] started on core {core}", flush=True)
+    if not slots and not ready:
+      if todo.waiting or failed:
+        print(f"stopping: {len(failed)} runs failed; rows that need them were not run", flush=True)
+      return
+    time.sleep(10)
+
+
+def report(store: study.ResultStore, seeds: list[int]) -> None:
+  """Writes the table, the plot and the JSON's summary (experiments/scaling_report.py)."""
+  del store, seeds
+  raise NotImplementedError
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  if _RUN.value is not None:
+    run_one(_RUN.value, _SEED.value, _RESULT.value)
+    return
+  seeds = [int(s) for s in _SEEDS.value]
+  if _TIER.value != "report":
+    drive(seeds)
+  report(study.ResultStore(os.path.join(_OUT.value, f"{STUDY}.json")), seeds)
+
+
+if __name__ == "__main__":
+  app.run(main)
