@@ -294,6 +294,7 @@ def run_one(name: str, seed: int, result_path: str) -> None:
     seed=seed,
     workdir=os.path.join(_WORKDIR.value, study.slug(system.name), f"seed_{seed}"),
     simulate_files=configurables.simulate_files,
+    progress=lambda line: print(line, flush=True),
   )
   result.update(provenance())
   tmp = result_path + ".tmp"

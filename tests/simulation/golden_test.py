@@ -10,7 +10,10 @@ the numerics regenerates it and says so in its commit message:
 The run goes in a child process whose code paths are pinned to x86-64 AVX2 (`_PINNED_ENV`): XLA's
 generated CPU code, numpy's SIMD loops and OpenBLAS's kernels otherwise follow the host's CPU, and
 an AVX-512 host rounds differently from an AVX2 one (a few ulps at step 2, ~3e-5 relative after 24
-steps of training), which is a property of the host, not a change to the numerics.
+steps of training), which is a property of the host, not a change to the numerics. XLA's
+platform-dependent math (faster code "at the expense of consistent results across CPUs", in its
+flag's words) is off for the same reason: with it on, an AMD EPYC host with AVX-512 drifted from a
+recording made elsewhere by 7e-5 relative after 24 steps, under the same ISA pin.
 """
 
 import json
@@ -40,7 +43,10 @@ SEQ = 32
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Read once, when each library starts: hence the child process.
 _PINNED_ENV = {
-  "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=AVX2",
+  "XLA_FLAGS": (
+    "--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=AVX2 "
+    "--xla_cpu_enable_platform_dependent_math=false"
+  ),
   "JAX_PLATFORMS": "cpu",
   "NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL AVX512_SPR",
   "OPENBLAS_CORETYPE": "Haswell",
