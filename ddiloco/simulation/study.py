@@ -188,6 +188,10 @@ class ResultStore:
 
   def put(self, system: System, seed: int, result: dict[str, Any]) -> None:
     self.results.setdefault(system.name, {})[str(seed)] = result
+    self.save()
+
+  def save(self) -> None:
+    """Writes every result to `path` (atomically: a reader never sees half a file)."""
     os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
     tmp = self.path + ".tmp"
     with open(tmp, "w") as f:
