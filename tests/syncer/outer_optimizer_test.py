@@ -1,0 +1,139 @@
+"""The outer optimizer as a plug-in: any optax transformation, one state per fragment, checkpointed."""
+
+import functools
+
+import numpy as np
+import optax
+import pytest
+
+from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
+
+KEYS = (("a", "b"), ("c",))
+FUSED, NUMPY = 0, 1 << 40  # `SyncerConfig.fused_merge_bytes`: every fragment fused, or none.
+
+
+class _Clock:
+  t = 0.0
+
+  def __call__(self) -> float:
+    return self.t
+
+
+def _init():
+  rng = np.random.default_rng(7)
+  return {
+    k: rng.standard_normal(s).astype(np.float32) for k, s in (("a", (3, 4)), ("b", 5), ("c", 2))
+  }
+
+
+def _core(factory, fused_bytes: int = NUMPY) -> SyncerCore:
+  core = SyncerCore(
+    fragment_keys=KEYS,
+    init_values=_init(),
+    config=SyncerConfig(
+      use_grace=False, merge_method="mean", outer_optimizer=factory, fused_merge_bytes=fused_bytes
+    ),
+    clock=_Clock(),
+  )
+  core.register(0)
+  core.fetch(0, 0)
+  return core
+
+
+def _merge(core: SyncerCore, step: int, delta: dict[str, np.ndarray]) -> None:
+  state = core.state(0)
+  assert core.open_round(0, step) is not None
+  report = Report(
+    learner_id=0,
+    fragment=0,
+    values=delta,
+    tokens=64,
+    steps=4,
+    anchor_version=state.version,
+    step=step,
+    round_step=step,
+    outer_gradient=True,
+  )
+  assert core.report(report).weight > 0
+  (event,) = core.flush()
+  assert event.version == state.version + 1
+
+
+def _deltas(n: int) -> list[dict[str, np.ndarray]]:
+  rng = np.random.default_rng(3)
+  return [
+    {
+      "a": rng.standard_normal((3, 4)).astype(np.float32),
+      "b": rng.standard_normal(5).astype(np.float32),
+    }
+    for _ in range(n)
+  ]
+
+
+ADAM = functools.partial(optax.adam, 0.05)
+LION = functools.partial(optax.lion, 0.01, b1=0.8)
+
+
+@pytest.mark.parametrize("fused", [FUSED, NUMPY])
+@pytest.mark.parametrize("factory", [ADAM, LION], ids=["adam", "lion"])
+def test_a_merge_applies_the_configured_transformation(factory, fused):
+  """One learner, the mean merge: the merged outer gradient is its δ, and three merges move Θ as
+  the same optax transformation applied to those δs directly would (fused program or numpy)."""
+  core = _core(factory, fused)
+  opt = factory()
+  params = {k: v for k, v in _init().items() if k in KEYS[0]}
+  state = opt.init(params)
+  for i, delta in enumerate(_deltas(3)):
+    _merge(core, 24 * (i + 1), delta)
+    updates, state = opt.update(delta, state, params)
+    params = optax.apply_updates(params, updates)
+  got = core.state(0).values
+  for k in params:
+    np.testing.assert_allclose(got[k], params[k], rtol=1e-6, atol=1e-6, err_msg=k)
+  assert not np.allclose(got["a"], _init()["a"])  # It moved.
+
+
+def test_the_state_is_kept_per_fragment_and_survives_a_checkpoint():
+  """Adam's moments and count are checkpointed per fragment: a restored core continues exactly."""
+  core = _core(ADAM)
+  deltas = _deltas(3)
+  _merge(core, 24, deltas[0])
+  _merge(core, 48, deltas[1])
+  state = core.state_dict()
+  # Fragment 1 was never merged: its Adam count is still 0, fragment 0's is 2.
+  leaves = {k: v for k, v in state.items() if "/opt/" in k and k.split("/opt/")[1].isdigit()}
+  counts = sorted(int(v) for v in leaves.values() if np.ndim(v) == 0)
+  assert counts == [0, 2]
+  restored = _core(ADAM)
+  restored.load_state_dict(state)
+  for c in (core, restored):
+    _merge(c, 72, deltas[2])
+  assert restored.state(0).digest == core.state(0).digest
+
+
+def test_a_checkpoint_of_another_outer_optimizer_is_refused_and_changes_nothing():
+  """SGD with momentum's state is not Adam's: the restore says so and leaves the core as it was."""
+  sgd = _core(functools.partial(optax.sgd, 0.7, momentum=0.9, nesterov=True))
+  _merge(sgd, 24, _deltas(1)[0])
+  adam = _core(ADAM)
+  before = adam.state_dict()
+  with pytest.raises(ValueError, match="does not match the outer optimizer"):
+    adam.load_state_dict(sgd.state_dict())
+  after = adam.state_dict()
+  assert sorted(before) == sorted(after)
+  for k in before:
+    np.testing.assert_array_equal(np.asarray(before[k]), np.asarray(after[k]), err_msg=k)
+
+
+@pytest.mark.parametrize(
+  ("factory", "message"),
+  [
+    (optax.sgd(0.7), "must be a callable"),
+    (optax.sgd, "failed to build the optimizer"),  # Its learning rate unbound.
+    (lambda: 0.7, "must return an optax GradientTransformation"),
+  ],
+  ids=["not-callable", "raises", "not-a-transformation"],
+)
+def test_a_bad_outer_optimizer_is_refused_at_construction(factory, message):
+  with pytest.raises(ValueError, match=f"SyncerConfig.outer_optimizer {message}|{message}"):
+    SyncerConfig(outer_optimizer=factory)
