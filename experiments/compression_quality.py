@@ -5,8 +5,8 @@ uplink and downlink codecs set to each codec in turn (`ServiceConfig.uplink_code
 `downlink_codec`): the syncer sees what the gRPC service would decode from θ − Θ^(anchor) and adopts
 what learners decode from Θ_new − Θ_old, exactly as `ddiloco-syncer` does (docs/algorithm.md §5).
 
-One seed cannot separate a 0.5 % effect from noise (fp32 and bf16 differed by 0.2 % on the one seed
-of session 4), so every codec runs over seeds (parameter init, data shuffle and step-time jitter
+One seed cannot separate a 0.5 % effect from noise (fp32 and bf16 can differ by 0.2 % on one
+seed), so every codec runs over seeds (parameter init, data shuffle and step-time jitter
 together, `study.TEXT_SEEDS`) and the headline is the per-seed (paired) ratio int4 / bf16 with its
 95 % Student-t interval. The goal is int4 within 0.5 % of bf16: "met" if the interval's upper
 end is <= 1.005, "not met" if its lower end is > 1.005, "inconclusive" otherwise.

@@ -20,7 +20,7 @@ from ddiloco.simulation import study
 STUDY = "compression"
 HEADLINE = ("bf16", "int4")
 EXTRA = ("fp32", "int8")
-# The bindings of session 4's single-seed run: sim_small's model and fleet, 96 steps of 4 x 64.
+# sim_small's model and fleet, 96 steps of 4 x 64 per learner.
 DEFAULT_BINDINGS = ("STEPS=96", "BATCH=4", "DP_BATCH=16", "SEQ_LEN=64")
 # A few steps without the crash, one eval batch: checks the wiring, not the numbers.
 QUICK_BINDINGS = (
@@ -31,14 +31,6 @@ QUICK_BINDINGS = (
 )
 GOAL = 1.005  # The goal: int4 eval loss within 0.5 % of bf16.
 RATIOS = (("int4", "bf16"), ("int8", "bf16"), ("bf16", "fp32"), ("int4", "fp32"))
-# Session 4's one run (default seed 0, the same bindings), kept as history in the report.
-HISTORY = (
-  "Session 4 ran one seed of each (the default seed 0): fp32 2.5052, bf16 2.4998, int4 2.5198,",
-  'int4 / bf16 = 1.008, read then as "not met". fp32 and bf16 were 0.2 % apart on that seed, so',
-  "one seed could not tell a 0.5 % effect from noise, hence the seeds above. The merge path has",
-  "changed since (float32 blockwise merge, RDA norms at filing), so seed 0 no longer gives",
-  "exactly those numbers.",
-)
 
 
 def parse_codec(spec: str) -> tuple[str, str, int | None]:
@@ -134,7 +126,7 @@ def codec_row(spec: str, runs: Mapping[int, Mapping[str, Any]]) -> list:
 def report_markdown(
   runs: Mapping[str, Mapping[int, Mapping[str, Any]]], *, command: str, setup: str
 ) -> str:
-  """The study's table: per-codec losses, paired ratios with verdicts, history.
+  """The study's table: per-codec losses and paired ratios with verdicts.
 
   Args:
     runs: {codec entry: {seed: stored result}}.
@@ -190,8 +182,6 @@ def report_markdown(
       ),
       "",
       f"![eval loss per codec]({STUDY}.png)",
-      "",
-      "History: " + " ".join(HISTORY),
     ]
   )
 

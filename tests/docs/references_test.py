@@ -9,6 +9,9 @@ _SKIP_DIRS = {".venv", ".git", "build", "dist", "__pycache__", ".ruff_cache", ".
 # A specification file that is not in the repository, and tracker issue numbers.
 _DANGLING = re.compile(r"\bSPEC(\.md)?\b|\b[Ii]ssues?[ -]#?\d+")
 _SECTION = re.compile(r"docs/algorithm\.md §(\d+(?:\.\d+)?)")
+# These tests' own examples of what they refuse.
+_HERE = pathlib.Path(__file__).resolve()
+_EXAMPLES = {_HERE, _HERE.with_name("process_words_test.py")}
 
 
 def _files():
@@ -16,7 +19,7 @@ def _files():
     rel = path.relative_to(_ROOT)
     if rel.parts[0] in _SKIP_DIRS or any(p.endswith(".egg-info") for p in rel.parts):
       continue
-    if path.is_file() and path.suffix in _SUFFIXES and path != pathlib.Path(__file__).resolve():
+    if path.is_file() and path.suffix in _SUFFIXES and path.resolve() not in _EXAMPLES:
       yield rel, path.read_text(errors="replace")
 
 
