@@ -304,12 +304,55 @@ def run_one(name: str, seed: int, result_path: str) -> None:
   os.replace(tmp, result_path)
 
 
+class _Adopted:
+  """A run started by an earlier driver, still running: polled through /proc like a Popen."""
+
+  def __init__(self, pid: int):
+    self.pid = pid
+    self.returncode: int | None = None
+
+  def poll(self) -> int | None:
+    if self.returncode is None and not os.path.exists(f"/proc/{self.pid}"):
+      self.returncode = 0  # Its result file tells whether it succeeded.
+    return self.returncode
+
+
+def _running_children() -> list[tuple[int, str, int, str, int]]:
+  """(pid, system name, seed, result path, core) of runs of this study still running."""
+  out = []
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f"/proc/{entry}/cmdline", "rb") as f:
+        argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+      continue
+    if not any(a.endswith("scaling_table.py") for a in argv) or "--seed=" not in " ".join(argv):
+      continue
+    args = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+    if "run" in args and "python" in os.path.basename(argv[0]):
+      core = min(os.sched_getaffinity(int(entry)))
+      out.append((int(entry), args["run"], int(args["seed"]), args["result"], core))
+  return out
+
+
 def drive(seeds: list[int]) -> None:
-  """Runs the plan's ready jobs, `--workers` at a time, each pinned to a core, until none is left."""
+  """Runs the plan's ready jobs, `--workers` at a time, each pinned to a core, until none is left.
+
+  Each run is a child in a session of its own at normal priority, so that the kernel's
+  per-session fair share gives the study its own share beside other work on the machine. Runs
+  left by an earlier driver are adopted, not started again.
+  """
   store_path = os.path.join(_OUT.value, f"{STUDY}.json")
   os.makedirs(_WORKDIR.value, exist_ok=True)
   cores = sorted(os.sched_getaffinity(0))
-  slots: dict[int, tuple[subprocess.Popen, study.System, int, str, float]] = {}
+  slots: dict[int, tuple] = {}
+  store = study.ResultStore(store_path)
+  by_name = {s.name: s for s in all_systems(store)}
+  for pid, name, seed, path, core in _running_children():
+    slots[core] = (_Adopted(pid), by_name[name], seed, path, time.time())
+    print(f"[{name} seed {seed}] adopted (pid {pid}, core {core})", flush=True)
   failed: set[tuple[str, int]] = set()  # Not offered again by this driver: a rerun retries them.
   while True:
     store = study.ResultStore(store_path)
@@ -344,9 +387,6 @@ def drive(seeds: list[int]) -> None:
         "taskset",
         "-c",
         str(core),
-        "nice",
-        "-n",
-        "19",
         sys.executable,
         os.path.abspath(__file__),
         f"--run={system.name}",
@@ -355,7 +395,7 @@ def drive(seeds: list[int]) -> None:
         f"--out={_OUT.value}",
         f"--workdir={_WORKDIR.value}",
       ]
-      proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+      proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
       log.close()
       slots[core] = (proc, system, seed, path, time.time())
       print(f"[{system.name} seed {seed}] started on core {core}", flush=True)
