@@ -45,6 +45,7 @@ from ddiloco.run_config import RunConfig
 from ddiloco.simulation.config import ClusterConfig
 from ddiloco.simulation.simulate import simulate
 from ddiloco.syncer.merge_rules import RDA, WeightedMean
+from ddiloco.syncer.staleness_rule import StalenessDiscountedMean
 from ddiloco.syncer.types import SyncerConfig
 from ddiloco.tasks import TextTask, VisionTask
 
@@ -63,6 +64,7 @@ _CONFIGURABLES: tuple[tuple[str, tuple[Callable[..., Any], ...], dict[str, Any]]
       # The merge rules, e.g. `SyncerConfig.merge_rule = @RDA()` (docs/algorithm.md §4.5).
       RDA,
       WeightedMean,
+      StalenessDiscountedMean,
       ServiceConfig,
       LearnerConfig,
       InnerOptConfig,

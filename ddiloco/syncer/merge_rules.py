@@ -17,7 +17,8 @@ for fragments of at least `SyncerConfig.fused_merge_bytes`). Embedding tensors t
 mean of the rule's weights whatever the rule (§4.5). A rule is a frozen dataclass: gin builds it
 (`SyncerConfig.merge_rule = @RDA()`), and two configs with equal rules compare equal. This module
 holds the interface and the two rules of §4.5, RDA (the default) and the plain weighted mean; a new
-rule is a module of its own beside it, registered for gin in `launch/configurables.py`.
+rule is a module of its own beside it (`staleness_rule.py`), registered for gin in
+`launch/configurables.py`.
 """
 
 import abc

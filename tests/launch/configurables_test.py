@@ -32,6 +32,7 @@ NAMES = {
       "RayConfig",
       "RunConfig",
       "ServiceConfig",
+      "StalenessDiscountedMean",
       "SyncerCheckpointConfig",
       "SyncerConfig",
       "TextDataConfig",
