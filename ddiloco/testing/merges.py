@@ -73,7 +73,8 @@ def _merge(
     schedule=schedule,
   )
   weights = []
-  assert core.open_round(0, _ROUND) is not None
+  if core.open_round(0, _ROUND) is None:
+    raise RuntimeError("The round did not open.")
   for i, a in enumerate(answers):
     core.register(i)
     core.fetch(i, 0)
@@ -90,10 +91,12 @@ def _merge(
         outer_gradient=a.outer_gradient,
       )
     )
-    assert result.status == "accepted", result
+    if result.status != "accepted":
+      raise ValueError(f"Answer {i} was not filed: {result}")
     weights.append(result.weight)
-  (event,) = core.flush()
-  assert event.weights == tuple(w for w in weights if w > 0)
+  events = core.flush()
+  if len(events) != 1 or events[0].weights != tuple(w for w in weights if w > 0):
+    raise RuntimeError(f"Expected one merge of the answers of weight > 0, got {events}.")
   return {k: -v for k, v in core.state(0).values.items()}, tuple(weights)
 
 
@@ -116,10 +119,15 @@ def merge_round(
 
   Returns:
     Each path's merged outer gradient (in the tensors' dtypes) and the answers' weights.
+
+  Raises:
+    ValueError: if an answer is not filed (refused by the syncer's door).
+    RuntimeError: if the round does not merge once, or the rule's weights differ between paths.
   """
   if schedule is None:
     schedule = FragmentSchedule(num_fragments=1, period=4, overlap=1)
   fused, weights = _merge(rule, answers, FUSED, embedding_keys, schedule)
   blockwise, again = _merge(rule, answers, BLOCKWISE, embedding_keys, schedule)
-  assert weights == again
+  if weights != again:
+    raise RuntimeError(f"The rule weighed the same answers {weights}, then {again}.")
   return Merged(fused, blockwise, weights)
