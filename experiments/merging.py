@@ -2,7 +2,7 @@
 
 gin_configs/studies/merging.gin is sim_tiny without faults. Every row has the same global batch (32
 sequences) and token budget: M learners with 32 / M sequences each. Merge rows differ only in
-`SyncerConfig.merge_method` (docs/algorithm.md §4.5; RDA keeps the update norm from shrinking like 1/√M when
+`SyncerConfig.merge_rule` (docs/algorithm.md §4.5; RDA keeps the update norm from shrinking like 1/√M when
 outer gradients are near-orthogonal). Codec rows are the M = 4 RDA row with both the uplink (θ −
 Θ^(anchor)) and the downlink (Θ_new − Θ_old) in one codec (docs/algorithm.md §5; the paper: int4 costs ≈ 0.1 %).
 
@@ -37,6 +37,8 @@ GIN = ("studies/merging.gin",)
 GLOBAL_BATCH = 32
 FLEETS = (4, 8, 16)
 METHODS = ("rda", "mean")
+# Each method's merge rule, as gin names it (the rows keep the methods' names).
+RULES = {"rda": "@RDA()", "mean": "@WeightedMean()"}
 
 
 def merge_system(m: int, method: str) -> study.System:
@@ -46,7 +48,7 @@ def merge_system(m: int, method: str) -> study.System:
     bindings=(
       f"LEARNERS = {m}",
       f"BATCH = {GLOBAL_BATCH // m}",
-      f"SyncerConfig.merge_method = '{method}'",
+      f"SyncerConfig.merge_rule = {RULES[method]}",
       *_BINDINGS.value,
     ),
   )

@@ -68,6 +68,7 @@ from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.syncer import blockwise, outer
 from ddiloco.syncer import merge as merge_lib
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
+from ddiloco.syncer.merge_rules import RDA, WeightedMean
 
 _TENSORS = flags.DEFINE_integer("tensors", 4, "tensors in the fragment")
 _MIB = flags.DEFINE_integer("mib", 16, "fragment size in MiB (float32 values)")
@@ -104,10 +105,14 @@ class _Clock:
     return self.t
 
 
+# The merge rules the bench times, by the name its rows print.
+_RULES = {"rda": RDA(), "mean": WeightedMean()}
+
+
 def _config(method: str, fused: bool) -> SyncerConfig:
   # No grace window: the round is due as soon as it has its quorum, and flush() merges it anyway.
   return SyncerConfig(
-    use_grace=False, merge_method=method, fused_merge_bytes=0 if fused else 1 << 62
+    use_grace=False, merge_rule=_RULES[method], fused_merge_bytes=0 if fused else 1 << 62
   )
 
 
@@ -239,7 +244,7 @@ def _parts(
   # One merge output alive at a time: a third 16 MiB buffer is fresh memory, and on this VM the
   # first touch of fresh memory costs more than the merge itself (~40 ms per 16 MiB measured).
   with _Stopwatch() as rda_watch:
-    merged = merge_lib.merge_reports(anchors, thetas, weights, method="rda")
+    merged = merge_lib.merge_reports(anchors, thetas, weights, rule=RDA())
   with _Stopwatch() as digest_watch:
     blockwise.summarize(merged)
   with _Stopwatch() as step_watch:
@@ -251,9 +256,9 @@ def _parts(
       for theta in thetas
     ]
   with _Stopwatch() as rda_known_watch:
-    merge_lib.merge_reports(anchors, thetas, weights, method="rda", sq_norms=norms)
+    merge_lib.merge_reports(anchors, thetas, weights, rule=RDA(), sq_norms=norms)
   with _Stopwatch() as mean_watch:
-    merge_lib.merge_reports(anchors, thetas, weights, method="mean")
+    merge_lib.merge_reports(anchors, thetas, weights, rule=WeightedMean())
   return {
     "rda alone": rda_watch.seconds,
     "norms": norms_watch.seconds,

@@ -161,6 +161,8 @@ def describe_config_error(error: BaseException) -> str:
 _MOVED = {
   ("SyncerConfig", "overlap"): "τ is set once, for learners and syncer alike: bind "
   "FragmentSchedule.overlap instead.",
+  ("SyncerConfig", "merge_method"): "The merge rule is an object now: bind "
+  'SyncerConfig.merge_rule = @RDA() (was "rda") or @WeightedMean() (was "mean").',
   ("simulate", "cluster"): "The virtual fleet is simulate.fleet now, and the run's size, length "
   "and cadence are RunConfig's (num_learners, steps_per_learner, batch_size, eval_every_s, "
   "log_every).",

@@ -44,6 +44,8 @@ from ddiloco.models.configs import TransformerConfig, VitConfig, transformer_con
 from ddiloco.run_config import RunConfig
 from ddiloco.simulation.config import ClusterConfig
 from ddiloco.simulation.simulate import simulate
+from ddiloco.syncer.merge_rules import RDA, WeightedMean
+from ddiloco.syncer.staleness_rule import StalenessDiscountedMean
 from ddiloco.syncer.types import SyncerConfig
 from ddiloco.tasks import TextTask, VisionTask
 
@@ -59,6 +61,10 @@ _CONFIGURABLES: tuple[tuple[str, tuple[Callable[..., Any], ...], dict[str, Any]]
       ClusterConfig,
       FragmentSchedule,
       SyncerConfig,
+      # The merge rules, e.g. `SyncerConfig.merge_rule = @RDA()` (docs/algorithm.md §4.5).
+      RDA,
+      WeightedMean,
+      StalenessDiscountedMean,
       ServiceConfig,
       LearnerConfig,
       InnerOptConfig,

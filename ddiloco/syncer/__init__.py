@@ -2,18 +2,23 @@
 
 from ddiloco.syncer.core import SyncerCore
 from ddiloco.syncer.grace import Ema, GraceModel
-from ddiloco.syncer.merge import merge_outer_gradients, rda, token_weight, weighted_mean
+from ddiloco.syncer.merge import merge_outer_gradients, rda, weighted_mean
+from ddiloco.syncer.merge_rules import RDA, Coefficients, MergeRule, WeightedMean, token_weight
 from ddiloco.syncer.types import FragmentState, MergeEvent, Report, ReportResult, SyncerConfig
 
 __all__ = [
+  "RDA",
+  "Coefficients",
   "Ema",
   "FragmentState",
   "GraceModel",
   "MergeEvent",
+  "MergeRule",
   "Report",
   "ReportResult",
   "SyncerConfig",
   "SyncerCore",
+  "WeightedMean",
   "merge_outer_gradients",
   "rda",
   "token_weight",

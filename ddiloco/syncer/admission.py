@@ -3,10 +3,12 @@ the memory of recent answers that makes a retry idempotent (docs/resilience.md).
 
 import collections
 import math
+import numbers
 from collections.abc import Mapping
 
 import numpy as np
 
+from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.protocol import counter_error, step_time_error
 from ddiloco.syncer import blockwise
 from ddiloco.syncer import merge as merge_lib
@@ -35,11 +37,13 @@ class Admission:
     self,
     *,
     config: SyncerConfig,
+    schedule: FragmentSchedule,
     learners: LearnerRegistry,
     versions: VersionStore,
     rounds: RoundTable,
   ):
     self._config = config
+    self._schedule = schedule
     self._learners = learners
     self._versions = versions
     self._rounds = rounds
@@ -118,8 +122,8 @@ class Admission:
       )
     # The finiteness check is the door's one pass over the values. For a report that will join a
     # round it also sums ‖Θ^(anchor) − θ_m‖² per tensor: the plausibility bound needs them, and
-    # RDA's tensors' norms spare the merge its first pass over the contributions (the anchor is
-    # fixed once filed).
+    # a merge rule that reads the norms (RDA) is spared its first pass over the contributions
+    # (the anchor is fixed once filed).
     joins = self._joins(r)
     # An outer gradient as sent (δ) is its own v_m; for θ, v_m = Θ^(anchor) − θ.
     anchor = (
@@ -194,4 +198,16 @@ class Admission:
       return False
     if r.anchor_version != self._rounds[p].base_version:
       return False
-    return merge_lib.token_weight(r.tokens, r.steps) > 0
+    return self.weight(r) > 0
+
+  def weight(self, r: Report) -> float:
+    """The weight the merge rule gives an answer that joins its round (`MergeRule.weight`).
+
+    Raises:
+      ValueError: if the rule's weight is not finite and >= 0 (a bug in the rule).
+    """
+    rule = self._config.merge_rule
+    w = rule.weight(r, self._schedule)
+    if not (isinstance(w, numbers.Real) and math.isfinite(w) and w >= 0):
+      raise ValueError(f"The merge rule {rule!r} gave weight {w!r}; weights are finite and >= 0.")
+    return float(w)

@@ -24,8 +24,9 @@ wraps it with a lock). The protocol (docs/algorithm.md, "Rounds"):
   It never merges with fewer than K: K = M with a dead learner stalls, which is the synchronous
   baselines' cost, made visible.
 - Merge: v_m = Θ^(base) − θ_m (the outer gradient against the round's base, which is Θ_p: nothing
-  else merges p while its round is open), w_m = tokens²/steps, RDA or mean, then one optax state
-  per fragment, float32 math, results cast back to each tensor's dtype. Each merge publishes
+  else merges p while its round is open), combined by the merge rule (`SyncerConfig.merge_rule`:
+  its weights, tokens²/steps for the shipped rules, and its coefficients: RDA, the weighted mean,
+  ...), then one optax state per fragment, float32 math, results cast back to each tensor's dtype. Each merge publishes
   version + 1 and the `values_digest` of the new values.
 
 Its state lives in collaborators it composes, each in its own module: the published versions
@@ -142,7 +143,11 @@ class SyncerCore:
     self._rounds = RoundTable(num)
     self._accounts = Accounts(self._learners)
     self._admission = Admission(
-      config=config, learners=self._learners, versions=self._versions, rounds=self._rounds
+      config=config,
+      schedule=schedule,
+      learners=self._learners,
+      versions=self._versions,
+      rounds=self._rounds,
     )
     # The state every collaborator below reads or books into.
     shared = dict(

@@ -6,7 +6,6 @@ import math
 from collections.abc import Callable, Collection, Mapping
 
 from ddiloco.fragments import buffers
-from ddiloco.syncer import merge as merge_lib
 from ddiloco.syncer.accounts import Accounts
 from ddiloco.syncer.admission import Admission, fingerprint
 from ddiloco.syncer.grace import GraceModel
@@ -106,11 +105,13 @@ class ReportIntake:
         f"answered against version {r.anchor_version}; round ({p}, {rnd.step}) is based on "
         f"version {rnd.base_version}",
       )
-    weight = merge_lib.token_weight(r.tokens, r.steps)
+    weight = self._admission.weight(r)
     if weight == 0:
-      return self._zero_weight(
-        r, "no tokens or steps since the last receipt (docs/algorithm.md §4.4)"
-      )
+      if r.tokens == 0 or r.steps == 0:
+        return self._zero_weight(
+          r, "no tokens or steps since the last receipt (docs/algorithm.md §4.4)"
+        )
+      return self._zero_weight(r, f"the merge rule {self._config.merge_rule!r} gives it weight 0")
     prev = rnd.entries.get(r.learner_id)
     status = "accepted"
     new_tokens = r.new_tokens
@@ -129,14 +130,14 @@ class ReportIntake:
     self._accounts.ledger_in(r.learner_id, r.new_tokens, dropped=False)
     # Aligned: the outer step reads them through XLA without a copy (fragments/buffers.py).
     values = {k: buffers.aligned_copy(v) if copy else v for k, v in r.values.items()}
-    rda_norms = None
-    if sq_norms is not None and self._config.merge_method == "rda":
-      rda_norms = {k: sq for k, sq in sq_norms.items() if k not in self._embedding_keys}
+    rule_norms = None  # Kept for the merge if its rule reads them (embeddings take the mean).
+    if sq_norms is not None and self._config.merge_rule.needs_norms:
+      rule_norms = {k: sq for k, sq in sq_norms.items() if k not in self._embedding_keys}
     rnd.entries[r.learner_id] = RoundEntry(
       dataclasses.replace(r, values=values, new_tokens=new_tokens),
       weight,
       learner.epoch,
-      sq_norms=rda_norms,
+      sq_norms=rule_norms,
       norm=None if sq_norms is None else math.sqrt(sum(sq_norms.values())),
     )
     self._accounts.count(status)

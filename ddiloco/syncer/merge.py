@@ -1,7 +1,9 @@
-"""Merging learners' outer gradients: token weights, weighted mean and RDA (docs/algorithm.md §4.4–4.5).
+"""Merging learners' outer gradients with a merge rule, block by block (docs/algorithm.md §4.4–4.5).
 
-Pure numpy (and scipy's BLAS), no JAX: the syncer is a CPU service and these functions must be easy
-to check by hand. Decisions (scripts/bench_merge.py):
+A rule (`merge_rules.py`: RDA, the weighted mean, ...) gives each tensor's coefficients c_m and,
+optionally, a radius; this module forms Σ_m c_m · v_m from the answers, and rescales it to the
+radius. Pure numpy (and scipy's BLAS), no JAX: the syncer is a CPU service and these functions must
+be easy to check by hand. Decisions (scripts/bench_merge.py):
 
 - Precision: values are accumulated in their own precision, at least float32 (float32 for float32,
   bfloat16 and float16 inputs; float64 for float64). Squared norms are summed in float64 from
@@ -10,14 +12,15 @@ to check by hand. Decisions (scripts/bench_merge.py):
   the float32 outer step that follows rounds to float32 anyway (docs/algorithm.md §4.6).
 - Speed: no full-size temporaries. Each tensor is processed in blocks of `BLOCK_VALUES` values
   that stay in cache (the kernel is in `blockwise.py`): per block, every contribution's v_m is formed in one scratch buffer and used
-  at once (its squared norm, or `out += c_m · v_m` with BLAS axpy). RDA needs two passes over the
-  contributions (the norms must be known before the direction is summed); the weighted mean one.
+  at once (its squared norm, or `out += c_m · v_m` with BLAS axpy). A rule that reads the norms
+  (`MergeRule.needs_norms`, RDA) needs two passes over the contributions (the norms must be known
+  before the direction is summed); the weighted mean one.
 - `merge_reports` takes the anchors and the learners' values and forms v_m = Θ^(a_m) − θ_m block by
   block, so the core never materialises the outer gradients (docs/algorithm.md §4.3); an outer
   gradient that arrived as such (a learner's δ, with no anchor) is read as it is. Its outputs are 64-byte
   aligned, which lets `jax.device_put` use them without a copy on the CPU backend, and may be
   written into a reused `OutputBuffer` (fresh memory costs page faults and zeroing).
-- RDA's first pass can move out of the merge: `finite_sq_norm` sums ‖v_m‖² in the same pass as a
+- The norms' pass can move out of the merge: `finite_sq_norm` sums ‖v_m‖² in the same pass as a
   NaN/Inf check of θ_m, so the core does it when it files a report and passes the norms to
   `merge_reports` (`sq_norms=`), whose merge then takes one pass, with the same bits.
 """
@@ -28,33 +31,17 @@ from collections.abc import Collection, Mapping, Sequence
 import numpy as np
 
 from ddiloco.syncer.blockwise import BLOCK_VALUES, Diffs, OutputBuffer, aligned_empties
+from ddiloco.syncer.merge_rules import (
+  EMBEDDING_RULE,
+  EPS,
+  RDA,
+  Coefficients,
+  MergeRule,
+  WeightedMean,
+  check_rule,
+)
 
-MERGE_METHODS = ("rda", "mean")
-EPS = 1e-12  # RDA's zero-norm guard: norms at or below it count as zero (`rda`).
-
-
-def token_weight(tokens: int, steps: int) -> float:
-  """Token weight ("quantity x quality") of one report, docs/algorithm.md §4.4: tokens² / steps.
-
-  `tokens / steps` is the learner's batch size (quality: a learner that lost chips runs a smaller batch)
-  and `tokens` is how much it trained since it last received the fragment (quantity).
-
-  Args:
-    tokens: tokens consumed since the learner last received the fragment.
-    steps: inner steps over which they were consumed.
-
-  Returns:
-    tokens**2 / steps, or 0.0 when either counter is 0 (an absent learner weighs 0).
-
-  Raises:
-    ValueError: if a counter is negative.
-  """
-  if tokens < 0 or steps < 0:
-    raise ValueError(f"Counters must be >= 0, got tokens={tokens}, steps={steps}.")
-  if tokens == 0 or steps == 0:
-    return 0.0
-  # Python ints: tokens**2 is exact before the single rounding of the division.
-  return float(int(tokens) ** 2 / int(steps))
+_DEFAULT_RULE = RDA()
 
 
 def _check_inputs(
@@ -80,81 +67,46 @@ def _check_inputs(
   return arrays, w
 
 
-def mean_coefficients(w: Sequence[float]) -> dict[int, float]:
-  """{m: w_m / Σ w} for the contributions of weight > 0: the weighted mean is Σ_m c_m · v_m."""
-  total = float(np.sum(np.asarray(w, np.float64)))
-  return {m: float(wm) / total for m, wm in enumerate(w) if wm > 0}
-
-
-def rda_coefficients(
-  w: Sequence[float], sq_norms: Mapping[int, float], eps: float
-) -> tuple[dict[int, float], float]:
-  """RDA's coefficients and radius from the weights and the squared norms ‖v_m‖² (see `rda`).
-
-  The direction is Σ_m c_m · v_m with c_m = w_m / ‖v_m‖ / Σ w, over the contributions of weight
-  > 0 and norm > eps; the radius is Σ_m w_m ‖v_m‖ / Σ w over the same. The merge is the direction
-  scaled to the radius: radius / ‖direction‖ · direction, or zeros when the returned coefficients
-  are empty (no contribution has a norm > eps, or the radius is <= eps) or ‖direction‖ <= eps.
-
-  Args:
-    w: one weight per contribution.
-    sq_norms: ‖v_m‖² for every contribution of weight > 0.
-    eps: norms at or below this are treated as zero.
-  """
-  total = float(np.sum(np.asarray(w, np.float64)))
-  norms = {m: sq_norms[m] ** 0.5 for m, wm in enumerate(w) if wm > 0}
-  norms = {m: n for m, n in norms.items() if n > eps}
-  radius = sum(float(w[m]) * n for m, n in norms.items()) / total
-  if not norms or radius <= eps:
-    return {}, 0.0
-  return {m: float(w[m]) / n / total for m, n in norms.items()}, radius
-
-
-def _mean(diffs: Diffs, w: np.ndarray) -> np.ndarray:
-  return diffs.combine(mean_coefficients(w))[0]
-
-
-def _rda(
-  diffs: Diffs, w: np.ndarray, eps: float, known: Mapping[int, float]
-) -> tuple[np.ndarray, float]:
-  """(direction, scale): the merge is direction · scale (see `rda`); the caller applies the scale."""
-  members = [m for m, wm in enumerate(w) if wm > 0]
-  computed = diffs.sq_norms([m for m in members if m not in known])  # The first of two passes.
-  sq = {m: known[m] if m in known else computed[m] for m in members}  # In order: same sums.
-  coefs, radius = rda_coefficients(w, sq, eps)
-  if not coefs:
+def _combine(diffs: Diffs, c: Coefficients, eps: float) -> tuple[np.ndarray, float]:
+  """(Σ c.coefs[m] · v_m, scale): the merge is the sum times the scale (see `Coefficients`)."""
+  if not c.coefs:
     out = diffs.output()
     out[...] = 0
     return out, 0.0
-  # direction = Σ w_m unit(v_m) / Σ w; the result is radius · direction / ‖direction‖.
-  direction, dir_sq = diffs.combine(coefs)
-  dir_norm = dir_sq**0.5
-  if dir_norm <= eps:
-    direction[...] = 0
-    return direction, 0.0
-  return direction, radius / dir_norm
+  total, sq = diffs.combine(c.coefs)
+  if c.radius is None:
+    return total, 1.0
+  # Rescaled to the radius: radius · total / ‖total‖ (RDA: the direction to the mean norm).
+  norm = sq**0.5
+  if norm <= eps:
+    total[...] = 0
+    return total, 0.0
+  return total, c.radius / norm
 
 
 def _merge_one(
   pairs: Sequence[tuple[np.ndarray, np.ndarray | None]],
   w: np.ndarray,
-  method: str,
+  rule: MergeRule,
   eps: float,
   *,
   known: Mapping[int, float] | None = None,
   out: np.ndarray | None = None,
   defer_scale: bool = False,
 ) -> tuple[np.ndarray, float]:
-  """One tensor's merge, into `out` (flat, the accumulation dtype) if given, and its scale.
+  """One tensor's merge by `rule`, into `out` (flat, the accumulation dtype) if given, and its scale.
 
   The merge is `values · scale`; the scale is applied here (and 1.0 returned) unless
   `defer_scale`. The product is rounded once, in the accumulation dtype, either way.
   """
   diffs = Diffs(pairs, BLOCK_VALUES, out)
-  if method == "rda":
-    out, scale = _rda(diffs, w, eps, known or {})
-  else:
-    out, scale = _mean(diffs, w), 1.0
+  sq = None
+  if rule.needs_norms:
+    known = known or {}
+    members = [m for m, wm in enumerate(w) if wm > 0]
+    computed = diffs.sq_norms([m for m in members if m not in known])  # The first of two passes.
+    sq = {m: known[m] if m in known else computed[m] for m in members}  # In order: same sums.
+  out, scale = _combine(diffs, rule.coefficients(w, sq), eps)
   if not defer_scale and scale != 1.0:
     out *= diffs.dtype.type(scale)
     scale = 1.0
@@ -222,6 +174,15 @@ def finite_sq_norm(anchor: np.ndarray | None, value: np.ndarray) -> float | None
   return sq
 
 
+def _merged(
+  vs: Sequence[np.ndarray], ws: Sequence[float], rule: MergeRule, eps: float
+) -> np.ndarray:
+  """One tensor merged by `rule`, with the shape and dtype of `vs` (see `weighted_mean`)."""
+  arrays, w = _check_inputs(vs, ws)
+  out, _ = _merge_one([(a, None) for a in arrays], w, rule, eps)
+  return out.astype(arrays[0].dtype, copy=False)
+
+
 def weighted_mean(vs: Sequence[np.ndarray], ws: Sequence[float]) -> np.ndarray:
   """Σ w v / Σ w, accumulated in at least float32 (docs/algorithm.md §4.5, embeddings).
 
@@ -235,13 +196,11 @@ def weighted_mean(vs: Sequence[np.ndarray], ws: Sequence[float]) -> np.ndarray:
   Raises:
     ValueError: on mismatched lengths, shapes or dtypes, negative weights, or Σ w <= 0.
   """
-  arrays, w = _check_inputs(vs, ws)
-  out, _ = _merge_one([(a, None) for a in arrays], w, "mean", 0.0)
-  return out.astype(arrays[0].dtype, copy=False)
+  return _merged(vs, ws, WeightedMean(), 0.0)
 
 
 def rda(vs: Sequence[np.ndarray], ws: Sequence[float], eps: float = EPS) -> np.ndarray:
-  """Radial-Directional Averaging of one tensor, docs/algorithm.md §4.5.
+  """Radial-Directional Averaging of one tensor, docs/algorithm.md §4.5 (`merge_rules.RDA`).
 
   `(Σ w‖v‖ / Σ w) · unit(Σ w unit(v) / Σ w)`: the radius is the weighted mean of the norms and the
   direction the normalised weighted mean of the directions, so near-orthogonal updates do not shrink
@@ -261,14 +220,11 @@ def rda(vs: Sequence[np.ndarray], ws: Sequence[float], eps: float = EPS) -> np.n
   Raises:
     ValueError: on mismatched lengths, shapes or dtypes, negative weights, or Σ w <= 0.
   """
-  arrays, w = _check_inputs(vs, ws)
-  out, _ = _merge_one([(a, None) for a in arrays], w, "rda", eps)
-  return out.astype(arrays[0].dtype, copy=False)
+  return _merged(vs, ws, RDA(eps=eps), eps)
 
 
-def _check_method(method: str, n: int, weights: Sequence[float], what: str) -> None:
-  if method not in MERGE_METHODS:
-    raise ValueError(f"Unknown merge method {method!r}; expected one of {MERGE_METHODS}.")
+def _check_counts(rule: MergeRule, n: int, weights: Sequence[float], what: str) -> None:
+  check_rule(rule, "rule")
   if n != len(weights):
     raise ValueError(f"Got {n} {what} but {len(weights)} weights.")
   if not n:
@@ -287,15 +243,15 @@ def merge_outer_gradients(
   grads: Sequence[Mapping[str, np.ndarray]],
   weights: Sequence[float],
   *,
-  method: str = "rda",
+  rule: MergeRule = _DEFAULT_RULE,
   embedding_keys: Collection[str] = (),
 ) -> dict[str, np.ndarray]:
   """Merges per-learner outer gradients of one fragment, tensor by tensor (docs/algorithm.md §4.5).
 
   Args:
     grads: one {key: outer gradient} per learner, all with the same keys.
-    weights: one token weight per learner (see `token_weight`).
-    method: "rda" (default, docs/algorithm.md §4.5) or "mean" (the ablation) for non-embedding tensors.
+    weights: one weight per learner (see `MergeRule.weight`).
+    rule: the merge rule of non-embedding tensors (default RDA, docs/algorithm.md §4.5).
     embedding_keys: keys that always use the weighted mean (input embedding and unembedding: decision,
       docs/algorithm.md §4.5). Keys not present in `grads` are ignored, so the full model's set may be passed.
 
@@ -303,17 +259,15 @@ def merge_outer_gradients(
     {key: merged outer gradient}, keys in sorted order, each with its inputs' dtype.
 
   Raises:
-    ValueError: on an unknown method, mismatched key sets or lengths, or invalid weights.
+    ValueError: on a rule that is not a `MergeRule`, mismatched key sets or lengths, or invalid
+      weights.
   """
-  _check_method(method, len(grads), weights, "gradients")
+  _check_counts(rule, len(grads), weights, "gradients")
   keys = _check_keys(grads, "grads")
   out = {}
   for key in keys:
-    vs = [g[key] for g in grads]
-    if key in embedding_keys or method == "mean":
-      out[key] = weighted_mean(vs, weights)
-    else:
-      out[key] = rda(vs, weights)
+    use = EMBEDDING_RULE if key in embedding_keys else rule
+    out[key] = _merged([g[key] for g in grads], weights, use, EPS)
   return out
 
 
@@ -322,7 +276,7 @@ def merge_reports(
   values: Sequence[Mapping[str, np.ndarray]],
   weights: Sequence[float],
   *,
-  method: str = "rda",
+  rule: MergeRule = _DEFAULT_RULE,
   embedding_keys: Collection[str] = (),
   eps: float = EPS,
   sq_norms: Sequence[Mapping[str, float] | None] | None = None,
@@ -341,27 +295,30 @@ def merge_reports(
     anchors: per learner, Θ^(anchor) of the fragment, {key: array}, or None.
     values: per learner, its θ_m (or its δ_m, for a None anchor) with the same keys, shapes and
       dtypes.
-    weights: one token weight per learner; learners of weight 0 are not read.
-    method: "rda" (default) or "mean" for non-embedding tensors.
+    weights: one weight per learner (`MergeRule.weight`); learners of weight 0 are not read.
+    rule: the merge rule of non-embedding tensors (default RDA).
     embedding_keys: keys merged with the weighted mean (docs/algorithm.md §4.5); absent keys are ignored.
-    eps: RDA's zero-norm guard (see `rda`).
+    eps: the rescale's guard: a sum whose norm is at or below it merges to zeros when the rule
+      gives a radius (`Coefficients`).
     sq_norms: per learner, `outer_sq_norms(anchors[m], values[m])` if already known, or None.
-      RDA then skips its first pass for those learners; the result is the same bits.
+      A rule that reads the norms then skips its first pass for those learners; the result is the
+      same bits.
     out: where the results are written (their memory is reused by the next merge into `out`);
       None: fresh memory.
-    scales: if given, RDA's last step, scaling the summed direction to the radius, is left to the
-      caller: the returned arrays are unscaled and `scales[key]` receives each tensor's factor
-      (1.0 for the mean). A caller that reads the results once anyway (the outer step) saves a
-      pass over them.
+    scales: if given, the rescale to the rule's radius (RDA's last step, scaling the summed
+      direction to the radius) is left to the caller: the returned arrays are unscaled and
+      `scales[key]` receives each tensor's factor (1.0 without a radius). A caller that reads
+      the results once anyway (the outer step) saves a pass over them.
 
   Returns:
     {key: merged outer gradient}, keys in sorted order, in the accumulation dtype (float32 for
     float32/bfloat16/float16 values), 64-byte aligned.
 
   Raises:
-    ValueError: on an unknown method, mismatched keys, lengths, shapes or dtypes, or invalid weights.
+    ValueError: on a rule that is not a `MergeRule`, mismatched keys, lengths, shapes or dtypes,
+      or invalid weights.
   """
-  _check_method(method, len(values), weights, "reports")
+  _check_counts(rule, len(values), weights, "reports")
   if len(anchors) != len(values):
     raise ValueError(f"Got {len(anchors)} anchors but {len(values)} reports.")
   if sq_norms is None:
@@ -390,7 +347,7 @@ def merge_reports(
   flats = aligned_empties(specs) if out is None else out.arrays(specs)
   merged = {}
   for (key, (pairs, w)), flat in zip(inputs.items(), flats):
-    use = "mean" if key in embedding_keys else method
+    use = EMBEDDING_RULE if key in embedding_keys else rule
     known = {m: float(sq[key]) for m, sq in enumerate(sq_norms) if sq is not None and key in sq}
     merged[key], scale = _merge_one(
       pairs, w, use, eps, known=known, out=flat, defer_scale=scales is not None

@@ -1,13 +1,14 @@
 """The outer step, and the merge fused with it for large fragments (docs/algorithm.md §4.5-4.6).
 
-A merge reads every answer's outer gradient once, combines them (`merge.py`: token weights, RDA or
-the mean) and hands the result to the optax outer optimizer. Two ways, the same mathematics:
+A merge reads every answer's outer gradient once, combines them with the coefficients of the merge
+rule (`merge_rules.py`: RDA, the weighted mean, ...) and hands the result to the optax outer
+optimizer. Two ways, the same mathematics:
 
 - `OuterStep.step`: the merge is done in numpy (`merge.merge_reports`, block by block into a
   reused buffer) and the jitted optax update reads its result. One compiled program per fragment.
 - `OuterStep.merge_and_step`: one XLA program reads the answers, forms each outer gradient
-  (δ_m as sent, or Θ^(base) − θ_m), combines them with the coefficients of `merge.py`, scales RDA's
-  direction to its radius and applies the optax update, in one pass over the answers, without
+  (δ_m as sent, or Θ^(base) − θ_m), combines them with the rule's coefficients, rescales the sum to
+  the rule's radius where it gives one (RDA's direction to its radius) and applies the optax update, in one pass over the answers, without
   writing the merged gradient anywhere. Measured on 8 answers of 16 MiB
   (scripts/bench_merge.py): about 1.2x one read of the answers, against about 2.5x for the numpy
   merge followed by the step. Its program depends on the number of answers, so each new answer
@@ -35,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ddiloco.syncer.merge_rules import EPS
+
 Arrays = Mapping[str, np.ndarray | jax.Array]
 
 
@@ -61,12 +64,12 @@ def _step(opt, limits, inputs, state, spare):
 def _merge_and_step(step, plan, inputs, state, spare):
   """step: (opt, limits).
 
-  plan (static): (deltas, rda_keys, eps): `deltas[m]`, whether answers[m] is δ_m (else θ_m, against `base`);
-  `rda_keys`, the keys merged by RDA (the others by the weighted mean); `eps`, RDA's zero-norm
-  guard. inputs: (params, base,
-  answers, coefs, radius): coefs[k], (M,) float32; radius[k], float32."""
+  plan (static): (deltas, radius_keys, eps): `deltas[m]`, whether answers[m] is δ_m (else θ_m,
+  against `base`); `radius_keys`, the keys whose sum is rescaled to a radius (RDA's; the others
+  are the sum itself); `eps`, the rescale's zero-norm guard. inputs: (params, base, answers, coefs,
+  radius): coefs[k], (M,) float32; radius[k], float32."""
   del spare  # Donated: its buffers hold the outputs.
-  deltas, rda_keys, eps = plan
+  deltas, radius_keys, eps = plan
   params, base, answers, coefs, radius = inputs
   grads = {}
   for k, p in params.items():
@@ -77,7 +80,7 @@ def _merge_and_step(step, plan, inputs, state, spare):
         v = base[k].astype(jnp.float32) - v
       term = coefs[k][m] * v
       g = term if g is None else g + term
-    if k in rda_keys:
+    if k in radius_keys:
       norm = jnp.sqrt(jnp.vdot(g, g))
       g = jnp.where(norm > eps, g * (radius[k] / jnp.maximum(norm, eps)), jnp.zeros_like(g))
     grads[k] = g.reshape(p.shape)
@@ -93,7 +96,7 @@ class OuterStep:
     optimizer: optax.GradientTransformation,
     limits: Mapping[str, float],
     *,
-    eps: float = 1e-12,
+    eps: float = EPS,
   ):
     self._opt = optimizer
     self._eps = float(eps)
@@ -160,9 +163,9 @@ class OuterStep:
       base: Θ^(base) in the tensors' dtypes, needed if an answer is θ (not δ).
       answers: per answer, its values ({key: array}, the tensors' dtypes).
       deltas: per answer, whether it is δ_m (else θ_m).
-      coefs: per key, {answer index: coefficient} (`merge.mean_coefficients` or
-        `merge.rda_coefficients`); absent answers weigh 0.
-      radius: per key, RDA's radius (the direction is scaled to it), or None for the mean.
+      coefs: per key, {answer index: coefficient} (`MergeRule.coefficients`); absent answers
+        weigh 0.
+      radius: per key, the radius the sum is rescaled to (RDA's), or None: the sum as it is.
       opt_state: the optimizer state.
       spare: donated buffers for the outputs, as in `step` (None: fresh ones).
     """
@@ -170,7 +173,7 @@ class OuterStep:
     if len(deltas) != n or not n:
       raise ValueError(f"Got {n} answers and {len(deltas)} kinds; need one kind per answer, >= 1.")
     c = {k: np.array([coefs[k].get(m, 0.0) for m in range(n)], np.float32) for k in params32}
-    rda_keys = frozenset(k for k in params32 if radius[k] is not None)
+    radius_keys = frozenset(k for k in params32 if radius[k] is not None)
     r = {k: np.float32(radius[k] or 0.0) for k in params32}
     if base is None and not all(deltas):
       raise ValueError("An answer of θ (not δ) needs the base values.")
@@ -178,7 +181,7 @@ class OuterStep:
     # copy, in its C++ dispatch (a `jax.device_put` per answer cost ~0.1 ms per array in Python).
     base = dict(base) if base is not None and not all(deltas) else None
     answers = tuple(dict(a) for a in answers)
-    plan = (tuple(bool(d) for d in deltas), rda_keys, self._eps)
+    plan = (tuple(bool(d) for d in deltas), radius_keys, self._eps)
     if spare is None:
       spare = self.spare(params32, opt_state)
     return self._fused(plan, (params32, base, answers, c, r), opt_state, spare)

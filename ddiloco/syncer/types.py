@@ -14,7 +14,7 @@ import numpy as np
 import optax
 
 from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
-from ddiloco.syncer import merge as merge_lib
+from ddiloco.syncer.merge_rules import RDA, MergeRule, check_rule
 from ddiloco.types import check_int_fields
 
 # The types learners and the syncer exchange live in `ddiloco.protocol`; re-exported here.
@@ -101,7 +101,10 @@ class SyncerConfig:
     grace_spread: let the window cover the observed spread of the answers, up to the whole slack
       (syncer/grace.py); False: γ · slack alone.
     ema_decay: decay of the ξ EMAs.
-    merge_method: "rda" (default) or "mean" for non-embedding tensors (docs/algorithm.md §4.5).
+    merge_rule: how a round's answers merge (docs/algorithm.md §4.4–4.5): each answer's weight and
+      each non-embedding tensor's coefficients (embeddings take the weighted mean whatever the
+      rule). A `MergeRule` (`syncer/merge_rules.py`); in gin, e.g.
+      `SyncerConfig.merge_rule = @RDA()` (the default) or `@WeightedMean()`.
     clock: how the syncer's step clock advances. "fleet_rate" (default): at the median step rate
       of the alive learners, whatever their positions. "slowest": to the lowest schedule step any
       alive learner has reached, so a round opens once every learner has reached its step; the
@@ -133,7 +136,7 @@ class SyncerConfig:
   grace_max_s: float = 10.0
   grace_spread: bool = True
   ema_decay: float = 0.8
-  merge_method: str = "rda"
+  merge_rule: MergeRule = dataclasses.field(default_factory=RDA)
   clock: str = "fleet_rate"
   outer_optimizer: Callable[[], optax.GradientTransformation] = default_outer_optimizer
   keep_versions: int = 4
@@ -152,10 +155,7 @@ class SyncerConfig:
       raise ValueError(f"grace_max_s must be finite and >= 0, got {self.grace_max_s}.")
     if not 0.0 <= self.ema_decay < 1.0:
       raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}.")
-    if self.merge_method not in merge_lib.MERGE_METHODS:
-      raise ValueError(
-        f"merge_method must be one of {merge_lib.MERGE_METHODS}, got {self.merge_method!r}."
-      )
+    check_rule(self.merge_rule)
     if self.clock not in CLOCKS:
       raise ValueError(f"clock must be one of {CLOCKS}, got {self.clock!r}.")
     self.make_outer_optimizer()  # A factory that cannot build one fails here, not at a merge.
@@ -234,8 +234,9 @@ class RoundEntry:
   report: Report  # values are the syncer's own copies.
   weight: float
   epoch: int  # the learner's registration epoch when the report arrived.
-  # {key: ‖Θ^(anchor) − θ‖²} of its RDA tensors, summed at the door's finiteness pass, or None: the
-  # merge then computes them (`merge.merge_reports`). Not checkpointed: a restored entry has None.
+  # {key: ‖Θ^(anchor) − θ‖²} of its non-embedding tensors if the merge rule reads them
+  # (`MergeRule.needs_norms`), summed at the door's finiteness pass, or None: the merge then
+  # computes them (`merge.merge_reports`). Not checkpointed: a restored entry has None.
   sq_norms: dict[str, float] | None = None
   # ‖Θ^(anchor) − θ‖ over the fragment, from the door (the plausibility bound's recent norms).
   norm: float | None = None

@@ -11,6 +11,7 @@ import optax
 
 from ddiloco.syncer import blockwise
 from ddiloco.syncer import merge as merge_lib
+from ddiloco.syncer.merge_rules import EMBEDDING_RULE, MergeRule
 from ddiloco.syncer.outer import OuterStep
 from ddiloco.syncer.types import RoundEntry, SyncerConfig, readonly
 from ddiloco.syncer.versions import VersionStore
@@ -46,6 +47,7 @@ class FragmentUpdater:
     adopt: Callable[[int, Mapping[str, np.ndarray], Mapping[str, np.ndarray]], dict] | None,
   ):
     self._config = config
+    self._rule = config.merge_rule
     self._versions = versions
     self._embedding_keys = frozenset(embedding_keys)
     self._adopt = adopt
@@ -142,11 +144,11 @@ class FragmentUpdater:
       [None if e.report.outer_gradient else base for e in entries],
       [e.report.values for e in entries],
       weights,
-      method=self._config.merge_method,
+      rule=self._rule,
       embedding_keys=self._embedding_keys,
-      sq_norms=[e.sq_norms for e in entries],  # From filing: RDA's first pass is done.
+      sq_norms=[e.sq_norms for e in entries],  # From filing: the norms' pass is done.
       out=self._merge_out,  # Reused: the outer step below is done with it when _merge returns.
-      scales=scales,  # RDA's final scaling is done by the outer step, as it reads them.
+      scales=scales,  # The rescale to the rule's radius: done by the outer step as it reads them.
     )
     return self._outer.step(self._params32(p), merged, scales, self._opt_state[p], self._spare(p))
 
@@ -156,19 +158,19 @@ class FragmentUpdater:
     """The merge and the outer step in one program (`outer.py`): (new params, new state, ok)."""
     coefs, radius = {}, {}
     for k, v in base.items():
-      if k in self._embedding_keys or self._config.merge_method == "mean":
-        coefs[k], radius[k] = merge_lib.mean_coefficients(weights), None
-        continue
-      sq = {}
-      for m, e in enumerate(entries):
-        known = e.sq_norms.get(k) if e.sq_norms is not None else None
-        if known is None:  # Not kept (a restored round): computed as filing does.
-          anchor = None if e.report.outer_gradient else v
-          known = merge_lib.finite_sq_norm(anchor, np.asarray(e.report.values[k]))
-          if known is None:
-            raise FloatingPointError(f"answer {m} to fragment {p} has a non-finite {k!r}")
-        sq[m] = known
-      coefs[k], radius[k] = merge_lib.rda_coefficients(weights, sq, merge_lib.EPS)
+      rule = self._rule_of(k)
+      sq = None
+      if rule.needs_norms:
+        sq = {}
+        for m, e in enumerate(entries):
+          known = e.sq_norms.get(k) if e.sq_norms is not None else None
+          if known is None:  # Not kept (a restored round): computed as filing does.
+            anchor = None if e.report.outer_gradient else v
+            known = merge_lib.finite_sq_norm(anchor, np.asarray(e.report.values[k]))
+            if known is None:
+              raise FloatingPointError(f"answer {m} to fragment {p} has a non-finite {k!r}")
+          sq[m] = known
+      coefs[k], radius[k] = rule.coefficients(weights, sq)
     return self._outer.merge_and_step(
       self._params32(p),
       base=base,
@@ -206,21 +208,32 @@ class FragmentUpdater:
       jax.block_until_ready(out)
       return
     values = {k: np.zeros(v.shape, v.dtype) for k, v in self._versions.values(p).items()}
+    # The program depends on which tensors the rules give a radius, not on the coefficients'
+    # values: unit weights and norms stand in for the answers'.
+    ones = (1.0,) * answers
+    coefs, radius = {}, {}
+    for k in params:
+      rule = self._rule_of(k)
+      coefs[k], radius[k] = rule.coefficients(
+        ones, dict.fromkeys(range(answers), 1.0) if rule.needs_norms else None
+      )
     out = self._outer.merge_and_step(
       params,
       base=None,
       answers=[values] * answers,
       deltas=[True] * answers,
-      coefs={k: {} for k in params},
-      radius={
-        k: None if k in self._embedding_keys or self._config.merge_method == "mean" else 0.0
-        for k in params
-      },
+      coefs=coefs,
+      radius=radius,
       opt_state=self._opt_state[p],
       spare=self._spare(p),
     )
     self._spare_params[p], self._spare_state[p] = out[0], out[1]  # Discarded: spare again.
     jax.block_until_ready(out)
+
+  def _rule_of(self, key: str) -> MergeRule:
+    """The rule that merges tensor `key`: the weighted mean for embeddings (docs/algorithm.md
+    §4.5), the configured rule otherwise."""
+    return EMBEDDING_RULE if key in self._embedding_keys else self._rule
 
   def _params32(self, p: int) -> dict[str, np.ndarray | jax.Array]:
     """Θ_p in float32 for the outer step: float32 values as they are (numpy arrays; jit hands an

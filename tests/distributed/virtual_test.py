@@ -12,6 +12,7 @@ from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.distributed.virtual import VirtualSyncer
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.protocol import Report, RoundRequest
+from ddiloco.syncer.merge_rules import WeightedMean
 from ddiloco.syncer.types import SyncerConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -33,7 +34,7 @@ def _syncer(clock, **service):
     fragment_keys=KEYS,
     init_values=INIT,
     syncer_config=SyncerConfig(
-      use_grace=False, merge_method="mean", outer_optimizer=lambda: optax.sgd(1.0)
+      use_grace=False, merge_rule=WeightedMean(), outer_optimizer=lambda: optax.sgd(1.0)
     ),
     service_config=ServiceConfig(uplink_codec="fp32", downlink_codec="fp32", **service),
     layout_digest="digest",

@@ -153,14 +153,36 @@ def test_misspelled_macro_suggests_the_closest(tmp_path, script):
   _assert_one_line_error(proc, script, w, "'LEARNRS'", "Did you mean 'LEARNERS'")
 
 
-def test_a_moved_parameter_says_where_it_lives_now(tmp_path):
-  # τ was once bound twice (SyncerConfig.overlap and FragmentSchedule.overlap): a config written so
-  # is told which binding replaces it.
+@pytest.mark.parametrize(
+  ("binding", "expected"),
+  [
+    # τ was once bound twice (SyncerConfig.overlap and FragmentSchedule.overlap).
+    ("SyncerConfig.overlap=2", ("'overlap'", "FragmentSchedule.overlap")),
+    # The merge rule was a string; it is an object now.
+    (
+      "SyncerConfig.merge_method='mean'",
+      ("'merge_method'", "SyncerConfig.merge_rule = @RDA()", '@WeightedMean() (was "mean")'),
+    ),
+  ],
+)
+def test_a_moved_parameter_says_where_it_lives_now(tmp_path, binding, expected):
+  # A config written for an older version is told which binding replaces it.
   w = tmp_path / "w"
   proc = _script(
-    "ddiloco-simulate", f"--workdir={w}", "--gin_file=sim_tiny.gin", "--gin.SyncerConfig.overlap=2"
+    "ddiloco-simulate", f"--workdir={w}", "--gin_file=sim_tiny.gin", f"--gin.{binding}"
   )
-  _assert_one_line_error(proc, "ddiloco-simulate", w, "'overlap'", "FragmentSchedule.overlap")
+  _assert_one_line_error(proc, "ddiloco-simulate", w, *expected)
+
+
+def test_a_merge_rule_that_is_not_one_is_refused(tmp_path):
+  w = tmp_path / "w"
+  proc = _script(
+    "ddiloco-simulate",
+    f"--workdir={w}",
+    f"--gin_file={SIM_GIN}",
+    "--gin.SyncerConfig.merge_rule='rda'",
+  )
+  _assert_one_line_error(proc, "ddiloco-simulate", w, "merge_rule must be a MergeRule", "@RDA()")
 
 
 def test_bad_line_in_a_gin_file_names_the_file(tmp_path):

@@ -23,6 +23,7 @@ from ddiloco.simulation.cluster import SimulatedCluster
 from ddiloco.simulation.config import ClusterConfig
 from ddiloco.simulation.simulate import simulate
 from ddiloco.syncer.core import SyncerConfig
+from ddiloco.syncer.merge_rules import RDA
 
 SEQ = 32
 FP32 = ServiceConfig(uplink_codec="fp32", downlink_codec="fp32")
@@ -315,7 +316,7 @@ def test_vit_task_merges_with_int4_and_rda_and_reports_accuracy(tmp_path):
     run=RunConfig(
       task=task,
       schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
-      syncer=SyncerConfig(min_quorum=2, merge_method="rda"),
+      syncer=SyncerConfig(min_quorum=2, merge_rule=RDA()),
       inner_opt=INNER,
       service=ServiceConfig(uplink_codec="int4", downlink_codec="int4"),
       num_learners=2,

@@ -12,6 +12,7 @@ from ddiloco.fragments.digest import values_digest
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.syncer import merge
 from ddiloco.syncer.core import Report, RoundRequest, SyncerConfig, SyncerCore
+from ddiloco.syncer.merge_rules import RDA, WeightedMean
 
 # Two fragments: p0 holds "a" (2x3) and "b" (4,), p1 holds "c" (2,).
 KEYS = (("a", "b"), ("c",))
@@ -394,7 +395,7 @@ def test_an_answer_anchored_off_the_round_base_weighs_zero():
   neither counts toward K = 1 nor touches the merge. Learner 0 (anchor 1) sends init + 0.375:
   Θ2 = Θ1 − (Θ1 − θ0) = init + 0.375 exactly.
   """
-  core = make_core(learners=(0, 1), merge_method="mean", **sgd1())
+  core = make_core(learners=(0, 1), merge_rule=WeightedMean(), **sgd1())
   core.open_round(0, ROUND)
   core.report(rep(0, values=theta(0.125)))
   core.poll()
@@ -423,7 +424,7 @@ def test_an_answer_anchored_off_the_round_base_weighs_zero():
 
 
 def test_duplicate_and_superseded():
-  core = make_core(learners=(0, 1), min_quorum=2, **sgd1(), merge_method="mean")
+  core = make_core(learners=(0, 1), min_quorum=2, **sgd1(), merge_rule=WeightedMean())
   core.open_round(0, ROUND)
   first = core.report(rep(0, step=10, values=theta(0.125)))
   assert first.status == "accepted"
@@ -600,7 +601,7 @@ def test_outer_step_matches_optax_sgd_nesterov_over_two_rounds():
 
 
 def test_token_weights_shape_the_mean():
-  core = make_core(learners=(0, 1), min_quorum=2, merge_method="mean", **sgd1())
+  core = make_core(learners=(0, 1), min_quorum=2, merge_rule=WeightedMean(), **sgd1())
   core.open_round(0, ROUND)
   theta1 = theta(0.0)
   theta1["a"][0, 0] += (
@@ -805,8 +806,8 @@ def test_constructor_validation():
 def test_config_validation_and_gin():
   with pytest.raises(ValueError, match="min_quorum"):
     SyncerConfig(min_quorum=0)
-  with pytest.raises(ValueError, match="merge_method"):
-    SyncerConfig(merge_method="median")
+  with pytest.raises(ValueError, match="merge_rule must be a MergeRule"):
+    SyncerConfig(merge_rule="median")
   # A learner answering a round may still hold the previous version: two versions at least.
   with pytest.raises(ValueError, match="keep_versions must be >= 2"):
     SyncerConfig(keep_versions=1)
@@ -897,7 +898,9 @@ def test_observe_steps_ignores_unknown_dead_and_too_frequent_samples():
 def _tick_core(clock):
   """P = 2, H = 4, τ = 2 (p1 due at steps 2, 6, 10, ..., p0 at 4, 8, ...), K = 1, learners 0-2."""
   schedule = FragmentSchedule(num_fragments=2, period=4, overlap=2)
-  return make_core(clock, learners=(0, 1, 2), schedule=schedule, merge_method="mean", **sgd1())
+  return make_core(
+    clock, learners=(0, 1, 2), schedule=schedule, merge_rule=WeightedMean(), **sgd1()
+  )
 
 
 def _answer(core, request):
@@ -999,7 +1002,12 @@ def _run_fleet(*, use_grace, until):
   clock = FakeClock(0.0)
   schedule = FragmentSchedule(num_fragments=2, period=4, overlap=2)
   core = make_core(
-    clock, learners=range(4), schedule=schedule, use_grace=use_grace, merge_method="mean", **sgd1()
+    clock,
+    learners=range(4),
+    schedule=schedule,
+    use_grace=use_grace,
+    merge_rule=WeightedMean(),
+    **sgd1(),
   )
   step_s = (1.0, 1.0, 1.0, 1.18)
   inner = [0, 0, 0, 0]
@@ -1273,7 +1281,7 @@ def test_filing_sums_rda_norms_and_the_merge_keeps_its_bits():
 @pytest.mark.parametrize(
   "cfg, report, expected",
   [
-    ({"merge_method": "mean"}, rep(0), None),  # The mean needs no norms: finiteness only.
+    ({"merge_rule": WeightedMean()}, rep(0), None),  # The mean needs no norms: finiteness only.
     ({"embedding_keys": ("a",)}, rep(0), {"b": 4 * 0.125**2}),  # "a" uses the mean.
     ({}, rep(0, tokens=0), "no entry"),  # Weight 0: never merged.
     ({}, rep(3), "no entry"),  # Never received p (docs/algorithm.md §3): weight 0.
@@ -1298,10 +1306,10 @@ def test_norms_are_summed_only_for_reports_that_join_an_rda_round(cfg, report, e
   assert (norms[0] if norms else "no entry") == expected
 
 
-@pytest.mark.parametrize("method", ["rda", "mean"])
+@pytest.mark.parametrize("rule", [RDA(), WeightedMean()], ids=["rda", "mean"])
 @pytest.mark.parametrize("anchor_ok", [True, False])
-def test_non_finite_values_are_rejected_with_or_without_norms(method, anchor_ok):
-  core = make_core(learners=(0,), merge_method=method)
+def test_non_finite_values_are_rejected_with_or_without_norms(rule, anchor_ok):
+  core = make_core(learners=(0,), merge_rule=rule)
   core.open_round(0, ROUND)
   values = theta(0.125)
   values["b"][3] = np.nan
@@ -1582,14 +1590,14 @@ def _as_outer_gradient(core, r):
   return dataclasses.replace(r, values=delta, outer_gradient=True)
 
 
-@pytest.mark.parametrize("method", ["rda", "mean"])
-def test_outer_gradient_answers_merge_as_their_thetas(method):
+@pytest.mark.parametrize("rule", [RDA(), WeightedMean()], ids=["rda", "mean"])
+def test_outer_gradient_answers_merge_as_their_thetas(rule):
   # Two learners answer one round, as θ, as δ, or one of each: the merge is bit for bit the same,
   # and RDA's norms are taken from δ itself.
   thetas = [theta(0.125), theta(-0.0625)]
   digests = set()
   for as_delta in [(False, False), (True, True), (True, False)]:
-    core = make_core(learners=(0, 1), merge_method=method)
+    core = make_core(learners=(0, 1), merge_rule=rule)
     core.open_round(0, ROUND)
     for i, (t, d) in enumerate(zip(thetas, as_delta)):
       r = rep(i, values=t, tokens=100 + 50 * i)

@@ -1,4 +1,4 @@
-"""Tests of ddiloco.syncer.merge: token weights, weighted mean and RDA (docs/algorithm.md §4.4-4.5)."""
+"""Tests of ddiloco.syncer.merge: the blockwise merge by a rule, weighted mean and RDA (docs/algorithm.md §4.5)."""
 
 import math
 
@@ -7,19 +7,9 @@ import numpy as np
 import pytest
 
 from ddiloco.syncer import blockwise, merge
+from ddiloco.syncer.merge_rules import RDA, WeightedMean
 
-
-def test_token_weight_examples():
-  # 100 tokens over 4 steps: 100**2 / 4 = 2500.
-  assert merge.token_weight(100, 4) == 2500.0
-  # Same steps, twice the tokens (twice the batch): 4x the weight, 200**2 / 4 = 10000.
-  assert merge.token_weight(200, 4) == 10000.0
-  # Same tokens over twice the steps (half the batch): half the weight, 100**2 / 8 = 1250.
-  assert merge.token_weight(100, 8) == 1250.0
-  assert merge.token_weight(0, 5) == 0.0
-  assert merge.token_weight(5, 0) == 0.0
-  with pytest.raises(ValueError, match="Counters"):
-    merge.token_weight(-1, 3)
+RULES = {"rda": RDA(), "mean": WeightedMean()}
 
 
 def test_weighted_mean_by_hand():
@@ -100,13 +90,13 @@ def test_merge_outer_gradients_embeddings_use_the_mean():
   assert list(out) == ["emb", "w"]
   np.testing.assert_allclose(out["emb"], [0.5, 0.5])  # mean
   np.testing.assert_allclose(np.linalg.norm(out["w"]), 1.0)  # RDA
-  out_mean = merge.merge_outer_gradients(grads, [1.0, 1.0], method="mean")
+  out_mean = merge.merge_outer_gradients(grads, [1.0, 1.0], rule=WeightedMean())
   np.testing.assert_allclose(out_mean["w"], [0.5, 0.5])
 
 
 def test_merge_outer_gradients_rejects():
-  with pytest.raises(ValueError, match="Unknown merge method"):
-    merge.merge_outer_gradients([{"a": np.zeros(1)}], [1.0], method="median")
+  with pytest.raises(ValueError, match="rule must be a MergeRule"):
+    merge.merge_outer_gradients([{"a": np.zeros(1)}], [1.0], rule="median")
   with pytest.raises(ValueError, match="keys"):
     merge.merge_outer_gradients([{"a": np.zeros(1)}, {"b": np.zeros(1)}], [1.0, 1.0])
 
@@ -137,7 +127,9 @@ def test_float32_merge_matches_float64_within_a_few_ulps(monkeypatch, method, nu
   anchor = rng.standard_normal(10007).astype(np.float32)
   thetas = [anchor - np.float32(1e-2) * rng.standard_normal(10007, np.float32) for _ in range(num)]
   ws = [float(m + 1) for m in range(num)]
-  got = merge.merge_reports([{"k": anchor}] * num, [{"k": t} for t in thetas], ws, method=method)
+  got = merge.merge_reports(
+    [{"k": anchor}] * num, [{"k": t} for t in thetas], ws, rule=RULES[method]
+  )
   want = _ref64([anchor] * num, thetas, ws, method)
   assert got["k"].dtype == np.float32
   # Bound, to first order in u = 2^-24: v_m's rounding (u), the num − 1 accumulations ((num − 1)u),
@@ -160,7 +152,7 @@ def test_merge_reports_with_stale_anchors_bf16_and_a_zero_weight():
       [{"w": a0}, {"w": a1}, {"w": a0}],
       [{"w": t0}, {"w": t1}, {"w": t2}],
       [2.0, 1.0, 0.0],
-      method=method,
+      rule=RULES[method],
     )["w"]
     # Differences of bfloat16 values are taken in float32 (the core's float32 outer gradients).
     grads = [
@@ -200,8 +192,8 @@ def test_merge_reports_rejects():
     merge.merge_reports([a], [{"j": np.zeros(3, np.float32)}], [1.0])
   with pytest.raises(ValueError, match=r"'k': anchors are float32\[3\], values float64\[3\]"):
     merge.merge_reports([a], [{"k": np.zeros(3)}], [1.0])
-  with pytest.raises(ValueError, match="Unknown merge method"):
-    merge.merge_reports([a], [a], [1.0], method="median")
+  with pytest.raises(ValueError, match="rule must be a MergeRule"):
+    merge.merge_reports([a], [a], [1.0], rule="median")
   with pytest.raises(ValueError, match="positive sum"):
     merge.merge_reports([a], [a], [0.0])
 
@@ -274,9 +266,9 @@ def test_output_buffer_is_reused_and_gives_the_same_bits():
   assert first.ctypes.data % 64 == 0 and buf.nbytes == 1216 + 64  # 1200 bytes to 64s, + align.
   kept = first.copy()
   # The next merge writes over the same memory; a larger one grows the buffer.
-  second = merge.merge_reports(anchors, values, [2.0, 1.0], method="mean", out=buf)["k"]
+  second = merge.merge_reports(anchors, values, [2.0, 1.0], rule=WeightedMean(), out=buf)["k"]
   assert np.shares_memory(first, second) and not np.array_equal(first, kept)
-  fresh = merge.merge_reports(anchors, values, [2.0, 1.0], method="mean")["k"]
+  fresh = merge.merge_reports(anchors, values, [2.0, 1.0], rule=WeightedMean())["k"]
   assert second.tobytes() == fresh.tobytes()
   big = {"k": np.zeros(400, np.float32)}
   merge.merge_reports([big], [big], [1.0], out=buf)

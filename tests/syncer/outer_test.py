@@ -8,6 +8,7 @@ import pytest
 
 from ddiloco.syncer import merge, outer
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
+from ddiloco.syncer.merge_rules import RDA, WeightedMean, token_weight
 
 KEYS = (("a", "b", "emb"), ("c",))
 LEARNERS = (0, 1, 2)
@@ -98,11 +99,11 @@ def _opt_arrays(core: SyncerCore) -> list[np.ndarray]:
   return [np.asarray(v, np.float64) for k, v in sorted(sd.items()) if "/opt/" in k]
 
 
-@pytest.mark.parametrize("method", ["rda", "mean"])
-def test_the_fused_merge_matches_the_numpy_merge_then_step(method):
+@pytest.mark.parametrize("rule", [RDA(), WeightedMean()], ids=["rda", "mean"])
+def test_the_fused_merge_matches_the_numpy_merge_then_step(rule):
   """RDA (and the mean for the embedding) over δ and θ answers, a bfloat16 tensor, three merges:
   the two ways agree to float32 rounding, in the values and in the optimizer state."""
-  fused, ref = _core(FUSED, merge_method=method), _core(NUMPY, merge_method=method)
+  fused, ref = _core(FUSED, merge_rule=rule), _core(NUMPY, merge_rule=rule)
   for step in (10, 34, 58):
     answers = _answers(ref, step, seed=step)
     for core in (fused, ref):
@@ -125,7 +126,7 @@ def test_the_fused_merge_is_the_reference_rda_and_mean():
   core = _core(FUSED, optimizer=optax.sgd(1.0))
   answers = [r for r in _answers(core, 10, seed=3) if r.outer_gradient]  # δ answers only.
   _merge(core, 10, answers)
-  weights = [merge.token_weight(r.tokens, r.steps) for r in answers]
+  weights = [token_weight(r.tokens, r.steps) for r in answers]
   init = _init()
   for k in ("a", "emb"):
     vs = [r.values[k] for r in answers]
