@@ -11,12 +11,15 @@ Rows:
 2. **DiLoCo** (synchronous, P = 1, K = M, mean merge) with M in {1, 2, 4, 8}: outer SGD with
    Nesterov momentum 0.9, its learning rate swept over three values per M (seed 0); a best value
    on the sweep's edge extends it by one value.
-3. **Streaming DiLoCo** (synchronous, P = H = 30, τ = 2, K = M, mean merge) and **Decoupled
+3. **Momentum warm-up**: DiLoCo at M = 4 and 8 with their best outer lr and the momentum ramped
+   from 0 to 0.9 over the first 20 outer steps (`nesterov_warmup`, which short runs need:
+   experiments/short_horizon.py), against the same rows without it (seed 0).
+4. **Streaming DiLoCo** (synchronous, P = H = 30, τ = 2, K = M, mean merge) and **Decoupled
    DiLoCo** as shipped (P = H = 30, τ = 2, K = 1 + grace, RDA, token weights, learner 1 down for
-   300 s) at M = 4 and M = 8, with the best DiLoCo outer lr of their M. The Decoupled rows run
-   α = 0 and α = 0.5 (seed 0); the better α (mean over M = 4 and 8) is the one both methods then
-   run for every seed.
-4. Seeds 1 and 2 of data-parallel, of each M's best DiLoCo row, and of the rows of 3.
+   300 s) at M = 4 and M = 8, with the best DiLoCo outer lr of their M and the momentum warm-up.
+   The Decoupled rows run α = 0 and α = 0.5 (seed 0); the better α (mean over M = 4 and 8) is
+   the one both methods then run for every seed.
+5. Seeds 1 and 2 of data-parallel, of each M's best DiLoCo row, and of the rows of 4.
 
 Runs go one per core (`--workers`, each pinned to its own core at the lowest priority), in the
 order above; a run's result is stored as soon as it ends, with the commit, date and machine, so an
@@ -68,6 +71,10 @@ SWEEP = {1: (0.2, 0.4, 0.7), 2: (0.4, 0.7, 1.0), 4: (0.4, 0.7, 1.0), 8: (0.4, 0.
 # One more value beyond each edge of a sweep, run only if the edge is best.
 EXTEND = {0.2: 0.1, 0.4: 0.2, 0.7: 1.0, 1.0: 1.4}
 ALPHAS = (0.0, 0.5)
+# The streaming rows' outer optimizer: Nesterov with its momentum ramped over this many outer
+# steps (`ddiloco.syncer.outer_optimizers.nesterov_warmup`), checked against plain Nesterov at
+# M = 4 and 8 in the DiLoCo rows.
+WARMUP = 20
 STREAMING_MS = (4, 8)
 CRASH = "crash:1@2000+300"
 
@@ -90,7 +97,15 @@ COMMON = (
 )
 
 
-def _outer(lr: float) -> tuple[str, ...]:
+def _outer(lr: float, warmup: int = 0) -> tuple[str, ...]:
+  """Nesterov SGD (the literature's), or with its momentum ramped over `warmup` outer steps."""
+  if warmup:
+    return (
+      "SyncerConfig.outer_optimizer = @outer/nesterov_warmup",
+      f"outer/nesterov_warmup.learning_rate = {lr}",
+      f"outer/nesterov_warmup.momentum = {MOMENTUM}",
+      f"outer/nesterov_warmup.warmup_steps = {warmup}",
+    )
   return (
     "SyncerConfig.outer_optimizer = @outer/optax.sgd",
     f"outer/optax.sgd.learning_rate = {lr}",
@@ -111,11 +126,11 @@ def data_parallel() -> study.System:
   )
 
 
-def diloco(m: int, lr: float) -> study.System:
+def diloco(m: int, lr: float, warmup: int = 0) -> study.System:
   return study.System(
-    name=f"DiLoCo M={m}, outer lr {lr}",
+    name=f"DiLoCo M={m}, outer lr {lr}" + (f", momentum warm-up {warmup}" if warmup else ""),
     gin_files=("sim_tiny.gin", "baselines/diloco.gin"),
-    bindings=(*COMMON, *_fleet(m), f"FragmentSchedule.period = {PERIOD}", *_outer(lr)),
+    bindings=(*COMMON, *_fleet(m), f"FragmentSchedule.period = {PERIOD}", *_outer(lr, warmup)),
   )
 
 
@@ -127,14 +142,14 @@ def _streamed(m: int, lr: float, alpha: float) -> tuple[str, ...]:
     f"FragmentSchedule.num_fragments = {FRAGMENTS}",
     f"FragmentSchedule.period = {PERIOD}",
     "FragmentSchedule.overlap = 2",
-    *_outer(lr),
+    *_outer(lr, WARMUP),
     f"LearnerConfig.mixing_alpha = {alpha}",
   )
 
 
 def streaming(m: int, lr: float, alpha: float) -> study.System:
   return study.System(
-    name=f"Streaming DiLoCo M={m}, outer lr {lr}, alpha {alpha}",
+    name=f"Streaming DiLoCo M={m}, outer lr {lr}, warm-up {WARMUP}, alpha {alpha}",
     gin_files=("sim_tiny.gin", "baselines/streaming_diloco.gin"),
     bindings=_streamed(m, lr, alpha),
   )
@@ -142,7 +157,7 @@ def streaming(m: int, lr: float, alpha: float) -> study.System:
 
 def decoupled(m: int, lr: float, alpha: float) -> study.System:
   return study.System(
-    name=f"Decoupled DiLoCo M={m}, outer lr {lr}, alpha {alpha}, 1 crash",
+    name=f"Decoupled DiLoCo M={m}, outer lr {lr}, warm-up {WARMUP}, alpha {alpha}, 1 crash",
     gin_files=("sim_tiny.gin",),
     bindings=(*_streamed(m, lr, alpha), f'FAULTS = ("{CRASH}",)'),
   )
@@ -211,6 +226,8 @@ def plan(store: study.ResultStore, seeds: list[int]) -> Plan:
   jobs.append((data_parallel(), first))
   for m in (4, 8, 2, 1):  # The streaming rows need M = 4 and 8 first.
     jobs += [(diloco(m, lr), first) for lr in sweep_of(store, m)]
+    if m in STREAMING_MS and (lr := best_lr(store, m)) is not None:
+      jobs.append((diloco(m, lr, WARMUP), first))  # Does the warm-up cost at this horizon?
   for m in STREAMING_MS:
     lr = best_lr(store, m)
     if lr is None:
@@ -242,6 +259,7 @@ def all_systems(store: study.ResultStore) -> Iterator[study.System]:
   for m in MS:
     for lr in sorted({*SWEEP[m], *EXTEND.values(), *EXTEND}):
       yield diloco(m, lr)
+      yield diloco(m, lr, WARMUP)
       for alpha in ALPHAS:
         yield streaming(m, lr, alpha)
         yield decoupled(m, lr, alpha)
@@ -559,6 +577,30 @@ def report(store: study.ResultStore, seeds: list[int]) -> None:
     f"## Outer learning rate (DiLoCo, Nesterov momentum {MOMENTUM}, seed {seeds[0]})",
     "",
     study.markdown_table(["M", "outer lr", "eval loss", "vs data-parallel"], sweep_rows),
+  ]
+  # The momentum warm-up at this horizon.
+  warm_rows = []
+  for m in STREAMING_MS:
+    lr = best_lr(store, m)
+    if lr is None:
+      continue
+    plain, warm = (
+      _losses(store, diloco(m, lr), seeds[:1]),
+      _losses(store, diloco(m, lr, WARMUP), seeds[:1]),
+    )
+    warm_rows.append(
+      [m, lr, _cell(plain), _cell(warm) if warm else "not run", _fmt(_gap(warm, plain))]
+    )
+  parts += [
+    "",
+    f"## Momentum warm-up at {OUTER_STEPS} outer steps (DiLoCo, seed {seeds[0]})",
+    "",
+    f"Nesterov 0.9 against the same with its momentum ramped over the first {WARMUP} outer steps",
+    "(`nesterov_warmup`), at each M's best outer lr.",
+    "",
+    study.markdown_table(
+      ["M", "outer lr", "Nesterov", "with warm-up", "warm-up vs Nesterov"], warm_rows
+    ),
   ]
   # α.
   alpha_rows = []

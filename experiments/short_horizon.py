@@ -15,8 +15,6 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import gin
-import optax
 from absl import app, flags
 
 from ddiloco.launch import configurables
@@ -36,15 +34,6 @@ COMMON = (
   "RunConfig.eval_batch_size = 32",
   "RunConfig.eval_every_s = 24.0",
 )
-
-
-def nesterov_warmup(learning_rate: float, momentum: float, warmup_steps: int):
-  """Nesterov SGD whose momentum ramps linearly from 0 to `momentum` over `warmup_steps` outer steps."""
-  return optax.inject_hyperparams(optax.sgd)(
-    learning_rate=learning_rate,
-    momentum=optax.linear_schedule(0.0, momentum, warmup_steps),
-    nesterov=True,
-  )
 
 
 def _sgd(lr: float, momentum: float) -> tuple[str, ...]:
@@ -131,8 +120,6 @@ def report(store: study.ResultStore, seeds: list[int], steps_list: list[int]) ->
 
 def main(argv: list[str]) -> None:
   del argv
-  configurables.register()
-  gin.external_configurable(nesterov_warmup, module="ddiloco_experiments")
   seeds = [int(s) for s in _SEEDS.value]
   steps_list = [int(s) for s in _STEPS.value]
   names = _CANDIDATES.value or list(CANDIDATES)

@@ -45,6 +45,7 @@ from ddiloco.run_config import RunConfig
 from ddiloco.simulation.config import ClusterConfig
 from ddiloco.simulation.simulate import simulate
 from ddiloco.syncer.merge_rules import RDA, WeightedMean
+from ddiloco.syncer.outer_optimizers import nesterov_warmup
 from ddiloco.syncer.staleness_rule import StalenessDiscountedMean
 from ddiloco.syncer.types import SyncerConfig
 from ddiloco.tasks import TextTask, VisionTask
@@ -85,6 +86,8 @@ _CONFIGURABLES: tuple[tuple[str, tuple[Callable[..., Any], ...], dict[str, Any]]
   ),
   # `workdir` and `progress` are the caller's, never a gin file's.
   ("ddiloco", (simulate,), {"denylist": ["workdir", "progress"]}),
+  # Outer optimizers beside optax's (`SyncerConfig.outer_optimizer = @outer/nesterov_warmup`).
+  ("ddiloco", (nesterov_warmup,), {}),
   # The optax transformations an inner optimizer may be built from in gin, e.g.
   #   InnerOptConfig.optimizer = @optax.sgd
   #   optax.sgd.momentum = 0.9
