@@ -158,7 +158,10 @@ class SyncerConfig:
     check_rule(self.merge_rule)
     if self.clock not in CLOCKS:
       raise ValueError(f"clock must be one of {CLOCKS}, got {self.clock!r}.")
-    self.make_outer_optimizer()  # A factory that cannot build one fails here, not at a merge.
+    # Built once, here: a factory bound in gin reads gin's bindings when called, and a config may
+    # outlive them (a factory that cannot build one fails here, not at a merge). optax
+    # transformations are pure, so every fragment's state can come from this one.
+    object.__setattr__(self, "_outer", self._build_outer_optimizer())
     if self.keep_versions < 2:
       raise ValueError(
         f"keep_versions must be >= 2, got {self.keep_versions}: a learner answering a round may "
@@ -174,7 +177,11 @@ class SyncerConfig:
       raise ValueError(f"max_tokens_per_step must be >= 1 or None, got {self.max_tokens_per_step}.")
 
   def make_outer_optimizer(self) -> optax.GradientTransformation:
-    """The outer optimizer `outer_optimizer` builds (docs/algorithm.md §4.6).
+    """The outer optimizer `outer_optimizer` built when this config was made (docs/algorithm.md §4.6)."""
+    return self._outer
+
+  def _build_outer_optimizer(self) -> optax.GradientTransformation:
+    """Calls `outer_optimizer` and checks what it returns.
 
     Raises:
       ValueError: if `outer_optimizer` is not callable, fails, or returns something that is not

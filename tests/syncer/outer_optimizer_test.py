@@ -6,7 +6,9 @@ import numpy as np
 import optax
 import pytest
 
+from ddiloco.syncer import outer_optimizers
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
+from ddiloco.syncer.merge_rules import WeightedMean
 
 KEYS = (("a", "b"), ("c",))
 FUSED, NUMPY = 0, 1 << 40  # `SyncerConfig.fused_merge_bytes`: every fragment fused, or none.
@@ -31,7 +33,10 @@ def _core(factory, fused_bytes: int = NUMPY) -> SyncerCore:
     fragment_keys=KEYS,
     init_values=_init(),
     config=SyncerConfig(
-      use_grace=False, merge_method="mean", outer_optimizer=factory, fused_merge_bytes=fused_bytes
+      use_grace=False,
+      merge_rule=WeightedMean(),
+      outer_optimizer=factory,
+      fused_merge_bytes=fused_bytes,
     ),
     clock=_Clock(),
   )
@@ -137,3 +142,57 @@ def test_a_checkpoint_of_another_outer_optimizer_is_refused_and_changes_nothing(
 def test_a_bad_outer_optimizer_is_refused_at_construction(factory, message):
   with pytest.raises(ValueError, match=f"SyncerConfig.outer_optimizer {message}|{message}"):
     SyncerConfig(outer_optimizer=factory)
+
+
+def test_nesterov_warmup_ramps_the_momentum_then_is_nesterov_sgd():
+  """Step t uses μ_t = 0.9 · t / 4 for t < 4, then 0.9: checked against a hand-written trace."""
+  opt = outer_optimizers.nesterov_warmup(0.5, momentum=0.9, warmup_steps=4)
+  grads = [{"w": np.array([1.0, -2.0], np.float32) * (t + 1)} for t in range(7)]
+  state = opt.init({"w": np.zeros(2, np.float32)})
+  trace = np.zeros(2)
+  for t, g in enumerate(grads):
+    mu = 0.9 * min(t / 4, 1.0)
+    trace = mu * trace + g["w"]
+    want = -0.5 * (g["w"] + mu * trace)  # Nesterov: the gradient plus μ times the new trace.
+    update, state = opt.update(g, state)
+    np.testing.assert_allclose(update["w"], want, rtol=1e-6, err_msg=f"step {t}")
+
+
+def test_nesterov_warmup_of_zero_steps_is_optax_nesterov():
+  opt, ref = outer_optimizers.nesterov_warmup(0.7, 0.9, 0), optax.sgd(0.7, 0.9, nesterov=True)
+  s, r = opt.init({"w": np.zeros(3, np.float32)}), ref.init({"w": np.zeros(3, np.float32)})
+  for t in range(3):
+    g = {"w": np.full(3, t + 1.0, np.float32)}
+    (u, s), (v, r) = opt.update(g, s), ref.update(g, r)
+    np.testing.assert_allclose(u["w"], v["w"], rtol=1e-7)
+
+
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    {"learning_rate": 0.0},
+    {"learning_rate": 0.7, "momentum": 1.0},
+    {"learning_rate": 0.7, "warmup_steps": -1},
+  ],
+)
+def test_nesterov_warmup_refuses_bad_settings(kwargs):
+  with pytest.raises(ValueError):
+    outer_optimizers.nesterov_warmup(**kwargs)
+
+
+def test_one_gin_binding_sets_the_outer_optimizer():
+  """`SyncerConfig.outer_optimizer = @outer/...` with its settings in the `outer` scope."""
+  from ddiloco.launch import configurables
+  from ddiloco.run_config import RunConfig
+
+  for binding, settings, probe in (
+    ("@outer/optax.adam", ["outer/optax.adam.learning_rate = 0.1"], "mu"),
+    ("@outer/nesterov_warmup", ["outer/nesterov_warmup.learning_rate = 0.5"], "hyperparams"),
+  ):
+    configurables.parse(["sim_tiny.gin"], [f"SyncerConfig.outer_optimizer = {binding}", *settings])
+    try:
+      run = configurables.configured(RunConfig)()
+    finally:
+      configurables.clear()
+    state = run.the_syncer().make_outer_optimizer().init({"w": np.zeros(2, np.float32)})
+    assert probe in repr(state), binding
