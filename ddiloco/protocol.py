@@ -1,13 +1,20 @@
 """What learners and the syncer exchange, whatever carries it (in-process or gRPC).
 
-A learner answers the syncer's `RoundRequest`s with `Report`s and hears back a `ReportResult`; the
-syncer publishes each merged fragment as a `FragmentState`. The simulated cluster hands these objects
-over directly; the gRPC runtime encodes them (`ddiloco.transport.messages`). Nothing here knows how.
+The syncer asks with a `RoundRequest`. A learner's kernel answers with an `Answer`: θ_p as it
+trained it, and the anchor Θ_p^(anchor) the wire's outer gradient δ = Θ^(anchor) − θ is formed
+against (`Uplink` says which of the two the wire carries). The learner's transport turns it into a
+Push at its edge (distributed/link.py); the syncer's door reads that Push as a `Report`, whose
+values are what the wire carried (δ, or fp32 θ), and answers with a `ReportResult`. The syncer
+publishes each merged fragment as a `FragmentState` (version, Θ_p, digest): always the full
+values, since a learner's transport decodes a downlink delta against the base it holds before its
+kernel sees it. Nothing here knows how any of them travels (`ddiloco.transport`).
 """
 
 import dataclasses
+import enum
 import math
 from collections.abc import Mapping
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -59,15 +66,104 @@ class RoundRequest:
   base_version: int
 
 
+class Uplink(enum.Enum):
+  """What an answer's payload is on the wire (docs/algorithm.md §5)."""
+
+  DELTA = "delta"  # δ = Θ^(anchor) − θ in the negotiated uplink codec, merged as decoded.
+  THETA = "theta"  # θ itself, fp32: the learner holds no anchor of p (never received it).
+
+
+class Theta(Protocol):
+  """θ_p as an answer took it: a host copy, or a snapshot on the devices (learner/snapshot.py)."""
+
+  def __call__(self) -> Mapping[str, np.ndarray]:
+    """θ_p in host memory, keyed as the layout keys it."""
+
+  def encode_delta(self, codec: str, anchor: Mapping[str, np.ndarray], block_size: int) -> Any:
+    """δ = anchor − θ_p already encoded (a `device_int4.EncodedDelta`), or None: encode on the host."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTheta:
+  """θ_p copied to host memory when the answer was made (the simulator's answers)."""
+
+  values: Mapping[str, np.ndarray]
+
+  def __call__(self) -> Mapping[str, np.ndarray]:
+    return self.values
+
+  def encode_delta(self, codec: str, anchor: Mapping[str, np.ndarray], block_size: int) -> None:
+    """None: the host encodes δ."""
+    del codec, anchor, block_size
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Answer:
+  """One learner's answer to round (p, t), as its kernel makes it (learner → its transport).
+
+  Attributes:
+    learner_id: the answering learner.
+    fragment: p.
+    round_step: t, the round it answers (`RoundRequest.round_step`); -1: no round (unsolicited).
+    step: the learner's schedule step when it answered (orders a restarted learner's answers).
+    anchor_version: the version of p the learner last applied; -1 if it never received p. The
+      answer weighs more than 0 only if this is the round's base version.
+    tokens: tokens since the learner last applied p.
+    steps: inner steps since then.
+    new_tokens: tokens trained since the learner's previous answer of p: each trained token is in
+      exactly one answer, which the token ledger follows to its fate (learner/ledger.py).
+    step_time_s: the learner's step time, feeds ξ_step; 0 = unknown.
+    theta: θ_p as answered (a host copy, or a device snapshot read when the answer is sent).
+    anchor: Θ_p^(anchor_version) as the learner holds it; None when it holds none (`Uplink.THETA`).
+  """
+
+  learner_id: int
+  fragment: int
+  round_step: int
+  step: int
+  anchor_version: int
+  tokens: int
+  steps: int
+  new_tokens: int
+  step_time_s: float = 0.0
+  theta: Theta
+  anchor: Mapping[str, np.ndarray] | None
+
+  @property
+  def uplink(self) -> Uplink:
+    """δ against the anchor when the learner holds it, else θ."""
+    return Uplink.THETA if self.anchor is None else Uplink.DELTA
+
+  def as_report(self, theta: Mapping[str, np.ndarray]) -> "Report":
+    """The Push header's fields with θ_p's host values (`theta`; empty when the devices encoded
+    δ): what the learner's transport encodes, at its edge (distributed/link.py)."""
+    return Report(
+      learner_id=self.learner_id,
+      fragment=self.fragment,
+      values=theta,
+      tokens=self.tokens,
+      steps=self.steps,
+      anchor_version=self.anchor_version,
+      step=self.step,
+      step_time_s=self.step_time_s,
+      new_tokens=self.new_tokens,
+      round_step=self.round_step,
+    )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Report:
-  """One learner's report of one fragment (learner → syncer).
+  """One answer of one fragment as the wire carries it: the syncer's door reads a Push as a Report.
+
+  A learner's kernel makes an `Answer`; its transport makes a Report of it only to encode the Push
+  (θ, from which the encoder forms δ against the answer's anchor). What the door reads and the
+  core files is a Report whose values are what was sent: δ (`outer_gradient`) or fp32 θ.
 
   Attributes:
     learner_id: the reporting learner.
     fragment: fragment index p.
-    values: θ_{m,p}, the learner's current parameters of p, {key: array}; with `outer_gradient`,
-      its outer gradient δ = Θ^(anchor) − θ_{m,p} instead (as the wire carries it).
+    values: on the learner's side, θ_{m,p} to encode; on the syncer's, as read from the wire: the
+      outer gradient δ = Θ^(anchor) − θ_{m,p} with `outer_gradient`, else θ_{m,p}.
     tokens: tokens since the learner last applied p (it resets them at every apply).
     steps: inner steps since then.
     anchor_version: version of p the learner last applied; -1 if it never received p. It weighs

@@ -41,7 +41,7 @@ rounds the syncer asked for and its step clock as the learner last heard it. And
 the machine may be shared, and then wall-clock rates move between rounds; CPU times move much less.
 
 What the worker's "overhead" includes, all of it real: per step, the device-side copy of the
-fragment whose round it answers and its asynchronous host transfer (`Learner.snapshot_report`);
+fragment whose round it answers and its asynchronous host transfer (`DeviceParams.snapshot`);
 in the sender thread, the wait for that copy, the delta θ − Θ^(anchor), int4 encoding and the gRPC
 push; in the comm thread, heartbeats (every 0.25 s: the learner's step, from which the syncer's step
 clock takes its pace); in the rounds thread, the `Rounds` stream of round requests and version
@@ -111,7 +111,9 @@ _ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 _GIN_DIR = os.path.join(_ROOT, "gin_configs")
 _GIN_FILE = os.path.join(_GIN_DIR, "local_tiny.gin")
 _TICK = os.sysconf("SC_CLK_TCK")
-_HOST_WORK = ("_send_due", "drain", "_apply")  # Methods of the training loop (worker.loop).
+# Methods of the training loop (worker.loop): the step boundary (its own drain included, then
+# `step_boundary`'s applies and answers) and the drain the loop makes before it.
+_HOST_WORK = ("drain", "_boundary")
 # Loop name -> (steps left in flight, whether the step keeps its input parameters).
 _BARE = {
   "bare": (1, False),
@@ -191,20 +193,21 @@ def _instrument(worker, stamped: _Stamped, syncer_pid: int) -> None:
   """Counts rounds answered (sends) and times the worker's host work on the training thread, for
   the probes."""
   acc: collections.Counter[str] = collections.Counter()
-  snapshot_report = worker.learner.snapshot_report
+  make_answer = worker.learner.answer
 
   def answer(p, **kwargs):  # One call per round answered (the worker also peeks at `due()`).
     acc["sent"] += 1
-    return snapshot_report(p, **kwargs)
+    return make_answer(p, **kwargs)
 
-  worker.learner.snapshot_report = answer
+  worker.learner.answer = answer
   for name in _HOST_WORK:
     fn = getattr(worker.loop, name)
 
-    def timed(fn=fn, name=name):
+    def timed(*args, fn=fn, name=name, **kwargs):
       t0 = time.perf_counter()
-      fn()
+      out = fn(*args, **kwargs)
       acc[name] += time.perf_counter() - t0
+      return out
 
     setattr(worker.loop, name, timed)
 
@@ -241,7 +244,7 @@ def _run_worker(job, cluster, port: int, batches, learner_dir: str) -> tuple[Any
     job, learner_id=0, client=client, workdir=learner_dir, data=stamped
   )
   if _SNAPSHOT.value != "auto":
-    worker.learner.snapshot_by_reference = _SNAPSHOT.value == "reference"
+    worker.learner.device.snapshot_by_reference = _SNAPSHOT.value == "reference"
   _instrument(worker, stamped, cluster.syncer.proc.pid)
   worker.connect()
   summary = worker.run(_STEPS.value + _SKIP.value)

@@ -31,6 +31,7 @@ from ddiloco.fragments import layout as layout_lib
 from ddiloco.fragments import tree
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner import train_step
+from ddiloco.learner.boundary import step_boundary
 from ddiloco.learner.learner import Learner
 from ddiloco.models import configs, transformer
 from ddiloco.parallel import mesh as mesh_lib
@@ -141,19 +142,18 @@ def main(argv: list[str]) -> None:
       clock["t"] += 1.0
       # The core's step clock is this learner's step (one learner: the fleet is it). Opening the
       # rounds directly instead of `tick` keeps the schedule exact without a rate estimate.
-      t = syncing.schedule_step
+      t = syncing.kernel.schedule_step
       for p in schedule.due(t):
         t0 = time.perf_counter()
         request = core.open_round(p, t)
         core_s["total"] += time.perf_counter() - t0
         if request is not None:
-          syncing.ask(request)
-      for p in syncing.due():
-        report = syncing.make_report(p)
-        t0 = time.perf_counter()
-        result = core.report(report)
+          syncing.kernel.ask(request)
+      for answer in step_boundary(syncing, host_copies=True).answers:
+        t0 = time.perf_counter()  # The core files θ as an fp32 push's Report, merged as Θ − θ.
+        result = core.report(answer.as_report(answer.theta()))
         core_s["total"] += time.perf_counter() - t0
-        syncing.on_report_result(p, result)
+        syncing.kernel.on_result(answer.fragment, result)
       t0 = time.perf_counter()
       states = []
       for event in core.poll():
@@ -162,8 +162,8 @@ def main(argv: list[str]) -> None:
         states.append(state)
       core_s["total"] += time.perf_counter() - t0
       for state in states:
-        syncing.receive(state)
-      syncing.apply_ready()
+        syncing.kernel.receive(state)
+      syncing.apply_ready()  # What is ready now, before the next step (as the boundary would).
       core_s["steps"] += 1
     jax.block_until_ready(syncing.params)
 

@@ -105,3 +105,19 @@ def test_no_module_of_ours_is_over_500_lines():
     if "_pb2" not in path.name and (n := len(path.read_text().splitlines())) > MAX_LINES
   ]
   assert over == []
+
+
+# The learner's protocol kernel and the parts it composes: numpy only (docs/architecture.md).
+KERNEL = ("kernel", "held", "rounds", "ledger", "carry", "config")
+KERNEL_FORBIDDEN = ("jax", "flax", "optax", "threading", "socket", "time", "grpc")
+
+
+def test_the_learner_kernel_imports_no_jax_threads_sockets_or_clocks():
+  offenders = [
+    f"learner/{name}.py imports {imported}"
+    for name in KERNEL
+    for imported in _imports(ROOT / "learner" / f"{name}.py")
+    if imported.split(".")[0] in KERNEL_FORBIDDEN
+    or (imported.startswith("ddiloco.learner.") and imported.split(".")[2] not in KERNEL)
+  ]
+  assert offenders == []

@@ -1,10 +1,12 @@
-"""One learner's connection to the syncer: its registration, the versions it holds, pulls and pushes.
+"""One learner's connection to the syncer: its registration, pulls and pushes.
 
-`SyncerLink` is the learner's side of the protocol above the client (transport/client.py): it
-registers (handing back versions a restarted syncer lost), keeps each fragment's received versions
-(the bases of downlink deltas and the anchors of outer gradients, docs/algorithm.md §5) with their
-digests, pulls, and pushes a report as the outer gradient against the anchor it holds, in the
-codec the syncer negotiated. It is thread-safe and does no waiting or retrying of its own.
+`SyncerLink` is the learner's side of the protocol above the client (transport/client.py) and
+the edge where its kernel's types meet the wire. It registers (handing back versions a restarted
+syncer lost), pulls each announced version, decoded against a base it holds, into the versions
+its learner's kernel holds (learner/held.py: their one owner, which prunes them at every apply),
+and pushes an `Answer` as the outer gradient δ = Θ^(anchor) − θ against the anchor the answer
+carries, in the codec the syncer negotiated (fp32 θ when it carries none). It is thread-safe and
+does no waiting or retrying of its own.
 
 A learner process drives it from its threads (distributed/worker.py); the simulated cluster drives
 it on a virtual clock (distributed/virtual.py). Both talk to the same service through the same
@@ -13,12 +15,10 @@ client, over gRPC or the in-process transport: one code path for the protocol.
 
 import dataclasses
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable
 
-import numpy as np
-
-from ddiloco.fragments.device_int4 import EncodedDelta
-from ddiloco.protocol import FragmentState, Report, ReportResult
+from ddiloco.learner.held import HeldVersions
+from ddiloco.protocol import Answer, FragmentState, ReportResult, Uplink
 from ddiloco.transport import wire
 from ddiloco.transport.client import SyncerClient
 
@@ -44,6 +44,8 @@ class SyncerLink:
     learner_id: this learner's id.
     layouts: per fragment, {key: (shape, dtype)} (transport.client.fragment_layouts).
     layout_digest: the fragment layout's digest, checked by the syncer at Register.
+    held: the versions the learner holds (its kernel's, `LearnerKernel.held`); None: a store of
+      the link's own (a link without a learner).
   """
 
   def __init__(
@@ -53,16 +55,16 @@ class SyncerLink:
     learner_id: int,
     layouts: list[wire.Layout],
     layout_digest: str,
+    held: HeldVersions | None = None,
   ):
     self.client = client
     self.learner_id = learner_id
     self.layouts = layouts
     self.layout_digest = layout_digest
     self._lock = threading.Lock()
-    num = len(layouts)
-    self._held: list[dict[int, Mapping[str, np.ndarray]]] = [{} for _ in range(num)]
-    self._newest = [-1] * num  # Newest version received of each fragment since registering.
-    self._digests: dict[tuple[int, int], str] = {}  # (p, v) -> digest of what was received.
+    self.held = held if held is not None else HeldVersions(len(layouts))
+    self.held.guard(threading.Lock())  # The puller and the comm thread share it with training.
+    self._newest = [-1] * len(layouts)  # Newest version received of each p since registering.
     self.codec = "fp32"
     self.block_size = 64
     self.registrations = 0
@@ -86,12 +88,7 @@ class SyncerLink:
     Raises:
       grpc.RpcError: if a call fails or the syncer refuses (e.g. a layout mismatch).
     """
-    with self._lock:
-      held = {
-        p: (v, self._digests[(p, v)])
-        for p, versions in enumerate(self._held)
-        if versions and (p, v := max(versions)) in self._digests
-      }
+    held = self.held.newest_held()
     resp = self.client.register(
       self.learner_id,
       layout_digest=self.layout_digest,
@@ -105,8 +102,7 @@ class SyncerLink:
     for p in resp.recover:  # A restarted syncer lost these versions: hand them back.
       if p in held:
         version = held[p][0]
-        with self._lock:
-          values = self._held[p].get(version)
+        values = self.held.get(p, version)
         if values is not None:
           answer = self.client.recover(self.learner_id, p, version, values)
           recovered.append((int(p), version, bool(answer.adopted)))
@@ -141,7 +137,7 @@ class SyncerLink:
       layout_keys=list(lay),
       shapes={k: s for k, (s, _) in lay.items()},
       dtypes={k: d for k, (_, d) in lay.items()},
-      base_lookup=lambda v: self.held_values(p, v),
+      base_lookup=lambda v: self.held.values(p, v),
     )
     if state is None:
       return None
@@ -149,28 +145,10 @@ class SyncerLink:
     return state
 
   def keep(self, state: FragmentState) -> None:
-    """Holds a received version (as a base and anchor) with its digest."""
+    """Holds a received version (a base, and an anchor once applied) as delivered."""
+    self.held.keep(state)
     with self._lock:
-      self._held[state.fragment][state.version] = state.values
       self._newest[state.fragment] = max(self._newest[state.fragment], state.version)
-      self._digests[(state.fragment, state.version)] = state.digest
-
-  def record_digest(self, p: int, version: int, digest: str) -> None:
-    """Records the digest of a version received another way (a multi-process learner's share)."""
-    with self._lock:
-      self._digests[(p, version)] = digest
-
-  def held_values(self, p: int, version: int) -> Mapping[str, np.ndarray]:
-    """The values of version `version` of p as received. Raises KeyError if not held."""
-    with self._lock:
-      return self._held[p][version]
-
-  def anchor_values(self, p: int, version: int) -> Mapping[str, np.ndarray] | None:
-    """Θ_p at `version` as held (the anchor of an outer gradient), or None."""
-    if version < 0:
-      return None
-    with self._lock:
-      return self._held[p].get(version)
 
   def newest(self, p: int) -> int:
     """The newest version of p received since registering (-1: none)."""
@@ -181,16 +159,6 @@ class SyncerLink:
     """`newest(p)` of every fragment, read at once."""
     with self._lock:
       return list(self._newest)
-
-  def digest(self, p: int, version: int) -> str | None:
-    with self._lock:
-      return self._digests.get((p, version))
-
-  def forget_before(self, p: int, version: int) -> None:
-    """Drops the held versions of p older than `version` (never a base or anchor again)."""
-    with self._lock:
-      for v in [v for v in self._held[p] if v < version]:
-        del self._held[p][v]
 
   def forget_deliveries(self) -> None:
     """Forgets what was received (a corrupt pull): everything is fetched in full next time."""
@@ -203,32 +171,34 @@ class SyncerLink:
     with self._lock:
       return self.codec, self.block_size
 
-  def push(
-    self,
-    report: Report,
-    anchor_values: Mapping[str, np.ndarray] | None,
-    *,
-    encoded: EncodedDelta | None = None,
-  ) -> ReportResult:
-    """Pushes `report` as the outer gradient against `anchor_values` (Θ^(anchor) as held when the
-    report was made: `anchor_values`), in the negotiated codec; fp32 values without one.
+  def push(self, answer: Answer, *, on_copied: Callable[[], None] | None = None) -> ReportResult:
+    """Pushes `answer`: δ = Θ^(anchor) − θ in the negotiated codec (`Uplink.DELTA`), or fp32 θ.
 
-    `encoded`: that outer gradient already encoded (a learner's devices, fragments/device_int4.py),
-    sent in its own codec and block size; report.values are then not read.
+    θ comes from the answer's host copy or device snapshot: a snapshot may encode δ on the devices
+    (fragments/device_int4.py), sent in its own codec and block size; otherwise θ is copied to the
+    host and δ is formed in the encoder's one pass. `on_copied` is called once the payload is in
+    host memory (the sender's latency split).
 
     Raises:
+      ValueError: if θ cannot be encoded (e.g. a NaN/Inf value).
       grpc.RpcError: for any failure other than a late or duplicate answer.
     """
     codec, block_size = self.uplink
-    if anchor_values is None:
-      codec, encoded = "fp32", None
+    encoded = None
+    if answer.uplink is Uplink.THETA:
+      codec = "fp32"
+    else:
+      encoded = answer.theta.encode_delta(codec, answer.anchor, block_size)
+    report = answer.as_report(answer.theta() if encoded is None else {})
+    if on_copied is not None:
+      on_copied()
     if encoded is None:
-      return self.client.push(report, codec, block_size=block_size, anchor_values=anchor_values)
+      return self.client.push(report, codec, block_size=block_size, anchor_values=answer.anchor)
     return self.client.push(
       report,
       encoded.codec,
       block_size=encoded.block_size,
-      anchor_values=anchor_values,
+      anchor_values=answer.anchor,
       encoded=encoded.entries,
     )
 

@@ -17,7 +17,7 @@ copies, digest read-backs: collectives) in the same order, and all must hold bit
   the same step everywhere, and the digest of every apply is checked
   on every process. The shared header also carries stop requests (SIGTERM on any process stops all
   at the same step) and a connect failure (the others raise instead of waiting forever).
-- A due fragment is replicated across the learner's devices (`Learner.host_readable`), so the
+- A due fragment is replicated across the learner's devices (`DeviceParams.host_readable`), so the
   leader's sender copies it to host memory without any further collective.
 
 Learner checkpoints (checkpoint/learner.py with the learner's `ProcessGroup`): every process saves
@@ -103,7 +103,7 @@ class MultihostWorker:
     self.worker = LearnerWorker(
       inbox=self._inbox, before_drain=self._share_step, sends=group.is_leader, **kwargs
     )
-    self.learner.host_readable = group.replicate
+    self.learner.device.host_readable = group.replicate
     self._stop_pending = False  # A stop request of this process, shared at the next share.
     # (learner.step, waits) at the last share: one share per step, and per wait for a merge.
     self._synced: tuple[int, int] = (-1, -1)
@@ -188,8 +188,6 @@ class MultihostWorker:
     if not self.group.is_leader:  # The leader keeps its own items: the payload holds their bits.
       drained = process_share.decode_drained(shared.payload, self.worker.link.layouts)
       inbox.post_settle(drained.settle)
-      for state in drained.states:  # The training loop checks each apply against its digest.
-        self.worker.link.record_digest(state.fragment, state.version, state.digest)
     inbox.results.release(drained.results)
     inbox.received.release(drained.states)
     inbox.requests.release(drained.requests)
@@ -211,7 +209,7 @@ class MultihostWorker:
   def digest_params(self) -> str:
     """A digest of every parameter (each fragment's digest, in order); a collective."""
     num = self.learner.layout.num_fragments
-    text = ",".join(self.learner.digest_of(p) for p in range(num))
+    text = ",".join(self.learner.device.digest(p) for p in range(num))
     return hashlib.sha256(text.encode()).hexdigest()
 
   def finish(self, timeout_s: float = 30.0) -> None:

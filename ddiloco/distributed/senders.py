@@ -1,8 +1,9 @@
 """A learner process's answers on their way to the syncer: the queue of snapshots, the sender
 threads that copy them to host memory and push them, their retries, and the answers' latencies.
 
-The training thread queues each answer as a device-side snapshot (`Senders.enqueue`); a newer
-snapshot of a fragment replaces an unsent older one, carrying its ledger tokens (learner/ledger.py).
+The training thread queues each answer its step boundary made (`Senders.enqueue`; its θ_p a
+device-side snapshot, its anchor the version it was formed against); a newer answer of a fragment
+replaces an unsent older one, carrying its ledger tokens (learner/ledger.py).
 Each sender thread pushes the oldest queued answer whose fragment has no push in flight, so at most
 one push per fragment is in flight and an answer waits only behind pushes of its own fragment. Every
 answer ends as one item of the inbox's `results` (distributed/inbox.py).
@@ -13,26 +14,23 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import grpc
-import numpy as np
 
 from ddiloco.distributed.link import SyncerLink
 from ddiloco.distributed.retry import TRANSIENT, UNREGISTERED, Backoff
 from ddiloco.distributed.session import SyncerSession
 from ddiloco.metrics.writer import quantiles
-from ddiloco.protocol import Report, ReportResult
+from ddiloco.protocol import Answer, ReportResult
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class _Job:
-  report: Report  # Without values.
-  fetch: Any  # () -> host values; a `FragmentSnapshot` may also encode δ on the devices.
-  anchor_values: Mapping[str, np.ndarray] | None
+  answer: Answer
   asked_at: float | None = None  # Monotonic times: the round request's arrival, the answer's
   answered_at: float | None = None  # snapshot (for `answer_latency`).
   picked_at: float | None = None  # The sender took it; its host copy was ready at `copied_at`.
@@ -41,10 +39,10 @@ class _Job:
 
 def _fold(older: _Job, newer: _Job) -> _Job:
   """`newer` carrying `older`'s ledger tokens too (the token ledger, learner/ledger.py)."""
-  report = dataclasses.replace(
-    newer.report, new_tokens=newer.report.new_tokens + older.report.new_tokens
+  answer = dataclasses.replace(
+    newer.answer, new_tokens=newer.answer.new_tokens + older.answer.new_tokens
   )
-  return dataclasses.replace(newer, report=report)
+  return dataclasses.replace(newer, answer=answer)
 
 
 class Senders:
@@ -52,7 +50,7 @@ class Senders:
 
   Args:
     learner_id: this learner's id (logs, backoff seeds).
-    link: the learner's link to the syncer (anchors, pushes).
+    link: the learner's link to the syncer (pushes).
     session: the learner's registration (epochs, re-registration).
     results: where each answer's outcome goes (the inbox's `results`).
     stop: set when the threads must stop.
@@ -100,17 +98,15 @@ class Senders:
 
   def enqueue(
     self,
-    report: Report,
-    fetch: Callable[[], dict[str, np.ndarray]],
+    answer: Answer,
     *,
     asked_at: float | None = None,
     answered_at: float | None = None,
   ) -> int | None:
-    """Queues the answer `report` (without values; `fetch` copies them to host memory).
+    """Queues `answer` (its θ_p is copied to host memory, or encoded on the devices, when sent).
 
     Args:
-      report: the report, as `Learner.snapshot_report` made it.
-      fetch: returns its values in host memory.
+      answer: the answer, as the learner's step boundary made it.
       asked_at: monotonic arrival time of the round request it answers (None: unknown).
       answered_at: monotonic time of the snapshot.
 
@@ -118,15 +114,14 @@ class Senders:
       The step of the unsent older answer of the same fragment it replaced (and holds the ledger
       tokens of; the caller folds them in its ledger), or None.
     """
-    p = report.fragment
+    p = answer.fragment
     with self._cv:
-      anchor = self._link.anchor_values(p, report.anchor_version)
-      job, older = _Job(report, fetch, anchor, asked_at, answered_at), self._jobs.get(p)
+      job, older = _Job(answer, asked_at, answered_at), self._jobs.get(p)
       if older is not None:  # Never pushed: the new snapshot holds its progress and its tokens.
         job = _fold(older, job)
       self._jobs[p] = job
       self._cv.notify_all()
-    return None if older is None else older.report.step
+    return None if older is None else older.answer.step
 
   def wait_idle(self, deadline: float) -> None:
     """Waits until nothing is queued or in flight, or until `deadline` (monotonic)."""
@@ -160,7 +155,7 @@ class Senders:
         ready = self._ready_jobs()
         if not ready:  # Stopping: what is left is another sender's to finish.
           return
-        p = min(ready, key=lambda q: self._jobs[q].report.step)
+        p = min(ready, key=lambda q: self._jobs[q].answer.step)
         job = self._jobs.pop(p)
         self._sending.add(p)
         self._in_flight += 1
@@ -192,25 +187,21 @@ class Senders:
         elif result is None and newer is not None:
           # The newer θ_p holds this one's progress: its ledger tokens ride along (ledger.py).
           self._jobs[p] = _fold(job, newer)
-          self._results.put((p, job.report.step, newer.report.step))
+          self._results.put((p, job.answer.step, newer.answer.step))
         self._cv.notify_all()
       if result is None:
         self._stop.wait(backoff.next_delay())
         continue
       backoff.reset()
-      self._results.put((p, job.report.step, result))
+      self._results.put((p, job.answer.step, result))
 
   def _push(self, job: _Job) -> ReportResult:
     job.picked_at = time.monotonic()
-    encoded = None
-    encode = getattr(job.fetch, "encode_delta", None)  # A `FragmentSnapshot`'s device encoding.
-    if encode is not None and job.anchor_values is not None:
-      codec, block_size = self._link.uplink
-      encoded = encode(codec, job.anchor_values, block_size)
-    values = job.fetch() if encoded is None else {}  # Encoded: the wire needs only its bytes.
-    report = dataclasses.replace(job.report, values=values)
-    job.copied_at = time.monotonic()
-    return self._link.push(report, job.anchor_values, encoded=encoded)
+
+    def copied() -> None:
+      job.copied_at = time.monotonic()
+
+    return self._link.push(job.answer, on_copied=copied)
 
   def _record_latency(self, job: _Job, *, late: bool = False) -> None:
     """Books an answer's latencies (`answer_latency`); a late answer's also go to metrics.jsonl
@@ -227,12 +218,12 @@ class Senders:
       for k, v in times.items():
         self._latency[k].append(v)
     if late:
-      report = job.report
+      answer = job.answer
       self._event(
         "late_answer",
-        fragment=report.fragment,
-        round_step=report.round_step,
-        step=report.step,
+        fragment=answer.fragment,
+        round_step=answer.round_step,
+        step=answer.step,
         **{f"{k}_s": round(v, 4) for k, v in times.items()},
       )
 

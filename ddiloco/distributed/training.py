@@ -1,14 +1,14 @@
 """A learner process's training thread: steps, and at each step boundary feeds what its background
-threads received to the `Learner`, applies merges and queues answers (docs/algorithm.md §3).
+threads received to the learner's kernel and calls the step boundary (docs/algorithm.md §3).
 
 The training thread is the only one that touches the `Learner`. At each boundary it drains the
-inbox (push answers, merged fragments, round requests), applies merged fragments τ steps after it
-answered their round (`Learner.apply_ready`), checking each apply's digest, and hands each round it
-answers to the senders as a device-side snapshot (`Learner.snapshot_report`). A round requested
-while a step runs is answered at once, with θ of the last step (`StepWaiter`). With
-`LearnerConfig.blocking` (the synchronous baselines) it waits at answer + τ until the round's merge
-has arrived, as the simulated cluster does. Periodic work (checkpoints, logging) runs as hooks
-after each step (`add_hook`).
+inbox (push answers, merged fragments, round requests) into the kernel, then calls
+`step_boundary` (learner/boundary.py, the simulator's too): it applies what is ready and answers
+what is due; this thread counts the digest checks and hands each answer, θ_p a device-side
+snapshot, to the senders. A round requested while a step runs is answered at once, with θ of the
+last step (`StepWaiter`). With `LearnerConfig.blocking` (the synchronous baselines) it waits while
+the boundary says so, as the simulated cluster does. Periodic work (checkpoints, logging) runs as
+hooks after each step (`add_hook`).
 """
 
 import collections
@@ -17,17 +17,18 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import jax
 import numpy as np
 
 from ddiloco.distributed.inbox import Inbox
-from ddiloco.distributed.link import SyncerLink
 from ddiloco.distributed.senders import Senders
 from ddiloco.distributed.step_wait import StepWaiter
+from ddiloco.learner.boundary import Boundary, step_boundary
+from ddiloco.learner.device import DigestCheck
 from ddiloco.learner.learner import Learner
-from ddiloco.protocol import FragmentState
+from ddiloco.protocol import Answer, FragmentState
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,6 @@ class TrainingLoop:
   Args:
     learner: the learner; only this loop's thread touches it once training starts.
     data: training batches.
-    link: the learner's link to the syncer (digests of received versions, held versions).
     inbox: what the background threads hand this thread.
     senders: where answers go; None on a process of a multi-process learner other than its
       leader, which snapshots every due fragment as the leader does (collectives) but sends nothing.
@@ -68,7 +68,6 @@ class TrainingLoop:
     *,
     learner: Learner,
     data: Iterator[dict[str, np.ndarray]],
-    link: SyncerLink,
     inbox: Inbox,
     senders: Senders | None,
     stop: threading.Event,
@@ -78,7 +77,6 @@ class TrainingLoop:
     self.learner = learner
     self.id = learner.learner_id
     self._data = data
-    self._link = link
     self._inbox = inbox
     self._senders = senders
     self._stop = stop
@@ -116,7 +114,7 @@ class TrainingLoop:
 
   def pace(self) -> tuple[int, float]:
     """(schedule step, step time in seconds): what a heartbeat tells the syncer."""
-    return self.learner.schedule_step, self.step_time_s
+    return self.learner.kernel.schedule_step, self.step_time_s
 
   def load_global(self, loaded: list[FragmentState], fleet_step: int, versions: list[int]) -> None:
     """The device half of `connect`: loads the global fragments and joins the fleet's cadence.
@@ -127,18 +125,19 @@ class TrainingLoop:
     self.learner.load_global(loaded)
     # What the devices now hold must be the syncer's bits (docs/algorithm.md §4.7).
     for state in loaded:
-      if self.learner.applied_digest.get(state.fragment) != state.digest:
+      if self.learner.device.applied_digest.get(state.fragment) != state.digest:
         self.digest_mismatches += 1
         log.error("learner %d: global fragment %d digest mismatch", self.id, state.fragment)
-    self.learner.align_phase(fleet_step)
+    self.learner.kernel.align_phase(fleet_step)
     self.learner.join_schedule(fleet_step)  # A late joiner continues the fleet's LR schedule.
     self._event("connected", versions=versions, fleet_step=fleet_step)
 
   # -- the step boundary ----------------------------------------------------------------------
 
   def drain(self) -> None:
-    """Feeds the learner what the background threads received: answers, fragments, requests."""
-    if self._before_drain is not None and self._before_drain(self.learner.step, self._waits):
+    """Feeds the kernel what the background threads received: answers, fragments, requests."""
+    kernel = self.learner.kernel
+    if self._before_drain is not None and self._before_drain(kernel.step, self._waits):
       self.stop_requested = True
     while True:
       try:
@@ -146,17 +145,17 @@ class TrainingLoop:
       except queue.Empty:
         break
       if isinstance(result, int):
-        self.learner.ledger.fold(p, step, result)
+        kernel.ledger.fold(p, step, result)
         continue
       self.push_status[result.status] += 1
       if result.status == "accepted" and result.weight == 0:
         self.zero_weight_pushes += 1
-      self.learner.on_report_result(p, result, step=step)
+      kernel.on_result(p, result, step=step)
       if result.fleet_step >= 0:
         self._inbox.fleet_step = result.fleet_step
     while True:
       try:
-        self.learner.receive(self._inbox.received.get_nowait())
+        kernel.receive(self._inbox.received.get_nowait())
       except queue.Empty:
         break
     while True:  # After the fragments: a request whose round already merged is dropped.
@@ -164,57 +163,63 @@ class TrainingLoop:
         request, arrived = self._inbox.requests.get_nowait()
       except queue.Empty:
         break
-      self.learner.ask(request)
+      kernel.ask(request)
       self._newest_round_step = max(self._newest_round_step, request.round_step)
       self._asked_at[(request.fragment, request.round_step)] = arrived
       self.rounds_asked += 1
     settle = self._inbox.take_settle()
     if settle is not None:
-      self.learner.ledger.settle(*settle)
+      kernel.ledger.settle(*settle)
 
-  def _send_due(self) -> None:
-    for p in self.learner.due():
-      report, fetch = self.learner.snapshot_report(p, step_time_s=self.step_time_s)
-      if self._senders is None:
-        continue  # A follower: the leader's snapshots (collectives), and nothing to send.
-      # Inner steps θ_p trained away from the last global version applied (TensorBoard).
-      self.last_staleness_steps = report.steps
-      now = time.monotonic()
-      asked_at = self._asked_at.pop((p, report.round_step), None)
-      for key in [k for k in self._asked_at if k[0] == p and k[1] < report.round_step]:
-        del self._asked_at[key]  # Requests dropped unanswered (their rounds merged meanwhile).
-      older = self._senders.enqueue(report, fetch, asked_at=asked_at, answered_at=now)
-      if older is not None:  # Never pushed: the new snapshot holds its progress and its tokens.
-        self.learner.ledger.fold(p, older, report.step)
+  def _boundary(self, *, at_boundary: bool = True) -> Boundary:
+    """Drains the inbox, then the step boundary (learner/boundary.py): counts its digest checks
+    and hands its answers to the senders."""
+    self.drain()
+    boundary = step_boundary(self.learner, at_boundary=at_boundary, step_time_s=self.step_time_s)
+    self._count_checks(boundary.checked)
+    for answer in boundary.answers:
+      self._send(answer)
+    return boundary
 
-  def _apply(self) -> None:
-    for p, version in self.learner.apply_ready():
-      self._link.forget_before(p, version)  # Never a base or an anchor again.
-    self._check_applies()
+  def _send(self, answer: Answer) -> None:
+    if self._senders is None:
+      return  # A follower: the leader's snapshots (collectives), and nothing to send.
+    p = answer.fragment
+    # Inner steps θ_p trained away from the last global version applied (TensorBoard).
+    self.last_staleness_steps = answer.steps
+    now = time.monotonic()
+    asked_at = self._asked_at.pop((p, answer.round_step), None)
+    for key in [k for k in self._asked_at if k[0] == p and k[1] < answer.round_step]:
+      del self._asked_at[key]  # Requests dropped unanswered (their rounds merged meanwhile).
+    older = self._senders.enqueue(answer, asked_at=asked_at, answered_at=now)
+    if older is not None:  # Never pushed: the new snapshot holds its progress and its tokens.
+      self.learner.kernel.ledger.fold(p, older, answer.step)
 
   def _wait_for_merges(self) -> None:
-    """`blocking` only: waits at answer + τ until the round's merge has arrived (docs/algorithm.md §3)."""
+    """`blocking` only, once a step boundary said so: waits while it does, at a due step for its
+    round and at answer + τ until the round's merge has arrived (docs/algorithm.md §3)."""
     t0 = time.monotonic()
-    while self.learner.blocked() and not self.stop_requested and not self._stop.is_set():
+    blocked = True
+    while blocked and not self.stop_requested and not self._stop.is_set():
       self._stop.wait(0.002)
       self._waits += 1
-      self._boundary()
+      blocked = self._boundary().blocked
     self.blocked_s += time.monotonic() - t0
 
-  def _boundary(self) -> None:
-    """The protocol's work at a step boundary: answers, applies, then answers rounds asked."""
-    self.drain()
-    self._apply()
-    self._send_due()
-
-  def _check_applies(self, *, block: bool = False) -> None:
-    """Compares the digests of applies read back so far with the syncer's (docs/algorithm.md §4.7)."""
-    for p, version, got in self.learner.verified_applies(block=block):
-      expected = self._link.digest(p, version)
-      if got is not None and got != expected:
+  def _count_checks(self, checks: Iterable[DigestCheck]) -> None:
+    """Counts the applies' digest checks that differ from the syncer's (docs/algorithm.md §4.7)."""
+    for check in checks:
+      if not check.ok:
         self.digest_mismatches += 1
-        log.error("learner %d: fragment %d v%d digest %s != %s", self.id, p, version, got, expected)
-      self.applies.append((p, version, got or ""))
+        log.error(
+          "learner %d: fragment %d v%d digest %s != %s",
+          self.id,
+          check.fragment,
+          check.version,
+          check.digest,
+          check.expected,
+        )
+      self.applies.append((check.fragment, check.version, check.digest))
 
   # -- the loop -------------------------------------------------------------------------------
 
@@ -229,7 +234,7 @@ class TrainingLoop:
     previous = None
     done = 0  # Steps of this call: a restored learner compiles on its first steps too.
     self.train_start = time.time()
-    while self.learner.step < num_steps and not self.stop_requested:
+    while self.learner.kernel.step < num_steps and not self.stop_requested:
       self.drain()
       if previous is not None and (self.learner.config.blocking or self.learner.due()):
         # An answer snapshots θ of the step last dispatched: wait for that step here, before
@@ -237,8 +242,7 @@ class TrainingLoop:
         # the next dispatch made every answer wait a whole step more in the sender (the main
         # job's answers then missed their rounds' grace windows).
         jax.block_until_ready(previous)
-      self._boundary()
-      if self.learner.config.blocking:
+      if self._boundary().blocked:
         self._wait_for_merges()
       batch = next(self._data)
       if self.learner.config.step_in_flight:  # The boundary's work overlaps the next step.
@@ -268,12 +272,12 @@ class TrainingLoop:
         if len(recent) >= 2:
           self.step_time_s = (recent[-1] - recent[0]) / (len(recent) - 1)
       for hook in self._hooks:
-        if hook.due(self.learner.step, num_steps):
-          hook.fn(self.learner.step, metrics)
+        if hook.due(self.learner.kernel.step, num_steps):
+          hook.fn(self.learner.kernel.step, metrics)
     if previous is not None:  # The last step's boundary: answers and applies.
       jax.block_until_ready(previous)
       self._boundary()
-    self._check_applies(block=True)  # The deferred digest checks of the last applies.
+    self._count_checks(self.learner.verified_applies(block=True))  # The last, deferred ones.
     self.train_end = time.time()
     return time.monotonic() - t_first
 
@@ -281,7 +285,7 @@ class TrainingLoop:
 
   def start(self) -> None:
     """Starts the step waiter's thread where rounds are answered mid-step."""
-    if self.learner.answers_mid_step and self._step_waiter is None:
+    if self.learner.device.answers_mid_step and self._step_waiter is None:
       self._step_waiter = StepWaiter(name=f"learner{self.id}-step")
 
   def poke(self) -> None:
@@ -298,8 +302,8 @@ class TrainingLoop:
 
   def _await_step(self, loss: jax.Array) -> None:
     """Waits for the step in flight; rounds asked meanwhile are answered at once, with θ_p of the
-    last step (`Learner.start_step`), where the learner can read it."""
-    if not self.learner.answers_mid_step:  # A multi-process learner: at boundaries only.
+    last step (`Learner.start_step`), where the devices can read it."""
+    if not self.learner.device.answers_mid_step:  # Several processes: at boundaries only.
       jax.block_until_ready(loss)
       return
     if self._step_waiter is None:
@@ -307,13 +311,12 @@ class TrainingLoop:
     self._step_waiter.wait(loss, self._answer_mid_step)
 
   def _answer_mid_step(self) -> None:
-    self.drain()
-    self._send_due()
+    self._boundary(at_boundary=False)
 
   def _standby(self) -> tuple[int, ...]:
     """The fragments the syncer will likely ask for during the next step: those due at the two
     round steps after the newest asked (copied on device where the step donates θ)."""
-    if not self.learner.copies_standby or self._newest_round_step < 0:
+    if not self.learner.device.copies_standby or self._newest_round_step < 0:
       return ()  # On CPU θ stays readable without copies.
     t = max(self._newest_round_step, self._inbox.fleet_step)
     return tuple(p for s in (t + 1, t + 2) for p in self.learner.schedule.due(s))

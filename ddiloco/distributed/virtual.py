@@ -22,6 +22,7 @@ from ddiloco.distributed import server
 from ddiloco.distributed.link import SyncerLink
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner.held import HeldVersions
 from ddiloco.protocol import RoundRequest
 from ddiloco.syncer.core import MergeEvent, SyncerCore
 from ddiloco.syncer.types import SyncerConfig
@@ -99,13 +100,18 @@ class VirtualSyncer:
   def config(self) -> ServiceConfig:
     return self._config
 
-  def link(self, learner_id: int) -> SyncerLink:
-    """A new connection for `learner_id`: a client on a channel of its own, as a process has."""
+  def link(self, learner_id: int, *, held: HeldVersions | None = None) -> SyncerLink:
+    """A new connection for `learner_id`: a client on a channel of its own, as a process has,
+    pulling into `held` (its learner's kernel's versions; None: the link's own)."""
     client = SyncerClient(
       channel=self._server.channel(), max_chunk_bytes=self._config.max_chunk_bytes
     )
     return SyncerLink(
-      client, learner_id=learner_id, layouts=self._layouts, layout_digest=self._digest
+      client,
+      learner_id=learner_id,
+      layouts=self._layouts,
+      layout_digest=self._digest,
+      held=held,
     )
 
   def subscribe(

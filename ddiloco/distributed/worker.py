@@ -3,9 +3,9 @@
 Five threads share one `Learner`, which only the training thread touches:
 
 - the training thread steps, feeds round requests, received fragments and push answers to the
-  learner, applies merged fragments τ steps after it answered their round (`Learner.apply_ready`),
-  checking each apply's digest, and hands each round it answers to the sender as a device-side
-  snapshot (`Learner.snapshot_report`): distributed/training.py;
+  learner's kernel and calls the step boundary (learner/boundary.py), which applies merged
+  fragments τ steps after it answered their round, checking each apply's digest, and answers the
+  rounds due, θ_p a device-side snapshot the senders push: distributed/training.py;
 - the rounds thread holds the syncer's `Rounds` stream: it queues every round request for the
   training thread and hands every announced version to the puller, so that a pull never delays a
   request;
@@ -114,15 +114,21 @@ class LearnerWorker:
       )
     self.learner = learner
     # The training loop checks apply digests when the arrays are ready (Learner.defer_digests).
-    learner.defer_digests = True
+    learner.device.defer_digests = True
     self.id = learner.learner_id
     self._data = data
     self._client = client
     self._writer = writer
     self._stop = threading.Event()
     self._threads: list[threading.Thread] = []
-    # Registration, held versions (bases and anchors) with their digests, pulls and pushes.
-    self.link = SyncerLink(client, learner_id=self.id, layouts=layouts, layout_digest=layout_digest)
+    # Registration, pulls (into the versions the kernel holds: bases and anchors) and pushes.
+    self.link = SyncerLink(
+      client,
+      learner_id=self.id,
+      layouts=layouts,
+      layout_digest=layout_digest,
+      held=learner.kernel.held,
+    )
     self.inbox = inbox if inbox is not None else Inbox()
     self.session = SyncerSession(
       learner=learner,
@@ -144,7 +150,6 @@ class LearnerWorker:
     self.loop = TrainingLoop(
       learner=learner,
       data=data,
-      link=self.link,
       inbox=self.inbox,
       senders=self.senders if sends else None,
       stop=self._stop,
@@ -202,11 +207,12 @@ class LearnerWorker:
       self.learner.opt_state = restored.opt_state
     if restored.data_state is not None:
       self._data.set_state(restored.data_state)
-    self.learner.step = restored.step  # Only "own" moves it: a peer's step is not this learner's.
+    kernel = self.learner.kernel
+    kernel.step = restored.step  # Only "own" moves it: a peer's step is not this learner's.
     self.loop.tokens_trained = restored.tokens_trained
     if restored.ledger is not None:  # Otherwise (fresh, peer) the ledger books from here.
-      self.learner.ledger.load_state(restored.ledger)
-      self.learner.ledger.restored()
+      kernel.ledger.load_state(restored.ledger)
+      kernel.ledger.restored()
     self.restored_from, self.resumed_step = restored.restored_from, restored.step
     self._event(
       "restore",
@@ -281,7 +287,7 @@ class LearnerWorker:
       step=step,
       loss=loss,
       step_time_s=self.loop.step_time_s,
-      schedule_step=self.learner.schedule_step,
+      schedule_step=self.learner.kernel.schedule_step,
     )
     if self._writer is not None:
       self._write_scalars(loss)
@@ -293,19 +299,20 @@ class LearnerWorker:
     Returns:
       False without a checkpointer, at step 0, or if this step is already saved.
     """
-    if self.checkpointer is None or self.learner.step < 1:
+    kernel = self.learner.kernel
+    if self.checkpointer is None or kernel.step < 1:
       return False
     t = time.monotonic()
     saved = self.checkpointer.save(
-      self.learner.step,
+      kernel.step,
       opt_state=self.learner.opt_state,
       data_state=self._data.get_state(),
       tokens_trained=self.loop.tokens_trained,
-      schedule_step=self.learner.schedule_step,
-      ledger=self.learner.ledger.state(),
+      schedule_step=kernel.schedule_step,
+      ledger=kernel.ledger.state(),
     )
     if saved:
-      self._event("checkpoint", step=self.learner.step, blocking_s=round(time.monotonic() - t, 4))
+      self._event("checkpoint", step=kernel.step, blocking_s=round(time.monotonic() - t, 4))
     return saved
 
   # -- the end --------------------------------------------------------------------------------
@@ -351,10 +358,10 @@ class LearnerWorker:
   def summary(self, train_s: float) -> dict[str, Any]:
     """This learner's summary.json. `steps` and `tokens` run from the start of its shard, across
     restarts (a restored learner counts from its checkpoint; repeated batches count once)."""
-    learner, loop, session = self.learner, self.loop, self.session
+    kernel, loop, session = self.learner.kernel, self.loop, self.session
     return {
       "learner_id": self.id,
-      "steps": learner.step,
+      "steps": kernel.step,
       "tokens": loop.tokens_trained,
       "train_time_s": train_s,
       "wall_time_s": time.time() - self._t0,
@@ -380,8 +387,8 @@ class LearnerWorker:
       "restored_from": self.restored_from,
       "resumed_step": self.resumed_step,
       "checkpoint_steps": list(self.checkpointer.saved_steps) if self.checkpointer else [],
-      "ledger": learner.ledger.totals(),
-      "carried_applies": learner.answers.carried,  # learner/carry.py; 0 unless apply_rule = "carry".
+      "ledger": kernel.ledger.totals(),
+      "carried_applies": kernel.answers.carried,  # learner/carry.py; 0 unless apply_rule = "carry".
     }
 
   def _write_scalars(self, loss: float) -> None:
@@ -392,13 +399,13 @@ class LearnerWorker:
     self._writer.scalars(
       {f"{tag}/loss": loss, f"{tag}/step_rate": rate},
       tokens=loop.tokens_trained,
-      step=self.learner.step,
+      step=self.learner.kernel.step,
     )
     self._writer.scalars(
       {
         f"{tag}/staleness_steps": loop.last_staleness_steps,
         f"{tag}/late_reports": loop.push_status["late"],
-        f"{tag}/merged_fraction": self.learner.ledger.totals().get("merged_fraction", 0.0),
+        f"{tag}/merged_fraction": self.learner.kernel.ledger.totals().get("merged_fraction", 0.0),
         f"{tag}/blocked_s": loop.blocked_s,
         f"{tag}/bytes_up": self._client.bytes_up,
         f"{tag}/bytes_down": self._client.bytes_down,

@@ -17,42 +17,11 @@ syncer refused its answer) still overwrites.
 fragment at most, and only while its round is outstanding (τ steps, or until the syncer refuses it).
 """
 
-import dataclasses
-from collections.abc import Callable
-
 import numpy as np
 
+from ddiloco.protocol import Answer
+
 APPLY_RULES = ("overwrite", "carry")
-
-
-@dataclasses.dataclass
-class Answer:
-  """An answer whose merge has not been applied yet.
-
-  Attributes:
-    step: the schedule step the answer was made at (its ledger key).
-    tokens: counters[p].tokens the answer carried.
-    steps: counters[p].steps the answer carried.
-    values: θ_p^answered on the host, keyed as the layout keys it; or None, and then `fetch` copies
-      it from the device copy the answer's snapshot holds (kept on the device until the apply).
-    fetch: see `values`.
-    refused: the syncer answered that no round took it (late, duplicate, rejected, weight 0).
-  """
-
-  step: int
-  tokens: int
-  steps: int
-  values: dict[str, np.ndarray] | None = None
-  fetch: Callable[[], dict[str, np.ndarray]] | None = None
-  refused: bool = False
-
-  def host_values(self) -> dict[str, np.ndarray]:
-    """θ_p^answered on the host."""
-    if self.values is None:
-      if self.fetch is None:
-        raise RuntimeError("An answer without values nor a way to fetch them.")
-      self.values = self.fetch()
-    return self.values
 
 
 class AnswerBook:
@@ -60,22 +29,30 @@ class AnswerBook:
 
   def __init__(self):
     self._answers: dict[int, Answer] = {}
+    self._refused: set[int] = set()  # Fragments whose answer the syncer said no round took.
     self.carried = 0  # Applies that carried an answer's progress over (`take` returned it).
 
   def record(self, p: int, answer: Answer) -> None:
     """p was answered: this answer replaces any older one of p."""
     self._answers[p] = answer
+    self._refused.discard(p)
 
   def result(self, p: int, step: int, taken: bool) -> None:
     """The syncer answered p's answer at `step`: a round took it, or not (`taken`)."""
     answer = self._answers.get(p)
     if answer is not None and answer.step == step and not taken:
-      answer.refused = True
+      self._refused.add(p)
 
   def take(self, p: int) -> Answer | None:
-    """Forgets p's answer (its fragment is being applied); returns it unless the syncer refused it."""
+    """Forgets p's answer (its fragment is being applied); returns it unless the syncer refused it.
+
+    Its `theta()` is θ_p^answered: the host copy it was made with, or its device snapshot, copied
+    to the host now (kept on the devices until the apply).
+    """
     answer = self._answers.pop(p, None)
-    if answer is None or answer.refused:
+    refused = p in self._refused
+    self._refused.discard(p)
+    if answer is None or refused:
       return None
     self.carried += 1
     return answer
@@ -83,6 +60,7 @@ class AnswerBook:
   def clear(self) -> None:
     """Forgets every answer (the learner loaded the global model)."""
     self._answers.clear()
+    self._refused.clear()
 
   def __len__(self) -> int:
     return len(self._answers)

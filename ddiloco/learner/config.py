@@ -1,9 +1,12 @@
 """A learner's protocol knobs (`LearnerConfig`) and their check against the syncer's pacing."""
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from ddiloco.learner.carry import APPLY_RULES
-from ddiloco.syncer.types import SyncerConfig
+
+if TYPE_CHECKING:  # The learner's kernel imports this module, and must not import optax (jax).
+  from ddiloco.syncer.types import SyncerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +51,7 @@ class LearnerConfig:
       )
 
 
-def check_pacing(learner: LearnerConfig, syncer: SyncerConfig) -> None:
+def check_pacing(learner: LearnerConfig, syncer: "SyncerConfig") -> None:
   """Blocking learners wait at each due step for its round: only the lock-step clock opens it.
 
   Raises:

@@ -9,16 +9,20 @@ reached over the in-process transport with the runtime's client, messages and co
 runtime: each learner does here what a learner process does (distributed/worker.py), with the
 network's latency (and bandwidth) as the time between sending and receiving.
 
+At each of them a learner calls the step boundary a learner process calls (learner/boundary.py):
+it applies what is ready, answers what is due and says whether to wait; the cluster sends the
+answers over its virtual network.
+
 Event loop (a heap ordered by virtual time):
   step_done(m)      learner m finished an inner step: train, heartbeat (its step paces the syncer's
-                    clock), apply ready fragments, answer the rounds it was asked for, start the
-                    next step (or block, for synchronous baselines)
+                    clock), the step boundary, start the next step (or block, for synchronous
+                    baselines)
   wake              the syncer's next deadline (a round due, a merge, liveness) -> syncer.advance()
-  ask(m, round)     a round request reaches learner m          -> learner.ask(), answered at once
+  ask(m, round)     a round request reaches learner m          -> kernel.ask(), answered at once
                     with θ of its last step boundary (mid-step too, as a learner process does)
-  arrive(report)    a report reaches the syncer                -> the learner's link pushes it
+  arrive(answer)    an answer reaches the syncer               -> the learner's link pushes it
   announce(m, p)    a published version's announcement reaches learner m -> it pulls p
-  deliver(m, frag)  the pulled fragment is in (after the bandwidth's time) -> learner.receive()
+  deliver(m, frag)  the pulled fragment is in (after the bandwidth's time) -> kernel.receive()
   keepalive(m)      a blocked learner's heartbeat, every heartbeat interval
   fault             a fault event: kill / restart / add / remove / slow a learner
                     (ddiloco.faults; executed by ddiloco.simulation.faults)
@@ -37,10 +41,11 @@ import numpy as np
 from ddiloco.faults import FaultEvent, check_supported, parse_faults
 from ddiloco.fragments import tree
 from ddiloco.fragments.layout import FragmentLayout
+from ddiloco.learner.boundary import step_boundary
 from ddiloco.learner.factory import LearnerFactory
 from ddiloco.metrics.accounting import BLOCKED, BUSY, DOWN, GONE, TimeLedger
 from ddiloco.metrics.writer import MetricsWriter
-from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
+from ddiloco.protocol import Answer, FragmentState, ReportResult, RoundRequest
 from ddiloco.run_config import RunConfig
 from ddiloco.simulation import report
 from ddiloco.simulation.clock import EventQueue, VirtualNetwork
@@ -183,18 +188,19 @@ class SimulatedCluster:
   def _connect(self, slot: LearnerSlot) -> None:
     """Registers slot's learner on a new link, loads the global fragments, joins the fleet's
     schedule and subscribes to its rounds (the rounds open now are asked at once)."""
-    learner = slot.learner
-    slot.link = link = self.syncer.link(slot.index)
+    learner, kernel = slot.learner, slot.learner.kernel
+    kernel.held.clear()  # A (re)started process holds no version.
+    slot.link = link = self.syncer.link(slot.index, held=kernel.held)
     reg = link.register(num_devices=slot.spec.devices, batch_size=slot.spec.batch_size or 0)
-    learner.ledger.restored()  # Reports lost in a crash settle at the next heartbeat.
+    kernel.ledger.restored()  # Reports lost in a crash settle at the next heartbeat.
     learner.load_global([link.pull(p, -1) for p in range(self.layout.num_fragments)])
     # A (re)joining learner takes the fleet's step on the syncer's clock (docs/algorithm.md).
     if self.now > 0:
-      learner.align_phase(reg.fleet_step)
+      kernel.align_phase(reg.fleet_step)
       learner.join_schedule(reg.fleet_step)
     for event in self._subscribe(slot):
       if isinstance(event, RoundRequest):
-        learner.ask(event)
+        kernel.ask(event)
     self._schedule_wake()
 
   def _subscribe(self, slot: LearnerSlot) -> list[Announcement]:
@@ -229,13 +235,15 @@ class SimulatedCluster:
     ntok = int(np.prod(batch["targets"].shape))
     step_time = slot.count_step(ntok)
     self.tokens_trained += ntok
-    if learner.step % self.run_config.log_every == 0:
+    if learner.kernel.step % self.run_config.log_every == 0:
       report.record_train(self, slot, step_time)
     if self.syncer is not None:
       # Per-step metadata: the syncer's clock runs at the fleet's measured step rate.
       self._heartbeat(slot)
-      self._boundary(slot)
+      blocked = self._boundary(slot)
       self._schedule_wake()
+    else:
+      blocked = learner.kernel.blocked()
     if self.tokens_trained >= self.token_budget:
       self._finished = True
       self._finish_time = self.now
@@ -248,40 +256,36 @@ class SimulatedCluster:
             self._boundary(other)
         self._queue.schedule_once("wake", self.now, self.now)
       return
-    self._continue(slot)
+    self._continue(slot, blocked)
 
   def _heartbeat(self, slot: LearnerSlot) -> None:
     """Slot's learner reports its step; if the syncer forgot it (declared dead), it registers
     again and pulls what it announces, as a learner process's comm thread does."""
-    hb = slot.link.heartbeat(slot.learner.schedule_step, slot.step_time_ema)
+    hb = slot.link.heartbeat(slot.learner.kernel.schedule_step, slot.step_time_ema)
     if not hb.registered:
       self._event("reregister", learner=slot.index)
       slot.link.register(num_devices=slot.spec.devices, batch_size=slot.spec.batch_size or 0)
       for event in self._subscribe(slot):
         self._on_announcement(slot.index, slot.gen, event)
       return
-    slot.learner.ledger.settle(list(hb.versions), list(hb.merged_steps))
+    slot.learner.kernel.ledger.settle(list(hb.versions), list(hb.merged_steps))
 
-  def _boundary(self, slot: LearnerSlot) -> None:
-    """Learner `slot` at a step boundary: applies what is ready, then answers its rounds."""
-    for p, version in slot.learner.apply_ready():
-      slot.link.forget_before(p, version)  # Never a base or an anchor again.
-    self._answer(slot)
-
-  def _answer(self, slot: LearnerSlot) -> None:
-    """Learner `slot` answers the rounds it was asked for with θ of its last step boundary (also
-    while a step runs, as a learner process does: `Learner.start_step`)."""
-    learner = slot.learner
-    for p in learner.due():
-      report = learner.make_report(p, step_time_s=slot.step_time_ema)
+  def _boundary(self, slot: LearnerSlot, *, at_boundary: bool = True) -> bool:
+    """Learner `slot`'s step boundary (learner/boundary.py): applies what is ready (unless not
+    `at_boundary`: a step would be running), answers the rounds it was asked for with θ of its
+    last boundary and sends the answers; returns whether it must wait."""
+    boundary = step_boundary(
+      slot.learner, at_boundary=at_boundary, host_copies=True, step_time_s=slot.step_time_ema
+    )
+    for answer in boundary.answers:
       # Staleness: inner steps θ_p trained away from the last global version the learner applied.
-      self._scalars({f"learner_{slot.index}/staleness_steps": report.steps})
-      anchor = slot.link.anchor_values(p, report.anchor_version)
-      codec = "fp32" if anchor is None else self.syncer.config.uplink_codec
+      self._scalars({f"learner_{slot.index}/staleness_steps": answer.steps})
+      codec = "fp32" if answer.anchor is None else self.syncer.config.uplink_codec
       at = self.now + self._net.transfer_s(
-        self._wire_bytes(report.values, codec), self._net.latency(self.fleet.uplink_latency_s)
+        self._wire_bytes(answer.theta(), codec), self._net.latency(self.fleet.uplink_latency_s)
       )
-      self._push(at, "arrive", report, anchor, slot.gen)
+      self._push(at, "arrive", answer, slot.gen)
+    return boundary.blocked
 
   def _schedule_wake(self, *, after_now: bool = False) -> None:
     """Schedules the syncer's next wake-up: a round coming due, a merge, a liveness deadline;
@@ -328,17 +332,17 @@ class SimulatedCluster:
     slot = self.slots[index]
     if not slot.alive or gen != slot.gen:
       return
-    slot.learner.ask(request)
+    slot.learner.kernel.ask(request)
     if self._finished:  # No step starts any more: rounds due at steps already trained are answered.
       self._boundary(slot)
     elif slot.blocked:  # Idle at a step boundary: it answers now.
-      self._boundary(slot)
-      self._continue(slot)
+      self._continue(slot, self._boundary(slot))
     else:  # Mid-step: answered at once with θ of the last step; applies wait for the boundary.
-      self._answer(slot)
+      self._boundary(slot, at_boundary=False)
 
-  def _continue(self, slot: LearnerSlot) -> None:
-    if slot.learner.blocked():
+  def _continue(self, slot: LearnerSlot, blocked: bool) -> None:
+    """Learner `slot` waits (blocked by its last boundary) or starts its next step."""
+    if blocked:
       if not slot.blocked:
         slot.blocked = True
         self.ledger.set_state(slot.index, BLOCKED, self.now)
@@ -357,19 +361,19 @@ class SimulatedCluster:
       self._schedule_wake()
       self._push(self.now + self.heartbeat_interval_s, "keepalive", index, gen)
 
-  def _on_arrive(self, report: Report, anchor: Any, gen: int) -> None:
-    slot = self.slots[report.learner_id]
+  def _on_arrive(self, answer: Answer, gen: int) -> None:
+    slot = self.slots[answer.learner_id]
     if not slot.alive or gen != slot.gen:
-      self.lost_reports += 1  # Sent by a learner that crashed before the report landed.
+      self.lost_reports += 1  # Sent by a learner that crashed before the answer landed.
       return
     try:
-      result = slot.link.push(report, anchor)  # The door, the codec, the core: the service's path.
+      result = slot.link.push(answer)  # The door, the codec, the core: the service's path.
     except ValueError as e:  # θ_p cannot be encoded (NaN/Inf), as a learner process finds too.
       result = ReportResult("rejected", str(e), 0.0)
-    slot.learner.on_report_result(report.fragment, result)
+    slot.learner.kernel.on_result(answer.fragment, result)
     if result.status in ("late", "duplicate", "rejected"):
       self._event(
-        "report", learner=report.learner_id, fragment=report.fragment, status=result.status
+        "report", learner=answer.learner_id, fragment=answer.fragment, status=result.status
       )
       stats = self.core.stats()
       self._scalars(
@@ -398,10 +402,9 @@ class SimulatedCluster:
     slot = self.slots[index]
     if not slot.alive or gen != slot.gen:
       return
-    slot.learner.receive(state)
+    slot.learner.kernel.receive(state)
     if slot.blocked and not self._finished:
-      self._boundary(slot)
-      self._continue(slot)
+      self._continue(slot, self._boundary(slot))
 
   def log_fault(self, event: FaultEvent) -> None:
     self._event("fault", learner=event.learner, action=event.kind, **event.params)

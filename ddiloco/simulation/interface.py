@@ -7,12 +7,11 @@ transport (distributed/virtual.py, distributed/link.py): the same door, core, co
 messages as a `ddiloco-syncer` with learner processes.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Protocol
 
-import numpy as np
-
-from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
+from ddiloco.learner.held import HeldVersions
+from ddiloco.protocol import Answer, FragmentState, ReportResult, RoundRequest
 from ddiloco.syncer.core import MergeEvent, SyncerCore
 
 # What a subscription hands over: a round request, or a (fragment, version) just published.
@@ -47,14 +46,8 @@ class Link(Protocol):
   def pull(self, p: int, known: int | None = None) -> FragmentState | None:
     """The newest version of p, or None if `known` (default: the newest held) is the newest."""
 
-  def push(self, report: Report, anchor_values: Mapping[str, np.ndarray] | None) -> ReportResult:
-    """Sends a report as the outer gradient against `anchor_values` (fp32 values without)."""
-
-  def anchor_values(self, p: int, version: int) -> Mapping[str, np.ndarray] | None:
-    """Θ_p at `version` as received, or None."""
-
-  def forget_before(self, p: int, version: int) -> None:
-    """Drops the held versions of p older than `version`."""
+  def push(self, answer: Answer) -> ReportResult:
+    """Sends an answer as the outer gradient against its anchor (fp32 θ without one)."""
 
   def heartbeat(self, step: int, step_time_s: float = 0.0) -> Heartbeat:
     """Reports the learner's schedule step and step time."""
@@ -70,8 +63,8 @@ class Syncer(Protocol):
   def core(self) -> SyncerCore:
     """The core, to read versions, states, counters and the ledger (never to change)."""
 
-  def link(self, learner_id: int) -> Link:
-    """A new connection for a (re)started learner."""
+  def link(self, learner_id: int, *, held: HeldVersions | None = None) -> Link:
+    """A new connection for a (re)started learner, pulling into the versions it holds."""
 
   def subscribe(
     self,

@@ -24,16 +24,16 @@ def _scalars(sim: "SimulatedCluster", values: dict[str, float], *, step: int | N
 
 def record_train(sim: "SimulatedCluster", slot, step_time: float) -> None:
   """A logged step of slot's learner: its loss and step rate."""
-  learner = slot.learner
+  step = slot.learner.kernel.step
   loss = float(slot.last_metrics["loss"])
   slot.losses.append(loss)
-  _event(sim, "train", learner=slot.index, step=learner.step, loss=loss, tokens=slot.tokens_done)
+  _event(sim, "train", learner=slot.index, step=step, loss=loss, tokens=slot.tokens_done)
   # Steps per virtual second: a slowdown or a straggler shows here.
   rate = 1.0 / step_time if step_time > 0 else 0.0
   _scalars(
     sim,
     {f"learner_{slot.index}/loss": loss, f"learner_{slot.index}/step_rate": rate},
-    step=learner.step,
+    step=step,
   )
 
 
@@ -82,7 +82,7 @@ def progress_line(sim: "SimulatedCluster", wall_s: float | None = None) -> str:
     progress_fields.learner(
       slot.index,
       "up" if slot.alive else "down",
-      slot.learner.step if slot.learner else 0,
+      slot.learner.kernel.step if slot.learner else 0,
       slot.losses[-1] if slot.losses else None,
     )
     for slot in sim.slots.values()
@@ -108,7 +108,8 @@ def digests_agree(sim: "SimulatedCluster") -> bool:
       continue
     for p in range(sim.layout.num_fragments):
       state = sim.core.state(p)
-      if slot.learner.anchor[p] == state.version and slot.learner.applied_digest[p] != state.digest:
+      held_now = slot.learner.kernel.anchor[p] == state.version
+      if held_now and slot.learner.device.applied_digest[p] != state.digest:
         return False
   return True
 
@@ -117,7 +118,7 @@ def _settle(sim: "SimulatedCluster", slot) -> None:
   """The learner hears the syncer's final versions and merged steps (ledger.py), as a last
   heartbeat would tell it."""
   versions = [sim.core.version(p) for p in range(sim.layout.num_fragments)]
-  slot.learner.ledger.settle(versions, sim.core.merged_steps(slot.index))
+  slot.learner.kernel.ledger.settle(versions, sim.core.merged_steps(slot.index))
 
 
 def summary(sim: "SimulatedCluster", final_loss: float, wall_s: float) -> dict[str, Any]:
@@ -150,7 +151,10 @@ def summary(sim: "SimulatedCluster", final_loss: float, wall_s: float) -> dict[s
         "tokens": s.tokens_done,
         "time": sim.ledger.totals(s.index),
         **(
-          {"token_ledger": s.learner.ledger.totals(), "carried_applies": s.learner.answers.carried}
+          {
+            "token_ledger": s.learner.kernel.ledger.totals(),
+            "carried_applies": s.learner.kernel.answers.carried,
+          }
           if s.learner is not None
           else {}
         ),

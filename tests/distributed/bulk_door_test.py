@@ -478,8 +478,8 @@ def test_a_learner_worker_trains_over_the_bulk_port(tmp_path):
       states = [svc.core.state(p) for p in range(2)]
     assert sum(st.version for st in states) > 0
     for p, state in enumerate(states):
-      if worker.learner.anchor[p] == state.version:
-        assert worker.learner.applied_digest[p] == state.digest
+      if worker.learner.kernel.anchor[p] == state.version:
+        assert worker.learner.device.applied_digest[p] == state.digest
     assert svc.refused() == {}
   finally:
     client.close()

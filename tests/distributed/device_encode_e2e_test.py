@@ -87,9 +87,9 @@ def test_device_encoded_answers_are_accepted_and_merged(bulk, tmp_path, monkeypa
       job, learner_id=0, client=client, workdir=str(tmp_path / "learner"), connect_timeout_s=30.0
     )
     learner = worker.learner
-    assert not learner.device_encode  # CPU: off, whatever the config says.
-    learner.snapshot_by_reference = False  # The accelerators' path: an on-device copy...
-    learner.device_encode = True  # ... whose δ the devices encode.
+    assert not learner.device.device_encode  # CPU: off, whatever the config says.
+    learner.device.snapshot_by_reference = False  # The accelerators' path: an on-device copy...
+    learner.device.device_encode = True  # ... whose δ the devices encode.
     worker.connect()
     assert (client.bulk_port is not None) == bulk
     # A blocking learner waits for merges: answers the syncer never files would hold it forever.

@@ -146,7 +146,7 @@ def test_one_process_trains_applies_exact_bits_and_digests_params(tmp_path):
   for p, version, digest in summary["applies"]:
     assert published[(p, version)] == digest
   expected = multihost.hashlib.sha256(
-    ",".join(worker.learner.digest_of(p) for p in range(2)).encode()
+    ",".join(worker.learner.device.digest(p) for p in range(2)).encode()
   ).hexdigest()
   assert summary["params_digest"] == expected
 

@@ -11,7 +11,7 @@ import pytest
 from ddiloco.distributed.link import SyncerLink
 from ddiloco.distributed.senders import Senders
 from ddiloco.distributed.session import SyncerSession
-from ddiloco.protocol import Report, ReportResult
+from ddiloco.protocol import Answer, HostTheta, ReportResult
 
 pytestmark = pytest.mark.timeout(120)  # Threads: a hang must fail the test.
 
@@ -34,11 +34,24 @@ def _senders(client, count: int) -> tuple[Senders, threading.Event, queue.Queue]
     count=count,
   )
   for p in (0, 1):
-    report = Report(
-      learner_id=0, fragment=p, values={}, tokens=1, steps=1, anchor_version=0, step=p
-    )
-    assert senders.enqueue(report, dict) is None
+    assert senders.enqueue(_answer(p, step=p)) is None
   return senders, stop, results
+
+
+def _answer(p: int, *, step: int, steps: int = 1, new_tokens: int = 0) -> Answer:
+  """An answer of fragment p with an empty θ and no anchor (sent as fp32 θ)."""
+  return Answer(
+    learner_id=0,
+    fragment=p,
+    round_step=-1,
+    step=step,
+    anchor_version=0,
+    tokens=1,
+    steps=steps,
+    new_tokens=new_tokens,
+    theta=HostTheta({}),
+    anchor=None,
+  )
 
 
 @pytest.mark.parametrize("senders", [1, 2])
@@ -108,16 +121,7 @@ def test_a_newer_snapshot_replaces_an_unsent_one_and_carries_its_tokens():
   tokens ride along) and says which step it replaced."""
   sender, _, _ = _senders(types.SimpleNamespace(), count=1)  # Fragment 1's answer of step 1.
   for step, new_tokens, replaced in ((2, 4, 1), (3, 5, 2)):
-    report = Report(
-      learner_id=0,
-      fragment=1,
-      values={},
-      tokens=1,
-      steps=step,
-      anchor_version=0,
-      step=step,
-      new_tokens=new_tokens,
-    )
-    assert sender.enqueue(report, dict) == replaced
+    answer = _answer(1, step=step, steps=step, new_tokens=new_tokens)
+    assert sender.enqueue(answer) == replaced
   job = sender._jobs[1]
-  assert (job.report.step, job.report.new_tokens) == (3, 9)
+  assert (job.answer.step, job.answer.new_tokens) == (3, 9)

@@ -11,7 +11,7 @@ import pytest
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.distributed.virtual import VirtualSyncer
 from ddiloco.fragments.schedule import FragmentSchedule
-from ddiloco.protocol import Report, RoundRequest
+from ddiloco.protocol import Answer, HostTheta, RoundRequest, Uplink
 from ddiloco.syncer.merge_rules import WeightedMean
 from ddiloco.syncer.types import SyncerConfig
 
@@ -68,17 +68,20 @@ def test_rounds_pushes_merges_and_pulls_run_on_the_callers_clock():
     assert request == RoundRequest(0, 2, 0)
     p = request.fragment
     theta = {k: v + 0.5 for k, v in states[p].values.items()}
-    report = Report(
+    answer = Answer(
       learner_id=0,
       fragment=p,
-      values=theta,
+      round_step=2,
+      step=2,
+      anchor_version=0,
       tokens=8,
       steps=1,
-      anchor_version=0,
-      step=2,
-      round_step=2,
+      new_tokens=8,
+      theta=HostTheta(theta),
+      anchor=link.held.get(p, 0),  # Held since the pull: δ against it.
     )
-    result = link.push(report, link.anchor_values(p, 0))
+    assert answer.uplink is Uplink.DELTA
+    result = link.push(answer)
     assert result.status == "accepted" and result.round_version == 1
     syncer.advance()  # Everyone alive answered: it merges now.
     assert heard[-1] == (p, 1)

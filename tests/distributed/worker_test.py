@@ -218,7 +218,7 @@ def test_crash_at_step_7_resumes_at_6_with_weight_0_until_received(syncer, tmp_p
 
   b, b_data, b_writer, b_client = _worker(connect, tmp_path)
   assert b.restore() == "own:6"
-  assert (b.learner.step, b.resumed_step, _count(b), b.loop.tokens_trained) == (
+  assert (b.learner.kernel.step, b.resumed_step, _count(b), b.loop.tokens_trained) == (
     6,
     6,
     6,
@@ -231,25 +231,25 @@ def test_crash_at_step_7_resumes_at_6_with_weight_0_until_received(syncer, tmp_p
   b.session.register()
   requests = _open_every_round(svc, b_client)
   for request in requests:
-    b.learner.ask(request)
-  assert b.learner.pending_rounds() == dict(enumerate(requests))
+    b.learner.kernel.ask(request)
+  assert b.learner.kernel.pending_rounds() == dict(enumerate(requests))
   for p in range(P):
-    report = b.learner.make_report(p)
-    assert report.round_step == requests[p].round_step
-    result = b_client.push(report, "fp32")
+    answer = b.learner.answer(p, host_copy=True)
+    assert answer.round_step == requests[p].round_step
+    result = b_client.push(answer.as_report(answer.theta()), "fp32")
     assert (result.status, result.weight) == ("accepted", 0.0)
     assert "has not received fragment" in result.reason
   assert _zero_weight_reports(svc) == zero_before + P
   _close_rounds(svc, b_client, requests)
 
   b.connect()  # Registers again, pulls every fragment; the restore is not repeated.
-  assert b.learner.step == 6 and b.restored_from == "own:6"
+  assert b.learner.kernel.step == 6 and b.restored_from == "own:6"
   joined = _count(b)  # Its inner LR schedule continues from the fleet's step if that is further.
   with svc.lock:
     states = [svc.core.state(p) for p in range(P)]
   for p, state in enumerate(states):
-    assert b.learner.anchor[p] == state.version
-    assert b.learner.applied_digest[p] == state.digest  # Bit-identical global fragments.
+    assert b.learner.kernel.anchor[p] == state.version
+    assert b.learner.device.applied_digest[p] == state.digest  # Bit-identical global fragments.
   assert sum(s.version for s in states) > 0  # Learner 0's first life merged something.
 
   summary = b.run(11)  # Saves at 9, and at 11 when it stops (graceful).
@@ -285,7 +285,7 @@ def test_crash_at_step_7_resumes_at_6_with_weight_0_until_received(syncer, tmp_p
   c, c_data, c_writer, c_client = _worker(connect, tmp_path)
   assert c.restore() == "own:11"
   # The optimizer state of step 11 as saved: 5 updates after the schedule count b joined with.
-  assert (c.learner.step, _count(c), c.loop.tokens_trained) == (
+  assert (c.learner.kernel.step, _count(c), c.loop.tokens_trained) == (
     11,
     joined + 5,
     11 * TOKENS_PER_STEP,
@@ -368,7 +368,7 @@ def test_a_round_asked_while_a_step_runs_is_answered_before_the_step_ends(tmp_pa
   learner.load_global([FragmentState(p, 0, factory.layout.select(init, p), "") for p in range(P)])
   batches = _Recording(0)
   learner.train_step(next(batches))
-  theta = learner.fragment_values(1)
+  theta = learner.device.read(1)
   learner.start_step(next(batches))
   step = _SlowStep()
   waiting = threading.Thread(target=worker.loop._await_step, args=(step,))
@@ -383,13 +383,13 @@ def test_a_round_asked_while_a_step_runs_is_answered_before_the_step_ends(tmp_pa
       time.sleep(0.005)
     assert waiting.is_alive()  # The step is still running...
     job = worker.senders._jobs[1]  # ... and the answer is queued for the sender.
-    assert (job.report.step, job.report.round_step, job.report.steps) == (1, 2, 1)
+    assert (job.answer.step, job.answer.round_step, job.answer.steps) == (1, 2, 1)
   finally:
     step.done.set()
     waiting.join(10)
   learner.end_step()
-  assert learner.step == 2
-  values = job.fetch()
+  assert learner.kernel.step == 2
+  values = job.answer.theta()
   assert all(np.array_equal(values[k], theta[k]) for k in theta)
   worker.loop.close()
   writer.close()

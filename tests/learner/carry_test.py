@@ -4,53 +4,26 @@
 fragment 1 answered at step 2 applies from step 4. Its merge Θ_1 is a fixed, made-up value.
 """
 
-import jax
 import ml_dtypes
 import numpy as np
 import pytest
 
-from ddiloco.fragments import layout as layout_lib
-from ddiloco.fragments import tree
 from ddiloco.fragments.digest import values_digest
-from ddiloco.fragments.schedule import FragmentSchedule
-from ddiloco.learner import carry, train_step
+from ddiloco.learner import carry
 from ddiloco.learner.config import LearnerConfig
-from ddiloco.learner.learner import Learner
-from ddiloco.models import configs, transformer
-from ddiloco.parallel import mesh as mesh_lib
-from ddiloco.parallel import partitioning
-from ddiloco.syncer.core import FragmentState, ReportResult, RoundRequest
+from ddiloco.protocol import ReportResult, RoundRequest
+from ddiloco.testing import learners
+from ddiloco.testing.learners import batch as _batch
+from ddiloco.testing.learners import fragment_state as _state
 
-B, L, V = 2, 8, 32
-STEP = B * L  # Tokens per step.
+STEP = learners.BATCH * learners.SEQ_LEN  # Tokens per step.
 CARRY = LearnerConfig(apply_rule="carry")
 
 
 def _learner(config=CARRY, *, num_fragments=2, period=4, split_large=False):
-  cfg = configs.transformer_config("tiny", vocab_size=V, max_len=L)
-  model = transformer.Transformer(cfg)
-  mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
-  params, shardings = partitioning.init_params(model, mesh, jax.random.key(0), seq_len=L)
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-  opt = train_step.make_inner_optimizer(train_step.InnerOptConfig(warmup_steps=1, decay_steps=20))
-  steps = train_step.CompiledSteps(model, opt, mesh, abstract, shardings)
-  flat = {k: np.asarray(v) for k, v in tree.flatten(jax.device_get(params)).items()}
-  layout = layout_lib.make_layout(flat, num_fragments=num_fragments, split_large=split_large)
-  schedule = FragmentSchedule(num_fragments=num_fragments, period=period, overlap=2)
-  learner = Learner(
-    learner_id=0, steps=steps, params=params, layout=layout, schedule=schedule, config=config
+  return learners.tiny_learner(
+    num_fragments=num_fragments, period=period, overlap=2, config=config, split_large=split_large
   )
-  learner.load_global([_state(layout.select(flat, p), p, 0) for p in range(num_fragments)])
-  return learner
-
-
-def _state(values, p, version):
-  return FragmentState(fragment=p, version=version, values=values, digest=values_digest(values))
-
-
-def _batch(seed):
-  x = np.random.default_rng(seed).integers(0, V, size=(B, L + 1), dtype=np.int32)
-  return {"inputs": x[:, :-1], "targets": x[:, 1:]}
 
 
 def _result(status="accepted", weight=1.0):
@@ -68,19 +41,15 @@ def _answer_then_train(learner, p=1, *, snapshot=False, result=None):
   answered, θ_p just before the apply, and the merge Θ_p (received)."""
   for t in range(2):
     learner.train_step(_batch(t))
-  learner.ask(RoundRequest(p, 2, 0))
-  if snapshot:
-    report, fetch = learner.snapshot_report(p)
-  else:
-    report = learner.make_report(p)
-    fetch = None
-  learner.on_report_result(p, result or _result())
+  learner.kernel.ask(RoundRequest(p, 2, 0))
+  answer = learner.answer(p, host_copy=not snapshot)
+  learner.kernel.on_result(p, result or _result())
   for t in range(2, 4):
     learner.train_step(_batch(t))
-  answered = fetch() if snapshot else report.values
+  answered = answer.theta()
   merged = _merge_of(answered)
-  learner.receive(_state(merged, p, 1))
-  return answered, learner.fragment_values(p), merged
+  learner.kernel.receive(_state(merged, p, 1))
+  return answered, learner.device.read(p), merged
 
 
 def _expected_carry(merged, mine, answered):
@@ -91,30 +60,31 @@ def _expected_carry(merged, mine, answered):
 @pytest.mark.parametrize(
   "snapshot,by_reference",
   [(False, True), (True, True), (True, False)],
-  ids=["make_report", "snapshot_by_reference", "snapshot_device_copy"],
+  ids=["host_copy", "snapshot_by_reference", "snapshot_device_copy"],
 )
 def test_carry_keeps_the_progress_since_the_answer_exactly(snapshot, by_reference, defer):
   learner = _learner()
-  learner.snapshot_by_reference = by_reference
-  learner.defer_digests = defer
+  learner.device.snapshot_by_reference = by_reference
+  learner.device.defer_digests = defer
   answered, mine, merged = _answer_then_train(learner, snapshot=snapshot)
   assert any(not np.array_equal(mine[k], answered[k]) for k in mine)  # It trained since.
   assert learner.apply_ready() == [(1, 1)]
-  assert learner.answers.carried == 1
-  got = learner.fragment_values(1)
+  assert learner.kernel.answers.carried == 1
+  got = learner.device.read(1)
   want = _expected_carry(merged, mine, answered)
   assert set(got) == set(want)
   for k in want:
     np.testing.assert_array_equal(got[k], want[k], err_msg=k)
   # The digest check read Θ_1 back from the devices before the carry: the syncer's bits.
-  assert learner.verified_applies(block=True) == [(1, 1, values_digest(merged))]
-  assert learner.applied_digest[1] == values_digest(merged)
-  assert learner.digest_of(1) != values_digest(merged)
+  digest = values_digest(merged)
+  assert learner.verified_applies(block=True) == [(1, 1, digest, digest)]
+  assert learner.device.applied_digest[1] == values_digest(merged)
+  assert learner.device.digest(1) != values_digest(merged)
   # Counters keep the 2 steps since the answer; fragment 0 (never applied) all 4.
-  assert (learner.tokens[1], learner.step_counts[1]) == (2 * STEP, 2)
-  assert (learner.tokens[0], learner.step_counts[0]) == (4 * STEP, 4)
+  assert (learner.kernel.tokens[1], learner.kernel.step_counts[1]) == (2 * STEP, 2)
+  assert (learner.kernel.tokens[0], learner.kernel.step_counts[0]) == (4 * STEP, 4)
   # Nothing dropped: the answer's 2 steps are pending, the 2 carried ones unsent, and it balances.
-  fates = learner.ledger.fates()
+  fates = learner.kernel.ledger.fates()
   assert fates == {
     "unsent": 4 * STEP + 2 * STEP,
     "awaiting": 0,
@@ -122,26 +92,26 @@ def test_carry_keeps_the_progress_since_the_answer_exactly(snapshot, by_referenc
     "merged": 0,
     "dropped": 0,
   }
-  assert learner.ledger.totals()["balanced"]
+  assert learner.kernel.ledger.totals()["balanced"]
 
 
 def test_overwrite_is_still_the_default():
   learner = _learner(LearnerConfig())
   _, _, merged = _answer_then_train(learner)
   assert learner.apply_ready() == [(1, 1)]
-  assert learner.digest_of(1) == values_digest(merged)
-  assert (learner.tokens[1], learner.step_counts[1]) == (0, 0)
-  assert learner.ledger.fates()["dropped"] == 2 * STEP  # The overlap's 2 steps, overwritten.
+  assert learner.device.digest(1) == values_digest(merged)
+  assert (learner.kernel.tokens[1], learner.kernel.step_counts[1]) == (0, 0)
+  assert learner.kernel.ledger.fates()["dropped"] == 2 * STEP  # The overlap's 2 steps, overwritten.
 
 
 def test_the_next_answer_sends_the_carried_progress():
   learner = _learner()
   answered, mine, merged = _answer_then_train(learner)
   learner.apply_ready()
-  learner.ask(RoundRequest(1, 6, 1))
+  learner.kernel.ask(RoundRequest(1, 6, 1))
   assert learner.due() == (1,)  # Carried steps are trained since the apply: it can answer at once.
-  report = learner.make_report(1)
-  assert (report.tokens, report.steps, report.new_tokens, report.anchor_version) == (
+  answer = learner.answer(1, host_copy=True)
+  assert (answer.tokens, answer.steps, answer.new_tokens, answer.anchor_version) == (
     2 * STEP,
     2,
     2 * STEP,
@@ -150,9 +120,9 @@ def test_the_next_answer_sends_the_carried_progress():
   # Its outer gradient against Θ_1 is exactly the carried progress.
   for k in merged:
     np.testing.assert_allclose(
-      report.values[k] - merged[k], mine[k] - answered[k], rtol=0, atol=1e-6, err_msg=k
+      answer.theta()[k] - merged[k], mine[k] - answered[k], rtol=0, atol=1e-6, err_msg=k
     )
-  assert learner.ledger.totals()["balanced"]
+  assert learner.kernel.ledger.totals()["balanced"]
 
 
 @pytest.mark.parametrize(
@@ -162,39 +132,39 @@ def test_a_refused_answer_is_overwritten(status, weight):
   learner = _learner()
   _, _, merged = _answer_then_train(learner, result=_result(status, weight))
   assert learner.apply_ready() == [(1, 1)]
-  assert learner.answers.carried == 0
-  assert learner.digest_of(1) == values_digest(merged)
-  assert (learner.tokens[1], learner.step_counts[1]) == (0, 0)
+  assert learner.kernel.answers.carried == 0
+  assert learner.device.digest(1) == values_digest(merged)
+  assert (learner.kernel.tokens[1], learner.kernel.step_counts[1]) == (0, 0)
   # The refused answer's 2 steps and the 2 overwritten since: all dropped, and it balances.
-  assert learner.ledger.fates()["dropped"] == 4 * STEP
-  assert learner.ledger.totals()["balanced"]
+  assert learner.kernel.ledger.fates()["dropped"] == 4 * STEP
+  assert learner.kernel.ledger.totals()["balanced"]
 
 
 def test_a_round_not_answered_is_overwritten():
   learner = _learner()
   for t in range(3):
     learner.train_step(_batch(t))
-  values = _merge_of(learner.fragment_values(0))
-  learner.receive(_state(values, 0, 1))  # Its round merged without this learner.
+  values = _merge_of(learner.device.read(0))
+  learner.kernel.receive(_state(values, 0, 1))  # Its round merged without this learner.
   assert learner.apply_ready() == [(0, 1)]
-  assert learner.digest_of(0) == values_digest(values)
-  assert (learner.tokens[0], learner.step_counts[0]) == (0, 0)
+  assert learner.device.digest(0) == values_digest(values)
+  assert (learner.kernel.tokens[0], learner.kernel.step_counts[0]) == (0, 0)
 
 
 def test_a_load_forgets_the_answers():
   learner = _learner()
   for t in range(2):
     learner.train_step(_batch(t))
-  learner.ask(RoundRequest(1, 2, 0))
-  report = learner.make_report(1)
-  learner.on_report_result(1, _result())
-  loaded = _merge_of(report.values)
+  learner.kernel.ask(RoundRequest(1, 2, 0))
+  answer = learner.answer(1, host_copy=True)
+  learner.kernel.on_result(1, _result())
+  loaded = _merge_of(answer.theta())
   learner.load_global([_state(loaded, 1, 1)])  # A rejoin: nothing outstanding any more.
   learner.train_step(_batch(2))
   merged = _merge_of(loaded)
-  learner.receive(_state(merged, 1, 2))
+  learner.kernel.receive(_state(merged, 1, 2))
   assert learner.apply_ready() == [(1, 2)]
-  assert learner.digest_of(1) == values_digest(merged)
+  assert learner.device.digest(1) == values_digest(merged)
 
 
 def test_carry_with_split_tensors_touches_only_the_fragments_rows():
@@ -203,18 +173,18 @@ def test_carry_with_split_tensors_touches_only_the_fragments_rows():
   p = layout.fragment_of(next(k for frag in layout.fragments for k in frag if "@" in k))
   for t in range(2):
     learner.train_step(_batch(t))
-  learner.ask(RoundRequest(p, 2, 0))
-  answered = learner.make_report(p).values
-  learner.on_report_result(p, _result())
+  learner.kernel.ask(RoundRequest(p, 2, 0))
+  answered = learner.answer(p, host_copy=True).theta()
+  learner.kernel.on_result(p, _result())
   for t in range(2, 4):
     learner.train_step(_batch(t))
-  before = {q: learner.fragment_values(q) for q in range(layout.num_fragments)}
+  before = {q: learner.device.read(q) for q in range(layout.num_fragments)}
   merged = _merge_of(answered)
-  learner.receive(_state(merged, p, 1))
+  learner.kernel.receive(_state(merged, p, 1))
   assert learner.apply_ready() == [(p, 1)]
   want = _expected_carry(merged, before[p], answered)
   for q in range(layout.num_fragments):
-    got = learner.fragment_values(q)
+    got = learner.device.read(q)
     for k, v in (want if q == p else before[q]).items():
       np.testing.assert_array_equal(got[k], v, err_msg=k)
 

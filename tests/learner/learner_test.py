@@ -9,47 +9,21 @@ import jax
 import numpy as np
 import pytest
 
-from ddiloco.fragments import layout as layout_lib
-from ddiloco.fragments import tree
 from ddiloco.fragments.digest import values_digest
-from ddiloco.fragments.schedule import FragmentSchedule
-from ddiloco.learner import train_step
 from ddiloco.learner.config import LearnerConfig
-from ddiloco.learner.learner import Learner
-from ddiloco.models import configs, transformer
-from ddiloco.parallel import mesh as mesh_lib
-from ddiloco.parallel import partitioning
-from ddiloco.syncer.core import FragmentState, ReportResult, RoundRequest
+from ddiloco.learner.device import DigestCheck
+from ddiloco.learner.snapshot import FragmentSnapshot
+from ddiloco.protocol import ReportResult, RoundRequest
+from ddiloco.testing import learners
+from ddiloco.testing.learners import batch as _batch
+from ddiloco.testing.learners import fragment_state as _state
 
-B, L, V = 2, 8, 32
-
-
-def _learner(*, num_fragments=2, period=4, overlap=1, config=None, split_large=False):
-  cfg = configs.transformer_config("tiny", vocab_size=V, max_len=L)
-  model = transformer.Transformer(cfg)
-  mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
-  params, shardings = partitioning.init_params(model, mesh, jax.random.key(0), seq_len=L)
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-  opt = train_step.make_inner_optimizer(train_step.InnerOptConfig(warmup_steps=1, decay_steps=20))
-  steps = train_step.CompiledSteps(model, opt, mesh, abstract, shardings)
-  flat = {k: np.asarray(v) for k, v in tree.flatten(jax.device_get(params)).items()}
-  layout = layout_lib.make_layout(flat, num_fragments=num_fragments, split_large=split_large)
-  schedule = FragmentSchedule(num_fragments=num_fragments, period=period, overlap=overlap)
-  learner = Learner(
-    learner_id=0, steps=steps, params=params, layout=layout, schedule=schedule, config=config
-  )
-  states = [_state(layout.select(flat, p), p, 0) for p in range(num_fragments)]
-  learner.load_global(states)
-  return learner, layout
+B, L = learners.BATCH, learners.SEQ_LEN
 
 
-def _state(values, p, version):
-  return FragmentState(fragment=p, version=version, values=values, digest=values_digest(values))
-
-
-def _batch(seed):
-  x = np.random.default_rng(seed).integers(0, V, size=(B, L + 1), dtype=np.int32)
-  return {"inputs": x[:, :-1], "targets": x[:, 1:]}
+def _learner(**kwargs):
+  learner = learners.tiny_learner(**kwargs)
+  return learner, learner.layout
 
 
 def _ok():
@@ -64,41 +38,41 @@ def test_due_lists_the_rounds_asked_for_not_the_schedule():
     due[t] = learner.due()
   # Fragments 1 and 0 were due at steps 2, 4 and 6, but no round was opened: nothing to answer.
   assert due == {t: () for t in range(1, 7)}
-  assert list(learner.tokens) == [6 * B * L, 6 * B * L]
-  assert list(learner.step_counts) == [6, 6]
-  learner.ask(RoundRequest(1, 6, 0))
-  learner.ask(RoundRequest(0, 4, 0))
+  assert list(learner.kernel.tokens) == [6 * B * L, 6 * B * L]
+  assert list(learner.kernel.step_counts) == [6, 6]
+  learner.kernel.ask(RoundRequest(1, 6, 0))
+  learner.kernel.ask(RoundRequest(0, 4, 0))
   # A non-blocking learner answers every round asked for at its next step boundary.
   assert learner.due() == (0, 1)
-  assert learner.pending_rounds() == {0: RoundRequest(0, 4, 0), 1: RoundRequest(1, 6, 0)}
-  report = learner.make_report(1)
-  assert (report.fragment, report.round_step, report.step) == (1, 6, 6)
+  assert learner.kernel.pending_rounds() == {0: RoundRequest(0, 4, 0), 1: RoundRequest(1, 6, 0)}
+  answer = learner.answer(1, host_copy=True)
+  assert (answer.fragment, answer.round_step, answer.step) == (1, 6, 6)
   assert learner.due() == (0,)  # Answered once.
   # A newer round of p replaces an unanswered older one, never the other way round.
-  learner.ask(RoundRequest(0, 8, 0))
-  learner.ask(RoundRequest(0, 4, 0))
-  assert learner.pending_rounds() == {0: RoundRequest(0, 8, 0)}
+  learner.kernel.ask(RoundRequest(0, 8, 0))
+  learner.kernel.ask(RoundRequest(0, 4, 0))
+  assert learner.kernel.pending_rounds() == {0: RoundRequest(0, 8, 0)}
   with pytest.raises(ValueError, match="Round request for unknown fragment 2"):
-    learner.ask(RoundRequest(2, 8, 0))
+    learner.kernel.ask(RoundRequest(2, 8, 0))
 
 
-def test_report_carries_host_copy_counters_anchor_and_round():
+def test_answer_carries_host_copy_counters_anchor_and_round():
   learner, layout = _learner()
   for t in range(2):
     learner.train_step(_batch(t))
-  learner.ask(RoundRequest(1, 2, 0))
-  report = learner.make_report(1, step_time_s=0.5)
+  learner.kernel.ask(RoundRequest(1, 2, 0))
+  answer = learner.answer(1, host_copy=True, step_time_s=0.5)
   assert (
-    report.fragment,
-    report.tokens,
-    report.steps,
-    report.anchor_version,
-    report.step,
-    report.round_step,
+    answer.fragment,
+    answer.tokens,
+    answer.steps,
+    answer.anchor_version,
+    answer.step,
+    answer.round_step,
   ) == (1, 2 * B * L, 2, 0, 2, 2)
-  assert set(report.values) == set(layout.fragments[1])
-  host = learner.fragment_values(1)
-  for k, v in report.values.items():
+  assert set(answer.theta()) == set(layout.fragments[1])
+  host = learner.device.read(1)
+  for k, v in answer.theta().items():
     np.testing.assert_array_equal(v, host[k])
 
 
@@ -106,12 +80,12 @@ def _sent_and_merged(learner):
   """Two steps, round (1, 2) answered at step 2 (apply step 3) and accepted, version 1 received."""
   for t in range(2):
     learner.train_step(_batch(t))
-  learner.ask(RoundRequest(1, 2, 0))
-  report = learner.make_report(1)
-  assert report.round_step == 2
-  learner.on_report_result(1, _ok())
-  merged = {k: np.full_like(v, 0.25) for k, v in report.values.items()}
-  learner.receive(_state(merged, 1, 1))
+  learner.kernel.ask(RoundRequest(1, 2, 0))
+  answer = learner.answer(1, host_copy=True)
+  assert answer.round_step == 2
+  learner.kernel.on_result(1, _ok())
+  merged = {k: np.full_like(v, 0.25) for k, v in answer.theta().items()}
+  learner.kernel.receive(_state(merged, 1, 1))
   return merged
 
 
@@ -121,50 +95,51 @@ def test_apply_waits_for_overlap_then_resets_counters():
   assert learner.apply_ready() == []  # Step 2 < apply step 3.
   learner.train_step(_batch(3))
   assert learner.apply_ready() == [(1, 1)]
-  assert learner.anchor[1] == 1
-  assert learner.digest_of(1) == values_digest(merged)  # Bit-identical to what was published.
-  assert (learner.tokens[1], learner.step_counts[1]) == (0, 0)
-  assert learner.step_counts[0] == 3  # The other fragment's counters keep running.
+  assert learner.kernel.anchor[1] == 1
+  assert learner.device.digest(1) == values_digest(merged)  # Bit-identical to what was published.
+  assert (learner.kernel.tokens[1], learner.kernel.step_counts[1]) == (0, 0)
+  assert learner.kernel.step_counts[0] == 3  # The other fragment's counters keep running.
 
 
 @pytest.mark.parametrize("defer", [False, True], ids=["at_once", "deferred"])
 def test_apply_digests_are_checked_in_order_at_once_or_when_ready(defer):
   learner, _ = _learner(overlap=1)
-  learner.defer_digests = defer  # A learner process defers on CPU (LearnerWorker).
+  learner.device.defer_digests = defer  # A learner process defers on CPU (LearnerWorker).
   merged = _sent_and_merged(learner)
   learner.train_step(_batch(3))
   assert learner.apply_ready() == [(1, 1)]
   if defer:  # Read back later, from the very arrays written: the next step must keep them.
-    (_, _, written) = learner._unverified[0]
+    (_, _, _, written) = learner.device._unverified[0]
     learner.train_step(_batch(4))  # Would donate them without the deferred check.
     assert not any(a.is_deleted() for a in written)
-    assert learner.step_counts[1] == 1  # Training went on after the apply.
+    assert learner.kernel.step_counts[1] == 1  # Training went on after the apply.
   checked = learner.verified_applies(block=True)
-  assert checked == [(1, 1, values_digest(merged))]  # What was written, not what trained since.
+  digest = values_digest(merged)  # What was written, not what trained since.
+  assert checked == [DigestCheck(1, 1, digest, digest)] and checked[0].ok
   assert learner.verified_applies(block=True) == []  # Each check is handed out once.
-  assert learner.applied_digest[1] == values_digest(merged)
+  assert learner.device.applied_digest[1] == values_digest(merged)
 
 
 def test_counters_reset_at_every_apply_even_after_a_late_answer():
   learner, _ = _learner(overlap=1)
   for t in range(2):
     learner.train_step(_batch(t))
-  learner.ask(RoundRequest(1, 2, 0))
-  report = learner.make_report(1)
-  learner.on_report_result(
+  learner.kernel.ask(RoundRequest(1, 2, 0))
+  answer = learner.answer(1, host_copy=True)
+  learner.kernel.on_result(
     1, ReportResult(status="late", reason="round (1, 2) is closed", weight=0)
   )
   # The round merged without this learner's answer; its version still overwrites θ_1.
-  merged = {k: v * 0 for k, v in report.values.items()}
-  learner.receive(_state(merged, 1, 1))
+  merged = {k: v * 0 for k, v in answer.theta().items()}
+  learner.kernel.receive(_state(merged, 1, 1))
   assert learner.apply_ready() == []  # Step 2 < answer + τ = 3, as for a merged answer.
   learner.train_step(_batch(3))
   assert learner.apply_ready() == [(1, 1)]
-  assert learner.digest_of(1) == values_digest(merged)
-  assert (learner.tokens[1], learner.step_counts[1]) == (0, 0)
-  assert (learner.tokens[0], learner.step_counts[0]) == (3 * B * L, 3)
+  assert learner.device.digest(1) == values_digest(merged)
+  assert (learner.kernel.tokens[1], learner.kernel.step_counts[1]) == (0, 0)
+  assert (learner.kernel.tokens[0], learner.kernel.step_counts[0]) == (3 * B * L, 3)
   # The ledger: the late answer's 2 steps and the step trained since, overwritten, are dropped.
-  assert learner.ledger.fates() == {
+  assert learner.kernel.ledger.fates() == {
     "unsent": 3 * B * L,
     "awaiting": 0,
     "pending": 0,
@@ -177,89 +152,90 @@ def test_version_of_a_round_not_answered_is_applied_at_once():
   learner, layout = _learner()
   learner.train_step(_batch(0))
   values = {k: np.zeros(layout.shapes[k], layout.dtypes[k]) for k in layout.fragments[0]}
-  learner.receive(_state(values, 0, 3))
+  learner.kernel.receive(_state(values, 0, 3))
   assert learner.apply_ready() == [(0, 3)]  # No answer of fragment 0 outstanding: no τ to wait.
-  assert learner.anchor[0] == 3
-  assert learner.digest_of(0) == values_digest(values)
-  assert (learner.tokens[0], learner.step_counts[0]) == (0, 0)
-  assert learner.step_counts[1] == 1
-  learner.receive(_state(values, 0, 2))  # Older than what it holds: ignored.
+  assert learner.kernel.anchor[0] == 3
+  assert learner.device.digest(0) == values_digest(values)
+  assert (learner.kernel.tokens[0], learner.kernel.step_counts[0]) == (0, 0)
+  assert learner.kernel.step_counts[1] == 1
+  learner.kernel.receive(_state(values, 0, 2))  # Older than what it holds: ignored.
   assert learner.apply_ready() == []
 
 
 def test_unanswered_request_is_dropped_when_a_newer_version_arrives():
   learner, layout = _learner()
   learner.train_step(_batch(0))
-  learner.ask(RoundRequest(0, 4, 0))
-  learner.ask(RoundRequest(1, 2, 0))
+  learner.kernel.ask(RoundRequest(0, 4, 0))
+  learner.kernel.ask(RoundRequest(1, 2, 0))
   assert learner.due() == (0, 1)
   values = {k: np.zeros(layout.shapes[k], layout.dtypes[k]) for k in layout.fragments[0]}
-  learner.receive(_state(values, 0, 1))
+  learner.kernel.receive(_state(values, 0, 1))
   # Round (0, 4) merged without this learner: answering it now would be late.
   assert learner.due() == (1,)
-  assert learner.pending_rounds() == {1: RoundRequest(1, 2, 0)}
+  assert learner.kernel.pending_rounds() == {1: RoundRequest(1, 2, 0)}
   assert learner.apply_ready() == [(0, 1)]
-  learner.ask(RoundRequest(0, 4, 0))  # Asked again (a new subscription): its base is behind.
+  learner.kernel.ask(RoundRequest(0, 4, 0))  # Asked again (a new subscription): its base is behind.
   assert learner.due() == (1,)
-  learner.ask(RoundRequest(0, 8, 1))  # The next round, based on the version it holds...
+  learner.kernel.ask(RoundRequest(0, 8, 1))  # The next round, based on the version it holds...
   assert learner.due() == (1,)  # ...answered once it has trained p0 since applying it.
   learner.train_step(_batch(1))
   assert learner.due() == (0, 1)
-  learner.receive(_state(values, 0, 1))  # The same version again drops nothing.
-  assert learner.pending_rounds()[0] == RoundRequest(0, 8, 1)
-  learner.receive(_state(values, 0, 2))
+  learner.kernel.receive(_state(values, 0, 1))  # The same version again drops nothing.
+  assert learner.kernel.pending_rounds()[0] == RoundRequest(0, 8, 1)
+  learner.kernel.receive(_state(values, 0, 2))
   assert learner.due() == (1,)
 
 
 def test_blocking_learner_answers_at_the_round_step_and_waits_for_the_merge():
   learner, _ = _learner(overlap=1, config=LearnerConfig(blocking=True))
   learner.train_step(_batch(0))
-  learner.ask(RoundRequest(1, 2, 0))  # Opened by a syncer clock ahead of this learner.
-  assert (learner.schedule_step, learner.due(), learner.blocked()) == (1, (), False)
+  learner.kernel.ask(RoundRequest(1, 2, 0))  # Opened by a syncer clock ahead of this learner.
+  assert (learner.kernel.schedule_step, learner.due(), learner.kernel.blocked()) == (1, (), False)
   learner.train_step(_batch(1))
   # Step 2: fragment 1 is due, so the learner answers (and waits until it has).
-  assert (learner.schedule_step, learner.due(), learner.blocked()) == (2, (1,), True)
-  report = learner.make_report(1)
-  learner.on_report_result(1, _ok())
-  assert report.round_step == 2 and not learner.blocked()
+  assert (learner.kernel.schedule_step, learner.due(), learner.kernel.blocked()) == (2, (1,), True)
+  answer = learner.answer(1, host_copy=True)
+  learner.kernel.on_result(1, _ok())
+  assert answer.round_step == 2 and not learner.kernel.blocked()
   learner.train_step(_batch(2))
   # Step 3 = answer + τ: blocked until the round's merge has arrived.
-  assert (learner.schedule_step, learner.blocked()) == (3, True)
-  learner.receive(_state(dict(report.values), 1, 1))
-  assert not learner.blocked()
+  assert (learner.kernel.schedule_step, learner.kernel.blocked()) == (3, True)
+  learner.kernel.receive(_state(dict(answer.theta()), 1, 1))
+  assert not learner.kernel.blocked()
   assert learner.apply_ready() == [(1, 1)]
-  assert not learner.blocked()
+  assert not learner.kernel.blocked()
   learner.train_step(_batch(3))
   # Step 4: fragment 0 is due, and its round was not opened yet: the learner waits for it.
-  assert (learner.schedule_step, learner.due(), learner.blocked()) == (4, (), True)
-  learner.ask(RoundRequest(0, 4, 0))
-  assert (learner.due(), learner.blocked()) == ((0,), True)
-  assert learner.make_report(0).round_step == 4
-  assert not learner.blocked()
+  assert (learner.kernel.schedule_step, learner.due(), learner.kernel.blocked()) == (4, (), True)
+  learner.kernel.ask(RoundRequest(0, 4, 0))
+  assert (learner.due(), learner.kernel.blocked()) == ((0,), True)
+  assert learner.answer(0, host_copy=True).round_step == 4
+  assert not learner.kernel.blocked()
 
 
 def test_mixing_alpha():
   learner, _ = _learner(overlap=1, config=LearnerConfig(mixing_alpha=0.5))
   for t in range(2):
     learner.train_step(_batch(t))
-  learner.ask(RoundRequest(1, 2, 0))
-  report = learner.make_report(1)
-  learner.on_report_result(1, _ok())
-  mine = learner.fragment_values(1)
-  zeros = {k: np.zeros_like(v) for k, v in report.values.items()}
-  learner.receive(_state(zeros, 1, 1))
+  learner.kernel.ask(RoundRequest(1, 2, 0))
+  answer = learner.answer(1, host_copy=True)
+  learner.kernel.on_result(1, _ok())
+  mine = learner.device.read(1)
+  zeros = {k: np.zeros_like(v) for k, v in answer.theta().items()}
+  learner.kernel.receive(_state(zeros, 1, 1))
   learner.train_step(_batch(2))
-  after_step = learner.fragment_values(1)
+  after_step = learner.device.read(1)
   learner.apply_ready()
-  got = learner.fragment_values(1)
+  got = learner.device.read(1)
   for k in got:  # θ ← 0.5·0 + 0.5·θ
     np.testing.assert_allclose(got[k], 0.5 * after_step[k], rtol=1e-6)
   assert mine  # The fragment is not empty.
   # The digest check read Θ_p's bits back before the mix was written over them.
-  [(p, version, digest)] = learner.verified_applies(block=True)
+  [(p, version, digest, expected)] = learner.verified_applies(block=True)
+  assert expected == digest
   assert (p, version) == (1, 1)
-  assert digest == learner.applied_digest[1] == values_digest(zeros)
-  assert learner.digest_of(1) != digest  # It holds its own blend.
+  assert digest == learner.device.applied_digest[1] == values_digest(zeros)
+  assert learner.device.digest(1) != digest  # It holds its own blend.
 
 
 def test_align_phase_moves_the_schedule_not_the_step():
@@ -267,26 +243,40 @@ def test_align_phase_moves_the_schedule_not_the_step():
   learner.train_step(_batch(0))
   # The fleet is at step 6, where fragment 1 is due: that round was the fleet's before this
   # learner (re)joined, so it does not wait for it.
-  learner.align_phase(6)
-  assert (learner.step, learner.schedule_step, learner.blocked()) == (1, 6, False)
-  learner.ask(RoundRequest(0, 8, 0))
+  learner.kernel.align_phase(6)
+  assert (learner.kernel.step, learner.kernel.schedule_step, learner.kernel.blocked()) == (
+    1,
+    6,
+    False,
+  )
+  learner.kernel.ask(RoundRequest(0, 8, 0))
   learner.train_step(_batch(1))
-  assert (learner.step, learner.schedule_step, learner.due(), learner.blocked()) == (
+  assert (
+    learner.kernel.step,
+    learner.kernel.schedule_step,
+    learner.due(),
+    learner.kernel.blocked(),
+  ) == (
     2,
     7,
     (),
     False,
   )
   learner.train_step(_batch(2))
-  assert (learner.step, learner.schedule_step, learner.due(), learner.blocked()) == (
+  assert (
+    learner.kernel.step,
+    learner.kernel.schedule_step,
+    learner.due(),
+    learner.kernel.blocked(),
+  ) == (
     3,
     8,
     (0,),
     True,
   )
-  report = learner.make_report(0)
-  assert (report.step, report.round_step, report.steps) == (8, 8, 3)
-  assert not learner.blocked()
+  answer = learner.answer(0, host_copy=True)
+  assert (answer.step, answer.round_step, answer.steps) == (8, 8, 3)
+  assert not learner.kernel.blocked()
 
 
 def test_split_tensors_round_trip_through_the_learner():
@@ -296,28 +286,29 @@ def test_split_tensors_round_trip_through_the_learner():
   pieces = [k for frag in layout.fragments for k in frag if "@" in k]
   assert pieces  # The MLP kernels (128 x 512) are larger than total / 24.
   p = layout.fragment_of(pieces[0])
-  before = {q: learner.fragment_values(q) for q in range(layout.num_fragments)}
+  before = {q: learner.device.read(q) for q in range(layout.num_fragments)}
   new = {k: np.full_like(v, 0.5) for k, v in before[p].items()}
   learner.load_global([_state(new, p, 1)])
   for q in range(layout.num_fragments):
-    got = learner.fragment_values(q)
+    got = learner.device.read(q)
     want = new if q == p else before[q]
     for k in want:
       np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-  assert learner.digest_of(p) == values_digest(new)
+  assert learner.device.digest(p) == values_digest(new)
 
 
 @pytest.mark.parametrize("by_reference", [True, False], ids=["by_reference", "device_copy"])
-def test_snapshot_report_survives_donation_and_matches_make_report(by_reference):
+def test_a_snapshot_answer_survives_donation_and_matches_a_host_copy(by_reference):
   learner, _ = _learner()
-  assert learner.snapshot_by_reference  # The default on CPU devices.
-  learner.snapshot_by_reference = by_reference  # False: the GPU/TPU path, an on-device copy.
+  assert learner.device.snapshot_by_reference  # The default on CPU devices.
+  learner.device.snapshot_by_reference = by_reference  # False: the GPU/TPU path, an on-device copy.
   learner.train_step(_batch(1))
-  learner.ask(RoundRequest(1, 2, 0))
-  report, fetch = learner.snapshot_report(1, step_time_s=0.5)
-  assert report.values == {} and report.step_time_s == 0.5 and report.anchor_version == 0
-  assert report.round_step == 2 and learner.due() == ()
-  expected = learner.fragment_values(1)
+  learner.kernel.ask(RoundRequest(1, 2, 0))
+  answer = learner.answer(1, step_time_s=0.5)
+  assert isinstance(answer.theta, FragmentSnapshot) and answer.theta.device_encode is False
+  assert answer.step_time_s == 0.5 and answer.anchor_version == 0
+  assert answer.round_step == 2 and learner.due() == ()
+  expected = learner.device.read(1)
   before = jax.tree_util.tree_leaves(learner.params)
   learner.train_step(_batch(2))  # Would donate the parameters the snapshot was taken from.
   # By reference, that step kept its input parameters (the second compiled variant); the next
@@ -328,33 +319,33 @@ def test_snapshot_report_survives_donation_and_matches_make_report(by_reference)
   kept = jax.tree_util.tree_leaves(learner.params)
   learner.train_step(_batch(3))
   assert any(x.is_deleted() for x in kept)
-  values = fetch()
+  values = answer.theta()
   assert set(values) == set(expected)
   assert all(np.array_equal(values[k], expected[k]) for k in expected)
-  assert not all(np.array_equal(values[k], v) for k, v in learner.fragment_values(1).items())
+  assert not all(np.array_equal(values[k], v) for k, v in learner.device.read(1).items())
 
 
 def test_a_round_waits_for_its_base_and_for_training_since_the_last_apply():
   """An answer anchored off the round's base, or with nothing trained since the learner (re)loaded,
   would weigh 0: the learner answers once it holds the base and has trained p."""
   learner, layout = _learner()
-  learner.ask(RoundRequest(0, 4, 0))
+  learner.kernel.ask(RoundRequest(0, 4, 0))
   assert learner.due() == ()  # Just loaded: nothing trained to contribute.
   learner.train_step(_batch(0))
   assert learner.due() == (0,)
-  report = learner.make_report(0)
-  assert (report.round_step, report.anchor_version, report.steps) == (4, 0, 1)
+  answer = learner.answer(0, host_copy=True)
+  assert (answer.round_step, answer.anchor_version, answer.steps) == (4, 0, 1)
   # The next round of p0 is based on version 1, which is still being pulled: wait for it.
-  learner.ask(RoundRequest(0, 8, 1))
+  learner.kernel.ask(RoundRequest(0, 8, 1))
   assert learner.due() == ()
   values = {k: np.zeros(layout.shapes[k], layout.dtypes[k]) for k in layout.fragments[0]}
-  learner.receive(_state(values, 0, 1))
+  learner.kernel.receive(_state(values, 0, 1))
   # τ = 1 step has not passed since the answer, but a round based on version 1 waits: apply now.
   assert learner.apply_ready() == [(0, 1)]
   learner.train_step(_batch(1))
   assert learner.due() == (0,)
-  report = learner.make_report(0)
-  assert (report.round_step, report.anchor_version, report.steps) == (8, 1, 1)
+  answer = learner.answer(0, host_copy=True)
+  assert (answer.round_step, answer.anchor_version, answer.steps) == (8, 1, 1)
 
 
 @pytest.mark.parametrize("by_reference", [True, False], ids=["by_reference", "standby_copy"])
@@ -362,36 +353,36 @@ def test_a_round_asked_mid_step_is_answered_with_the_last_steps_theta(by_referen
   """docs/algorithm.md §3: while `start_step`'s step runs, θ, step and counters stay the last
   boundary's, and an answer carries them; the step becomes the learner's at `end_step`."""
   learner, _ = _learner()
-  learner.snapshot_by_reference = by_reference  # False: the GPU/TPU path, a standby copy.
+  learner.device.snapshot_by_reference = by_reference  # False: the GPU/TPU path, a standby copy.
   learner.train_step(_batch(0))
-  theta = learner.fragment_values(1)
-  tokens, steps = int(learner.tokens[1]), int(learner.step_counts[1])
+  theta = learner.device.read(1)
+  tokens, steps = int(learner.kernel.tokens[1]), int(learner.kernel.step_counts[1])
   learner.start_step(_batch(1), standby=[1])
-  assert learner.step_in_flight and learner.step == 1
-  learner.ask(RoundRequest(1, 2, 0))
+  assert learner.device.step_in_flight and learner.kernel.step == 1
+  learner.kernel.ask(RoundRequest(1, 2, 0))
   assert learner.due() == (1,)
-  report, fetch = learner.snapshot_report(1)
-  assert (report.step, report.tokens, report.steps) == (1, tokens, steps)
+  answer = learner.answer(1)
+  assert (answer.step, answer.tokens, answer.steps) == (1, tokens, steps)
   learner.end_step()
-  assert learner.step == 2 and learner.step_counts[1] == steps + 1
+  assert learner.kernel.step == 2 and learner.kernel.step_counts[1] == steps + 1
   learner.train_step(_batch(2))  # Donates what it can: the answer's θ_p must survive.
-  values = fetch()
+  values = answer.theta()
   assert all(np.array_equal(values[k], theta[k]) for k in theta)
-  assert not all(np.array_equal(values[k], v) for k, v in learner.fragment_values(1).items())
+  assert not all(np.array_equal(values[k], v) for k, v in learner.device.read(1).items())
   # The apply is τ = 1 step after the answer's step (1), at a boundary.
-  assert learner.schedule.apply_step(report.step) == 2
+  assert learner.schedule.apply_step(answer.step) == 2
 
 
 def test_mid_step_a_donated_fragment_without_standby_waits_for_the_boundary():
   learner, _ = _learner()
-  learner.snapshot_by_reference = False
+  learner.device.snapshot_by_reference = False
   learner.train_step(_batch(0))
   learner.start_step(_batch(1), standby=[1])
-  learner.ask(RoundRequest(0, 4, 0))
-  learner.ask(RoundRequest(1, 2, 0))
+  learner.kernel.ask(RoundRequest(0, 4, 0))
+  learner.kernel.ask(RoundRequest(1, 2, 0))
   assert learner.due() == (1,)  # θ_0 was donated to the step in flight.
   with pytest.raises(RuntimeError, match="not readable"):
-    learner.snapshot_report(0)
+    learner.answer(0)
   learner.end_step()
   assert learner.due() == (0, 1)
 
@@ -401,7 +392,7 @@ def test_applies_and_loads_wait_for_the_step_in_flight():
   learner, layout = _learner()
   learner.train_step(_batch(0))
   values = {k: np.zeros(layout.shapes[k], layout.dtypes[k]) for k in layout.fragments[0]}
-  learner.receive(_state(values, 0, 1))
+  learner.kernel.receive(_state(values, 0, 1))
   learner.start_step(_batch(1))
   assert learner.apply_ready() == []
   with pytest.raises(RuntimeError, match="in flight"):
@@ -412,4 +403,4 @@ def test_applies_and_loads_wait_for_the_step_in_flight():
   with pytest.raises(RuntimeError, match="No step in flight"):
     learner.end_step()
   assert learner.apply_ready() == [(0, 1)]
-  assert all(np.array_equal(v, values[k]) for k, v in learner.fragment_values(0).items())
+  assert all(np.array_equal(v, values[k]) for k, v in learner.device.read(0).items())

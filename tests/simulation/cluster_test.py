@@ -476,8 +476,8 @@ def test_a_joining_learner_continues_the_fleets_learning_rate_schedule(tmp_path)
     if isinstance(s, optax.ScaleByScheduleState)
   ]
   # The fleet's step at the join (about 6), plus the steps the joiner trained itself.
-  assert 0 < joiner.step < 16
-  assert counts and counts[0] >= 6 + joiner.step - 1
+  assert 0 < joiner.kernel.step < 16
+  assert counts and counts[0] >= 6 + joiner.kernel.step - 1
 
 
 def test_progress_line_shows_rates_and_dashes_for_unknown_values():
