@@ -66,6 +66,18 @@ CANDIDATES = {
 }
 
 
+DESCRIPTIONS = {
+  "old": "Nesterov, lr 0.7, momentum 0.9 (DiLoCo's)",
+  "plain": "plain averaging (SGD lr 1.0, no momentum)",
+  "0.7/0.5": "Nesterov, lr 0.7, momentum 0.5",
+  "0.4/0.9": "Nesterov, lr 0.4, momentum 0.9",
+  "1.0/0.9": "Nesterov, lr 1.0, momentum 0.9",
+  "warmup20": "Nesterov, lr 0.7, momentum 0.9 ramped over 20 outer steps",
+  "warmup50": "Nesterov, lr 0.7, momentum 0.9 ramped over 50 outer steps",
+  "1.0 warmup20": "Nesterov, lr 1.0, momentum 0.9 ramped over 20 outer steps",
+}
+
+
 def data_parallel(steps: int) -> study.System:
   return study.System(
     name=f"{steps} steps: data-parallel",
@@ -86,7 +98,7 @@ def report(store: study.ResultStore, seeds: list[int], steps_list: list[int]) ->
   headers = ["outer optimizer", *(f"{s} steps vs data-parallel" for s in steps_list)]
   rows = []
   for name in CANDIDATES:
-    cells = [f"{name}: `{' ; '.join(b.split('= ')[-1] for b in CANDIDATES[name][1:])}`"]
+    cells = [DESCRIPTIONS[name]]
     for steps in steps_list:
       ref = {s: r["final_eval_loss"] for s in seeds if (r := store.get(data_parallel(steps), s))}
       got = {s: r["final_eval_loss"] for s in seeds if (r := store.get(decoupled(steps, name), s))}
