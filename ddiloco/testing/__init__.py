@@ -1,3 +1,3 @@
 """Helpers for tests of ddiloco and of code built on it: runs of the real launchers, process
-checks, an in-memory object store, and one-shot twins of the codecs and the wire stack. Not
-imported by the library itself."""
+checks, an in-memory object store, one-shot twins of the codecs and the wire stack, and the test
+tiers (`tiers`, a pytest plugin). Not imported by the library itself."""

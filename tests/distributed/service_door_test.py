@@ -157,9 +157,12 @@ def _wait_version(svc: SyncerService, p: int, version: int, timeout_s: float = 1
   pytest.fail(f"fragment {p} never reached version {version}")
 
 
-@pytest.fixture(scope="module", params=["grpc", "in_process"])
+@pytest.fixture(
+  scope="module", params=[pytest.param("grpc", marks=pytest.mark.integration), "in_process"]
+)
 def transport(request):
-  """Every test runs over gRPC and over the in-process transport: the same answers from both."""
+  """Every test runs over the in-process transport (fast tier) and over gRPC (integration tier):
+  the same answers from both."""
   return request.param
 
 
