@@ -1,4 +1,4 @@
-"""Test set-up: fake CPU devices must be configured before jax is imported anywhere."""
+"""Test set-up: fake CPU devices must be configured before jax is imported anywhere; the tiers."""
 
 import os
 import tempfile
@@ -15,3 +15,7 @@ os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+# The tiers (fast by default, integration, e2e) and the fast tier's guard against real sockets and
+# processes; pytester runs the guard's own tests in a pytest run of their own.
+pytest_plugins = ("ddiloco.testing.tiers", "pytester")

@@ -33,6 +33,7 @@ def test_unknown_name_is_an_attribute_error():
     ddiloco.no_such_name  # noqa: B018
 
 
+@pytest.mark.integration
 def test_import_ddiloco_does_not_import_jax():
   code = "import sys, ddiloco; print('jax' in sys.modules, ddiloco.__version__)"
   out = subprocess.run(
@@ -66,6 +67,7 @@ CORE = (
 )
 
 
+@pytest.mark.integration
 def test_the_core_imports_without_the_extras_and_says_which_extra_a_feature_needs():
   code = f"""
 import sys

@@ -113,6 +113,7 @@ def test_a_simulated_run_writes_everything_to_the_bucket(bucket):
   assert any("/tb/run_000/" in o for o in _objects())
 
 
+@pytest.mark.integration
 def test_without_the_gcs_extra_a_bucket_workdir_says_what_to_install(tmp_path):
   import importlib.util
   import subprocess

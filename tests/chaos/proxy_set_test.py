@@ -11,7 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ddiloco.chaos.proxy import LoopbackProxy
 from ddiloco.chaos.proxy_set import ProxySet
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 SERVING, NOT_SERVING = (
   health_pb2.HealthCheckResponse.SERVING,

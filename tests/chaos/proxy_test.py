@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ddiloco.chaos.proxy import LoopbackProxy, parse_address
 from ddiloco.chaos.proxy_process import ProxyProcess
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 MIB = 1 << 20
 MSG_LIMIT = 64 * MIB

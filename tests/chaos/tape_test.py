@@ -150,6 +150,7 @@ while True:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.integration
 def test_sigkilled_writer_leaves_a_readable_tape(tmp_path):
   path = tmp_path / "tape.jsonl"
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -135,6 +135,7 @@ def _read_into(stream, events: list) -> None:
 
 @pytest.mark.parametrize("hook", ["record", "on_merge"])
 @pytest.mark.parametrize("failing", ["fsync", "write"])
+@pytest.mark.integration
 def test_a_merge_the_journal_cannot_record_is_never_served(
   tmp_path, monkeypatch, caplog, failing, hook
 ):

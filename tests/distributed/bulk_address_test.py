@@ -13,6 +13,7 @@ from ddiloco.syncer.core import SyncerConfig
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 
 pytestmark = [
+  pytest.mark.integration,
   pytest.mark.timeout(60),
   pytest.mark.skipif(not socket.has_dualstack_ipv6(), reason="needs a dual-stack IPv6 host"),
 ]

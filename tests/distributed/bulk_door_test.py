@@ -34,7 +34,7 @@ from ddiloco.transport import bulk_client, bulk_wire, messages, state_messages
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 from ddiloco.transport.proto import syncer_pb2
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 TOKEN = "tok"
 DIGEST = "L"

@@ -19,7 +19,7 @@ from ddiloco.syncer.core import Report, SyncerConfig
 from ddiloco.transport import bulk_wire, frames, messages
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 TOKEN = "tok"
 FRAGMENTS = [["a/w"]]

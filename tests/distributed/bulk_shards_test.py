@@ -14,7 +14,7 @@ from ddiloco.distributed.shard_client import ShardedClient
 from ddiloco.syncer.core import SyncerConfig
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 TOKEN = "tok"
 S = 2

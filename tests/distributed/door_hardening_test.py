@@ -36,7 +36,7 @@ from ddiloco.transport import auth
 from ddiloco.transport.client import SyncerClient
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 TOKEN = "tok"
 DIGEST = "L"

@@ -245,6 +245,7 @@ def test_split_address():
   assert door.split_address("host") == ("host", None)
 
 
+@pytest.mark.integration
 def test_port_in_use_sees_a_listener_even_one_that_shares_its_port():
   with socket.socket() as s:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

@@ -105,6 +105,7 @@ LOCK_STEP = dataclasses.replace(
 )
 
 
+@pytest.mark.integration
 def test_one_process_trains_applies_exact_bits_and_digests_params(tmp_path):
   factory = LOCK_STEP.factory()
   svc = server_lib.make_syncer(
@@ -151,6 +152,7 @@ def test_one_process_trains_applies_exact_bits_and_digests_params(tmp_path):
   assert summary["params_digest"] == expected
 
 
+@pytest.mark.integration
 def test_a_stop_request_takes_effect_at_the_next_shared_step(syncer, tmp_path):
   _, address = syncer
   client = SyncerClient(address, deadline_s=10.0)

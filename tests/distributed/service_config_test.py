@@ -42,6 +42,7 @@ def test_bulk_chunks_below_a_lossy_downlinks_chunks_are_refused(codec):
   "codec, max_chunk, bulk_chunk",
   [("int8", 8192, 8192), ("int8", 4096, 8192), ("fp32", 8192, 4096)],
 )
+@pytest.mark.integration
 def test_a_new_version_is_pulled_as_a_delta_over_the_bulk_port(codec, max_chunk, bulk_chunk):
   svc = make_syncer(
     fragment_keys=FRAGMENTS,

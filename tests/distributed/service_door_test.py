@@ -157,10 +157,22 @@ def _wait_version(svc: SyncerService, p: int, version: int, timeout_s: float = 1
   pytest.fail(f"fragment {p} never reached version {version}")
 
 
-@pytest.fixture(scope="module", params=["grpc", "in_process"])
+# The door's rules are the service's, the same over either transport: their tests run over the
+# in-process one. The tests of what a transport carries (empty, reordered and oversized streams,
+# tokens in the metadata, the health service, server streams, a merge) run over both, gRPC in the
+# integration tier: the same answers from both.
+BOTH_TRANSPORTS = pytest.mark.parametrize(
+  "transport",
+  ["in_process", pytest.param("grpc", marks=pytest.mark.integration)],
+  indirect=True,
+  scope="module",
+)
+
+
+@pytest.fixture(scope="module")
 def transport(request):
-  """Every test runs over gRPC and over the in-process transport: the same answers from both."""
-  return request.param
+  """The in-process transport, or the one `BOTH_TRANSPORTS` names."""
+  return getattr(request, "param", "in_process")
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +315,11 @@ def _assert_refused(
 
 # -- 1. malformed chunk streams -----------------------------------------------------------------
 
+# The assembler's rules (an index out of range, twice or missing; more or fewer bytes than the
+# header announced) are transport/chunks.py's and tested with it (tests/transport/wire_test.py);
+# here are the service's own (a push starts with chunk 0 and its header) and one wire error, which
+# the door answers as it answers any.
+
 # Fragment 0 in int4 (1213 bytes, see the module docstring) cut into 256-byte chunks: 5 chunks.
 _SMALL = 256
 
@@ -313,6 +330,7 @@ def _five_chunks():
   return chunks
 
 
+@BOTH_TRANSPORTS
 def test_empty_push_stream(door):
   _assert_refused(
     door,
@@ -355,62 +373,7 @@ def test_later_chunk_carrying_a_header(door):
   )
 
 
-def test_chunk_index_out_of_range(door):
-  chunks = _five_chunks()
-  chunks[4].index = 5
-  _assert_refused(
-    door,
-    lambda: _push(door, chunks),
-    grpc.StatusCode.INVALID_ARGUMENT,
-    "Chunk index 5 out of range [0, 5).",
-  )
-
-
-def test_duplicated_chunk_index(door):
-  chunks = _five_chunks()
-  chunks[2].index = 1
-  _assert_refused(
-    door,
-    lambda: _push(door, chunks),
-    grpc.StatusCode.INVALID_ARGUMENT,
-    "Duplicate chunk index 1.",
-  )
-
-
-def test_missing_chunk(door):
-  chunks = _five_chunks()
-  del chunks[3]
-  _assert_refused(
-    door,
-    lambda: _push(door, chunks),
-    grpc.StatusCode.INVALID_ARGUMENT,
-    "Missing 1 of 5 chunk(s), first indices [3].",
-  )
-
-
-def test_total_bytes_above_the_chunks_bytes(door):
-  chunks = _five_chunks()
-  chunks[0].header.total_bytes = 1213 + 10
-  _assert_refused(
-    door,
-    lambda: _push(door, chunks),
-    grpc.StatusCode.INVALID_ARGUMENT,
-    "Received 1213 bytes, 1223 announced.",
-  )
-
-
-def test_total_bytes_below_the_chunks_bytes(door):
-  chunks = _five_chunks()
-  chunks[0].header.total_bytes = 1213 - 10
-  # Chunks 0..3 bring 4·256 = 1024 bytes, chunk 4 its 189 more: 1213 > 1203.
-  _assert_refused(
-    door,
-    lambda: _push(door, chunks),
-    grpc.StatusCode.INVALID_ARGUMENT,
-    "Chunk 4 brings the payload to 1213 bytes, more than the 1203 announced.",
-  )
-
-
+@BOTH_TRANSPORTS
 def test_reordered_chunks_are_reassembled_by_index(transport):
   """Not a refusal: `ChunkAssembler` takes chunks in any order by design (transport/chunks.py).
 
@@ -482,19 +445,8 @@ def test_learner_that_left(door):
 
 # -- 3. payload that does not fit the fragment's layout -----------------------------------------
 
-
-@pytest.mark.parametrize(
-  ("values", "message"),
-  [
-    ({"a/w": np.zeros((64, 31), np.float32)}, "'a/w': shape (64, 31), expected (64, 32)."),
-    ({"a/w": np.zeros((64, 32), np.float16)}, "'a/w': dtype 'float16', expected 'float32'."),
-    ({"b/w": np.zeros((300,), np.float32)}, "Unknown key 'b/w': not in this fragment's layout."),
-  ],
-  ids=["wrong_shape", "wrong_dtype", "wrong_key"],
-)
-def test_payload_not_of_the_fragment_layout(door, values, message):
-  chunks = _raw_chunks(serialize_fragment(values, "int4"), fragment=0, codec="int4")
-  _assert_refused(door, lambda: _push(door, chunks), grpc.StatusCode.INVALID_ARGUMENT, message)
+# Wrong keys, shapes and dtypes are the reader's rules (tests/transport/wire_test.py); the door
+# answers them INVALID_ARGUMENT as any wire error, whatever the text says.
 
 
 def test_unknown_key_whose_name_reads_like_a_size_error(door):
@@ -573,6 +525,7 @@ def test_total_bytes_beyond_what_the_fragment_can_need(door):
   )
 
 
+@BOTH_TRANSPORTS
 def test_chunks_announced_larger_than_the_limit(small_chunks):
   # A client cutting fp32 fragment 0 (8253 bytes) into 8192-byte chunks announces 2 chunks, and
   # 2 · 4096 < 8253: refused from the header alone, before any bytes are buffered.
@@ -587,6 +540,7 @@ def test_chunks_announced_larger_than_the_limit(small_chunks):
   )
 
 
+@BOTH_TRANSPORTS
 def test_single_chunk_above_the_limit(small_chunks):
   # The header announces 3 chunks (3 · 4096 >= 8253, so it passes), but chunk 0 alone has 8192.
   chunks = _chunks(_report(), "fp32", chunk_size=8192)
@@ -608,6 +562,7 @@ _MISSING = "Missing 'authorization' metadata: this syncer requires a shared toke
 _WRONG = "Wrong shared token."
 
 
+@BOTH_TRANSPORTS
 @pytest.mark.parametrize(
   ("metadata", "message"), [(_NO_TOKEN, _MISSING), (_WRONG_TOKEN, _WRONG)], ids=["missing", "wrong"]
 )
@@ -621,6 +576,7 @@ def test_push_without_the_token(door, metadata, message):
   )
 
 
+@BOTH_TRANSPORTS
 @pytest.mark.parametrize(
   ("metadata", "message"), [(_NO_TOKEN, _MISSING), (_WRONG_TOKEN, _WRONG)], ids=["missing", "wrong"]
 )
@@ -633,6 +589,7 @@ def test_status_without_the_token(door, metadata, message):
   )
 
 
+@BOTH_TRANSPORTS
 def test_health_check_needs_no_token(door):
   refused = door.svc.refused()
   health = health_pb2_grpc.HealthStub(door.channel)
@@ -1013,6 +970,7 @@ def test_rounds_stream_of_an_unregistered_learner(door):
   )
 
 
+@BOTH_TRANSPORTS
 def test_rounds_stream_announces_open_rounds_new_rounds_and_published_versions(transport):
   """The merge thread's step clock ("slowest": learner 0's heartbeat step) opens the rounds due."""
   env = _start(
@@ -1050,6 +1008,7 @@ def test_rounds_stream_announces_open_rounds_new_rounds_and_published_versions(t
     env.close()
 
 
+@BOTH_TRANSPORTS
 def test_rounds_stream_is_replaced_by_a_new_subscription_and_ends_when_the_learner_leaves(door):
   door.client.register(8, layout_digest=DIGEST, num_fragments=2)
   first = iter(door.client.rounds(8))
@@ -1068,6 +1027,7 @@ def test_rounds_stream_is_replaced_by_a_new_subscription_and_ends_when_the_learn
 # -- 12. after all that, the door still opens ---------------------------------------------------
 
 
+@BOTH_TRANSPORTS
 def test_valid_push_still_merges(door):
   """Kept last in the file: the shared server, after every refusal above, merges a good push."""
   refused = door.svc.refused()

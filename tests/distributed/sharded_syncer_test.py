@@ -184,6 +184,7 @@ def _grpc_shard(factory, shard, addresses):
   return server_lib.serve(svc, address=addresses[shard])
 
 
+@pytest.mark.integration
 def test_a_shard_that_is_down_or_restarted_leaves_the_others_alone():
   factory = JOB.factory()
   ports = [processes.free_port() for _ in range(S)]

@@ -89,7 +89,7 @@ class _Recording:
     self._it.set_state(state)
 
 
-@pytest.fixture(params=["grpc", "in_process"])
+@pytest.fixture(params=[pytest.param("grpc", marks=pytest.mark.integration), "in_process"])
 def syncer(request):
   factory = JOB.factory()
   svc = server_lib.make_syncer(

@@ -20,6 +20,9 @@ import pytest
 
 from ddiloco.metrics.writer import read_events, read_scalars
 
+# A whole job: the notebook runs in a kernel of its own, and every test here reads its one execution.
+pytestmark = pytest.mark.e2e
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOK = REPO / "docs" / "colab" / "quickstart.ipynb"
 KERNEL = "ddiloco-test-python3"

@@ -208,6 +208,7 @@ print(hashlib.sha256(b"".join(out[k].tobytes() for k in sorted(out))).hexdigest(
 """
 
 
+@pytest.mark.integration
 def test_deterministic_and_bit_identical_across_processes():
   x = _normal(1000, seed=3)
   enc = encode_fragment({n: x for n in ["w"]}, "int4")

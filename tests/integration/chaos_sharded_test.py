@@ -1,7 +1,7 @@
 """The chaos driver on a syncer sharded over two processes: shard 1 alone is killed mid-run and
 restarted; every invariant holds per shard and the restart loses no merge.
 
-Slow (a few minutes on 2 loaded cores): `bash scripts/run_slow_tests.sh` runs it. It drives
+A few minutes on 2 loaded cores; in the e2e tier (`bash scripts/run_e2e_tests.sh`). It drives
 `ddiloco.launch.chaos.ChaosRun` with gin_configs/chaos/sharded.gin.
 """
 
@@ -12,7 +12,7 @@ import pytest
 from ddiloco.chaos.tape import read_tape
 from ddiloco.testing import runs
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
 def test_a_shard_killed_alone_loses_no_merge_and_every_invariant_holds(tmp_path):

@@ -1,6 +1,6 @@
 """The chaos smoke test: real processes, learner kills, a network drop, a syncer restart.
 
-Slow (about two minutes here): `bash scripts/run_slow_tests.sh` runs it. It drives
+About two minutes here; in the e2e tier (`bash scripts/run_e2e_tests.sh`). It drives
 `ddiloco.launch.chaos.ChaosRun` with gin_configs/chaos/smoke.gin and checks the invariants on the tape.
 """
 
@@ -8,7 +8,7 @@ import pytest
 
 from ddiloco.testing import runs
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
 def test_chaos_smoke_keeps_every_invariant(tmp_path):

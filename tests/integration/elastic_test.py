@@ -28,7 +28,7 @@ SEQ_LEN = 64  # local_tiny.gin; the job's batch is 8.
 ADDED_BATCH, ADDED_DEVICES = 4, 2
 TRAINED_STEPS = 16  # The added learner's steps before it is removed (it logs every 8 steps).
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
 def _fleet_cli(workdir, *args):

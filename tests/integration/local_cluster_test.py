@@ -18,7 +18,7 @@ from ddiloco.testing import runs
 GIN = runs.config_path("local_tiny.gin")
 FAST = runs.quick(steps=48)
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
 def _cluster(tmp_path, bindings, num_learners=2):

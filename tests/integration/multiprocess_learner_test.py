@@ -35,7 +35,7 @@ BINDINGS = [
   "FragmentSchedule.period = 8",
 ]
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 
 def _free_port() -> int:

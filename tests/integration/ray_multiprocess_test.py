@@ -22,7 +22,7 @@ FAST = runs.quick(
   more=["JobConfig.processes_per_learner = 2", "LearnerCheckpointConfig.save_every_steps = 8"],
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
 def test_a_multi_process_learner_restarts_as_a_whole(tmp_path):

@@ -18,7 +18,7 @@ from ddiloco.testing import runs  # noqa: E402
 GIN = runs.config_path("ray_tiny.gin")
 BINDINGS = runs.quick(steps=100000, more=["JobConfig.syncer_shards = 2"])  # Until stopped.
 
-pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(420), pytest.mark.e2e]
 
 
 def test_ray_restarts_one_shard_alone(tmp_path):

@@ -33,6 +33,7 @@ FAST = runs.quick(steps=64, more=["LearnerCheckpointConfig.save_every_steps = 8"
 pytestmark = pytest.mark.timeout(420)
 
 
+@pytest.mark.integration
 def test_ray_restarts_a_failed_learner_alone_and_leaves_nothing(tmp_path):
   job = runs.parse_job(GIN, FAST)
   args = runs.gin_args(GIN, FAST)
@@ -126,6 +127,7 @@ def _ray_daemons() -> set[int]:
   return set(runs.processes_mentioning("gcs_server")) | set(runs.processes_mentioning("raylet"))
 
 
+@pytest.mark.integration
 def test_ctrl_c_stops_the_run_in_order_and_leaves_nothing(tmp_path):
   """A terminal's Ctrl-C reaches the whole foreground process group: the launcher and the Ray
   processes it started. The run must still stop in order (every program writes its summary) and
@@ -173,6 +175,7 @@ def test_ctrl_c_stops_the_run_in_order_and_leaves_nothing(tmp_path):
   assert not left, left
 
 
+@pytest.mark.integration
 def test_a_program_ray_cannot_place_ends_without_hanging_the_launcher(tmp_path):
   """Learners asking for resources no node has: after `start_timeout_s` the program counts as
   failed and its log says why; a stop before then returns at once."""
@@ -200,7 +203,7 @@ def test_a_program_ray_cannot_place_ends_without_hanging_the_launcher(tmp_path):
     assert "stopped (SIGTERM) before Ray started it" in f.read()
 
 
-@pytest.mark.slow  # A second Ray instance and run: ~35 s.
+@pytest.mark.e2e  # A second Ray instance and run: ~35 s.
 def test_runtime_env_ships_a_users_module_to_the_programs(tmp_path, monkeypatch):
   """A gin file that imports the user's own module: with `RayConfig.runtime_env` =
   {"working_dir": <their folder>}, Ray ships the folder and every program starts in it."""
@@ -236,7 +239,7 @@ def test_runtime_env_ships_a_users_module_to_the_programs(tmp_path, monkeypatch)
   assert [summary["learners"][i]["steps"] for i in ("0", "1")] == [12, 12]
 
 
-@pytest.mark.slow  # A Ray instance and six failing starts: ~30 s.
+@pytest.mark.e2e  # A Ray instance and six failing starts: ~30 s.
 def test_a_crash_loop_ends_the_run_instead_of_restarting_for_ever(tmp_path):
   """Learners whose own flags are bad fail at start every time: after `crash_loop_restarts`
   restarts the launcher stops them and the run fails, saying why."""

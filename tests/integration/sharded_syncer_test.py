@@ -14,7 +14,7 @@ from ddiloco.transport.client import SyncerClient
 
 GIN = runs.config_path("local_tiny.gin")
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.e2e]
 
 
 def _run(tmp_path, bindings, progress=None, timeout_s=420):

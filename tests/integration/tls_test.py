@@ -14,6 +14,7 @@ GIN = runs.config_path("local_tiny.gin")
 FAST = runs.quick(steps=32)
 
 pytestmark = [
+  pytest.mark.integration,
   pytest.mark.timeout(300),
   pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command"),
 ]

@@ -40,6 +40,7 @@ def _fake_python(tmp_path) -> str:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.integration
 def test_a_syncer_event_kills_and_restarts_its_shard_alone(tmp_path):
   cluster = local_cluster.LocalCluster(
     workdir=str(tmp_path), gin_args=[], num_learners=1, python=_fake_python(tmp_path)

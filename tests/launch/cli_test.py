@@ -32,7 +32,7 @@ SCRIPTS = {
   "ddiloco-ray": ("ray_main", "--address"),
 }
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 def _script(prog: str, *args: str) -> subprocess.CompletedProcess:

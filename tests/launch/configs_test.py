@@ -55,6 +55,7 @@ print("STEPS", gin.query_parameter("%STEPS"))
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["local_tiny.gin", "gin_configs/chaos/smoke.gin"])
+@pytest.mark.integration
 def test_gin_file_by_name_from_another_folder(tmp_path, name):
   """`--gin_file=local_tiny.gin` from a folder without configs: the file and its includes parse."""
   env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")

@@ -89,6 +89,7 @@ def test_client_fails_fast_without_a_launcher(tmp_path):
   assert not os.path.exists(os.path.join(tmp_path, "control", "requests"))
 
 
+@pytest.mark.integration
 def test_client_fails_fast_when_the_launcher_died(tmp_path):
   dead = subprocess.Popen([sys.executable, "-c", "pass"])
   dead.wait()
@@ -179,6 +180,7 @@ def test_server_answers_invalid_files_itself_and_serves_in_order(tmp_path):
       assert "launcher stopped" in _response(tmp_path, _rid(n))["error"]
 
 
+@pytest.mark.integration
 def test_open_refuses_leftover_requests_and_a_second_launcher(tmp_path):
   _write_request(tmp_path, _rid(7), json.dumps({"id": _rid(7), "action": "list"}))
   root = fleet.control_dir(str(tmp_path))

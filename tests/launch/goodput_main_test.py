@@ -11,6 +11,8 @@ from ddiloco.goodput import model as goodput_model
 from ddiloco.goodput import report as goodput_report
 from ddiloco.launch import configurables
 
+pytestmark = pytest.mark.integration  # Runs the command in a child interpreter.
+
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 _CONFIGS = sorted((_ROOT / "gin_configs" / "goodput").glob("*.gin"))
 _TINY = ["--gin.goodput.GoodputStudy.chips=[8192, 16384]", "--gin.goodput.Fleet.horizon_hours=12"]

@@ -18,7 +18,7 @@ from ddiloco.run_config import RunConfig
 from ddiloco.syncer.types import SyncerConfig
 from ddiloco.transport.client import fragment_layouts
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 L, B = 8, 8
 ONE_BLOCK = {"num_layers": 1, "d_model": 32, "num_heads": 2, "head_dim": 16, "mlp_dim": 64}

@@ -72,6 +72,7 @@ def test_one_process_learner_keeps_its_command_line(tmp_path):
   assert "--xla_force_host_platform_device_count=2" in launch.env["XLA_FLAGS"].split()
 
 
+@pytest.mark.integration
 def test_two_process_learner_launches_two_slice_members(tmp_path):
   cluster = _cluster(tmp_path, processes=2, devices=3)
   launches = cluster.learner_launches(1, extra_args=["--x=1"], address="127.0.0.1:999")
@@ -123,6 +124,7 @@ def test_processes_per_learner_is_validated(tmp_path, bad):
 # -- the unit --------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_killed_process_takes_the_whole_unit_down(tmp_path):
   procs = [_sleeper(), _sleeper(), _sleeper()]
   unit = _unit(procs, tmp_path)
@@ -139,6 +141,7 @@ def test_killed_process_takes_the_whole_unit_down(tmp_path):
       p.wait()
 
 
+@pytest.mark.integration
 def test_failed_process_code_is_the_units(tmp_path):
   procs = [_sleeper(), _sleeper("exit 3")]
   unit = _unit(procs, tmp_path)
@@ -151,6 +154,7 @@ def test_failed_process_code_is_the_units(tmp_path):
       p.wait()
 
 
+@pytest.mark.integration
 def test_clean_exit_waits_for_the_others_then_kills_stragglers(tmp_path):
   procs = [_sleeper("exit 0"), _sleeper("sleep 0.5")]
   unit = _unit(procs, tmp_path, exit_grace_s=20.0)
@@ -170,6 +174,7 @@ def test_clean_exit_waits_for_the_others_then_kills_stragglers(tmp_path):
       p.wait()
 
 
+@pytest.mark.integration
 def test_cluster_signals_kill_and_reap_every_process_of_a_learner(tmp_path):
   cluster = _cluster(tmp_path)
   procs = [_sleeper(), _sleeper()]
@@ -194,6 +199,7 @@ def _state(pid: int) -> str:
     return f.read().rsplit(")", 1)[1].split()[0]
 
 
+@pytest.mark.integration
 def test_check_fleet_reports_a_dead_process_as_the_learners_failure(tmp_path):
   cluster = _cluster(tmp_path)
   procs = [_sleeper(), _sleeper()]
@@ -230,6 +236,7 @@ def _fake_python(tmp_path) -> str:
   return str(path)
 
 
+@pytest.mark.integration
 def test_chaos_kills_and_restarts_every_process_of_a_learner(tmp_path):
   from ddiloco.chaos.schedule import ChaosConfig
   from ddiloco.chaos.tape import TapeWriter
@@ -274,6 +281,7 @@ def _slow_syncer_python(tmp_path, ready_after_s: float) -> str:
   return str(path)
 
 
+@pytest.mark.integration
 def test_chaos_schedule_goes_on_while_the_syncer_restarts(tmp_path):
   """A syncer restart is not waited for: the next fault fires on time, and syncer_up is recorded
   once the new syncer serves."""

@@ -20,6 +20,7 @@ NOISE = ("resource_reader.py", "Path not found", "Unable to initialize backend",
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.integration
 def test_ctrl_c_writes_the_partial_summary_and_plot(tmp_path):
   workdir = tmp_path / "w"
   # An interactive shell gives its foreground job the default SIGINT handler; a test runner started

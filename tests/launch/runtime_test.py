@@ -32,7 +32,10 @@ from ddiloco.run_config import RunConfig
 from ddiloco.syncer.types import Report, SyncerConfig
 from ddiloco.transport.client import SyncerClient
 
-pytestmark = pytest.mark.timeout(120)  # Sockets and threads: a hang must fail the test.
+pytestmark = [
+  pytest.mark.integration,
+  pytest.mark.timeout(120),
+]  # Sockets and threads: a hang must fail the test.
 
 L, B = 8, 8
 ONE_BLOCK = {"num_layers": 1, "d_model": 32, "num_heads": 2, "head_dim": 16, "mlp_dim": 64}

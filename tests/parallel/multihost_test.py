@@ -134,6 +134,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.integration
 def test_two_processes_share_replicate_and_place_batches(tmp_path):
   script = tmp_path / "child.py"
   script.write_text(_CHILD)

@@ -21,7 +21,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "gin_configs", "clusters", "tpu_*.gin")))
 HBM_GIB = {"v5p": 95, "v6e": 32}  # Per chip.
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 _CHECK = r"""
 import json, math, sys

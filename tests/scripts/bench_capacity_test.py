@@ -24,7 +24,7 @@ def _processes_naming(text: str) -> list[int]:
   return pids
 
 
-@pytest.mark.slow  # Two ramps of real shards, ~20 s; the test below runs the script too.
+@pytest.mark.e2e  # Two ramps of real shards, ~20 s; the test below runs the script too.
 @pytest.mark.timeout(300)
 def test_two_shard_counts_side_by_side(tmp_path):
   out = tmp_path / "capacity.json"
@@ -71,6 +71,7 @@ def test_two_shard_counts_side_by_side(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.integration
 def test_sendfile_fleet_and_round_timeline(tmp_path):
   """The fleet's sendfile pushes are the same bytes (every answer filed), and `--timeline` gives
   each merged round's phases in order."""

@@ -48,7 +48,7 @@ def _learners_ledger(summary):
   return merged, dropped, trained, balanced
 
 
-@pytest.mark.slow  # Two simulated runs, ~30 s; tests/learner/carry_test.py covers the rule itself.
+@pytest.mark.e2e  # Two simulated runs, ~30 s; tests/learner/carry_test.py covers the rule itself.
 def test_carry_keeps_the_overlap_and_its_books_agree_with_the_syncer(tmp_path):
   overwrite = _summary(tmp_path, "overwrite")
   carry = _summary(tmp_path, "carry")

@@ -1,4 +1,8 @@
-"""End-to-end tests of the simulated cluster with real (tiny) training steps."""
+"""End-to-end tests of the simulated cluster with real (tiny) training steps.
+
+Runs of a few steps are in the fast tier; the runs of a fleet over a dozen steps or more, with its
+faults and timing, are in the integration tier (each costs seconds of tracing and compiling).
+"""
 
 import functools
 import os
@@ -102,6 +106,7 @@ def _sim_summary(
   )
 
 
+@pytest.mark.integration
 def test_tensorboard_scalars_share_the_tokens_axis(tmp_path):
   """Every scalar is against the fleet's tokens; the final eval, merges and goodput are there."""
   summary = _sim_summary(tmp_path, "tb", faults=("crash:1@3+2",), steps=8, tensorboard=True)
@@ -131,6 +136,7 @@ def test_tensorboard_scalars_share_the_tokens_axis(tmp_path):
   assert len(read_scalars(str(workdir / "tb" / "run_000"))["steps/learner_0/loss"]) == 2
 
 
+@pytest.mark.integration
 def test_crashed_learner_does_not_stop_the_global_model(tmp_path):
   """Zero global downtime: with K = 1, versions keep advancing while learner 1 is down."""
   summary = _sim_summary(tmp_path, "k1", faults=("crash:1@5+8",))
@@ -160,6 +166,7 @@ def test_crashed_learner_does_not_stop_the_global_model(tmp_path):
   assert learner_merged == book["merged"] > 0
 
 
+@pytest.mark.integration
 def test_synchronous_quorum_stalls_on_a_dead_learner(tmp_path):
   """K = M with blocking learners: the crash stops everyone (global downtime > 0, goodput < 1)."""
   summary = _sim_summary(tmp_path, "kM", faults=("crash:1@5+8",), min_quorum=3, blocking=True)
@@ -169,6 +176,7 @@ def test_synchronous_quorum_stalls_on_a_dead_learner(tmp_path):
   assert k1["goodput"] > summary["goodput"]
 
 
+@pytest.mark.integration
 def test_summary_keys_and_training_progress(tmp_path):
   summary = _sim_summary(tmp_path, "plain", steps=40)
   for key in (
@@ -192,6 +200,7 @@ def test_summary_keys_and_training_progress(tmp_path):
   assert evals[-1]["loss"] < np.log(256)
 
 
+@pytest.mark.integration
 def test_join_leave_and_straggler(tmp_path):
   """Scavenging and scale-down: learner 3 joins at t = 4, learner 0 leaves at t = 10.5, learner 1 is 2x
   slower from t = 2 to t = 8. The joiner trains on its own (4th) shard and contributes to merges; the
@@ -227,6 +236,7 @@ def test_join_leave_and_straggler(tmp_path):
   assert summary["learners"]["0"]["time"] == pytest.approx({"busy": 10.5})
 
 
+@pytest.mark.integration
 def test_synchronous_stall_on_a_permanent_crash_is_reported(tmp_path):
   """K = M, blocking, learner 1 never returns: the run cannot finish. It must stop (not evaluate
   forever), say so, and count the whole stall as global downtime.
@@ -261,6 +271,7 @@ def test_synchronous_stall_on_a_permanent_crash_is_reported(tmp_path):
   assert summary["learners"]["1"]["time"]["down"] > 0
 
 
+@pytest.mark.integration
 def test_int4_on_the_wire_keeps_digests_and_changes_the_values(tmp_path):
   """docs/algorithm.md §5 in the simulator: int4 reports and int4 downlink deltas that the syncer adopts.
 
@@ -292,6 +303,7 @@ def test_int4_on_the_wire_keeps_digests_and_changes_the_values(tmp_path):
   assert abs(int4["final_eval_loss"] - exact["final_eval_loss"]) < 0.05 * exact["final_eval_loss"]
 
 
+@pytest.mark.integration
 def test_vit_task_merges_with_int4_and_rda_and_reports_accuracy(tmp_path):
   """The vision task through the unchanged learners and syncer: balanced fragments of ViT params,
   RDA on the encoder blocks and the weighted mean on the input/output tensors, int4 both ways.
@@ -393,6 +405,7 @@ def test_shipped_task_runs_train(tmp_path, run):
   assert np.isfinite(summary["final_eval_loss"])
 
 
+@pytest.mark.integration
 def test_an_18_percent_slower_learner_is_in_every_merge_once_per_period(tmp_path):
   """Rounds paced by the syncer: with learner 2 18 % slower, K = 1 and the grace window, each
   fragment merges once per period of its schedule, and (after the first period, while the grace
@@ -449,6 +462,7 @@ def test_blocking_learners_need_the_lock_step_clock(tmp_path):
     )
 
 
+@pytest.mark.integration
 def test_a_joining_learner_continues_the_fleets_learning_rate_schedule(tmp_path):
   """Learner 2 joins at t = 6.5: its inner schedule starts at the fleet's step (about 6), not at 0."""
   factory = LearnerFactory(
@@ -508,6 +522,7 @@ def test_progress_line_shows_rates_and_dashes_for_unknown_values():
   assert "| - steps/s - tok/s eta - |" in line and line.endswith("L1:up step 3 loss -")
 
 
+@pytest.mark.integration
 def test_a_round_is_answered_mid_step_not_at_the_next_boundary(tmp_path):
   """Learners step in 1 s; a request lands 0.05 s after its round opens, mid-step. Each learner
   answers at once with θ of its last step (docs/algorithm.md §3), so with everyone's answer in
@@ -544,6 +559,7 @@ def test_a_round_is_answered_mid_step_not_at_the_next_boundary(tmp_path):
   np.testing.assert_allclose(waits, 0.1, atol=1e-6)
 
 
+@pytest.mark.integration
 def test_learners_reach_the_syncer_service_through_its_door_and_codecs(tmp_path):
   """One code path (docs/architecture.md): a simulated learner's pushes and pulls go through the
   service's door and codecs, so the bytes on the wire are the codec's (int4 is about an eighth of
@@ -587,6 +603,7 @@ def test_learners_reach_the_syncer_service_through_its_door_and_codecs(tmp_path)
   assert after and np.allclose(after, 0.1)
 
 
+@pytest.mark.integration
 def test_latency_jitter_spreads_the_answers_and_the_grace_window_takes_them_in(tmp_path):
   """With each message's latency drawn log-normal (σ = 1 around 0.05 s), the answers of a round
   arrive spread out: K = 1 without a grace window merges at the first and drops the rest as late;

@@ -5,7 +5,7 @@ a crash and a restart, int8 uplink, int4 downlink. The fixture holds its learner
 its evaluations and its merges. Refactoring must leave it unchanged; a change that means to alter
 the numerics regenerates it and says so in its commit message:
 
-  DDILOCO_WRITE_FIXTURE=1 .venv/bin/python -m pytest tests/simulation/golden_test.py
+  DDILOCO_WRITE_FIXTURE=1 .venv/bin/python -m pytest -m integration tests/simulation/golden_test.py
 
 The run goes in a child process whose code paths are pinned to x86-64 AVX2 (`_PINNED_ENV`): XLA's
 generated CPU code, numpy's SIMD loops and OpenBLAS's kernels otherwise follow the host's CPU, and
@@ -36,6 +36,8 @@ from ddiloco.run_config import RunConfig
 from ddiloco.simulation.config import ClusterConfig
 from ddiloco.simulation.simulate import simulate
 from ddiloco.syncer.core import SyncerConfig
+
+pytestmark = pytest.mark.integration  # The run goes in a child process.
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "golden_tiny.json"
 WRITE = os.environ.get("DDILOCO_WRITE_FIXTURE") == "1"

@@ -47,6 +47,7 @@ def test_token_metadata():
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+@pytest.mark.integration
 def test_tls_with_token(tmp_path):
   """A self-signed certificate for localhost: a TLS client with the CA and the token gets in; a
   plain-TCP client does not."""
@@ -65,6 +66,7 @@ def test_tls_with_token(tmp_path):
     server.stop(0.5)
 
 
+@pytest.mark.integration
 def test_health_is_open_and_reports_serving():
   server = serve(_service(), token="s3cret")
   try:

@@ -13,7 +13,7 @@ from ddiloco.testing.wire import report_to_chunks, state_to_chunks
 from ddiloco.transport.client import SyncerClient
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 TOKEN = "t"
 CHUNK = 1 << 16

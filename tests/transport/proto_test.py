@@ -13,6 +13,7 @@ _GENERATED = ("syncer_pb2.py", "syncer_pb2_grpc.py")
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.integration
 def test_generated_code_is_up_to_date(tmp_path):
   pytest.importorskip("grpc_tools")
   env = dict(os.environ, PYTHON=sys.executable)
