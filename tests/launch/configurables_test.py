@@ -42,6 +42,7 @@ NAMES = {
       "VisionTask",
       "VitConfig",
       "WeightedMean",
+      "nesterov_warmup",
       "simulate",
       "transformer_config",
       "vit_config",
