@@ -44,9 +44,6 @@ class _Fired(NamedTuple):
   then: tuple[tuple[str, dict[str, Any]], ...] = ()
 
 
-_GRPC_ONLY = "--gin_bindings=ServiceConfig.bulk = False"
-
-
 class ChaosRun:
   """One chaos run (see module docstring).
 
@@ -118,8 +115,7 @@ class ChaosRun:
     return statistics.median(times) if times else fallback
 
   def _start_learner(self, i: int) -> Child:
-    # Over gRPC only: the syncer's bulk port is reached directly, past the proxy and its faults.
-    return self.cluster.start_learner(i, address=self.proxies.address, extra_args=[_GRPC_ONLY])
+    return self.cluster.start_learner(i, address=self.proxies.address)
 
   def _port(self, shard: int) -> int:
     c = self.cluster

@@ -397,8 +397,8 @@ def learner_client(
   job: JobConfig, address: str, *, token: str | None = None, tls_ca_file: str | None = None
 ) -> ShardedClient:
   """A learner process's client of the syncer at `address` (shard 0's when sharded), set by the
-  run's `ServiceConfig` as the syncer is: its chunk bound, its bulk port and its stream deadline
-  (a push or pull the syncer allows `stream_deadline_s` is not cut sooner by the learner)."""
+  run's `ServiceConfig` as the syncer is: its chunk bound and its stream deadline (a push or pull
+  the syncer allows `stream_deadline_s` is not cut sooner by the learner)."""
   svc = job.run.the_service()
 
   def connect(address: str) -> SyncerClient:
@@ -408,7 +408,6 @@ def learner_client(
       tls_ca_file=tls_ca_file,
       transfer_deadline_s=svc.stream_deadline_s,
       max_chunk_bytes=svc.max_chunk_bytes,
-      bulk=svc.bulk,  # The syncer's bulk port, if it advertises one (distributed/bulk_server.py).
     )
 
   # A sharded syncer's other shards are learned at Register (a pass-through when unsharded).
