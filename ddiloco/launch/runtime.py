@@ -229,8 +229,17 @@ class SyncerRun:
     self.writer.event("merge", time=round(time.time(), 4), **ev.log_fields())
 
   def serve(
-    self, address: str, *, token: str | None = None, tls=None, insecure: bool = False
+    self,
+    address: str,
+    *,
+    token: str | None = None,
+    tls=None,
+    insecure: bool = False,
+    bulk_port: int | None = None,
+    advertise_bulk_port: int = 0,
   ) -> server_lib.SyncerServer:
+    """Serves the syncer on `address` and its bulk port (`server.serve`, whose arguments these
+    are) once its outer steps are compiled and version 0 evaluated."""
     self.warm_up()
     if self.restored is None:
       self.evaluate()  # Version 0, before any learner connects (a restart evaluates in `loop`).
@@ -245,7 +254,13 @@ class SyncerRun:
         self.checkpoint.recovery_window_s,
       )
     self.server = server_lib.serve(
-      self.service, address=address, token=token, tls=tls, insecure=insecure
+      self.service,
+      address=address,
+      token=token,
+      tls=tls,
+      insecure=insecure,
+      bulk_port=bulk_port,
+      advertise_bulk_port=advertise_bulk_port,
     )
     return self.server
 
