@@ -13,10 +13,10 @@ The same client runs over the in-process transport (`transport/in_process.py`) i
 cluster: control calls through its channel, and data through the same frames, joined back into
 whole chunk messages (`in_process.InProcessData`). The messages, and so the protocol, are the same.
 
-The client keeps the session each Register returns, per learner id, and sends it on that learner's
-Push, Pull, Heartbeat, Leave and Rounds calls (`auth.SESSION_METADATA_KEY`; in a data call's
-hello); a call refused PERMISSION_DENIED (another registration of the id voided it) is fixed by
-registering again.
+The client keeps the session each Register returns, per learner id, and sends it on that
+learner's pushes, pulls, Heartbeat, Leave, Rounds and Recover calls (`auth.SESSION_METADATA_KEY`;
+in a data call's hello); a call refused PERMISSION_DENIED (another registration of the id voided
+it) is fixed by registering again.
 
 A push's frames are made while it is sent (`messages.push_pieces`: δ encoded in runs handed to
 the socket as they are made, no protobuf object), and a pull's are decoded as they arrive, each
