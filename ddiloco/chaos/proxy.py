@@ -408,8 +408,10 @@ class LoopbackProxy(FaultProxy):
           if writer.can_write_eof() and not writer.transport.is_closing():
             writer.write_eof()
           return
-        writer.write(data)
+        # Counted before the write: a write may hand the bytes to the peer at once, and a reader
+        # of the stats who has seen them arrive must see them counted.
         self._count(key, len(data))
+        writer.write(data)
         await writer.drain()
 
     async with asyncio.TaskGroup() as tg:
