@@ -5,8 +5,9 @@
 gRPC service of syncer.proto), and `data_handlers`, the data plane's Push and Pull:
 
 - `serve`: the control plane on a synchronous `grpc.server` whose thread pool has
-  `control_workers + max_rounds_streams` threads, with the standard health service, an optional
-  shared token (transport/auth.py) and TLS; the data plane on the bulk port
+  `control_workers + max_data_streams + max_rounds_streams` threads (a Recover is a data stream;
+  distributed/door.py keeps `control_workers` of them free of streams), with the standard health
+  service, an optional shared token (transport/auth.py) and TLS; the data plane on the bulk port
   (distributed/bulk_server.py), with the same token and TLS. Ports are never shared
   (`grpc.so_reuseport` off, no SO_REUSEPORT): a second syncer on a port in use fails with a
   one-line `BindError`. A non-loopback address without a shared token is refused unless
