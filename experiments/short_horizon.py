@@ -45,12 +45,13 @@ def _sgd(lr: float, momentum: float) -> tuple[str, ...]:
   )
 
 
-def _warmup(lr: float, momentum: float, steps: int) -> tuple[str, ...]:
+def _warmup(lr: float, momentum: float, steps: int, lr0: float | None = None) -> tuple[str, ...]:
   return (
     "SyncerConfig.outer_optimizer = @outer/nesterov_warmup",
     f"outer/nesterov_warmup.learning_rate = {lr}",
     f"outer/nesterov_warmup.momentum = {momentum}",
     f"outer/nesterov_warmup.warmup_steps = {steps}",
+    *([f"outer/nesterov_warmup.initial_learning_rate = {lr0}"] if lr0 is not None else []),
   )
 
 
@@ -64,6 +65,7 @@ CANDIDATES = {
   "warmup50": _warmup(0.7, 0.9, 50),
   "1.0 warmup20": _warmup(1.0, 0.9, 20),
   "0.4 warmup20": _warmup(0.4, 0.9, 20),
+  "0.7 to 0.4 warmup20": _warmup(0.4, 0.9, 20, lr0=0.7),
 }
 
 
@@ -77,6 +79,7 @@ DESCRIPTIONS = {
   "warmup50": "Nesterov, lr 0.7, momentum 0.9 ramped over 50 outer steps",
   "1.0 warmup20": "Nesterov, lr 1.0, momentum 0.9 ramped over 20 outer steps",
   "0.4 warmup20": "Nesterov, lr 0.4, momentum 0.9 ramped over 20 outer steps",
+  "0.7 to 0.4 warmup20": "Nesterov, momentum 0.9 ramped and lr from 0.7 to 0.4 over 20 outer steps",
 }
 
 

@@ -11,34 +11,53 @@ a short run (the quick start has 4 outer steps per fragment, the main job 10) sp
 there and ends on a step several times larger than plain averaging, while its inner learning rate
 has decayed. Measured on the quick-start run file (docs/results/short_horizon.md) and at 192 outer
 steps (docs/results/scaling_table.md).
+
+A long run wants a smaller learning rate under full momentum than a short run wants while the
+momentum is still low (the two horizons' best values differ), so the ramp may also bring the
+learning rate down, from `initial_learning_rate` to `learning_rate`, over the same outer steps.
 """
 
 import optax
 
 
 def nesterov_warmup(
-  learning_rate: float, momentum: float = 0.9, warmup_steps: int = 20
+  learning_rate: float,
+  momentum: float = 0.9,
+  warmup_steps: int = 20,
+  initial_learning_rate: float | None = None,
 ) -> optax.GradientTransformation:
   """Nesterov SGD whose momentum ramps linearly from 0 to `momentum` over `warmup_steps` steps.
 
-  Step t (from 0) uses momentum μ_t = momentum · min(t / warmup_steps, 1); warmup_steps = 0 is
-  plain Nesterov SGD. The state (per fragment, in the syncer's checkpoint) holds the step count.
+  Step t (from 0) uses momentum μ_t = momentum · min(t / warmup_steps, 1) and, with an
+  `initial_learning_rate` lr_0, the learning rate lr_0 + (learning_rate − lr_0) · min(t /
+  warmup_steps, 1); warmup_steps = 0 is plain Nesterov SGD. The state (per fragment, in the
+  syncer's checkpoint) holds the step count.
 
   Args:
-    learning_rate: the outer learning rate.
+    learning_rate: the outer learning rate (after the warm-up, with `initial_learning_rate`).
     momentum: the momentum after the warm-up, in [0, 1).
     warmup_steps: outer steps of the ramp.
+    initial_learning_rate: the learning rate of the first outer step, or None for
+      `learning_rate` throughout.
 
   Raises:
     ValueError: for a learning rate that is not > 0, a momentum outside [0, 1) or a negative
       warm-up.
   """
-  if not learning_rate > 0:
-    raise ValueError(f"learning_rate must be > 0, got {learning_rate}.")
+  for name, lr in (
+    ("learning_rate", learning_rate),
+    ("initial_learning_rate", initial_learning_rate),
+  ):
+    if lr is not None and not (isinstance(lr, int | float) and lr > 0):
+      raise ValueError(f"{name} must be > 0, got {lr!r}.")
+  if learning_rate is None:
+    raise ValueError("learning_rate must be > 0, got None.")
   if not 0 <= momentum < 1:
     raise ValueError(f"momentum must be in [0, 1), got {momentum}.")
   if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
     raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}.")
+  if warmup_steps and initial_learning_rate is not None:
+    learning_rate = optax.linear_schedule(initial_learning_rate, learning_rate, warmup_steps)
   return optax.inject_hyperparams(optax.sgd)(
     learning_rate=learning_rate,
     momentum=optax.linear_schedule(0.0, momentum, warmup_steps) if warmup_steps else momentum,

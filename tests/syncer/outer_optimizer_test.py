@@ -158,6 +158,19 @@ def test_nesterov_warmup_ramps_the_momentum_then_is_nesterov_sgd():
     np.testing.assert_allclose(update["w"], want, rtol=1e-6, err_msg=f"step {t}")
 
 
+def test_nesterov_warmup_can_bring_the_learning_rate_down_over_the_ramp():
+  """lr_t = 0.7 + (0.4 − 0.7) · t / 4 for t < 4, then 0.4, beside the momentum's ramp."""
+  opt = outer_optimizers.nesterov_warmup(0.4, 0.9, 4, initial_learning_rate=0.7)
+  state = opt.init({"w": np.zeros(2, np.float32)})
+  trace = np.zeros(2)
+  for t in range(7):
+    g = np.array([1.0, -2.0], np.float32) * (t + 1)
+    mu, lr = 0.9 * min(t / 4, 1.0), 0.7 + (0.4 - 0.7) * min(t / 4, 1.0)
+    trace = mu * trace + g
+    update, state = opt.update({"w": g}, state)
+    np.testing.assert_allclose(update["w"], -lr * (g + mu * trace), rtol=1e-6, err_msg=f"step {t}")
+
+
 def test_nesterov_warmup_of_zero_steps_is_optax_nesterov():
   opt, ref = outer_optimizers.nesterov_warmup(0.7, 0.9, 0), optax.sgd(0.7, 0.9, nesterov=True)
   s, r = opt.init({"w": np.zeros(3, np.float32)}), ref.init({"w": np.zeros(3, np.float32)})
@@ -173,6 +186,8 @@ def test_nesterov_warmup_of_zero_steps_is_optax_nesterov():
     {"learning_rate": 0.0},
     {"learning_rate": 0.7, "momentum": 1.0},
     {"learning_rate": 0.7, "warmup_steps": -1},
+    {"learning_rate": 0.4, "initial_learning_rate": 0.0},
+    {"learning_rate": 0.4, "initial_learning_rate": "0.7"},
   ],
 )
 def test_nesterov_warmup_refuses_bad_settings(kwargs):
