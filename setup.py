@@ -89,6 +89,7 @@ setuptools.setup(
       "ddiloco-replay=ddiloco.launch.replay_main:run",
       "ddiloco-fleet=ddiloco.launch.fleet_main:run",
       "ddiloco-ray=ddiloco.launch.ray_main:run",
+      "ddiloco-export=ddiloco.launch.export_main:run",
     ],
   },
 )

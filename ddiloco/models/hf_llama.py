@@ -154,6 +154,12 @@ def check_exportable(config: TransformerConfig) -> None:
     raise ValueError("Only a causal decoder with RoPE (causal=True, rope=True) is a Llama.")
 
 
+def check_params(params: Mapping[str, Any], config: TransformerConfig) -> None:
+  """Raises ValueError unless flat `params` are a Llama of this config (`to_hf` would take them)."""
+  check_exportable(config)
+  _check_leaves(params, param_shapes(config))
+
+
 def to_hf(params: Mapping[str, np.ndarray], config: TransformerConfig) -> dict[str, np.ndarray]:
   """Hugging Face's tensors {name: array} of flat ddiloco params {leaf path: array}.
 
@@ -161,8 +167,7 @@ def to_hf(params: Mapping[str, np.ndarray], config: TransformerConfig) -> dict[s
     ValueError: if the config is no Llama (`check_exportable`), or `params` lacks a leaf, has one
       the model does not, or one of another shape.
   """
-  check_exportable(config)
-  _check_leaves(params, param_shapes(config))
+  check_params(params, config)
   out = {}
   for ours, theirs, inputs in param_map(config):
     value = np.asarray(params[ours])
