@@ -16,11 +16,11 @@ from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.layout import STRATEGIES
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner.config import LearnerConfig, check_pacing
-from ddiloco.learner.factory import LearnerFactory, resolve_task
+from ddiloco.learner.factory import LearnerFactory, check_init_from, resolve_task
 from ddiloco.learner.train_step import InnerOptConfig
-from ddiloco.models import transformer
+from ddiloco.models import hf_llama, transformer
 from ddiloco.syncer.types import SyncerConfig
-from ddiloco.tasks import Task
+from ddiloco.tasks import Task, TextTask
 from ddiloco.types import check_int_fields
 
 
@@ -29,9 +29,16 @@ class RunConfig:
   """One training run.
 
   Attributes:
-    model: the transformer of a text run (vocab is set from the tokenizer); with `data`.
+    model: the transformer of a text run (vocab is set from the tokenizer); with `data`. With
+      `init_from` it may be left unset: the checkpoint's config.json gives it.
     data: the text pipeline of a text run; with `model`.
     task: what to train (`ddiloco.tasks`, e.g. `VisionTask`), instead of `model` and `data`.
+    init_from: a Hugging Face Llama checkpoint folder (config.json + safetensors,
+      models/hf_llama.py): the syncer's initial global model and so every learner's start, instead
+      of a random init (`seed` then plays no part). The model must be the checkpoint's: unset
+      `model` takes its config.json; a given one (or a task's transformer) must agree with it on
+      every architecture field (`hf_llama.ARCHITECTURE_FIELDS`), and a text run keeps its
+      vocabulary. Every process of a run reads the folder: put it where each one sees it.
     schedule: fragments P, period H, overlap τ (default docs/algorithm.md §2's 24/24/2).
     syncer: quorum, grace, merge, outer optimizer (default `SyncerConfig()`).
     learner: α and blocking (default `LearnerConfig()`).
@@ -59,6 +66,7 @@ class RunConfig:
   model: transformer.TransformerConfig | None = None
   data: text_data.TextDataConfig | None = None
   task: Task | None = None
+  init_from: str | None = None
   schedule: FragmentSchedule | None = None
   syncer: SyncerConfig | None = None
   learner: LearnerConfig | None = None
@@ -76,7 +84,9 @@ class RunConfig:
   log_every: int = 10
 
   def __post_init__(self):
-    self.the_task()  # Exactly one of a task and a (model, data) pair.
+    task = self.the_task()  # Exactly one of a task and a (model, data) pair.
+    if self.init_from is not None:
+      check_init_from(task, self.init_from)  # Here, not once the learners start.
     counts = ("num_learners", "steps_per_learner", "log_every", "eval_batches", "eval_batch_size")
     check_int_fields(self)  # A gin typo such as 4.5 fails here, not later.
     bad = [f"{name}={getattr(self, name)}" for name in counts if getattr(self, name) < 1]
@@ -106,7 +116,12 @@ class RunConfig:
 
   def the_task(self) -> Task:
     """The task: `task`, or a `TextTask` of (model, data) (cheap: built on each call)."""
-    return resolve_task(self.task, self.model, self.data)
+    if self.init_from is None or self.task is not None:
+      return resolve_task(self.task, self.model, self.data)
+    if self.data is None:
+      raise ValueError("init_from needs RunConfig.data (or a task) to train the checkpoint on.")
+    model = self.model or hf_llama.read_config(self.init_from)
+    return TextTask(model=model, data=self.data, keep_vocab=True)
 
   def the_schedule(self) -> FragmentSchedule:
     return self.schedule or FragmentSchedule(num_fragments=24, period=24, overlap=2)
@@ -147,6 +162,7 @@ class RunConfig:
       split_large=self.split_large,
       num_shards=self.num_learners if num_shards is None else num_shards,
       seed=self.seed,
+      init_from=self.init_from,
       eval_batches=self.eval_batches,
       eval_batch_size=self.eval_batch_size,
       batch_size=self.batch_size,

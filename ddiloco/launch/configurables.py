@@ -40,7 +40,13 @@ from ddiloco.launch.job import JobConfig
 from ddiloco.launch.ray_config import RayConfig
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.train_step import InnerOptConfig
-from ddiloco.models.configs import TransformerConfig, VitConfig, transformer_config, vit_config
+from ddiloco.models.configs import (
+  TransformerConfig,
+  VitConfig,
+  hf_llama_config,
+  transformer_config,
+  vit_config,
+)
 from ddiloco.run_config import RunConfig
 from ddiloco.simulation.config import ClusterConfig
 from ddiloco.simulation.simulate import simulate
@@ -74,6 +80,7 @@ _CONFIGURABLES: tuple[tuple[str, tuple[Callable[..., Any], ...], dict[str, Any]]
       TextTask,
       VisionTask,
       transformer_config,
+      hf_llama_config,
       TransformerConfig,
       vit_config,
       VitConfig,

@@ -305,6 +305,31 @@ def read_config(path: str, **overrides: Any) -> TransformerConfig:
     return from_hf_config(json.load(f), **overrides)
 
 
+def check_same_architecture(config: TransformerConfig, checkpoint: str) -> None:
+  """Raises ValueError unless `config` is the model of the checkpoint in folder `checkpoint`.
+
+  The fields of `ARCHITECTURE_FIELDS` must equal its config.json's: a different RoPE base or norm
+  epsilon would load the weights into a model that computes something else, with no shape to
+  tell.
+
+  Raises:
+    FileNotFoundError: as `read_config`.
+  """
+  check_exportable(config)
+  theirs = read_config(checkpoint)
+  wrong = {
+    name: (getattr(config, name), getattr(theirs, name))
+    for name in ARCHITECTURE_FIELDS
+    if getattr(config, name) != getattr(theirs, name)
+  }
+  if wrong:
+    listed = ", ".join(f"{k} {ours} (config.json: {its})" for k, (ours, its) in wrong.items())
+    raise ValueError(
+      f"The run's model is not the one of {checkpoint}: {listed}. Leave the model to the "
+      "checkpoint's config.json (only dtype, param_dtype, remat, max_len and dropout are free)."
+    )
+
+
 def save(
   params: Mapping[str, np.ndarray],
   config: TransformerConfig,

@@ -36,15 +36,27 @@ class TextTask(Task):
       over a learner's model axis (cl100k's 100,277 ids become 100,352; the extra ids never occur
       in the data, and training drives their logits down).
     data: the text pipeline's config.
+    keep_vocab: keep `model.vocab_size` (a pretrained checkpoint's vocabulary, `RunConfig.init_from`)
+      instead; it must hold every id of the tokenizer.
   """
 
   unit = "tokens"
 
   def __init__(
-    self, *, model: transformer.TransformerConfig, data: text_data.TextDataConfig
+    self,
+    *,
+    model: transformer.TransformerConfig,
+    data: text_data.TextDataConfig,
+    keep_vocab: bool = False,
   ) -> None:
     vocab = text_data.get_tokenizer(data.tokenizer).vocab_size
-    vocab = -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    if keep_vocab and vocab > model.vocab_size:
+      raise ValueError(
+        f"The tokenizer {data.tokenizer!r} has {vocab} ids, more than the model's vocabulary of "
+        f"{model.vocab_size}: train a pretrained model on token shards written with its own "
+        "tokenizer (TokenShardTask)."
+      )
+    vocab = model.vocab_size if keep_vocab else -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     if model.vocab_size != vocab:
       model = dataclasses.replace(model, vocab_size=vocab)
     if data.seq_len > model.max_len:

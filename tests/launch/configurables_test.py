@@ -42,6 +42,7 @@ NAMES = {
       "VisionTask",
       "VitConfig",
       "WeightedMean",
+      "hf_llama_config",
       "nesterov_warmup",
       "simulate",
       "transformer_config",
