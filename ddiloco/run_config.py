@@ -12,6 +12,7 @@ import dataclasses
 import numbers
 
 from ddiloco.data import text as text_data
+from ddiloco.data import token_shards
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.layout import STRATEGIES
 from ddiloco.fragments.schedule import FragmentSchedule
@@ -20,7 +21,7 @@ from ddiloco.learner.factory import LearnerFactory, check_init_from, resolve_tas
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.models import hf_llama, transformer
 from ddiloco.syncer.types import SyncerConfig
-from ddiloco.tasks import Task, TextTask
+from ddiloco.tasks import Task
 from ddiloco.types import check_int_fields
 
 
@@ -31,7 +32,8 @@ class RunConfig:
   Attributes:
     model: the transformer of a text run (vocab is set from the tokenizer); with `data`. With
       `init_from` it may be left unset: the checkpoint's config.json gives it.
-    data: the text pipeline of a text run; with `model`.
+    data: the data of a text run, with `model`: the Shakespeare pipeline (`TextDataConfig`) or a
+      pre-tokenized corpus (`TokenShardDataConfig`, data/token_shards.py).
     task: what to train (`ddiloco.tasks`, e.g. `VisionTask`), instead of `model` and `data`.
     init_from: a Hugging Face Llama checkpoint folder (config.json + safetensors,
       models/hf_llama.py): the syncer's initial global model and so every learner's start, instead
@@ -64,7 +66,7 @@ class RunConfig:
   """
 
   model: transformer.TransformerConfig | None = None
-  data: text_data.TextDataConfig | None = None
+  data: text_data.TextDataConfig | token_shards.TokenShardDataConfig | None = None
   task: Task | None = None
   init_from: str | None = None
   schedule: FragmentSchedule | None = None
@@ -84,6 +86,9 @@ class RunConfig:
   log_every: int = 10
 
   def __post_init__(self):
+    if self.init_from is not None and not (isinstance(self.init_from, str) and self.init_from):
+      # gin.REQUIRED left unbound (gin_configs/examples/from_hf_llama.gin).
+      raise ValueError("RunConfig.init_from must name a checkpoint folder: bind it.")
     task = self.the_task()  # Exactly one of a task and a (model, data) pair.
     if self.init_from is not None:
       check_init_from(task, self.init_from)  # Here, not once the learners start.
@@ -121,7 +126,7 @@ class RunConfig:
     if self.data is None:
       raise ValueError("init_from needs RunConfig.data (or a task) to train the checkpoint on.")
     model = self.model or hf_llama.read_config(self.init_from)
-    return TextTask(model=model, data=self.data, keep_vocab=True)
+    return resolve_task(None, model, self.data, keep_vocab=True)
 
   def the_schedule(self) -> FragmentSchedule:
     return self.schedule or FragmentSchedule(num_fragments=24, period=24, overlap=2)

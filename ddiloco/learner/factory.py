@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from ddiloco.data import text as text_data
+from ddiloco.data import token_shards
 from ddiloco.fragments import layout as layout_lib
 from ddiloco.fragments import tree
 from ddiloco.fragments.schedule import FragmentSchedule
@@ -22,7 +23,7 @@ from ddiloco.learner.learner import Learner
 from ddiloco.models import hf_llama, transformer
 from ddiloco.parallel import mesh as mesh_lib
 from ddiloco.parallel import partitioning
-from ddiloco.tasks import Task, TextTask
+from ddiloco.tasks import Task, TextTask, TokenShardTask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +46,16 @@ class LearnerSpec:
 def resolve_task(
   task: Task | None,
   model: transformer.TransformerConfig | None,
-  data: text_data.TextDataConfig | None,
+  data: text_data.TextDataConfig | token_shards.TokenShardDataConfig | None,
+  *,
+  keep_vocab: bool = False,
 ) -> Task:
-  """`task`, or a `TextTask` built from the (model, data) pair of text-only configs.
+  """`task`, or the language-modelling task of a (model, data) pair: a `TextTask` on the
+  Shakespeare pipeline, a `TokenShardTask` on a pre-tokenized corpus.
+
+  Args:
+    task, model, data: exactly one of `task` and the (model, data) pair.
+    keep_vocab: the model keeps its vocabulary (a pretrained checkpoint's).
 
   Raises:
     ValueError: unless exactly one of `task` and the complete (model, data) pair is given.
@@ -58,7 +66,9 @@ def resolve_task(
     return task
   if model is None or data is None:
     raise ValueError("Needs a task, or a text model config and a text data config (bind in gin).")
-  return TextTask(model=model, data=data)
+  if isinstance(data, token_shards.TokenShardDataConfig):
+    return TokenShardTask(model=model, data=data, keep_vocab=keep_vocab)
+  return TextTask(model=model, data=data, keep_vocab=keep_vocab)
 
 
 def check_init_from(task: Task, checkpoint: str) -> transformer.TransformerConfig:

@@ -7,6 +7,7 @@ started from a checkpoint first evaluates that checkpoint's own loss.
 """
 
 import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ import pytest
 from ddiloco.checkpoint import export
 from ddiloco.checkpoint.global_model import nest
 from ddiloco.data import text as text_data
+from ddiloco.data import token_corpus, token_shards
 from ddiloco.fragments import tree
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner import train_step
@@ -97,10 +99,10 @@ def _loss(flat, batches):
 
 
 def _first_eval(tmp_path, name, **run):
+  run.setdefault("data", DATA)
   simulate(
     workdir=str(tmp_path / name),
     run=RunConfig(
-      data=DATA,
       schedule=FragmentSchedule(num_fragments=1, period=2, overlap=0),
       inner_opt=INNER,
       num_learners=1,
@@ -148,3 +150,25 @@ def test_a_model_that_is_not_the_checkpoints_is_refused(tmp_path):
     ValueError, match=r"'byte' has 256 ids, more than the model's vocabulary of 64"
   ):
     RunConfig(data=DATA, init_from=str(tmp_path / "small"))
+
+
+FIXTURE = pathlib.Path(__file__).parents[1] / "models" / "fixtures" / "hf_llama_tiny"
+
+
+def test_a_run_from_the_checkpoint_transformers_wrote_on_its_own_token_ids(tmp_path):
+  """The fixture's vocabulary is 64 ids: a corpus of such ids (as its tokenizer would write)."""
+  rng = np.random.default_rng(0)
+  windows = {s: list(rng.integers(0, 64, size=(n, 9))) for s, n in (("train", 40), ("eval", 8))}
+  token_corpus.write_corpus(str(tmp_path / "ids"), windows, vocab_size=64, tokenizer="fixture")
+  data = token_shards.TokenShardDataConfig(path=str(tmp_path / "ids"), batch_size=2)
+  config = hf_llama.read_config(str(FIXTURE))
+  batches = token_shards.eval_batches(data, num_batches=2, batch_size=2)
+  model = transformer.Transformer(config)
+  flat = hf_llama.load(str(FIXTURE))
+  total = count = 0.0
+  for batch in batches:
+    logits = model.apply({"params": nest(flat)}, batch["inputs"])
+    loss, n = transformer.lm_loss(logits, jnp.asarray(batch["targets"]))
+    total, count = total + float(loss) * float(n), count + float(n)
+  first = _first_eval(tmp_path, "fixture", data=data, init_from=str(FIXTURE))
+  np.testing.assert_allclose(first, total / count, rtol=1e-5)
