@@ -11,7 +11,9 @@ The iterator's state is the next position it would read, with the slot it read i
 Rule for a learner that restarts, joins or leaves (`resume_position`). A learner given a position
 g (its own checkpoint's, or another learner's) continues at the first position >= g in its own
 slot: g itself when the slot count and the slot are unchanged, whatever the batch sizes. A learner
-without any position starts at its slot's first position m.
+without any position starts at its slot's first position m. The runtimes give a restarted learner
+the position its own checkpoint holds (checkpoint/learner.py); a learner without a checkpoint of
+its own starts fresh, and one given a peer's state (`set_state`) continues after that peer.
 
 What that guarantees (tests/data/token_shards_test.py checks each on a ledger of the positions
 every learner read):
