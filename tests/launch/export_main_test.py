@@ -3,13 +3,14 @@
 tests/launch/cli_test.py runs the console script itself (help, one-line errors).
 """
 
+import gin
 import jax
 import numpy as np
 import pytest
 
 from ddiloco.checkpoint.global_model import join_pieces
 from ddiloco.fragments.layout import make_layout
-from ddiloco.launch import export_main
+from ddiloco.launch import configurables, export_main
 from ddiloco.models import hf_llama
 from ddiloco.testing.syncer_folders import write_syncer_folder
 
@@ -73,3 +74,15 @@ def test_a_model_that_is_no_llama_is_refused_for_hf_and_nothing_is_written(tmp_p
   with pytest.raises(ValueError, match="causal decoder with RoPE"):
     export_main.export(run, fmt="hf", out=str(tmp_path / "hf"))
   assert not (tmp_path / "hf").exists()
+
+
+def test_the_config_gin_a_launcher_writes_gives_the_runs_model(tmp_path):
+  """`gin_flags.parse_gin` writes `gin.config_str()` of the parsed files into the run's folder."""
+  configurables.parse(["local_tiny.gin"])
+  try:
+    (tmp_path / "config.gin").write_text(gin.config_str())
+  finally:
+    configurables.clear()
+  config, signature = export_main.run_model(str(tmp_path / "config.gin"))
+  assert (config.d_model, config.num_layers, config.vocab_size, config.max_len) == (128, 4, 256, 64)
+  assert len(signature) == 2 + 9 * 4 + 1
