@@ -30,6 +30,11 @@ every learner read):
 - A slot without a learner is not read: a learner that leaves for good while M stays leaves 1/M
   of the stream unread from then on; a restart of the fleet with M' = M - 1 slots closes the gap
   within the bound above.
+- The slot count is the factory's `num_shards`. The simulator counts a slot for every learner that
+  can ever join (`ClusterConfig.num_shards`), so a joining learner reads positions no one else
+  reads. A distributed run has M = `RunConfig.num_learners` slots, and a learner added beyond them
+  (`ddiloco-fleet add`) shares slot id mod M with a running learner and reads the same positions:
+  restart the fleet with the larger M instead, within the bound above.
 - A learner without a position (a fresh start, no checkpoint) reads its slot from the stream's
   start again: it repeats rather than skips, as the other pipelines do.
 A repeated position is a repeated example; a skipped position is an example that epoch lacks.
