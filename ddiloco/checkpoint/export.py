@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from ddiloco.checkpoint.global_model import GlobalModel, read_global_model
+from ddiloco.checkpoint import global_model
+from ddiloco.checkpoint.global_model import GlobalModel
 from ddiloco.models import hf_llama
 from ddiloco.models.transformer import TransformerConfig
 
@@ -148,6 +149,7 @@ def export_global_model(
   step: int | None = None,
   model_config: TransformerConfig | None = None,
   expected: Signature | None = None,
+  subdir: str = global_model.CHECKPOINTS,
 ) -> ExportInfo:
   """Writes the syncer's global model of the run in `run_dir` to `out`.
 
@@ -160,6 +162,7 @@ def export_global_model(
     model_config: the run's transformer; required for "hf" (the RoPE base, norm epsilon and
       context length are not in the parameters' shapes).
     expected: {leaf path: (shape, dtype)} of the run's model: the model read is checked against it.
+    subdir: the syncer's checkpoints folder (`SyncerCheckpointConfig.subdir`).
 
   Returns:
     What was written.
@@ -177,7 +180,7 @@ def export_global_model(
       raise ValueError("The Hugging Face format needs the run's transformer config.")
     hf_llama.check_exportable(model_config)
   out = check_out(out)
-  model = read_global_model(run_dir, step=step)
+  model = global_model.read_global_model(run_dir, step=step, subdir=subdir)
   if expected is not None:
     check_params(model.params, expected)
   if fmt == "hf":

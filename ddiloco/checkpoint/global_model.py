@@ -82,11 +82,11 @@ def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
   return root
 
 
-def syncer_folders(run_dir: str) -> list[str]:
+def syncer_folders(run_dir: str, *, subdir: str = CHECKPOINTS) -> list[str]:
   """The syncer folders of a run, shard 0 first.
 
   `run_dir` is a launcher's run folder (holding `syncer/` and, sharded, `syncer_1/` ...), or one
-  syncer's own folder (holding `checkpoints/` or a merge journal).
+  syncer's own folder (holding its checkpoints' `subdir` or a merge journal).
 
   Raises:
     FileNotFoundError: if `run_dir` holds neither, or shards are missing from the sequence.
@@ -103,12 +103,12 @@ def syncer_folders(run_dir: str) -> list[str]:
         f"{run_dir} holds syncer shards {sorted(shards)} beside syncer/: shards 1..S-1 are needed."
       )
     return [os.path.join(run_dir, "syncer")] + [shards[s] for s in sorted(shards)]
-  if os.path.isdir(os.path.join(run_dir, CHECKPOINTS)) or os.path.isfile(
+  if os.path.isdir(os.path.join(run_dir, subdir)) or os.path.isfile(
     os.path.join(run_dir, JOURNAL_NAME)
   ):
     return [run_dir]
   raise FileNotFoundError(
-    f"{run_dir} is neither a run folder (with syncer/) nor a syncer's folder (with {CHECKPOINTS}/): "
+    f"{run_dir} is neither a run folder (with syncer/) nor a syncer's folder (with {subdir}/): "
     "a simulated run keeps no syncer checkpoint to export."
   )
 
@@ -119,10 +119,10 @@ def _fragment_values(state: Mapping[str, Any], p: int, version: int) -> dict[str
 
 
 def _read_folder(
-  folder: str, step: int | None
+  folder: str, step: int | None, subdir: str
 ) -> tuple[int, int, dict[int, tuple[int, dict[str, np.ndarray]]], dict[int, tuple[int, int]]]:
   """(step, fragment count, {owned fragment: (version, values)}, behind) of one syncer folder."""
-  checkpointer = SyncerCheckpointer(os.path.join(folder, CHECKPOINTS), read_only=True)
+  checkpointer = SyncerCheckpointer(os.path.join(folder, subdir), read_only=True)
   try:
     steps = checkpointer.all_steps()
     if not steps:
@@ -186,12 +186,15 @@ def join_pieces(values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
   return dict(sorted(out.items()))
 
 
-def read_global_model(run_dir: str, *, step: int | None = None) -> GlobalModel:
+def read_global_model(
+  run_dir: str, *, step: int | None = None, subdir: str = CHECKPOINTS
+) -> GlobalModel:
   """Reads the syncer's global model from a run's folder (see the module docstring).
 
   Args:
     run_dir: a run folder (with `syncer/`, sharded `syncer_<s>/` too) or a syncer's own folder.
     step: a checkpoint step of an unsharded syncer; None: the newest published model.
+    subdir: the checkpoints' folder in each syncer folder (`SyncerCheckpointConfig.subdir`).
 
   Returns:
     The model, with the version read of every fragment.
@@ -201,7 +204,7 @@ def read_global_model(run_dir: str, *, step: int | None = None) -> GlobalModel:
     ValueError: for an unknown step, a step of a sharded syncer, or shards that do not add up to
       one model (a fragment missing, or held by two shards).
   """
-  folders = syncer_folders(run_dir)
+  folders = syncer_folders(run_dir, subdir=subdir)
   if step is not None and len(folders) > 1:
     raise ValueError(
       f"{run_dir} has {len(folders)} syncer shards, each with its own checkpoint steps: read the "
@@ -212,7 +215,7 @@ def read_global_model(run_dir: str, *, step: int | None = None) -> GlobalModel:
   behind: dict[int, tuple[int, int]] = {}
   steps, counts = [], set()
   for folder in folders:
-    used, num_fragments, owned, lagging = _read_folder(folder, step)
+    used, num_fragments, owned, lagging = _read_folder(folder, step, subdir)
     steps.append(used)
     counts.add(num_fragments)
     twice = sorted(set(owned) & set(versions))

@@ -50,12 +50,14 @@ def find_config(workdir: str) -> str | None:
   return None
 
 
-def run_model(config_path: str) -> tuple[Any, dict[str, Any]]:
-  """(transformer config or None, {leaf path: (shape, dtype)}) of the run a gin config describes.
+def run_model(config_path: str) -> tuple[Any, dict[str, Any], str]:
+  """(transformer config or None, {leaf path: (shape, dtype)}, the syncer's checkpoints folder
+  name) of the run a gin config describes.
 
   The config is None for a task whose model is not the text transformer (a vision run).
   """
   from ddiloco.checkpoint.export import param_signature
+  from ddiloco.checkpoint.syncer import SyncerCheckpointConfig
   from ddiloco.launch import configurables
   from ddiloco.models.transformer import TransformerConfig
   from ddiloco.run_config import RunConfig
@@ -63,11 +65,12 @@ def run_model(config_path: str) -> tuple[Any, dict[str, Any]]:
   configurables.parse([config_path])
   try:
     task = configurables.configured(RunConfig)().the_task()
+    subdir = configurables.configured(SyncerCheckpointConfig)().subdir
   finally:
     configurables.clear()
   config = getattr(task, "model_config", None)
   signature = param_signature(task.model, task.dummy_inputs(batch_size=1))
-  return (config if isinstance(config, TransformerConfig) else None), signature
+  return (config if isinstance(config, TransformerConfig) else None), signature, subdir
 
 
 def export(
@@ -89,14 +92,21 @@ def export(
       f"{workdir} holds no {CONFIG_NAME} (nor syncer/{CONFIG_NAME}): give the run's gin config "
       "as --config."
     )
-  model_config, signature = run_model(config)
+  model_config, signature, subdir = run_model(config)
+  global_model.syncer_folders(workdir, subdir=subdir)
   if fmt == "hf" and model_config is None:
     raise ValueError(
       "The run's model is not the text transformer: only a Llama-style model exports as hf; "
       "use --format=orbax."
     )
   return export_lib.export_global_model(
-    workdir, out, fmt=fmt, step=version, model_config=model_config, expected=signature
+    workdir,
+    out,
+    fmt=fmt,
+    step=version,
+    model_config=model_config,
+    expected=signature,
+    subdir=subdir,
   )
 
 

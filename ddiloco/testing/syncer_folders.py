@@ -29,6 +29,7 @@ def write_syncer_folder(
   owned: Collection[int] | None = None,
   version_log: bool = True,
   checkpoints: int = 1,
+  subdir: str = "checkpoints",
 ) -> SyncerCore:
   """Writes a syncer folder; returns the core as it ends (every version published).
 
@@ -43,6 +44,7 @@ def write_syncer_folder(
     version_log: write the version log.
     checkpoints: checkpoints saved: the first after the first version of each fragment in
       `checkpointed`, ..., the last after all of them (steps 1, 2, ...).
+    subdir: the checkpoints' folder (`SyncerCheckpointConfig.subdir`).
   """
   os.makedirs(folder, exist_ok=True)
   core = SyncerCore(
@@ -54,7 +56,7 @@ def write_syncer_folder(
   )
   journal = ckpt_lib.MergeJournal(os.path.join(folder, ckpt_lib.JOURNAL_NAME))
   log = ckpt_lib.VersionLog(os.path.join(folder, ckpt_lib.VERSION_LOG_DIR)) if version_log else None
-  checkpointer = ckpt_lib.SyncerCheckpointer(os.path.join(folder, "checkpoints"), max_to_keep=8)
+  checkpointer = ckpt_lib.SyncerCheckpointer(os.path.join(folder, subdir), max_to_keep=8)
 
   def publish(p: int, values: Mapping[str, np.ndarray]) -> None:
     values = {k: np.asarray(v) for k, v in values.items()}

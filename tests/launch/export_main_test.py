@@ -3,6 +3,8 @@
 tests/launch/cli_test.py runs the console script itself (help, one-line errors).
 """
 
+import os
+
 import gin
 import jax
 import numpy as np
@@ -33,20 +35,23 @@ def _run(tmp_path, gin_text=RUN_GIN):
   the global model's flat params)."""
   (tmp_path / "run").mkdir()
   (tmp_path / "run" / "config.gin").write_text(gin_text)
-  _, signature = export_main.run_model(str(tmp_path / "run" / "config.gin"))
+  _, signature, subdir = export_main.run_model(str(tmp_path / "run" / "config.gin"))
   layout = make_layout(
     {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in signature.items()}, num_fragments=2
   )
   rng = np.random.default_rng(1)
   init = {k: rng.normal(size=layout.shapes[k]).astype(np.float32) for k in layout.shapes}
   merged = {k: init[k] + 1 for k in layout.fragments[1]}
-  write_syncer_folder(str(tmp_path / "run" / "syncer"), layout, init, checkpointed={1: [merged]})
+  write_syncer_folder(
+    str(tmp_path / "run" / "syncer"), layout, init, checkpointed={1: [merged]}, subdir=subdir
+  )
   return str(tmp_path / "run"), join_pieces({**init, **merged})
 
 
 def test_exports_the_runs_global_model_as_hf(tmp_path):
   run, params = _run(tmp_path)
-  config, signature = export_main.run_model(f"{run}/config.gin")
+  config, signature, subdir = export_main.run_model(f"{run}/config.gin")
+  assert subdir == "checkpoints"
   assert (config.vocab_size, config.d_model, config.num_layers) == (256, 16, 1)  # Byte vocabulary.
   assert signature["token_embed/embedding"] == ((256, 16), np.dtype(np.float32))
   info = export_main.export(run, fmt="hf", out=str(tmp_path / "hf"))
@@ -83,6 +88,16 @@ def test_the_config_gin_a_launcher_writes_gives_the_runs_model(tmp_path):
     (tmp_path / "config.gin").write_text(gin.config_str())
   finally:
     configurables.clear()
-  config, signature = export_main.run_model(str(tmp_path / "config.gin"))
+  config, signature, _ = export_main.run_model(str(tmp_path / "config.gin"))
   assert (config.d_model, config.num_layers, config.vocab_size, config.max_len) == (128, 4, 256, 64)
   assert len(signature) == 2 + 9 * 4 + 1
+
+
+def test_the_syncers_checkpoints_folder_is_the_runs(tmp_path):
+  run, params = _run(tmp_path, RUN_GIN + 'SyncerCheckpointConfig.subdir = "state"\n')
+  assert os.path.isdir(f"{run}/syncer/state")
+  info = export_main.export(run, fmt="hf", out=str(tmp_path / "hf"))
+  assert info.model.versions == {0: 0, 1: 1}
+  np.testing.assert_array_equal(
+    hf_llama.load(str(tmp_path / "hf"))["final_norm/scale"], params["final_norm/scale"]
+  )
