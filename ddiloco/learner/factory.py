@@ -71,7 +71,7 @@ def resolve_task(
   return TextTask(model=model, data=data, keep_vocab=keep_vocab)
 
 
-def check_init_from(task: Task, checkpoint: str) -> transformer.TransformerConfig:
+def check_hf_checkpoint(task: Task, checkpoint: str) -> transformer.TransformerConfig:
   """The task's transformer, checked to be the model of the Hugging Face checkpoint `checkpoint`.
 
   Raises:
@@ -81,7 +81,7 @@ def check_init_from(task: Task, checkpoint: str) -> transformer.TransformerConfi
   config = getattr(task, "model_config", None)
   if not isinstance(config, transformer.TransformerConfig):
     raise ValueError(
-      f"init_from reads a Hugging Face Llama checkpoint; the task {type(task).__name__} does not "
+      f"hf_checkpoint reads a Hugging Face Llama checkpoint; the task {type(task).__name__} does not "
       "train the text transformer."
     )
   hf_llama.check_same_architecture(config, checkpoint)
@@ -102,8 +102,8 @@ class LearnerFactory:
     split_large: allow splitting tensors larger than total/P (docs/algorithm.md §2 decision, off by default).
     num_shards: disjoint data shards (one per learner slot).
     seed: parameter-initialisation seed (every learner starts from the same global init).
-    init_from: a Hugging Face Llama checkpoint folder whose weights are the initial global model
-      instead (`RunConfig.init_from`); the task's transformer must be its model.
+    hf_checkpoint: a Hugging Face Llama checkpoint folder whose weights are the initial global model
+      instead (`RunConfig.hf_checkpoint`); the task's transformer must be its model.
     eval_batches: held-out batches used for every evaluation.
     eval_batch_size: examples per held-out batch.
     batch_size: per-learner batch override (None: the task's); sets `tokens_per_step` (merge
@@ -129,7 +129,7 @@ class LearnerFactory:
     split_large: bool = False,
     num_shards: int = 1,
     seed: int = 0,
-    init_from: str | None = None,
+    hf_checkpoint: str | None = None,
     eval_batches: int = 8,
     eval_batch_size: int = 8,
     batch_size: int | None = None,
@@ -145,9 +145,9 @@ class LearnerFactory:
     self.optimizer = train_step_lib.make_inner_optimizer(inner_opt)
     self.num_shards = num_shards
     self.seed = seed
-    self.init_from = init_from
-    if init_from is not None:
-      check_init_from(self.task, init_from)
+    self.hf_checkpoint = hf_checkpoint
+    if hf_checkpoint is not None:
+      check_hf_checkpoint(self.task, hf_checkpoint)
     self._steps: dict[tuple[int, ...], train_step_lib.CompiledSteps] = {}
     self._host_init = None  # The whole initial model, made on first need (`_full_init`).
     self._init_flat: dict[str, np.ndarray] | None = None
@@ -193,7 +193,7 @@ class LearnerFactory:
     Learners overwrite their parameters with the global fragments at start anyway, and a jitted
     init per mesh would cost a compile each, so later slices get copies of these values.
     """
-    if self._host_init is None and self.init_from is not None:
+    if self._host_init is None and self.hf_checkpoint is not None:
       self._host_init = tree.unflatten(self._pretrained(), self._shapes)
     if self._host_init is None:
       steps = self._eval_steps
@@ -226,7 +226,7 @@ class LearnerFactory:
       if self._init_flat is None:
         self._init_flat = {k: np.asarray(v) for k, v in tree.flatten(self._full_init()).items()}
       flat = self._init_flat
-    elif self.init_from is not None:
+    elif self.hf_checkpoint is not None:
       flat = self._pretrained(leaves)
     else:
       steps = self._eval_steps
@@ -243,7 +243,7 @@ class LearnerFactory:
   def _pretrained(self, leaves: Iterable[str] | None = None) -> dict[str, np.ndarray]:
     """The checkpoint's flat params (only `leaves`, if given), in the model's param dtypes."""
     dtypes = {k: v.dtype for k, v in tree.flatten(self._shapes).items()}
-    flat = hf_llama.load(self.init_from, self.task.model_config, leaves=leaves)
+    flat = hf_llama.load(self.hf_checkpoint, self.task.model_config, leaves=leaves)
     return {k: np.asarray(v, dtype=dtypes[k]) for k, v in flat.items()}
 
   def embedding_keys(self) -> frozenset[str]:

@@ -136,7 +136,7 @@ def transformer_config(
 def hf_llama_config(path: str, **overrides: Any) -> TransformerConfig:
   """The `TransformerConfig` of a Hugging Face Llama checkpoint folder, from its config.json.
 
-  For a run started from the checkpoint (`RunConfig.init_from`) that changes what the checkpoint
+  For a run started from the checkpoint (`RunConfig.hf_checkpoint`) that changes what the checkpoint
   does not fix, e.g. in gin `RunConfig.model = @hf_llama_config()`,
   `hf_llama_config.path = %INIT_FROM`, `hf_llama_config.dtype = "bfloat16"`.
 

@@ -61,7 +61,7 @@ class TextTask(Task):
       over a learner's model axis (cl100k's 100,277 ids become 100,352; the extra ids never occur
       in the data, and training drives their logits down).
     data: the text pipeline's config.
-    keep_vocab: keep `model.vocab_size` (a pretrained checkpoint's vocabulary, `RunConfig.init_from`)
+    keep_vocab: keep `model.vocab_size` (a pretrained checkpoint's vocabulary, `RunConfig.hf_checkpoint`)
       instead; it must hold every id of the tokenizer.
   """
 
@@ -140,7 +140,7 @@ class TokenShardTask(TextTask):
 
   The model, loss and merge rules are `TextTask`'s; the data are the corpus's windows, its
   sequence length theirs, its vocabulary the corpus's (rounded up to `VOCAB_MULTIPLE`), or the
-  model's own with `keep_vocab` (`RunConfig.init_from`), which must hold the corpus's ids.
+  model's own with `keep_vocab` (`RunConfig.hf_checkpoint`), which must hold the corpus's ids.
   `RunConfig.data = @TokenShardDataConfig()` picks it.
 
   Args:

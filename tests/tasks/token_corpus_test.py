@@ -92,12 +92,12 @@ def test_the_shipped_examples_build_a_job(corpus, tmp_path):
     [str(ROOT / "gin_configs" / "examples" / "from_hf_llama.gin")],
     [
       f"TokenShardDataConfig.path = '{tmp_path / 'ids'}'",
-      f"RunConfig.init_from = '{FIXTURE}'",
+      f"RunConfig.hf_checkpoint = '{FIXTURE}'",
       "SEQ_LEN = 16",
     ],
   )
   run = configurables.configured(JobConfig)().run
-  assert run.init_from == str(FIXTURE) and run.model is None
+  assert run.hf_checkpoint == str(FIXTURE) and run.model is None
   config = run.the_task().model_config
   assert (config.vocab_size, config.num_kv_heads, config.rope_theta) == (64, 2, 500_000.0)
   assert os.path.isfile(FIXTURE / "config.json")
@@ -105,7 +105,10 @@ def test_the_shipped_examples_build_a_job(corpus, tmp_path):
 
 @pytest.mark.parametrize(
   "example, binding",
-  [("token_corpus.gin", "TokenShardDataConfig.path"), ("from_hf_llama.gin", "RunConfig.init_from")],
+  [
+    ("token_corpus.gin", "TokenShardDataConfig.path"),
+    ("from_hf_llama.gin", "RunConfig.hf_checkpoint"),
+  ],
 )
 def test_an_example_without_its_folders_names_the_binding(corpus, example, binding):
   bindings = (

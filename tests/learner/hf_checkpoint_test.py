@@ -1,4 +1,4 @@
-"""A run started from a Hugging Face Llama checkpoint (`RunConfig.init_from`, `LearnerFactory`).
+"""A run started from a Hugging Face Llama checkpoint (`RunConfig.hf_checkpoint`, `LearnerFactory`).
 
 The factory is the one place initial parameters are made: the syncer's initial global model (whole,
 or a shard's fragments) and every learner's start, in the simulator and in the learner and syncer
@@ -65,7 +65,7 @@ def test_an_exported_global_model_comes_back_bit_for_bit(tmp_path):
     str(tmp_path / "run"), str(tmp_path / "hf"), fmt="hf", model_config=MODEL
   ).model.params
 
-  started = _factory(init_from=str(tmp_path / "hf"))
+  started = _factory(hf_checkpoint=str(tmp_path / "hf"))
   assert started.layout == source.layout
   flat = started.global_init_values()
   assert flat.keys() == init.keys()
@@ -73,7 +73,7 @@ def test_an_exported_global_model_comes_back_bit_for_bit(tmp_path):
     np.testing.assert_array_equal(flat[k], exported[k], err_msg=k)
   assert not np.array_equal(flat[next(iter(merged))], init[next(iter(merged))])
   # A syncer shard reads only its own fragments' tensors, with the same values.
-  fresh = _factory(init_from=str(tmp_path / "hf"))
+  fresh = _factory(hf_checkpoint=str(tmp_path / "hf"))
   part = fresh.global_init_values([1])
   assert part.keys() == set(source.layout.fragments[1])
   for k, v in part.items():
@@ -122,7 +122,7 @@ def test_a_simulated_run_from_a_checkpoint_first_evaluates_the_checkpoint(tmp_pa
   batches = text_data.eval_batches(DATA, num_batches=2, batch_size=2)
   expected = _loss(flat, batches)
   # The model comes from config.json alone: RunConfig.model is left unset.
-  first = _first_eval(tmp_path, "pretrained", init_from=str(tmp_path / "hf"))
+  first = _first_eval(tmp_path, "pretrained", hf_checkpoint=str(tmp_path / "hf"))
   np.testing.assert_allclose(first, expected, rtol=1e-5)
   random_init = _loss(_factory().global_init_values(), batches)
   assert abs(random_init - expected) > 1.0, (random_init, expected)
@@ -132,14 +132,14 @@ def test_a_model_that_is_not_the_checkpoints_is_refused(tmp_path):
   _checkpoint(tmp_path / "hf")
   other = dataclasses.replace(MODEL, rope_theta=1e4, norm_eps=1e-6)
   with pytest.raises(ValueError, match=r"rope_theta 10000.0 \(config.json: 500000.0\), norm_eps"):
-    RunConfig(model=other, data=DATA, init_from=str(tmp_path / "hf"))
+    RunConfig(model=other, data=DATA, hf_checkpoint=str(tmp_path / "hf"))
   # Fields the checkpoint does not fix are free.
   run = RunConfig(
-    model=dataclasses.replace(MODEL, remat=True), data=DATA, init_from=str(tmp_path / "hf")
+    model=dataclasses.replace(MODEL, remat=True), data=DATA, hf_checkpoint=str(tmp_path / "hf")
   )
   assert run.the_task().model_config.remat
   with pytest.raises(FileNotFoundError, match=r"holds no config\.json"):
-    RunConfig(data=DATA, init_from=str(tmp_path / "nowhere"))
+    RunConfig(data=DATA, hf_checkpoint=str(tmp_path / "nowhere"))
   small = dataclasses.replace(MODEL, vocab_size=64)
   hf_llama.save(
     {k: np.zeros(s, np.float32) for k, s in hf_llama.param_shapes(small).items()},
@@ -149,7 +149,7 @@ def test_a_model_that_is_not_the_checkpoints_is_refused(tmp_path):
   with pytest.raises(
     ValueError, match=r"'byte' has 256 ids, more than the model's vocabulary of 64"
   ):
-    RunConfig(data=DATA, init_from=str(tmp_path / "small"))
+    RunConfig(data=DATA, hf_checkpoint=str(tmp_path / "small"))
 
 
 FIXTURE = pathlib.Path(__file__).parents[1] / "models" / "fixtures" / "hf_llama_tiny"
@@ -170,5 +170,5 @@ def test_a_run_from_the_checkpoint_transformers_wrote_on_its_own_token_ids(tmp_p
     logits = model.apply({"params": nest(flat)}, batch["inputs"])
     loss, n = transformer.lm_loss(logits, jnp.asarray(batch["targets"]))
     total, count = total + float(loss) * float(n), count + float(n)
-  first = _first_eval(tmp_path, "fixture", data=data, init_from=str(FIXTURE))
+  first = _first_eval(tmp_path, "fixture", data=data, hf_checkpoint=str(FIXTURE))
   np.testing.assert_allclose(first, total / count, rtol=1e-5)
