@@ -63,6 +63,7 @@ CANDIDATES = {
   "warmup20": _warmup(0.7, 0.9, 20),
   "warmup50": _warmup(0.7, 0.9, 50),
   "1.0 warmup20": _warmup(1.0, 0.9, 20),
+  "0.4 warmup20": _warmup(0.4, 0.9, 20),
 }
 
 
@@ -75,6 +76,7 @@ DESCRIPTIONS = {
   "warmup20": "Nesterov, lr 0.7, momentum 0.9 ramped over 20 outer steps",
   "warmup50": "Nesterov, lr 0.7, momentum 0.9 ramped over 50 outer steps",
   "1.0 warmup20": "Nesterov, lr 1.0, momentum 0.9 ramped over 20 outer steps",
+  "0.4 warmup20": "Nesterov, lr 0.4, momentum 0.9 ramped over 20 outer steps",
 }
 
 

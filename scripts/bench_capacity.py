@@ -7,8 +7,7 @@ r"""Capacity: how much push ingest S syncer shards sustain from a synthetic flee
 The fleet (scripts/bench_capacity_fleet.py) is fake and cheap: `--fleet_procs` processes holding
 the M learners. Each registers with every shard, pulls each fragment once, holds a Rounds stream
 per shard and answers every round with a pre-encoded δ push (only the first chunk, the header, is
-made per push), over the shard's bulk port as learners push (`--fleet_wire=grpc`: over gRPC,
-which costs the fleet ~3x the CPU and takes it from the shards' cores). A push refused for a
+made per push), over the shard's bulk port as learners push. A push refused for a
 transient reason (RESOURCE_EXHAUSTED, UNAVAILABLE...) is retried with backoff, as a learner's
 sender does: with quorum M a round waits for every answer, and one answer given up left its
 fragment's round open for the rest of the run, every later round of it skipped. Heartbeats report
@@ -95,9 +94,6 @@ _SHARD_CPUS = flags.DEFINE_list("shard_cpus", [], "taskset CPU list per shard (c
 _FLEET_CPUS = flags.DEFINE_string("fleet_cpus", "", "taskset CPU list of the fleet")
 _GC_FREEZE = flags.DEFINE_bool(
   "gc_freeze", True, "shards freeze their start-up heap out of the GC, as SyncerRun.serve does"
-)
-_FLEET_WIRE = flags.DEFINE_enum(
-  "fleet_wire", "bulk", ["bulk", "grpc"], "what the fake learners push over: the bulk port or gRPC"
 )
 _TIMELINE = flags.DEFINE_bool(
   "timeline",
@@ -232,7 +228,7 @@ def _shard_main(pt: Point, out: str) -> None:
     "push_latency": svc.push_latency(),
     "clock": clock,
     "gc": {"seconds": gc_s, "collections": gc_n},
-    "bulk_pushes": srv.bulk.calls["Push"] if srv.bulk is not None else 0,
+    "bulk_pushes": srv.bulk.calls["Push"],
     "counts": {k: v for k, v in counts.items() if isinstance(v, int | float)},
     "timeline": timeline.events() if _TIMELINE.value else [],
   }
@@ -268,7 +264,7 @@ def _lowest_priority() -> None:
 def _child(role: str, pt: Point, index: int, out: str, cpus: str) -> subprocess.Popen:
   cmd = [sys.executable, os.path.abspath(__file__), f"--role={role}", f"--index={index}"]
   cmd += [f"--spec={json.dumps(dataclasses.asdict(pt))}", f"--out={out}"]
-  cmd += [f"--fleet_procs={_FLEET_PROCS.value}", f"--fleet_wire={_FLEET_WIRE.value}"]
+  cmd += [f"--fleet_procs={_FLEET_PROCS.value}"]
   cmd += [f"--fleet_send={_FLEET_SEND.value}", f"--fleet_priority={_FLEET_PRIORITY.value}"]
   cmd += [f"--gc_freeze={_GC_FREEZE.value}", f"--timeline={_TIMELINE.value}"]
   if cpus:
@@ -507,7 +503,6 @@ def main(argv):
         _OUT.value,
         index=_INDEX.value,
         procs=_FLEET_PROCS.value,
-        wire=_FLEET_WIRE.value,
         send=_FLEET_SEND.value,
       )
     return

@@ -5,9 +5,8 @@ only from a learner that received the fragment), holds a Rounds stream per shard
 round with a pre-encoded δ push: the payload is encoded once per fragment, and a push re-makes only
 its first chunk (the header). Two sender threads per shard, as a learner's. A push goes over the
 shard's bulk port (RegisterResponse.bulk_port, as real learners push: one connection per push, the
-same chunk messages in the port's framing, sent in one gathered write) or, with `wire="grpc"`,
-over gRPC; the control calls
-(Register, Pull, Rounds, Heartbeat) over gRPC. A heartbeat loop reports steps at `step_s`, which
+chunk messages in the port's framing, sent in one gathered write), and so does the pull; the
+control calls (Register, Rounds, Heartbeat) over gRPC. A heartbeat loop reports steps at `step_s`, which
 paces the syncer's step clock, every `heartbeat_interval_s` the syncer gives at Register (as a
 learner's listener does; 0.2 s before).
 """
@@ -31,25 +30,13 @@ TIMEOUT_S = 120.0  # Longest wait for the coordinator or a shard.
 class _Answerer:
   """One fake learner's connection to one shard: pulls once, then answers every round."""
 
-  def __init__(
-    self, learner: int, shard: int, pt, *, chunks, log: list, asks: list, stop, wire: str
-  ):
+  def __init__(self, learner: int, shard: int, pt, *, chunks, log: list, asks: list, stop):
     from ddiloco.transport.client import SyncerClient
-    from ddiloco.transport.proto import syncer_pb2
 
-    limit = 8 << 20
-    opts = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
-    self._channel = grpc.insecure_channel(pt.addresses[shard], opts)
-    self.client = SyncerClient(channel=self._channel, token=TOKEN, transfer_deadline_s=60.0)
-    self._push = self._channel.stream_unary(
-      "/ddiloco.v1.Syncer/Push",
-      request_serializer=None,
-      response_deserializer=syncer_pb2.PushResponse.FromString,
-    )
+    self.client = SyncerClient(pt.addresses[shard], token=TOKEN, transfer_deadline_s=60.0)
     self.learner, self.shard, self._pt, self._chunks = learner, shard, pt, chunks
     self._log, self._asks, self._stop = log, asks, stop
     self._requests: queue.Queue = queue.Queue()
-    self._wire = wire
     self._bulk = None
     self.refusals: list = []  # (code, message start) of each transient refusal, retried.
     self.heartbeat_s = 0.25
@@ -61,10 +48,7 @@ class _Answerer:
     self.client.wait_ready(TIMEOUT_S)
     resp = self.client.register(self.learner, layout_digest=pt.digest, num_fragments=pt.fragments)
     self.heartbeat_s = float(resp.heartbeat_interval_s)  # Learners heartbeat at the syncer's.
-    if self._wire == "bulk":
-      if not resp.bulk_port:
-        raise RuntimeError(f"shard {self.shard} advertises no bulk port")
-      self._bulk = (bulk_client.address_host(pt.addresses[self.shard]), resp.bulk_port)
+    self._bulk = (bulk_client.address_host(pt.addresses[self.shard]), resp.bulk_port)
     for p in sorted(pt.owned(self.shard)):  # The shard's own fragments: ids are global.
       key = f"f{p}"
       self.client.pull(
@@ -140,21 +124,16 @@ class _Answerer:
       ).SerializeToString()
       messages = [chunk_prefix(0, len(first), header) + first, *rest]
       try:
-        if self._bulk is not None:
-          sent = messages[:1] if tail is not None else messages
-          body = _bulk_push(self._bulk, sent, self.client.session(self.learner), tail)
-          resp = syncer_pb2.PushResponse.FromString(body)
-        else:
-          resp = self._push(
-            iter(messages), timeout=60.0, metadata=self.client.learner_metadata(self.learner)
-          )
+        sent = messages[:1] if tail is not None else messages
+        body = _bulk_push(self._bulk, sent, self.client.session(self.learner), tail)
+        resp = syncer_pb2.PushResponse.FromString(body)
         return events.report_result(resp).status, tries
       except grpc.RpcError as e:  # A bulk refusal is one too (bulk_wire.BulkError).
         if e.code() not in TRANSIENT:
           return e.code().name, tries
         self.refusals.append((e.code().name, (e.details() or "")[:60]))
       except (OSError, bulk_wire.BulkClosed):
-        pass  # Retried (a learner's client would fall back to gRPC).
+        pass  # Retried, as a learner's sender retries an unavailable bulk port.
       except ValueError:  # The channel closed under the call: the fleet is stopping.
         return None
       self._stop.wait(backoff.next_delay())
@@ -164,7 +143,7 @@ class _Answerer:
     self._pt = pt
 
   def close(self) -> None:
-    self._channel.close()
+    self.client.close()
 
 
 def _bulk_push(
@@ -246,19 +225,17 @@ def _encode_payloads(
   return out
 
 
-def fleet_main(
-  pt, out: str, *, index: int, procs: int, wire: str = "bulk", send: str = "sendmsg"
-) -> None:
+def fleet_main(pt, out: str, *, index: int, procs: int, send: str = "sendmsg") -> None:
   """Fake learners `index::procs` of the M in `pt` (bench_capacity.Point) against every shard, until
-  its window ends, pushing over `wire` ("bulk" or "grpc"), the bulk port's frames by `send`
-  (`_bulk_push`); writes their pushes and round requests to `out`."""
+  its window ends, pushing over the bulk port, its frames by `send` (`_bulk_push`); writes their
+  pushes and round requests to `out`."""
   stop = threading.Event()
-  chunks = _encode_payloads(pt, send if wire == "bulk" else "sendmsg")
+  chunks = _encode_payloads(pt, send)
   log: list = []
   asks: list = []
   ids = range(index, pt.learners, procs)
   conns = [
-    _Answerer(m, s, pt, chunks=chunks, log=log, asks=asks, stop=stop, wire=wire)
+    _Answerer(m, s, pt, chunks=chunks, log=log, asks=asks, stop=stop)
     for m in ids
     for s in range(pt.shards)
   ]

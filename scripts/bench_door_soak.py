@@ -8,8 +8,9 @@ learners, each with its own `SyncerClient`: they register, pull, hold a Rounds s
 with an fp32 push of Θ + noise and pull every published version. Three phases of `--phase_s` each:
 
   before  the learners alone;
-  during  an attacker holding `--stalls` Push streams that never send a chunk (reopened as the
-          syncer cuts them), plus `--flood_calls` Status/Heartbeat calls from 8 threads;
+  during  an attacker holding `--stalls` pushes on the bulk port that send their hello and never a
+          chunk (reopened as the syncer cuts them), plus `--flood_calls` Status/Heartbeat calls
+          from 8 threads;
   after   the stalls released.
 
 Per phase it prints merges/s, the learners' accepted pushes and failed calls, the control calls'
@@ -21,6 +22,8 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import collections
+import contextlib
+import socket
 import threading
 import time
 
@@ -32,12 +35,12 @@ from ddiloco.distributed.server import make_syncer, serve
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.protocol import RoundRequest
 from ddiloco.syncer.core import Report, SyncerConfig
-from ddiloco.transport import auth
+from ddiloco.transport import auth, bulk_wire
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
 
 _PHASE_S = flags.DEFINE_float("phase_s", 20.0, "seconds per phase")
-_STALLS = flags.DEFINE_integer("stalls", 64, "stalled Push streams held during the attack")
+_STALLS = flags.DEFINE_integer("stalls", 64, "stalled pushes held during the attack")
 _FLOOD = flags.DEFINE_integer("flood_calls", 2000, "Status/Heartbeat calls in the flood")
 _STEP_S = flags.DEFINE_float("step_s", 0.05, "a fake learner's step time")
 _LEARNERS = 4
@@ -146,14 +149,15 @@ class _Learner:
 
 
 class _Attacker:
-  """Holds `n` Push streams that never send a chunk, reopening each as the syncer ends it."""
+  """Holds `n` pushes on the bulk port that send their hello and never a chunk, reopening each as
+  the syncer ends it."""
 
-  def __init__(self, address: str, n: int):
-    self._channel = grpc.insecure_channel(address)
-    self._stub = syncer_pb2_grpc.SyncerStub(self._channel)
+  def __init__(self, bulk_port: int, n: int):
+    self._port = bulk_port
     self._release = threading.Event()
     self.ended: collections.Counter[str] = collections.Counter()
     self._lock = threading.Lock()
+    self._open: set[socket.socket] = set()
     self._threads = [threading.Thread(target=self._hold, daemon=True) for _ in range(n)]
 
   def start(self) -> None:
@@ -161,25 +165,32 @@ class _Attacker:
       t.start()
 
   def _hold(self) -> None:
-    def nothing():
-      self._release.wait()
-      return
-      yield  # A generator that never yields.
-
+    hello = bulk_wire.hello(bulk_wire.OP_PUSH, _TOKEN, "")
     while not self._release.is_set():
+      sock = None
       try:
-        self._stub.Push(nothing(), timeout=120, metadata=auth.token_metadata(_TOKEN))
-      except grpc.RpcError as e:
-        with self._lock:
-          self.ended[e.code().name] += 1
-        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-          self._release.wait(0.2)  # Ask again soon: keep every place the syncer gives.
+        with socket.create_connection(("127.0.0.1", self._port), timeout=120) as sock:
+          with self._lock:
+            self._open.add(sock)
+          sock.sendall(hello)
+          (n,) = bulk_wire.LENGTH.unpack(bulk_wire.recv_exact(sock, bulk_wire.LENGTH.size))
+          code = bulk_wire.read_trailer(sock)[0] if n == bulk_wire.END else None
+      except (OSError, bulk_wire.BulkClosed):
+        code = None  # Cut without a trailer (the syncer's stop, or the release below).
+      with self._lock:
+        self._open.discard(sock)
+        self.ended[code.name if code is not None else "CLOSED"] += 1
+      if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        self._release.wait(0.2)  # Ask again soon: keep every place the syncer gives.
 
   def stop(self) -> None:
     self._release.set()
+    with self._lock:
+      for sock in self._open:
+        with contextlib.suppress(OSError):
+          sock.shutdown(socket.SHUT_RDWR)  # The stalled read ends at once.
     for t in self._threads:
       t.join(10)
-    self._channel.close()
 
 
 def _flood(address: str, calls: int) -> list[float]:
@@ -252,7 +263,7 @@ def main(argv):
     )
 
   phase("before")
-  attacker = _Attacker(address, _STALLS.value)
+  attacker = _Attacker(srv.bulk.port, _STALLS.value)
 
   def attack() -> str:
     attacker.start()

@@ -1,17 +1,18 @@
-"""Benchmark: pushing a 64 MiB fragment through the gRPC syncer service against a raw TCP socket.
+"""Benchmark: pushing and pulling a 64 MiB fragment over the syncer's bulk port against raw TCP.
 
 Every receiver runs in a second process, as the syncer does in a deployment (`ddiloco-syncer`
 is a process of its own, on its own host): one Python process would put the sender's and the
 receiver's Python work under one GIL, which no real push pays. Transfers run on loopback from this
 process to that one, interleaved in rounds so machine noise hits them equally, and the median of
 the rounds is reported:
-  push   `SyncerClient.push` of one fragment (a single key of 16M float32 = 64 MiB) to a served
-         `SyncerService` with the shared token on. What is timed is everything a learner's push
-         costs end to end: client-side serialization (`messages.push_messages`: the fp32 delta
-         θ − Θ^(anchor), the wire format, 1 MiB chunks, each made while the previous ones are
-         sent), gRPC framing and the loopback transfer, the server's validation at the door (token
-         interceptor, chunk message parsing, header and size checks, chunk reassembly, `wire`
-         parsing, decode into recycled memory (`chunks.ArrayPool`), adding the anchor back) and
+  bulk   `SyncerClient.push` of one fragment (a single key of 16M float32 = 64 MiB) to a served
+         `SyncerService` with the shared token on, over its bulk port (distributed/bulk_server.py),
+         as learners push. What is timed is everything a learner's push costs end to end: the
+         client's encoding (`messages.push_pieces`: the fp32 delta θ − Θ^(anchor), the wire
+         format, chunks of `ServiceConfig.bulk_chunk_bytes`, sent piece by piece from the
+         encoder's runs), the loopback transfer, the server's validation at the door (token
+         check, chunk message parsing, header and size checks, chunk reassembly, `wire` parsing,
+         decode into the output arrays the chunks are received in, transport/placement.py) and
          `SyncerCore.report` (validation again, and the NaN/Inf check of every value fused with
          RDA's squared norm of the outer gradient, which for this delta push the decode sums as
          the values arrive, `Report.sq_norms`; the service files the decoded values without a
@@ -20,29 +21,24 @@ the rounds is reported:
          timed. A learner answers a round once (a second answer is a refused duplicate), so before
          each push the receiving process restarts the learner in the core, untimed: it registers it
          again and marks the fragment delivered, as a rejoined learner's pull would. Each push then
-         supersedes the previous answer in the round, whose memory the next push reuses.
-  raw    `socket.sendall` of the same number of bytes in 1 MiB pieces over one TCP connection to a
-         thread that reads them, in order, into one preallocated buffer of their size (reused, its
-         pages faulted in the warm-up, as the service's recycled output arrays are: the bytes land
-         in memory as a push's do), then acknowledges with one byte. "raw into a 1 MiB buffer"
-         reads them into one reused 1 MiB buffer instead (the baseline of earlier sessions): the
-         bytes never leave the cache, which no receiver that keeps them gets. Raw, bulk push and
-         bulk pull are each timed twice in a row, at their place in the loop and at once again
-         ("settled": right after themselves), and bulk push/raw is printed against each raw.
-  bare   gRPC's own floor: the same bytes as 1 MiB raw `bytes` messages (no protobuf) streamed to
-         a generic handler that counts and drops them, no token, no service code, with the
-         service's channel options.
-  bulk   the same push and pull by learner 1, a `SyncerClient` with the bulk port on (as learners
-         run it), over the syncer's bulk port (distributed/bulk_server.py): the same chunk
-         messages (in the port's chunk size, `ServiceConfig.bulk_chunk_bytes`), handlers and
-         checks, framed on a plain TCP socket; a push is sent piece by
-         piece from the encoder's runs and received into its output arrays
-         (transport/placement.py), a pull likewise. "bulk push of pre-built chunks" sends learner
-         0's whole chunk messages over the port (`BulkClient`). "bulk port push of θ" is the same
+         supersedes the previous answer in the round, whose memory the next push reuses. The pull
+         of the same fragment is timed likewise. "bulk push of pre-built chunks" sends learner 0's
+         whole chunk messages over the port (`BulkClient`). "bulk port push of θ" is the same
          answer sent as θ itself, fp32, not as δ: the learner hands out θ's own bytes, each run
          checked for NaN/Inf in place, and the syncer's door sums ‖Θ^(anchor) − θ‖² against its
          kept anchor when it files the answer: the subtraction moves from the learner to the
          syncer (learners send δ; this row measures the alternative).
+  raw    `socket.sendall` of the same number of bytes in 1 MiB pieces over one TCP connection to a
+         thread that reads them, in order, into one preallocated buffer of their size (reused, its
+         pages faulted in the warm-up, as the service's recycled output arrays are: the bytes land
+         in memory as a push's do), then acknowledges with one byte. "raw into a 1 MiB buffer"
+         reads them into one reused 1 MiB buffer instead: the bytes never leave the cache, which
+         no receiver that keeps them gets. Raw, bulk push and bulk pull are each timed twice in a
+         row, at their place in the loop and at once again ("settled": right after themselves),
+         and bulk push/raw is printed against each raw.
+  bare   gRPC's own floor, why data does not travel over gRPC: the same bytes as 1 MiB raw
+         `bytes` messages (no protobuf) streamed to a generic handler that counts and drops them,
+         no token, no service code, with the service's channel options.
   options  gRPC's own options on the bare stream, each against a bare server of its own: 256 KiB
          and 4 MiB messages, the bytes split over 2 and 4 channels at once, TCP TX zero-copy,
          16 MiB HTTP/2 frames with larger reads; and a bare pull (unary-stream), plain and with
@@ -51,16 +47,15 @@ Every path has a wall-clock median and a CPU-time median: CPU time sums every th
 processes (both ends, gRPC's threads, the kernel's socket copies) and is what contention with other
 processes spares, so on a loaded machine it is the steadier figure; wall time counts when "CPU/wall"
 in the header is at most 2 (both ends busy at once). It prints the throughputs, the ratios push/raw
-(δ and θ; goal >= 0.5) and pull/raw over gRPC and over the bulk port side by side, bare/raw for
-both, the pull throughput of the same fragment (a learner pulls it before it may push,
-docs/algorithm.md §3), and the push's time split: client serialization with each chunk dropped as it
-is made (as the client streams them), then a Push of pre-built chunk messages on a second channel
-(everything after serialization), of which the parsing of the chunk messages, the server's
-reassembly/decode/validation and the core's filing, each timed offline in this process in one thread
-with the functions the two ends call, and the rest (gRPC transport, token check, locks); and the CPU
-of raw TCP, the bulk δ push and the bulk θ push split by process (learner / syncer), the cost a θ
-push moves onto the syncer. The end-to-end push overlaps the client's serialization with the
-server's decoding, so it may take less than serialization plus the pre-built push.
+(δ and θ; goal >= 0.5), pull/push and bare gRPC/raw, and the push's time split: the client's
+encoding with each piece dropped as it is made (as the client sends them), then a bulk push of
+pre-built chunk messages (everything after the encoding), of which the parsing of the chunk
+messages, the server's reassembly/decode/validation and the core's filing, each timed offline in
+this process in one thread with the functions the two ends call, and the rest (the socket, the
+token check, locks); and the CPU of raw TCP, the bulk δ push and the bulk θ push split by process
+(learner / syncer), the cost a θ push moves onto the syncer. The end-to-end push overlaps the
+client's encoding with the server's decoding, so it may take less than the encoding plus the
+pre-built push.
 
   python scripts/bench_wire.py --mib=64 --rounds=5
 """
@@ -237,8 +232,8 @@ _ROUND_STEP = 1  # The one round every push answers; opened by the receiving pro
 
 
 def _syncer_configs() -> tuple[ServiceConfig, SyncerConfig]:
-  # min_quorum=3 with two learners (0 over gRPC, 1 over the bulk port): a push files into the
-  # round and never triggers a merge.
+  # min_quorum=3 with two learners (0 pushing pre-built chunks, 1 as learners push): a push files
+  # into the round and never triggers a merge.
   # No learner is declared dead between its calls, however long a loaded round takes.
   service = ServiceConfig(uplink_codec="fp32", downlink_codec="fp32", liveness_timeout_s=3600.0)
   return service, SyncerConfig(min_quorum=3, use_grace=False)
@@ -422,8 +417,8 @@ class _Floors:
 
 
 class _Service:
-  """The learner's side of a served syncer (in the peer) holding one fragment: a registered
-  learner that pulled it, and its pushes."""
+  """The learner's side of a served syncer (in the peer) holding one fragment: two registered
+  learners that pulled it, and their pushes over its bulk port."""
 
   def __init__(self, init: dict[str, np.ndarray], peer: _Peer, *, delta: bool):
     n = init[_KEY].size
@@ -431,36 +426,34 @@ class _Service:
     self.config, syncer_config = _syncer_configs()
     self._peer = peer
     address = f"127.0.0.1:{peer.ports['syncer']}"
-    self.client = SyncerClient(address, token=_TOKEN, transfer_deadline_s=300.0, bulk=False)
+    # Learner 0 registers for a session, with which pre-built chunk messages go over the bulk
+    # port itself (`BulkClient`).
+    self.client = SyncerClient(address, token=_TOKEN, transfer_deadline_s=300.0)
     self.client.wait_ready(30.0)
     self.client.register(0, layout_digest=layout.digest, num_fragments=1)
+    chunk = self.config.bulk_chunk_bytes
+    self.bulk = BulkClient(
+      "127.0.0.1",
+      peer.ports["bulk"],
+      token=_TOKEN,
+      max_frame_bytes=chunk + FRAMING_SLACK,
+      chunk_bytes=chunk,
+    )
     # Learner 1 is a `SyncerClient` as learners run it: its pushes and pulls go over the bulk
     # port the syncer advertises.
     self.bulk_client = SyncerClient(address, token=_TOKEN, transfer_deadline_s=300.0)
     self.bulk_client.register(1, layout_digest=layout.digest, num_fragments=1)
     if self.bulk_client.bulk_port != peer.ports["bulk"]:
       raise RuntimeError("The syncer did not advertise its bulk port.")
-    # Learner 0's session on the bulk port itself, for pre-built chunk messages.
-    self.bulk = BulkClient(
-      "127.0.0.1",
-      peer.ports["bulk"],
-      token=_TOKEN,
-      max_frame_bytes=self.config.max_chunk_bytes + FRAMING_SLACK,
-    )
-    # A second channel streams pre-built chunk messages: the push minus serialization.
-    self._channel = grpc.insecure_channel(address, self.config.channel_options())
-    self._push_raw = self._channel.stream_unary(
-      "/ddiloco.v1.Syncer/Push",
-      request_serializer=None,
-      response_deserializer=syncer_pb2.PushResponse.FromString,
-    )
     self.shapes, self.dtypes = {_KEY: (n,)}, {_KEY: np.float32}
-    self.pull()  # Registered and delivered: the learner's reports now weigh > 0 (docs/algorithm.md §3).
+    # Registered and delivered: the learners' reports now weigh > 0 (docs/algorithm.md §3).
+    anchor = self.client.pull(0, 0, -1, layout_keys=[_KEY], shapes=self.shapes, dtypes=self.dtypes)
+    before = self.bulk_client.bytes_down
     self.bulk_pull()
-    anchor = self._pulled.values
+    self.pull_bytes = self.bulk_client.bytes_down - before
     noise = np.random.default_rng(1).standard_normal(n, dtype=np.float32)
-    self._theta = {_KEY: anchor[_KEY] + np.float32(1e-3) * noise}
-    self.anchor_values = anchor if delta else None
+    self._theta = {_KEY: anchor.values[_KEY] + np.float32(1e-3) * noise}
+    self.anchor_values = anchor.values if delta else None
     # The core's filing of a decoded report, timed offline on a core of its own (same config).
     self.filing = SyncerCore(
       fragment_keys=layout.fragments, init_values=init, config=syncer_config, clock=time.monotonic
@@ -485,26 +478,19 @@ class _Service:
       round_step=_ROUND_STEP,
     )
 
+  def pieces(self, report: Report):
+    """A report's push as the client sends it: pieces of its framed chunk messages."""
+    return messages.push_pieces(
+      report,
+      "fp32",
+      bulk_wire.frame_head,
+      chunk_size=self.config.bulk_chunk_bytes,
+      anchor_values=self.anchor_values,
+    )
+
   def chunks(self, report: Report) -> list[bytes]:
     """The serialized PushChunk messages of a report, all made up front."""
-    return list(messages.push_messages(report, "fp32", anchor_values=self.anchor_values))
-
-  def pull(self) -> Seconds:
-    with _Stopwatch(self._peer) as watch:
-      state = self.client.pull(0, 0, -1, layout_keys=[_KEY], shapes=self.shapes, dtypes=self.dtypes)
-    if state is None or state.version != 0:
-      raise RuntimeError("The pull did not return version 0 of the fragment.")
-    self._pulled = state
-    return watch.seconds
-
-  def push(self) -> Seconds:
-    report = self.report()
-    self._peer.restart_learner()
-    with _Stopwatch(self._peer) as watch:
-      result = self.client.push(report, "fp32", anchor_values=self.anchor_values)
-    if result.status not in ("accepted", "superseded") or result.weight <= 0:
-      raise RuntimeError(f"Push was not filed with weight > 0: {result}")
-    return watch.seconds
+    return [bytes(m) for m in bulk_wire.messages_of(self.pieces(report))]
 
   def bulk_push(self) -> Seconds:
     report = self.report(learner=1)
@@ -544,20 +530,11 @@ class _Service:
       raise RuntimeError("The bulk pull did not return version 0 of the fragment.")
     return watch.seconds
 
-  def push_prebuilt(self) -> Seconds:
-    chunks = self.chunks(self.report())
-    self._peer.restart_learner()
-    with _Stopwatch(self._peer) as watch:
-      resp = self._push_raw(iter(chunks), timeout=300.0, metadata=self.client.learner_metadata(0))
-    if resp.status not in ("accepted", "superseded"):
-      raise RuntimeError(f"Pre-built push was not filed: {resp}")
-    return watch.seconds
-
   def offline_split(self) -> dict[str, Seconds]:
     """Time of each step of a push, run in this thread with the functions the two ends call."""
     report = self.report()
-    with _Stopwatch() as serialize:  # As the client streams them: each chunk dropped once sent.
-      for _ in messages.push_messages(report, "fp32", anchor_values=self.anchor_values):
+    with _Stopwatch() as serialize:  # As the client sends them: each piece dropped once sent.
+      for _ in self.pieces(report):
         pass
     chunks = self.chunks(report)
     with _Stopwatch() as parse:
@@ -568,6 +545,7 @@ class _Service:
         [_KEY],
         self.shapes,
         self.dtypes,
+        max_chunk_bytes=self.config.bulk_chunk_bytes,
         alloc=self._pool.empty,
         check_finite=False,  # As the service decodes: the core's filing checks every value.
       )
@@ -584,7 +562,6 @@ class _Service:
     }
 
   def close(self) -> None:
-    self._channel.close()
     self.client.close()
     self.bulk_client.close()
 
@@ -596,7 +573,8 @@ def _mib_s(nbytes: int, seconds: float) -> float:
 def _print(med: dict[str, Seconds], *, n: int, wire_bytes: int, pull_bytes: int, note: str) -> None:
   print(
     f"fragment: 1 key x {n:,} float32 = {n * 4 / (1 << 20):.0f} MiB; wire bytes per push "
-    f"{wire_bytes:,} (fp32{' delta' if _DELTA.value else ''}, 1 MiB chunks); loopback, token on; "
+    f"{wire_bytes:,} (fp32{' delta' if _DELTA.value else ''}, the bulk port's chunks); loopback, "
+    "token on; "
     f"{_ROUNDS.value} rounds (median); {note}"
   )
   print(f"  {'path':28s} {'wall s':>7s} {'MiB/s':>8s} {'cpu s':>7s} {'MiB/cpu-s':>10s}")
@@ -605,8 +583,6 @@ def _print(med: dict[str, Seconds], *, n: int, wire_bytes: int, pull_bytes: int,
     ("  again at once (settled)", "raw_settled", wire_bytes),
     ("raw TCP into a 1 MiB buffer", "raw_ring", wire_bytes),
     ("bare gRPC stream (1 MiB)", "bare", wire_bytes),
-    ("gRPC push (end to end)", "push", wire_bytes),
-    ("gRPC pull (end to end)", "pull", pull_bytes),
     ("bulk port push (end to end)", "bulk_push", wire_bytes),
     ("  again at once (settled)", "bulk_push_settled", wire_bytes),
     ("bulk port push of θ (fp32)", "bulk_theta", wire_bytes),
@@ -620,9 +596,8 @@ def _print(med: dict[str, Seconds], *, n: int, wire_bytes: int, pull_bytes: int,
     )
   print("  push split (medians, wall / cpu s; each step but the transfer timed offline):")
   rows = (
-    ("client serialize (push_messages, streamed)", "serialize"),
-    ("Push of pre-built chunks (everything after)", "prebuilt"),
-    ("bulk push of pre-built chunks", "bulk_prebuilt"),
+    ("client encode (push_pieces, streamed)", "serialize"),
+    ("pre-built chunks over the bulk port", "bulk_prebuilt"),
     ("  parse of the chunk messages (parse_chunk)", "parse"),
     ("  server reassemble+decode+validate", "decode"),
     ("  core filing (SyncerCore.report)", "filing"),
@@ -630,9 +605,9 @@ def _print(med: dict[str, Seconds], *, n: int, wire_bytes: int, pull_bytes: int,
   for label, key in rows:
     print(f"    {label:45s} {med[key][0]:7.3f} {med[key][1]:7.3f}")
   rest = [
-    med["prebuilt"][i] - sum(med[k][i] for k in ("parse", "decode", "filing")) for i in (0, 1)
+    med["bulk_prebuilt"][i] - sum(med[k][i] for k in ("parse", "decode", "filing")) for i in (0, 1)
   ]
-  print(f"    {'  rest: gRPC transport, token, locks':45s} {rest[0]:7.3f} {rest[1]:7.3f}")
+  print(f"    {'  rest: the socket, token, locks':45s} {rest[0]:7.3f} {rest[1]:7.3f}")
   if "bare_pull" in med:
     print("  gRPC's own options on the bare stream (same bytes; ratio to raw TCP, wall / cpu):")
     rows = [("1 MiB (the service's options)", "bare", wire_bytes)]
@@ -673,10 +648,7 @@ def _print_ratios(med: dict[str, Seconds], *, wire_bytes: int, pull_bytes: int) 
       f"{ratio('bulk_theta_settled', 'raw_settled', i):.3f} settled, "
       f"{ratio('bulk_theta', 'raw_settled', i):.3f} against the settled raw (goal >= 0.5)"
     )
-    print(
-      f"        gRPC push/raw = {ratio('push', 'raw', i):.3f}, pull/raw = "
-      f"{ratio('pull', 'raw', i, pull_bytes):.3f}; bare gRPC/raw = {ratio('bare', 'raw', i):.3f}"
-    )
+    print(f"        bare gRPC/raw = {ratio('bare', 'raw', i):.3f}")
   # Where the CPU goes: a θ push moves the subtraction Θ^(anchor) − θ from the learner to the
   # syncer (one more read of the anchor there, per push, for every learner it serves).
   sides = ", ".join(
@@ -705,9 +677,6 @@ def _run(n: int, peer: _Peer) -> None:
     "raw_settled": floors.raw,  # The same, at once again: settled on itself (`_print`).
     "raw_ring": lambda: floors.raw("raw_ring"),
     "bare": floors.bare,
-    "push": service.push,
-    "prebuilt": service.push_prebuilt,
-    "pull": service.pull,
     "bulk_push": service.bulk_push,
     "bulk_push_settled": service.bulk_push,
     "bulk_theta": service.bulk_push_theta,
@@ -729,7 +698,7 @@ def _run(n: int, peer: _Peer) -> None:
         times[name].append(fn())
       for part, t in service.offline_split().items():
         times.setdefault(part, []).append(t)
-  pull_bytes = service.client.bytes_down // (_ROUNDS.value + 2)  # Setup, warm-up, rounds.
+  pull_bytes = service.pull_bytes
   floors.close()
   service.close()
   counters = peer.stop()

@@ -1,13 +1,15 @@
 """`LoopbackProxy`: a TCP proxy between learners and the syncer with runtime-controllable faults.
 
-The chaos driver points the learners at the proxy (127.0.0.1:<port>) instead of the syncer, then
-injects network faults while they train (docs/algorithm.md §6: learners keep training through an outage
-and reconnect with backoff):
+The chaos driver puts one in front of each of the syncer's ports (gRPC, and the bulk port that
+carries pushes and pulls; chaos/proxy_set.py) and points the learners at them (127.0.0.1:<port>)
+instead of the syncer, then injects network faults while they train (docs/algorithm.md §6: learners
+keep training through an outage and reconnect with backoff):
   set_latency(d)        every forwarded read is delayed by d seconds, both directions, order kept
                         (a chunk's due time is fixed when it is read; a later, smaller latency never
                         overtakes it).
-  drop()                every current connection is reset (RST): in-flight RPCs fail UNAVAILABLE and
-                        gRPC channels reconnect through the proxy on their next call.
+  drop()                every current connection is reset (RST): in-flight calls fail UNAVAILABLE,
+                        gRPC channels reconnect through the proxy on their next call, and a push or
+                        pull (one connection each) is retried.
   partition(s, mode)    "hold": nothing is forwarded and new connections are not connected upstream
                         until heal(), like a cable pulled out (TCP keeps the bytes; calls run into
                         their deadlines); "reset": current connections are reset and new ones reset
@@ -406,8 +408,10 @@ class LoopbackProxy(FaultProxy):
           if writer.can_write_eof() and not writer.transport.is_closing():
             writer.write_eof()
           return
-        writer.write(data)
+        # Counted before the write: a write may hand the bytes to the peer at once, and a reader
+        # of the stats who has seen them arrive must see them counted.
         self._count(key, len(data))
+        writer.write(data)
         await writer.drain()
 
     async with asyncio.TaskGroup() as tg:

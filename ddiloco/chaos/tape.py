@@ -25,6 +25,9 @@ Kinds and their fields (extra fields are allowed and kept):
                               merged, dropped, in_flight, a syncer shard's received, merged,
                               dropped, pending: token counts (ints).
     eval                      loss (optional `final`: true for the end-of-run evaluation).
+    proxy_traffic             what a proxy forwarded over the run: shard, port ("control", the
+                              gRPC port, or "data", the bulk port), bytes_up, bytes_down,
+                              connections, resets.
 
 Durability: each record is one `write` of a whole line followed by a flush, so a SIGKILL of the
 driver loses at most the line being written; `read_tape` ignores such a truncated last line, and a
@@ -61,6 +64,7 @@ OBSERVED_KINDS = (
   "eval",
   "syncer_restore",  # A restarted syncer (shard)'s restore: the merges its checkpoint lacked.
   "syncer_recovery",  # A lost version handed back by a learner, or republished without; shard.
+  "proxy_traffic",
 )
 TAPE_KINDS = INJECTED_KINDS + OBSERVED_KINDS
 

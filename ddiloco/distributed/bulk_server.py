@@ -1,14 +1,14 @@
-"""The syncer's bulk port: Push and Pull payloads over a plain TCP (or TLS) socket beside gRPC.
+"""The syncer's bulk port, its data plane: pushes and pulls over a plain TCP (or TLS) socket.
 
-gRPC's Python stack caps a push at about a third of what the socket carries (scripts/bench_wire.py);
-the bulk port (framing in transport/bulk_wire.py) carries the same chunk messages with one kernel
-copy per byte on each side. Nothing is checked differently: each connection runs the *same*
-method handlers as the gRPC server (`server.method_handlers`: the Push and Pull of
-distributed/streams.py, admitted by the same `StreamGate`, read through the same `PacedStream`,
-watched by the same `Watchdog`), behind the *same* token check (`auth.TokenInterceptor`), with
-the learner's session passed as the call's metadata. The handlers see a `_Call` in place of
+gRPC's Python stack caps a push at about a third of what the socket carries (scripts/bench_wire.py;
+docs/results.md, "Wire"), so data never goes over gRPC: the bulk port (framing in
+transport/bulk_wire.py) carries the chunk messages with one kernel copy per byte on each side. Each
+connection runs the data plane's handlers (`server.data_handlers`: the Push and Pull of
+distributed/streams.py, admitted by the `StreamGate`, read through a `PacedStream`, watched by the
+`Watchdog`), behind the token check the control plane's calls pass (`auth.TokenInterceptor`),
+with the learner's session passed as the call's metadata. The handlers see a `_Call` in place of
 gRPC's servicer context; a refusal they raise reaches the client as a trailer with its gRPC
-status and message, counted in `Status.refused` as on gRPC.
+status and message, counted in `Status.refused` as a control call's.
 
 The door's own bounds, on top of the handlers':
 - at most `max_connections` connections (default: `max_data_streams`); one more is answered
@@ -44,7 +44,7 @@ from ddiloco.transport.proto import syncer_pb2
 
 log = logging.getLogger(__name__)
 
-_METHODS = {bulk_wire.OP_PUSH: "Push", bulk_wire.OP_PULL: "Pull"}
+_METHODS = {bulk_wire.OP_PUSH: bulk_wire.PUSH_METHOD, bulk_wire.OP_PULL: bulk_wire.PULL_METHOD}
 _DRAIN_S = 2.0  # Longest a refused push's unread bytes are drained (so the trailer is not reset).
 _CallDetails = collections.namedtuple("_CallDetails", ["method", "invocation_metadata"])
 
@@ -102,7 +102,7 @@ class BulkServer:
 
   Args:
     service: the service (its config bounds the door; refusals are counted in it).
-    handlers: the service's method handlers (`server.method_handlers(service)[1]`).
+    handlers: the service's data handlers, by method path (`server.data_handlers(service)`).
     host: the interface to bind ("" or "0.0.0.0": every IPv4 one; "::": every one).
     port: the port (0: a free one).
     token: the shared token every call must carry (None: none).
@@ -278,10 +278,10 @@ class BulkServer:
 
   def _run(self, sock: socket.socket, call: _Call, op: int, request: bytes) -> None:
     """Runs the call's handler, behind the token check, and sends its answer."""
-    method = f"/ddiloco.v1.Syncer/{_METHODS[op]}"
+    method = _METHODS[op]
     with self._lock:
-      self.calls[_METHODS[op]] += 1
-    handler = self._handlers[_METHODS[op]]
+      self.calls["Push" if op == bulk_wire.OP_PUSH else "Pull"] += 1
+    handler = self._handlers[method]
     if self._interceptor is not None:
       details = _CallDetails(method, call.invocation_metadata())
       handler = self._interceptor.intercept_service(lambda _: handler, details)

@@ -1,22 +1,24 @@
-"""The syncer's gRPC door against hostile or overflowing clients: bounds, deadlines and admission.
+"""The syncer's door against hostile or overflowing clients: bounds, deadlines and admission.
 
-The service (distributed/service.py) is a synchronous gRPC server: every call holds one server thread for
-its whole life, and a Push handler blocks on the client's next chunk. Pieces here keep any client,
-token holder or not, from starving the server or growing its memory:
+Every call holds one thread for its whole life: a control call one of the synchronous gRPC
+server's (distributed/service.py), a push or pull one of the bulk port's
+(distributed/bulk_server.py), and a push handler blocks on the client's next chunk. Pieces here
+keep any client, token holder or not, from starving the server or growing its memory:
 
-- `StreamGate` admits data streams (Push, Pull): at most `total` at once, `per_learner` per
-  learner id, and `unclaimed` that have not named their learner yet (a Push names it in its first
-  chunk). When the unclaimed places are full, a new push evicts the oldest unclaimed one still
-  waiting for its first chunk: a client stalling before its first chunk cannot lock learners out,
-  whose pushes name themselves at once. A push whose first chunk has arrived is not stalling
+- `StreamGate` admits data streams (pushes, pulls, Recovers): at most `total` at once,
+  `per_learner` per learner id, and `unclaimed` that have not named their learner yet (a push
+  names it in its first chunk). When the unclaimed places are full, a new push evicts the oldest
+  unclaimed one still waiting for its first chunk: a client stalling before its first chunk cannot
+  lock learners out, whose pushes name themselves at once. A push whose first chunk has arrived is not stalling
   (its handler may wait for the service's lock before it names its learner): it is not evicted.
-- `PacedStream` reads a Push's request iterator in a helper thread, so the handler can wait for each
-  chunk with a timeout: a stream silent for the idle deadline, or open past its total deadline, is
-  ended with DEADLINE_EXCEEDED by the handler itself. (gRPC's synchronous request iterator has no
-  timeout, and a call cancelled from another thread reaches the client as CANCELLED, not as a
-  precise status; the asyncio server would mean rewriting every handler.)
-- `Watchdog` cancels streams whose *sends* are stuck (a Pull or Rounds client that stopped reading):
-  gRPC's send waits for the peer's flow-control window with no timeout, and only a cancel frees it.
+- `PacedStream` reads a push's chunks (the bulk port's frames, a Recover's gRPC request iterator) in
+  a helper thread, so the handler can wait for each chunk with a timeout: a stream silent for the
+  idle deadline, or open past its total deadline, is ended with DEADLINE_EXCEEDED by the handler
+  itself. (gRPC's synchronous request iterator has no timeout, and a call cancelled from another
+  thread reaches the client as CANCELLED, not as a precise status.)
+- `Watchdog` cancels streams whose *sends* are stuck (a pull or Rounds client that stopped reading):
+  a send waits for the peer's window with no timeout (gRPC's flow control, a socket's buffer), and
+  only a cancel frees it (the bulk port's cuts the socket).
 - `parse_request` decodes unary requests without ever raising (garbage gets INVALID_ARGUMENT, counted,
   not gRPC's uncounted INTERNAL) and bounds every text field a client sends (`text_fault`).
 - `is_loopback` and `port_in_use` back `serve`'s refusals to run open on a network or on a port

@@ -10,7 +10,8 @@ does no waiting or retrying of its own.
 
 A learner process drives it from its threads (distributed/worker.py); the simulated cluster drives
 it on a virtual clock (distributed/virtual.py). Both talk to the same service through the same
-client, over gRPC or the in-process transport: one code path for the protocol.
+client, over the syncer's ports (gRPC and its bulk port) or the in-process transport: one code path
+for the protocol.
 """
 
 import dataclasses
@@ -40,7 +41,7 @@ class SyncerLink:
   """The syncer as one learner sees it (see module docstring).
 
   Args:
-    client: the syncer client (gRPC or in-process).
+    client: the syncer client (over its ports, or in-process).
     learner_id: this learner's id.
     layouts: per fragment, {key: (shape, dtype)} (transport.client.fragment_layouts).
     layout_digest: the fragment layout's digest, checked by the syncer at Register.

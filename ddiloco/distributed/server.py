@@ -1,15 +1,18 @@
-"""Starting the syncer service: over gRPC on a port (`serve`), or in this process (`serve_in_process`).
+"""Starting the syncer service: on two ports (`serve`), or in this process (`serve_in_process`).
 
 `make_syncer` wires a `SyncerCore` (with the downlink adoption a lossy codec needs) into a
-`SyncerService`; `method_handlers` is the service's handler table, which both servers run:
+`SyncerService`. Its handlers come in two tables: `method_handlers`, the control plane's (the
+gRPC service of syncer.proto), and `data_handlers`, the data plane's Push and Pull:
 
-- `serve`: a synchronous `grpc.server` whose thread pool has `control_workers + max_data_streams +
-  max_rounds_streams` threads (distributed/door.py keeps `control_workers` of them free of
-  streams), the standard health service, an optional shared token (transport/auth.py) and TLS. The
-  port is never shared (`grpc.so_reuseport` off): a second syncer on a port in use fails with a
+- `serve`: the control plane on a synchronous `grpc.server` whose thread pool has
+  `control_workers + max_data_streams + max_rounds_streams` threads (a Recover is a data stream;
+  distributed/door.py keeps `control_workers` of them free of streams), with the standard health
+  service, an optional shared token (transport/auth.py) and TLS; the data plane on the bulk port
+  (distributed/bulk_server.py), with the same token and TLS. Ports are never shared
+  (`grpc.so_reuseport` off, no SO_REUSEPORT): a second syncer on a port in use fails with a
   one-line `BindError`. A non-loopback address without a shared token is refused unless
   `insecure=True` (`ddiloco-syncer --insecure`), which logs a warning.
-- `serve_in_process`: the same handlers, health service and token check over the in-process
+- `serve_in_process`: both tables, the health service and the token check over the in-process
   transport (transport/in_process.py): learner workers in the same process, no socket.
 """
 
@@ -31,7 +34,7 @@ from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments import compression, shards
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.syncer.core import MergeEvent, SyncerCore
-from ddiloco.transport import auth, in_process
+from ddiloco.transport import auth, bulk_wire, in_process
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -50,19 +53,18 @@ class InsecureServeError(ValueError):
 
 @dataclasses.dataclass
 class SyncerServer:
-  """A running gRPC server with its service: `stop()` shuts both down."""
+  """A running syncer: its gRPC server (control), its bulk port (data) and its service; `stop()`
+  shuts them down."""
 
   server: grpc.Server
   service: SyncerService
   port: int
   health: health.HealthServicer
-  bulk: BulkServer | None = None
+  bulk: BulkServer
 
   def stop(self, grace_s: float = 2.0, *, flush: bool = True) -> None:
     self.health.enter_graceful_shutdown()
-    if self.bulk is not None:
-      self.service.advertise_bulk(0)
-      self.bulk.stop()
+    self.bulk.stop()
     self.server.stop(grace_s).wait(grace_s + 5)
     self.service.stop(flush=flush)
 
@@ -136,14 +138,8 @@ class _Handlers:
 
 
 def method_handlers(service: SyncerService) -> tuple[str, dict[str, grpc.RpcMethodHandler]]:
-  """The service's name and its method handlers: `add_SyncerServicer_to_server`'s, except that
-  Push takes, and Pull sends, each chunk's serialized bytes.
-
-  The Push handler reads them with `frames.parse_chunk`, the payload a view into the received
-  bytes: protobuf's parser would copy every payload byte twice (scripts/bench_wire.py).
-  Pull sends chunks made serialized (`state_messages.state_messages`) or cached serialized (the
-  downlink deltas every learner pulls), so protobuf neither builds nor serializes them per pull.
-  The bytes on the wire are the same; clients need not change.
+  """The control plane's service name and method handlers: `add_SyncerServicer_to_server`'s,
+  except that Recover takes each chunk's serialized bytes (read by hand, `frames.parse_chunk`).
 
   Every unary request is decoded by `door.parse_request`, which never raises: bytes that do not
   decode, or text over its bound, reach the method as `door.Garbled` and are refused with a counted
@@ -155,11 +151,10 @@ def method_handlers(service: SyncerService) -> tuple[str, dict[str, grpc.RpcMeth
   collected = _Handlers()
   syncer_pb2_grpc.add_SyncerServicer_to_server(service, collected)
   handlers = collected.handlers
-  for name in ("Push", "Recover"):
-    push = handlers[name]
-    handlers[name] = grpc.stream_unary_rpc_method_handler(
-      push.stream_unary, request_deserializer=None, response_serializer=push.response_serializer
-    )
+  recover = handlers["Recover"]
+  handlers["Recover"] = grpc.stream_unary_rpc_method_handler(
+    recover.stream_unary, request_deserializer=None, response_serializer=recover.response_serializer
+  )
   methods = syncer_pb2.DESCRIPTOR.services_by_name["Syncer"].methods_by_name
   for name, handler in list(handlers.items()):
     if handler.request_streaming:
@@ -169,8 +164,7 @@ def method_handlers(service: SyncerService) -> tuple[str, dict[str, grpc.RpcMeth
       handlers[name] = grpc.unary_stream_rpc_method_handler(
         _refusing_garbled_stream(service, handler.unary_stream),
         request_deserializer=parse,
-        # Pull sends serialized chunks as they are.
-        response_serializer=None if name == "Pull" else handler.response_serializer,
+        response_serializer=handler.response_serializer,
       )
     else:
       handlers[name] = grpc.unary_unary_rpc_method_handler(
@@ -179,6 +173,30 @@ def method_handlers(service: SyncerService) -> tuple[str, dict[str, grpc.RpcMeth
         response_serializer=handler.response_serializer,
       )
   return collected.service_name, handlers
+
+
+def data_handlers(service: SyncerService) -> dict[str, grpc.RpcMethodHandler]:
+  """The data plane's handlers, by method path (`bulk_wire.PUSH_METHOD`, `PULL_METHOD`): what the
+  bulk port (`BulkServer`) and the in-process carrier run.
+
+  Push takes, and Pull sends, each chunk's serialized bytes: the Push handler reads them with
+  `frames.parse_chunk`, the payload a view into the received bytes (protobuf's parser would copy
+  every payload byte twice, scripts/bench_wire.py), and Pull sends its stream as framed pieces
+  (`state_messages.state_pieces`), each byte copied once, by the kernel. A PullRequest is decoded
+  by `door.parse_request`, as a control call's request is.
+  """
+  return {
+    bulk_wire.PUSH_METHOD: grpc.stream_unary_rpc_method_handler(
+      service.Push,
+      request_deserializer=None,
+      response_serializer=syncer_pb2.PushResponse.SerializeToString,
+    ),
+    bulk_wire.PULL_METHOD: grpc.unary_stream_rpc_method_handler(
+      _refusing_garbled_stream(service, service.Pull),
+      request_deserializer=door.parse_request(syncer_pb2.PullRequest),
+      response_serializer=None,
+    ),
+  }
 
 
 def _add_servicer(service: SyncerService, server: grpc.Server) -> None:
@@ -218,24 +236,35 @@ def serve(
   token: str | None = None,
   tls: tuple[str, str] | None = None,
   insecure: bool = False,
+  bulk_port: int | None = None,
+  advertise_bulk_port: int = 0,
 ) -> SyncerServer:
-  """Starts a gRPC server for `service` (and the standard health service) and its merge thread.
+  """Starts `service`'s gRPC server (control, and the standard health service), its bulk port
+  (data) and its merge thread.
 
   Args:
     service: the servicer.
-    address: host:port; port 0 picks a free one. Loopback unless told otherwise.
+    address: host:port of the gRPC server; port 0 picks a free one. Loopback unless told
+      otherwise. The bulk port is bound on the same host.
     token: shared token required on every call but health checks (None: no authentication).
-    tls: (cert_file, key_file) for TLS, or None for plain TCP.
+    tls: (cert_file, key_file) for TLS on both ports, or None for plain TCP.
     insecure: serve a non-loopback address without a token (logged as a warning); without it
       that is refused, since any host that reaches the port could push into the global model.
+    bulk_port: the bulk port to bind (0: a free one); None: `ServiceConfig.bulk_port`, plus the
+      shard's index for a shard of a sharded syncer (0 stays 0).
+    advertise_bulk_port: the bulk port learners are told at Register (a proxy's in front of it:
+      the chaos harness); 0: the bound one.
 
   Returns:
-    The running server, with the bound port.
+    The running server, with the bound ports.
 
   Raises:
     InsecureServeError: a non-loopback address without a token or `insecure`.
-    BindError: if the address cannot be bound (its port is in use: never shared).
+    BindError: if an address cannot be bound (its port is in use: never shared).
+    ValueError: a unix socket address (the data plane needs a TCP host).
   """
+  if address.startswith(("unix:", "unix-abstract:")):
+    raise ValueError(f"Cannot serve the syncer on {address}: its bulk port needs a TCP host.")
   if not token and not door.is_loopback(address):
     if not insecure:
       raise InsecureServeError(
@@ -246,7 +275,7 @@ def serve(
     log.warning(
       "serving %s WITHOUT authentication (insecure): anyone who reaches it can push.", address
     )
-  _, port = door.split_address(address)
+  host, port = door.split_address(address)
   if door.port_in_use(address):  # Checked first: gRPC's own failure is a vague multi-line log.
     raise BindError(f"port {port} is in use: cannot serve the syncer on {address}.")
   interceptors = [auth.TokenInterceptor(token, service.count_refusal)] if token else []
@@ -274,40 +303,24 @@ def serve(
     raise BindError(f"Could not bind the syncer to {address} (port in use?): {e}") from None
   if bound == 0:
     raise BindError(f"Could not bind the syncer to {address} (port in use?).")
-  port = bound
-  bulk = None
-  if cfg.bulk:
-    try:
-      bulk = _serve_bulk(service, address, token=token, tls=tls)
-    except BindError:
-      server.stop(None)
-      raise
-    if bulk is not None:
-      service.advertise_bulk(bulk.port)
-      log.info("Push and Pull also served on bulk port %d", bulk.port)
+  if bulk_port is None:  # A fixed port is shard 0's; shard i takes the i-th after it.
+    bulk_port = cfg.bulk_port and cfg.bulk_port + service.shard
+  try:
+    bulk = BulkServer(
+      service, data_handlers(service), host=host or "0.0.0.0", port=bulk_port, token=token, tls=tls
+    )
+  except OSError as e:
+    server.stop(None)
+    raise BindError(
+      f"Could not bind the syncer's bulk port {host}:{bulk_port} (in use?): {e}"
+    ) from None
+  service.advertise_bulk(advertise_bulk_port or bulk.port)
+  log.info("pushes and pulls served on bulk port %d", bulk.port)
   service.start()
   server.start()
   for name in ("", SERVICE_NAME):
     health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-  return SyncerServer(server=server, service=service, port=port, health=health_servicer, bulk=bulk)
-
-
-def _serve_bulk(
-  service: SyncerService, address: str, *, token: str | None, tls: tuple[str, str] | None
-) -> BulkServer | None:
-  """The bulk port on the gRPC address's host, running the same handlers
-  (distributed/bulk_server.py); None for a unix socket address (no TCP host)."""
-  if address.startswith(("unix:", "unix-abstract:")):
-    return None
-  host, _ = door.split_address(address)
-  # A fixed port is shard 0's; shard i takes the i-th after it (shards may share a host).
-  port = service.config.bulk_port and service.config.bulk_port + service.shard
-  try:
-    return BulkServer(
-      service, method_handlers(service)[1], host=host or "0.0.0.0", port=port, token=token, tls=tls
-    )
-  except OSError as e:
-    raise BindError(f"Could not bind the syncer's bulk port {host}:{port} (in use?): {e}") from None
+  return SyncerServer(server=server, service=service, port=bound, health=health_servicer, bulk=bulk)
 
 
 @dataclasses.dataclass
@@ -331,9 +344,9 @@ def serve_in_process(
 ) -> InProcessSyncer:
   """Starts `service`'s merge thread and serves it over the in-process transport.
 
-  The calls run the same handlers (`method_handlers`, and the standard health service) and, with a
-  token, the same authentication interceptor as `serve`: the same bytes, checks and status codes,
-  without a port.
+  The calls run the same handlers (`method_handlers`, `data_handlers` and the standard health
+  service) and, with a token, the same authentication interceptor as `serve`: the same bytes,
+  checks and status codes, without a port.
 
   Args:
     service: the servicer.
@@ -342,7 +355,7 @@ def serve_in_process(
       on a virtual clock: distributed/virtual.py).
   """
   name, handlers = method_handlers(service)
-  paths = {f"/{name}/{method}": h for method, h in handlers.items()}
+  paths = {f"/{name}/{method}": h for method, h in handlers.items()} | data_handlers(service)
   health_servicer = health.HealthServicer()
   collected = _Handlers()
   health_pb2_grpc.add_HealthServicer_to_server(health_servicer, collected)

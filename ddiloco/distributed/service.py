@@ -1,6 +1,7 @@
-"""The syncer as a gRPC service: the pure core behind a lock, a wall clock and a merge thread.
+"""The syncer as a service: the pure core behind a lock, a wall clock and a merge thread.
 
-`SyncerService` implements `ddiloco.v1.Syncer` (transport/proto/syncer.proto). A background thread
+`SyncerService` implements `ddiloco.v1.Syncer` (transport/proto/syncer.proto), the control plane,
+and the data plane's Push and Pull, which its bulk port serves (distributed/bulk_server.py). A background thread
 (distributed/merge_loop.py) runs the core's step clock: it opens rounds as they come due and announces each on every learner's
 `Rounds` stream, and merges rounds as their deadlines come, announcing every published version on the
 same streams (docs/algorithm.md §3-4). Learners answer rounds with pushes and pull what was announced; nothing a
@@ -15,22 +16,25 @@ learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runti
 - A merge is all or nothing (`SyncerCore.poll`, `syncer/closing.py`), and the merge thread never
   retries a failing step with the lock held: RPCs and a signal's `stop()` always get through.
 - Sessions: Register issues a random session credential bound to the learner id and that
-  registration (RegisterResponse.session); every later Push, Pull, Heartbeat, Leave and Rounds call
-  for the id must carry it as `ddiloco-session` metadata, or is refused PERMISSION_DENIED (distinct
+  registration (RegisterResponse.session); every later push, pull, Heartbeat, Leave and Rounds call
+  for the id must carry it (`ddiloco-session` metadata; a bulk hello's session), or is refused
+  PERMISSION_DENIED (distinct
   from the shared token's UNAUTHENTICATED: re-registering fixes it, so learners register again on
   it). The shared token still admits Register for any id, which voids the previous session: a
   restarted learner must be able to rejoin without its old credential.
-- Capacity (distributed/door.py): the server is synchronous, every call holding a thread for its life.
-  Its pool has `control_workers + max_data_streams + max_rounds_streams` threads; data streams and
-  Rounds streams are admitted within their bounds, so at least `control_workers` threads always
-  remain for Register, Heartbeat, Status, Leave and quick refusals. A push is read through a helper
+- Capacity (distributed/door.py): the gRPC server is synchronous, every call holding a thread for
+  its life. Its pool has `control_workers + max_data_streams + max_rounds_streams` threads (a
+  Recover is a data stream on gRPC); streams are admitted within their bounds, so at least
+  `control_workers` threads always remain for Register, Heartbeat, Status, Leave and quick
+  refusals. The bulk port holds a thread per connection, `max_data_streams` at most. A push is read through a helper
   thread so that a stalled stream is cut at its idle deadline with DEADLINE_EXCEEDED; stuck sends
   are cut by a watchdog. Calls beyond the pool wait in gRPC's queue, bounded by `max_pending_calls`
   (beyond it gRPC itself refuses RESOURCE_EXHAUSTED, not counted here).
 - Members (distributed/members.py): the service forgets a learner that left or was declared dead `member_retention_s` ago
   (and the longest-gone first once `max_members` are known); its next call finds it unregistered and
   it registers again. The core's per-learner records (token ledger) are kept.
-- Serving (distributed/server.py): over gRPC on a port that is never shared, or in-process.
+- Serving (distributed/server.py): control over gRPC and data over the bulk port, on ports that are
+  never shared, or both in-process.
 - Downlink (distributed/downlink.py): with a lossy downlink codec the syncer publishes what a
   learner decodes, so learners and syncer hold bit-identical fragments.
 - Liveness: a learner that neither pushed, pulled nor sent a heartbeat for `liveness_timeout_s` is
@@ -195,7 +199,8 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     return self._shard
 
   def advertise_bulk(self, port: int) -> None:
-    """Tells learners at Register that Push and Pull also serve on `port` (0: no longer)."""
+    """Tells learners at Register that pushes and pulls go to `port` (the bulk port, or a proxy's
+    in front of it)."""
     with self._cond:
       self._bulk_port = port
 
@@ -338,12 +343,12 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       shard=self._shard,
       shard_addresses=self._shard_addresses,
       bulk_port=self._bulk_port,
-      bulk_chunk_bytes=cfg.bulk_chunk_bytes if self._bulk_port else 0,
+      bulk_chunk_bytes=cfg.bulk_chunk_bytes,
     )
 
   def Push(self, request_iterator, context):
-    # A bulk port call's context carries where its chunks may be received and their bound
-    # (bulk_server._Call).
+    """The data plane's push (`server.data_handlers`, not a gRPC method). A bulk port call's
+    context carries where its chunks may be received and their bound (bulk_server._Call)."""
     placement = getattr(context, "placement", None)
     chunk_bytes = getattr(context, "max_chunk_bytes", None)
     return run_or_abort(
@@ -359,6 +364,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     return run_or_abort(context, self._streams.recover, request_iterator, call_session(context))
 
   def Pull(self, request, context):
+    """The data plane's pull (`server.data_handlers`, not a gRPC method)."""
     return self._streams.pull(request, context)
 
   def Heartbeat(self, request, context):

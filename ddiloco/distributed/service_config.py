@@ -20,13 +20,15 @@ class ServiceConfig:
     uplink_codec: codec of the learners' outer-gradient pushes (docs/algorithm.md §5).
     downlink_codec: codec of fragment updates Θ_new − Θ_old (docs/algorithm.md §5); fp32 sends full values.
     block_size: values per absmax scale block for int8/int4.
-    max_chunk_bytes: largest chunk payload accepted or sent (~1 MiB: gRPC's default message limit
-      is 4 MiB, and 1 MiB chunks measured best on loopback).
+    max_chunk_bytes: largest chunk payload of a Recover (over gRPC, whose default message limit
+      is 4 MiB), of the in-process carrier's pushes and pulls, and of the downlink deltas' cached
+      chunks (~1 MiB).
     heartbeat_interval_s: how often learners call Heartbeat.
     liveness_timeout_s: silence after which a learner is declared dead.
     control_workers: server threads that data and Rounds streams can never take: they serve
       Register, Heartbeat, Status, Leave and refusals however many streams are open.
-    max_data_streams: Push and Pull streams open at once (each holds a server thread).
+    max_data_streams: push, pull and Recover streams open at once (each holds a thread), and
+      connections open at once on the bulk port.
     max_data_streams_per_learner: Push and Pull streams open at once for one learner id (a learner
       pushes one fragment and pulls one at a time; the rest is room for a retry overlapping the end
       of its predecessor).
@@ -41,16 +43,16 @@ class ServiceConfig:
     max_members: learner ids the service keeps a record of; a new id beyond it is refused while
       none of the known ones has left.
     member_retention_s: how long a learner that left or was declared dead stays in the record.
-    bulk: also serve Push and Pull on a bulk port beside gRPC (distributed/bulk_server.py),
-      advertised at Register; learners fall back to gRPC if it fails. False: gRPC only.
-    bulk_port: the bulk port (0: a free one, picked at start); shard i of a sharded syncer
-      serves on `bulk_port + i`.
+    bulk_port: the bulk port, which carries every push and pull (distributed/bulk_server.py;
+      advertised at Register; 0: a free one, picked at start); shard i of a sharded syncer
+      serves on `bulk_port + i`. A firewall must let learners reach it as the gRPC port.
     bulk_chunk_bytes: largest chunk payload accepted or sent on the bulk port (advertised at
       Register): every chunk costs both ends per-message work (its frame's reads, its hand-over
       to the handler), which 4 MiB chunks pay a quarter as often as 1 MiB ones
       (scripts/bench_wire.py); a push the bulk port cannot place in its output arrays (not fp32)
       holds up to three chunks of it per stream while it is read. With a lossy downlink codec
-      at least `max_chunk_bytes` (its deltas' chunks are cut once, in that size, for both ports).
+      at least `max_chunk_bytes` (its deltas' chunks are cut once, in that size, for every
+      carrier).
   """
 
   uplink_codec: str = "bf16"
@@ -69,7 +71,6 @@ class ServiceConfig:
   max_pending_calls: int = 256
   max_members: int = 1024
   member_retention_s: float = 600.0
-  bulk: bool = True
   bulk_port: int = 0
   bulk_chunk_bytes: int = 4 << 20
 
@@ -88,14 +89,14 @@ class ServiceConfig:
         f"{self.bulk_chunk_bytes}."
       )
     lossy_downlink = not compression.codec_class(self.downlink_codec).exact
-    if self.bulk and lossy_downlink and self.bulk_chunk_bytes < self.max_chunk_bytes:
+    if lossy_downlink and self.bulk_chunk_bytes < self.max_chunk_bytes:
       # The downlink deltas are encoded once, in chunks of max_chunk_bytes, and every pull sends
-      # those chunks as they are, over either port: the bulk port's learners would refuse them.
+      # those chunks as they are: the bulk port's learners would refuse them.
       raise ValueError(
         f"bulk_chunk_bytes={self.bulk_chunk_bytes} is below max_chunk_bytes="
         f"{self.max_chunk_bytes}: a {self.downlink_codec} downlink sends its deltas in chunks of "
-        "max_chunk_bytes over the bulk port too, which its learners refuse. Make bulk_chunk_bytes "
-        ">= max_chunk_bytes (or set bulk = False)."
+        "max_chunk_bytes over the bulk port, which its learners refuse. Make bulk_chunk_bytes "
+        ">= max_chunk_bytes."
       )
     if not 0 < self.heartbeat_interval_s < self.liveness_timeout_s:
       raise ValueError("Need 0 < heartbeat_interval_s < liveness_timeout_s.")

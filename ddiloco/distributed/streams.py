@@ -1,5 +1,8 @@
 """The service's data streams: Push and Recover read, Pull sent, within the door's bounds.
 
+Pushes and pulls come over the bulk port (distributed/bulk_server.py) or the in-process carrier,
+a Recover over gRPC: the same handlers and rules whatever carries them.
+
 Every stream is admitted by the door's `StreamGate` (distributed/door.py) and read through a
 `PacedStream` (a push) or watched by the `Watchdog` (a pull) so that a stalled one is cut. A push's
 header is checked before its body is read: a late answer is dropped unread (ABORTED), and a retry
@@ -28,7 +31,7 @@ from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.metrics.writer import quantiles
 from ddiloco.protocol import counter_error, step_time_error
 from ddiloco.syncer.core import ReportResult, SyncerCore
-from ddiloco.transport import frames, messages, state_messages, wire
+from ddiloco.transport import bulk_wire, frames, messages, state_messages, wire
 from ddiloco.transport.chunks import ArrayPool
 from ddiloco.transport.client import fragment_layouts
 from ddiloco.transport.errors import WireError, WireSizeError
@@ -362,18 +365,19 @@ class DataStreams:
 
   # -- Pull -------------------------------------------------------------------------------------
 
-  def pull(self, request, context) -> Iterator[bytes]:
-    """The Pull RPC: p's newest served version, watched, or the call aborted with a refusal."""
+  def pull(self, request, context) -> Iterator[bytes | memoryview]:
+    """A pull: p's newest served version as framed pieces (`bulk_wire.frame_head`), watched, or
+    the call aborted with a refusal."""
     ticket = None
     try:
       ticket = self._admit(int(request.learner_id))  # Named at once: never "unclaimed".
-      context.add_callback(ticket.close)  # Also freed if gRPC drops the generator unfinished.
-      # A bulk port call's context names its framing: it sends the stream as pieces
-      # (bulk_server._Call.frame_head), each byte copied once, by the kernel.
+      context.add_callback(ticket.close)  # Also freed if the call drops the generator unfinished.
+      # A bulk port call's context frames the stream itself (it tracks where a frame ends,
+      # bulk_server._Call.frame_head) and bounds its chunks; the in-process carrier's does not.
       chunks = self._pull(
         request,
         call_session(context),
-        getattr(context, "frame_head", None),
+        getattr(context, "frame_head", bulk_wire.frame_head),
         getattr(context, "max_chunk_bytes", None) or self._cfg.max_chunk_bytes,
       )
       # A client that stops reading blocks a send: the watchdog cuts it after stream_idle_s.
@@ -388,13 +392,13 @@ class DataStreams:
     self,
     request,
     session: str,
-    frame: Callable[[bytes, int], bytes] | None,
+    frame: Callable[[bytes, int], bytes],
     chunk_bytes: int,
   ) -> Iterator[bytes | memoryview]:
-    """The serialized FragmentChunk messages of p's newest version (sent without a serializer);
-    with `frame`, the same messages framed by it, as pieces (`state_messages.state_pieces`), in
-    chunks of `chunk_bytes` (the cached downlink's are gRPC's, `max_chunk_bytes`: `ServiceConfig`
-    keeps the bulk port's bound at least that with a lossy downlink)."""
+    """p's newest version as the pieces of its FragmentChunk messages, each framed by `frame`
+    (`state_messages.state_pieces`), in chunks of `chunk_bytes` (the cached downlink's are
+    `max_chunk_bytes`: `ServiceConfig` keeps the bulk port's bound at least that with a lossy
+    downlink)."""
     deadline = time.monotonic() + self._cfg.stream_deadline_s
     self._check_fragment(request.fragment)
     p, known = int(request.fragment), int(request.known_version)
@@ -411,30 +415,20 @@ class DataStreams:
       return
     sent = 0
 
-    def in_time() -> None:
-      if time.monotonic() > deadline:
+    def framed(head: bytes, n: int) -> bytes:
+      nonlocal sent
+      if time.monotonic() > deadline:  # Between two messages.
         raise self._refuse(
           grpc.StatusCode.DEADLINE_EXCEEDED,
           f"Pull stream open for more than {self._cfg.stream_deadline_s} s: it was cut.",
         )
-
-    def framed(head: bytes, n: int) -> bytes:
-      nonlocal sent
-      in_time()  # Between two messages, as for whole messages.
       sent += len(head) + n
       return frame(head, n)
 
     if cached is not None and known == state.version - 1:
-      chunks = cached if frame is None else _framed_messages(cached, framed)
-    elif frame is None:
-      chunks = state_messages.state_messages(state, "fp32", chunk_size=self._cfg.max_chunk_bytes)
+      yield from _framed_messages(cached, framed)
     else:
-      chunks = state_messages.state_pieces(state, "fp32", framed, chunk_size=chunk_bytes)
-    for c in chunks:
-      if frame is None:
-        in_time()
-        sent += len(c)
-      yield c
+      yield from state_messages.state_pieces(state, "fp32", framed, chunk_size=chunk_bytes)
     with self._cond:
       self._bytes_down += sent
       if int(request.learner_id) in self._core.alive():

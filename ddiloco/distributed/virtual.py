@@ -5,7 +5,7 @@ sessions, liveness and durability hooks of `ddiloco-syncer`) built on an injecte
 served over the in-process transport with its merge thread not started: the simulated cluster
 (simulation/cluster.py) calls `advance()` at `next_wakeup()`. Each simulated learner reaches it
 through a `SyncerLink` of its own, over its own in-process channel: the same client, messages,
-codecs and status codes as a learner process over gRPC. Round requests and version announcements
+codecs and status codes as a learner process over its sockets. Round requests and version announcements
 reach it through a subscription that calls back (the `Rounds` stream's, without the stream), so
 that the simulator can deliver them after its network latency.
 

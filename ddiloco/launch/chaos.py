@@ -1,7 +1,8 @@
 """`ChaosRun`: a `LocalCluster` driven through a fault schedule, recorded on an event tape.
 
-The driver starts the syncer, a loopback proxy in front of it (learners reach the syncer only
-through the proxy, so network faults hit them) and M learners; then it executes the schedule of
+The driver starts the syncer, a loopback proxy in front of each of its ports (its gRPC port and its
+bulk port, which it advertises as the proxy's: learners reach the syncer, control and data, only
+through the proxies, so network faults hit both) and M learners; then it executes the schedule of
 `ddiloco.chaos.schedule.make_schedule` at its times: SIGKILL and restart learners (a restarted
 learner registers again and takes the global fragments; it restores its own checkpoint once learner
 checkpoints land, docs/resilience.md), SIGSTOP/SIGCONT them, SIGKILL and restart the syncer on the
@@ -10,10 +11,10 @@ tails the syncer's metrics for merges and evaluations and writes everything to `
 every learner has finished it stops the syncer gracefully, records final digests and the ledger, and
 checks the invariants (`ddiloco.chaos.invariants`).
 
-A sharded syncer (`JobConfig.syncer_shards` = S > 1) gets one proxy per shard (`ProxySet`), and
-every shard advertises the proxies' addresses at Register, so learners reach each shard through
-its proxy. A syncer event kills or restarts the shard it names (`FaultEvent.shard`) or every shard;
-a network event hits that shard's proxy or every proxy. Each shard's merges, restores, digests and
+A sharded syncer (`JobConfig.syncer_shards` = S > 1) gets two proxies per shard (`ProxySet`), and
+every shard advertises the proxies at Register, so learners reach each shard through its proxies.
+A syncer event kills or restarts the shard it names (`FaultEvent.shard`) or every shard; a network
+event hits that shard's proxies or every proxy. Each shard's merges, restores, digests and
 ledger go on the tape with its `shard`, and the invariants hold per shard.
 """
 
@@ -42,9 +43,6 @@ class _Fired(NamedTuple):
 
   fields: dict[str, Any] = {}
   then: tuple[tuple[str, dict[str, Any]], ...] = ()
-
-
-_GRPC_ONLY = "--gin_bindings=ServiceConfig.bulk = False"
 
 
 class ChaosRun:
@@ -118,8 +116,7 @@ class ChaosRun:
     return statistics.median(times) if times else fallback
 
   def _start_learner(self, i: int) -> Child:
-    # Over gRPC only: the syncer's bulk port is reached directly, past the proxy and its faults.
-    return self.cluster.start_learner(i, address=self.proxies.address, extra_args=[_GRPC_ONLY])
+    return self.cluster.start_learner(i, address=self.proxies.address)
 
   def _port(self, shard: int) -> int:
     c = self.cluster
@@ -212,7 +209,7 @@ class ChaosRun:
     shards = [s for s in self._shards(ev) if s in self._down and s not in self._starting]
     for shard in shards:
       # Not waited for: restoring and compiling takes seconds, and the schedule goes on meanwhile.
-      # `_observe` records syncer_up once it serves. Same port: the proxy's upstream stays.
+      # `_observe` records syncer_up once it serves. Same ports: the proxies' upstreams stay.
       self.cluster.spawn_syncer(port=self._port(shard), shard=shard)
       self._starting.add(shard)
     return _Fired() if shards else None
@@ -276,6 +273,7 @@ class ChaosRun:
       self._bring_back(tape)
       self.proxies.heal()
       self.proxies.set_latency(0.0)
+      self._record_traffic(tape)
       self._down = set(range(self.num_shards))  # From here on their exits are ours.
       # Graceful, every shard at once (shard 0 waits for the others' final values): flush, final
       # eval, checkpoint, summary.
@@ -296,23 +294,40 @@ class ChaosRun:
       tape.close()
 
   def _start_syncer_and_proxies(self, tape: TapeWriter) -> None:
-    """Starts the syncer (its shards) and a proxy in front of each (module docstring)."""
-    c = self.cluster
-    if self.num_shards == 1:
-      c.start_syncer()
-      tape.record("syncer_up", shard=0, port=c.port)
-      upstreams = [c.port]
-    else:  # The proxies first: every shard advertises their addresses at Register.
-      c.shard_ports = [processes.free_port() for _ in range(self.num_shards)]
-      upstreams = list(c.shard_ports)
+    """Starts a proxy in front of each port of each shard, then the syncer's shards on those
+    ports, advertising the proxies (module docstring)."""
+    c, shards = self.cluster, self.num_shards
+    chosen = processes.free_ports(2 * shards)
+    ports, bulk_ports = chosen[:shards], chosen[shards:]  # Kept across restarts.
     # Processes of their own: traffic never waits for this driver's CPU share or GIL.
-    self.proxies = ProxySet(upstreams, log_dir=c.workdir)
+    self.proxies = ProxySet(ports, bulk_ports, log_dir=c.workdir)
     self.proxies.start()
-    if self.num_shards > 1:
-      c.shard_addresses = self.proxies.addresses
-      c.start_syncers(self.num_shards)
-      for shard in range(self.num_shards):
-        tape.record("syncer_up", shard=shard, port=self._port(shard))
+    c.bulk_ports = list(zip(bulk_ports, self.proxies.bulk_ports, strict=True))
+    if shards == 1:
+      c.start_syncer(port=ports[0])
+    else:
+      c.shard_ports, c.shard_addresses = ports, self.proxies.addresses
+      c.start_syncers(shards)
+    for shard in range(shards):
+      tape.record("syncer_up", shard=shard, port=self._port(shard))
+
+  def _record_traffic(self, tape: TapeWriter) -> None:
+    """What each proxy forwarded: learners reached both ports of every shard through them."""
+    for shard in range(self.num_shards):
+      for port, proxy in (
+        ("control", self.proxies.proxies[shard]),
+        ("data", self.proxies.bulk[shard]),
+      ):
+        stats = proxy.stats()
+        tape.record(
+          "proxy_traffic",
+          shard=shard,
+          port=port,
+          bytes_up=stats.bytes_up,
+          bytes_down=stats.bytes_down,
+          connections=stats.connections,
+          resets=stats.resets,
+        )
 
   def _bring_back(self, tape: TapeWriter, timeout_s: float = 180.0) -> None:
     """Restarts the shards the run ended without (it ended during an outage) and waits for them."""
@@ -430,6 +445,11 @@ class ChaosRun:
       "syncer_kills": count(tape, "kill_syncer"),
       "pauses": count(tape, "pause_learner"),
       "net_events": sum(count(tape, k) for k in ("net_delay", "net_drop", "net_partition")),
+      "proxy_traffic": {
+        f"{r['port']}_{r['shard']}": {k: r[k] for k in ("bytes_up", "bytes_down", "resets")}
+        for r in tape
+        if r["kind"] == "proxy_traffic"
+      },
       "table": invariants.format_table(results),
     }
 

@@ -163,6 +163,8 @@ _MOVED = {
   "FragmentSchedule.overlap instead.",
   ("SyncerConfig", "merge_method"): "The merge rule is an object now: bind "
   'SyncerConfig.merge_rule = @RDA() (was "rda") or @WeightedMean() (was "mean").',
+  ("ServiceConfig", "bulk"): "Pushes and pulls always travel over the syncer's bulk port now: "
+  "drop the binding, and let learners reach ServiceConfig.bulk_port as the gRPC port.",
   ("simulate", "cluster"): "The virtual fleet is simulate.fleet now, and the run's size, length "
   "and cadence are RunConfig's (num_learners, steps_per_learner, batch_size, eval_every_s, "
   "log_every).",

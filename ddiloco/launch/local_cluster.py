@@ -94,6 +94,7 @@ class LocalCluster:
     self.shards: dict[int, Child] = {}  # Shards 1.. of a sharded syncer (JobConfig.syncer_shards).
     self.shard_ports: list[int] = []
     self.shard_addresses: list[str] = []  # Advertised instead of the shards' own (chaos proxies).
+    self.bulk_ports: list[tuple[int, int]] = []  # Per shard (bound, advertised): chaos proxies.
     self.learners: dict[int, Child] = {}  # Shared with `fleet`: filled in place, never rebound.
     self.port: int | None = None
     self.syncer_host = "127.0.0.1"  # Where learners and the launcher reach the syncer.
@@ -174,6 +175,8 @@ class LocalCluster:
     own = [f"{self.syncer_host}:{p}" for p in self.shard_ports]
     addresses = ",".join(self.shard_addresses or own)  # For learners to learn at Register.
     sharded = [f"--shard={shard}", f"--shard_addresses={addresses}"] if self.shard_ports else []
+    bulk = self.bulk_ports[shard] if self.bulk_ports else None  # Kept across restarts.
+    sharded += [f"--bulk_port={bulk[0]}", f"--advertise_bulk_port={bulk[1]}"] if bulk else []
     port = port or (self.shard_ports[shard] if self.shard_ports else 0)
     child = self._spawn(
       "syncer" if shard == 0 else f"syncer_{shard}",
@@ -266,11 +269,8 @@ class LocalCluster:
     env = self._env(devices or self.devices_per_learner)
     n = self.processes_per_learner
     if n == 1:
-      return [
-        processes.Launch(
-          [*argv, *tail], env, os.path.join(folder, "log.txt"), learner_id=learner_id
-        )
-      ]
+      log = os.path.join(folder, "log.txt")
+      return [processes.Launch([*argv, *tail], env, log, learner_id=learner_id)]
     slice_args = [
       f"--num_processes={n}",
       f"--coordinator_address={self._coordinator_address(learner_id)}",

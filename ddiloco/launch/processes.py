@@ -100,9 +100,18 @@ def run_env(token: str, workdir: str, devices: int | None) -> dict[str, str]:
 
 def free_port() -> int:
   """A port free on 127.0.0.1 now (a learner's jax.distributed coordinator)."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+  return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+  """`n` distinct ports free on 127.0.0.1 now: each is held until all are chosen."""
+  with contextlib.ExitStack() as held:
+    ports = []
+    for _ in range(n):
+      s = held.enter_context(socket.socket())
+      s.bind(("127.0.0.1", 0))
+      ports.append(s.getsockname()[1])
+    return ports
 
 
 def tls_files(tls: Sequence[str]) -> tuple[str, str, str]:

@@ -229,8 +229,17 @@ class SyncerRun:
     self.writer.event("merge", time=round(time.time(), 4), **ev.log_fields())
 
   def serve(
-    self, address: str, *, token: str | None = None, tls=None, insecure: bool = False
+    self,
+    address: str,
+    *,
+    token: str | None = None,
+    tls=None,
+    insecure: bool = False,
+    bulk_port: int | None = None,
+    advertise_bulk_port: int = 0,
   ) -> server_lib.SyncerServer:
+    """Serves the syncer on `address` and its bulk port (`server.serve`, whose arguments these
+    are) once its outer steps are compiled and version 0 evaluated."""
     self.warm_up()
     if self.restored is None:
       self.evaluate()  # Version 0, before any learner connects (a restart evaluates in `loop`).
@@ -245,7 +254,13 @@ class SyncerRun:
         self.checkpoint.recovery_window_s,
       )
     self.server = server_lib.serve(
-      self.service, address=address, token=token, tls=tls, insecure=insecure
+      self.service,
+      address=address,
+      token=token,
+      tls=tls,
+      insecure=insecure,
+      bulk_port=bulk_port,
+      advertise_bulk_port=advertise_bulk_port,
     )
     return self.server
 
@@ -397,8 +412,8 @@ def learner_client(
   job: JobConfig, address: str, *, token: str | None = None, tls_ca_file: str | None = None
 ) -> ShardedClient:
   """A learner process's client of the syncer at `address` (shard 0's when sharded), set by the
-  run's `ServiceConfig` as the syncer is: its chunk bound, its bulk port and its stream deadline
-  (a push or pull the syncer allows `stream_deadline_s` is not cut sooner by the learner)."""
+  run's `ServiceConfig` as the syncer is: its chunk bound and its stream deadline (a push or pull
+  the syncer allows `stream_deadline_s` is not cut sooner by the learner)."""
   svc = job.run.the_service()
 
   def connect(address: str) -> SyncerClient:
@@ -408,7 +423,6 @@ def learner_client(
       tls_ca_file=tls_ca_file,
       transfer_deadline_s=svc.stream_deadline_s,
       max_chunk_bytes=svc.max_chunk_bytes,
-      bulk=svc.bulk,  # The syncer's bulk port, if it advertises one (distributed/bulk_server.py).
     )
 
   # A sharded syncer's other shards are learned at Register (a pass-through when unsharded).

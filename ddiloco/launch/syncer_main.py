@@ -6,10 +6,12 @@ With `--gin.JobConfig.syncer_shards=S` (S > 1) run S of them, each with its own 
 workdir, port and the same `--shard_addresses=host:port,...` (every shard's, in shard order):
 shard i merges the fragments p with p mod S = i (docs/architecture.md, "The sharded syncer").
 
-Binds to 127.0.0.1 unless `--host` says otherwise. The shared token comes from `--auth_token_file` or
-the DDILOCO_TOKEN environment variable; TLS is on with `--tls_cert_file` and `--tls_key_file`. A
-non-loopback `--host` without a token is refused unless `--insecure` is given. A port in use (by
-another syncer, say) ends the program with one line on stderr and exit status 1.
+It serves its control plane (gRPC) on `--port` and its data plane, every push and pull, on its
+bulk port (`--bulk_port`, or `ServiceConfig.bulk_port`; a free one by default): learners must
+reach both. Both bind to 127.0.0.1 unless `--host` says otherwise. The shared token comes from
+`--auth_token_file` or the DDILOCO_TOKEN environment variable; TLS is on with `--tls_cert_file` and
+`--tls_key_file`. A non-loopback `--host` without a token is refused unless `--insecure` is given.
+A port in use (by another syncer, say) ends the program with one line on stderr and exit status 1.
 SIGTERM or SIGINT stops it gracefully: it stops accepting calls, merges every round that has its
 quorum, evaluates the global model and writes `summary.json` to the workdir. It exits 1 with a
 one-line error if its workdir holds no usable checkpoint although learners were served versions, and
@@ -45,6 +47,21 @@ _SHARD_ADDRESSES = flags.DEFINE_string(
   "",
   "with JobConfig.syncer_shards = S > 1: every shard's host:port, comma-separated, in shard order "
   "(told to learners at Register)",
+)
+_BULK_PORT = flags.DEFINE_integer(
+  "bulk_port",
+  None,
+  "the bulk port (pushes and pulls) to bind; 0 picks a free one; default: "
+  "ServiceConfig.bulk_port (+ --shard)",
+  lower_bound=0,
+  upper_bound=65535,
+)
+_ADVERTISE_BULK_PORT = flags.DEFINE_integer(
+  "advertise_bulk_port",
+  0,
+  "the bulk port learners are told at Register (a proxy's in front of it); 0: the bound one",
+  lower_bound=0,
+  upper_bound=65535,
 )
 _PORT_FILE = flags.DEFINE_string("port_file", None, "write the bound port here once serving")
 _TOKEN_FILE = flags.DEFINE_string(
@@ -101,11 +118,22 @@ def main(argv: list[str]) -> None:
     raise SystemExit(f"ddiloco-syncer: cannot restart: {e}") from None
   try:
     server = run.serve(
-      address, token=auth.read_token(_TOKEN_FILE.value), tls=tls, insecure=_INSECURE.value
+      address,
+      token=auth.read_token(_TOKEN_FILE.value),
+      tls=tls,
+      insecure=_INSECURE.value,
+      bulk_port=_BULK_PORT.value,
+      advertise_bulk_port=_ADVERTISE_BULK_PORT.value,
     )
   except (server_lib.BindError, server_lib.InsecureServeError) as e:
     sys.exit(f"ddiloco-syncer: {e}")  # One line, no traceback: the operator's mistake.
-  logging.info("syncer shard %d serving on %s:%d", _SHARD.value, _HOST.value, server.port)
+  logging.info(
+    "syncer shard %d serving on %s:%d, its bulk port on %d",
+    _SHARD.value,
+    _HOST.value,
+    server.port,
+    server.bulk.port,
+  )
   # The start-up heap (jax, gRPC, the model, the compiled outer steps: ~140k objects) never turns
   # into garbage. Frozen, the cyclic GC's full passes skip it; unfrozen, one full pass over it
   # stopped every thread, and every push and merge with them, for 0.6-1.1 s (a syncer shard of

@@ -1,16 +1,17 @@
-"""One-shot and protobuf-object twins of the wire stack's streaming API, for tests and inspection.
+"""One-shot and protobuf-object forms of the wire stack's streaming API, for tests and inspection.
 
 The library streams: `FragmentEncoder` and `FragmentReader` work chunk by chunk, and
-`messages.push_messages` / `state_messages` make serialized chunk messages as they are sent. These
-make and read the same bytes whole, and the same streams as protobuf message objects.
+`messages.push_pieces` / `state_messages.state_pieces` make a stream's chunk messages as pieces
+while they are sent. These make and read the same bytes whole, and the same streams as protobuf
+message objects.
 """
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from ddiloco.protocol import FragmentState, Report
-from ddiloco.transport import messages, state_messages, wire
+from ddiloco.transport import bulk_wire, messages, state_messages, wire
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE
 from ddiloco.transport.fragment_encoder import FragmentEncoder
 from ddiloco.transport.fragment_reader import read_layout
@@ -110,7 +111,7 @@ def report_to_chunks(
 ) -> list[syncer_pb2.PushChunk]:
   """A learner's report as a Push stream of protobuf messages: chunk 0 carries the header (docs/algorithm.md §3).
 
-  The messages `push_messages` serializes (the client sends those; these are for inspection,
+  The messages `messages.push_pieces` makes (the client sends those; these are for inspection,
   accounting and tests).
 
   Args:
@@ -142,8 +143,8 @@ def state_to_chunks(
 ) -> list[syncer_pb2.FragmentChunk]:
   """A global fragment version as a Pull stream of protobuf messages (docs/algorithm.md §4.7).
 
-  The messages `state_messages` serializes (a service sends those; these are for inspection,
-  accounting and tests). The header digest is that of `received_values(...)`, what the receiver
+  The messages `state_messages.state_pieces` makes (a service sends those; these are for
+  inspection, accounting and tests). The header digest is that of `received_values(...)`, what the receiver
   will hold: with "fp32" and no base that is `state.digest`; otherwise the syncer must hold
   (adopt) those values for the digests to agree (docs/algorithm.md §5).
 
@@ -157,7 +158,19 @@ def state_to_chunks(
   Raises:
     ValueError: if the values cannot be encoded or `base` is another fragment.
   """
-  msgs = state_messages.state_messages(
-    state, codec, block_size=block_size, chunk_size=chunk_size, base=base
-  )
+  msgs = pull_messages(state, codec, block_size=block_size, chunk_size=chunk_size, base=base)
   return [syncer_pb2.FragmentChunk.FromString(m) for m in msgs]
+
+
+def push_messages(report: Report, codec: str, **kwargs) -> Iterator[bytes]:
+  """A push's serialized PushChunk messages, each whole: `messages.push_pieces` (with its
+  keyword arguments) joined. Bad input raises at once; a NaN/Inf value while iterating."""
+  pieces = messages.push_pieces(report, codec, bulk_wire.frame_head, **kwargs)
+  return (bytes(m) for m in bulk_wire.messages_of(pieces))
+
+
+def pull_messages(state: FragmentState, codec: str, **kwargs) -> Iterator[bytes]:
+  """A pull's serialized FragmentChunk messages, each whole: `state_messages.state_pieces`
+  (with its keyword arguments) joined."""
+  pieces = state_messages.state_pieces(state, codec, bulk_wire.frame_head, **kwargs)
+  return (bytes(m) for m in bulk_wire.messages_of(pieces))

@@ -1,11 +1,12 @@
-"""The learner's side of the syncer's bulk port (framing in transport/bulk_wire.py).
+"""The learner's side of the syncer's bulk port, its data plane (framing in transport/bulk_wire.py).
 
 `BulkClient` sends a Push's chunk messages, or reads a Pull's, over one TCP (or TLS) connection
 per call, with the shared token and the learner's session in the hello. A status other than OK
-raises `bulk_wire.BulkError`, a `grpc.RpcError` with the syncer's code and message, as the gRPC
+raises `bulk_wire.BulkError`, a `grpc.RpcError` with the syncer's code and message, as a control
 call would. A connection that cannot be made, or that breaks before the syncer's answer, raises
-`BulkUnavailable`: `SyncerClient` then makes the same call over gRPC (a push is idempotent at
-the syncer, a pull only reads), and keeps to gRPC until it registers again.
+`BulkUnavailable`, an UNAVAILABLE `BulkError` naming the port: the caller retries it with backoff
+as any call to a syncer that is away (a push is idempotent at the syncer, a pull only reads).
+There is no other path for data: a learner that cannot reach the bulk port trains on and retries.
 
 Every socket operation has a timeout: the connect `connect_timeout_s`, then each read or write
 at most what is left of the call's deadline.
@@ -18,6 +19,8 @@ import ssl
 import time
 from collections.abc import Iterable, Iterator
 
+import grpc
+
 from ddiloco.transport import bulk_wire
 from ddiloco.transport.frames import ChunkFrame
 from ddiloco.transport.placement import Placement
@@ -27,8 +30,12 @@ from ddiloco.transport.proto.syncer_pb2 import FragmentHeader
 _CHECK_BYTES = 1 << 20
 
 
-class BulkUnavailable(ConnectionError):
-  """The bulk port could not be reached, or the connection broke before the syncer answered."""
+class BulkUnavailable(bulk_wire.BulkError):
+  """The bulk port could not be reached, or the connection broke before the syncer answered:
+  UNAVAILABLE, as a control call to a syncer that is away."""
+
+  def __init__(self, details: str):
+    super().__init__(grpc.StatusCode.UNAVAILABLE, details)
 
 
 class BulkClient:
@@ -71,15 +78,21 @@ class BulkClient:
         (self.host, self.port), timeout=min(self._connect_s, _left(deadline))
       )
     except OSError as e:
-      raise BulkUnavailable(f"bulk port {self.host}:{self.port}: {e}") from e
+      raise BulkUnavailable(self._unreachable(e)) from e
     try:
       bulk_wire.tune(sock)
       if self._tls is not None:
         sock = self._tls.wrap_socket(sock, server_hostname=self.host)
     except OSError as e:
       sock.close()
-      raise BulkUnavailable(f"bulk port {self.host}:{self.port}: {e}") from e
+      raise BulkUnavailable(self._unreachable(e)) from e
     return sock
+
+  def _unreachable(self, error: OSError) -> str:
+    return (
+      f"Cannot reach the syncer's bulk port {self.host}:{self.port} ({error}). Pushes and pulls "
+      "travel only over it: it must be reachable from the learner as the syncer's gRPC port is."
+    )
 
   def push(self, pieces: Iterable[bytes | memoryview], session: str, timeout_s: float) -> bytes:
     """Sends a Push's frames, then the end mark; returns the serialized PushResponse.
@@ -114,7 +127,9 @@ class BulkClient:
       except (OSError, bulk_wire.BulkClosed) as e:
         answer = _late_answer(sock, deadline)  # A refusal may have closed it: read it if there.
         if answer is None:
-          raise BulkUnavailable(f"bulk push to {self.host}:{self.port}: {e}") from e
+          raise BulkUnavailable(
+            f"The push's connection to the bulk port {self.host}:{self.port} broke: {e}"
+          ) from e
         return answer
 
   def pull(
@@ -158,7 +173,9 @@ class BulkClient:
           raise BulkUnavailable(f"bulk pull: a frame of {n} bytes is over the bound.")
         yield reader.read(n)
     except (OSError, bulk_wire.BulkClosed, ValueError) as e:
-      raise BulkUnavailable(f"bulk pull from {self.host}:{self.port}: {e}") from e
+      raise BulkUnavailable(
+        f"The pull's connection to the bulk port {self.host}:{self.port} broke: {e}"
+      ) from e
 
 
 def address_host(address: str) -> str:
@@ -204,8 +221,8 @@ def _answered(sock: socket.socket) -> bool:
   """Whether the syncer has answered already (its trailer is waiting to be read).
 
   Not known on TLS: the server's session tickets make the socket readable too, and TLS cannot
-  peek; a refused push is then sent whole (the syncer drains it for a while) or its connection
-  breaks, and the push goes over gRPC, which refuses it again with the same status.
+  peek; a refused push is then sent whole (the syncer drains it for a while), or its connection
+  breaks and the caller's retry is refused again with the same status.
   """
   if hasattr(sock, "cipher"):
     return False

@@ -1,25 +1,29 @@
-"""The bulk byte stream's framing: Push and Pull chunk messages over a plain TCP (or TLS) socket.
+"""The data plane's framing: Push and Pull chunk messages over a plain TCP (or TLS) socket.
 
-gRPC's Python stack moves at most about a third of what a TCP socket does on loopback
-(scripts/bench_wire.py), so the syncer also listens on a second port, the bulk port
-(RegisterResponse.bulk_port), for the two calls that carry payloads. The control plane (Register,
-Heartbeat, Rounds, Status, Leave, Recover) stays on gRPC. The bulk stream carries the very same
-serialized chunk messages (PushChunk, FragmentChunk; transport/frames.py and messages.py), and the
-server feeds them to the very same Push and Pull handlers (distributed/bulk_server.py); only the
-framing around them differs. Every integer is little-endian.
+The syncer's data, the pushes of learners' answers and the pulls of merged versions, travel over a
+port of its own, the bulk port (RegisterResponse.bulk_port); the control plane (Register,
+Heartbeat, Rounds, Status, Leave, Recover) is gRPC on the main port. gRPC's Python stack moves at
+most about a third of what a TCP socket does on loopback (scripts/bench_wire.py; docs/results.md,
+"Wire"), so data never goes over gRPC. The stream carries serialized chunk messages (PushChunk,
+FragmentChunk; transport/frames.py and messages.py), and the server feeds them to the service's
+Push and Pull handlers (distributed/bulk_server.py, distributed/streams.py). Every integer is
+little-endian.
 
 One call per connection:
   hello     client -> server: MAGIC, then `HELLO` = (op, token length, session length, request
             length), then the token, the session (UTF-8) and the request (a serialized PullRequest
             for a Pull, nothing for a Push). The lengths are bounded (`MAX_TOKEN_BYTES`...) before
-            anything is read: the metadata gRPC would carry, as gRPC bounds it.
+            anything is read.
   frames    u32 length, then that many bytes: one chunk message (Push: client -> server; Pull:
             server -> client). A length of `END` ends a Push's frames (client -> server) or
             starts the trailer (server -> client).
   trailer   server -> client, after `END`: `TRAILER` = (status code, message length, body length),
             the message (UTF-8) and the body (a serialized PushResponse for a Push; empty for a
             Pull). The status codes are gRPC's, so a client raises them as `BulkError`, a
-            `grpc.RpcError` like the gRPC call's.
+            `grpc.RpcError` like a control call's.
+
+The in-process carrier of the simulated cluster (transport/client.py) carries the same frames
+without a socket: `messages_of` joins them back into whole chunk messages.
 """
 
 import socket
@@ -37,6 +41,9 @@ from ddiloco.transport.read_ahead import ReadAhead
 
 MAGIC = b"DDB1"
 OP_PUSH, OP_PULL = 1, 2
+# The data calls' method names: what the token check and the refusal counts name them, and the
+# in-process carrier's paths. They are not gRPC methods: data never travels over gRPC.
+PUSH_METHOD, PULL_METHOD = "/ddiloco.v1.Data/Push", "/ddiloco.v1.Data/Pull"
 HELLO = struct.Struct("<BHHI")
 LENGTH = struct.Struct("<I")
 TRAILER = struct.Struct("<III")
@@ -204,6 +211,33 @@ def message_frames(messages: Iterable[bytes | memoryview]) -> Iterator[bytes | m
   for message in messages:
     yield LENGTH.pack(len(message))
     yield message
+
+
+def messages_of(pieces: Iterable[bytes | memoryview]) -> Iterator[bytearray]:
+  """The chunk messages of a stream of frames given as pieces (`frame_head` and the message's
+  data after it, or `message_frames`), each joined into a buffer of its own (one copy per byte),
+  for a carrier of whole messages: the in-process carrier, a Recover over gRPC. A frame's first
+  piece holds its whole length. A piece's memory may be reused once the next is asked for: each
+  is copied at once.
+
+  Raises:
+    WireError: if the pieces end inside a frame.
+  """
+  buf, at = None, 0
+  for piece in pieces:
+    data = memoryview(piece).cast("B")
+    while data or (buf is not None and at == len(buf)):
+      if buf is None:
+        (n,) = LENGTH.unpack(data[: LENGTH.size])
+        buf, at, data = bytearray(n), 0, data[LENGTH.size :]
+      m = min(len(data), len(buf) - at)
+      buf[at : at + m] = data[:m]
+      at, data = at + m, data[m:]
+      if at == len(buf):
+        yield buf
+        buf = None
+  if buf is not None:
+    raise WireError(f"The stream ended {at} bytes into a {len(buf)}-byte frame.")
 
 
 def send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:

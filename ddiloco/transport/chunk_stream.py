@@ -1,11 +1,10 @@
-"""A chunk stream's two ends, shared by Push (`messages`) and Pull (`state_messages`).
+"""A chunk stream's receiving end, shared by a push (`messages`) and a pull (`state_messages`).
 
-`framed_messages` makes an encoder's chunks serialized chunk messages, the header on chunk 0;
 `read_stream` checks a stream's header from chunk 0 and decodes each chunk as it comes, in
 order, straight into the output arrays (`FragmentReader`): chunks are never joined.
 """
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -13,9 +12,8 @@ from ddiloco.fragments import compression
 from ddiloco.transport import wire
 from ddiloco.transport.chunks import ChunkAssembler
 from ddiloco.transport.errors import WireError
-from ddiloco.transport.fragment_encoder import FragmentEncoder
 from ddiloco.transport.fragment_reader import FragmentReader
-from ddiloco.transport.frames import as_frame, chunk_prefix
+from ddiloco.transport.frames import as_frame
 from ddiloco.transport.placement import Placement
 
 
@@ -76,10 +74,3 @@ def read_stream(
   asm.check_complete()  # Before the reader's own end checks: a missing chunk is named as such.
   values = reader.finish()
   return header, values, reader.sq_norms
-
-
-def framed_messages(encoder: FragmentEncoder, header: bytes, chunk_size: int) -> Iterator[bytes]:
-  """The encoder's chunks as serialized chunk messages, the serialized header on chunk 0."""
-  return encoder.chunks(
-    chunk_size, prefix=lambda i, n: chunk_prefix(i, n, header if i == 0 else None)
-  )

@@ -1,17 +1,16 @@
-"""Cutting serialized payloads into ~1 MiB chunks and putting them back together, checked.
+"""Cutting serialized payloads into chunks and putting them back together, checked.
 
-gRPC messages have a size cap and large messages stall a stream, so payloads travel as chunks
-(docs/architecture.md: ~1 MiB measured best on loopback). The receiver learns `num_chunks` and
-`total_bytes` from the first chunk's header and checks every chunk against them *before* buffering,
-so an oversized or malformed stream is rejected without holding its bytes.
+Payloads travel as chunks (the bulk port's 4 MiB, `ServiceConfig.bulk_chunk_bytes`; 1 MiB in a
+Recover's gRPC messages, whose size is capped): each costs both ends per-message work, and a
+receiver bounds what it holds by the chunk. The receiver learns `num_chunks` and `total_bytes` from
+the first chunk's header and checks every chunk against them *before* buffering, so an oversized
+or malformed stream is rejected without holding its bytes.
 
-Copies (scripts/bench_wire.py): gRPC sends `bytes` objects, so the sender's one copy per byte
-is the chunk's: `ChunkWriter` cuts a stream of writes straight into them, no full-size buffer, and
-with a `prefix` each chunk is a whole serialized chunk message (`messages.push_messages`), so
-protobuf does not copy it again. The receiver decodes each chunk as `ChunkAssembler` hands it on
-in order (`fragment_reader.FragmentReader`), then drops it: nothing is joined, a chunk may be a
-view into the received message (never copied), and a chunk's memory is reused for the next
-instead of being faulted in anew.
+Copies (scripts/bench_wire.py): `ChunkWriter` cuts a stream of writes into `bytes` chunks, one copy
+per byte, no full-size buffer (the downlink's cached deltas). The receiver decodes each chunk as
+`ChunkAssembler` hands it on in order (`fragment_reader.FragmentReader`), then drops it: nothing is
+joined, a chunk may be a view into the received message (never copied), and a chunk's memory is
+reused for the next instead of being faulted in anew.
 """
 
 import collections
@@ -28,10 +27,7 @@ DEFAULT_CHUNK_SIZE = 1 << 20
 # Room for a chunk's protobuf framing and header on top of its payload bytes: a message limit is
 # the chunk size plus this, at both ends (the client's channel and the server's).
 FRAMING_SLACK = 64 * 1024
-# Room kept in front of a chunk's bytes for its prefix (a chunk message's fields before the data).
-_HEADROOM = 256
-
-# (chunk index, chunk bytes) -> bytes to put in front of the chunk (see ChunkWriter).
+# (chunk index, chunk bytes) -> bytes to put in front of the chunk (`FragmentEncoder.framed`).
 Prefix = Callable[[int, int], bytes]
 
 
@@ -56,16 +52,13 @@ class ChunkWriter:
 
   Each byte is copied once, into its chunk: a write that fills whole chunks becomes them directly,
   smaller pieces gather in one reused chunk-sized buffer. Chunks are handed out as they complete,
-  so a sender can hand each to gRPC and drop it (its memory is reused for the next).
-
-  With `prefix`, every chunk is `prefix(index, n) + its n bytes` in one `bytes` object, still with
-  one copy per byte (the buffer keeps room in front for the prefix): the serialized chunk message.
+  so a sender can hand each on and drop it.
 
   Attributes:
-    nbytes: bytes written so far (prefixes not counted).
+    nbytes: bytes written so far.
   """
 
-  def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE, *, prefix: Prefix | None = None):
+  def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE):
     """Prepares an empty stream.
 
     Raises:
@@ -74,7 +67,6 @@ class ChunkWriter:
     if chunk_size < 1:
       raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
     self._size = chunk_size
-    self._prefix = prefix
     self._buf: memoryview | None = None  # numpy-backed: no zero fill, huge pages when large.
     self._fill = 0
     self._emitted = 0
@@ -91,9 +83,9 @@ class ChunkWriter:
         view = view[size:]
         continue
       if self._buf is None:
-        self._buf = memoryview(np.empty(_HEADROOM + size, np.uint8))
+        self._buf = memoryview(np.empty(size, np.uint8))
       m = min(len(view), size - self._fill)
-      self._buf[_HEADROOM + self._fill : _HEADROOM + self._fill + m] = view[:m]
+      self._buf[self._fill : self._fill + m] = view[:m]
       self._fill += m
       view = view[m:]
       if self._fill == size:
@@ -102,30 +94,21 @@ class ChunkWriter:
 
   def _whole(self, view: memoryview) -> bytes:
     """A chunk made straight from the caller's bytes."""
-    index, self._emitted = self._emitted, self._emitted + 1
-    if self._prefix is None:
-      return bytes(view)
-    return b"".join((self._prefix(index, len(view)), view))
+    self._emitted += 1
+    return bytes(view)
 
   def _take(self) -> bytes:
-    """The buffered chunk (its prefix written into the headroom in front of it)."""
-    index, self._emitted = self._emitted, self._emitted + 1
+    """The buffered chunk."""
+    self._emitted += 1
     fill, self._fill = self._fill, 0
-    data = self._buf[_HEADROOM : _HEADROOM + fill]
-    if self._prefix is None:
-      return bytes(data)
-    head = self._prefix(index, fill)
-    if len(head) > _HEADROOM:
-      return b"".join((head, data))
-    self._buf[_HEADROOM - len(head) : _HEADROOM] = head
-    return bytes(self._buf[_HEADROOM - len(head) : _HEADROOM + fill])
+    return bytes(self._buf[:fill])
 
   def flush(self) -> list[bytes]:
     """The partial last chunk, if any; one empty chunk if the stream had no bytes at all."""
     if self._fill:
       return [self._take()]
     if not self._emitted:
-      return [self._whole(memoryview(b""))]  # Every payload has a chunk to carry its header.
+      return [b""]  # Every payload has a chunk to carry its header.
     return []
 
 

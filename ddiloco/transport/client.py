@@ -1,27 +1,34 @@
-"""The learner's side of `ddiloco.v1.Syncer`: a thin, thread-safe gRPC client with deadlines.
+"""The learner's side of the syncer: a thin, thread-safe client with deadlines.
 
-Every call has a deadline; the channel reconnects with gRPC's exponential backoff. Pushes answered
-ABORTED (late) or ALREADY_EXISTS (duplicate) are protocol outcomes, returned as a `ReportResult`;
-every other failure raises `grpc.RpcError` for the caller to retry or re-register (distributed/retry.py).
-The same client runs over a socket or over the in-process transport (`transport/in_process.py`):
-the messages, and so the protocol, are the same.
+Control calls (Register, Heartbeat, Rounds, Leave, Status, Recover) are gRPC on the syncer's
+address; its data, pushes and pulls, go over the syncer's bulk port (transport/bulk_client.py),
+which Register advertises, and never over gRPC. Every call has a deadline; the gRPC channel
+reconnects with gRPC's exponential backoff. Pushes answered ABORTED (late) or ALREADY_EXISTS
+(duplicate) are protocol outcomes, returned as a `ReportResult`; every other failure raises
+`grpc.RpcError` for the caller to retry or re-register (distributed/retry.py). A bulk port that
+cannot be reached fails UNAVAILABLE with the port in the message, logged once per outage; the
+caller retries it with backoff as any call to a syncer that is away.
 
-The client keeps the session each Register returns, per learner id, and sends it on that learner's
-Push, Pull, Heartbeat, Leave and Rounds calls (`auth.SESSION_METADATA_KEY`); a call refused
-PERMISSION_DENIED (another registration of the id voided it) is fixed by registering again.
+The same client runs over the in-process transport (`transport/in_process.py`) in the simulated
+cluster: control calls through its channel, and data through the same frames, joined back into
+whole chunk messages (`in_process.InProcessData`). The messages, and so the protocol, are the same.
 
-Push and Pull carry their chunks as serialized messages (scripts/bench_wire.py): a push's
-messages are made while the stream is sent (`messages.push_messages`, one copy per payload byte,
-no protobuf object), and a pull's are parsed by hand and decoded as they arrive
-(`frames.parse_chunk`, the payload never copied out of the received bytes).
+The client keeps the session each Register returns, per learner id, and sends it on that
+learner's pushes, pulls, Heartbeat, Leave, Rounds and Recover calls (`auth.SESSION_METADATA_KEY`;
+in a data call's hello); a call refused PERMISSION_DENIED (another registration of the id voided
+it) is fixed by registering again.
+
+A push's frames are made while it is sent (`messages.push_pieces`: δ encoded in runs handed to
+the socket as they are made, no protobuf object), and a pull's are decoded as they arrive, each
+chunk received in place where its array waits for it (transport/placement.py).
 """
 
 import itertools
 import logging
 import ssl
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
@@ -30,9 +37,9 @@ from ddiloco.protocol import FragmentState, Report, ReportResult
 from ddiloco.transport import (
   auth,
   bulk_client,
-  bulk_route,
   bulk_wire,
   events,
+  in_process,
   messages,
   state_messages,
   wire,
@@ -51,26 +58,37 @@ _PROTOCOL_STATUSES = {
 }
 
 
+class DataCarrier(Protocol):
+  """What carries a client's pushes and pulls: the bulk port (`bulk_client.BulkClient`), or the
+  in-process carrier of the simulated cluster."""
+
+  chunk_bytes: int  # The chunk size of its streams.
+
+  def push(self, pieces: Iterable[bytes | memoryview], session: str, timeout_s: float) -> bytes:
+    """Sends a Push's frames (`bulk_wire.frame_head` pieces); returns the serialized PushResponse."""
+
+  def pull(
+    self, request: bytes, session: str, timeout_s: float, placement: Placement | None = None
+  ) -> Iterator[Any]:
+    """The chunk messages of a Pull (`request`: a serialized PullRequest), as they come."""
+
+
 class SyncerClient:
   """Calls the syncer service at `address` (host:port), or over `channel`.
 
   Args:
-    address: the syncer's host:port.
-    channel: a channel to call instead of connecting to `address`, e.g. the in-process transport
+    address: the syncer's host:port; its bulk port is on the same host.
+    channel: a channel to call instead of connecting to `address`: the in-process transport
       (`server.serve_in_process(...).channel()`); `tls` and `tls_ca_file` do not apply to it.
     token: shared token sent as `authorization: Bearer ...` (None: none).
-    tls_ca_file: use TLS trusting this PEM CA (None with `tls=False`: plain TCP).
+    tls_ca_file: use TLS trusting this PEM CA (None with `tls=False`: plain TCP), on both ports.
     tls: use TLS; with `tls_ca_file` None the system roots are trusted.
     deadline_s: deadline of unary calls.
-    transfer_deadline_s: deadline of Push and Pull streams.
-    max_chunk_bytes: largest chunk payload (the syncer's limit).
+    transfer_deadline_s: deadline of Push, Pull and Recover streams.
+    max_chunk_bytes: largest chunk payload of a Recover, and of the in-process carrier's streams
+      (the syncer's `ServiceConfig.max_chunk_bytes`); the bulk port's is advertised at Register.
     subscription_s: deadline of a Rounds subscription; the learner subscribes again when it ends
       (and then gets the open rounds and current versions again, so nothing is missed).
-    bulk: push and pull over the syncer's bulk port when its Register advertises one
-      (distributed/bulk_server.py); on a connection failure the client goes back to gRPC and
-      tries the port again after a backoff (`bulk_route.BulkRoute`; `bulk_retry_s`, doubled
-      after each failure up to 5 minutes; a Register starts anew). Never over a given `channel`.
-    bulk_retry_s: the first backoff before the bulk port is tried again.
   """
 
   def __init__(
@@ -85,8 +103,6 @@ class SyncerClient:
     transfer_deadline_s: float = 60.0,
     max_chunk_bytes: int = DEFAULT_CHUNK_SIZE,
     subscription_s: float = 300.0,
-    bulk: bool = True,
-    bulk_retry_s: float = 10.0,
   ):
     limit = max_chunk_bytes + FRAMING_SLACK
     options = [
@@ -97,34 +113,35 @@ class SyncerClient:
     ]
     if (address is None) == (channel is None):
       raise ValueError("SyncerClient needs an address or a channel, not both.")
+    self._md = auth.token_metadata(token)
+    self._token = token
+    self._tls: ssl.SSLContext | None = None
+    # Over a socket the bulk port's client, made at Register; in process the in-process carrier.
+    self._data: DataCarrier | None = None
     if channel is not None:
       if tls or tls_ca_file:
         raise ValueError("TLS applies to an address, not to a given channel.")
+      if not isinstance(channel, in_process.InProcessChannel):
+        raise ValueError(
+          "A channel is the in-process transport's; over a network give the syncer's address "
+          "(its data travels over its bulk port, which Register advertises)."
+        )
       self._channel = channel
+      self._data = in_process.InProcessData(channel, self._md, max_chunk_bytes)
       address = "in-process"
     elif tls or tls_ca_file:
       self._channel = grpc.secure_channel(address, auth.channel_credentials(tls_ca_file), options)
+      self._tls = ssl.create_default_context(cafile=tls_ca_file)
     else:
       self._channel = grpc.insecure_channel(address, options)
     self._stub = syncer_pb2_grpc.SyncerStub(self._channel)
-    # The two streaming calls with raw bytes on the chunk side (request_serializer /
-    # response_deserializer None): the same messages on the wire as the generated stub's.
-    self._push_raw = self._channel.stream_unary(
-      "/ddiloco.v1.Syncer/Push",
-      request_serializer=None,
-      response_deserializer=syncer_pb2.PushResponse.FromString,
-    )
+    # Recover's chunk side as raw bytes (request_serializer None): the same messages on the wire
+    # as the generated stub's.
     self._recover_raw = self._channel.stream_unary(
       "/ddiloco.v1.Syncer/Recover",
       request_serializer=None,
       response_deserializer=syncer_pb2.RecoverResponse.FromString,
     )
-    self._pull_raw = self._channel.unary_stream(
-      "/ddiloco.v1.Syncer/Pull",
-      request_serializer=syncer_pb2.PullRequest.SerializeToString,
-      response_deserializer=None,
-    )
-    self._md = auth.token_metadata(token)
     self._sessions: dict[int, str] = {}  # learner id -> session of its newest registration.
     self.address = address
     self.deadline_s = deadline_s
@@ -132,19 +149,11 @@ class SyncerClient:
     self.max_chunk_bytes = max_chunk_bytes
     self.subscription_s = subscription_s
     self._lock = threading.Lock()
-    bulk_tls = ssl.create_default_context(cafile=tls_ca_file) if tls or tls_ca_file else None
-    self._bulk_wanted = bulk and channel is None
-    self._route = bulk_route.BulkRoute(
-      bulk_client.address_host(address) if address else "",
-      token=token,
-      tls=bulk_tls,
-      retry_s=bulk_retry_s,
-    )
+    self._data_down = False  # The bulk port failed to connect last time (logged once).
     # Pulled values are received into recycled memory: fresh pages cost the kernel's zeroing on
     # every pull. A buffer comes back once the caller dropped every array made from it; at most
     # the largest fragment pulled so far is kept free.
     self._pull_pool = ArrayPool(0)
-    self._token = token
     self.bytes_up = 0
     self.bytes_down = 0
 
@@ -181,7 +190,8 @@ class SyncerClient:
     host: str = "",
     held: Mapping[int, tuple[int, str]] | None = None,
   ) -> syncer_pb2.RegisterResponse:
-    """Registers `learner_id` and keeps the session the syncer issues for its later calls.
+    """Registers `learner_id` and keeps the session the syncer issues for its later calls, and
+    the bulk port it advertises for its data.
 
     `held` is {fragment: (version, digest)} of the newest versions the learner holds: a restarted
     syncer that lost one asks for it back (`RegisterResponse.recover`, then `recover`).
@@ -204,17 +214,58 @@ class SyncerClient:
     )
     with self._lock:
       self._sessions[learner_id] = resp.session
-    # A syncer restarted without a bulk port (or with another) is heeded. The port's chunk bound:
-    # a syncer that does not advertise one takes gRPC's there.
-    self._route.advertise(
-      resp.bulk_port if self._bulk_wanted else 0, resp.bulk_chunk_bytes or self.max_chunk_bytes
-    )
+      if not isinstance(
+        self._data, in_process.InProcessData
+      ):  # A restarted syncer may have another port.
+        self._data = self._bulk(resp)
     return resp
+
+  def _bulk(self, resp: syncer_pb2.RegisterResponse) -> bulk_client.BulkClient | None:
+    """The client of the bulk port a Register advertised (None: it advertised none)."""
+    if not resp.bulk_port:
+      return None
+    chunk_bytes = resp.bulk_chunk_bytes or self.max_chunk_bytes
+    return bulk_client.BulkClient(
+      bulk_client.address_host(self.address),
+      resp.bulk_port,
+      token=self._token,
+      tls=self._tls,
+      max_frame_bytes=chunk_bytes + FRAMING_SLACK,
+      chunk_bytes=chunk_bytes,
+    )
 
   @property
   def bulk_port(self) -> int | None:
-    """The syncer's bulk port this client pushes and pulls over now; None: over gRPC."""
-    return self._route.port
+    """The syncer's bulk port this client pushes and pulls over; None before a Register (and
+    over the in-process transport)."""
+    data = self._data
+    return data.port if isinstance(data, bulk_client.BulkClient) else None
+
+  def _carrier(self) -> DataCarrier:
+    """What carries data now, or UNAVAILABLE if the syncer advertised no bulk port."""
+    data = self._data
+    if data is None:
+      raise bulk_client.BulkUnavailable(
+        f"The syncer at {self.address} advertised no bulk port (register first): pushes and "
+        "pulls travel only over it."
+      )
+    return data
+
+  def _carried(self, call: Callable[[DataCarrier], Any]) -> Any:
+    """`call(the carrier)`, with an unreachable bulk port logged once per outage."""
+    try:
+      result = call(self._carrier())
+    except bulk_client.BulkUnavailable as e:
+      with self._lock:
+        first, self._data_down = not self._data_down, True
+      if first:
+        log.warning("%s Retrying with backoff.", e.details())
+      raise
+    if self._data_down:
+      with self._lock:
+        self._data_down = False
+      log.info("the syncer's bulk port at %s answers again", self.address)
+    return result
 
   def push(
     self,
@@ -227,93 +278,50 @@ class SyncerClient:
   ) -> ReportResult:
     """Streams one report; `anchor_values` (Θ^(anchor) as held) makes it a delta (docs/algorithm.md §5).
 
-    `encoded`: that delta already encoded in `codec` (`messages.push_encoder`).
-
-    The chunks are encoded while the stream is sent (`messages.push_messages`).
+    `encoded`: that delta already encoded in `codec` (`messages.push_encoder`). The frames are
+    encoded while the stream is sent (`messages.push_pieces`).
 
     Raises:
       ValueError: if the report cannot be encoded (e.g. a NaN/Inf value). Found midway, the stream
         ends short and the syncer refuses it as incomplete: nothing is filed.
-      grpc.RpcError: for any failure other than a late or duplicate answer.
+      grpc.RpcError: for any failure other than a late or duplicate answer (UNAVAILABLE for a bulk
+        port that cannot be reached, naming it).
     """
-    failed: list[ValueError] = []
     sent = 0
 
-    def stream():  # Made anew if the bulk port fails and the push goes over gRPC.
-      nonlocal sent
-      sent = 0
-      outgoing = messages.push_messages(
-        report,
-        codec,
-        block_size=block_size,
-        chunk_size=self.max_chunk_bytes,
-        anchor_values=anchor_values,
-        encoded=encoded,
-      )
-      try:
-        for message in outgoing:
-          sent += len(message)
-          yield message
-      except ValueError as e:  # gRPC's request thread would only log it: keep it for the caller.
-        failed.append(e)
-
-    def pieces(chunk_bytes: int):  # The bulk port's: the same messages (in the port's chunk
-      # size), framed, sent piece by piece uncopied.
-      nonlocal sent
-      sent = 0
-
+    def push(data: DataCarrier) -> bytes:
       def frame(head: bytes, n: int) -> bytes:
         nonlocal sent
         sent += len(head) + n
         return bulk_wire.frame_head(head, n)
 
-      return messages.push_pieces(
+      pieces = messages.push_pieces(
         report,
         codec,
         frame,
         block_size=block_size,
-        chunk_size=chunk_bytes,
+        chunk_size=data.chunk_bytes,
         anchor_values=anchor_values,
         encoded=encoded,
       )
+      return data.push(pieces, self.session(report.learner_id), self.transfer_deadline_s)
 
     try:
-      resp = self._push_call(stream, pieces, report.learner_id)
+      resp = syncer_pb2.PushResponse.FromString(self._carried(push))
     except grpc.RpcError as e:
-      if failed:
-        raise failed[0] from e
       status = _PROTOCOL_STATUSES.get(e.code())
       if status is None:
         raise
       self._count(up=sent)
       return ReportResult(status, e.details() or "", 0.0)
-    if failed:  # The syncer cannot accept a short stream; should it, the report is still bad.
-      raise failed[0]
     self._count(up=sent)
     return events.report_result(resp)
-
-  def _push_call(
-    self, stream: Callable, pieces: Callable, learner_id: int
-  ) -> syncer_pb2.PushResponse:
-    """A Push: `pieces(the port's chunk size)` over the bulk port if there is one, else (or if it
-    fails to connect or breaks) `stream()`'s messages over gRPC."""
-    bulk = self._route.current()
-    if bulk is not None:
-      try:
-        body = bulk.push(
-          pieces(bulk.chunk_bytes), self.session(learner_id), self.transfer_deadline_s
-        )
-        return syncer_pb2.PushResponse.FromString(body)
-      except bulk_client.BulkUnavailable as e:
-        self._route.down(e)
-    return self._push_raw(
-      stream(), timeout=self.transfer_deadline_s, metadata=self.learner_metadata(learner_id)
-    )
 
   def recover(
     self, learner_id: int, fragment: int, version: int, values: Mapping[str, np.ndarray]
   ) -> syncer_pb2.RecoverResponse:
-    """Hands `version` of `fragment` (its exact values, as received) back to a restarted syncer."""
+    """Hands `version` of `fragment` (its exact values, as received) back to a restarted syncer
+    (a control call, over gRPC: rare, after a restart that lost merges)."""
     report = Report(
       learner_id=learner_id,
       fragment=fragment,
@@ -324,7 +332,10 @@ class SyncerClient:
       step=0,
       round_step=0,
     )
-    outgoing = list(messages.push_messages(report, "fp32", chunk_size=self.max_chunk_bytes))
+    pieces = messages.push_pieces(
+      report, "fp32", bulk_wire.frame_head, chunk_size=self.max_chunk_bytes
+    )
+    outgoing = [bytes(m) for m in bulk_wire.messages_of(pieces)]
     resp = self._recover_raw(
       iter(outgoing),
       timeout=self.transfer_deadline_s,
@@ -350,84 +361,51 @@ class SyncerClient:
     (transport/state_messages.py).
 
     Raises:
-      grpc.RpcError: on a failed call; WireError on a malformed or mismatching stream.
+      grpc.RpcError: on a failed call (UNAVAILABLE for a bulk port that cannot be reached, naming
+        it); WireError on a malformed or mismatching stream.
     """
     request = syncer_pb2.PullRequest(
       learner_id=learner_id, fragment=fragment, known_version=known_version
-    )
-
-    def again(error: Exception) -> FragmentState | None:
-      """The same pull over gRPC, after the bulk port failed (a pull only reads)."""
-      self._route.down(error)
-      return self.pull(
-        learner_id,
-        fragment,
-        known_version,
-        layout_keys=layout_keys,
-        shapes=shapes,
-        dtypes=dtypes,
-        base_lookup=base_lookup,
-      )
-
-    bulk = self._route.current()
-    placement = Placement() if bulk is not None else None
-    stream, cancel = self._pull_call(request, bulk, placement)
-    try:
-      first = next(stream, None)
-    except bulk_client.BulkUnavailable as e:
-      return again(e)
-    if first is None:
-      return None
+    ).SerializeToString()
     received = 0
 
-    def counted():
+    def pull(data: DataCarrier) -> FragmentState | None:
       nonlocal received
-      for message in itertools.chain([first], stream):
-        received += message.nbytes if isinstance(message, ChunkFrame) else len(message)
-        yield message
+      placement = Placement() if isinstance(data, bulk_client.BulkClient) else None
+      stream = data.pull(request, self.session(learner_id), self.transfer_deadline_s, placement)
+      try:
+        first = next(stream, None)
+        if first is None:
+          return None
+
+        def counted():
+          nonlocal received
+          for message in itertools.chain([first], stream):
+            received += message.nbytes if isinstance(message, ChunkFrame) else len(message)
+            yield message
+
+        return state_messages.chunks_to_state(
+          counted(),
+          layout_keys,
+          shapes,
+          dtypes,
+          base_lookup=base_lookup,
+          max_chunk_bytes=data.chunk_bytes,
+          placement=placement,
+          alloc=self._pull_alloc,
+        )
+      finally:
+        stream.close()  # A no-op once the stream is done; stops it if decoding failed midway.
 
     try:
-      return state_messages.chunks_to_state(
-        counted(),
-        layout_keys,
-        shapes,
-        dtypes,
-        base_lookup=base_lookup,
-        max_chunk_bytes=self.max_chunk_bytes if bulk is None else bulk.chunk_bytes,
-        placement=placement,
-        alloc=self._pull_alloc,
-      )
-    except bulk_client.BulkUnavailable as e:
-      return again(e)
+      return self._carried(pull)
     finally:
-      cancel()  # A no-op once the stream is done; stops it if decoding failed midway.
       self._count(down=received)
 
   def _pull_alloc(self, n: int, dtype: np.dtype) -> np.ndarray:
     pool = self._pull_pool
     pool.max_free_bytes = max(pool.max_free_bytes, n * np.dtype(dtype).itemsize)
     return pool.empty(n, dtype)
-
-  def _pull_call(
-    self,
-    request: syncer_pb2.PullRequest,
-    bulk: bulk_client.BulkClient | None,
-    placement: Placement | None,
-  ) -> tuple[Iterator, Callable[[], None]]:
-    """(the chunk messages of a Pull, a callable that stops it): over the bulk port `bulk` if
-    there is one (chunks received in place where `placement` says), else over gRPC."""
-    if bulk is not None:
-      session = self.session(int(request.learner_id))
-      stream = bulk.pull(
-        request.SerializeToString(), session, self.transfer_deadline_s, placement=placement
-      )
-      return stream, stream.close
-    call = self._pull_raw(
-      request,
-      timeout=self.transfer_deadline_s,
-      metadata=self.learner_metadata(int(request.learner_id)),
-    )
-    return call, call.cancel
 
   def heartbeat(
     self, learner_id: int, *, step: int = 0, step_time_s: float = 0.0

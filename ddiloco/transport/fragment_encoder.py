@@ -176,16 +176,15 @@ class FragmentEncoder:
       and x.flags.c_contiguous
     )
 
-  def chunks(self, chunk_size: int = DEFAULT_CHUNK_SIZE, *, prefix: Prefix | None = None):
+  def chunks(self, chunk_size: int = DEFAULT_CHUNK_SIZE):
     """The serialized fragment cut into `bytes` chunks of `chunk_size`, made one by one.
 
-    Every byte is copied once, into its chunk (`ChunkWriter`; with `prefix`, each chunk carries
-    `prefix(index, n)` in front of its n bytes). There is always at least one chunk.
+    Every byte is copied once, into its chunk (`ChunkWriter`). There is always at least one chunk.
 
     Raises:
       ValueError: at once if chunk_size < 1; while iterating, as `pieces`.
     """
-    writer = ChunkWriter(chunk_size, prefix=prefix)
+    writer = ChunkWriter(chunk_size)
     return self._chunks_of(writer)
 
   def _chunks_of(self, writer: ChunkWriter) -> Iterator[bytes]:

@@ -17,8 +17,9 @@ What it keeps of gRPC's semantics:
   - `cancel()` on a server-streaming call closes the handler's generator and ends the call with
     CANCELLED; callbacks given to `context.add_callback` run once the call ends, however it ends.
 
-Used to run learners and a syncer in one process (tests, notebooks) over the very protocol the
-gRPC runtime speaks.
+Used to run learners and a syncer in one process (tests, notebooks, the simulated cluster) over the
+very protocol the runtime speaks: control calls as gRPC calls, and data, pushes and pulls, through
+`InProcessData` in the bulk port's frames.
 """
 
 import contextlib
@@ -29,7 +30,10 @@ from typing import Any
 
 import grpc
 
-__all__ = ["InProcessChannel", "InProcessRpcError", "InProcessServer"]
+from ddiloco.transport import auth, bulk_wire
+from ddiloco.transport.placement import Placement
+
+__all__ = ["InProcessChannel", "InProcessData", "InProcessRpcError", "InProcessServer"]
 
 
 class InProcessRpcError(grpc.RpcError, grpc.Call):
@@ -415,6 +419,59 @@ class InProcessChannel:
       if context.cancelled:
         return
       yield _carry(message, serialize, deserialize)
+
+
+class InProcessData:
+  """The data plane over an in-process channel, the simulated cluster's carrier of pushes and
+  pulls (`client.DataCarrier`): their frames (transport/bulk_wire.py) joined back into whole chunk
+  messages (`bulk_wire.messages_of`) for the syncer's data handlers (`server.serve_in_process`),
+  behind the same token check as on the bulk port.
+
+  Args:
+    channel: an `InProcessChannel` to the syncer.
+    metadata: the token's call metadata.
+    chunk_bytes: the chunk size of its streams (the syncer's `max_chunk_bytes`).
+  """
+
+  def __init__(
+    self, channel: "InProcessChannel", metadata: tuple[tuple[str, str], ...], chunk_bytes: int
+  ):
+    self.chunk_bytes = chunk_bytes
+    self._md = metadata
+    self._push = channel.stream_unary(bulk_wire.PUSH_METHOD)  # Raw bytes both ways.
+    self._pull = channel.unary_stream(bulk_wire.PULL_METHOD)
+
+  def push(self, pieces: Iterable[bytes | memoryview], session: str, timeout_s: float) -> bytes:
+    failed: list[ValueError] = []
+
+    def stream():
+      try:
+        yield from bulk_wire.messages_of(pieces)
+      except ValueError as e:  # Read in the handler's reader thread: keep it for the caller.
+        failed.append(e)
+
+    try:
+      body = self._push(stream(), timeout=timeout_s, metadata=self._metadata(session))
+    except grpc.RpcError as e:
+      if failed:  # The syncer refused the short stream; the report itself is bad.
+        raise failed[0] from e
+      raise
+    if failed:  # The syncer cannot accept a short stream; should it, the report is still bad.
+      raise failed[0]
+    return body
+
+  def pull(
+    self, request: bytes, session: str, timeout_s: float, placement: Placement | None = None
+  ) -> Iterator[bytearray]:
+    del placement  # Nothing to receive in place without a socket.
+    call = self._pull(request, timeout=timeout_s, metadata=self._metadata(session))
+    try:
+      yield from bulk_wire.messages_of(call)
+    finally:
+      call.cancel()  # A no-op once the stream is done.
+
+  def _metadata(self, session: str) -> tuple[tuple[str, str], ...]:
+    return self._md + auth.session_metadata(session)
 
 
 def _chain(interceptor: grpc.ServerInterceptor, continuation: Callable) -> Callable:

@@ -1,4 +1,4 @@
-"""Reports as gRPC chunk streams (Push of syncer.proto); `state_messages` makes Pull's.
+"""Reports as chunk streams (a push's PushChunk messages); `state_messages` makes a pull's.
 
 Builds on `wire` (payload format), `chunks` (cutting and reassembly) and `chunk_stream` (a
 stream's two ends). The first chunk carries the header; the receiver checks the header's sizes
@@ -6,11 +6,10 @@ against its limits before buffering the rest, so a service can reject a bad stre
 (docs/architecture.md). A service that needs the fragment id to pick the layout reads the first
 chunk itself and passes `itertools.chain([first], rest)`.
 
-Copies (scripts/bench_wire.py): the sender encodes straight into the chunks' bytes
-(`FragmentEncoder`); the receiver checks the header from chunk 0, then decodes each chunk as it
-comes, in order, straight into the output arrays (`FragmentReader`): chunks are never joined.
-`push_messages` (and `state_messages`) make each serialized chunk message in one piece while the
-stream is being sent, and a receiver passes messages parsed by hand (`frames.parse_chunk`):
+Copies (scripts/bench_wire.py): the sender hands the encoder's runs to the socket as pieces
+(`push_pieces`, `FragmentEncoder.framed`); the receiver checks the header from chunk 0, then
+decodes each chunk as it comes, in order, straight into the output arrays (`FragmentReader`):
+chunks are never joined. A receiver passes messages parsed by hand (`frames.parse_chunk`):
 protobuf's message objects would copy every payload byte twice on each side. Only the small
 header submessage goes through protobuf.
 """
@@ -21,7 +20,7 @@ import numpy as np
 
 from ddiloco.protocol import Report, counter_error, step_time_error
 from ddiloco.transport import wire
-from ddiloco.transport.chunk_stream import framed_messages, read_stream
+from ddiloco.transport.chunk_stream import read_stream
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE
 from ddiloco.transport.errors import WireError
 from ddiloco.transport.fragment_encoder import FragmentEncoder, outer_gradient_encoder
@@ -77,46 +76,6 @@ def push_encoder(
   return outer_gradient_encoder(report.values, anchor_values, codec, block_size=block_size)
 
 
-def push_messages(
-  report: Report,
-  codec: str,
-  *,
-  block_size: int = 64,
-  chunk_size: int = DEFAULT_CHUNK_SIZE,
-  anchor_values: Mapping[str, np.ndarray] | None = None,
-  encoded: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
-) -> Iterator[bytes]:
-  """A learner's report as the serialized PushChunk messages of a Push stream (docs/algorithm.md §3).
-
-  The bytes protobuf makes of the stream's PushChunk messages, but each message is encoded only
-  when it is asked for, in one piece with one copy per payload byte: a client can send chunk i
-  while chunk i + 1 is encoded, and protobuf never copies the payload. The header (chunk 0)
-  announces the exact size, known before anything is encoded.
-
-  Args:
-    report: the report; `report.values` are θ_{m,p}.
-    codec: the uplink codec name.
-    block_size: int8/int4 scale block size.
-    chunk_size: payload bytes per chunk (the receiver's limit must be at least this).
-    anchor_values: Θ^(anchor) as the learner holds it; if given, the payload is the outer
-      gradient δ = Θ^(anchor) − θ (docs/algorithm.md §5), which the syncer merges as decoded, and
-      the header says `delta`.
-    encoded: δ already encoded in `codec` (`push_encoder`).
-
-  Returns:
-    An iterator over the messages' bytes.
-
-  Raises:
-    ValueError: at once on a bad codec, keys, shapes or anchor; while iterating, on a NaN/Inf value
-      (the stream then ends short, and a receiver refuses it as incomplete).
-  """
-  encoder = push_encoder(report, codec, block_size, anchor_values, encoded)
-  header = push_header(
-    report, codec, encoder.nbytes, encoder.num_chunks(chunk_size), anchor_values is not None
-  ).SerializeToString()
-  return framed_messages(encoder, header, chunk_size)
-
-
 def push_pieces(
   report: Report,
   codec: str,
@@ -127,15 +86,31 @@ def push_pieces(
   anchor_values: Mapping[str, np.ndarray] | None = None,
   encoded: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> Iterator[bytes | memoryview]:
-  """`push_messages`' stream as one flat stream of pieces, nothing copied (`FragmentEncoder.framed`).
+  """A learner's report as the PushChunk messages of a push (docs/algorithm.md §3), as one flat
+  stream of pieces, nothing copied (`FragmentEncoder.framed`).
 
-  The same messages, byte for byte, each with `frame(message_head, data_len)` in front in place of
-  its head (the fields before its data; `frame` adds a transport's framing, e.g. the bulk port's
-  length). A memoryview piece may be overwritten once the next piece is asked for: send it first.
-  `encoded`: δ already encoded, as `push_messages`' (sent as it is).
+  The bytes protobuf makes of the messages, each with `frame(message_head, data_len)` in front in
+  place of its head (the fields before its data; `frame` adds the data plane's framing,
+  `bulk_wire.frame_head`). Each message is encoded only when it is asked for: a sender sends run
+  i while run i + 1 is encoded, and protobuf never copies the payload. The header (chunk 0)
+  announces the exact size, known before anything is encoded. A memoryview piece may be
+  overwritten once the next piece is asked for: send it first. `bulk_wire.messages_of` joins the
+  pieces into whole messages.
+
+  Args:
+    report: the report; `report.values` are θ_{m,p}.
+    codec: the uplink codec name.
+    frame: makes the bytes in front of a message's data from its head and the data's length.
+    block_size: int8/int4 scale block size.
+    chunk_size: payload bytes per chunk (the receiver's limit must be at least this).
+    anchor_values: Θ^(anchor) as the learner holds it; if given, the payload is the outer
+      gradient δ = Θ^(anchor) − θ (docs/algorithm.md §5), which the syncer merges as decoded, and
+      the header says `delta`.
+    encoded: δ already encoded in `codec` (`push_encoder`; sent as it is).
 
   Raises:
-    ValueError: as `push_messages`.
+    ValueError: at once on a bad codec, keys, shapes or anchor; while iterating, on a NaN/Inf value
+      (the stream then ends short, and a receiver refuses it as incomplete).
   """
   encoder = push_encoder(report, codec, block_size, anchor_values, encoded)
   header = push_header(

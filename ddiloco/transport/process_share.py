@@ -18,8 +18,8 @@ pickle:
     GLOBAL   RegisterResponse with versions and fleet_step
   All integers are little-endian. Records of a kind keep their order.
 
-Every process must hold the leader's bits: a fragment travels as a Pull stream in fp32 with no
-base (`state_messages.state_messages`), exact for float32, bfloat16 and float16 values, each with its
+Every process must hold the leader's bits: a fragment travels as a pull stream in fp32 with no
+base (`state_messages.state_pieces`), exact for float32, bfloat16 and float16 values, each with its
 dtype; wider floats are refused, since fp32 would round them. The reader checks the decoded values
 against the state's digest (`state_messages.chunks_to_state`), and the checksum covers every other byte,
 so a payload decodes to exactly what was encoded or raises `WireError`.
@@ -227,11 +227,17 @@ def _state_parts(state: FragmentState) -> list[bytes]:
     dtype = wire.resolve_dtype(value.dtype)
     if dtype.itemsize > 4:
       raise ValueError(f"Fragment {state.fragment} {key!r}: {dtype} does not travel exactly.")
-  chunks = state_messages.state_messages(state, "fp32", chunk_size=DEFAULT_CHUNK_SIZE)
-  parts = []
-  for chunk in chunks:
-    parts += [_LENGTH.pack(len(chunk)), chunk]
-  return [_COUNT.pack(len(parts) // 2), *parts]
+  count = 0
+
+  def frame(head: bytes, n: int) -> bytes:
+    nonlocal count
+    count += 1
+    return _LENGTH.pack(len(head) + n) + head
+
+  # A piece's memory may be reused once the next is asked for: each is copied as it comes.
+  pieces = state_messages.state_pieces(state, "fp32", frame, chunk_size=DEFAULT_CHUNK_SIZE)
+  parts = [bytes(piece) for piece in pieces]
+  return [_COUNT.pack(count), *parts]
 
 
 def _read_state(body: memoryview, layouts: Sequence[wire.Layout]) -> FragmentState:

@@ -1,4 +1,4 @@
-"""Fragment versions as gRPC chunk streams (Pull of syncer.proto), as `messages` makes Push's.
+"""Fragment versions as chunk streams (a pull's FragmentChunk messages), as `messages` makes a push's.
 
 A served version is sent as its values or as a delta against a version the receiver holds
 (docs/algorithm.md §5), with the digest of what the receiver will hold (§4.7), which the receiver
@@ -13,7 +13,7 @@ from ddiloco.fragments import compression
 from ddiloco.fragments.digest import values_digest
 from ddiloco.protocol import FragmentState
 from ddiloco.transport import wire
-from ddiloco.transport.chunk_stream import framed_messages, read_stream
+from ddiloco.transport.chunk_stream import read_stream
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE
 from ddiloco.transport.errors import WireError
 from ddiloco.transport.fragment_encoder import FragmentEncoder
@@ -68,35 +68,6 @@ def _fragment_header(
   )
 
 
-def state_messages(
-  state: FragmentState,
-  codec: str,
-  *,
-  block_size: int = 64,
-  chunk_size: int = DEFAULT_CHUNK_SIZE,
-  base: FragmentState | None = None,
-) -> Iterator[bytes]:
-  """A global fragment version as the serialized FragmentChunk messages of a Pull stream.
-
-  The bytes protobuf makes of the stream's FragmentChunk messages, made as `push_messages`
-  makes a Push stream: each message when it is asked for, in one piece, with one copy per payload
-  byte (a service sends them with no protobuf serializer: `distributed/server.py`, `_add_servicer`).
-
-  Args:
-    state: the version to send.
-    codec: the downlink codec name.
-    block_size: int8/int4 scale block size.
-    chunk_size: payload bytes per chunk.
-    base: an older version the receiver holds; if given the payload is state − base (docs/algorithm.md §5).
-
-  Raises:
-    ValueError: at once if `base` is another fragment; while iterating, if the values cannot be
-      encoded.
-  """
-  encoder, header = _state_stream(state, codec, block_size, chunk_size, base)
-  return framed_messages(encoder, header, chunk_size)
-
-
 def state_pieces(
   state: FragmentState,
   codec: str,
@@ -106,9 +77,23 @@ def state_pieces(
   chunk_size: int = DEFAULT_CHUNK_SIZE,
   base: FragmentState | None = None,
 ) -> Iterator[bytes | memoryview]:
-  """`state_messages`' stream as one flat stream of pieces, nothing copied, each message with
-  `frame(message_head, data_len)` in front (as `push_pieces`). A memoryview piece may be
-  overwritten once the next piece is asked for: send it first."""
+  """A global fragment version as the FragmentChunk messages of a pull, as one flat stream of
+  pieces, nothing copied, each message with `frame(message_head, data_len)` in front (as
+  `messages.push_pieces`). A memoryview piece may be overwritten once the next piece is asked
+  for: send it first.
+
+  Args:
+    state: the version to send.
+    codec: the downlink codec name.
+    frame: makes the bytes in front of a message's data from its head and the data's length.
+    block_size: int8/int4 scale block size.
+    chunk_size: payload bytes per chunk.
+    base: an older version the receiver holds; if given the payload is state − base (docs/algorithm.md §5).
+
+  Raises:
+    ValueError: at once if `base` is another fragment; while iterating, if the values cannot be
+      encoded.
+  """
   encoder, header = _state_stream(state, codec, block_size, chunk_size, base)
   return encoder.framed(
     chunk_size, lambda i, n: frame(chunk_prefix(i, n, header if i == 0 else None), n)
@@ -141,8 +126,8 @@ def encoded_state_messages(
   codec: str,
   base_version: int,
 ) -> list[bytes]:
-  """A Pull stream of already-serialized payload pieces (e.g. a delta the syncer encoded once),
-  as serialized FragmentChunk messages (`state_messages`); one copy of each piece.
+  """A pull stream of already-serialized payload pieces (e.g. a delta the syncer encoded once),
+  as serialized FragmentChunk messages; one copy of each piece.
 
   `digest` must be that of what the receiver will hold after decoding (docs/algorithm.md §4.7).
   """

@@ -1,6 +1,7 @@
-"""`ProxySet`: one proxy per syncer shard, each forwarding to its own shard, and faults aimed at one
-shard's proxy or at all. In-process proxies (`LoopbackProxy`) in front of two gRPC health servers
-that answer differently, so each answer says which shard it came from."""
+"""`ProxySet`: a proxy per port of every syncer shard, each forwarding to its own port, and faults
+aimed at one shard's proxies or at all. In-process proxies (`LoopbackProxy`) in front of four gRPC
+health servers, a "control" and a "bulk" port per shard, that answer differently, so each answer
+says which shard it came from (the proxies forward bytes, whatever the protocol)."""
 
 from concurrent import futures
 
@@ -35,13 +36,16 @@ def _server(status):
 
 @pytest.fixture
 def shards():
-  """Two proxied 'shards': shard 0 answers SERVING, shard 1 NOT_SERVING."""
-  servers = [_server(SERVING), _server(NOT_SERVING)]
+  """Two proxied 'shards' with two ports each: shard 0 answers SERVING, shard 1 NOT_SERVING.
+  The channels: shard 0's and shard 1's control port, then their bulk ports."""
+  servers = [_server(SERVING), _server(NOT_SERVING), _server(SERVING), _server(NOT_SERVING)]
+  ports = [port for _, port in servers]
   proxies = ProxySet(
-    [port for _, port in servers], make=lambda up, i: LoopbackProxy(up, control_timeout_s=10.0)
+    ports[:2], ports[2:], make=lambda up, name: LoopbackProxy(up, control_timeout_s=10.0)
   )
   proxies.start()
-  channels = [grpc.insecure_channel(a, options=FAST_RECONNECT) for a in proxies.addresses]
+  addresses = [*proxies.addresses, *(f"127.0.0.1:{p}" for p in proxies.bulk_ports)]
+  channels = [grpc.insecure_channel(a, options=FAST_RECONNECT) for a in addresses]
   yield proxies, channels
   for ch in channels:
     ch.close()
@@ -56,38 +60,45 @@ def _check(channel, timeout=5.0, wait_for_ready=False):
   return stub.Check(request, timeout=timeout, wait_for_ready=wait_for_ready).status
 
 
-def test_each_proxy_forwards_to_its_own_shard(shards):
+def _all(proxies: ProxySet) -> list:
+  """Shard 0's and shard 1's control proxy, then their data proxies."""
+  return [*proxies.proxies, *proxies.bulk]
+
+
+def test_each_proxy_forwards_to_its_own_port(shards):
   proxies, channels = shards
   assert len(proxies) == 2 and proxies.address == proxies.addresses[0]
-  assert len(set(proxies.addresses)) == 2
-  assert [_check(ch) for ch in channels] == [SERVING, NOT_SERVING]
+  assert len({*proxies.addresses, *(f"127.0.0.1:{p}" for p in proxies.bulk_ports)}) == 4
+  assert [_check(ch) for ch in channels] == [SERVING, NOT_SERVING, SERVING, NOT_SERVING]
 
 
-def test_a_fault_on_one_shard_spares_the_other(shards):
+def test_a_fault_on_one_shard_hits_both_its_ports_and_spares_the_other(shards):
   proxies, channels = shards
-  assert [_check(ch) for ch in channels] == [SERVING, NOT_SERVING]
+  assert [_check(ch) for ch in channels] == [SERVING, NOT_SERVING, SERVING, NOT_SERVING]
   proxies.partition(mode="reset", shard=1)
-  assert [p.partitioned for p in proxies.proxies] == [False, True]
-  with pytest.raises(grpc.RpcError) as err:
-    _check(channels[1], timeout=0.5)
-  assert err.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
-  assert _check(channels[0]) == SERVING  # Shard 0's traffic flows meanwhile.
+  assert [p.partitioned for p in _all(proxies)] == [False, True, False, True]
+  for channel in (channels[1], channels[3]):
+    with pytest.raises(grpc.RpcError) as err:
+      _check(channel, timeout=0.5)
+    assert err.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+  assert _check(channels[0]) == _check(channels[2]) == SERVING  # Shard 0's traffic flows.
   proxies.heal(shard=1)
   assert _check(channels[1], timeout=10, wait_for_ready=True) == NOT_SERVING
+  assert _check(channels[3], timeout=10, wait_for_ready=True) == NOT_SERVING
   proxies.set_latency(0.05, shard=0)
-  assert [p.latency_s for p in proxies.proxies] == [0.05, 0.0]
+  assert [p.latency_s for p in _all(proxies)] == [0.05, 0.0, 0.05, 0.0]
 
 
 def test_a_fault_on_every_shard(shards):
   proxies, channels = shards
-  assert [_check(ch) for ch in channels] == [SERVING, NOT_SERVING]
-  assert proxies.drop() == 2  # One live connection through each proxy.
+  assert [_check(ch) for ch in channels] == [SERVING, NOT_SERVING, SERVING, NOT_SERVING]
+  assert proxies.drop() == 4  # One live connection through each proxy.
   proxies.set_latency(0.05)
-  assert [p.latency_s for p in proxies.proxies] == [0.05, 0.05]
+  assert [p.latency_s for p in _all(proxies)] == [0.05] * 4
   proxies.partition(mode="hold")
-  assert all(p.partitioned for p in proxies.proxies)
+  assert all(p.partitioned for p in _all(proxies))
   proxies.heal()
-  assert not any(p.partitioned for p in proxies.proxies)
+  assert not any(p.partitioned for p in _all(proxies))
   with pytest.raises(ValueError, match="No syncer shard 2"):
     proxies.drop(shard=2)
 
@@ -106,10 +117,12 @@ class _Fake:
 
 
 def test_a_failed_start_stops_the_proxies_started():
-  fakes = [_Fake(False), _Fake(True)]
-  proxies = ProxySet([1, 2], make=lambda up, i: fakes[i])
+  fakes = {"proxy": _Fake(False), "proxy_bulk": _Fake(True)}
+  proxies = ProxySet([1], [2], make=lambda up, name: fakes[name])
   with pytest.raises(RuntimeError, match="no port"):
     proxies.start()
-  assert fakes[0].stopped
+  assert fakes["proxy"].stopped
   with pytest.raises(ValueError):
-    ProxySet([])
+    ProxySet([], [])
+  with pytest.raises(ValueError, match="Every shard has a bulk port"):
+    ProxySet([1, 2], [3])

@@ -269,10 +269,12 @@ def test_bad_fault_arguments(proxy):
   assert not proxy.partitioned and proxy.latency_s == 0.0
 
 
-def test_syncer_service_through_proxy_survives_a_drop():
-  # The ddiloco syncer behind the proxy (as tests/distributed/service_door_test.py builds it): a learner
-  # pulls a 4 MiB fp32 fragment (1024 x 1024 values, streamed in ~1 MiB chunks) through the proxy
-  # with 20 ms of latency, loses its connection, and pulls again on the same client.
+def test_syncer_service_through_a_proxy_on_each_port_survives_a_drop_and_a_partition():
+  # The ddiloco syncer behind two proxies, one per port (as ddiloco-chaos puts them): control over
+  # one, data over the other, whose port the syncer advertises. A learner pulls a 4 MiB fp32
+  # fragment (1024 x 1024 values) through the data proxy with 20 ms of latency; the pull it makes
+  # while the data path is partitioned fails UNAVAILABLE naming the proxy's port; once healed, and
+  # after a drop of the control path, it pulls again on the same client.
   from ddiloco.distributed.server import make_syncer, serve
   from ddiloco.distributed.service_config import ServiceConfig
   from ddiloco.syncer.core import SyncerConfig
@@ -295,26 +297,36 @@ def test_syncer_service_through_proxy_survives_a_drop():
     "dtypes": {k: d for k, (_, d) in layout.items()},
   }
   try:
-    with LoopbackProxy(srv.port) as proxy:
-      # gRPC only: the proxy forwards the gRPC port; the syncer's bulk port would be reached
-      # directly, past the proxy (as ddiloco-chaos's learners, which stay on gRPC).
-      client = SyncerClient(proxy.address, max_chunk_bytes=config.max_chunk_bytes, bulk=False)
+    with LoopbackProxy(srv.port) as control, LoopbackProxy(srv.bulk.port) as data:
+      svc.advertise_bulk(data.port)
+      client = SyncerClient(control.address, max_chunk_bytes=config.max_chunk_bytes)
       try:
         client.wait_ready(10)
         client.register(0, layout_digest="L", num_fragments=1)
-        proxy.set_latency(0.02)
+        assert client.bulk_port == data.port
+        data.set_latency(0.02)
         state = client.pull(0, 0, -1, **kwargs)
         np.testing.assert_array_equal(state.values["w"], init["w"])  # Bit-exact through the proxy.
-        assert proxy.stats().bytes_down > 4 * MIB
-        assert proxy.drop() == 1
+        assert data.stats().bytes_down > 4 * MIB and control.stats().bytes_down < MIB
+        deadline = time.monotonic() + 10
+        while data.stats().active and time.monotonic() < deadline:  # The pull's, closing.
+          time.sleep(0.01)
+        data.partition(mode="reset")
+        with pytest.raises(grpc.RpcError) as cut:
+          client.pull(0, 0, -1, **kwargs)
+        assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"bulk port 127.0.0.1:{data.port}" in cut.value.details()
+        data.heal()
+        assert control.drop() == 1  # The control channel's connection; it reconnects.
         try:
-          state = client.pull(0, 0, -1, **kwargs)  # The channel reconnects on this call...
+          client.register(0, layout_digest="L", num_fragments=1)  # Reconnects on this call...
         except grpc.RpcError as e:  # ... unless it was sent before the client read the RST.
           assert e.code() == grpc.StatusCode.UNAVAILABLE
-          state = client.pull(0, 0, -1, **kwargs)
+          client.register(0, layout_digest="L", num_fragments=1)
+        state = client.pull(0, 0, -1, **kwargs)
         np.testing.assert_array_equal(state.values["w"], init["w"])
-        stats = proxy.stats()
-        assert (stats.connections, stats.resets) == (2, 1)
+        stats = data.stats()
+        assert (stats.connections, stats.resets) == (3, 1)
         assert stats.bytes_down > 8 * MIB
       finally:
         client.close()

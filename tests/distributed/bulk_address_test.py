@@ -46,8 +46,8 @@ def test_a_syncer_on_every_interface_serves_the_bulk_port_over_ipv4_and_ipv6(hos
       dtypes={k: d for k, (_, d) in LAYOUT.items()},
     )
     np.testing.assert_array_equal(state.values["a/w"], INIT["a/w"])
-    assert client.bulk_port == srv.bulk.port  # Not fallen back to gRPC...
-    assert srv.bulk.calls["Pull"] == 1  # ... the pull came over the bulk port.
+    assert client.bulk_port == srv.bulk.port
+    assert srv.bulk.calls["Pull"] == 1  # The pull came over the bulk port.
   finally:
     client.close()
     srv.stop(grace_s=0.5)

@@ -1,5 +1,5 @@
-"""The syncer's bulk port (distributed/bulk_server.py, transport/bulk_wire.py): pushes and pulls over
-it, its door, and the fallback to gRPC.
+"""The syncer's bulk port, its data plane (distributed/bulk_server.py, transport/bulk_wire.py):
+pushes and pulls over it, its door, and a connection that breaks.
 
 Each refusal test asserts the status and a precise part of the message the client reads in the
 trailer, that `Status.refused` counted exactly that one refusal, and that the global model did not
@@ -30,9 +30,9 @@ from ddiloco.models import configs
 from ddiloco.run_config import RunConfig
 from ddiloco.syncer.core import Report, SyncerConfig
 from ddiloco.testing import runs
+from ddiloco.testing.wire import push_messages
 from ddiloco.transport import bulk_client, bulk_wire, messages, state_messages
 from ddiloco.transport.client import SyncerClient, fragment_layouts
-from ddiloco.transport.proto import syncer_pb2
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -49,7 +49,7 @@ _ONE_BLOCK = {"num_layers": 1, "d_model": 32, "num_heads": 2, "head_dim": 16, "m
 class _Env:
   """A served syncer (bulk port on), learner 0 registered and holding version 0, a round open."""
 
-  def __init__(self, tmp_path=None, *, tls: bool = False, bulk_retry_s: float = 10.0, **config):
+  def __init__(self, tmp_path=None, *, tls: bool = False, **config):
     service_config = ServiceConfig(
       **{
         "uplink_codec": "fp32",
@@ -76,7 +76,6 @@ class _Env:
       token=TOKEN,
       max_chunk_bytes=CHUNK,
       tls_ca_file=cert,
-      bulk_retry_s=bulk_retry_s,
     )
     self.client.wait_ready(10)
     self.register = self.client.register(0, layout_digest=DIGEST, num_fragments=1)
@@ -107,7 +106,7 @@ class _Env:
     )
 
   def chunks(self) -> list[bytes]:
-    return list(messages.push_messages(self.report(), "fp32", chunk_size=CHUNK))
+    return list(push_messages(self.report(), "fp32", chunk_size=CHUNK))
 
   def model(self) -> list[tuple[int, str]]:
     with self.svc.lock:
@@ -159,8 +158,7 @@ def _refused(env: _Env, sock: socket.socket, code: grpc.StatusCode, words: str, 
 
 def test_the_bulk_port_has_its_own_larger_chunk_bound(monkeypatch):
   """Register advertises the bulk port's chunk bound; the client cuts its pushes into it and the
-  syncer pulls in it over the port, while chunks that large are refused over gRPC, whose bound
-  does not change."""
+  syncer its pulls, while a Recover's (gRPC) stays `max_chunk_bytes`."""
   sizes = {"push": [], "pull": []}
   push_pieces, state_pieces = messages.push_pieces, state_messages.state_pieces
 
@@ -177,19 +175,6 @@ def test_the_bulk_port_has_its_own_larger_chunk_bound(monkeypatch):
   try:
     assert (e.register.max_chunk_bytes, e.register.bulk_chunk_bytes) == (CHUNK, 4 * CHUNK)
     assert e.held.version == 0 and sizes["pull"] == [4 * CHUNK]  # Pulled over the port.
-    big = list(messages.push_messages(e.report(), "fp32", chunk_size=4 * CHUNK))
-    assert len(big) < len(e.chunks())
-    channel = grpc.insecure_channel(f"127.0.0.1:{e.srv.port}")
-    grpc_push = channel.stream_unary(
-      "/ddiloco.v1.Syncer/Push",
-      request_serializer=None,
-      response_deserializer=syncer_pb2.PushResponse.FromString,
-    )
-    with pytest.raises(grpc.RpcError) as refused:
-      grpc_push(iter(big), timeout=10, metadata=e.client.learner_metadata(0))
-    channel.close()
-    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert f"chunks at most {CHUNK}" in refused.value.details()
     result = e.client.push(e.report(), "fp32")
     assert result.status == "accepted" and sizes["push"] == [4 * CHUNK]
     assert e.srv.bulk.calls["Push"] == 1
@@ -210,13 +195,13 @@ def test_register_advertises_the_bulk_port_and_pushes_and_pulls_go_over_it(env):
   assert up > INIT["a/w"].nbytes and down > INIT["a/w"].nbytes
 
 
-def test_a_late_push_is_answered_from_its_header_as_over_grpc(env):
+def test_a_push_of_a_learner_not_alive_is_refused_from_its_header(env):
   with env.svc.lock:
     env.svc.core.leave(0)  # Not alive: refused at the door, FAILED_PRECONDITION.
   with pytest.raises(grpc.RpcError) as e:
     env.client.push(env.report(), "fp32")
   assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-  assert env.srv.bulk.calls["Push"] == 1  # Refused over the bulk port, not retried over gRPC.
+  assert env.srv.bulk.calls["Push"] == 1
 
 
 # -- refusals at the door -----------------------------------------------------------------------
@@ -351,21 +336,15 @@ def _wait_for(predicate, timeout_s: float = 10.0) -> None:
     time.sleep(0.02)
 
 
-# -- fallback, switch, shutdown, TLS ---------------------------------------------------------------
+# -- a broken connection, shutdown, TLS -------------------------------------------------------------
 
 
-def test_a_refused_bulk_port_falls_back_to_grpc(env):
-  env.srv.bulk.stop()  # Nothing listens there any more: connections are refused.
-  result = env.client.push(env.report(), "fp32", anchor_values=env.held.values)
-  assert result.status == "accepted" and result.weight > 0
-  assert env.client.bulk_port is None  # gRPC until the next Register.
-  assert env.pull(known=-1).digest == env.model()[0][1]
-  assert env.srv.bulk.calls["Push"] == 0
-  assert env.svc.refused() == {}
-
-
-def test_after_a_broken_call_the_bulk_port_is_tried_again_once_the_backoff_passed(monkeypatch):
-  env = _Env(bulk_retry_s=0.5)
+def test_a_push_whose_connection_broke_fails_unavailable_and_its_retry_goes_over_the_port(
+  monkeypatch,
+):
+  """No route to fall back on and none to stay away from: the call fails UNAVAILABLE (the
+  learner's sender retries it with backoff), and the next one goes over the bulk port."""
+  env = _Env()
   try:
     push = bulk_client.BulkClient.push
     broken = []
@@ -377,24 +356,16 @@ def test_after_a_broken_call_the_bulk_port_is_tried_again_once_the_backoff_passe
       return push(self, *args, **kwargs)
 
     monkeypatch.setattr(bulk_client.BulkClient, "push", once_broken)
+    with pytest.raises(grpc.RpcError) as e:
+      env.client.push(env.report(), "fp32", anchor_values=env.held.values)
+    assert (e.value.code(), e.value.details()) == (
+      grpc.StatusCode.UNAVAILABLE,
+      "connection reset by peer",
+    )
+    assert env.srv.bulk.calls["Push"] == 0 and env.svc.core.stats()["accepted"] == 0
     result = env.client.push(env.report(), "fp32", anchor_values=env.held.values)
-    assert result.status == "accepted" and env.srv.bulk.calls["Push"] == 0  # Over gRPC.
-    assert env.client.bulk_port is None
-    pulls = env.srv.bulk.calls["Pull"]
-    assert env.pull(known=-1).version == 0 and env.srv.bulk.calls["Pull"] == pulls  # Backoff.
-    time.sleep(0.6)
-    assert env.pull(known=-1).version == 0 and env.srv.bulk.calls["Pull"] == pulls + 1
+    assert result.status == "accepted" and env.srv.bulk.calls["Push"] == 1
     assert env.client.bulk_port == env.srv.bulk.port
-  finally:
-    env.close()
-
-
-def test_the_switch_turns_the_bulk_port_off():
-  env = _Env(bulk=False)
-  try:
-    assert env.srv.bulk is None and env.register.bulk_port == 0
-    assert env.client.bulk_port is None
-    assert env.client.push(env.report(), "fp32", anchor_values=env.held.values).weight > 0
   finally:
     env.close()
 

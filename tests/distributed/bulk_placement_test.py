@@ -16,7 +16,8 @@ from ddiloco.distributed import streams
 from ddiloco.distributed.server import make_syncer, serve
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.syncer.core import Report, SyncerConfig
-from ddiloco.transport import bulk_wire, frames, messages
+from ddiloco.testing.wire import push_messages
+from ddiloco.transport import bulk_wire, frames
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -72,9 +73,7 @@ class _Env:
     )
 
   def frames(self, report: Report) -> list[bytes]:
-    chunks = messages.push_messages(
-      report, "fp32", chunk_size=CHUNK, anchor_values=self.held.values
-    )
+    chunks = push_messages(report, "fp32", chunk_size=CHUNK, anchor_values=self.held.values)
     return [bulk_wire.LENGTH.pack(len(c)) + c for c in chunks]
 
   def filed(self) -> dict[str, np.ndarray] | None:
@@ -156,14 +155,19 @@ def test_a_frame_whose_length_disagrees_with_its_data_is_refused(env):
   assert env.filed() is None and env.svc.refused() == {"INVALID_ARGUMENT": 1}
 
 
-def test_a_pull_that_fails_mid_frame_is_cut_and_the_client_pulls_over_grpc(env, monkeypatch):
+def test_a_pull_that_fails_mid_frame_is_cut_and_its_retry_is_served(env, monkeypatch):
+  state_pieces = streams.state_messages.state_pieces
+
   def broken(state, codec, frame, **kw):
     yield frame(b"head", 100)
     yield b"only part of the frame"
     raise ValueError("encoder failed")
 
   monkeypatch.setattr(streams.state_messages, "state_pieces", broken)
-  state = env.pull()
-  assert env.client.bulk_port is None  # Cut: the client went back to gRPC, which served it.
+  with pytest.raises(grpc.RpcError) as cut:  # A trailer would be read as the frame's bytes.
+    env.pull()
+  assert cut.value.code() == grpc.StatusCode.UNAVAILABLE and "broke" in cut.value.details()
+  monkeypatch.setattr(streams.state_messages, "state_pieces", state_pieces)
+  state = env.pull()  # The learner's retry, over the bulk port.
   assert state.version == 0 and state.digest == env.held.digest
   np.testing.assert_array_equal(state.values["a/w"], INIT["a/w"])

@@ -1,10 +1,10 @@
 """A learner whose devices encode its answers' δ (`LearnerConfig.device_encode`), driven end to end
-through a real syncer: the training loop, the senders, the link, the client and the bulk port or
-gRPC, as on a GPU or TPU.
+through a real syncer: the training loop, the senders, the link, the client and the bulk port, as
+on a GPU or TPU.
 
 On CPU the learner turns device encoding off (learner/learner.py); the test turns it back on, with
 the snapshot an on-device copy (`snapshot_by_reference = False`, the accelerators' path), and
-checks that the syncer accepts and merges the device-encoded answers on both transports.
+checks that the syncer accepts and merges the device-encoded answers.
 
 Model: one block, d=32, byte vocabulary; P = 2 fragments, H = 2; int4 uplink, fp32 downlink.
 """
@@ -37,7 +37,7 @@ L, B = 8, 8
 ONE_BLOCK = {"num_layers": 1, "d_model": 32, "num_heads": 2, "head_dim": 16, "mlp_dim": 64}
 
 
-def _job(bulk: bool) -> JobConfig:
+def _job() -> JobConfig:
   return JobConfig(
     run=RunConfig(
       model=configs.transformer_config("tiny", vocab_size=256, max_len=L, **ONE_BLOCK),
@@ -53,7 +53,6 @@ def _job(bulk: bool) -> JobConfig:
         downlink_codec="fp32",
         heartbeat_interval_s=0.05,
         liveness_timeout_s=600,
-        bulk=bulk,
       ),
       num_learners=1,
       eval_batches=1,
@@ -61,9 +60,8 @@ def _job(bulk: bool) -> JobConfig:
   )
 
 
-@pytest.mark.parametrize("bulk", [True, False], ids=["bulk_port", "grpc"])
-def test_device_encoded_answers_are_accepted_and_merged(bulk, tmp_path, monkeypatch):
-  job = _job(bulk)
+def test_device_encoded_answers_are_accepted_and_merged(tmp_path, monkeypatch):
+  job = _job()
   encoded = []
   encode_delta = snapshot.FragmentSnapshot.encode_delta
 
@@ -84,7 +82,7 @@ def test_device_encoded_answers_are_accepted_and_merged(bulk, tmp_path, monkeypa
     embedding_keys=factory.embedding_keys(),
   )
   srv = server_lib.serve(svc)
-  client = SyncerClient(f"127.0.0.1:{srv.port}", bulk=bulk)
+  client = SyncerClient(f"127.0.0.1:{srv.port}")
   try:
     worker, writer = runtime.make_learner_worker(
       job, learner_id=0, client=client, workdir=str(tmp_path / "learner"), connect_timeout_s=30.0
@@ -94,7 +92,7 @@ def test_device_encoded_answers_are_accepted_and_merged(bulk, tmp_path, monkeypa
     learner.device.snapshot_by_reference = False  # The accelerators' path: an on-device copy...
     learner.device.device_encode = True  # ... whose δ the devices encode.
     worker.connect()
-    assert (client.bulk_port is not None) == bulk
+    assert client.bulk_port == srv.bulk.port
     # A blocking learner waits for merges: answers the syncer never files would hold it forever.
     summaries = []
     run = threading.Thread(target=lambda: summaries.append(worker.run(8)), daemon=True)
@@ -112,8 +110,7 @@ def test_device_encoded_answers_are_accepted_and_merged(bulk, tmp_path, monkeypa
       merged = sum(svc.core.state(p).version for p in range(2))
     assert merged >= 2
     assert summary["digest_mismatches"] == 0
-    if bulk:
-      assert srv.bulk.calls["Push"] == len(encoded)
+    assert srv.bulk.calls["Push"] == len(encoded)
   finally:
     client.close()
     srv.stop(grace_s=0.5)

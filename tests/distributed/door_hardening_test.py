@@ -1,6 +1,7 @@
 """The syncer's door against hostile or overflowing clients (distributed/door.py, distributed/service.py).
 
-One test or more per kind of abuse: stalled and surplus streams, a second syncer on a port in use,
+Pushes and pulls go over the bulk port (the data plane), the other calls over gRPC (the control
+plane). One test or more per kind of abuse: stalled and surplus streams, a second syncer on a port in use,
 oversized text, a churn of learner ids, calls made with another learner's id, undecodable requests,
 and an unauthenticated syncer on a network address. Each asserts the exact status, that the refusal
 is counted in `SyncerService.refused()`, and that the global model (every fragment's version and
@@ -13,9 +14,9 @@ and round (0, 3) is open, so an int4 push of fragment 0 is 1213 bytes (service_d
 import dataclasses
 import logging
 import socket
-import threading
 import time
 from collections import Counter
+from concurrent import futures
 
 import grpc
 import numpy as np
@@ -32,7 +33,7 @@ from ddiloco.distributed.service import SyncerService
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.syncer.core import Report, RoundRequest, SyncerConfig
 from ddiloco.testing.wire import report_to_chunks
-from ddiloco.transport import auth
+from ddiloco.transport import auth, bulk_client, bulk_wire
 from ddiloco.transport.client import SyncerClient
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
 
@@ -139,49 +140,78 @@ def _wait_for(predicate, timeout_s: float = 10.0) -> None:
     time.sleep(0.02)
 
 
+def _bulk(env: _Env, session: str | None = None) -> tuple[bulk_client.BulkClient, str]:
+  """(a client of the bulk port, where pushes and pulls go; the session to call with: learner 0's
+  unless `session` says otherwise)."""
+  client = bulk_client.BulkClient(
+    "127.0.0.1", env.srv.bulk.port, token=TOKEN, max_frame_bytes=2 << 20
+  )
+  return client, env.client.session(0) if session is None else session
+
+
+def _push(env: _Env, chunks, session: str | None = None) -> syncer_pb2.PushResponse:
+  """A push of `chunks` (PushChunk messages, or their bytes) over the bulk port, as learner 0."""
+  client, session = _bulk(env, session)
+  messages = [c if isinstance(c, bytes) else c.SerializeToString() for c in chunks]
+  body = client.push(bulk_wire.message_frames(messages), session, RPC_TIMEOUT_S)
+  return syncer_pb2.PushResponse.FromString(body)
+
+
+def _pull(env: _Env, fragment: int, session: str | None = None) -> list:
+  """A pull of `fragment` over the bulk port, as learner 0: its chunk messages."""
+  client, session = _bulk(env, session)
+  request = syncer_pb2.PullRequest(learner_id=0, fragment=fragment, known_version=-1)
+  return list(client.pull(request.SerializeToString(), session, RPC_TIMEOUT_S))
+
+
 # -- 1. stalled and surplus streams -------------------------------------------------------------
 
 
 class _Stalls:
-  """Push streams that send `first` (or nothing) and then block until released."""
+  """Pushes over the bulk port that send their hello and `first` chunk message (or none), then
+  nothing: their connections wait for the syncer's answer."""
 
-  def __init__(self, stub, metadata):
-    self._stub, self._md = stub, metadata
-    self.release = threading.Event()
-    self.calls = []
+  def __init__(self, env: _Env):
+    self._env = env
+    self.socks: list[socket.socket] = []
 
-  def open(self, n: int, first=None) -> None:
-    def requests():
-      if first is not None:
-        yield first
-      self.release.wait(30)
-
+  def open(self, n: int, first: bytes | None = None) -> None:
+    hello = bulk_wire.hello(bulk_wire.OP_PUSH, TOKEN, self._env.client.session(0))
+    frames = b"" if first is None else b"".join(bulk_wire.message_frames([first]))
     for _ in range(n):
-      self.calls.append(self._stub.Push.future(requests(), timeout=30, metadata=self._md))
+      sock = socket.create_connection(("127.0.0.1", self._env.srv.bulk.port), timeout=20)
+      sock.sendall(hello + frames)
+      self.socks.append(sock)
 
   def codes(self) -> Counter:
+    """The status each one was answered (they wait for it)."""
     out = Counter()
-    for call in self.calls:
-      try:
-        call.result(timeout=20)
-        out["OK"] += 1
-      except grpc.RpcError as e:
-        out[e.code().name] += 1
+    for sock in self.socks:
+      sock.settimeout(20)
+      (n,) = bulk_wire.LENGTH.unpack(bulk_wire.recv_exact(sock, bulk_wire.LENGTH.size))
+      assert n == bulk_wire.END
+      code, _, _ = bulk_wire.read_trailer(sock)
+      out[code.name] += 1
     return out
 
+  def close(self) -> None:
+    for sock in self.socks:
+      sock.close()
 
-def test_stalled_pushes_cannot_starve_control_calls_and_are_cut_when_idle():
-  # 10 streams that never send a chunk (nor name a learner), against room for 4 such: the 6 surplus
-  # are refused at once; the 4 admitted hold server threads until their idle deadline. Heartbeat,
-  # Status and a learner's pull (named at once: 2 more places of 6) go through meanwhile.
+
+def test_stalled_pushes_cannot_starve_control_calls_nor_learners_and_are_cut_when_idle():
+  # 10 pushes over the bulk port that never send a chunk (nor name a learner), against room for 4
+  # such: each new one evicts the oldest, so 6 are refused at once and the 4 last hold their
+  # places until their idle deadline. Heartbeat and Status (on the gRPC port) and a learner's pull
+  # (named at once: 2 more places of 12) go through meanwhile.
   env = _start(
     control_workers=2,
-    max_data_streams=6,
+    max_data_streams=12,
     max_unclaimed_streams=4,
     max_rounds_streams=2,
     stream_idle_s=1.0,
   )
-  stalls = _Stalls(env.stub, env.client.learner_metadata(0))
+  stalls = _Stalls(env)
   try:
     model = _model(env.svc)
     stalls.open(10)
@@ -209,7 +239,7 @@ def test_stalled_pushes_cannot_starve_control_calls_and_are_cut_when_idle():
     with env.svc.lock:
       assert env.svc.core.stats()["accepted"] == 1
   finally:
-    stalls.release.set()
+    stalls.close()
     env.close()
 
 
@@ -233,37 +263,36 @@ def test_a_push_whose_header_arrived_is_not_evicted_nor_blamed_on_its_learner():
   # it is not stalling. (It used to be evicted, and its claim then refused with "Learner 0 has
   # 4 push and pull streams open" although learner 0 had that one stream alone.)
   env = _start(max_data_streams=4, max_unclaimed_streams=1, stream_idle_s=5.0)
-  stalls = _Stalls(env.stub, env.client.learner_metadata(0))
+  stalls = _Stalls(env)
+  pool = futures.ThreadPoolExecutor(1)
   try:
     with env.svc.lock:
-      push = env.stub.Push.future(
-        iter(_chunks()), timeout=20, metadata=env.client.learner_metadata(0)
-      )
+      push = pool.submit(_push, env, _chunks())
       _wait_for(lambda: env.svc.open_streams()["data"] == 1)
       time.sleep(0.3)  # Its handler reads the first chunk, then waits for the lock.
       stalls.open(1)  # No chunk at all: refused, the waiting push keeps its place.
       time.sleep(0.3)  # Admitted or refused (counted once the lock is free).
     assert push.result(timeout=20).status == "accepted"
-    stalls.release.set()
     assert stalls.codes() == Counter(RESOURCE_EXHAUSTED=1)
     assert env.svc.refused() == {"RESOURCE_EXHAUSTED": 1}
     assert env.svc.open_streams()["data"] == 0
   finally:
-    stalls.release.set()
+    pool.shutdown()
+    stalls.close()
     env.close()
 
 
 def test_one_learner_holds_at_most_its_share_of_data_streams():
   env = _start(max_data_streams=8, max_data_streams_per_learner=2, stream_idle_s=0.5)
-  stalls = _Stalls(env.stub, env.client.learner_metadata(0))
+  stalls = _Stalls(env)
   try:
     model = _model(env.svc)
-    stalls.open(4, first=_chunks(chunk_size=256)[0])  # A header, then nothing.
+    stalls.open(4, first=_chunks(chunk_size=256)[0].SerializeToString())  # A header, then nothing.
     assert stalls.codes() == Counter(RESOURCE_EXHAUSTED=2, DEADLINE_EXCEEDED=2)
     assert env.svc.refused() == {"RESOURCE_EXHAUSTED": 2, "DEADLINE_EXCEEDED": 2}
     assert _model(env.svc) == model
   finally:
-    stalls.release.set()
+    stalls.close()
     env.close()
 
 
@@ -273,14 +302,15 @@ def test_a_push_trickling_past_its_total_deadline_is_cut():
     chunks = _chunks(chunk_size=256)  # 8253 bytes in 33 chunks, one every 0.1 s: 3.3 s.
     assert len(chunks) == 33
 
-    def trickle():
-      for c in chunks:
-        time.sleep(0.1)
-        yield c
+    def trickle():  # Each frame sent as it comes (a memoryview is never gathered).
+      for frame in bulk_wire.message_frames([c.SerializeToString() for c in chunks]):
+        time.sleep(0.05)
+        yield memoryview(frame)
 
+    client, session = _bulk(env)
     _assert_refused(
       env,
-      lambda: env.stub.Push(trickle(), timeout=20, metadata=env.client.learner_metadata(0)),
+      lambda: client.push(trickle(), session, 20.0),
       grpc.StatusCode.DEADLINE_EXCEEDED,
       "Push stream open for more than 1.0 s",
     )
@@ -368,9 +398,7 @@ def test_push_header_with_an_oversized_codec(env):
   chunks[0].header.codec = "c" * 5000
   _assert_refused(
     env,
-    lambda: env.stub.Push(
-      iter(chunks), timeout=RPC_TIMEOUT_S, metadata=env.client.learner_metadata(0)
-    ),
+    lambda: _push(env, chunks),
     grpc.StatusCode.INVALID_ARGUMENT,
     "Push header: Field codec has 5000 characters; at most 16 are accepted.",
   )
@@ -437,17 +465,13 @@ _MISSING = "Missing 'ddiloco-session' metadata for learner 0"
 _WRONG = "Wrong session for learner 0"
 
 
-def _calls(env: _Env, metadata):
-  """Every call made as learner 0, with `metadata`."""
+def _calls(env: _Env, session: str | None):
+  """Every call made as learner 0, with `session`: pushes and pulls over the bulk port (the
+  session in their hello), the rest over gRPC (as metadata)."""
+  metadata = AUTH + auth.session_metadata(session)
   return {
-    "push": lambda: env.stub.Push(iter(_chunks()), timeout=RPC_TIMEOUT_S, metadata=metadata),
-    "pull": lambda: list(
-      env.stub.Pull(
-        syncer_pb2.PullRequest(learner_id=0, fragment=0, known_version=-1),
-        timeout=RPC_TIMEOUT_S,
-        metadata=metadata,
-      )
-    ),
+    "push": lambda: _push(env, _chunks(), session=session or ""),
+    "pull": lambda: _pull(env, 0, session=session or ""),
     "heartbeat": lambda: env.stub.Heartbeat(
       syncer_pb2.HeartbeatRequest(learner_id=0, step=50), timeout=RPC_TIMEOUT_S, metadata=metadata
     ),
@@ -467,10 +491,9 @@ def _calls(env: _Env, metadata):
   ("session", "message"), [(None, _MISSING), ("not-the-session", _WRONG)], ids=["missing", "wrong"]
 )
 def test_calls_as_another_learner_are_denied(env, method, session, message):
-  metadata = AUTH + auth.session_metadata(session)
   with env.svc.lock:
     last_seen = env.svc._members.get(0).last_seen
-  _assert_refused(env, _calls(env, metadata)[method], grpc.StatusCode.PERMISSION_DENIED, message)
+  _assert_refused(env, _calls(env, session)[method], grpc.StatusCode.PERMISSION_DENIED, message)
   with env.svc.lock:
     assert 0 in env.svc.core.alive()  # Not made to leave, nor kept alive by the caller.
     assert env.svc._members.get(0).last_seen == last_seen
@@ -509,7 +532,6 @@ def test_a_new_registration_voids_the_old_session(env):
     ("Heartbeat", False),
     ("Leave", False),
     ("Status", False),
-    ("Pull", True),
     ("Rounds", True),
   ],
 )

@@ -33,8 +33,7 @@ PULL = {
 def test_bulk_chunks_below_a_lossy_downlinks_chunks_are_refused(codec):
   with pytest.raises(ValueError, match="bulk_chunk_bytes=4096 is below max_chunk_bytes=8192"):
     ServiceConfig(downlink_codec=codec, max_chunk_bytes=8192, bulk_chunk_bytes=4096)
-  # Without the bulk port, or with an exact downlink (pulls cut in the port's size), it works.
-  ServiceConfig(downlink_codec=codec, max_chunk_bytes=8192, bulk_chunk_bytes=4096, bulk=False)
+  # With an exact downlink (pulls cut in the port's size), it works.
   ServiceConfig(downlink_codec="fp32", max_chunk_bytes=8192, bulk_chunk_bytes=4096)
 
 
@@ -87,7 +86,6 @@ def test_a_new_version_is_pulled_as_a_delta_over_the_bulk_port(codec, max_chunk,
     else:
       pytest.fail("no merge")
     state = client.pull(0, 0, 0, base_lookup=lambda v: held.values, **PULL)
-    assert client.bulk_port is not None  # Not fallen back to gRPC.
     assert srv.bulk.calls["Pull"] == 2
     assert state.version == 1 and state.digest == want.digest
     np.testing.assert_array_equal(state.values["a/w"], want.values["a/w"])

@@ -1,4 +1,4 @@
-"""Validation at the door of the gRPC syncer service (docs/architecture.md "payload validation").
+"""Validation at the door of the syncer service (docs/architecture.md "payload validation").
 
 One test per bad input. Each asserts (a) the exact gRPC status of the refusal, (b) a precise part of
 its message, (c) that `SyncerService.refused()` counted exactly one refusal of that status and no
@@ -37,7 +37,7 @@ from ddiloco.distributed.service import SERVICE_NAME, SyncerService
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.syncer.core import FragmentState, Report, RoundRequest, SyncerConfig
 from ddiloco.testing.wire import report_to_chunks, serialize_fragment
-from ddiloco.transport import wire
+from ddiloco.transport import auth, bulk_client, bulk_wire, wire
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
 
@@ -72,7 +72,8 @@ LAYOUTS = fragment_layouts(FRAGMENTS, INIT)
 
 @dataclasses.dataclass
 class _Env:
-  """A running syncer, a raw stub and a client; learner 0 registered and holding version 0."""
+  """A running syncer, a raw stub (its control plane) and a client; learner 0 registered and
+  holding version 0. Raw pushes and pulls go over its bulk port (`_push`, `_pull_raw`)."""
 
   svc: SyncerService
   srv: SyncerServer | InProcessSyncer
@@ -94,9 +95,12 @@ def _start(
   syncer_config: SyncerConfig, transport: str, *, open_rounds: bool = True, **service_kwargs
 ) -> _Env:
   """A server with learner 0 registered and holding version 0; rounds `ROUNDS` opened. Reached
-  over gRPC (`transport` "grpc") or the in-process transport ("in_process")."""
+  over its ports (`transport` "socket": gRPC and the bulk port) or the in-process transport
+  ("in_process")."""
   # A long liveness timeout: no test may lose learner 0 to the liveness check midway.
   kwargs = {"uplink_codec": "int4", "downlink_codec": "int4", "liveness_timeout_s": 600.0}
+  if "max_chunk_bytes" in service_kwargs:  # One chunk bound whichever carries the data.
+    service_kwargs["bulk_chunk_bytes"] = service_kwargs["max_chunk_bytes"]
   service_config = ServiceConfig(**(kwargs | service_kwargs))
   svc = make_syncer(
     fragment_keys=FRAGMENTS,
@@ -105,7 +109,7 @@ def _start(
     service_config=service_config,
     layout_digest=DIGEST,
   )
-  if transport == "grpc":
+  if transport == "socket":
     srv = serve(svc, token=TOKEN)
     address = f"127.0.0.1:{srv.port}"
     client = SyncerClient(address, token=TOKEN, max_chunk_bytes=service_config.max_chunk_bytes)
@@ -159,11 +163,11 @@ def _wait_version(svc: SyncerService, p: int, version: int, timeout_s: float = 1
 
 # The door's rules are the service's, the same over either transport: their tests run over the
 # in-process one. The tests of what a transport carries (empty, reordered and oversized streams,
-# tokens in the metadata, the health service, server streams, a merge) run over both, gRPC in the
-# integration tier: the same answers from both.
+# tokens, the health service, server streams, a merge) run over both, the sockets (gRPC and the
+# bulk port) in the integration tier: the same answers from both.
 BOTH_TRANSPORTS = pytest.mark.parametrize(
   "transport",
-  ["in_process", pytest.param("grpc", marks=pytest.mark.integration)],
+  ["in_process", pytest.param("socket", marks=pytest.mark.integration)],
   indirect=True,
   scope="module",
 )
@@ -268,16 +272,45 @@ def _raw_chunks(data: bytes, *, fragment: int, codec: str, chunk_size: int = 1 <
 
 
 def _push(env: _Env, chunks, metadata=None) -> syncer_pb2.PushResponse:
-  """A raw push with the token and learner 0's session (unless `metadata` says otherwise)."""
+  """A raw push of PushChunk messages with the token and learner 0's session (unless `metadata`
+  says otherwise): over the bulk port, or the in-process carrier's path."""
   metadata = env.client.learner_metadata(0) if metadata is None else metadata
-  return env.stub.Push(iter(chunks), timeout=RPC_TIMEOUT_S, metadata=metadata)
+  messages = [c.SerializeToString() for c in chunks]
+  if isinstance(env.srv, InProcessSyncer):
+    push = env.channel.stream_unary(bulk_wire.PUSH_METHOD)
+    body = push(iter(messages), timeout=RPC_TIMEOUT_S, metadata=metadata)
+  else:
+    bulk, session = _bulk(env, metadata)
+    body = bulk.push(bulk_wire.message_frames(messages), session, RPC_TIMEOUT_S)
+  return syncer_pb2.PushResponse.FromString(body)
 
 
 def _pull_raw(env: _Env, fragment: int, known: int) -> list[syncer_pb2.FragmentChunk]:
+  """A raw pull as learner 0: its FragmentChunk messages."""
   request = syncer_pb2.PullRequest(learner_id=0, fragment=fragment, known_version=known)
-  return list(
-    env.stub.Pull(request, timeout=RPC_TIMEOUT_S, metadata=env.client.learner_metadata(0))
+  metadata = env.client.learner_metadata(0)
+  if isinstance(env.srv, InProcessSyncer):
+    pull = env.channel.unary_stream(bulk_wire.PULL_METHOD, request_serializer=_serialize)
+    messages = bulk_wire.messages_of(pull(request, timeout=RPC_TIMEOUT_S, metadata=metadata))
+  else:
+    bulk, session = _bulk(env, metadata)
+    messages = bulk.pull(request.SerializeToString(), session, RPC_TIMEOUT_S)
+  return [syncer_pb2.FragmentChunk.FromString(bytes(m)) for m in messages]
+
+
+def _serialize(message) -> bytes:
+  return message.SerializeToString()
+
+
+def _bulk(env: _Env, metadata) -> tuple[bulk_client.BulkClient, str]:
+  """A client of `env`'s bulk port with the token in `metadata`, and the session in it: what a
+  bulk hello carries in place of gRPC's metadata."""
+  values = dict(metadata)
+  token = values.get(auth.AUTH_METADATA_KEY, "").removeprefix("Bearer ")
+  bulk = bulk_client.BulkClient(
+    "127.0.0.1", env.srv.bulk.port, token=token or None, max_frame_bytes=2 << 20
   )
+  return bulk, values.get(auth.SESSION_METADATA_KEY, "")
 
 
 # -- the four checks ----------------------------------------------------------------------------

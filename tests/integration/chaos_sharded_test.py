@@ -46,8 +46,12 @@ def test_a_shard_killed_alone_loses_no_merge_and_every_invariant_holds(tmp_path)
   assert summary["merges_lost_at_restarts"] == [0]
   assert all(s["merges"] > 0 for s in summary["shards"])
   assert summary["syncer_kills"] == 1 and summary["learner_kills"] >= 1
-  # The learners reached each shard through its proxy (the shard map held the proxies): each
-  # proxy's last log line has its counters.
-  for name in ("proxy.log", "proxy_1.log"):
+  # The learners reached each port of each shard through its proxy (the shard map held the
+  # control proxies, each shard advertised its data proxy's port): each proxy's last log line has
+  # its counters, and every push and pull crossed a data proxy.
+  for name in ("proxy.log", "proxy_1.log", "proxy_bulk.log", "proxy_bulk_1.log"):
     stats = re.findall(r"connections=(\d+)", (tmp_path / "chaos" / name).read_text())
     assert stats and int(stats[-1]) > 0, name
+  traffic = summary["proxy_traffic"]
+  assert all(traffic[f"data_{s}"]["bytes_up"] > 0 for s in (0, 1)), traffic  # Pushes.
+  assert all(traffic[f"data_{s}"]["bytes_down"] > 0 for s in (0, 1)), traffic  # Pulls.

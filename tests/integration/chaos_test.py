@@ -34,3 +34,8 @@ def test_chaos_smoke_keeps_every_invariant(tmp_path):
   # Some work reached the global model, and not all of it (kills, τ overwrites, a restart).
   assert 0.0 < summary["merged_fraction"] < 1.0
   assert all(0.0 < s["goodput"] <= s["time_fraction"] for s in summary["learners"].values())
+  # The data plane went through its own proxy, with the same faults as the control plane's: every
+  # push crossed it up and every pull down.
+  traffic = summary["proxy_traffic"]
+  assert set(traffic) == {"control_0", "data_0"}
+  assert traffic["data_0"]["bytes_up"] > 0 and traffic["data_0"]["bytes_down"] > 0, traffic

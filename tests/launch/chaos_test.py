@@ -49,14 +49,19 @@ def test_a_syncer_event_kills_and_restarts_its_shard_alone(tmp_path):
   run = chaos.ChaosRun(job, ChaosConfig(), cluster)
   tape = run._tape = TapeWriter(tmp_path / "tape.jsonl")
   try:
-    cluster.shard_ports = [processes.free_port(), processes.free_port()]
-    cluster.shard_addresses = ["127.0.0.1:9", "127.0.0.1:10"]  # The proxies, as `run` sets them.
+    ports = processes.free_ports(4)
+    cluster.shard_ports = ports[:2]
+    # The proxies, as `run` sets them: the control proxies' addresses, the data proxies' ports.
+    cluster.shard_addresses = ["127.0.0.1:9", "127.0.0.1:10"]
+    cluster.bulk_ports = [(ports[2], 11), (ports[3], 12)]
     cluster.start_syncers(2, timeout_s=20)
     first = [cluster.syncer_child(s).proc for s in (0, 1)]
     log = (tmp_path / "syncer_1" / "log.txt").read_text()
-    # Every shard advertises the proxies, and listens on its own port.
+    # Every shard advertises the proxies, and listens on its own ports.
     assert "--shard_addresses=127.0.0.1:9,127.0.0.1:10" in log
     assert f"--port={cluster.shard_ports[1]}" in log
+    bulk = f"--bulk_port={ports[3]} --advertise_bulk_port=12"
+    assert bulk in log
     assert run.execute(FaultEvent(tape.now(), "kill_syncer", shard=1))
     assert first[0].poll() is None and first[1].poll() == -signal.SIGKILL
     assert not run.execute(FaultEvent(tape.now(), "kill_syncer", shard=1))  # Down already.
@@ -68,6 +73,8 @@ def test_a_syncer_event_kills_and_restarts_its_shard_alone(tmp_path):
       run._observe(tape)
       time.sleep(0.05)
     assert not run._starting and not run._down
+    # Restarted on the same ports: the proxies' upstreams stay.
+    assert (tmp_path / "syncer_1" / "log.txt").read_text().count(bulk) == 2
     again = cluster.syncer_child(1).proc
     assert again is not first[1] and cluster.syncer_child(0).proc is first[0]
     with pytest.raises(ValueError, match="has 2 shard"):

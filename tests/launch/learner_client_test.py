@@ -1,9 +1,7 @@
 """A learner process's client (`runtime.learner_client`, what `ddiloco-learner` talks through) is
 set by the run's `ServiceConfig` as the syncer is: a push or pull the syncer allows
-`stream_deadline_s` is not cut sooner by the learner, chunks are bounded alike, and `bulk = False`
-keeps the learner's pushes and pulls on gRPC."""
-
-import dataclasses
+`stream_deadline_s` is not cut sooner by the learner, chunks are bounded alike, and its pulls go
+over the syncer's bulk port."""
 
 import pytest
 
@@ -51,21 +49,17 @@ def test_the_learners_client_takes_the_services_deadline_and_chunk_bound():
     client.close()
 
 
-@pytest.mark.parametrize("bulk", [True, False])
-def test_the_learners_client_pulls_over_the_bulk_port_as_the_run_says(bulk):
+def test_the_learners_client_pulls_over_the_bulk_port():
   factory = JOB.factory()
   svc = server_lib.make_syncer(
     fragment_keys=factory.layout.fragments,
     init_values=factory.global_init_values(),
     syncer_config=JOB.run.the_syncer(),
-    service_config=SERVICE,  # The syncer serves its bulk port either way.
+    service_config=SERVICE,
     layout_digest=factory.layout.digest,
   )
   srv = server_lib.serve(svc, token="t")
-  job = dataclasses.replace(
-    JOB, run=dataclasses.replace(JOB.run, service=dataclasses.replace(SERVICE, bulk=bulk))
-  )
-  client = runtime.learner_client(job, f"127.0.0.1:{srv.port}", token="t")
+  client = runtime.learner_client(JOB, f"127.0.0.1:{srv.port}", token="t")
   try:
     client.register(0, layout_digest=factory.layout.digest, num_fragments=2)
     with svc.lock:
@@ -80,7 +74,7 @@ def test_the_learners_client_pulls_over_the_bulk_port_as_the_run_says(bulk):
       dtypes={k: d for k, (_, d) in lay.items()},
     )
     assert state.version == 0
-    assert srv.bulk.calls["Pull"] == (1 if bulk else 0)
+    assert srv.bulk.calls["Pull"] == 1
   finally:
     client.close()
     srv.stop(grace_s=0.5)

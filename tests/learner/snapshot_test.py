@@ -11,7 +11,7 @@ from ddiloco.fragments import device_int4
 from ddiloco.fragments import layout as layout_lib
 from ddiloco.learner.snapshot import FragmentSnapshot
 from ddiloco.protocol import Report
-from ddiloco.transport import messages
+from ddiloco.testing.wire import push_messages
 
 
 def _layout(split_large=False):
@@ -32,9 +32,7 @@ def _snapshot(flat, layout, p, *, device_encode=True):
 
 def _wire(report, anchor, encoded=None, codec="int4", block_size=64):
   return b"".join(
-    messages.push_messages(
-      report, codec, block_size=block_size, anchor_values=anchor, encoded=encoded
-    )
+    push_messages(report, codec, block_size=block_size, anchor_values=anchor, encoded=encoded)
   )
 
 

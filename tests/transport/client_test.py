@@ -1,5 +1,9 @@
-"""SyncerClient against a served syncer: pushes streamed as raw chunk messages, pulls decoded as
-they arrive, byte counts, and a report that cannot be encoded midway."""
+"""SyncerClient against a served syncer: pushes and pulls over its bulk port (pushes sent as they
+are encoded, pulls decoded as they arrive), byte counts, a report that cannot be encoded midway,
+and a bulk port that cannot be reached (one clear error, retried)."""
+
+import logging
+import socket
 
 import grpc
 import numpy as np
@@ -11,7 +15,6 @@ from ddiloco.fragments.codec import RUN_VALUES
 from ddiloco.syncer.core import Report, RoundRequest, SyncerConfig
 from ddiloco.testing.wire import report_to_chunks, state_to_chunks
 from ddiloco.transport.client import SyncerClient
-from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -24,24 +27,13 @@ SHAPES, DTYPES = {"w": (N,)}, {"w": np.float32}
 ROUND = 3  # One fragment, τ = 2: the core's schedule has H = 3, so fragment 0 is due at step 3.
 
 
-@pytest.fixture(params=[True, False], ids=["bulk", "grpc"])
-def env_both(request):
-  """`env`'s syncer, the client pushing over the bulk port or over gRPC alone."""
-  yield from _env(bulk=request.param)
-
-
 @pytest.fixture
 def env():
-  yield from _env(bulk=True)
-
-
-def _env(*, bulk: bool):
   svc = make_syncer(
     fragment_keys=[["w"]],
     init_values=INIT,
     # min_quorum=2 with one learner: pushes file into the round and never merge.
     syncer_config=SyncerConfig(min_quorum=2, use_grace=False),
-    # The bulk port in gRPC's chunk size: the byte counts below hold over both.
     service_config=ServiceConfig(
       uplink_codec="fp32",
       downlink_codec="fp32",
@@ -52,7 +44,7 @@ def _env(*, bulk: bool):
     layout_digest="D",
   )
   srv = serve(svc, token=TOKEN)
-  client = SyncerClient(f"127.0.0.1:{srv.port}", token=TOKEN, max_chunk_bytes=CHUNK, bulk=bulk)
+  client = SyncerClient(f"127.0.0.1:{srv.port}", token=TOKEN, max_chunk_bytes=CHUNK)
   client.wait_ready(10)
   client.register(0, layout_digest="D", num_fragments=1)
   with svc.lock:
@@ -96,38 +88,58 @@ def test_pull_then_delta_push_are_filed_exactly(env):
   assert svc.core.stats()["open_rounds"] == 1
 
 
-def test_generated_stub_still_pushes_protobuf_messages(env):
-  # The service takes raw bytes for Push; protobuf clients send the same bytes.
+@pytest.mark.parametrize("anchor", [INIT, None], ids=["delta", "theta"])
+def test_nan_found_midway_raises_and_files_nothing(env, anchor):
   svc, srv, client = env
   _pull(client)
-  chunks = report_to_chunks(
-    _report({"w": INIT["w"] + 1}), "fp32", chunk_size=CHUNK, anchor_values=INIT
-  )
-  with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
-    stub = syncer_pb2_grpc.SyncerStub(channel)
-    resp = stub.Push(iter(chunks), timeout=10, metadata=client.learner_metadata(0))
-  assert isinstance(resp, syncer_pb2.PushResponse) and resp.status == "accepted"
-  assert svc.status().counters["accepted"] == 1
-
-
-@pytest.mark.parametrize("anchor", [INIT, None], ids=["delta", "theta"])
-def test_nan_found_midway_raises_and_files_nothing(env_both, anchor):
-  svc, srv, client = env_both
-  _pull(client)
   bad = {"w": INIT["w"].copy()}
-  bad["w"][RUN_VALUES + 5] = np.nan  # gRPC: the second run, after 4 chunks were sent.
+  bad["w"][RUN_VALUES + 5] = np.nan  # In the second run of the encoder.
   with pytest.raises(ValueError, match="'w': Refusing to encode 1 non-finite value"):
     client.push(_report(bad), "fp32", anchor_values=anchor)
+  # Sent in runs of 1 MiB: the encoder saw it before a byte left; the syncer saw nothing.
   status = svc.status()
-  if client.bulk_port is None:  # The short stream is refused as incomplete at the door.
-    assert dict(status.refused) == {"INVALID_ARGUMENT": 1}
-  else:  # Sent in runs of 1 MiB: the encoder saw it before a byte left; the syncer saw nothing.
-    assert dict(status.refused) == {} and srv.bulk.calls["Push"] == 0
+  assert dict(status.refused) == {} and srv.bulk.calls["Push"] == 0
   # The round stays empty.
   assert status.counters["accepted"] == 0 and client.bytes_up == 0
   assert svc.core.stats()["open_rounds"] == 1 and svc.core._rounds[0].entries == {}
   good = client.push(_report({"w": INIT["w"] + 1}, step=2), "fp32", anchor_values=INIT)
-  assert good.status == "accepted"  # The channel is fine afterwards.
+  assert good.status == "accepted"  # The connection is fine afterwards.
+
+
+def test_an_unreachable_bulk_port_fails_unavailable_naming_it_once_and_the_retry_passes(
+  env, caplog
+):
+  """No other path: a push and a pull to a bulk port nobody listens on fail UNAVAILABLE (which
+  the learner's threads retry with backoff, distributed/retry.py), with the port and what to do in
+  the message, logged once for the outage; once the port answers again, so do the calls."""
+  svc, srv, client = env
+  state = _pull(client)
+  with socket.socket() as probe:  # A port nobody listens on.
+    probe.bind(("127.0.0.1", 0))
+    closed = probe.getsockname()[1]
+  svc.advertise_bulk(closed)
+  client.register(0, layout_digest="D", num_fragments=1)  # Learns the dead port.
+  assert client.bulk_port == closed
+  theta = {"w": INIT["w"] - np.float32(0.5)}
+  with caplog.at_level(logging.WARNING, logger="ddiloco.transport.client"):
+    for call in (
+      lambda: client.push(_report(theta), "fp32", anchor_values=state.values),
+      lambda: _pull(client),
+      lambda: _pull(client),
+    ):
+      with pytest.raises(grpc.RpcError) as info:
+        call()
+      assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+      assert f"Cannot reach the syncer's bulk port 127.0.0.1:{closed}" in info.value.details()
+      assert "Pushes and pulls travel only over it" in info.value.details()
+  warned = [r for r in caplog.records if "bulk port" in r.getMessage()]
+  assert len(warned) == 1 and str(closed) in warned[0].getMessage()  # Once for the outage.
+  assert srv.bulk.calls == {"Pull": 1} and client.bytes_up == 0  # The first pull, before.
+  svc.advertise_bulk(srv.bulk.port)  # The syncer is back on its port.
+  client.register(0, layout_digest="D", num_fragments=1)
+  state = _pull(client)
+  result = client.push(_report(theta), "fp32", anchor_values=state.values)
+  assert result.status == "accepted" and srv.bulk.calls == {"Pull": 2, "Push": 1}
 
 
 def test_superseded_push_memory_is_recycled_and_filed_values_are_intact(env):

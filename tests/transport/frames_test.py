@@ -1,7 +1,7 @@
 """Chunk messages without protobuf objects: hand-made and hand-parsed, byte-exact.
 
 `frames.chunk_prefix` + data must be what protobuf serializes, `frames.parse_chunk` must read
-what protobuf reads (and refuse what it cannot), and `messages.push_messages` must send the bytes
+what protobuf reads (and refuse what it cannot), and `messages.push_pieces` must send the bytes
 of `report_to_chunks`' messages.
 """
 
@@ -11,12 +11,17 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ddiloco.fragments.codec import RUN_VALUES
 from ddiloco.fragments.digest import values_digest
 from ddiloco.syncer.core import FragmentState, Report
-from ddiloco.testing.wire import received_outer_gradient, report_to_chunks, serialize_fragment
-from ddiloco.transport import frames, messages, state_messages, wire
-from ddiloco.transport.chunks import ChunkAssembler, ChunkWriter
+from ddiloco.testing.wire import (
+  pull_messages,
+  push_messages,
+  received_outer_gradient,
+  report_to_chunks,
+  serialize_fragment,
+)
+from ddiloco.transport import bulk_wire, frames, messages, state_messages, wire
+from ddiloco.transport.chunks import ChunkAssembler
 from ddiloco.transport.errors import WireError
 from ddiloco.transport.fragment_encoder import FragmentEncoder, serialize_chunks
 from ddiloco.transport.proto import syncer_pb2
@@ -125,7 +130,7 @@ def test_parse_chunk_refuses_malformed_messages(msg, error):
 
 @pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4"])
 @pytest.mark.parametrize("chunk_size", [7, 1000, 1 << 20])
-def test_push_messages_are_report_to_chunks_serialized(codec, chunk_size):
+def test_push_pieces_are_report_to_chunks_serialized(codec, chunk_size):
   rng = np.random.default_rng(0)
   vals = {
     "w": rng.standard_normal((40, 30)).astype(np.float32),
@@ -136,7 +141,7 @@ def test_push_messages_are_report_to_chunks_serialized(codec, chunk_size):
     report = _report(vals)
     want = report_to_chunks(report, codec, block_size=5, chunk_size=chunk_size, anchor_values=base)
     got = list(
-      messages.push_messages(report, codec, block_size=5, chunk_size=chunk_size, anchor_values=base)
+      push_messages(report, codec, block_size=5, chunk_size=chunk_size, anchor_values=base)
     )
     assert got == [m.SerializeToString() for m in want]
     back = messages.chunks_to_report(
@@ -156,22 +161,24 @@ def test_push_messages_are_report_to_chunks_serialized(codec, chunk_size):
     assert back.round_step == 10
 
 
-def test_push_messages_fail_at_once_on_bad_input_and_midway_on_nan():
+def test_push_pieces_fail_at_once_on_bad_input_and_midway_on_nan():
   vals = {"w": np.zeros(1000, np.float32)}
+  frame = bulk_wire.frame_head
   with pytest.raises(ValueError, match="A delta push needs anchor_version >= 0"):
-    messages.push_messages(_report(vals, anchor_version=-1), "fp32", anchor_values=vals)
+    messages.push_pieces(_report(vals, anchor_version=-1), "fp32", frame, anchor_values=vals)
   with pytest.raises(ValueError, match="base keys differ"):
-    messages.push_messages(_report(vals), "fp32", anchor_values={"v": vals["w"]})
-  bad = {"w": np.zeros(RUN_VALUES + 1000, np.float32)}
-  bad["w"][RUN_VALUES + 10] = np.nan  # In the second run of values the encoder checks.
-  stream = messages.push_messages(_report(bad), "fp32", chunk_size=1 << 16)  # No error yet.
-  # 51 bytes of framing, then the first run of 4 * 65536 bytes: chunks 0-3 are whole before the
+    messages.push_pieces(_report(vals), "fp32", frame, anchor_values={"v": vals["w"]})
+  run = 1 << 18  # Values per run of an fp32 payload sent as pieces (fragment_encoder.py).
+  bad = {"w": np.zeros(run + 1000, np.float32)}
+  bad["w"][run + 10] = np.nan  # In the second run of values the encoder checks.
+  stream = push_messages(_report(bad), "fp32", chunk_size=1 << 16)  # No error yet.
+  # 51 bytes of framing, then the first run of 16 * 65536 bytes: chunks 0-15 are whole before the
   # encoder reaches the second run.
   sent = []
   with pytest.raises(ValueError, match=re.escape("'w': Refusing to encode 1 non-finite value(s)")):
     for m in stream:
       sent.append(m)
-  assert len(sent) == 4
+  assert len(sent) == 16
 
 
 def test_encoder_announces_the_exact_size():
@@ -183,21 +190,6 @@ def test_encoder_announces_the_exact_size():
     assert enc.nbytes == len(data) and enc.num_chunks(100) == -(-len(data) // 100)
     assert b"".join(enc.chunks(100)) == data
   assert FragmentEncoder({}, "fp32").nbytes == 10  # The file header alone.
-
-
-def test_chunk_writer_with_a_prefix_makes_whole_messages():
-  def prefix(i, n):
-    return f"<{i}:{n}>".encode() * (100 if i == 2 else 1)  # Chunk 2's is longer than the headroom.
-
-  w = ChunkWriter(4, prefix=prefix)
-  got = w.write(b"abc") + w.write(b"defghijklm") + w.write(b"") + w.write(b"nopq")
-  # Chunks abcd, efgh, ijkl (2: long prefix), mnop; "q" is the partial last.
-  assert got == [b"<0:4>abcd", b"<1:4>efgh", b"<2:4>" * 100 + b"ijkl", b"<3:4>mnop"]
-  assert w.flush() == [b"<4:1>q"] and w.nbytes == 17
-  direct = ChunkWriter(2, prefix=prefix)
-  assert direct.write(b"wxyz") == [b"<0:2>wx", b"<1:2>yz"]  # Whole chunks from the caller's bytes.
-  assert direct.flush() == []
-  assert ChunkWriter(4, prefix=prefix).flush() == [b"<0:0>"]  # The one chunk of an empty stream.
 
 
 def test_assembler_keeps_views_without_copying():
@@ -212,7 +204,7 @@ def test_assembler_keeps_views_without_copying():
 
 @pytest.mark.parametrize("codec", ["fp32", "bf16", "int4"])
 @pytest.mark.parametrize("chunk_size", [7, 1000, 1 << 20])
-def test_state_messages_are_protobufs_pull_stream(codec, chunk_size):
+def test_state_pieces_are_protobufs_pull_stream(codec, chunk_size):
   # The Pull stream a service sends without a serializer: byte for byte the FragmentChunk messages
   # protobuf would make of the wire format's pieces, header (with the receiver's digest) on chunk 0.
   rng = np.random.default_rng(1)
@@ -237,9 +229,7 @@ def test_state_messages_are_protobufs_pull_stream(codec, chunk_size):
     want = [syncer_pb2.FragmentChunk(index=i, data=d) for i, d in enumerate(pieces)]
     want[0].header.CopyFrom(header)
     want = [m.SerializeToString() for m in want]
-    got = list(
-      state_messages.state_messages(state, codec, block_size=5, chunk_size=chunk_size, base=base)
-    )
+    got = list(pull_messages(state, codec, block_size=5, chunk_size=chunk_size, base=base))
     assert got == want
     cached = state_messages.encoded_state_messages(
       pieces,

@@ -9,8 +9,9 @@ import pytest
 
 from ddiloco.fragments.codecs import Fp32
 from ddiloco.fragments.run_decoder import RunDecoder
-from ddiloco.protocol import FragmentState, Report
-from ddiloco.transport import frames, messages, state_messages, wire
+from ddiloco.protocol import Report
+from ddiloco.testing.wire import push_messages
+from ddiloco.transport import frames, messages, wire
 from ddiloco.transport.errors import WireError
 from ddiloco.transport.fragment_encoder import FragmentEncoder
 from ddiloco.transport.placement import Placement
@@ -66,22 +67,7 @@ def _read(chunks, placement=None, **kw) -> Report:
   )
 
 
-@pytest.mark.parametrize("codec", ["fp32", "int8"])
-@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
-def test_push_pieces_are_push_messages_byte_for_byte(codec, chunk):
-  def frame(head: bytes, n: int) -> bytes:
-    return b"<%d>" % (len(head) + n) + head
-
-  whole = list(messages.push_messages(_report(), codec, chunk_size=chunk, anchor_values=ANCHOR))
-  pieces = messages.push_pieces(_report(), codec, frame, chunk_size=chunk, anchor_values=ANCHOR)
-  assert b"".join(bytes(p) for p in pieces) == b"".join(frame(b"", len(m)) + m for m in whole)
-
-
-def test_state_pieces_are_state_messages_and_an_empty_fragment_has_one_chunk():
-  state = FragmentState(3, 7, VALUES, "digest")
-  whole = list(state_messages.state_messages(state, "fp32", chunk_size=CHUNK))
-  pieces = state_messages.state_pieces(state, "fp32", lambda h, n: h, chunk_size=CHUNK)
-  assert b"".join(bytes(p) for p in pieces) == b"".join(whole)
+def test_an_empty_fragment_has_one_chunk():
   empty = list(FragmentEncoder({}, "fp32").framed(CHUNK, lambda i, n: b"[%d:%d]" % (i, n)))
   assert empty[0] == b"[0:10]" and len(empty) == 2  # The format's header only, in chunk 0.
 
@@ -108,7 +94,7 @@ def test_plain_head_agrees_with_protobufs_parse():
 
 
 def test_a_placed_push_decodes_to_the_same_values_in_place():
-  chunks = list(messages.push_messages(_report(), "fp32", chunk_size=CHUNK, anchor_values=ANCHOR))
+  chunks = list(push_messages(_report(), "fp32", chunk_size=CHUNK, anchor_values=ANCHOR))
   want = _read(chunks).values
   placement = Placement()
   handed = []
@@ -127,7 +113,7 @@ def test_a_placed_push_decodes_to_the_same_values_in_place():
 
 
 def test_chunks_out_of_order_stop_placement_and_still_decode():
-  chunks = list(messages.push_messages(_report(), "fp32", chunk_size=CHUNK, anchor_values=ANCHOR))
+  chunks = list(push_messages(_report(), "fp32", chunk_size=CHUNK, anchor_values=ANCHOR))
   order = [0, 2, 1, *range(3, len(chunks))]
   placement = Placement()
   got = _read(_placed([chunks[i] for i in order], placement), placement).values
@@ -170,7 +156,7 @@ def _entry(key: str) -> bytes:
 
 
 def test_a_placed_stream_with_extra_bytes_is_refused():
-  chunks = list(messages.push_messages(_report(), "fp32", chunk_size=CHUNK, anchor_values=ANCHOR))
+  chunks = list(push_messages(_report(), "fp32", chunk_size=CHUNK, anchor_values=ANCHOR))
   extra = frames.chunk_prefix(len(chunks), 8) + b"\0" * 8  # One chunk more than announced.
   placement = Placement()
   with pytest.raises(WireError, match="out of range"):

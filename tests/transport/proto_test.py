@@ -40,10 +40,9 @@ def test_grpc_module_imports_messages_relatively():
   service = syncer_pb2.DESCRIPTOR.services_by_name["Syncer"]
   assert service.full_name == "ddiloco.v1.Syncer"
   methods = {m.name: (m.client_streaming, m.server_streaming) for m in service.methods}
+  # The control plane; pushes and pulls go over the bulk port (transport/bulk_wire.py).
   assert methods == {
     "Register": (False, False),
-    "Push": (True, False),
-    "Pull": (False, True),
     "Heartbeat": (False, False),
     "Leave": (False, False),
     "Status": (False, False),

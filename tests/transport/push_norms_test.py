@@ -10,6 +10,7 @@ import pytest
 from ddiloco.protocol import Report
 from ddiloco.syncer import blockwise, merge
 from ddiloco.syncer.core import SyncerConfig, SyncerCore
+from ddiloco.testing.wire import push_messages
 from ddiloco.transport import messages
 from ddiloco.transport.chunks import ArrayPool
 
@@ -60,9 +61,7 @@ def _decode(chunks, *, check_finite: bool = False) -> Report:
 @pytest.mark.parametrize("chunk", [1001, 4 * B + 12, 1 << 20])
 def test_the_sums_are_the_doors_bit_for_bit(chunk):
   theta = _theta(0)
-  report = _decode(
-    messages.push_messages(_report(theta), "fp32", chunk_size=chunk, anchor_values=ANCHOR)
-  )
+  report = _decode(push_messages(_report(theta), "fp32", chunk_size=chunk, anchor_values=ANCHOR))
   assert report.outer_gradient and sorted(report.sq_norms) == KEYS
   for k in KEYS:
     np.testing.assert_array_equal(report.values[k], ANCHOR[k] - theta[k])
@@ -72,11 +71,9 @@ def test_the_sums_are_the_doors_bit_for_bit(chunk):
 
 def test_no_sums_when_the_receiver_checks_itself_or_for_theta():
   theta = _theta(1)
-  checked = _decode(
-    messages.push_messages(_report(theta), "fp32", anchor_values=ANCHOR), check_finite=True
-  )
+  checked = _decode(push_messages(_report(theta), "fp32", anchor_values=ANCHOR), check_finite=True)
   assert checked.sq_norms is None
-  plain = _decode(messages.push_messages(_report(theta), "fp32"))
+  plain = _decode(push_messages(_report(theta), "fp32"))
   assert not plain.outer_gradient and plain.sq_norms is None
 
 
@@ -85,9 +82,7 @@ def test_a_non_finite_block_has_no_sum_and_the_door_refuses_it():
   delta["a"][B + 5] = np.nan
   delta["d"][-1] = np.inf
   encoded = {k: (v.reshape(-1).view(np.uint8), np.empty(0, np.float32)) for k, v in delta.items()}
-  report = _decode(
-    messages.push_messages(_report(_theta(2)), "fp32", anchor_values=ANCHOR, encoded=encoded)
-  )
+  report = _decode(push_messages(_report(_theta(2)), "fp32", anchor_values=ANCHOR, encoded=encoded))
   assert sorted(report.sq_norms) == ["b", "c"]
   core = _core()
   result = core.report(report, copy=False)
@@ -116,7 +111,7 @@ def test_filing_with_the_sums_merges_the_same_bits():
     core = _core()
     got = []
     for learner in (0, 1):
-      chunks = messages.push_messages(
+      chunks = push_messages(
         dataclasses.replace(_report(_theta(learner)), learner_id=learner),
         "fp32",
         anchor_values=ANCHOR,

@@ -39,16 +39,6 @@ class SyncerStub:
                 request_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.RegisterRequest.SerializeToString,
                 response_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.RegisterResponse.FromString,
                 _registered_method=True)
-        self.Push = channel.stream_unary(
-                '/ddiloco.v1.Syncer/Push',
-                request_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.PushChunk.SerializeToString,
-                response_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.PushResponse.FromString,
-                _registered_method=True)
-        self.Pull = channel.unary_stream(
-                '/ddiloco.v1.Syncer/Pull',
-                request_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.PullRequest.SerializeToString,
-                response_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.FragmentChunk.FromString,
-                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/ddiloco.v1.Syncer/Heartbeat',
                 request_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.HeartbeatRequest.SerializeToString,
@@ -86,21 +76,6 @@ class SyncerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Push(self, request_iterator, context):
-        """Learner -> syncer: one fragment's values or outer-gradient delta, streamed in chunks (docs/algorithm.md §3).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Pull(self, request, context):
-        """Syncer -> learner: the newest version of one fragment, streamed in chunks (docs/algorithm.md §4.7). The
-        stream is empty when known_version is already the newest.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Heartbeat(self, request, context):
         """Liveness and the current vector clock, so a learner notices merges and a restarted syncer.
         """
@@ -124,7 +99,7 @@ class SyncerServicer:
 
     def Rounds(self, request, context):
         """Syncer -> learner, for as long as the learner is connected: the rounds the syncer opens (answer
-        each with a Push at the next step boundary) and every newly published version (pull it). On
+        each with a push at the next step boundary) and every newly published version (pull it). On
         subscribing, the learner first gets the rounds open now and every fragment's current version.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -134,8 +109,8 @@ class SyncerServicer:
     def Recover(self, request_iterator, context):
         """Learner -> syncer, after a syncer restart lost merges: the learner uploads its copy of a
         version the syncer journaled but no longer holds (RegisterResponse.recover). The syncer adopts
-        it only if its digest is the journal's. The chunks are a full-values Push whose header names
-        the version in anchor_version.
+        it only if its digest is the journal's. The chunks are those of a push of the full values
+        (fp32), whose header names the version in anchor_version.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -148,16 +123,6 @@ def add_SyncerServicer_to_server(servicer, server):
                     servicer.Register,
                     request_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.RegisterRequest.FromString,
                     response_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.RegisterResponse.SerializeToString,
-            ),
-            'Push': grpc.stream_unary_rpc_method_handler(
-                    servicer.Push,
-                    request_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.PushChunk.FromString,
-                    response_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.PushResponse.SerializeToString,
-            ),
-            'Pull': grpc.unary_stream_rpc_method_handler(
-                    servicer.Pull,
-                    request_deserializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.PullRequest.FromString,
-                    response_serializer=ddiloco_dot_transport_dot_proto_dot_syncer__pb2.FragmentChunk.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
@@ -212,60 +177,6 @@ class Syncer:
             '/ddiloco.v1.Syncer/Register',
             ddiloco_dot_transport_dot_proto_dot_syncer__pb2.RegisterRequest.SerializeToString,
             ddiloco_dot_transport_dot_proto_dot_syncer__pb2.RegisterResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Push(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/ddiloco.v1.Syncer/Push',
-            ddiloco_dot_transport_dot_proto_dot_syncer__pb2.PushChunk.SerializeToString,
-            ddiloco_dot_transport_dot_proto_dot_syncer__pb2.PushResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Pull(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/ddiloco.v1.Syncer/Pull',
-            ddiloco_dot_transport_dot_proto_dot_syncer__pb2.PullRequest.SerializeToString,
-            ddiloco_dot_transport_dot_proto_dot_syncer__pb2.FragmentChunk.FromString,
             options,
             channel_credentials,
             insecure,
