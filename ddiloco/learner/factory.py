@@ -13,16 +13,17 @@ import jax
 import numpy as np
 
 from ddiloco.data import text as text_data
+from ddiloco.data import token_shards
 from ddiloco.fragments import layout as layout_lib
 from ddiloco.fragments import tree
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner import train_step as train_step_lib
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.learner import Learner
-from ddiloco.models import transformer
+from ddiloco.models import hf_llama, transformer
 from ddiloco.parallel import mesh as mesh_lib
 from ddiloco.parallel import partitioning
-from ddiloco.tasks import Task, TextTask
+from ddiloco.tasks import Task, TextTask, TokenShardTask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +46,16 @@ class LearnerSpec:
 def resolve_task(
   task: Task | None,
   model: transformer.TransformerConfig | None,
-  data: text_data.TextDataConfig | None,
+  data: text_data.TextDataConfig | token_shards.TokenShardDataConfig | None,
+  *,
+  keep_vocab: bool = False,
 ) -> Task:
-  """`task`, or a `TextTask` built from the (model, data) pair of text-only configs.
+  """`task`, or the language-modelling task of a (model, data) pair: a `TextTask` on the
+  Shakespeare pipeline, a `TokenShardTask` on a pre-tokenized corpus.
+
+  Args:
+    task, model, data: exactly one of `task` and the (model, data) pair.
+    keep_vocab: the model keeps its vocabulary (a pretrained checkpoint's).
 
   Raises:
     ValueError: unless exactly one of `task` and the complete (model, data) pair is given.
@@ -58,7 +66,26 @@ def resolve_task(
     return task
   if model is None or data is None:
     raise ValueError("Needs a task, or a text model config and a text data config (bind in gin).")
-  return TextTask(model=model, data=data)
+  if isinstance(data, token_shards.TokenShardDataConfig):
+    return TokenShardTask(model=model, data=data, keep_vocab=keep_vocab)
+  return TextTask(model=model, data=data, keep_vocab=keep_vocab)
+
+
+def check_hf_checkpoint(task: Task, checkpoint: str) -> transformer.TransformerConfig:
+  """The task's transformer, checked to be the model of the Hugging Face checkpoint `checkpoint`.
+
+  Raises:
+    ValueError: if the task's model is not the text transformer, or not the checkpoint's.
+    FileNotFoundError: if `checkpoint` holds no config.json.
+  """
+  config = getattr(task, "model_config", None)
+  if not isinstance(config, transformer.TransformerConfig):
+    raise ValueError(
+      f"hf_checkpoint reads a Hugging Face Llama checkpoint; the task {type(task).__name__} does not "
+      "train the text transformer."
+    )
+  hf_llama.check_same_architecture(config, checkpoint)
+  return config
 
 
 class LearnerFactory:
@@ -75,6 +102,8 @@ class LearnerFactory:
     split_large: allow splitting tensors larger than total/P (docs/algorithm.md §2 decision, off by default).
     num_shards: disjoint data shards (one per learner slot).
     seed: parameter-initialisation seed (every learner starts from the same global init).
+    hf_checkpoint: a Hugging Face Llama checkpoint folder whose weights are the initial global model
+      instead (`RunConfig.hf_checkpoint`); the task's transformer must be its model.
     eval_batches: held-out batches used for every evaluation.
     eval_batch_size: examples per held-out batch.
     batch_size: per-learner batch override (None: the task's); sets `tokens_per_step` (merge
@@ -100,6 +129,7 @@ class LearnerFactory:
     split_large: bool = False,
     num_shards: int = 1,
     seed: int = 0,
+    hf_checkpoint: str | None = None,
     eval_batches: int = 8,
     eval_batch_size: int = 8,
     batch_size: int | None = None,
@@ -115,6 +145,9 @@ class LearnerFactory:
     self.optimizer = train_step_lib.make_inner_optimizer(inner_opt)
     self.num_shards = num_shards
     self.seed = seed
+    self.hf_checkpoint = hf_checkpoint
+    if hf_checkpoint is not None:
+      check_hf_checkpoint(self.task, hf_checkpoint)
     self._steps: dict[tuple[int, ...], train_step_lib.CompiledSteps] = {}
     self._host_init = None  # The whole initial model, made on first need (`_full_init`).
     self._init_flat: dict[str, np.ndarray] | None = None
@@ -160,6 +193,8 @@ class LearnerFactory:
     Learners overwrite their parameters with the global fragments at start anyway, and a jitted
     init per mesh would cost a compile each, so later slices get copies of these values.
     """
+    if self._host_init is None and self.hf_checkpoint is not None:
+      self._host_init = tree.unflatten(self._pretrained(), self._shapes)
     if self._host_init is None:
       steps = self._eval_steps
       params, _ = partitioning.init_params(
@@ -191,6 +226,8 @@ class LearnerFactory:
       if self._init_flat is None:
         self._init_flat = {k: np.asarray(v) for k, v in tree.flatten(self._full_init()).items()}
       flat = self._init_flat
+    elif self.hf_checkpoint is not None:
+      flat = self._pretrained(leaves)
     else:
       steps = self._eval_steps
       some = partitioning.init_leaves(
@@ -202,6 +239,12 @@ class LearnerFactory:
       )
       flat = {k: np.asarray(jax.device_get(v)) for k, v in some.items()}
     return {k: v for p in wanted for k, v in self.layout.select(flat, p).items()}
+
+  def _pretrained(self, leaves: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+    """The checkpoint's flat params (only `leaves`, if given), in the model's param dtypes."""
+    dtypes = {k: v.dtype for k, v in tree.flatten(self._shapes).items()}
+    flat = hf_llama.load(self.hf_checkpoint, self.task.model_config, leaves=leaves)
+    return {k: np.asarray(v, dtype=dtypes[k]) for k, v in flat.items()}
 
   def embedding_keys(self) -> frozenset[str]:
     """Layout keys merged with the weighted mean (docs/algorithm.md §4.5 decision; `Task.mean_merged`)."""

@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ddiloco.models import hf_llama
 from ddiloco.models.transformer import Transformer, TransformerConfig
 from ddiloco.models.vit import VitConfig
 
@@ -130,6 +131,24 @@ def transformer_config(
     kwargs["max_len"] = max_len
   kwargs.update(overrides)
   return TransformerConfig(**kwargs)
+
+
+def hf_llama_config(path: str, **overrides: Any) -> TransformerConfig:
+  """The `TransformerConfig` of a Hugging Face Llama checkpoint folder, from its config.json.
+
+  For a run started from the checkpoint (`RunConfig.hf_checkpoint`) that changes what the checkpoint
+  does not fix, e.g. in gin `RunConfig.model = @hf_llama_config()`,
+  `hf_llama_config.path = %INIT_FROM`, `hf_llama_config.dtype = "bfloat16"`.
+
+  Args:
+    path: the checkpoint folder.
+    **overrides: `TransformerConfig` fields outside `hf_llama.ARCHITECTURE_FIELDS` (`dtype`,
+      `param_dtype`, `remat`, `max_len`, `dropout_rate`).
+
+  Raises:
+    FileNotFoundError, ValueError: as `hf_llama.read_config`.
+  """
+  return hf_llama.read_config(path, **overrides)
 
 
 def vit_config(size: str, **overrides: Any) -> VitConfig:

@@ -31,9 +31,6 @@ from ddiloco.types import BATCH, EMBED, HEADS, KV, LENGTH, MLP, VOCAB
 
 EMBEDDING_PATH_PREFIXES = ("token_embed", "unembed")
 
-_ROPE_MAX_WAVELENGTH = 10_000.0
-_NORM_EPS = 1e-6
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TransformerConfig:
@@ -43,7 +40,12 @@ class TransformerConfig:
     vocab_size: number of token ids.
     d_model: width of the residual stream.
     num_layers: number of transformer blocks (`block_0` ... `block_{num_layers-1}`).
-    num_heads: attention heads (query, key and value all have `num_heads`: plain multi-head).
+    num_heads: query heads.
+    num_kv_heads: key and value heads; None (default) = `num_heads`, plain multi-head attention.
+      Fewer is grouped-query attention (Llama 2 70B, Llama 3): query heads
+      [j * num_heads / num_kv_heads, (j + 1) * num_heads / num_kv_heads) share key/value head j.
+      It must divide `num_heads` (and, on a learner with tensor parallelism, its model axis must
+      divide it: the key/value heads shard over that axis as the query heads do).
     head_dim: width of one head; must be even when `rope` (RoPE rotates pairs of features).
     mlp_dim: hidden width of the SwiGLU MLP.
     max_len: longest sequence the model accepts.
@@ -54,6 +56,8 @@ class TransformerConfig:
     remat: rematerialise each block in the backward pass (`nn.remat`), trading compute for memory.
     causal: mask attention to earlier positions (a decoder); False gives a bidirectional encoder.
     rope: rotary position embeddings on queries and keys; False leaves positions to the caller.
+    rope_theta: RoPE's base wavelength (Llama 2: 10,000; Llama 3: 500,000).
+    norm_eps: epsilon of every RMSNorm (added to the mean square).
     num_experts: experts per MoE layer; 0 (default) makes every feed-forward layer dense.
     top_k: experts each token is routed to, in [1, num_experts].
     capacity_factor: expert buffer size relative to an even split (`moe.expert_capacity`).
@@ -79,6 +83,9 @@ class TransformerConfig:
   remat: bool = False
   causal: bool = True
   rope: bool = True
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  num_kv_heads: int | None = None
   num_experts: int = 0
   top_k: int = 2
   capacity_factor: float = 1.25
@@ -102,6 +109,12 @@ class TransformerConfig:
         raise ValueError(f"TransformerConfig.{name} must be a positive int, got {value!r}.")
     if self.rope and self.head_dim % 2:
       raise ValueError(f"TransformerConfig.head_dim must be even for RoPE, got {self.head_dim}.")
+    self._check_kv_heads()
+    if not self.rope_theta > 0 or not self.norm_eps > 0:  # `not >` refuses NaN too.
+      raise ValueError(
+        f"TransformerConfig.rope_theta and norm_eps must be > 0, got {self.rope_theta} and "
+        f"{self.norm_eps}."
+      )
     self._check_moe()
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(
@@ -117,6 +130,18 @@ class TransformerConfig:
       if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"TransformerConfig.{name} must be a floating dtype, got {dtype}.")
       object.__setattr__(self, name, dtype)
+
+  def _check_kv_heads(self) -> None:
+    # Stored resolved, so that a config that spells out the default equals one that does not.
+    if self.num_kv_heads is None:
+      object.__setattr__(self, "num_kv_heads", self.num_heads)
+    kv = self.num_kv_heads
+    if isinstance(kv, bool) or not isinstance(kv, int | np.integer) or kv < 1:
+      raise ValueError(f"TransformerConfig.num_kv_heads must be a positive int, got {kv!r}.")
+    if self.num_heads % kv:
+      raise ValueError(
+        f"TransformerConfig.num_kv_heads={kv} must divide num_heads={self.num_heads}."
+      )
 
   def _check_moe(self) -> None:
     for name in ("num_experts", "moe_group_size"):
@@ -177,15 +202,21 @@ class RMSNorm(nn.Module):
       cfg.param_dtype,
     )
     x = x_BxLxD.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + _NORM_EPS)
+    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + cfg.norm_eps)
     return (x * scale_D.astype(jnp.float32)).astype(cfg.dtype)
 
 
-def _rope(x_BxLxHxK: jax.Array, positions_L: jax.Array) -> jax.Array:
-  """Rotary position embedding (split-half convention), computed in float32."""
+def _rope(x_BxLxHxK: jax.Array, positions_L: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding, computed in float32.
+
+  The split-half convention: feature j of a head rotates with feature j + K/2 at frequency
+  theta^(-2j/K), as Hugging Face's Llama (`rotate_half`), not Meta's original interleaved pairs
+  (2j, 2j + 1). Query and key weights therefore map to Hugging Face's without a permutation
+  (ddiloco/models/hf_llama.py).
+  """
   head_dim = x_BxLxHxK.shape[-1]
   fraction_K2 = 2.0 * jnp.arange(head_dim // 2, dtype=jnp.float32) / head_dim
-  inv_freq_K2 = _ROPE_MAX_WAVELENGTH**-fraction_K2
+  inv_freq_K2 = theta**-fraction_K2
   angle_LxK2 = positions_L.astype(jnp.float32)[:, None] * inv_freq_K2[None, :]
   sin, cos = jnp.sin(angle_LxK2)[None, :, None, :], jnp.cos(angle_LxK2)[None, :, None, :]
   x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
@@ -194,9 +225,9 @@ def _rope(x_BxLxHxK: jax.Array, positions_L: jax.Array) -> jax.Array:
 
 
 class Attention(nn.Module):
-  """Multi-head self-attention, causal and with RoPE unless the config turns them off.
+  """Multi-head (or grouped-query) self-attention, causal and with RoPE unless the config says not.
 
-  Params `query`, `key`, `value`, `out`.
+  Params `query` [D, H, K], `key` and `value` [D, G, K] (G = `num_kv_heads`), `out` [H, K, D].
   """
 
   config: TransformerConfig
@@ -204,32 +235,52 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
     cfg = self.config
-    d, h, k = cfg.d_model, cfg.num_heads, cfg.head_dim
+    d, h, g, k = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     activation_axes = (BATCH, LENGTH, HEADS, KV)
 
-    def project(name: str) -> jax.Array:
-      kernel_DxHxK = Kernel((d, h, k), (EMBED, HEADS, KV), 0, (1, 2), cfg.param_dtype, name=name)()
+    def project(name: str, heads: int) -> jax.Array:
+      kernel_DxHxK = Kernel(
+        (d, heads, k), (EMBED, HEADS, KV), 0, (1, 2), cfg.param_dtype, name=name
+      )()
       y_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, kernel_DxHxK.astype(cfg.dtype))
       return nn.with_logical_constraint(y_BxLxHxK, activation_axes)
 
-    q_BxLxHxK = project("query")
-    k_BxLxHxK = project("key")
-    v_BxLxHxK = project("value")
+    q_BxLxHxK = project("query", h)
+    k_BxLxGxK = project("key", g)
+    v_BxLxGxK = project("value", g)
     length = x_BxLxD.shape[1]
     if cfg.rope:
       positions_L = jnp.arange(length)
-      q_BxLxHxK = _rope(q_BxLxHxK, positions_L)
-      k_BxLxHxK = _rope(k_BxLxHxK, positions_L)
-
-    # Scores and softmax in float32 whatever the compute dtype, for a stable normaliser.
-    scores_BxHxLxL = jnp.einsum(
-      "bqhk,bshk->bhqs", q_BxLxHxK, k_BxLxHxK, preferred_element_type=jnp.float32
-    ) / np.sqrt(k)
+      q_BxLxHxK = _rope(q_BxLxHxK, positions_L, cfg.rope_theta)
+      k_BxLxGxK = _rope(k_BxLxGxK, positions_L, cfg.rope_theta)
     if cfg.causal:
       causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
-      scores_BxHxLxL = jnp.where(causal_LxL[None, None], scores_BxHxLxL, jnp.finfo(jnp.float32).min)
-    probs_BxHxLxL = jax.nn.softmax(scores_BxHxLxL, axis=-1).astype(cfg.dtype)
-    ctx_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", probs_BxHxLxL, v_BxLxHxK)
+
+    if g == h:
+      # Scores and softmax in float32 whatever the compute dtype, for a stable normaliser.
+      scores_BxHxLxL = jnp.einsum(
+        "bqhk,bshk->bhqs", q_BxLxHxK, k_BxLxGxK, preferred_element_type=jnp.float32
+      ) / np.sqrt(k)
+      if cfg.causal:
+        scores_BxHxLxL = jnp.where(
+          causal_LxL[None, None], scores_BxHxLxL, jnp.finfo(jnp.float32).min
+        )
+      probs_BxHxLxL = jax.nn.softmax(scores_BxHxLxL, axis=-1).astype(cfg.dtype)
+      ctx_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", probs_BxHxLxL, v_BxLxGxK)
+    else:
+      # Grouped queries: query head j * R + r (R = H / G) attends with key/value head j.
+      b, r = x_BxLxD.shape[0], h // g
+      q_BxLxGxRxK = q_BxLxHxK.reshape(b, length, g, r, k)
+      scores_BxGxRxLxL = jnp.einsum(
+        "bqgrk,bsgk->bgrqs", q_BxLxGxRxK, k_BxLxGxK, preferred_element_type=jnp.float32
+      ) / np.sqrt(k)
+      if cfg.causal:
+        scores_BxGxRxLxL = jnp.where(
+          causal_LxL[None, None, None], scores_BxGxRxLxL, jnp.finfo(jnp.float32).min
+        )
+      probs_BxGxRxLxL = jax.nn.softmax(scores_BxGxRxLxL, axis=-1).astype(cfg.dtype)
+      ctx_BxLxGxRxK = jnp.einsum("bgrqs,bsgk->bqgrk", probs_BxGxRxLxL, v_BxLxGxK)
+      ctx_BxLxHxK = ctx_BxLxGxRxK.reshape(b, length, h, k)
     ctx_BxLxHxK = nn.with_logical_constraint(ctx_BxLxHxK, activation_axes)
 
     out_HxKxD = Kernel((h, k, d), (HEADS, KV, EMBED), (0, 1), 2, cfg.param_dtype, name="out")()

@@ -19,12 +19,37 @@ import jax
 import jax.numpy as jnp
 
 from ddiloco.data import text as text_data
+from ddiloco.data import token_shards
 from ddiloco.models import moe, transformer
 from ddiloco.tasks.base import Batch, LossOutput, Task
 from ddiloco.types import PyTree
 
 # Model vocabularies are padded to this multiple (up to 128-way model parallelism divides them).
 VOCAB_MULTIPLE = 128
+
+
+def fit_model(
+  model: transformer.TransformerConfig,
+  *,
+  vocab: int,
+  source: str,
+  seq_len: int,
+  keep_vocab: bool,
+) -> transformer.TransformerConfig:
+  """The model with the data's vocabulary: `vocab` ids rounded up to `VOCAB_MULTIPLE`, or with
+  `keep_vocab` its own (which must hold them); `source` names the data in errors."""
+  if keep_vocab and vocab > model.vocab_size:
+    raise ValueError(
+      f"The {source} has {vocab} ids, more than the model's vocabulary of {model.vocab_size}: "
+      "train a pretrained model on a token corpus written with its own tokenizer "
+      "(TokenShardDataConfig)."
+    )
+  vocab = model.vocab_size if keep_vocab else -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+  if model.vocab_size != vocab:
+    model = dataclasses.replace(model, vocab_size=vocab)
+  if seq_len > model.max_len:
+    raise ValueError(f"seq_len {seq_len} exceeds the model's max_len {model.max_len}.")
+  return model
 
 
 class TextTask(Task):
@@ -36,29 +61,36 @@ class TextTask(Task):
       over a learner's model axis (cl100k's 100,277 ids become 100,352; the extra ids never occur
       in the data, and training drives their logits down).
     data: the text pipeline's config.
+    keep_vocab: keep `model.vocab_size` (a pretrained checkpoint's vocabulary, `RunConfig.hf_checkpoint`)
+      instead; it must hold every id of the tokenizer.
   """
 
   unit = "tokens"
 
   def __init__(
-    self, *, model: transformer.TransformerConfig, data: text_data.TextDataConfig
+    self,
+    *,
+    model: transformer.TransformerConfig,
+    data: text_data.TextDataConfig,
+    keep_vocab: bool = False,
   ) -> None:
-    vocab = text_data.get_tokenizer(data.tokenizer).vocab_size
-    vocab = -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    if model.vocab_size != vocab:
-      model = dataclasses.replace(model, vocab_size=vocab)
-    if data.seq_len > model.max_len:
-      raise ValueError(f"seq_len {data.seq_len} exceeds the model's max_len {model.max_len}.")
-    self.model_config = model
+    self.model_config = fit_model(
+      model,
+      vocab=text_data.get_tokenizer(data.tokenizer).vocab_size,
+      source=f"tokenizer {data.tokenizer!r}",
+      seq_len=data.seq_len,
+      keep_vocab=keep_vocab,
+    )
     self.data_config = data
-    self.model = transformer.Transformer(model)
+    self.seq_len = data.seq_len
+    self.model = transformer.Transformer(self.model_config)
 
   @property
   def batch_size(self) -> int:
     return self.data_config.batch_size
 
   def dummy_inputs(self, batch_size: int = 1) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((batch_size, self.data_config.seq_len), jnp.int32)
+    return jax.ShapeDtypeStruct((batch_size, self.seq_len), jnp.int32)
 
   def loss(self, params: PyTree, batch: Mapping[str, Any], *, train: bool = True) -> LossOutput:
     cfg = self.model_config
@@ -100,4 +132,51 @@ class TextTask(Task):
     return transformer.is_embedding_path(path)
 
   def units_per_step(self, batch_size: int | None = None) -> int:
-    return (batch_size or self.data_config.batch_size) * self.data_config.seq_len
+    return (batch_size or self.data_config.batch_size) * self.seq_len
+
+
+class TokenShardTask(TextTask):
+  """Language modelling on a pre-tokenized corpus (data/token_shards.py); counts target tokens.
+
+  The model, loss and merge rules are `TextTask`'s; the data are the corpus's windows, its
+  sequence length theirs, its vocabulary the corpus's (rounded up to `VOCAB_MULTIPLE`), or the
+  model's own with `keep_vocab` (`RunConfig.hf_checkpoint`), which must hold the corpus's ids.
+  `RunConfig.data = @TokenShardDataConfig()` picks it.
+
+  Args:
+    model: the transformer's config.
+    data: the corpus and batch size.
+    keep_vocab: keep `model.vocab_size`.
+  """
+
+  # Not `TextTask.__init__`: it reads a tokenizer, and a corpus brings its own ids.
+  def __init__(
+    self,
+    *,
+    model: transformer.TransformerConfig,
+    data: token_shards.TokenShardDataConfig,
+    keep_vocab: bool = False,
+  ) -> None:
+    info = data.info()
+    self.model_config = fit_model(
+      model,
+      vocab=info.vocab_size,
+      source=f"corpus {data.path}",
+      seq_len=info.seq_len,
+      keep_vocab=keep_vocab,
+    )
+    self.data_config = data
+    self.seq_len = info.seq_len
+    self.model = transformer.Transformer(self.model_config)
+
+  def make_train_iterator(
+    self, *, shard_index: int, num_shards: int, batch_size: int | None = None
+  ) -> token_shards.TokenShardIterator:
+    return token_shards.make_train_iterator(
+      self.data_config, shard_index=shard_index, num_shards=num_shards, batch_size=batch_size
+    )
+
+  def eval_batches(self, num_batches: int, *, batch_size: int | None = None) -> list[Batch]:
+    return token_shards.eval_batches(
+      self.data_config, num_batches=num_batches, batch_size=batch_size
+    )

@@ -30,6 +30,7 @@ SCRIPTS = {
   "ddiloco-replay": ("replay_main", "--tape"),
   "ddiloco-fleet": ("fleet_main", "--learner_gin"),
   "ddiloco-ray": ("ray_main", "--address"),
+  "ddiloco-export": ("export_main", "--out"),
 }
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -68,7 +69,7 @@ def test_help_prints_the_docstring_and_the_flags(prog):
   assert proc.stdout.startswith(doc.strip().splitlines()[0])
   assert proc.stdout.startswith(f"`{prog}`")
   assert f"  {flag}" in proc.stdout
-  if prog != "ddiloco-fleet":
+  if prog not in ("ddiloco-fleet", "ddiloco-export"):  # They read no gin files of their own.
     assert "  --gin_file" in proc.stdout  # The shared gin flags are the command's flags too.
   assert (
     "--verbosity" not in proc.stdout and "USAGE" not in proc.stdout
@@ -288,11 +289,13 @@ def test_a_parameter_that_moved_to_the_run_config_says_so(
     ),
     ("ddiloco-fleet", ["--devices=0", "add"], "devices must be in [1, "),
     ("ddiloco-fleet", ["frobnicate"], "add | remove | list"),
+    ("ddiloco-export", ["--format=hf", "--out=o"], "neither a run folder (with syncer/)"),
+    ("ddiloco-export", ["--format=safetensors", "--out=o"], "--format"),
   ],
 )
 def test_launcher_flags_are_checked(tmp_path, prog, args, expected):
   w = tmp_path / "w"
-  gin = [] if prog == "ddiloco-fleet" else [f"--gin_file={LOCAL_GIN}"]
+  gin = [] if prog in ("ddiloco-fleet", "ddiloco-export") else [f"--gin_file={LOCAL_GIN}"]
   proc = _script(prog, f"--workdir={w}", *gin, *args)
   _assert_one_line_error(proc, prog, w, expected)
 

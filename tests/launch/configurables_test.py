@@ -37,11 +37,14 @@ NAMES = {
       "SyncerConfig",
       "TextDataConfig",
       "TextTask",
+      "TokenShardDataConfig",
+      "TokenShardTask",
       "TransformerConfig",
       "VisionDataConfig",
       "VisionTask",
       "VitConfig",
       "WeightedMean",
+      "hf_llama_config",
       "nesterov_warmup",
       "simulate",
       "transformer_config",
@@ -87,6 +90,9 @@ BUILT = {
 UNUSED = {
   "runs/sim_vit_tiny.gin": {"ddiloco.TextDataConfig"},  # The vision task replaces the text data.
   "examples/custom_task.gin": {"ddiloco.TextDataConfig"},  # The custom task, likewise.
+  "examples/token_corpus.gin": {"ddiloco.TextDataConfig"},  # A token corpus, likewise.
+  # And the checkpoint's config.json replaces the model.
+  "examples/from_hf_llama.gin": {"ddiloco.TextDataConfig", "ddiloco.transformer_config"},
   "goodput/heterogeneous.gin": {"goodput.DataParallel"},  # Only Decoupled DiLoCo systems.
   "goodput/scavenging.gin": {"goodput.DataParallel"},
 }

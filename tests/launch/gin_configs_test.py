@@ -24,8 +24,8 @@ CHAOS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/chaos/*.gin"
 BASELINES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/baselines/*.gin"))
 # TPU slice configs; tests/parallel/slice_configs_test.py checks them on fake devices.
 CLUSTERS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/clusters/*.gin"))
-# Examples of user code; tests/tasks/custom_task_test.py runs them.
-EXAMPLES = ["examples/custom_task.gin"]
+# Examples of user code and data; tests/tasks/custom_task_test.py and token_corpus_test.py run them.
+EXAMPLES = ["examples/custom_task.gin", "examples/token_corpus.gin", "examples/from_hf_llama.gin"]
 # Study bases (experiments/*.py stack bindings on them); each is a simulated run file.
 STUDIES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/studies/*.gin"))
 FAST = [

@@ -218,6 +218,39 @@ def test_config_validation():
     transformer.TransformerConfig(**base, dtype="int32")
   with pytest.raises(TypeError):
     transformer.TransformerConfig(8, 8, 1, 2, 4, 8, 8)  # keyword-only
+  assert transformer.TransformerConfig(**base).num_kv_heads == 2  # Resolved: plain multi-head.
+  assert cfg == transformer.TransformerConfig(**base, dtype="bfloat16", num_kv_heads=2)
+  with pytest.raises(ValueError, match="num_kv_heads=3 must divide num_heads=2"):
+    transformer.TransformerConfig(**base, num_kv_heads=3)
+  with pytest.raises(ValueError, match="num_kv_heads must be a positive int"):
+    transformer.TransformerConfig(**base, num_kv_heads=0)
+  with pytest.raises(ValueError, match="rope_theta and norm_eps must be > 0"):
+    transformer.TransformerConfig(**base, norm_eps=float("nan"))
+
+
+def test_grouped_query_attention_is_multi_head_with_shared_key_value_heads():
+  """A GQA model equals the multi-head model whose key/value heads are its own, repeated: query
+  head j * R + r (R = H / G) reads key/value head j, as Hugging Face's `repeat_kv`."""
+  gqa = _model(num_heads=4, num_kv_heads=2)
+  mha = _model(num_heads=4)
+  _, params = _init(gqa)
+  assert params["block_0"]["attn"]["key"]["kernel"].shape == (128, 2, 32)
+  repeated = jax.tree.map(lambda x: x, params)
+  for i in range(2):
+    attn = repeated[f"block_{i}"]["attn"]
+    for name in ("key", "value"):
+      attn[name]["kernel"] = jnp.repeat(attn[name]["kernel"], 2, axis=1)
+  tokens = jax.random.randint(jax.random.key(2), (2, L), 0, V)
+  np.testing.assert_allclose(
+    _apply(gqa, params, tokens), _apply(mha, repeated, tokens), rtol=1e-5, atol=1e-5
+  )
+  # Tiling instead of repeating (head j serving queries j, j + G, ...) is another model.
+  tiled = jax.tree.map(lambda x: x, params)
+  for i in range(2):
+    attn = tiled[f"block_{i}"]["attn"]
+    for name in ("key", "value"):
+      attn[name]["kernel"] = jnp.tile(attn[name]["kernel"], (1, 2, 1))
+  assert np.abs(_apply(gqa, params, tokens) - _apply(mha, tiled, tokens)).max() > 1e-2
 
 
 def test_sizes_param_counts():
