@@ -25,12 +25,11 @@ from typing import Any, TypeVar
 import gin
 import optax
 
-from ddiloco.chaos.schedule import ChaosConfig
 from ddiloco.checkpoint.learner import LearnerCheckpointConfig
 from ddiloco.checkpoint.syncer import SyncerCheckpointConfig
 from ddiloco.data.text import TextDataConfig
 from ddiloco.data.vision import VisionDataConfig
-from ddiloco.distributed.service_config import ServiceConfig
+from ddiloco.faults.schedule import ChaosConfig
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.goodput import bandwidth, capacity
 from ddiloco.goodput import model as goodput_model
@@ -42,6 +41,7 @@ from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.models.configs import TransformerConfig, VitConfig, transformer_config, vit_config
 from ddiloco.run_config import RunConfig
+from ddiloco.service.service_config import ServiceConfig
 from ddiloco.simulation.config import ClusterConfig
 from ddiloco.simulation.simulate import simulate
 from ddiloco.syncer.merge_rules import RDA, WeightedMean
