@@ -3,7 +3,7 @@
 The syncer asks with a `RoundRequest`. A learner's kernel answers with an `Answer`: θ_p as it
 trained it, and the anchor Θ_p^(anchor) the wire's outer gradient δ = Θ^(anchor) − θ is formed
 against (`Uplink` says which of the two the wire carries). The learner's transport turns it into a
-Push at its edge (distributed/link.py); the syncer's door reads that Push as a `Report`, whose
+Push at its edge (learner_process/link.py); the syncer's door reads that Push as a `Report`, whose
 values are what the wire carried (δ, or fp32 θ), and answers with a `ReportResult`. The syncer
 publishes each merged fragment as a `FragmentState` (version, Θ_p, digest): always the full
 values, since a learner's transport decodes a downlink delta against the base it holds before its
@@ -136,7 +136,7 @@ class Answer:
 
   def as_report(self, theta: Mapping[str, np.ndarray]) -> "Report":
     """The Push header's fields with θ_p's host values (`theta`; empty when the devices encoded
-    δ): what the learner's transport encodes, at its edge (distributed/link.py)."""
+    δ): what the learner's transport encodes, at its edge (learner_process/link.py)."""
     return Report(
       learner_id=self.learner_id,
       fragment=self.fragment,

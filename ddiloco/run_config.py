@@ -13,13 +13,13 @@ import numbers
 
 from ddiloco.data import text as text_data
 from ddiloco.data import token_shards
-from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.layout import STRATEGIES
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner.config import LearnerConfig, check_pacing
 from ddiloco.learner.factory import LearnerFactory, check_hf_checkpoint, resolve_task
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.models import hf_llama, transformer
+from ddiloco.service.service_config import ServiceConfig
 from ddiloco.syncer.types import SyncerConfig
 from ddiloco.tasks import Task
 from ddiloco.types import check_int_fields

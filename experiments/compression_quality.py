@@ -33,8 +33,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 from absl import app, flags
 
 from ddiloco.launch import configurables
-from ddiloco.simulation import study
-from ddiloco.simulation.codec_study import (
+
+from studylib import study
+from studylib.codec_study import (
   CODECS,
   DEFAULT_BINDINGS,
   QUICK_BINDINGS,

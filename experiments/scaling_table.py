@@ -46,7 +46,7 @@ from collections.abc import Iterator
 
 from absl import app, flags
 
-from ddiloco.simulation import study
+from studylib import study
 
 _OUT = flags.DEFINE_string("out", "docs/results", "folder for the table, plot and JSON")
 _WORKDIR = flags.DEFINE_string("workdir", "workdirs/scaling_table", "run outputs")

@@ -29,7 +29,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from ddiloco.launch import configurables
-from ddiloco.simulation import study
+
+from studylib import study
 
 _OUT = flags.DEFINE_string("out", "docs/results", "folder for the table, plot and per-seed JSON")
 _WORKDIR = flags.DEFINE_string("workdir", "workdirs/scavenging", "run outputs")

@@ -18,7 +18,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 from absl import app, flags
 
 from ddiloco.launch import configurables
-from ddiloco.simulation import study
+
+from studylib import study
 
 _OUT = flags.DEFINE_string("out", "docs/results", "folder for the table and JSON")
 _WORKDIR = flags.DEFINE_string("workdir", "workdirs/short_horizon", "run outputs")

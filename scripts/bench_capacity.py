@@ -169,9 +169,9 @@ def wire_bytes(params: int, codec: str) -> int:
 
 def _shard_main(pt: Point, out: str) -> None:
   """Syncer shard `--index` of `pt.shards`; writes its merge log on SIGTERM."""
-  from ddiloco.distributed.server import make_syncer, serve
-  from ddiloco.distributed.service_config import ServiceConfig
   from ddiloco.fragments.schedule import FragmentSchedule
+  from ddiloco.service.server import make_syncer, serve
+  from ddiloco.service.service_config import ServiceConfig
   from ddiloco.syncer.core import SyncerConfig
 
   stop = threading.Event()

@@ -93,9 +93,9 @@ class _Answerer:
 
   def _answer(self, req) -> tuple[str, int] | None:
     """Pushes the answer to `req`, retrying a transient refusal with backoff as a learner's sender
-    does (distributed/retry.py: a round with quorum M waits for every answer, so an answer given up
+    does (learner_process/retry.py: a round with quorum M waits for every answer, so an answer given up
     would leave its fragment's round open for good). (final status, tries); None when stopping."""
-    from ddiloco.distributed.retry import TRANSIENT, Backoff
+    from ddiloco.learner_process.retry import TRANSIENT, Backoff
     from ddiloco.transport import bulk_wire, events
     from ddiloco.transport.frames import chunk_prefix
     from ddiloco.transport.proto import syncer_pb2

@@ -50,7 +50,7 @@ def _wrap(owner, name: str, kind: str, info=None) -> None:
 
 def install() -> None:
   """Wraps the shard's functions named in the module docstring (call before building it)."""
-  from ddiloco.distributed import bulk_server, downlink, publication
+  from ddiloco.service import bulk_server, downlink, publication
   from ddiloco.syncer import blockwise, closing, core, updates
   from ddiloco.transport import messages
 

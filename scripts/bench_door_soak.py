@@ -31,9 +31,9 @@ import grpc
 import numpy as np
 from absl import app, flags
 
-from ddiloco.distributed.server import make_syncer, serve
-from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.protocol import RoundRequest
+from ddiloco.service.server import make_syncer, serve
+from ddiloco.service.service_config import ServiceConfig
 from ddiloco.syncer.core import Report, SyncerConfig
 from ddiloco.transport import auth, bulk_wire
 from ddiloco.transport.client import SyncerClient, fragment_layouts

@@ -62,9 +62,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from ddiloco.distributed.downlink import DownlinkAdopter
-from ddiloco.distributed.server import make_syncer
-from ddiloco.distributed.service_config import ServiceConfig
+from ddiloco.service.downlink import DownlinkAdopter
+from ddiloco.service.server import make_syncer
+from ddiloco.service.service_config import ServiceConfig
 from ddiloco.syncer import blockwise, outer
 from ddiloco.syncer import merge as merge_lib
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore

@@ -6,7 +6,7 @@ receiver's Python work under one GIL, which no real push pays. Transfers run on 
 process to that one, interleaved in rounds so machine noise hits them equally, and the median of
 the rounds is reported:
   bulk   `SyncerClient.push` of one fragment (a single key of 16M float32 = 64 MiB) to a served
-         `SyncerService` with the shared token on, over its bulk port (distributed/bulk_server.py),
+         `SyncerService` with the shared token on, over its bulk port (service/bulk_server.py),
          as learners push. What is timed is everything a learner's push costs end to end: the
          client's encoding (`messages.push_pieces`: the fp32 delta θ − Θ^(anchor), the wire
          format, chunks of `ServiceConfig.bulk_chunk_bytes`, sent piece by piece from the
@@ -75,10 +75,10 @@ import grpc.experimental
 import numpy as np
 from absl import app, flags
 
-from ddiloco.distributed.server import make_syncer, serve
-from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments import buffers
 from ddiloco.fragments import layout as layout_lib
+from ddiloco.service.server import make_syncer, serve
+from ddiloco.service.service_config import ServiceConfig
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
 from ddiloco.transport import bulk_wire, frames, messages
 from ddiloco.transport.bulk_client import BulkClient

@@ -9,17 +9,17 @@ import math
 import numpy as np
 import pytest
 
-from ddiloco.chaos.schedule import ChaosConfig
 from ddiloco.checkpoint.learner import LearnerCheckpointConfig
 from ddiloco.data.text import TextDataConfig
 from ddiloco.data.vision import VisionDataConfig
-from ddiloco.distributed.service_config import ServiceConfig
+from ddiloco.faults.schedule import ChaosConfig
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch.job import JobConfig
 from ddiloco.launch.ray_config import RayConfig
 from ddiloco.learner.train_step import InnerOptConfig
 from ddiloco.models.transformer import TransformerConfig
 from ddiloco.run_config import RunConfig
+from ddiloco.service.service_config import ServiceConfig
 from ddiloco.simulation.config import ClusterConfig
 from ddiloco.syncer.types import SyncerConfig
 

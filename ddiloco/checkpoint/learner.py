@@ -20,7 +20,7 @@ when complete; a crash mid-save leaves only that tmp folder, which restores igno
 manager deletes). Restores follow the chain own → peer → fresh, starting at `init_from`; see
 `LearnerCheckpointer.restore` and docs/resilience.md.
 
-**Multi-process learners** (`group` given; distributed/multihost.py): the learner's processes share one
+**Multi-process learners** (`group` given; learner_process/multihost.py): the learner's processes share one
 checkpoint folder and call `save`, `restore` and `close` collectively, as orbax expects: each
 process writes the shards of the global optimizer state that it holds (`ocdbt.process_<i>`),
 process 0 (orbax's primary host) writes the JSON item and commits the step after a barrier, so a

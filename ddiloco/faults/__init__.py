@@ -1,10 +1,10 @@
 """One fault vocabulary for every runtime: events, their text form, and the executor interface.
 
-A fault is a `FaultEvent` of one of `KINDS`. The chaos planner (`ddiloco.chaos.schedule`) draws
+A fault is a `FaultEvent` of one of `KINDS`. The chaos planner (`ddiloco.faults.schedule`) draws
 them for a real cluster, the text grammar (`parse_faults`, e.g. "crash:1@30+20") writes them in a
 gin file for the simulator, and each runtime executes them through a `FaultExecutor`: the
 simulator's on its virtual clock (`ddiloco.simulation.faults`), the process driver's with signals
-and a proxy (`ddiloco.launch.chaos_faults`).
+and a proxy (`ddiloco.chaos.driver`).
 """
 
 from ddiloco.faults.events import (

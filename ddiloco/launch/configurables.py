@@ -25,13 +25,12 @@ from typing import Any, TypeVar
 import gin
 import optax
 
-from ddiloco.chaos.schedule import ChaosConfig
 from ddiloco.checkpoint.learner import LearnerCheckpointConfig
 from ddiloco.checkpoint.syncer import SyncerCheckpointConfig
 from ddiloco.data.text import TextDataConfig
 from ddiloco.data.token_shards import TokenShardDataConfig
 from ddiloco.data.vision import VisionDataConfig
-from ddiloco.distributed.service_config import ServiceConfig
+from ddiloco.faults.schedule import ChaosConfig
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.goodput import bandwidth, capacity
 from ddiloco.goodput import model as goodput_model
@@ -49,6 +48,7 @@ from ddiloco.models.configs import (
   vit_config,
 )
 from ddiloco.run_config import RunConfig
+from ddiloco.service.service_config import ServiceConfig
 from ddiloco.simulation.config import ClusterConfig
 from ddiloco.simulation.simulate import simulate
 from ddiloco.syncer.merge_rules import RDA, WeightedMean

@@ -22,12 +22,12 @@ class JobConfig:
     run: what is trained and how (`RunConfig`), as the simulator would run it.
     devices_per_learner: fake CPU devices per learner process (the launcher sets XLA_FLAGS).
     processes_per_learner: JAX processes forming each learner in the local launchers, as the hosts
-      of a multi-host slice (distributed/multihost.py, launch/processes.py); a learner's mesh then has
+      of a multi-host slice (learner_process/multihost.py, launch/processes.py); a learner's mesh then has
       processes_per_learner × devices_per_learner devices.
     model_parallelism: size of each learner mesh's "model" axis (tensor parallelism; the "data"
       axis gets the rest of its devices); must divide a learner's device count.
     senders: each learner process's sender threads, each with one push in flight (of different
-      fragments; distributed/senders.py); with its pull, at most the syncer's
+      fragments; learner_process/senders.py); with its pull, at most the syncer's
       `ServiceConfig.max_data_streams_per_learner`.
     syncer_shards: S syncer processes, fragment p merged by shard p mod S (fragments/shards.py),
       each with its own port, checkpoint and journal; learners learn the shards' addresses at

@@ -16,7 +16,7 @@ fragments from the syncer. `--restore=own|peer|fresh` overrides where that chain
 Multi-host slices: a learner may be several processes (one per host of its slice), started with
 the same flags plus `--num_processes`, `--process_id` and `--coordinator_address` (process 0's
 host:port for `jax.distributed.initialize`). Their mesh spans all their devices; process 0 alone
-talks to the syncer and the others follow its applies step by step (distributed/multihost.py). Process 0
+talks to the syncer and the others follow its applies step by step (learner_process/multihost.py). Process 0
 writes to `--workdir`, process i to `<workdir>/process_<i>`. All of them save and restore the
 learner's checkpoints in `<workdir>/checkpoints` together (on real hosts: a folder every host
 mounts, or `LearnerCheckpointConfig.directory`); restart all of them with the same flags.

@@ -11,8 +11,8 @@ from ddiloco.checkpoint.learner import (
   LearnerCheckpointer,
   abstract_opt_state,
 )
-from ddiloco.distributed import multihost as multihost_lib
 from ddiloco.launch.job import JobConfig
+from ddiloco.learner_process import multihost as multihost_lib
 from ddiloco.metrics.writer import MetricsWriter
 from ddiloco.parallel.multihost import GlobalBatches, ProcessGroup
 from ddiloco.transport.client import SyncerClient, fragment_layouts

@@ -24,14 +24,14 @@ from ddiloco.checkpoint import syncer as ckpt_lib
 from ddiloco.checkpoint.learner import (
   LearnerCheckpointConfig,
 )
-from ddiloco.distributed import server as server_lib
-from ddiloco.distributed.shard_client import ShardedClient
-from ddiloco.distributed.worker import LearnerWorker
 from ddiloco.fragments import shards as shards_lib
 from ddiloco.launch import syncer_shards
 from ddiloco.launch.job import JobConfig
 from ddiloco.launch.learner_workers import worker_args
+from ddiloco.learner_process.shard_client import ShardedClient
+from ddiloco.learner_process.worker import LearnerWorker
 from ddiloco.metrics.writer import MetricsWriter, write_summary
+from ddiloco.service import server as server_lib
 from ddiloco.syncer.core import MergeEvent
 from ddiloco.transport.client import SyncerClient
 

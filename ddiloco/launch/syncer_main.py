@@ -100,7 +100,7 @@ def main(argv: list[str]) -> None:
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: stop.set())
   tls = (_TLS_CERT.value, _TLS_KEY.value) if _TLS_CERT.value else None
-  from ddiloco.distributed import server as server_lib
+  from ddiloco.service import server as server_lib
   from ddiloco.transport import auth
 
   address = f"{_HOST.value}:{_PORT.value}"

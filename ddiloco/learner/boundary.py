@@ -1,6 +1,6 @@
 """The step boundary: what a learner does between two inner steps, once, for both runtimes.
 
-The simulated cluster (simulation/cluster.py) and the learner process (distributed/training.py)
+The simulated cluster (simulation/cluster.py) and the learner process (learner_process/training.py)
 both call `step_boundary` whenever the protocol may move: after each step, when a round request
 or a merged fragment reaches a learner that waits, and (without applying) when a request reaches
 one whose step is running. It

@@ -155,7 +155,7 @@ class LearnerFactory:
     self.tokens_per_step = self.task.units_per_step(batch_size)
     self.last_eval: dict[str, float] | None = None
     # This process's own first device: in a multi-process learner jax.devices()[0] is process 0's,
-    # which the other processes cannot read back (distributed/multihost.py).
+    # which the other processes cannot read back (learner_process/multihost.py).
     own = mesh_lib.learner_devices(0, 1, jax.local_devices())
     self._eval_steps = self._steps_for(own, math.gcd(model_parallelism, len(own)))
     # Shapes only: a syncer shard never materialises the parts of the model it does not own.

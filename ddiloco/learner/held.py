@@ -5,7 +5,7 @@ version decodes against, and as the anchor Θ_p^(anchor) an answer's outer gradi
 δ = Θ^(anchor) − θ is formed against. This store is their one owner: the learner's kernel
 (learner/kernel.py) owns it, reads an answer's anchor from it and prunes it at every apply and
 load (a version older than the one applied is never a base or an anchor again); the learner's
-link to the syncer (distributed/link.py) is handed the same store, keeps every version it pulls
+link to the syncer (learner_process/link.py) is handed the same store, keeps every version it pulls
 in it and reads the bases of its deltas and what a registration offers a restarted syncer from it.
 
 The kernel is single-threaded. A learner process pulls on a thread of its own, so its link guards

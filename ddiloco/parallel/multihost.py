@@ -19,7 +19,7 @@ must launch the same computations in the same order. This module holds the JAX s
 - `GlobalBatches` turns the learner's host batches into global arrays, each process placing only
   the rows of its own devices.
 
-Nothing here knows about syncers or gRPC (docs/architecture.md "Layers"); distributed/multihost.py
+Nothing here knows about syncers or gRPC (docs/architecture.md "Layers"); learner_process/multihost.py
 drives the protocol on top of it.
 """
 
@@ -80,7 +80,7 @@ class ProcessGroup:
   """This process's view of the learner's processes, with the learner's mesh.
 
   Every method that communicates (`share`, `gather`, `replicate`) must be called by every
-  process, in the same order: callers keep that invariant (distributed/multihost.py,
+  process, in the same order: callers keep that invariant (learner_process/multihost.py,
   checkpoint/learner.py).
 
   Args:

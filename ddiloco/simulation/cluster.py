@@ -5,8 +5,8 @@ its own mesh over a slice of the local devices), so model quality is real; time 
 grace window, stragglers, crashes and joins are reproducible on any machine. The syncer is driven
 through an interface (interface.py); `simulate()` plugs in the distributed runtime's own service,
 reached over the in-process transport with the runtime's client, messages and codecs
-(distributed/virtual.py). Only the clock and the timing of events differ from the distributed
-runtime: each learner does here what a learner process does (distributed/worker.py), with the
+(service/virtual.py). Only the clock and the timing of events differ from the distributed
+runtime: each learner does here what a learner process does (learner_process/worker.py), with the
 network's latency (and bandwidth) as the time between sending and receiving.
 
 At each of them a learner calls the step boundary a learner process calls (learner/boundary.py):
@@ -72,7 +72,7 @@ class SimulatedCluster:
       knobs (α, blocking), evaluation and logging periods.
     fleet: the virtual fleet: step times, stragglers, faults, latencies.
     syncer_fn: builds the `Syncer` given (fragment_keys, init_values, clock, embedding_keys,
-      schedule, layout_digest), e.g. `distributed.virtual.VirtualSyncer` with its configs bound;
+      schedule, layout_digest), e.g. `service.virtual.VirtualSyncer` with its configs bound;
       None runs without a syncer (the data-parallel baseline).
     writer: where events go.
     heartbeat_interval_s: how often a blocked learner sends a heartbeat (a stepping one sends one

@@ -3,7 +3,7 @@
 The simulated cluster (cluster.py) knows nothing of gRPC or threads. It drives a `Syncer` on its
 virtual clock, and each of its learners talks to it through a `Link` of its own. The implementation
 `simulate()` plugs in is the distributed runtime's own service reached over the in-process
-transport (distributed/virtual.py, distributed/link.py): the same door, core, codecs and
+transport (service/virtual.py, learner_process/link.py): the same door, core, codecs and
 messages as a `ddiloco-syncer` with learner processes.
 """
 
@@ -35,7 +35,7 @@ class Heartbeat(Protocol):
 
 
 class Link(Protocol):
-  """One learner's connection to the syncer (distributed/link.py `SyncerLink`)."""
+  """One learner's connection to the syncer (learner_process/link.py `SyncerLink`)."""
 
   learner_id: int
   bytes_received: int  # Bytes pulled so far.
@@ -57,7 +57,7 @@ class Link(Protocol):
 
 
 class Syncer(Protocol):
-  """The syncer on a virtual clock (distributed/virtual.py `VirtualSyncer`)."""
+  """The syncer on a virtual clock (service/virtual.py `VirtualSyncer`)."""
 
   @property
   def core(self) -> SyncerCore:

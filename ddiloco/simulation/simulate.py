@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ddiloco import storage
-from ddiloco.distributed.virtual import VirtualSyncer
 from ddiloco.metrics.writer import MetricsWriter, write_summary
 from ddiloco.run_config import RunConfig
+from ddiloco.service.virtual import VirtualSyncer
 from ddiloco.simulation.cluster import SimulatedCluster
 from ddiloco.simulation.config import ClusterConfig
 
@@ -57,7 +57,7 @@ def simulate(
   schedule = run.the_schedule()
   factory = run.factory(num_shards=fleet.num_shards(run.num_learners))
   service = run.the_service()
-  # The distributed runtime's syncer service, on the virtual clock (distributed/virtual.py).
+  # The distributed runtime's syncer service, on the virtual clock (service/virtual.py).
   syncer_fn = functools.partial(
     VirtualSyncer, syncer_config=run.the_syncer(), service_config=service
   )

@@ -2,7 +2,6 @@
 
 from ddiloco.syncer.core import SyncerCore
 from ddiloco.syncer.grace import Ema, GraceModel
-from ddiloco.syncer.merge import merge_outer_gradients, rda, weighted_mean
 from ddiloco.syncer.merge_rules import RDA, Coefficients, MergeRule, WeightedMean, token_weight
 from ddiloco.syncer.types import FragmentState, MergeEvent, Report, ReportResult, SyncerConfig
 
@@ -19,8 +18,5 @@ __all__ = [
   "SyncerConfig",
   "SyncerCore",
   "WeightedMean",
-  "merge_outer_gradients",
-  "rda",
   "token_weight",
-  "weighted_mean",
 ]

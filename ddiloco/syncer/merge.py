@@ -37,7 +37,6 @@ from ddiloco.syncer.merge_rules import (
   RDA,
   Coefficients,
   MergeRule,
-  WeightedMean,
   check_rule,
 )
 
@@ -174,55 +173,6 @@ def finite_sq_norm(anchor: np.ndarray | None, value: np.ndarray) -> float | None
   return sq
 
 
-def _merged(
-  vs: Sequence[np.ndarray], ws: Sequence[float], rule: MergeRule, eps: float
-) -> np.ndarray:
-  """One tensor merged by `rule`, with the shape and dtype of `vs` (see `weighted_mean`)."""
-  arrays, w = _check_inputs(vs, ws)
-  out, _ = _merge_one([(a, None) for a in arrays], w, rule, eps)
-  return out.astype(arrays[0].dtype, copy=False)
-
-
-def weighted_mean(vs: Sequence[np.ndarray], ws: Sequence[float]) -> np.ndarray:
-  """Σ w v / Σ w, accumulated in at least float32 (docs/algorithm.md §4.5, embeddings).
-
-  Args:
-    vs: arrays of one shape and dtype.
-    ws: one non-negative weight per array; arrays of weight 0 are not read.
-
-  Returns:
-    The weighted mean, with the shape and dtype of the inputs.
-
-  Raises:
-    ValueError: on mismatched lengths, shapes or dtypes, negative weights, or Σ w <= 0.
-  """
-  return _merged(vs, ws, WeightedMean(), 0.0)
-
-
-def rda(vs: Sequence[np.ndarray], ws: Sequence[float], eps: float = EPS) -> np.ndarray:
-  """Radial-Directional Averaging of one tensor, docs/algorithm.md §4.5 (`merge_rules.RDA`).
-
-  `(Σ w‖v‖ / Σ w) · unit(Σ w unit(v) / Σ w)`: the radius is the weighted mean of the norms and the
-  direction the normalised weighted mean of the directions, so near-orthogonal updates do not shrink
-  like 1/√M as they do under a plain mean.
-
-  Zero norms are guarded: a v with ‖v‖ <= eps adds 0 to the radius sum and no direction (its weight still
-  counts in Σ w); if the directions cancel (‖Σ w unit(v)‖ / Σ w <= eps) the result is zeros.
-
-  Args:
-    vs: arrays of one shape and dtype (outer gradients of one tensor).
-    ws: one non-negative weight per array; arrays of weight 0 are not read.
-    eps: norms at or below this are treated as zero.
-
-  Returns:
-    The RDA merge, with the shape and dtype of the inputs.
-
-  Raises:
-    ValueError: on mismatched lengths, shapes or dtypes, negative weights, or Σ w <= 0.
-  """
-  return _merged(vs, ws, RDA(eps=eps), eps)
-
-
 def _check_counts(rule: MergeRule, n: int, weights: Sequence[float], what: str) -> None:
   check_rule(rule, "rule")
   if n != len(weights):
@@ -239,38 +189,6 @@ def _check_keys(maps: Sequence[Mapping[str, np.ndarray]], what: str) -> list[str
   return keys
 
 
-def merge_outer_gradients(
-  grads: Sequence[Mapping[str, np.ndarray]],
-  weights: Sequence[float],
-  *,
-  rule: MergeRule = _DEFAULT_RULE,
-  embedding_keys: Collection[str] = (),
-) -> dict[str, np.ndarray]:
-  """Merges per-learner outer gradients of one fragment, tensor by tensor (docs/algorithm.md §4.5).
-
-  Args:
-    grads: one {key: outer gradient} per learner, all with the same keys.
-    weights: one weight per learner (see `MergeRule.weight`).
-    rule: the merge rule of non-embedding tensors (default RDA, docs/algorithm.md §4.5).
-    embedding_keys: keys that always use the weighted mean (input embedding and unembedding: decision,
-      docs/algorithm.md §4.5). Keys not present in `grads` are ignored, so the full model's set may be passed.
-
-  Returns:
-    {key: merged outer gradient}, keys in sorted order, each with its inputs' dtype.
-
-  Raises:
-    ValueError: on a rule that is not a `MergeRule`, mismatched key sets or lengths, or invalid
-      weights.
-  """
-  _check_counts(rule, len(grads), weights, "gradients")
-  keys = _check_keys(grads, "grads")
-  out = {}
-  for key in keys:
-    use = EMBEDDING_RULE if key in embedding_keys else rule
-    out[key] = _merged([g[key] for g in grads], weights, use, EPS)
-  return out
-
-
 def merge_reports(
   anchors: Sequence[Mapping[str, np.ndarray] | None],
   values: Sequence[Mapping[str, np.ndarray]],
@@ -285,9 +203,8 @@ def merge_reports(
 ) -> dict[str, np.ndarray]:
   """Merges the outer gradients v_m = anchors[m] − values[m] without forming them (docs/algorithm.md §4.3–4.5).
 
-  Equal to `merge_outer_gradients([{k: anchors[m][k] − values[m][k]} ...], ...)` with the
-  differences taken in the accumulation dtype, but v_m is formed block by block as it is used, so
-  no outer gradient is ever held whole (see the module docstring). Reports that share an anchor
+  v_m is formed block by block as it is used, with the differences taken in the accumulation
+  dtype, so no outer gradient is ever held whole (see the module docstring). Reports that share an anchor
   may pass the same mapping. A None anchor means values[m] is the outer gradient itself (as a
   learner sends it, δ = Θ^(anchor) − θ); it is read as it is.
 

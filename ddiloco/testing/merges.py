@@ -6,6 +6,10 @@ reads each merged outer gradient back exactly: Θ_p starts at zeros and the oute
 learning rate 1, so Θ_new = 0 − 1 · merge is the merge itself, negated, with no rounding of its own
 (for float32 tensors; other dtypes are rounded by the cast back to them). A rule's test compares
 both with a reference formula of its own.
+
+`weighted_mean`, `rda` and `merge_outer_gradients` are the plain references: outer gradients given
+whole, merged by `merge.merge_reports` (the syncer's blockwise merge, reading each as it is) and
+returned in their own dtype.
 """
 
 import dataclasses
@@ -17,9 +21,11 @@ import optax
 
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.protocol import Report
+from ddiloco.syncer import merge
 from ddiloco.syncer.core import SyncerConfig, SyncerCore
-from ddiloco.syncer.merge_rules import MergeRule
+from ddiloco.syncer.merge_rules import EPS, RDA, MergeRule, WeightedMean
 
+_RDA = RDA()  # The default rule of `merge_outer_gradients`.
 _ROUND = 1  # The schedule step of the round the answers answer.
 FUSED, BLOCKWISE = 0, 1 << 62  # `SyncerConfig.fused_merge_bytes`: every fragment fused, or none.
 
@@ -131,3 +137,43 @@ def merge_round(
   if weights != again:
     raise RuntimeError(f"The rule weighed the same answers {weights}, then {again}.")
   return Merged(fused, blockwise, weights)
+
+
+def merge_outer_gradients(
+  grads: Sequence[Mapping[str, np.ndarray]],
+  weights: Sequence[float],
+  *,
+  rule: MergeRule = _RDA,
+  embedding_keys: Collection[str] = (),
+  eps: float = EPS,
+) -> dict[str, np.ndarray]:
+  """Merges per-learner outer gradients of one fragment, tensor by tensor (docs/algorithm.md §4.5).
+
+  Args:
+    grads: one {key: outer gradient} per learner, all with the same keys.
+    weights: one weight per learner (see `MergeRule.weight`).
+    rule: the merge rule of non-embedding tensors (default RDA).
+    embedding_keys: keys that always use the weighted mean; absent keys are ignored.
+    eps: the rescale's guard (`merge.merge_reports`).
+
+  Returns:
+    {key: merged outer gradient}, keys in sorted order, each with its inputs' dtype.
+
+  Raises:
+    ValueError: as `merge.merge_reports`.
+  """
+  merged = merge.merge_reports(
+    [None] * len(grads), grads, weights, rule=rule, embedding_keys=embedding_keys, eps=eps
+  )
+  return {k: v.astype(np.asarray(grads[0][k]).dtype, copy=False) for k, v in merged.items()}
+
+
+def weighted_mean(vs: Sequence[np.ndarray], ws: Sequence[float]) -> np.ndarray:
+  """Σ w v / Σ w of one tensor, accumulated in at least float32 (docs/algorithm.md §4.5)."""
+  return merge_outer_gradients([{"v": v} for v in vs], ws, rule=WeightedMean(), eps=0.0)["v"]
+
+
+def rda(vs: Sequence[np.ndarray], ws: Sequence[float], eps: float = EPS) -> np.ndarray:
+  """Radial-Directional Averaging of one tensor (docs/algorithm.md §4.5, `merge_rules.RDA`):
+  the weighted mean of the norms times the normalised weighted mean of the directions."""
+  return merge_outer_gradients([{"v": v} for v in vs], ws, rule=RDA(eps=eps), eps=eps)["v"]

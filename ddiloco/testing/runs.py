@@ -55,9 +55,9 @@ def gin_args(gin_file: str, bindings: Sequence[str] = ()) -> list[str]:
 def chaos_run(gin_file: str, workdir: str) -> Any:
   """A `ChaosRun` of the shipped chaos config `gin_file` (its job and schedule as `ddiloco-chaos`
   builds them) on a `LocalCluster` in `workdir`; call its `run`."""
-  from ddiloco.chaos.schedule import ChaosConfig
+  from ddiloco.chaos.driver import ChaosRun
+  from ddiloco.faults.schedule import ChaosConfig
   from ddiloco.launch import configurables, local_cluster
-  from ddiloco.launch.chaos import ChaosRun
   from ddiloco.launch.job import JobConfig
 
   search = [CONFIGS, os.path.join(CONFIGS, "chaos")]

@@ -6,7 +6,7 @@ Heartbeat, Rounds, Status, Leave, Recover) is gRPC on the main port. gRPC's Pyth
 most about a third of what a TCP socket does on loopback (scripts/bench_wire.py; docs/results.md,
 "Wire"), so data never goes over gRPC. The stream carries serialized chunk messages (PushChunk,
 FragmentChunk; transport/frames.py and messages.py), and the server feeds them to the service's
-Push and Pull handlers (distributed/bulk_server.py, distributed/streams.py). Every integer is
+Push and Pull handlers (service/bulk_server.py, service/streams.py). Every integer is
 little-endian.
 
 One call per connection:

@@ -5,7 +5,7 @@ address; its data, pushes and pulls, go over the syncer's bulk port (transport/b
 which Register advertises, and never over gRPC. Every call has a deadline; the gRPC channel
 reconnects with gRPC's exponential backoff. Pushes answered ABORTED (late) or ALREADY_EXISTS
 (duplicate) are protocol outcomes, returned as a `ReportResult`; every other failure raises
-`grpc.RpcError` for the caller to retry or re-register (distributed/retry.py). A bulk port that
+`grpc.RpcError` for the caller to retry or re-register (learner_process/retry.py). A bulk port that
 cannot be reached fails UNAVAILABLE with the port in the message, logged once per outage; the
 caller retries it with backoff as any call to a syncer that is away.
 
@@ -51,7 +51,7 @@ from ddiloco.transport.proto import syncer_pb2, syncer_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# Push refusals that are answers of the protocol, not failures of the call (distributed/refusals.py).
+# Push refusals that are answers of the protocol, not failures of the call (service/refusals.py).
 _PROTOCOL_STATUSES = {
   grpc.StatusCode.ABORTED: "late",
   grpc.StatusCode.ALREADY_EXISTS: "duplicate",

@@ -1,6 +1,6 @@
 """What a multi-process learner's leader hands its other processes, in the protocol's own messages.
 
-Process 0 of a multi-process learner alone talks to the syncer (distributed/multihost.py). At
+Process 0 of a multi-process learner alone talks to the syncer (learner_process/multihost.py). At
 start it hands the others the global fragments it pulled, and before each drain of its training
 loop what it drains there: push answers, merged fragments, round requests and the newest
 settlement. Those travel as one byte payload over JAX's collectives
@@ -60,7 +60,7 @@ PushOutcome = tuple[int, int, ReportResult | int]
 
 @dataclasses.dataclass(frozen=True)
 class Drained:
-  """What a learner's training thread takes from its inbox at one drain (distributed/inbox.py).
+  """What a learner's training thread takes from its inbox at one drain (learner_process/inbox.py).
 
   Attributes:
     results: push outcomes, in order.

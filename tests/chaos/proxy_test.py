@@ -275,8 +275,8 @@ def test_syncer_service_through_a_proxy_on_each_port_survives_a_drop_and_a_parti
   # fragment (1024 x 1024 values) through the data proxy with 20 ms of latency; the pull it makes
   # while the data path is partitioned fails UNAVAILABLE naming the proxy's port; once healed, and
   # after a drop of the control path, it pulls again on the same client.
-  from ddiloco.distributed.server import make_syncer, serve
-  from ddiloco.distributed.service_config import ServiceConfig
+  from ddiloco.service.server import make_syncer, serve
+  from ddiloco.service.service_config import ServiceConfig
   from ddiloco.syncer.core import SyncerConfig
   from ddiloco.transport.client import SyncerClient, fragment_layouts
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from ddiloco.checkpoint import journal as journal_lib
-from ddiloco.distributed.server import make_syncer, serve
-from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.digest import values_digest
+from ddiloco.service.server import make_syncer, serve
+from ddiloco.service.service_config import ServiceConfig
 from ddiloco.syncer.core import Report, SyncerConfig
 from ddiloco.transport.client import SyncerClient, fragment_layouts
 

@@ -2,7 +2,7 @@
 restarted; every invariant holds per shard and the restart loses no merge.
 
 A few minutes on 2 loaded cores; in the e2e tier (`bash scripts/run_e2e_tests.sh`). It drives
-`ddiloco.launch.chaos.ChaosRun` with gin_configs/chaos/sharded.gin.
+`ddiloco.chaos.driver.ChaosRun` with gin_configs/chaos/sharded.gin.
 """
 
 import re

@@ -1,7 +1,7 @@
 """The chaos smoke test: real processes, learner kills, a network drop, a syncer restart.
 
 About two minutes here; in the e2e tier (`bash scripts/run_e2e_tests.sh`). It drives
-`ddiloco.launch.chaos.ChaosRun` with gin_configs/chaos/smoke.gin and checks the invariants on the tape.
+`ddiloco.chaos.driver.ChaosRun` with gin_configs/chaos/smoke.gin and checks the invariants on the tape.
 """
 
 import pytest

@@ -21,16 +21,16 @@ SIM_GIN = str(ROOT / "gin_configs" / "sim_tiny.gin")
 
 # Console script -> (module, a flag of the module's own, one its --help must list).
 SCRIPTS = {
-  "ddiloco-simulate": ("simulate", "--workdir"),
-  "ddiloco-goodput": ("goodput_main", "--workdir"),
-  "ddiloco-syncer": ("syncer_main", "--port_file"),
-  "ddiloco-learner": ("learner_main", "--syncer_address"),
-  "ddiloco-local": ("local", "--timeout_s"),
-  "ddiloco-chaos": ("chaos_main", "--baseline_loss"),
-  "ddiloco-replay": ("replay_main", "--tape"),
-  "ddiloco-fleet": ("fleet_main", "--learner_gin"),
-  "ddiloco-ray": ("ray_main", "--address"),
-  "ddiloco-export": ("export_main", "--out"),
+  "ddiloco-simulate": ("launch.simulate", "--workdir"),
+  "ddiloco-goodput": ("launch.goodput_main", "--workdir"),
+  "ddiloco-syncer": ("launch.syncer_main", "--port_file"),
+  "ddiloco-learner": ("launch.learner_main", "--syncer_address"),
+  "ddiloco-local": ("launch.local", "--timeout_s"),
+  "ddiloco-chaos": ("chaos.main", "--baseline_loss"),
+  "ddiloco-replay": ("chaos.replay_main", "--tape"),
+  "ddiloco-fleet": ("launch.fleet_main", "--learner_gin"),
+  "ddiloco-ray": ("launch.ray_main", "--address"),
+  "ddiloco-export": ("launch.export_main", "--out"),
 }
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -39,9 +39,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 def _script(prog: str, *args: str) -> subprocess.CompletedProcess:
   """Runs console script `prog` as its setup.py wrapper would."""
   module = SCRIPTS[prog][0]
-  code = (
-    f"import sys; from ddiloco.launch.{module} import run; sys.argv[0] = {prog!r}; sys.exit(run())"
-  )
+  code = f"import sys; from ddiloco.{module} import run; sys.argv[0] = {prog!r}; sys.exit(run())"
   return subprocess.run(
     [sys.executable, "-c", code, *args],
     cwd=ROOT,
@@ -55,8 +53,8 @@ def _script(prog: str, *args: str) -> subprocess.CompletedProcess:
 def test_setup_declares_exactly_these_scripts():
   text = (ROOT / "setup.py").read_text()
   for prog, (module, _) in SCRIPTS.items():
-    assert f'"{prog}=ddiloco.launch.{module}:run"' in text
-  assert text.count("=ddiloco.launch.") == len(SCRIPTS)
+    assert f'"{prog}=ddiloco.{module}:run"' in text
+  assert text.count("=ddiloco.") == len(SCRIPTS)
 
 
 @pytest.mark.parametrize("prog", sorted(SCRIPTS))
@@ -64,7 +62,7 @@ def test_help_prints_the_docstring_and_the_flags(prog):
   module, flag = SCRIPTS[prog]
   proc = _script(prog, "--help")
   assert proc.returncode == 0, proc.stderr[-2000:]
-  source = (ROOT / "ddiloco" / "launch" / f"{module}.py").read_text()
+  source = (ROOT / "ddiloco" / f"{module.replace('.', '/')}.py").read_text()
   doc = ast.get_docstring(ast.parse(source))  # Not imported here: its flags would clash.
   assert proc.stdout.startswith(doc.strip().splitlines()[0])
   assert proc.stdout.startswith(f"`{prog}`")

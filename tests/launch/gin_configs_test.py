@@ -155,7 +155,7 @@ def test_the_simulator_and_the_launchers_read_one_run_config():
 
 @pytest.mark.parametrize("run", CHAOS)
 def test_chaos_configs_build_a_job_and_a_schedule(run):
-  from ddiloco.chaos.schedule import ChaosConfig, make_schedule
+  from ddiloco.faults.schedule import ChaosConfig, make_schedule
   from ddiloco.launch.job import JobConfig
 
   _parse([run], search_paths=[os.path.join(ROOT, "chaos")])

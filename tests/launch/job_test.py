@@ -5,11 +5,11 @@ import dataclasses
 import pytest
 
 from ddiloco.data import text as text_data
-from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch.job import JobConfig
 from ddiloco.models import configs
 from ddiloco.run_config import RunConfig
+from ddiloco.service.service_config import ServiceConfig
 
 
 def _run(**service) -> RunConfig:

@@ -6,13 +6,13 @@ over the syncer's bulk port."""
 import pytest
 
 from ddiloco.data import text as text_data
-from ddiloco.distributed import server as server_lib
-from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch import runtime
 from ddiloco.launch.job import JobConfig
 from ddiloco.models import configs
 from ddiloco.run_config import RunConfig
+from ddiloco.service import server as server_lib
+from ddiloco.service.service_config import ServiceConfig
 from ddiloco.syncer.types import SyncerConfig
 from ddiloco.transport.client import fragment_layouts
 

@@ -238,10 +238,10 @@ def _fake_python(tmp_path) -> str:
 
 @pytest.mark.integration
 def test_chaos_kills_and_restarts_every_process_of_a_learner(tmp_path):
-  from ddiloco.chaos.schedule import ChaosConfig
+  from ddiloco.chaos.driver import ChaosRun
   from ddiloco.chaos.tape import TapeWriter
   from ddiloco.faults import FaultEvent
-  from ddiloco.launch.chaos import ChaosRun
+  from ddiloco.faults.schedule import ChaosConfig
 
   cluster = _cluster(tmp_path, processes=2)
   cluster.python = _fake_python(tmp_path)
@@ -285,10 +285,10 @@ def _slow_syncer_python(tmp_path, ready_after_s: float) -> str:
 def test_chaos_schedule_goes_on_while_the_syncer_restarts(tmp_path):
   """A syncer restart is not waited for: the next fault fires on time, and syncer_up is recorded
   once the new syncer serves."""
-  from ddiloco.chaos.schedule import ChaosConfig
+  from ddiloco.chaos.driver import ChaosRun
   from ddiloco.chaos.tape import TapeWriter, read_tape
   from ddiloco.faults import FaultEvent
-  from ddiloco.launch.chaos import ChaosRun
+  from ddiloco.faults.schedule import ChaosConfig
 
   cluster = _cluster(tmp_path, processes=1)
   cluster.python = _slow_syncer_python(tmp_path, ready_after_s=3.0)

@@ -3,12 +3,12 @@
 import pytest
 
 from ddiloco.data import text as text_data
-from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch.job import JobConfig
 from ddiloco.launch.ray_config import RayConfig
 from ddiloco.models import configs
 from ddiloco.run_config import RunConfig
+from ddiloco.service.service_config import ServiceConfig
 
 
 def _job(shards: int, bulk_port: int = 0) -> JobConfig:

@@ -4,7 +4,7 @@ Fault injection: the merge journal's fsync raises ENOSPC at the third merge. The
 (its loop returns), never serve nor checkpoint that version, write its summary, and a restart in the
 same workdir must serve no fragment at a version below one served before.
 
-Model: the tiny one-block transformer of tests/distributed/worker_test.py; P = 2 fragments, K = 1, no
+Model: the tiny one-block transformer of tests/learner_process/worker_test.py; P = 2 fragments, K = 1, no
 grace, so an answer filed in an open round merges at the merge thread's next poll.
 """
 
@@ -21,7 +21,6 @@ import pytest
 from ddiloco.checkpoint import journal as journal_lib
 from ddiloco.checkpoint import syncer as ckpt_lib
 from ddiloco.data import text as text_data
-from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch import runtime
 from ddiloco.launch.job import JobConfig
@@ -29,6 +28,7 @@ from ddiloco.learner.config import LearnerConfig
 from ddiloco.metrics.writer import read_events, read_scalars
 from ddiloco.models import configs
 from ddiloco.run_config import RunConfig
+from ddiloco.service.service_config import ServiceConfig
 from ddiloco.syncer.types import Report, SyncerConfig
 from ddiloco.transport.client import SyncerClient
 
@@ -290,7 +290,7 @@ def test_syncer_and_learner_write_tensorboard_scalars_on_tokens(tmp_path):
   (loss, step rate, staleness; merges, quorum sizes, grace windows, late reports, bytes, eval) are
   against tokens, read back with TensorBoard's own reader; a second run gets its own folder. Their
   summaries split the answers' latency into its parts."""
-  # Blocking, on the slowest learner's clock (as tests/distributed/worker_test.py): every round merges.
+  # Blocking, on the slowest learner's clock (as tests/learner_process/worker_test.py): every round merges.
   run_config = dataclasses.replace(
     JOB.run,
     log_every=2,

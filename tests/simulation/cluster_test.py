@@ -13,8 +13,6 @@ import optax
 import pytest
 
 from ddiloco.data import text as text_data
-from ddiloco.distributed.service_config import ServiceConfig
-from ddiloco.distributed.virtual import VirtualSyncer
 from ddiloco.fragments import tree
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner import train_step
@@ -23,6 +21,8 @@ from ddiloco.learner.factory import LearnerFactory
 from ddiloco.metrics.writer import read_events, read_scalars
 from ddiloco.models import configs
 from ddiloco.run_config import RunConfig
+from ddiloco.service.service_config import ServiceConfig
+from ddiloco.service.virtual import VirtualSyncer
 from ddiloco.simulation.cluster import SimulatedCluster
 from ddiloco.simulation.config import ClusterConfig
 from ddiloco.simulation.simulate import simulate

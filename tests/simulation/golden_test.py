@@ -27,12 +27,12 @@ import optax
 import pytest
 
 from ddiloco.data import text as text_data
-from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner import train_step
 from ddiloco.metrics.writer import read_events
 from ddiloco.models import configs
 from ddiloco.run_config import RunConfig
+from ddiloco.service.service_config import ServiceConfig
 from ddiloco.simulation.config import ClusterConfig
 from ddiloco.simulation.simulate import simulate
 from ddiloco.syncer.core import SyncerConfig

@@ -13,6 +13,7 @@ from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.syncer import merge
 from ddiloco.syncer.core import Report, RoundRequest, SyncerConfig, SyncerCore
 from ddiloco.syncer.merge_rules import RDA, WeightedMean
+from ddiloco.testing import merges as reference
 
 # Two fragments: p0 holds "a" (2x3) and "b" (4,), p1 holds "c" (2,).
 KEYS = (("a", "b"), ("c",))
@@ -583,7 +584,7 @@ def test_outer_step_matches_optax_sgd_nesterov_over_two_rounds():
       core.report(rep(i, values=thetas[i], anchor=v, step=s, round_step=s, tokens=100 * (i + 1)))
     glob = core.state(0).values
     grads = [{k: glob[k] - t[k] for k in glob} for t in thetas]
-    merged = merge.merge_outer_gradients(grads, [1000.0, 4000.0])  # 100²/10, 200²/10
+    merged = reference.merge_outer_gradients(grads, [1000.0, 4000.0])  # 100²/10, 200²/10
     updates, opt_state = opt.update(merged, opt_state, params)
     params = optax.apply_updates(params, updates)
     # Nesterov by hand: trace ← g + 0.9 trace; Θ ← Θ − 0.7 (g + 0.9 trace).

@@ -6,9 +6,10 @@ import numpy as np
 import optax
 import pytest
 
-from ddiloco.syncer import merge, outer
+from ddiloco.syncer import outer
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
 from ddiloco.syncer.merge_rules import RDA, WeightedMean, token_weight
+from ddiloco.testing import merges as reference
 
 KEYS = (("a", "b", "emb"), ("c",))
 LEARNERS = (0, 1, 2)
@@ -122,7 +123,7 @@ def test_the_fused_merge_matches_the_numpy_merge_then_step(rule):
 
 def test_the_fused_merge_is_the_reference_rda_and_mean():
   """The fused program's merged gradient, read through SGD(lr = 1) without momentum (Θ_new =
-  Θ − merge), is `merge.rda` for RDA keys and `merge.weighted_mean` for the embedding."""
+  Θ − merge), is `reference.rda` for RDA keys and `reference.weighted_mean` for the embedding."""
   core = _core(FUSED, optimizer=optax.sgd(1.0))
   answers = [r for r in _answers(core, 10, seed=3) if r.outer_gradient]  # δ answers only.
   _merge(core, 10, answers)
@@ -130,7 +131,7 @@ def test_the_fused_merge_is_the_reference_rda_and_mean():
   init = _init()
   for k in ("a", "emb"):
     vs = [r.values[k] for r in answers]
-    want = merge.weighted_mean(vs, weights) if k == "emb" else merge.rda(vs, weights)
+    want = reference.weighted_mean(vs, weights) if k == "emb" else reference.rda(vs, weights)
     got = init[k] - core.state(0).values[k]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=k)
 

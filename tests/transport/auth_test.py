@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ddiloco.distributed.server import make_syncer, serve
-from ddiloco.distributed.service_config import ServiceConfig
+from ddiloco.service.server import make_syncer, serve
+from ddiloco.service.service_config import ServiceConfig
 from ddiloco.syncer.core import SyncerConfig
 from ddiloco.testing import runs
 from ddiloco.transport import auth

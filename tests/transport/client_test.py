@@ -9,9 +9,9 @@ import grpc
 import numpy as np
 import pytest
 
-from ddiloco.distributed.server import make_syncer, serve
-from ddiloco.distributed.service_config import ServiceConfig
 from ddiloco.fragments.codec import RUN_VALUES
+from ddiloco.service.server import make_syncer, serve
+from ddiloco.service.service_config import ServiceConfig
 from ddiloco.syncer.core import Report, RoundRequest, SyncerConfig
 from ddiloco.testing.wire import report_to_chunks, state_to_chunks
 from ddiloco.transport.client import SyncerClient
@@ -110,7 +110,7 @@ def test_an_unreachable_bulk_port_fails_unavailable_naming_it_once_and_the_retry
   env, caplog
 ):
   """No other path: a push and a pull to a bulk port nobody listens on fail UNAVAILABLE (which
-  the learner's threads retry with backoff, distributed/retry.py), with the port and what to do in
+  the learner's threads retry with backoff, learner_process/retry.py), with the port and what to do in
   the message, logged once for the outage; once the port answers again, so do the calls."""
   svc, srv, client = env
   state = _pull(client)

@@ -1,7 +1,7 @@
 """The in-process transport keeps gRPC's call semantics: serializers, status codes, deadlines,
 cancellation, callbacks and interceptors (transport/in_process.py).
 
-The syncer's own tests run over it too: tests/distributed/service_door_test.py and worker_test.py
+The syncer's own tests run over it too: tests/service/service_door_test.py and worker_test.py
 are parametrized over gRPC and the in-process transport.
 """
 

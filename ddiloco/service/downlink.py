@@ -1,0 +1,171 @@
+"""The downlink of a lossy codec: the syncer publishes what a learner decodes (docs/algorithm.md §5).
+
+With a lossy downlink codec the syncer sends Θ_new − Θ_old quantized and adopts what a receiver
+decodes, so learners and syncer hold bit-identical fragments. The encoded delta is kept for the
+newest version only; a learner that holds an older version (or none) gets the full values in fp32,
+which is exact.
+"""
+
+import math
+import os
+import threading
+from collections.abc import Mapping
+
+import numpy as np
+
+from ddiloco.fragments import compression
+from ddiloco.syncer import blockwise
+from ddiloco.transport import state_messages
+from ddiloco.transport.fragment_encoder import FragmentEncoder, serialize_chunks
+
+# Fragments of fewer values are adopted on the calling thread alone: a thread's start and join
+# (~0.1 ms) would cost more than half of their encoding saves.
+SPLIT_VALUES = 1 << 18
+
+
+class DownlinkAdopter:
+  """The core's `adopt` hook for a lossy downlink codec, and the cache of the encoded deltas.
+
+  At each merge it encodes Θ_new − Θ_old once, decodes it exactly as a learner holding Θ_old will,
+  and returns that as the published value (docs/algorithm.md §5). The bytes are kept for the
+  newest version.
+
+  The encoding of a large fragment is split into `workers` parts of about equal size, each encoded
+  on its own thread (numpy releases the GIL in its loops): every value's bytes, scales and adopted
+  value depend only on its own block, so parts cut at block (and int4 byte) boundaries give the
+  bytes of one encoding of the whole (checked in tests/service/downlink_test.py). The merge
+  holds the service's lock while it adopts, so its wall time is what pushes and pulls wait.
+  """
+
+  def __init__(
+    self,
+    codec: str,
+    *,
+    block_size: int,
+    chunk_size: int,
+    workers: int | None = None,
+    split_values: int = SPLIT_VALUES,
+  ):
+    """Args: `workers`, threads per adoption: None for 2, or 1 on a process allowed one CPU (a
+    pinned shard, where a second thread only adds switches); `split_values`: fragments of fewer
+    values are adopted on the calling thread alone.
+
+    Raises:
+      ValueError: for an exact codec or workers < 1.
+    """
+    if compression.codec_class(codec).exact:
+      raise ValueError(f"{codec} needs no adoption: the syncer sends exact full values.")
+    if workers is None:
+      workers = min(2, len(os.sched_getaffinity(0)))
+    if workers < 1:
+      raise ValueError(f"workers must be >= 1, got {workers}.")
+    self._codec, self._block, self._chunk = codec, block_size, chunk_size
+    self._workers, self._split = workers, split_values
+    self._staged: dict[int, list[bytes]] = {}
+    self._cache: dict[int, tuple[int, list[bytes]]] = {}  # p -> (version, serialized chunks).
+    self._encoded = blockwise.OutputBuffer()  # Payloads and scales, reused by every adoption.
+
+  def __call__(self, p: int, new: Mapping[str, np.ndarray], prev: Mapping[str, np.ndarray]):
+    # The bytes are encoded once and kept: re-encoding adopted − prev need not give the same ints.
+    # What a learner holding `prev` decodes from them is formed in the same pass, run by run
+    # while each is in cache, from the encoding's own integers and scales with the operations of
+    # the learner's decoder (`Codec.encode_runs(into=)`): bit-identical, without a decoding pass
+    # (tests/service/downlink_test.py checks it against `read_layout`).
+    keys = sorted(new)
+    dtypes = [np.asarray(new[k]).dtype for k in keys]
+    flats = blockwise.aligned_empties([(np.size(new[k]), d) for k, d in zip(keys, dtypes)])
+    received = dict(zip(keys, flats))
+    total = sum(np.size(new[k]) for k in keys)
+    if self._workers > 1 and total >= self._split:
+      chunks = self._split_chunks(new, prev, received)
+    else:
+      chunks = serialize_chunks(
+        new,
+        self._codec,
+        block_size=self._block,
+        base=prev,
+        chunk_size=self._chunk,
+        received=received,
+      )
+    self._staged[p] = list(chunks)
+    return {k: received[k].reshape(np.shape(new[k])) for k in keys}
+
+  def _split_chunks(self, new, prev, received) -> list[bytes]:
+    """The chunks of `serialize_chunks(new, base=prev, received=received)`, encoded in parts on
+    `workers` threads (see the class docstring)."""
+    codec = compression.get_codec(self._codec, self._block)
+    keys = sorted(new)
+    sizes = {k: int(np.size(new[k])) for k in keys}
+    specs = []
+    for k in keys:
+      payload, scales = codec.nbytes(sizes[k])
+      specs += [(payload, np.dtype(np.uint8)), (scales // 4, np.dtype(np.float32))]
+    arrays = self._encoded.arrays(specs)
+    encoded = {k: (arrays[2 * i], arrays[2 * i + 1]) for i, k in enumerate(keys)}
+    # Parts start on a block and on a whole payload unit (int4: two values a byte).
+    grain = math.lcm(self._block if codec.quantized else 1, codec.values_per_unit)
+    share = -(-sum(sizes.values()) // self._workers)
+    parts: list[list[tuple[str, int, int]]] = [[] for _ in range(self._workers)]
+    done = 0
+    for k in keys:
+      start = 0
+      while start < sizes[k]:
+        w = min(done // share, self._workers - 1)
+        cut = (w + 1) * share - done  # Values left to this worker's share.
+        stop = sizes[k] if w == self._workers - 1 else min(sizes[k], start + cut)
+        stop = min(sizes[k], -(-stop // grain) * grain)
+        parts[w].append((k, start, stop))
+        done += stop - start
+        start = stop
+    errors: list[BaseException] = []
+
+    def encode(part: list[tuple[str, int, int]]) -> None:
+      try:
+        for k, start, stop in part:
+          x = np.ravel(np.asarray(new[k]))[start:stop]
+          b = np.ravel(np.asarray(prev[k]))[start:stop]
+          payload, scales = encoded[k]
+          at = start // codec.values_per_unit * codec.unit_bytes
+          s_at = start // self._block if codec.quantized else 0
+          runs = codec.encode_runs(x, base=b, into=received[k][start:stop])
+          for run_payload, run_scales in runs:
+            payload[at : at + run_payload.size] = run_payload
+            scales[s_at : s_at + run_scales.size] = run_scales
+            at, s_at = at + run_payload.size, s_at + run_scales.size
+      except BaseException as e:  # Re-raised on the calling thread, below.
+        errors.append(e)
+
+    helpers = [threading.Thread(target=encode, args=(part,), daemon=True) for part in parts[1:]]
+    for t in helpers:
+      t.start()
+    encode(parts[0])
+    for t in helpers:
+      t.join()
+    if errors:
+      # The whole fragment again on this thread, for the error it raises (named by key, counted
+      # over the whole array); it cannot succeed where a part failed.
+      list(serialize_chunks(new, self._codec, block_size=self._block, base=prev, received=received))
+      raise errors[0]
+    encoder = FragmentEncoder(new, self._codec, block_size=self._block, encoded=encoded)
+    return list(encoder.chunks(self._chunk))
+
+  def published(self, p: int, version: int, digest: str) -> None:
+    """Called (under the service lock) when version `version` of p, just adopted, is published.
+
+    `digest` is the core's digest of the adopted values (MergeEvent.digest).
+    """
+    chunks = state_messages.encoded_state_messages(
+      self._staged.pop(p),
+      fragment=p,
+      version=version,
+      digest=digest,
+      codec=self._codec,
+      base_version=version - 1,
+    )
+    self._cache[p] = (version, chunks)
+
+  def delta_chunks(self, p: int, version: int) -> list[bytes] | None:
+    """The encoded update from version − 1 to `version` of p, if that is the newest cached, as
+    serialized FragmentChunk messages: serialized once, sent to every learner as they are."""
+    cached = self._cache.get(p)
+    return cached[1] if cached is not None and cached[0] == version else None

@@ -1,0 +1,127 @@
+"""The sender threads of a learner process (learner_process/senders.py), against fake clients: which
+answer goes out when, and what an answer that cannot be sent becomes."""
+
+import queue
+import threading
+import time
+import types
+
+import pytest
+
+from ddiloco.learner_process.link import SyncerLink
+from ddiloco.learner_process.senders import Senders
+from ddiloco.learner_process.session import SyncerSession
+from ddiloco.protocol import Answer, HostTheta, ReportResult
+
+pytestmark = pytest.mark.timeout(120)  # Threads: a hang must fail the test.
+
+
+def _senders(client, count: int) -> tuple[Senders, threading.Event, queue.Queue]:
+  """Senders with no learner behind them: answers of fragments 0 and 1 queued, the older one
+  first. Returns them, their stop event and their results queue."""
+  link = SyncerLink(client, learner_id=0, layouts=[{}, {}], layout_digest="")
+  session = SyncerSession(
+    learner=types.SimpleNamespace(), client=client, link=link, event=lambda *a, **k: None
+  )
+  stop, results = threading.Event(), queue.Queue()
+  senders = Senders(
+    learner_id=0,
+    link=link,
+    session=session,
+    results=results,
+    stop=stop,
+    event=lambda *a, **k: None,
+    count=count,
+  )
+  for p in (0, 1):
+    assert senders.enqueue(_answer(p, step=p)) is None
+  return senders, stop, results
+
+
+def _answer(p: int, *, step: int, steps: int = 1, new_tokens: int = 0) -> Answer:
+  """An answer of fragment p with an empty θ and no anchor (sent as fp32 θ)."""
+  return Answer(
+    learner_id=0,
+    fragment=p,
+    round_step=-1,
+    step=step,
+    anchor_version=0,
+    tokens=1,
+    steps=steps,
+    new_tokens=new_tokens,
+    theta=HostTheta({}),
+    anchor=None,
+  )
+
+
+@pytest.mark.parametrize("senders", [1, 2])
+def test_a_slow_push_holds_back_other_fragments_only_with_one_sender(senders):
+  """The sender threads: with two, fragment 1's answer goes out while fragment 0's push hangs;
+  with one, it waits behind it (answers queued seconds behind slow pushes under load)."""
+  release, pushed = threading.Event(), []
+
+  class _Client:
+    def push(self, report, codec, *, block_size, anchor_values):
+      del codec, block_size, anchor_values
+      if report.fragment == 0:
+        release.wait(10)
+      pushed.append(report.fragment)
+      return ReportResult("accepted", "", 1.0)
+
+  sender, stop, results = _senders(_Client(), senders)  # Fragment 0's answer is the older one.
+  threads = [threading.Thread(target=sender.run, args=(k,)) for k in range(senders)]
+  for t in threads:
+    t.start()
+  try:
+    deadline = time.monotonic() + 10
+    while senders == 2 and pushed != [1] and time.monotonic() < deadline:
+      time.sleep(0.01)
+    time.sleep(0.2)  # One sender: fragment 1 must still be waiting.
+    assert pushed == ([1] if senders == 2 else [])
+  finally:
+    release.set()
+    stop.set()
+    sender.wake()
+    for t in threads:
+      t.join(10)
+  assert sorted(pushed) == [0, 1] and not any(t.is_alive() for t in threads)
+  assert results.qsize() == 2
+
+
+def test_an_answer_that_cannot_be_encoded_is_rejected_and_the_sender_goes_on():
+  """θ_p with NaN cannot be encoded: the answer is booked rejected (never retried) and the sender
+  thread keeps pushing the other fragments' answers."""
+
+  class _Client:
+    def push(self, report, codec, *, block_size, anchor_values):
+      del codec, block_size, anchor_values
+      if report.fragment == 0:
+        raise ValueError("1 NaN/Inf value in 'w'")
+      return ReportResult("accepted", "", 1.0)
+
+  senders, stop, results = _senders(_Client(), count=1)
+  sender = threading.Thread(target=senders.run, args=(0,))
+  sender.start()
+  try:
+    deadline = time.monotonic() + 10
+    while results.qsize() < 2 and time.monotonic() < deadline:
+      time.sleep(0.01)
+  finally:
+    stop.set()
+    senders.wake()
+    sender.join(10)
+  results = {p: r for p, _, r in (results.get() for _ in range(2))}
+  assert results[0].status == "rejected" and "NaN" in results[0].reason
+  assert results[1].status == "accepted"
+  assert not senders._jobs  # Never queued again.
+
+
+def test_a_newer_snapshot_replaces_an_unsent_one_and_carries_its_tokens():
+  """`enqueue` folds an unsent older answer of the same fragment into the newer one (its ledger
+  tokens ride along) and says which step it replaced."""
+  sender, _, _ = _senders(types.SimpleNamespace(), count=1)  # Fragment 1's answer of step 1.
+  for step, new_tokens, replaced in ((2, 4, 1), (3, 5, 2)):
+    answer = _answer(1, step=step, steps=step, new_tokens=new_tokens)
+    assert sender.enqueue(answer) == replaced
+  job = sender._jobs[1]
+  assert (job.answer.step, job.answer.new_tokens) == (3, 9)
