@@ -22,7 +22,17 @@ STUDY = "compression"
 HEADLINE = ("bf16", "int4")
 EXTRA = ("fp32", "int8")
 # sim_small's model and fleet, 96 steps of 4 x 64 per learner.
-DEFAULT_BINDINGS = ("STEPS=96", "BATCH=4", "DP_BATCH=16", "SEQ_LEN=64")
+DEFAULT_BINDINGS = (
+  "STEPS=96",
+  "BATCH=4",
+  "DP_BATCH=16",
+  "SEQ_LEN=64",
+  # The outer step the stored rows ran with (DiLoCo's Nesterov 0.7 / 0.9), whatever the default.
+  "SyncerConfig.outer_optimizer = @outer/optax.sgd",
+  "outer/optax.sgd.learning_rate = 0.7",
+  "outer/optax.sgd.momentum = 0.9",
+  "outer/optax.sgd.nesterov = True",
+)
 # A few steps without the crash, one eval batch: checks the wiring, not the numbers.
 QUICK_BINDINGS = (
   "STEPS = 4",

@@ -95,6 +95,12 @@ UNUSED = {
   "examples/from_hf_llama.gin": {"ddiloco.TextDataConfig", "ddiloco.transformer_config"},
   "goodput/heterogeneous.gin": {"goodput.DataParallel"},  # Only Decoupled DiLoCo systems.
   "goodput/scavenging.gin": {"goodput.DataParallel"},
+  # The published methods' and the older studies' own outer step replaces the default one.
+  "baselines/diloco.gin": {"ddiloco.nesterov_warmup"},
+  "baselines/streaming_diloco.gin": {"ddiloco.nesterov_warmup"},
+  "studies/heterogeneity.gin": {"ddiloco.nesterov_warmup"},
+  "studies/merging.gin": {"ddiloco.nesterov_warmup"},
+  "studies/scavenging.gin": {"ddiloco.nesterov_warmup"},
 }
 INCLUDED = ("models/", "runs/decoupled_base.gin", "runs/distributed_base.gin", "baselines/")
 
