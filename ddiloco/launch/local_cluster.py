@@ -103,7 +103,7 @@ class LocalCluster:
     self.port: int | None = None
     self.syncer_host = "127.0.0.1"  # Where learners and the launcher reach the syncer.
     # The learners `run` started or `add_learner` added, their events, and the job (set by `run`).
-    self.fleet = elastic.Fleet(
+    self.fleet = elastic.LearnerFleet(
       workdir=self.workdir,
       num_learners=num_learners,
       devices_per_learner=devices_per_learner,
@@ -307,11 +307,12 @@ class LocalCluster:
     steps: int | None = None,
     extra_args: Sequence[str] = (),
   ) -> int:
-    """Adds a learner to the running job once the syncer serves; returns its id (`Fleet.add`).
+    """Adds a learner to the running job once the syncer serves; returns its id
+    (`LearnerFleet.add`).
 
     Raises:
       RuntimeError: if the syncer is not started.
-      ValueError: as `Fleet.add` (nothing is started then).
+      ValueError: as `LearnerFleet.add` (nothing is started then).
     """
     if self.port is None:
       raise RuntimeError("Start the syncer before adding learners.")
@@ -326,7 +327,7 @@ class LocalCluster:
   def check_fleet(self, progress: Callable[[str], None] | None = None, client=None) -> bool:
     """Lets the backend supervise its programs (`ProgramBackend.supervise`), then reaps exits and
     removals, answering removals asked for on `control`; True when no learner of the fleet is
-    running or leaving (`Fleet.check`).
+    running or leaving (`LearnerFleet.check`).
 
     Raises:
       RuntimeError: if a learner the job started with exited with an error.

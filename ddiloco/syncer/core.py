@@ -32,7 +32,7 @@ wraps it with a lock). The protocol (docs/algorithm.md, "Rounds"):
 Its state lives in collaborators it composes, each in its own module: the published versions
 (`versions.py`), the learners (`learners.py`), the rounds (`rounds.py`) and their pacing on the step
 clock (`pacing.py`), the door's checks (`admission.py`), the counters and token ledger
-(`accounts.py`), the merge and outer step (`updates.py`) and checkpoints (`checkpoint.py`). The value
+(`accounts.py`), the merge and outer step (`updates.py`) and checkpoints (`core_state.py`). The value
 types live in `types.py` (re-exported here).
 """
 
@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from ddiloco.fragments.schedule import FragmentSchedule
-from ddiloco.syncer import checkpoint
+from ddiloco.syncer import core_state
 from ddiloco.syncer.accounts import Accounts
 from ddiloco.syncer.admission import Admission
 from ddiloco.syncer.closing import RoundCloser
@@ -51,7 +51,7 @@ from ddiloco.syncer.grace import GraceModel
 from ddiloco.syncer.intake import ReportIntake
 from ddiloco.syncer.learners import LearnerRegistry
 from ddiloco.syncer.pacing import RoundPacer
-from ddiloco.syncer.recovery import Recovery
+from ddiloco.syncer.restore import FragmentRestore
 from ddiloco.syncer.rounds import RoundTable
 from ddiloco.syncer.types import (
   FragmentState,
@@ -169,7 +169,7 @@ class SyncerCore:
     self._closer = RoundCloser(
       grace=self._grace, updater=self._updater, admission=self._admission, **shared
     )
-    self._recovery = Recovery(
+    self._restore = FragmentRestore(
       versions=self._versions, rounds=self._rounds, pacer=self._pacer, closer=self._closer
     )
 
@@ -369,14 +369,14 @@ class SyncerCore:
   # -- restores (docs/resilience.md) ----------------------------------------------------------------
 
   def republish(self, p: int, version: int) -> None:
-    """Publishes Θ_p's current values again as `version` (a restore: `Recovery.republish`)."""
+    """Publishes Θ_p's current values again as `version` (a restore: `FragmentRestore.republish`)."""
     self._check_fragment(p)
-    self._recovery.republish(p, version)
+    self._restore.republish(p, version)
 
   def freeze(self, p: int) -> None:
-    """Opens no more rounds of p until `unfreeze(p)`; closes its open round (`Recovery.freeze`)."""
+    """Opens no more rounds of p until `unfreeze(p)`; closes its open round (`FragmentRestore.freeze`)."""
     self._check_fragment(p)
-    self._recovery.freeze(p)
+    self._restore.freeze(p)
 
   def unfreeze(self, p: int) -> None:
     """Lets `tick` open rounds of p again (from its next due step)."""
@@ -387,13 +387,13 @@ class SyncerCore:
     return self._pacer.frozen()
 
   def recover(self, p: int, version: int, values: Mapping[str, np.ndarray], digest: str) -> None:
-    """Takes `values` back as `version` of p, a version lost in a kill (`Recovery.recover`)."""
+    """Takes `values` back as `version` of p, a version lost in a kill (`FragmentRestore.recover`)."""
     self._check_fragment(p)
-    self._recovery.recover(p, version, values, digest)
+    self._restore.recover(p, version, values, digest)
 
   def state_dict(self) -> dict[str, Any]:
-    """The whole state as a flat {name: numpy array | python scalar} dict (`checkpoint.py`)."""
-    return checkpoint.state_dict(
+    """The whole state as a flat {name: numpy array | python scalar} dict (`core_state.py`)."""
+    return core_state.state_dict(
       versions=self._versions,
       updater=self._updater,
       rounds=self._rounds,
@@ -409,7 +409,7 @@ class SyncerCore:
       ValueError: if the checkpoint was made for another layout or its arrays do not fit.
       KeyError: if an entry is missing.
     """
-    checkpoint.load_state_dict(
+    core_state.load_state_dict(
       d,
       versions=self._versions,
       updater=self._updater,
