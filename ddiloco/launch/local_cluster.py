@@ -89,7 +89,6 @@ class LocalCluster:
     self.num_learners = num_learners
     self.devices_per_learner = devices_per_learner
     self.processes_per_learner = processes_per_learner
-    self.python = python
     self.backend: ProgramBackend = backend or LocalProcesses(python)
     self.extra_learner_args = list(extra_learner_args)
     self.token = secrets.token_hex(16)
