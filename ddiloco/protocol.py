@@ -202,7 +202,7 @@ class Report:
 class ReportResult:
   """What `SyncerCore.report` did: status is accepted | superseded | late | duplicate | rejected.
 
-  `fleet_step` is the syncer's schedule clock when the report arrived (`SyncerCore.cadence_step`).
+  `fleet_step` is the syncer's schedule clock when the report arrived (`RoundPacer.cadence_step`).
   `round_version` is the version the round that took the report will publish (-1 if none took it):
   once the fragment reaches it, the report was merged, or it was lost (the token ledger).
   """

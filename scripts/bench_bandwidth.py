@@ -125,7 +125,7 @@ def _measure(
     )
     if core.report(report).weight <= 0:
       raise RuntimeError(f"Report of fragment {p} was not filed with weight > 0.")
-  if len(core.flush()) != layout.num_fragments:
+  if len(core.closer.flush()) != layout.num_fragments:
     raise RuntimeError("Expected one merge per fragment.")
 
   up: dict[str, list[int]] = {c: [] for c in _CODECS.value}

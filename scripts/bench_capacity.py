@@ -216,7 +216,7 @@ def _shard_main(pt: Point, out: str) -> None:
   clock = []  # (time, the shard's step clock): how far it lags the fleet's steps.
   while not stop.wait(0.25):
     with svc.lock:
-      clock.append((time.monotonic(), svc.core.cadence_step()))
+      clock.append((time.monotonic(), svc.core.pacer.cadence_step()))
   with svc.lock:
     counts = svc.core.stats()
   merges = [

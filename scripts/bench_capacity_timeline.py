@@ -4,7 +4,7 @@ A shard started with `--timeline` wraps a few of its own functions (in its own p
 benchmark only) and logs, on the service's clock (time.monotonic), with the thread's CPU time and
 the process's:
 
-- `tick`: the step clock opened rounds (SyncerCore.tick);
+- `tick`: the step clock opened rounds (RoundPacer.tick);
 - `conn`: a bulk push connection, from its hello to its answer sent (BulkServer._run);
 - `decode`: a push's chunks read and decoded into its arrays (messages.chunks_to_report, in the
   handler's thread; the socket reads run in its read-ahead thread);
@@ -51,14 +51,14 @@ def _wrap(owner, name: str, kind: str, info=None) -> None:
 def install() -> None:
   """Wraps the shard's functions named in the module docstring (call before building it)."""
   from ddiloco.service import bulk_server, downlink, publication
-  from ddiloco.syncer import blockwise, closing, core, updates
+  from ddiloco.syncer import blockwise, closing, core, pacing, updates
   from ddiloco.transport import messages
 
   def report_info(args, kwargs):
     r = args[1]
     return {"p": int(r.fragment), "learner": int(r.learner_id), "round": int(r.round_step)}
 
-  _wrap(core.SyncerCore, "tick", "tick")
+  _wrap(pacing.RoundPacer, "tick", "tick")
   _wrap(core.SyncerCore, "report", "file", report_info)
   _wrap(bulk_server.BulkServer, "_run", "conn")
   _wrap(messages, "chunks_to_report", "decode")

@@ -156,7 +156,7 @@ def main(argv: list[str]) -> None:
         syncing.kernel.on_result(answer.fragment, result)
       t0 = time.perf_counter()
       states = []
-      for event in core.poll():
+      for event in core.closer.poll():
         state = core.state(event.fragment)
         core.mark_delivered(0, state.fragment, state.version)
         states.append(state)

@@ -4,7 +4,7 @@ Everything runs in one process, interleaved in rounds so machine noise hits ever
 the median of the rounds is reported. Each round opens the next round of one fragment of 4 tensors
 of 1M float32 (16 MiB) (`SyncerCore.open_round`, untimed), files 8 answers to it (learners 0..7,
 each registered and marked delivered, anchored at the round's base, so each weighs > 0) and times
-`SyncerCore.flush()`, i.e. one merge (docs/algorithm.md §4.3-4.7): the merge of the 8 outer
+`SyncerCore.closer.flush()`, i.e. one merge (docs/algorithm.md §4.3-4.7): the merge of the 8 outer
 gradients, the optax outer step (Nesterov SGD, jitted), the new values, the digest of the new
 version and its history entry. Answers carry their outer gradient δ_m, as learners send it
 (`--uplink=delta`, the default), or θ_m, merged against the round's base (`--uplink=theta`).
@@ -180,7 +180,7 @@ class _Bench:
     before = self.core.version(0)
     with _Stopwatch() as watch:
       if self._service is None:
-        self.core.flush()
+        self.core.closer.flush()
       else:
         self._service.stop(flush=True)  # Merge + adopt + publish under the service's lock.
     if self.core.version(0) != before + 1:
@@ -339,8 +339,8 @@ def main(argv: list[str]) -> None:
   rows = [
     ("read once (float32 sum of 8 arrays)", "read"),
     ("file 8 reports (+ norms; not in merges)", "file 8 reports"),
-    ("RDA merge (SyncerCore.flush, fused)", "rda merge"),
-    ("mean merge (SyncerCore.flush, fused)", "mean merge"),
+    ("RDA merge (RoundCloser.flush, fused)", "rda merge"),
+    ("mean merge (RoundCloser.flush, fused)", "mean merge"),
     ("RDA merge (numpy merge, then step)", "rda numpy"),
     ("mean merge (numpy merge, then step)", "mean numpy"),
     ("RDA merge + int4 adoption (make_syncer)", "rda + int4 adopt"),

@@ -1,11 +1,11 @@
-"""`Fleet`: the learners a local run manages, as they join, leave, finish or fail.
+"""`LearnerFleet`: the learners a local run manages, as they join, leave, finish or fail.
 
-Elastic scavenging (docs/algorithm.md §6): learners can join a running job (`Fleet.add`, with their
-own device count, batch size and steps) and leave it again (`Fleet.begin_remove`: SIGTERM, so the
-learner saves, flushes, calls Leave and exits 0; `Fleet.check` reaps it, SIGKILLing it past its
-deadline). Every join, leave, finish and failure is an event of `Fleet.membership`, which
-summary.json keeps as "membership". An added learner with id m reads data shard m mod M (M =
-RunConfig.num_learners): the shard of learner m mod M, so scavenged compute repeats data that the
+Elastic scavenging (docs/algorithm.md §6): learners can join a running job (`LearnerFleet.add`,
+with their own device count, batch size and steps) and leave it again (`LearnerFleet.begin_remove`:
+SIGTERM, so the learner saves, flushes, calls Leave and exits 0; `LearnerFleet.check` reaps it,
+SIGKILLing it past its deadline). Every join, leave, finish and failure is an event of
+`LearnerFleet.membership`, which summary.json keeps as "membership". An added learner with id m
+reads data shard m mod M (M = RunConfig.num_learners): the shard of learner m mod M, so scavenged compute repeats data that the
 fleet also reads (docs/resilience.md "Elastic scavenging (real processes)"). A learner the job
 started with that fails fails the job; an added one that fails is recorded and the job goes on.
 
@@ -62,7 +62,7 @@ def syncer_alive(client) -> list[int] | None:
     return None
 
 
-class Fleet:
+class LearnerFleet:
   """The learners of a run: their joins, removals and exits (module docstring).
 
   Args:

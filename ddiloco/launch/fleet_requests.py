@@ -3,7 +3,7 @@
 The command writes requests into the run's workdir (launch/fleet.py, the channel); the launcher's
 `ControlServer` hands them to `LocalCluster.run`, whose loop calls `serve_request` for each. A
 refused request changes nothing and is answered with the reason; a removal is answered by
-`Fleet.check` once the learner is gone (launch/elastic.py).
+`LearnerFleet.check` once the learner is gone (launch/elastic.py).
 """
 
 from collections.abc import Callable
@@ -13,7 +13,7 @@ from ddiloco.launch import elastic
 from ddiloco.launch import fleet as fleet_lib
 
 
-def fleet_status(fleet: elastic.Fleet, client) -> dict[str, Any]:
+def fleet_status(fleet: elastic.LearnerFleet, client) -> dict[str, Any]:
   """What `ddiloco-fleet list` shows: the fleet, the syncer's membership, the events so far."""
   learners = []
   for i, m in sorted(fleet.members.items()):
@@ -32,7 +32,7 @@ def serve_request(
   request: fleet_lib.FleetRequest,
   *,
   control: fleet_lib.ControlServer,
-  fleet: elastic.Fleet,
+  fleet: elastic.LearnerFleet,
   add_learner: Callable[..., int],
   client,
   progress: Callable[[str], None] | None,
@@ -73,7 +73,7 @@ def serve_request(
     else:
       timeout = request.timeout_s or fleet_lib.DEFAULT_REMOVE_TIMEOUT_S
       member = fleet.begin_remove(request.learner_id, timeout_s=timeout)
-      member.request_id = request.id  # Answered by Fleet.check once the learner is gone.
+      member.request_id = request.id  # Answered by LearnerFleet.check once the learner is gone.
       if progress is not None:
         progress(f"fleet: removing learner {request.learner_id} (SIGTERM)")
   except (ValueError, OSError) as e:  # Refused (or could not start): nothing changed.

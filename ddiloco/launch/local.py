@@ -71,6 +71,7 @@ def run_job(
   *,
   backend_config: Callable[[], Any] | None = None,
   before_run: Callable[[Any], Any] | None = None,
+  after_run: Callable[[Any], Any] | None = None,
 ) -> None:
   """Parses the gin flags, builds the cluster with `make_cluster(**LocalCluster's arguments)`,
   runs the job and reports it; what `ddiloco-local` and `ddiloco-ray` share.
@@ -79,8 +80,8 @@ def run_job(
   `configurables.configured(RayConfig)`), checked with JobConfig
   (a bad value is a one-line error before anything is written), and goes to `make_cluster` as
   `backend_config=`. `before_run(cluster)` runs after the workdir exists, before anything starts
-  (ddiloco-ray joins its Ray cluster there); the cluster's `disconnect`, if it has one, runs after
-  the job.
+  (ddiloco-ray joins its Ray cluster there); `after_run(cluster)` runs after the job, however it
+  ended (ddiloco-ray leaves its Ray cluster there).
   """
   from ddiloco.launch import configurables, local_cluster  # After flags: they import jax.
   from ddiloco.launch.job import JobConfig
@@ -142,8 +143,8 @@ def run_job(
     print(f"{prog}: {e}\nevery process was stopped; logs are in {workdir}", file=sys.stderr)
     sys.exit(1)
   finally:
-    if hasattr(cluster, "disconnect"):
-      cluster.disconnect()
+    if after_run is not None:
+      after_run(cluster)
   print("summary:", {k: summary[k] for k in HEADLINE_KEYS})
   for shard, s in enumerate(summary.get("shards", [])):  # A sharded syncer: each shard's checks.
     print(

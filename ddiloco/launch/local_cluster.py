@@ -18,15 +18,14 @@ on a multi-host slice): learner m is N `ddiloco-learner` processes joined by `ja
 (`learner_launches`), held as one `processes.ProcessUnit` (its `Child.proc`), so that restarts and
 removals treat it as one learner; progress lines and summary.json read process 0's files.
 
-A backend that places the programs elsewhere (launch/ray_cluster.py) overrides how a program is
-started (`_popen`, `_env`, `_coordinator_address`, `spawn_syncer`, `start_learner`).
+Where and how each program runs is its `backend`'s (launch/backend.py): `LocalProcesses`, child
+processes of this launcher, unless another is given (`RayBackend`, launch/ray_cluster.py).
 """
 
 import contextlib
 import os
 import pathlib
 import secrets
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +34,7 @@ from typing import Any
 from ddiloco import storage
 from ddiloco.launch import elastic, fleet_requests, processes, progress_lines, syncer_shards
 from ddiloco.launch import fleet as fleet_lib
+from ddiloco.launch.backend import LocalProcesses, ProgramBackend
 from ddiloco.launch.job import JobConfig
 from ddiloco.launch.processes import Child
 from ddiloco.launch.run_summary import plot, summarize
@@ -56,13 +56,14 @@ class LocalCluster:
     gin_args: gin flags forwarded to every child.
     num_learners: M.
     devices_per_learner: fake CPU devices per learner process.
-    python: the interpreter for the children.
+    python: the interpreter for the children (of the default backend).
     extra_learner_args: flags for every learner, after the shared gin flags.
     processes_per_learner: processes forming each learner (module docstring).
     tls: (certificate chain, private key, CA) PEM files: the syncer serves TLS with the first two
       and the learners (and the launcher's own status calls) trust the CA. The certificate must
       name the address the learners dial (127.0.0.1 here; the head node's under Ray). None:
       plaintext, with the run's token.
+    backend: where and how the programs run (launch/backend.py); default `LocalProcesses(python)`.
   """
 
   def __init__(
@@ -76,6 +77,7 @@ class LocalCluster:
     extra_learner_args: Sequence[str] = (),
     processes_per_learner: int = 1,
     tls: tuple[str, str, str] | None = None,
+    backend: ProgramBackend | None = None,
   ):
     processes.check_count("processes_per_learner", processes_per_learner)
     self.tls = None if tls is None else processes.tls_files(tls)
@@ -87,7 +89,7 @@ class LocalCluster:
     self.num_learners = num_learners
     self.devices_per_learner = devices_per_learner
     self.processes_per_learner = processes_per_learner
-    self.python = python
+    self.backend: ProgramBackend = backend or LocalProcesses(python)
     self.extra_learner_args = list(extra_learner_args)
     self.token = secrets.token_hex(16)
     self.syncer: Child | None = None
@@ -96,10 +98,11 @@ class LocalCluster:
     self.shard_addresses: list[str] = []  # Advertised instead of the shards' own (chaos proxies).
     self.bulk_ports: list[tuple[int, int]] = []  # Per shard (bound, advertised): chaos proxies.
     self.learners: dict[int, Child] = {}  # Shared with `fleet`: filled in place, never rebound.
+    self._starts: dict[int, dict[str, Any]] = {}  # start_learner's arguments, per learner.
     self.port: int | None = None
     self.syncer_host = "127.0.0.1"  # Where learners and the launcher reach the syncer.
     # The learners `run` started or `add_learner` added, their events, and the job (set by `run`).
-    self.fleet = elastic.Fleet(
+    self.fleet = elastic.LearnerFleet(
       workdir=self.workdir,
       num_learners=num_learners,
       devices_per_learner=devices_per_learner,
@@ -112,12 +115,9 @@ class LocalCluster:
 
   # -- starting programs ------------------------------------------------------------------------
 
-  def _run_env(self, devices: int | None) -> dict[str, str]:
-    """The variables this launcher sets for a program, over the environment it runs in."""
-    return processes.run_env(self.token, self.workdir, devices)
-
   def _env(self, devices: int | None) -> dict[str, str]:
-    return {**os.environ, **self._run_env(devices)}
+    """A program's environment: the variables this launcher sets, as its backend passes them."""
+    return self.backend.environment(processes.run_env(self.token, self.workdir, devices))
 
   def _spawn(
     self,
@@ -132,11 +132,8 @@ class LocalCluster:
     log_path = os.path.join(folder, "log.txt")
     argv = ["-m", module, f"--workdir={folder}", *args, *self.gin_args, *overrides]
     role = "syncer" if name.startswith("syncer") else "learner"
-    proc = self._popen(processes.Launch(argv, env, log_path, role))
+    proc = self.backend.start(processes.Launch(argv, env, log_path, role))
     return Child(name, proc, log_path, os.path.join(folder, "metrics.jsonl"))
-
-  def _popen(self, launch: processes.Launch) -> subprocess.Popen:
-    return processes.spawn(self.python, launch)
 
   def start_syncer(self, timeout_s: float = 180.0, *, port: int = 0, shard: int = 0) -> int:
     """Starts the syncer (or one shard of it) and waits until it serves; returns its port. A
@@ -156,9 +153,12 @@ class LocalCluster:
     return self.shard_ports[shard] if self.shard_ports else self.port
 
   def start_syncers(self, num_shards: int, timeout_s: float = 180.0) -> None:
-    """Starts the syncer, or its `num_shards` shards on ports chosen now, and waits for all."""
-    if num_shards > 1 and len(self.shard_ports) != num_shards:  # Unless a backend chose them.
-      self.shard_ports = [processes.free_port() for _ in range(num_shards)]
+    """Starts the syncer, or its `num_shards` shards on ports its backend chooses, and waits for
+    all."""
+    if num_shards > 1:
+      self.syncer_host, self.shard_ports = self.backend.syncer_shards(
+        self.syncer_host, self.shard_ports, num_shards
+      )
     for shard in range(num_shards):
       self.spawn_syncer(shard=shard)
     [self.wait_syncer(timeout_s, shard=shard) for shard in range(num_shards)]
@@ -176,6 +176,10 @@ class LocalCluster:
     addresses = ",".join(self.shard_addresses or own)  # For learners to learn at Register.
     sharded = [f"--shard={shard}", f"--shard_addresses={addresses}"] if self.shard_ports else []
     bulk = self.bulk_ports[shard] if self.bulk_ports else None  # Kept across restarts.
+    if (
+      port == 0 and not self.shard_ports
+    ):  # The first start: the backend's port (restarts keep it).
+      self.syncer_host, port = self.backend.syncer_port(self.syncer_host, port)
     sharded += [f"--bulk_port={bulk[0]}", f"--advertise_bulk_port={bulk[1]}"] if bulk else []
     port = port or (self.shard_ports[shard] if self.shard_ports else 0)
     child = self._spawn(
@@ -235,15 +239,20 @@ class LocalCluster:
     Returns:
       The learner's child; with `processes_per_learner` > 1 its `proc` is a `processes.ProcessUnit`.
     """
+    self._starts[learner_id] = {"extra_args": extra_args, "devices": devices, "address": address}
     name = f"learner_{learner_id}"
     launches = self.learner_launches(
       learner_id, extra_args=extra_args, devices=devices, address=address
     )
-    proc = processes.start_unit(launches, self._popen)
+    proc = processes.start_unit(launches, self.backend.start)
     folder = os.path.join(self.workdir, name)
     child = Child(name, proc, launches[0].log_path, os.path.join(folder, "metrics.jsonl"))
     self.learners[learner_id] = child
     return child
+
+  def restart_learner(self, learner_id: int) -> Child:
+    """Starts learner `learner_id` again as `start_learner` last started it."""
+    return self.start_learner(learner_id, **self._starts[learner_id])
 
   def learner_launches(
     self,
@@ -273,7 +282,7 @@ class LocalCluster:
       return [processes.Launch([*argv, *tail], env, log, learner_id=learner_id)]
     slice_args = [
       f"--num_processes={n}",
-      f"--coordinator_address={self._coordinator_address(learner_id)}",
+      f"--coordinator_address={self.backend.coordinator_address(learner_id, n)}",
     ]
     return [
       processes.Launch(
@@ -286,12 +295,6 @@ class LocalCluster:
       for i in range(n)
     ]
 
-  def _coordinator_address(self, learner_id: int) -> str:
-    """host:port of a multi-process learner's jax.distributed coordinator (its process 0), fresh
-    at every start."""
-    del learner_id  # Every process of every learner runs on this host.
-    return f"127.0.0.1:{processes.free_port()}"
-
   # -- the learners' fleet (launch/elastic.py) --------------------------------------------------
 
   def add_learner(
@@ -303,11 +306,12 @@ class LocalCluster:
     steps: int | None = None,
     extra_args: Sequence[str] = (),
   ) -> int:
-    """Adds a learner to the running job once the syncer serves; returns its id (`Fleet.add`).
+    """Adds a learner to the running job once the syncer serves; returns its id
+    (`LearnerFleet.add`).
 
     Raises:
       RuntimeError: if the syncer is not started.
-      ValueError: as `Fleet.add` (nothing is started then).
+      ValueError: as `LearnerFleet.add` (nothing is started then).
     """
     if self.port is None:
       raise RuntimeError("Start the syncer before adding learners.")
@@ -319,33 +323,15 @@ class LocalCluster:
       extra_args=extra_args,
     )
 
-  def begin_remove(
-    self, learner_id: int, *, timeout_s: float = fleet_lib.DEFAULT_REMOVE_TIMEOUT_S
-  ) -> elastic.FleetMember:
-    """Sends SIGTERM to a running learner of the fleet; `run` (or `remove_learner`) reaps it.
-
-    Raises:
-      ValueError: if the learner is not running in the fleet (nothing is signalled).
-    """
-    return self.fleet.begin_remove(learner_id, timeout_s=timeout_s)
-
-  def remove_learner(
-    self, learner_id: int, *, timeout_s: float = fleet_lib.DEFAULT_REMOVE_TIMEOUT_S
-  ) -> dict[str, Any]:
-    """Removes a learner gracefully and waits until it is gone; returns how (`Fleet.remove`).
-
-    Raises:
-      ValueError: if the learner is not running in the fleet.
-    """
-    return self.fleet.remove(learner_id, timeout_s=timeout_s)
-
   def check_fleet(self, progress: Callable[[str], None] | None = None, client=None) -> bool:
-    """Reaps exits and removals, answering removals asked for on `control`; True when no learner
-    of the fleet is running or leaving (`Fleet.check`).
+    """Lets the backend supervise its programs (`ProgramBackend.supervise`), then reaps exits and
+    removals, answering removals asked for on `control`; True when no learner of the fleet is
+    running or leaving (`LearnerFleet.check`).
 
     Raises:
       RuntimeError: if a learner the job started with exited with an error.
     """
+    self.backend.supervise(self, progress)
     return self.fleet.check(progress, client, self.control)
 
   # -- watching and stopping children (launch/processes.py) --------------------------------------
@@ -370,8 +356,12 @@ class LocalCluster:
     return [*self.learners.values(), *self.syncers()]
 
   def stop_all(self, grace_s: float = 15.0) -> None:
-    """SIGTERM to every live child (learners first), then SIGKILL after `grace_s`. Idempotent."""
-    processes.stop_in_order([list(self.learners.values()), self.syncers()], grace_s)
+    """SIGTERM to every live child (learners first), then SIGKILL after `grace_s`; then the backend
+    frees what it held for them (`ProgramBackend.release`). Idempotent."""
+    try:
+      processes.stop_in_order([list(self.learners.values()), self.syncers()], grace_s)
+    finally:
+      self.backend.release()
 
   @staticmethod
   def tail(child: Child, lines: int = 30) -> str:
@@ -395,7 +385,7 @@ class LocalCluster:
     Unless `resume`, a previous run's folders in the workdir are removed first (`clear_previous`);
     with it, the syncer and learners restore their checkpoints from there. With `control`, the
     loop also serves `ddiloco-fleet` requests (launch/fleet.py); `progress` may call
-    `add_learner` and `begin_remove` too. The run ends when every learner still in the fleet has
+    `add_learner` and `fleet.begin_remove` too. The run ends when every learner still in the fleet has
     finished; removed learners and crashed added ones are not waited for.
 
     Raises:

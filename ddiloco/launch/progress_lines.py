@@ -19,7 +19,7 @@ def progress_line(
   t0: float,
   *,
   learners: Mapping[int, processes.Child],
-  fleet: elastic.Fleet,
+  fleet: elastic.LearnerFleet,
 ) -> str:
   """One progress line (module docstring).
 
@@ -72,7 +72,7 @@ def progress_line(
 
 
 def _pace(
-  child: processes.Child, member: elastic.FleetMember | None, fleet: elastic.Fleet
+  child: processes.Child, member: elastic.FleetMember | None, fleet: elastic.LearnerFleet
 ) -> tuple[float, float, float] | None:
   """A running learner's (steps/s, tokens/s, seconds left), from the step time it logged over its
   last steps; None while that is unknown (no train event yet, or 0 while it compiles)."""

@@ -1,7 +1,7 @@
-"""`RayCluster`: the job of `ddiloco-local` on a Ray cluster, with Ray restarting what fails.
+"""`RayBackend`: the job of `ddiloco-local` on a Ray cluster, with Ray restarting what fails.
 
-`ddiloco-ray` (launch/ray_main.py) runs it. Every program of the run is a Ray actor
-(launch/ray_actors.py):
+`ddiloco-ray` (launch/ray_main.py) runs a `LocalCluster` with this backend (`make_cluster`). Every
+program of the run is a Ray actor (launch/ray_actors.py):
 
 - the syncer: one `ProgramActor` on a CPU node (the head node unless `RayConfig.syncer_on_head` is
   off), bound to that node's address on a port chosen there before it starts, so that a restart
@@ -28,7 +28,8 @@ restarted one by one (a lone restarted process cannot rejoin its peers' collecti
 starts the whole learner again, a fresh placement group and coordinator, up to
 `RayConfig.max_restarts` times.
 
-Everything else is `LocalCluster`'s: the progress loop, `ddiloco-fleet add|remove|list` (an added
+Everything else is `LocalCluster`'s (the backend is its collaborator, launch/backend.py): the
+progress loop, `ddiloco-fleet add|remove|list` (an added
 learner is a new actor on spare capacity), summary.json, loss.png and one log per process. The
 driver reads the run's files from the workdir, so on a cluster of several machines the workdir is
 storage every node and the driver share. Ctrl-C stops the programs (SIGTERM, then SIGKILL), kills
@@ -76,20 +77,36 @@ def _in_bundle(group: Any, index: int) -> Any:
   )
 
 
-class RayCluster(LocalCluster):
-  """`LocalCluster` whose programs are Ray actors (module docstring).
+def make_cluster(*, ray_config: RayConfig | None = None, **kwargs: Any) -> LocalCluster:
+  """A `LocalCluster` whose programs are Ray actors (module docstring).
 
   Args:
     ray_config: where and how (RayConfig).
-    **kwargs: LocalCluster's.
+    **kwargs: LocalCluster's, but its backend.
+  """
+  backend = RayBackend(
+    ray_config or RayConfig(),
+    num_learners=kwargs["num_learners"],
+    processes_per_learner=kwargs.get("processes_per_learner", 1),
+  )
+  return LocalCluster(backend=backend, **kwargs)
+
+
+class RayBackend:
+  """A `ProgramBackend` (launch/backend.py) that runs each program as a Ray actor.
+
+  Args:
+    ray_config: where and how (RayConfig).
+    num_learners: the cluster's M, for the CPUs of a Ray instance started here.
+    processes_per_learner: the cluster's processes per learner.
   """
 
-  def __init__(self, *, ray_config: RayConfig | None = None, **kwargs: Any):
-    super().__init__(**kwargs)
-    self.ray_config = ray_config or RayConfig()
+  def __init__(self, ray_config: RayConfig, *, num_learners: int, processes_per_learner: int):
+    self.ray_config = ray_config
+    self.num_learners = num_learners
+    self.processes_per_learner = processes_per_learner
     self._handles: list[ray_actors.ActorProcess] = []
     self._started_ray = False
-    self._starts: dict[int, dict[str, Any]] = {}  # start_learner's arguments, per learner.
     self._restarts_seen: dict[str, int] = {}
     self._unit_restarts: dict[int, int] = {}
     # Multi-process learners' reservations: learner id -> (placement group, release).
@@ -128,9 +145,9 @@ class RayCluster(LocalCluster):
 
   # -- placing programs -------------------------------------------------------------------------
 
-  def _env(self, devices: int | None) -> dict[str, str]:
+  def environment(self, run_env: dict[str, str]) -> dict[str, str]:
     """Only the run's variables: the rest is the environment of the node (ProgramActor)."""
-    env = self._run_env(devices)
+    env = dict(run_env)
     if self.ray_config.platform != "cpu":  # The devices Ray assigns; the syncer sets CPU itself.
       del env["JAX_PLATFORMS"], env["XLA_FLAGS"]
     return env
@@ -162,59 +179,51 @@ class RayCluster(LocalCluster):
     self._handles.append(handle)
     return handle
 
-  def start_syncers(self, num_shards: int, timeout_s: float = 180.0) -> None:
+  def syncer_shards(self, host: str, ports: list[int], num_shards: int) -> tuple[str, list[int]]:
     """A sharded syncer's shards on the syncer's node: each on the configured port + its index,
     or on one found free there; Ray restarts each shard alone."""
-    if num_shards > 1:
-      strategy = self._syncer_strategy()
-      probes = [
-        ray.get(
-          ray_actors.probe.options(scheduling_strategy=strategy).remote(),
-          timeout=self.ray_config.start_timeout_s,
-        )
-        for _ in range(num_shards)
-      ]
-      self.syncer_host = probes[0][0]
-      base = self.ray_config.syncer_port
-      self.shard_ports = [base + i if base else free for i, (_, free) in enumerate(probes)]
-    super().start_syncers(num_shards, timeout_s)
-
-  def spawn_syncer(self, *, port: int = 0, shard: int = 0) -> None:
+    del host, ports  # Chosen on the syncer's node.
     strategy = self._syncer_strategy()
-    if port == 0 and not self.shard_ports:  # The configured port, or one free on the syncer's
-      # node; its restarts keep it.
-      self.syncer_host, free = ray.get(
+    probes = [
+      ray.get(
         ray_actors.probe.options(scheduling_strategy=strategy).remote(),
         timeout=self.ray_config.start_timeout_s,
       )
-      port = self.ray_config.syncer_port or free
-    self._syncer_options = {
-      "num_cpus": self.ray_config.syncer_num_cpus,
-      "resources": dict(self.ray_config.syncer_resources),
-      "scheduling_strategy": strategy,
-    }
-    super().spawn_syncer(port=port, shard=shard)
+      for _ in range(num_shards)
+    ]
+    base = self.ray_config.syncer_port
+    return probes[0][0], [base + i if base else free for i, (_, free) in enumerate(probes)]
 
-  def _popen(self, launch: processes.Launch) -> ray_actors.ActorProcess:
+  def syncer_port(self, host: str, port: int) -> tuple[str, int]:
+    """The configured port, or one free on the syncer's node; its restarts keep it."""
+    del host, port  # Chosen on the syncer's node.
+    node, free = ray.get(
+      ray_actors.probe.options(scheduling_strategy=self._syncer_strategy()).remote(),
+      timeout=self.ray_config.start_timeout_s,
+    )
+    return node, self.ray_config.syncer_port or free
+
+  def start(self, launch: processes.Launch) -> ray_actors.ActorProcess:
     if launch.role == "syncer":
-      return self._actor(launch, self._syncer_options, restart=True)
+      options = {
+        "num_cpus": self.ray_config.syncer_num_cpus,
+        "resources": dict(self.ray_config.syncer_resources),
+        "scheduling_strategy": self._syncer_strategy(),
+      }
+      return self._actor(launch, options, restart=True)
     options = self._learner_options()
     if self.processes_per_learner == 1:
       return self._actor(launch, options, restart=True)
     # A process of a multi-process learner, in its bundle of the learner's reservation; the
-    # launcher restarts the whole learner (check_fleet), never one process.
+    # launcher restarts the whole learner (supervise), never one process.
     group, _ = self._reservations[launch.learner_id]
     options["scheduling_strategy"] = _in_bundle(group, launch.process_index)
     return self._actor(launch, options, restart=False)
 
-  def start_learner(self, learner_id: int, **kwargs: Any) -> processes.Child:
-    self._starts[learner_id] = kwargs  # A whole-learner restart starts it the same way.
-    return super().start_learner(learner_id, **kwargs)
-
-  def _coordinator_address(self, learner_id: int) -> str:
+  def coordinator_address(self, learner_id: int, num_processes: int) -> str:
     """Reserves the hosts of a multi-process learner (a fresh reservation at every start) and
     returns a free port on its process 0's host."""
-    group, release = self._reserve(learner_id, self.processes_per_learner, self._learner_options())
+    group, release = self._reserve(learner_id, num_processes, self._learner_options())
     self._reservations[learner_id] = (group, release)
     host, port = ray.get(
       ray_actors.probe.options(scheduling_strategy=_in_bundle(group, 0)).remote(),
@@ -261,9 +270,9 @@ class RayCluster(LocalCluster):
 
   # -- restarts ---------------------------------------------------------------------------------
 
-  def check_fleet(self, progress=None, client=None) -> bool:
-    """LocalCluster's, after recording Ray's restarts, ending crash loops, and restarting failed
-    multi-process learners as a whole (module docstring)."""
+  def supervise(self, cluster: LocalCluster, progress: Callable[[str], None] | None) -> None:
+    """Records Ray's restarts, ends crash loops, and restarts failed multi-process learners as a
+    whole (module docstring); the cluster's fleet is checked next."""
     cfg = self.ray_config
     if cfg.crash_loop_restarts:
       now = time.monotonic()
@@ -275,32 +284,31 @@ class RayCluster(LocalCluster):
             f"restarted {recent} times within {cfg.crash_loop_window_s:g} s, a crash loop: not "
             "restarted again (the lines above say why it fails)"
           )
-    for name, n in self.restarts().items():
+    for name, n in self.restarts(cluster).items():
       if n > self._restarts_seen.get(name, 0):
         self._restarts_seen[name] = n
         learner_id = -1 if name.startswith("syncer") else int(name.split("_")[1])
-        self.fleet.record("restart", learner_id, program=name, restarts=n)
+        cluster.fleet.record("restart", learner_id, program=name, restarts=n)
         if progress is not None:
           progress(f"ray: {name} restarted after it died ({n} so far)")
     if self.processes_per_learner > 1:
-      for i, member in sorted(self.fleet.members.items()):
-        child = self.learners[i]
+      for i, member in sorted(cluster.fleet.members.items()):
+        child = cluster.learners[i]
         if member.state != "running" or child.proc.poll() in (None, 0):
           continue
         limit = self.ray_config.max_restarts
         if limit != -1 and self._unit_restarts.get(i, 0) >= limit:
           continue  # LocalCluster reports the failure.
         self._unit_restarts[i] = self._unit_restarts.get(i, 0) + 1
-        self._release_learner(i)
-        self.start_learner(i, **self._starts[i])  # Recorded as a restart at the next check.
+        self._release_learner(i, child)
+        cluster.restart_learner(i)  # Recorded as a restart at the next check.
         if progress is not None:
           progress(
             f"ray: learner {i} failed ({child.proc.returncode}); restarted all its processes"
           )
-    return super().check_fleet(progress, client)
 
-  def _release_learner(self, learner_id: int) -> None:
-    for p in self.learners[learner_id].proc.procs:
+  def _release_learner(self, learner_id: int, child: processes.Child) -> None:
+    for p in child.proc.procs:
       p.release()
       self._handles.remove(p)
     _, release = self._reservations.pop(learner_id)
@@ -308,27 +316,25 @@ class RayCluster(LocalCluster):
 
   # -- stopping ---------------------------------------------------------------------------------
 
-  def stop_all(self, grace_s: float = 15.0) -> None:
-    """LocalCluster's orderly stop, then every actor and placement group is released."""
-    try:
-      super().stop_all(grace_s)
-    finally:
-      for handle in self._handles:
-        handle.release()
-      for _, release in self._reservations.values():
-        release()
-      self._handles.clear()
-      self._reservations.clear()
+  def release(self) -> None:
+    """Every actor and placement group is released (after the cluster's orderly stop)."""
+    for handle in self._handles:
+      handle.release()
+    for _, release in self._reservations.values():
+      release()
+    self._handles.clear()
+    self._reservations.clear()
 
-  def restarts(self) -> dict[str, int]:
-    """Restarts Ray made, per program that had any ("syncer", "syncer_<i>", "learner_<i>")."""
+  def restarts(self, cluster: LocalCluster) -> dict[str, int]:
+    """Restarts made, per program of `cluster` that had any ("syncer", "syncer_<i>",
+    "learner_<i>")."""
     out = {}
-    if self.syncer is not None and self.syncer.proc.restarts:
-      out["syncer"] = self.syncer.proc.restarts
-    for i, child in sorted(self.shards.items()):  # A sharded syncer's other shards.
+    if cluster.syncer is not None and cluster.syncer.proc.restarts:
+      out["syncer"] = cluster.syncer.proc.restarts
+    for i, child in sorted(cluster.shards.items()):  # A sharded syncer's other shards.
       if child.proc.restarts:
         out[f"syncer_{i}"] = child.proc.restarts
-    for i, child in sorted(self.learners.items()):
+    for i, child in sorted(cluster.learners.items()):
       n = self._unit_restarts.get(i, 0)
       if isinstance(child.proc, ray_actors.ActorProcess):
         n += child.proc.restarts

@@ -32,13 +32,14 @@ def main(argv: list[str]) -> None:
     gin_flags.add_bindings([f"ddiloco.RayConfig.address = {_ADDRESS.value!r}"])
 
   def make_cluster(*, backend_config, **kwargs):
-    return ray_cluster.RayCluster(ray_config=backend_config, **kwargs)
+    return ray_cluster.make_cluster(ray_config=backend_config, **kwargs)
 
   local.run_job(
     "ddiloco-ray",
     make_cluster,
     backend_config=configurables.configured(ray_cluster.RayConfig),
-    before_run=lambda cluster: cluster.connect(),
+    before_run=lambda cluster: cluster.backend.connect(),
+    after_run=lambda cluster: cluster.backend.disconnect(),
   )
 
 

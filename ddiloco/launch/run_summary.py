@@ -112,8 +112,8 @@ def summarize(
     num_learners: M; the learners read are 0..M-1 unless `learner_ids` says otherwise.
     wall_time_s: the run's duration.
     learner_ids: every learner of the fleet, added ones included.
-    membership: the fleet's events (`elastic.Fleet.membership`: join, leave, finish, fail), kept
-      as is.
+    membership: the fleet's events (`elastic.LearnerFleet.membership`: join, leave, finish,
+      fail), kept as is.
     syncer_alive_at_end: the syncer's `alive` learners just before it was stopped.
     interrupted: the run was stopped by Ctrl-C: a partial run, never "ok" (the processes that had
       not written their summaries yet count as empty).

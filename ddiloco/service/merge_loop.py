@@ -82,7 +82,7 @@ class MergeLoop:
           # Never spin on a failing step with the lock held: RPCs and a signal's stop() need it.
           self._cond.wait(0.05)
         wait = self._max_wait_s
-        for deadline in (self._core.next_deadline(), self._core.next_tick_time()):
+        for deadline in (self._core.closer.next_deadline(), self._core.pacer.next_tick_time()):
           if (
             deadline is not None and self._publisher.halted is None
           ):  # Halted: overdue rounds stay so.
@@ -95,9 +95,9 @@ class MergeLoop:
     not `open_rounds`, the merges whose time has come (published), and liveness."""
     self._recovery.end_if_due()
     if self._publisher.halted is None:  # Halted: rounds stay as they are, nothing merges.
-      for request in self._core.tick() if open_rounds else ():
+      for request in self._core.pacer.tick() if open_rounds else ():
         self._subscribers.broadcast(round_event(request))
-      for event in self._core.poll():
+      for event in self._core.closer.poll():
         self._publisher.publish(event)
     # Declares silent learners dead and forgets those gone long ago (service/members.py).
     for learner_id in self._members.sweep():
@@ -108,7 +108,7 @@ class MergeLoop:
     merge, the end of a recovery window, a learner's liveness deadline; None if none."""
     times = []
     if self._publisher.halted is None:
-      times += [self._core.next_deadline(), self._core.next_tick_time()]
+      times += [self._core.closer.next_deadline(), self._core.pacer.next_tick_time()]
     times.append(self._recovery.deadline())
     times.append(self._members.next_deadline())
     times = [t for t in times if t is not None]
@@ -118,5 +118,5 @@ class MergeLoop:
     """Merges every round that has its quorum, ignoring grace deadlines (shutdown)."""
     if self._publisher.halted is not None:
       return
-    for event in self._core.flush():
+    for event in self._core.closer.flush():
       self._publisher.publish(event)

@@ -13,7 +13,7 @@ learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runti
   and rounds as they were. A retry of an answer already filed (same learner, round and counters)
   gets the first answer's reply, decided from the header: it is never filed twice
   (service/streams.py).
-- A merge is all or nothing (`SyncerCore.poll`, `syncer/closing.py`), and the merge thread never
+- A merge is all or nothing (`RoundCloser.poll`, `syncer/closing.py`), and the merge thread never
   retries a failing step with the lock held: RPCs and a signal's `stop()` always get through.
 - Sessions: Register issues a random session credential bound to the learner id and that
   registration (RegisterResponse.session); every later push, pull, Heartbeat, Leave and Rounds call
@@ -391,7 +391,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       return syncer_pb2.HeartbeatResponse(
         registered=registered,
         versions=self._publisher.versions(),
-        fleet_step=self._core.cadence_step(),
+        fleet_step=self._core.pacer.cadence_step(),
         # Under the same lock as the versions: the learner's ledger settles on the pair.
         merged_steps=self._core.merged_steps(int(request.learner_id)) if registered else [],
       )
@@ -429,7 +429,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
           f"{limit} Rounds streams are open, one per learner; no room for learner {learner_id}.",
         )
       self._subscribers.replace(learner_id, sink)
-      initial = [round_event(r) for r in self._core.open_rounds()]
+      initial = [round_event(r) for r in self._core.rounds.open_requests()]
       initial += [
         published_event(p, v)
         for p, v in enumerate(self._publisher.versions())

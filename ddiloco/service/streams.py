@@ -271,15 +271,15 @@ class DataStreams:
         int(h.new_tokens),
         int(h.anchor_version),
       )
-      replay = self._core.replayed(int(h.learner_id), p, int(h.round_step), fingerprint)
+      replay = self._core.intake.replayed(int(h.learner_id), p, int(h.round_step), fingerprint)
     if replay is not None:
       return self._push_response(replay)
     with self._cond:
-      late = self._core.late_reason(p, int(h.round_step))
+      late = self._core.rounds.late_reason(p, int(h.round_step))
       if late is not None:
         # Decided from the header alone: an answer to a closed round is dropped unread. Its
         # tokens count as dropped.
-        self._core.drop_late(
+        self._core.intake.drop_late(
           max(int(h.tokens), 0),
           late,
           learner_id=int(h.learner_id),

@@ -151,7 +151,7 @@ class VirtualSyncer:
     """Folds the time to deliver a merge (ξ_sync) into the grace window, which the core cannot
     see on a virtual clock (docs/algorithm.md §4.2)."""
     with self.service.lock:
-      self.core.observe_sync_time(seconds)
+      self.core.grace.observe_sync_time(seconds)
 
   def stats(self) -> dict[str, Any]:
     """The core's counters, and the service's refusals and bytes on the wire."""

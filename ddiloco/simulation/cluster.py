@@ -290,7 +290,7 @@ class SimulatedCluster:
   def _schedule_wake(self, *, after_now: bool = False) -> None:
     """Schedules the syncer's next wake-up: a round coming due, a merge, a liveness deadline;
     after the token budget (the drain), merges only. `after_now`: not at this instant again."""
-    at = self.core.next_deadline() if self._finished else self.syncer.next_wakeup()
+    at = self.core.closer.next_deadline() if self._finished else self.syncer.next_wakeup()
     if at is not None and after_now and at <= self.now:
       # The syncer just did what was due now; a deadline it still reports as now is a rounding
       # edge, and waking at this instant again would never move the clock.
@@ -485,7 +485,7 @@ class SimulatedCluster:
     if self._queue.has_any(_PRODUCTIVE):
       return False
     return self.core is None or (
-      self.core.next_deadline() is None and self.core.next_tick_time() is None
+      self.core.closer.next_deadline() is None and self.core.pacer.next_tick_time() is None
     )
 
   def progress_line(self, wall_s: float | None = None) -> str:

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from ddiloco.faults import FaultEvent
 
 
-class Fleet(Protocol):
+class FaultTarget(Protocol):
   """What the executor needs of the simulated cluster."""
 
   now: float
@@ -27,9 +27,9 @@ class Fleet(Protocol):
 
 
 class SimulatedFaults:
-  """Executes the learner faults of a schedule on a `Fleet` (see the module docstring)."""
+  """Executes the learner faults of a schedule on a `FaultTarget` (see the module docstring)."""
 
-  def __init__(self, fleet: Fleet):
+  def __init__(self, fleet: FaultTarget):
     self._fleet = fleet
     self._handlers = {
       "kill_learner": self._kill,

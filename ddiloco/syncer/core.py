@@ -4,10 +4,11 @@ Pure and clock-injected: no threads, no sleeping, no I/O, no wall clock. Time co
 the same object runs under a virtual clock (simulated cluster) and a wall clock (the gRPC service, which
 wraps it with a lock). The protocol (docs/algorithm.md, "Rounds"):
 
-- The syncer owns the schedule. It keeps a step clock at the fleet's cadence (`cadence_step`: it
-  advances at the median inner-step rate of the alive learners, measured from their step counts).
-  When the clock reaches step t, every fragment p due at t (`FragmentSchedule.due`) gets its round
-  (p, t), opened against p's current version (the round's base). `tick` returns the opened rounds as
+- The syncer owns the schedule. It keeps a step clock at the fleet's cadence
+  (`pacer.cadence_step`: it advances at the median inner-step rate of the alive learners, measured
+  from their step counts). When the clock reaches step t, every fragment p due at t
+  (`FragmentSchedule.due`) gets its round (p, t), opened against p's current version (the round's
+  base). `pacer.tick` returns the opened rounds as
   `RoundRequest`s and the transport asks every live learner for them; each learner answers at its
   next step boundary with θ_p and its counters, tagged with the round's step.
 - A fragment has at most one open round. A round that is still open when p is due again (its quorum
@@ -32,8 +33,12 @@ wraps it with a lock). The protocol (docs/algorithm.md, "Rounds"):
 Its state lives in collaborators it composes, each in its own module: the published versions
 (`versions.py`), the learners (`learners.py`), the rounds (`rounds.py`) and their pacing on the step
 clock (`pacing.py`), the door's checks (`admission.py`), the counters and token ledger
-(`accounts.py`), the merge and outer step (`updates.py`) and checkpoints (`checkpoint.py`). The value
-types live in `types.py` (re-exported here).
+(`accounts.py`), the merge and outer step (`updates.py`) and checkpoints (`core_state.py`). The value
+types live in `types.py` (re-exported here). Callers drive the step clock through `pacer`
+(`tick`, `next_tick_time`, `cadence_step`), merge through `closer` (`poll`, `flush`,
+`next_deadline`), ask `rounds` about open and closed rounds, `intake` about retries and late
+answers, and feed `grace` the delivery times; the core's own methods are those that check a
+fragment or join several collaborators.
 """
 
 import dataclasses
@@ -43,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from ddiloco.fragments.schedule import FragmentSchedule
-from ddiloco.syncer import checkpoint
+from ddiloco.syncer import core_state
 from ddiloco.syncer.accounts import Accounts
 from ddiloco.syncer.admission import Admission
 from ddiloco.syncer.closing import RoundCloser
@@ -51,7 +56,7 @@ from ddiloco.syncer.grace import GraceModel
 from ddiloco.syncer.intake import ReportIntake
 from ddiloco.syncer.learners import LearnerRegistry
 from ddiloco.syncer.pacing import RoundPacer
-from ddiloco.syncer.recovery import Recovery
+from ddiloco.syncer.restore import FragmentRestore
 from ddiloco.syncer.rounds import RoundTable
 from ddiloco.syncer.types import (
   FragmentState,
@@ -169,7 +174,7 @@ class SyncerCore:
     self._closer = RoundCloser(
       grace=self._grace, updater=self._updater, admission=self._admission, **shared
     )
-    self._recovery = Recovery(
+    self._restore = FragmentRestore(
       versions=self._versions, rounds=self._rounds, pacer=self._pacer, closer=self._closer
     )
 
@@ -202,34 +207,50 @@ class SyncerCore:
   def schedule(self) -> FragmentSchedule:
     return self._schedule
 
+  @property
+  def pacer(self) -> RoundPacer:
+    """The step clock and the rounds it opens (`tick`, `next_tick_time`, `cadence_step`)."""
+    return self._pacer
+
+  @property
+  def closer(self) -> RoundCloser:
+    """The merges: `poll` (those due now), `flush` (every round with its quorum), `next_deadline`.
+
+    A round whose merge fails (`RoundCloser.merge`) is closed without a merge and is not returned.
+    """
+    return self._closer
+
+  @property
+  def rounds(self) -> RoundTable:
+    """The rounds: `open_requests` (a learner that (re)joins is asked for them too) and
+    `late_reason` (a transport asks before decoding a push: a closed round's answer is dropped
+    unread)."""
+    return self._rounds
+
+  @property
+  def intake(self) -> ReportIntake:
+    """The answers filed: `replayed` (a retry's earlier result) and `drop_late` (a late answer
+    counted as dropped, the state otherwise untouched)."""
+    return self._intake
+
+  @property
+  def grace(self) -> GraceModel:
+    """The grace window's model; a transport reports how long delivering a merge took
+    (`observe_sync_time`, ξ_sync, docs/algorithm.md §4.2)."""
+    return self._grace
+
   def fleet_step(self) -> int:
     """The fleet's step on the syncer's schedule clock: a (re)joining learner aligns to it.
 
-    `cadence_step` once the clock runs; before that, the largest schedule step reported.
+    `pacer.cadence_step` once the clock runs; before that, the largest schedule step reported.
     """
-    step = self.cadence_step()
+    step = self._pacer.cadence_step()
     return step if step >= 0 else self._accounts["fleet_step"]
-
-  def cadence_step(self) -> int:
-    """The syncer's step clock now: the schedule step at which rounds are due (`RoundPacer`)."""
-    return self._pacer.cadence_step()
-
-  def tick(self) -> list[RoundRequest]:
-    """Opens every round that came due on the step clock since the last tick (see module doc).
-
-    Returns:
-      The rounds opened, in due order: the transport asks every live learner for each.
-    """
-    return self._pacer.tick()
-
-  def next_tick_time(self) -> float | None:
-    """Clock time at which the step clock reaches the next unprocessed step; None if not running."""
-    return self._pacer.next_tick_time()
 
   def open_round(self, p: int, step: int) -> RoundRequest | None:
     """Opens round (p, step) against p's current version; None if p's previous round is still open.
 
-    `tick` calls this for every due fragment; tests and tools may call it directly.
+    `pacer.tick` opens the round of every due fragment; tests and tools may call this directly.
 
     Raises:
       ValueError: on an unknown fragment, or a step not after p's newest round.
@@ -238,14 +259,6 @@ class SyncerCore:
     if not self.owns(p):
       raise ValueError(f"Fragment {p} belongs to another syncer shard.")
     return self._pacer.open_round(p, step)
-
-  def open_rounds(self) -> list[RoundRequest]:
-    """The rounds open now (a learner that (re)joins is asked for them too)."""
-    return self._rounds.open_requests()
-
-  def observe_progress(self, learner_id: int, step: int, step_time_s: float) -> None:
-    """Records an alive learner's schedule step and step time now (from its reports)."""
-    self._learners.observe_progress(learner_id, step, step_time_s)
 
   def observe_steps(
     self,
@@ -263,10 +276,6 @@ class SyncerCore:
   def leave(self, learner_id: int) -> None:
     """Marks a learner not alive (crash detected or scale-down); idempotent (`LearnerRegistry.leave`)."""
     self._learners.leave(learner_id)
-
-  def delivered(self, learner_id: int) -> frozenset[int]:
-    """Fragments delivered to a learner since its last registration (its reports of them weigh > 0)."""
-    return self._learners.delivered(learner_id)
 
   def alive(self) -> frozenset[int]:
     """Ids of the learners currently alive."""
@@ -309,91 +318,33 @@ class SyncerCore:
       "late" (its round is closed: dropped and counted) or "duplicate" (this learner already
       answered the round).
     """
-    return dataclasses.replace(self._intake.file(r, copy), fleet_step=self.cadence_step())
-
-  def replayed(
-    self, learner_id: int, fragment: int, round_step: int, fingerprint: tuple
-  ) -> ReportResult | None:
-    """The result a learner's earlier, identical answer to this round got (a retry), or None
-    (`Admission.replayed`)."""
-    return self._intake.replayed(learner_id, fragment, round_step, fingerprint)
-
-  def late_reason(self, fragment: int, round_step: int) -> str | None:
-    """Why an answer to round (fragment, round_step) comes too late, or None (see module doc).
-
-    A transport asks before decoding a push: a closed round's answer is dropped unread.
-    """
-    return self._rounds.late_reason(fragment, round_step)
-
-  def drop_late(
-    self,
-    tokens: int,
-    reason: str,
-    *,
-    learner_id: int | None = None,
-    new_tokens: int = 0,
-    fragment: int | None = None,
-    round_step: int | None = None,
-  ) -> ReportResult:
-    """Counts a late report and its tokens as dropped (`ReportIntake.drop_late`); the state is
-    otherwise untouched."""
-    return self._intake.drop_late(
-      tokens,
-      reason,
-      learner_id=learner_id,
-      new_tokens=new_tokens,
-      fragment=fragment,
-      round_step=round_step,
-    )
-
-  # -- merging ------------------------------------------------------------------------------------
-
-  def poll(self) -> list[MergeEvent]:
-    """Performs every merge whose time has come at clock(), earliest due first, and returns them.
-
-    A round whose merge fails (`RoundCloser.merge`) is closed without a merge and is not returned.
-    """
-    return self._closer.poll()
-
-  def flush(self) -> list[MergeEvent]:
-    """Merges every round that has its quorum now, grace windows or not (shutdown, end of run)."""
-    return self._closer.flush()
-
-  def next_deadline(self) -> float | None:
-    """Earliest clock time at which poll() would merge something; None if no round has its quorum.
-
-    A round that may close early (everyone has reported) is due now, i.e. at clock().
-    """
-    return self._closer.next_deadline()
+    return dataclasses.replace(self._intake.file(r, copy), fleet_step=self._pacer.cadence_step())
 
   # -- restores (docs/resilience.md) ----------------------------------------------------------------
 
   def republish(self, p: int, version: int) -> None:
-    """Publishes Θ_p's current values again as `version` (a restore: `Recovery.republish`)."""
+    """Publishes Θ_p's current values again as `version` (a restore: `FragmentRestore.republish`)."""
     self._check_fragment(p)
-    self._recovery.republish(p, version)
+    self._restore.republish(p, version)
 
   def freeze(self, p: int) -> None:
-    """Opens no more rounds of p until `unfreeze(p)`; closes its open round (`Recovery.freeze`)."""
+    """Opens no more rounds of p until `unfreeze(p)`; closes its open round (`FragmentRestore.freeze`)."""
     self._check_fragment(p)
-    self._recovery.freeze(p)
+    self._restore.freeze(p)
 
   def unfreeze(self, p: int) -> None:
     """Lets `tick` open rounds of p again (from its next due step)."""
     self._check_fragment(p)
     self._pacer.unfreeze(p)
 
-  def frozen(self) -> frozenset[int]:
-    return self._pacer.frozen()
-
   def recover(self, p: int, version: int, values: Mapping[str, np.ndarray], digest: str) -> None:
-    """Takes `values` back as `version` of p, a version lost in a kill (`Recovery.recover`)."""
+    """Takes `values` back as `version` of p, a version lost in a kill (`FragmentRestore.recover`)."""
     self._check_fragment(p)
-    self._recovery.recover(p, version, values, digest)
+    self._restore.recover(p, version, values, digest)
 
   def state_dict(self) -> dict[str, Any]:
-    """The whole state as a flat {name: numpy array | python scalar} dict (`checkpoint.py`)."""
-    return checkpoint.state_dict(
+    """The whole state as a flat {name: numpy array | python scalar} dict (`core_state.py`)."""
+    return core_state.state_dict(
       versions=self._versions,
       updater=self._updater,
       rounds=self._rounds,
@@ -409,7 +360,7 @@ class SyncerCore:
       ValueError: if the checkpoint was made for another layout or its arrays do not fit.
       KeyError: if an entry is missing.
     """
-    checkpoint.load_state_dict(
+    core_state.load_state_dict(
       d,
       versions=self._versions,
       updater=self._updater,
@@ -473,10 +424,6 @@ class SyncerCore:
   def grace_window(self) -> float:
     """The grace window a round reaching its quorum now would get (docs/algorithm.md §4.2)."""
     return self._grace.window() if self._config.use_grace else 0.0
-
-  def observe_sync_time(self, seconds: float) -> None:
-    """A transport reports how long delivering a merge took (feeds ξ_sync, docs/algorithm.md §4.2)."""
-    self._grace.observe_sync_time(seconds)
 
   def stats(self) -> dict:
     """Counters (see `COUNTERS`), merges per quorum size and their mean, open rounds, versions."""

@@ -100,7 +100,7 @@ def _merge(
     if result.status != "accepted":
       raise ValueError(f"Answer {i} was not filed: {result}")
     weights.append(result.weight)
-  events = core.flush()
+  events = core.closer.flush()
   if len(events) != 1 or events[0].weights != tuple(w for w in weights if w > 0):
     raise RuntimeError(f"Expected one merge of the answers of weight > 0, got {events}.")
   return {k: -v for k, v in core.state(0).values.items()}, tuple(weights)

@@ -86,7 +86,7 @@ def _merge_once(core: SyncerCore, p: int, shift: float, learner: int = 0):
     )
   )
   assert result.status == "accepted"
-  (event,) = [e for e in core.poll() if e.fragment == p]  # Other due rounds merge too.
+  (event,) = [e for e in core.closer.poll() if e.fragment == p]  # Other due rounds merge too.
   core.mark_delivered(learner, p, event.version)
   return event
 
@@ -123,7 +123,7 @@ def test_checkpoint_round_trip_is_exact(tmp_path):
   fresh = _core()
   fresh.load_state_dict(restored)
   assert [fresh.version(p) for p in (0, 1)] == [3, 1]
-  assert fresh.open_rounds() == [request]
+  assert fresh.rounds.open_requests() == [request]
   assert fresh.state(0).digest == core.state(0).digest
   # The restored core continues exactly like the original.
   ev_a, ev_b = _merge_once(core, 1, 0.5), _merge_once(fresh, 1, 0.5)
@@ -228,7 +228,7 @@ def test_restore_moves_versions_past_the_journal(tmp_path):
   assert restarted.kept(0, 2) and restarted.kept(0, 6)
   assert not any(restarted.kept(0, v) for v in (3, 4, 5))
   # Rounds go on past the checkpoint's newest round of fragment 0 (20), against version 6.
-  assert restarted.open_rounds() == []
+  assert restarted.rounds.open_requests() == []
   with pytest.raises(ValueError, match=r"not after its newest round \(20\)"):
     restarted.open_round(0, 20)
   request = restarted.open_round(0, 30)
@@ -418,13 +418,13 @@ def test_open_rounds_survive_a_state_dict_round_trip():
   fresh = _core()
   fresh.load_state_dict(state)
   _equal_states(fresh.state_dict(), state)
-  assert fresh.open_rounds() == core.open_rounds() == requests
+  assert fresh.rounds.open_requests() == core.rounds.open_requests() == requests
   # Both continue alike: learner 0 answers both rounds, they merge to the same bits.
   for c in (core, fresh):
     for r in requests:
       values = {k: v - np.float32(0.125) for k, v in c.state(r.fragment).values.items()}
       assert _answer(c, 0, r, values=values).status == "accepted"
-  events, restored_events = core.poll(), fresh.poll()
+  events, restored_events = core.closer.poll(), fresh.closer.poll()
   assert [(e.fragment, e.version, e.contributors) for e in events] == [
     (0, 2, (0, 1)),
     (1, 1, (0,)),
@@ -463,12 +463,12 @@ def test_a_checkpoint_without_round_ids_loads_and_drops_its_open_rounds():
   old = {k: v for k, v in state.items() if k not in new_keys}
   fresh = _core()
   fresh.load_state_dict(old)
-  assert fresh.open_rounds() == []
+  assert fresh.rounds.open_requests() == []
   stats = fresh.stats()
   assert (stats["open_rounds"], stats["rounds_opened"], stats["overrun_rounds"]) == (0, 0, 0)
   assert (stats["versions"], stats["merges"]) == ([1, 0], 1)
   assert [fresh.state(p).digest for p in (0, 1)] == [core.state(p).digest for p in (0, 1)]
-  assert fresh.poll() == [] and fresh.next_deadline() is None
+  assert fresh.closer.poll() == [] and fresh.closer.next_deadline() is None
   # Rounds start afresh: any step opens one, against the restored version.
   assert fresh.open_round(0, 1) == RoundRequest(0, 1, 1)
   # The dropped rounds' answers (learner 0's carries 64 ledger tokens) are booked as dropped: the
@@ -485,13 +485,13 @@ def test_republish_moves_an_open_round_to_the_republished_version():
   version and answer against it, and the round merges (it would otherwise never reach K)."""
   core, requests = _with_open_rounds()
   core.republish(1, 5)
-  assert core.open_rounds() == [requests[0], RoundRequest(1, 30, 5)]
+  assert core.rounds.open_requests() == [requests[0], RoundRequest(1, 30, 5)]
   for i in (0, 1):
     core.fetch(i, 1)
   values = {k: v - np.float32(0.125) for k, v in core.state(1).values.items()}
   result = _answer(core, 0, RoundRequest(1, 30, 5), values=values)
   assert (result.status, result.weight > 0) == ("accepted", True)
-  (event,) = [e for e in core.poll() if e.fragment == 1]
+  (event,) = [e for e in core.closer.poll() if e.fragment == 1]
   assert (event.version, event.contributors) == (6, (0,))
 
 

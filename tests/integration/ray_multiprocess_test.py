@@ -27,14 +27,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 def test_a_multi_process_learner_restarts_as_a_whole(tmp_path):
   job = runs.parse_job(GIN, FAST)
-  cluster = ray_cluster.RayCluster(
+  cluster = ray_cluster.make_cluster(
     workdir=str(tmp_path),
     gin_args=runs.gin_args(GIN, FAST),
     num_learners=2,
     processes_per_learner=2,
     ray_config=RayConfig(local_num_cpus=6),
   )
-  cluster.connect()
+  cluster.backend.connect()
   session = ray._private.worker._global_node.get_session_dir_path()
   killed = {}
 
@@ -50,7 +50,7 @@ def test_a_multi_process_learner_restarts_as_a_whole(tmp_path):
     summary = cluster.run(job, timeout_s=540, progress_every_s=1.0, progress=chaos)
   finally:
     cluster.stop_all()
-    cluster.disconnect()
+    cluster.backend.disconnect()
   assert killed
   restarts = [e for e in summary["membership"] if e["event"] == "restart"]
   assert [(e["learner_id"], e["restarts"]) for e in restarts] == [(1, 1)], restarts

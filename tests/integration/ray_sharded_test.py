@@ -23,13 +23,13 @@ pytestmark = [pytest.mark.timeout(420), pytest.mark.e2e]
 
 def test_ray_restarts_one_shard_alone(tmp_path):
   job = runs.parse_job(GIN, BINDINGS)
-  cluster = ray_cluster.RayCluster(
+  cluster = ray_cluster.make_cluster(
     workdir=str(tmp_path),
     gin_args=runs.gin_args(GIN, BINDINGS),
     num_learners=2,
     ray_config=RayConfig(local_num_cpus=4),
   )
-  cluster.connect()
+  cluster.backend.connect()
   killed, seen = [], []  # Shard 0's merges at the kill; shard 1's merges as the lines show them.
 
   def kill_shard(line):
@@ -44,13 +44,13 @@ def test_ray_restarts_one_shard_alone(tmp_path):
     elif killed and "-" in seen and merges.group(2) != "-" and len(killed) == 1:
       killed.append(int(merges.group(1)))  # Shard 1 serves again: stop the learners gracefully.
       for i in list(cluster.learners):
-        cluster.begin_remove(i)
+        cluster.fleet.begin_remove(i)
 
   try:
     summary = cluster.run(job, timeout_s=360, progress_every_s=0.5, progress=kill_shard)
   finally:
     cluster.stop_all()
-    cluster.disconnect()
+    cluster.backend.disconnect()
   assert not ray.is_initialized()
   assert runs.processes_mentioning(str(tmp_path)) == []
   assert len(killed) == 2 and killed[1] > killed[0]  # Shard 0 merged while shard 1 was down.

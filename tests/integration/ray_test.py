@@ -37,10 +37,10 @@ pytestmark = pytest.mark.timeout(420)
 def test_ray_restarts_a_failed_learner_alone_and_leaves_nothing(tmp_path):
   job = runs.parse_job(GIN, FAST)
   args = runs.gin_args(GIN, FAST)
-  cluster = ray_cluster.RayCluster(
+  cluster = ray_cluster.make_cluster(
     workdir=str(tmp_path), gin_args=args, num_learners=2, ray_config=RayConfig(local_num_cpus=4)
   )
-  cluster.connect()
+  cluster.backend.connect()
   session = ray._private.worker._global_node.get_session_dir_path()
   killed: dict[str, int] = {}
   lines = []
@@ -53,7 +53,7 @@ def test_ray_restarts_a_failed_learner_alone_and_leaves_nothing(tmp_path):
     if (
       l2 is not None and cluster.fleet.members[2].state == "running" and l2.last.get("step", 0) >= 8
     ):
-      cluster.begin_remove(2)  # ...and leaves again, gracefully (not restarted).
+      cluster.fleet.begin_remove(2)  # ...and leaves again, gracefully (not restarted).
     if (
       l1 is not None
       and "actor" not in killed
@@ -70,7 +70,7 @@ def test_ray_restarts_a_failed_learner_alone_and_leaves_nothing(tmp_path):
     summary = cluster.run(job, timeout_s=360, progress_every_s=0.5, progress=chaos)
   finally:
     cluster.stop_all()
-    cluster.disconnect()
+    cluster.backend.disconnect()
   assert set(killed) == {"actor", "program"}, lines[-5:]
   restarts = [e for e in summary["membership"] if e["event"] == "restart"]
   assert sorted((e["learner_id"], e["restarts"]) for e in restarts) == [(0, 1), (1, 1)], restarts
@@ -179,13 +179,13 @@ def test_ctrl_c_stops_the_run_in_order_and_leaves_nothing(tmp_path):
 def test_a_program_ray_cannot_place_ends_without_hanging_the_launcher(tmp_path):
   """Learners asking for resources no node has: after `start_timeout_s` the program counts as
   failed and its log says why; a stop before then returns at once."""
-  cluster = ray_cluster.RayCluster(
+  cluster = ray_cluster.make_cluster(
     workdir=str(tmp_path),
     gin_args=runs.gin_args(GIN, FAST),
     num_learners=2,
     ray_config=RayConfig(local_num_cpus=2, learner_resources={"TPU": 4}, start_timeout_s=3.0),
   )
-  cluster.connect()
+  cluster.backend.connect()
   try:
     cluster.port = 1  # As if a syncer served: the learners never get far enough to dial it.
     waiting, stopped = cluster.start_learner(0), cluster.start_learner(1)
@@ -196,7 +196,7 @@ def test_a_program_ray_cannot_place_ends_without_hanging_the_launcher(tmp_path):
     assert waiting.proc.wait(timeout=30) == ray_actors.ACTOR_DIED
   finally:
     cluster.stop_all()
-    cluster.disconnect()
+    cluster.backend.disconnect()
   with open(waiting.log_path) as f:
     assert "Ray did not start this learner within 3.0 s" in f.read()
   with open(stopped.log_path) as f:
@@ -223,18 +223,18 @@ def test_runtime_env_ships_a_users_module_to_the_programs(tmp_path, monkeypatch)
   bindings = [b for b in FAST if not b.startswith("STEPS")]
   job = runs.parse_job(gin_file, bindings)
   assert job.run.steps_per_learner == 12
-  cluster = ray_cluster.RayCluster(
+  cluster = ray_cluster.make_cluster(
     workdir=str(tmp_path / "run"),
     gin_args=runs.gin_args(gin_file, bindings),
     num_learners=2,
     ray_config=RayConfig(local_num_cpus=4, runtime_env={"working_dir": str(user)}),
   )
-  cluster.connect()
+  cluster.backend.connect()
   try:
     summary = cluster.run(job, timeout_s=240, progress_every_s=1.0)
   finally:
     cluster.stop_all()
-    cluster.disconnect()
+    cluster.backend.disconnect()
   assert summary["ok"] is True
   assert [summary["learners"][i]["steps"] for i in ("0", "1")] == [12, 12]
 
@@ -243,19 +243,19 @@ def test_runtime_env_ships_a_users_module_to_the_programs(tmp_path, monkeypatch)
 def test_a_crash_loop_ends_the_run_instead_of_restarting_for_ever(tmp_path):
   """Learners whose own flags are bad fail at start every time: after `crash_loop_restarts`
   restarts the launcher stops them and the run fails, saying why."""
-  cluster = ray_cluster.RayCluster(
+  cluster = ray_cluster.make_cluster(
     workdir=str(tmp_path),
     gin_args=runs.gin_args(GIN, FAST),
     num_learners=2,
     extra_learner_args=["--gin_bindings=RunConfig.steps_per_learner = 0"],
     ray_config=RayConfig(local_num_cpus=4, crash_loop_restarts=2),
   )
-  cluster.connect()
+  cluster.backend.connect()
   try:
     with pytest.raises(RuntimeError, match="exited with") as info:
       cluster.run(runs.parse_job(GIN, FAST), timeout_s=240, progress_every_s=1.0)
   finally:
     cluster.stop_all()
-    cluster.disconnect()
+    cluster.backend.disconnect()
   assert "a crash loop: not restarted again" in str(info.value)
   assert "steps_per_learner=0" in str(info.value)  # The program's own error, from its log.

@@ -88,7 +88,7 @@ class _KillShard:
           self.back_at = self._status(0).merges
       elif not self.stopped and self._status(1).merges >= 6:
         for i in list(self.cluster.learners):
-          self.cluster.begin_remove(i)
+          self.cluster.fleet.begin_remove(i)
         self.stopped = True
     except grpc.RpcError:
       pass

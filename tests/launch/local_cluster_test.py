@@ -244,7 +244,7 @@ def test_chaos_kills_and_restarts_every_process_of_a_learner(tmp_path):
   from ddiloco.faults.schedule import ChaosConfig
 
   cluster = _cluster(tmp_path, processes=2)
-  cluster.python = _fake_python(tmp_path)
+  cluster.backend.python = _fake_python(tmp_path)
   run = ChaosRun(None, ChaosConfig(), cluster)  # The job is not read by execute.
   run.proxies = type("Proxies", (), {"address": "127.0.0.1:9"})()
   tape = run._tape = TapeWriter(tmp_path / "tape.jsonl")
@@ -291,7 +291,7 @@ def test_chaos_schedule_goes_on_while_the_syncer_restarts(tmp_path):
   from ddiloco.faults.schedule import ChaosConfig
 
   cluster = _cluster(tmp_path, processes=1)
-  cluster.python = _slow_syncer_python(tmp_path, ready_after_s=3.0)
+  cluster.backend.python = _slow_syncer_python(tmp_path, ready_after_s=3.0)
   run = ChaosRun(None, ChaosConfig(), cluster)
   run.proxies = type("Proxies", (), {"address": "127.0.0.1:9"})()
   tape = run._tape = TapeWriter(tmp_path / "tape.jsonl")

@@ -139,12 +139,12 @@ def _open_every_round(svc, client) -> list:
   """Moves the syncer's lock-step clock 2 steps on (a heartbeat): every fragment is due at one of
   them (H = 2), so each gets a round unless its previous one is still open. Returns them."""
   with svc.lock:
-    step = svc.core.cadence_step() + 2
+    step = svc.core.pacer.cadence_step() + 2
   client.heartbeat(0, step=step)
   deadline = time.monotonic() + 10.0
   while time.monotonic() < deadline:
     with svc.lock:
-      opened = {r.fragment: r for r in svc.core.open_rounds()}
+      opened = {r.fragment: r for r in svc.core.rounds.open_requests()}
     if len(opened) == P:
       return [opened[p] for p in range(P)]
     time.sleep(0.01)
@@ -189,12 +189,12 @@ def _close_rounds(svc, client, requests) -> None:
   deadline = time.monotonic() + 10.0
   while time.monotonic() < deadline:
     with svc.lock:
-      if not svc.core.open_rounds():
+      if not svc.core.rounds.open_requests():
         break
     time.sleep(0.01)
   assert client.leave(1)
   with svc.lock:
-    assert not svc.core.open_rounds()
+    assert not svc.core.rounds.open_requests()
 
 
 def _assert_same_batch(a, b):

@@ -208,7 +208,7 @@ def closed(transport):
     assert _push(env, _chunks(report, "fp32")).status == "accepted"
     _wait_version(env.svc, 0, version + 1)
   with env.svc.lock:
-    assert [r.fragment for r in env.svc.core.open_rounds()] == [1]
+    assert [r.fragment for r in env.svc.core.rounds.open_requests()] == [1]
   yield env
   env.close()
 
@@ -433,7 +433,7 @@ def test_reordered_chunks_are_reassembled_by_index(transport):
     reference.core.mark_delivered(0, 0, 0)
     reference.core.open_round(0, ROUNDS[0])
     assert reference.core.report(report).status == "accepted"
-    (event,) = reference.core.flush()
+    (event,) = reference.core.closer.flush()
     assert env.svc.published_digests()[(0, 1)] == event.digest
   finally:
     env.close()
@@ -833,7 +833,7 @@ def test_delta_push_whose_anchor_a_restored_checkpoint_no_longer_keeps(transport
       source.open_round(0, round_step)
       report = _report(anchor=version, step=round_step, round_step=round_step)
       assert source.report(report).status == "accepted"
-      assert [e.version for e in source.flush()] == [version + 1]
+      assert [e.version for e in source.closer.flush()] == [version + 1]
     assert source.open_round(0, 9) == RoundRequest(0, 9, 2)
     with env.svc.lock:
       env.svc.core.load_state_dict(source.state_dict())
@@ -855,7 +855,7 @@ def _assert_weighs_zero(env: _Env, chunks, reason: str) -> None:
   assert fragments_after == fragments and counted_after == counted
   assert stats_after["zero_weight_reports"] == stats["zero_weight_reports"] + 1
   with env.svc.lock:
-    env.svc.core.flush()  # Nothing to merge: a weight-0 answer is never a quorum.
+    env.svc.core.closer.flush()  # Nothing to merge: a weight-0 answer is never a quorum.
   assert _snapshot(env.svc)[0] == fragments
 
 
@@ -884,7 +884,7 @@ def test_delta_push_anchored_at_a_version_lost_in_a_syncer_restart(tmp_path, tra
       source.open_round(0, round_step)
       report = _report(anchor=version, step=round_step, round_step=round_step)
       assert source.report(report).status == "accepted"
-      (event,) = source.flush()
+      (event,) = source.closer.flush()
       journal.append(event)
       if version == 0:
         checkpointer.save(1, source.state_dict())
@@ -1046,7 +1046,7 @@ def test_rounds_stream_is_replaced_by_a_new_subscription_and_ends_when_the_learn
   door.client.register(8, layout_digest=DIGEST, num_fragments=2)
   first = iter(door.client.rounds(8))
   with door.svc.lock:
-    opened = door.svc.core.open_rounds()
+    opened = door.svc.core.rounds.open_requests()
     versions = [door.svc.core.version(p) for p in range(2)]
   initial = [*opened, *enumerate(versions)]
   assert [next(first) for _ in initial] == initial
@@ -1091,8 +1091,10 @@ def test_a_failing_merge_loop_never_holds_the_lock(monkeypatch, transport):
       raise RuntimeError("merge loop bug")
 
     versions = list(env.client.status().versions)
-    monkeypatch.setattr(env.svc.core, "poll", broken_poll)
-    monkeypatch.setattr(env.svc.core, "next_deadline", lambda: 0.0)  # "Overdue": retry at once.
+    monkeypatch.setattr(env.svc.core.closer, "poll", broken_poll)
+    monkeypatch.setattr(
+      env.svc.core.closer, "next_deadline", lambda: 0.0
+    )  # "Overdue": retry at once.
     with env.svc.lock:
       env.svc.lock.notify_all()
     deadline = time.monotonic() + 10

@@ -88,7 +88,7 @@ def test_a_shard_opens_and_merges_only_its_rounds():
           )
           assert result.status == "accepted"
     clock.t += 1.0
-    core.poll()
+    core.closer.poll()
   assert opened == {1, 3}
   assert core.version(1) >= 1 and core.version(3) >= 1
   assert core.version(0) == 0 and core.version(2) == 0
@@ -106,7 +106,7 @@ def test_tick_opens_only_owned_rounds():
   for step in range(12):
     for i in (1, 2):
       core.observe_steps(i, step, step_time_s=1.0, min_interval_s=0.0)
-    opened += [r.fragment for r in core.tick()]
+    opened += [r.fragment for r in core.pacer.tick()]
     clock.t += 1.0
   assert opened and set(opened) <= {0, 2}
 

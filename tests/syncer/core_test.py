@@ -108,21 +108,21 @@ def test_k1_no_grace_merges_at_first_poll():
   clock = FakeClock(4.0)
   core = make_core(clock, learners=(0,), **sgd1())
   assert core.open_round(0, ROUND) == RoundRequest(0, ROUND, 0)
-  assert core.open_rounds() == [RoundRequest(0, ROUND, 0)]
+  assert core.rounds.open_requests() == [RoundRequest(0, ROUND, 0)]
   clock.t = 5.0
   result = core.report(rep(0))
   assert (result.status, result.weight, result.round_version) == ("accepted", 1000.0, 1)  # 100²/10
-  assert core.next_deadline() == 5.0
-  (event,) = core.poll()
+  assert core.closer.next_deadline() == 5.0
+  (event,) = core.closer.poll()
   assert (event.fragment, event.version, event.contributors, event.tokens) == (0, 1, (0,), 100)
   # Opened at 4.0 by open_round; its quorum is the answer at 5.0.
   assert (event.open_time, event.quorum_time, event.grace_s, event.time) == (4.0, 5.0, 0.0, 5.0)
   assert core.version(0) == 1
   assert core.version(1) == 0
   assert event.digest == values_digest(core.state(0).values) == core.state(0).digest
-  assert core.poll() == []
-  assert core.next_deadline() is None
-  assert core.open_rounds() == []
+  assert core.closer.poll() == []
+  assert core.closer.next_deadline() is None
+  assert core.rounds.open_requests() == []
   stats = core.stats()
   assert (stats["quorum_size_counts"], stats["rounds_opened"], stats["open_rounds"]) == (
     {1: 1},
@@ -137,7 +137,7 @@ def test_open_round_rules():
   # p1's round is still open: the due round is not opened, and counted as an overrun.
   assert core.open_round(1, 8) is None
   assert core.open_round(0, 3) == RoundRequest(0, 3, 0)  # Each fragment has its own rounds.
-  assert core.open_rounds() == [RoundRequest(0, 3, 0), RoundRequest(1, 5, 0)]
+  assert core.rounds.open_requests() == [RoundRequest(0, 3, 0), RoundRequest(1, 5, 0)]
   with pytest.raises(
     ValueError, match=r"Round step 5 of fragment 1 is not after its newest round \(5\)"
   ):
@@ -159,7 +159,7 @@ def test_m1_sgd_lr1_overwrites_with_the_learner_values_exactly():
   core = make_core(learners=(0,), **sgd1())
   core.open_round(0, ROUND)
   core.report(rep(0, values=values))
-  core.poll()
+  core.closer.poll()
   for k, v in values.items():
     np.testing.assert_array_equal(core.state(0).values[k], v)
 
@@ -189,7 +189,7 @@ def test_bfloat16_parameters_round_trip_exactly():
       round_step=1,
     )
   )
-  core.poll()
+  core.closer.poll()
   out = core.state(0).values["w"]
   assert out.dtype == bf16
   np.testing.assert_array_equal(out, new)
@@ -201,12 +201,12 @@ def test_k2_waits_for_the_second_report():
   core.open_round(0, ROUND)
   core.report(rep(0))
   clock.t = 100.0
-  assert core.poll() == []
-  assert core.next_deadline() is None
+  assert core.closer.poll() == []
+  assert core.closer.next_deadline() is None
   core.report(rep(1))
   # Learner 2 is alive and received p0 but has not reported; no grace, so the deadline is the quorum.
-  assert core.next_deadline() == 100.0
-  (event,) = core.poll()
+  assert core.closer.next_deadline() == 100.0
+  (event,) = core.closer.poll()
   assert event.contributors == (0, 1)
   assert (event.open_time, event.quorum_time) == (0.0, 100.0)
 
@@ -232,11 +232,11 @@ def test_grace_deadline_is_exact_on_the_fake_clock(tau):
   # (docs/algorithm.md, "Quorum and grace window"). window = 0.8 * (τ*1.0 - 0.5 - 0), 1.2 at τ = 2;
   # learner 2 has not reported, so no early close.
   deadline = 10.5 + 0.8 * (tau * 1.0 - 0.5)
-  assert core.next_deadline() == deadline
+  assert core.closer.next_deadline() == deadline
   clock.t = np.nextafter(deadline, 0.0)
-  assert core.poll() == []
+  assert core.closer.poll() == []
   clock.t = deadline
-  (event,) = core.poll()
+  (event,) = core.closer.poll()
   assert event.grace_s == pytest.approx(0.8 * (tau - 0.5))
   assert (event.open_time, event.quorum_time, event.time) == (9.0, 10.5, deadline)
 
@@ -246,7 +246,7 @@ def test_grace_max_caps_the_window():
   core = make_core(clock, learners=(0, 1), use_grace=True, grace_max_s=3.0)
   core.open_round(0, ROUND)
   core.report(rep(0, step_time_s=100.0))  # 0.8 * 2 * 100 = 160 > 3
-  assert core.next_deadline() == 3.0
+  assert core.closer.next_deadline() == 3.0
 
 
 def test_early_close_when_every_alive_receiver_has_reported():
@@ -255,12 +255,12 @@ def test_early_close_when_every_alive_receiver_has_reported():
   core.register(2)  # alive but never received p0: weighs 0, so nobody waits for it
   core.open_round(0, ROUND)
   core.report(rep(0, step_time_s=5.0))  # window = min(0.8 * 2 * 5, 10) = 8
-  assert core.next_deadline() == 8.0
-  assert core.poll() == []
+  assert core.closer.next_deadline() == 8.0
+  assert core.closer.poll() == []
   clock.t = 1.0
   core.report(rep(1))
-  assert core.next_deadline() == 1.0  # due now
-  (event,) = core.poll()
+  assert core.closer.next_deadline() == 1.0  # due now
+  (event,) = core.closer.poll()
   assert event.contributors == (0, 1)
   assert event.time == 1.0
 
@@ -270,9 +270,9 @@ def test_early_close_when_the_missing_learner_leaves():
   core = make_core(clock, learners=(0, 1), use_grace=True)
   core.open_round(0, ROUND)
   core.report(rep(0, step_time_s=5.0))
-  assert core.poll() == []
+  assert core.closer.poll() == []
   core.leave(1)
-  (event,) = core.poll()
+  (event,) = core.closer.poll()
   assert event.contributors == (0,)
 
 
@@ -284,14 +284,14 @@ def test_k_equals_m_with_a_dead_learner_stalls():
   core.report(rep(0))
   core.report(rep(1))
   clock.t = 1e6
-  assert core.poll() == []
-  assert core.next_deadline() is None
+  assert core.closer.poll() == []
+  assert core.closer.next_deadline() is None
   assert core.version(0) == 0
   assert core.stats()["open_rounds"] == 1
   # p0's next due round cannot open while this one waits: an overrun, every period.
   assert core.open_round(0, 2 * ROUND) is None
   assert core.stats()["overrun_rounds"] == 1
-  assert core.open_rounds() == [RoundRequest(0, ROUND, 0)]
+  assert core.rounds.open_requests() == [RoundRequest(0, ROUND, 0)]
 
 
 def test_k1_keeps_advancing_with_a_dead_learner():
@@ -305,7 +305,7 @@ def test_k1_keeps_advancing_with_a_dead_learner():
       assert core.fetch(i, 0).version == v
       assert core.report(rep(i, anchor=v, step=s, round_step=s)).status == "accepted"
     clock.t += 1.0
-    (event,) = core.poll()
+    (event,) = core.closer.poll()
     assert (event.version, event.contributors) == (v + 1, (0, 1))
   assert core.stats()["versions"] == [3, 0]
   assert core.stats()["quorum_size_counts"] == {2: 3}
@@ -318,7 +318,7 @@ def test_report_before_death_stays_in_its_round():
   core.report(rep(1))
   core.leave(1)
   core.report(rep(0))
-  (event,) = core.poll()
+  (event,) = core.closer.poll()
   assert event.contributors == (0, 1)
 
 
@@ -326,14 +326,14 @@ def test_an_answer_to_a_closed_round_is_late_and_opens_nothing():
   core = make_core(learners=(0, 1), **sgd1())
   core.open_round(0, ROUND)
   core.report(rep(0))
-  (event,) = core.poll()
+  (event,) = core.closer.poll()
   assert event.version == 1
   core.fetch(1, 0)  # Learner 1 even holds the new version: its answer is still to a closed round.
   digest = core.state(0).digest
   late = dataclasses.replace(rep(1, tokens=70, anchor=1), new_tokens=30)
   result = core.report(late)
   assert (result.status, result.reason, result.weight) == ("late", "round (0, 10) is closed", 0.0)
-  assert core.late_reason(0, ROUND) == "round (0, 10) is closed"
+  assert core.rounds.late_reason(0, ROUND) == "round (0, 10) is closed"
   stats = core.stats()
   assert (stats["late"], stats["dropped_tokens"], stats["open_rounds"], stats["rounds_opened"]) == (
     1,
@@ -343,17 +343,17 @@ def test_an_answer_to_a_closed_round_is_late_and_opens_nothing():
   )
   assert (stats["accepted"], stats["merges"], stats["zero_weight_reports"]) == (1, 1, 0)
   # It opened no round: nothing to merge, ever.
-  assert core.open_rounds() == []
-  assert core.poll() == []
-  assert core.next_deadline() is None
+  assert core.rounds.open_requests() == []
+  assert core.closer.poll() == []
+  assert core.closer.next_deadline() is None
   assert (core.version(0), core.state(0).digest) == (1, digest)
   assert core.ledger()["learners"][1] == {"received": 30, "merged": 0, "dropped": 30, "pending": 0}
   # An answer to an older round while a newer one is open is late too, and leaves the open one alone.
   assert core.open_round(0, 13) == RoundRequest(0, 13, 1)
-  assert core.late_reason(0, 13) is None
+  assert core.rounds.late_reason(0, 13) is None
   result = core.report(dataclasses.replace(late, new_tokens=5))
   assert (result.status, result.reason) == ("late", "round (0, 10) is closed")
-  assert core.open_rounds() == [RoundRequest(0, 13, 1)]
+  assert core.rounds.open_requests() == [RoundRequest(0, 13, 1)]
   book = core.ledger()
   assert (book["received"], book["dropped"], book["pending"]) == (35, 35, 0)
   assert (core.stats()["late"], core.stats()["dropped_tokens"]) == (2, 140)
@@ -367,7 +367,7 @@ def test_an_answer_to_a_round_never_opened_is_rejected():
     result = core.report(rep(0, round_step=round_step))
     assert (result.status, result.weight) == ("rejected", 0.0)
     assert result.reason == f"round (0, {round_step}) was never opened"
-  assert core.open_rounds() == []
+  assert core.rounds.open_requests() == []
   core.open_round(0, ROUND)
   before = core.state_dict()
   # Past p0's newest round: the answer is to a round that does not exist (yet).
@@ -377,7 +377,7 @@ def test_an_answer_to_a_round_never_opened_is_rejected():
   assert after["stats/rejected"] == before["stats/rejected"] + 1 == 4
   after["stats/rejected"] = before["stats/rejected"]
   _assert_state_dicts_equal(after, before)  # Untouched: no round, no ledger, no EMA moved.
-  assert core.open_rounds() == [RoundRequest(0, ROUND, 0)]
+  assert core.rounds.open_requests() == [RoundRequest(0, ROUND, 0)]
   stats = core.stats()
   assert (stats["accepted"], stats["late"], stats["rounds_opened"], stats["versions"]) == (
     0,
@@ -399,7 +399,7 @@ def test_an_answer_anchored_off_the_round_base_weighs_zero():
   core = make_core(learners=(0, 1), merge_rule=WeightedMean(), **sgd1())
   core.open_round(0, ROUND)
   core.report(rep(0, values=theta(0.125)))
-  core.poll()
+  core.closer.poll()
   core.fetch(0, 0)
   assert core.open_round(0, 13) == RoundRequest(0, 13, 1)
   stale = rep(1, values=theta(0.25), anchor=0, tokens=70, round_step=13)
@@ -408,8 +408,8 @@ def test_an_answer_anchored_off_the_round_base_weighs_zero():
   assert (
     result.reason == "weight 0: answered against version 0; round (0, 13) is based on version 1"
   )
-  assert core.poll() == []
-  assert core.next_deadline() is None
+  assert core.closer.poll() == []
+  assert core.closer.next_deadline() is None
   stats = core.stats()
   assert (stats["zero_weight_reports"], stats["zero_weight_tokens"]) == (1, 70)
   book = core.ledger()
@@ -418,7 +418,7 @@ def test_an_answer_anchored_off_the_round_base_weighs_zero():
   core.fetch(1, 0)
   assert core.report(rep(1, values=theta(0.375), anchor=1, round_step=13)).weight == 1000.0
   core.report(rep(0, values=theta(0.375), anchor=1, round_step=13))
-  (event,) = core.poll()
+  (event,) = core.closer.poll()
   assert (event.version, event.contributors, event.weights) == (2, (0, 1), (1000.0, 1000.0))
   for k, v in core.state(0).values.items():
     np.testing.assert_array_equal(v, init_values()[k] + np.float32(0.375))
@@ -448,7 +448,7 @@ def test_duplicate_and_superseded():
   assert (newer.status, newer.weight) == ("superseded", 1000.0)
   assert core.report(rep(0, step=4)).status == "duplicate"  # Its second answer in that epoch.
   core.report(rep(1, tokens=100, values=theta(0.5)))
-  (event,) = core.poll()
+  (event,) = core.closer.poll()
   assert event.weights == (1000.0, 1000.0)
   assert event.tokens == 200
   # Both survivors are theta(0.5): mean = theta(0.5); lr 1 gives it back exactly.
@@ -475,8 +475,8 @@ def test_weight_zero_learner_never_changes_the_global_state():
   # Received, but claims it never applied p0: still weight 0.
   assert core.report(rep(0, anchor=-1, values=theta(0.5))).weight == 0.0
   clock.t = 1e6
-  assert core.poll() == []
-  assert core.next_deadline() is None
+  assert core.closer.poll() == []
+  assert core.closer.next_deadline() is None
   assert (core.version(0), core.state(0).digest) == (0, digest)
   assert core.stats()["zero_weight_reports"] == 3
   assert core.stats()["zero_weight_tokens"] == 2 * 10**6 + 100
@@ -491,7 +491,7 @@ def test_zero_counters_give_weight_zero():
   core = make_core(learners=(0,))
   core.open_round(0, ROUND)
   assert core.report(rep(0, tokens=0, steps=0)).weight == 0.0
-  assert core.poll() == []
+  assert core.closer.poll() == []
 
 
 def test_mark_delivered_counts_as_received():
@@ -548,9 +548,9 @@ def test_rejections_leave_the_state_untouched(case):
   result = core.report(make())
   assert (result.status, result.weight) == ("rejected", 0.0)
   assert reason in result.reason
-  assert core.poll() == []
+  assert core.closer.poll() == []
   assert [core.state(p).digest for p in range(2)] == before
-  assert core.open_rounds() == [RoundRequest(0, ROUND, 0)]
+  assert core.rounds.open_requests() == [RoundRequest(0, ROUND, 0)]
   stats = core.stats()
   assert (stats["rejected"], stats["accepted"], stats["open_rounds"], stats["versions"]) == (
     1,
@@ -592,7 +592,7 @@ def test_outer_step_matches_optax_sgd_nesterov_over_two_rounds():
       g = merged[k].astype(np.float64)
       trace[k] = g + 0.9 * trace[k]
       hand[k] = h - 0.7 * (g + 0.9 * trace[k])
-    (event,) = core.poll()
+    (event,) = core.closer.poll()
     assert event.weights == (1000.0, 4000.0)
     for k, h in hand.items():
       np.testing.assert_allclose(core.state(0).values[k], params[k], rtol=1e-6, atol=1e-7)
@@ -612,7 +612,7 @@ def test_token_weights_shape_the_mean():
   r0 = core.report(rep(0, tokens=200, values=theta(0.5)))
   r1 = core.report(rep(1, tokens=100, values=theta1))
   assert (r0.weight, r1.weight) == (4000.0, 1000.0)
-  core.poll()
+  core.closer.poll()
   # Θ − (0.8 (Θ − θ0) + 0.2 (Θ − θ1)) = 0.8 θ0 + 0.2 θ1 = Θ + 0.8*0.5 (+ 0.2*0.25 at [0, 0]).
   expected = np.full((2, 3), 1.9)
   expected[0, 0] = 1.95
@@ -636,7 +636,7 @@ def test_embedding_keys_use_the_mean(embedding_keys, expected):
     core.register(i)
     core.fetch(i, 1)
     core.report(rep(i, p=1, values={"c": np.array(c, np.float32)}))
-  core.poll()
+  core.closer.poll()
   # Outer gradients [-0.5, 0] and [0, -0.5], equal weights. Mean: [-0.25, -0.25] -> Θ = 1.25.
   # RDA: radius 0.5, direction -[1, 1]/√2 -> Θ = 1 + 0.5/√2 ≈ 1.3536.
   np.testing.assert_allclose(core.state(1).values["c"], [expected, expected], rtol=1e-6)
@@ -648,7 +648,7 @@ def test_keep_versions():
     core.fetch(0, 0)
     core.open_round(0, v + 1)
     core.report(rep(0, anchor=v, step=v + 1, round_step=v + 1))
-    core.poll()
+    core.closer.poll()
   assert core.state_at(0, 3).digest == core.state(0).digest
   assert core.state_at(0, 2).version == 2
   with pytest.raises(KeyError, match="not kept"):
@@ -667,12 +667,12 @@ def _scenario(clock):
       values = theta(0.1 * (i + 1) + 0.01 * v)
       core.report(rep(i, values=values, anchor=v, step=s + 1, round_step=s, step_time_s=0.5))
     clock.t += 5.0
-    assert len(core.poll()) == 1
+    assert len(core.closer.poll()) == 1
   core.fetch(0, 0)
   core.open_round(0, 40)  # Open on version 3, below quorum.
   core.report(rep(0, values=theta(0.3), anchor=3, step=41, round_step=40, tokens=50))
   core.leave(2)
-  core.observe_sync_time(0.25)
+  core.grace.observe_sync_time(0.25)
   # p1: quorum met, grace window running (learner 3 received p1 and has not reported).
   core.register(3)
   core.fetch(3, 1)
@@ -704,8 +704,8 @@ def test_state_dict_round_trip_is_exact_and_continues_identically():
   _assert_state_dicts_equal(core_b.state_dict(), sd)
   assert core_b.alive() == frozenset({0, 1, 3})
   assert (
-    core_b.open_rounds()
-    == core_a.open_rounds()
+    core_b.rounds.open_requests()
+    == core_a.rounds.open_requests()
     == [
       RoundRequest(0, 40, 3),
       RoundRequest(1, 20, 0),
@@ -714,7 +714,9 @@ def test_state_dict_round_trip_is_exact_and_continues_identically():
   assert core_b.state(0).digest == core_a.state(0).digest
   assert core_b.grace_window() == core_a.grace_window()
   clock_b.t = clock_a.t
-  assert core_b.next_deadline() == core_a.next_deadline() > clock_a.t  # p1's grace window
+  assert (
+    core_b.closer.next_deadline() == core_a.closer.next_deadline() > clock_a.t
+  )  # p1's grace window
   for core, clock in ((core_a, clock_a), (core_b, clock_b)):
     core.fetch(1, 0)
     result = core.report(rep(1, values=theta(0.2), anchor=3, step=41, round_step=40))
@@ -722,7 +724,7 @@ def test_state_dict_round_trip_is_exact_and_continues_identically():
     # The restored rounds' steps hold: round 30 of p0 is closed.
     assert core.report(rep(0, anchor=3, round_step=30)).status == "late"
     clock.t += 10.0
-  events_a, events_b = core_a.poll(), core_b.poll()
+  events_a, events_b = core_a.closer.poll(), core_b.closer.poll()
   assert events_a == events_b
   assert [(e.fragment, e.version) for e in events_a] == [(0, 4), (1, 1)]
   assert events_a[1].grace_s > 0
@@ -752,7 +754,7 @@ def test_a_restored_core_closes_the_rounds_its_lost_incarnation_may_have_opened(
   answer = rep(1, p=1, values=theta(0.1, 1), step=41, round_step=13)
   assert restored.report(answer).status == "late"
   assert restored.stats()["rejected"] == 0
-  restored.tick()  # The clock starts at step 40: every step before it is closed.
+  restored.pacer.tick()  # The clock starts at step 40: every step before it is closed.
   answer = rep(1, p=1, values=theta(0.1, 1), step=41, round_step=17)
   assert restored.report(answer).status == "late"
   answer = rep(1, p=1, values=theta(0.1, 1), step=41, round_step=500)
@@ -833,7 +835,7 @@ def test_fleet_step_is_the_step_clock():
   """
   clock = FakeClock(12.0)
   core = make_core(clock, learners=(0, 1))
-  assert (core.cadence_step(), core.fleet_step()) == (-1, 0)
+  assert (core.pacer.cadence_step(), core.fleet_step()) == (-1, 0)
   core.open_round(0, 12)
   core.report(rep(0, step=12, round_step=12, step_time_s=1.0))
   assert core.fleet_step() == 12
@@ -849,9 +851,9 @@ def test_fleet_step_is_the_step_clock():
   assert core.fleet_step() == 14
   other = make_core(FakeClock(14.0))
   other.load_state_dict(core.state_dict())
-  assert (other.cadence_step(), other.fleet_step()) == (-1, 12)
+  assert (other.pacer.cadence_step(), other.fleet_step()) == (-1, 12)
   other.observe_steps(1, 3)  # A learner restarted from its own older checkpoint.
-  assert other.cadence_step() == 12  # Not 3: past p0's round 12.
+  assert other.pacer.cadence_step() == 12  # Not 3: past p0's round 12.
 
 
 def test_cadence_is_a_clock_at_the_median_learner_rate():
@@ -859,24 +861,24 @@ def test_cadence_is_a_clock_at_the_median_learner_rate():
   the alive learners' own step counts, whatever their schedules do (no feedback)."""
   clock = FakeClock(0.0)
   core = make_core(clock, learners=(0, 1, 2))
-  assert core.cadence_step() == -1  # No report yet.
+  assert core.pacer.cadence_step() == -1  # No report yet.
   core.open_round(0, ROUND)
-  assert core.cadence_step() == -1  # Opening a round observes no learner.
+  assert core.pacer.cadence_step() == -1  # Opening a round observes no learner.
   core.report(rep(0, step=10))
-  assert core.cadence_step() == 10
+  assert core.pacer.cadence_step() == 10
   # Own step counts: learner 0 at 2 steps/s, learner 1 at 4 steps/s, learner 2 at 10 steps/s.
   for i in range(3):
     core.observe_steps(i, 100)
   clock.t = 2.0
   for i, rate in enumerate((2, 4, 10)):
     core.observe_steps(i, 100 + 2 * rate)
-  assert core.cadence_step() == 10 + 2 * 4  # Median rate 4 steps/s over the 2 s since t = 0.
+  assert core.pacer.cadence_step() == 10 + 2 * 4  # Median rate 4 steps/s over the 2 s since t = 0.
   clock.t = 3.0
   core.leave(1)  # Median of {2, 10} = 6 steps/s from now on.
-  assert core.cadence_step() == 18 + 6
+  assert core.pacer.cadence_step() == 18 + 6
   # A learner's schedule jumping ahead does not move the cadence.
   assert core.report(rep(2, step=500)).status == "accepted"
-  assert core.cadence_step() == 24
+  assert core.pacer.cadence_step() == 24
 
 
 def test_observe_steps_ignores_unknown_dead_and_too_frequent_samples():
@@ -885,15 +887,15 @@ def test_observe_steps_ignores_unknown_dead_and_too_frequent_samples():
   core.leave(1)
   core.observe_steps(7, 10)  # Unknown learner: ignored.
   core.observe_steps(1, 5000)  # Dead learner: ignored.
-  assert core.cadence_step() == -1
+  assert core.pacer.cadence_step() == -1
   core.observe_steps(0, 10)
   clock.t = 0.5
   core.observe_steps(0, 1000)  # Within min_interval_s: no rate sample.
   clock.t = 1.0
   core.observe_steps(0, 20)
-  assert core.cadence_step() == 20  # The largest step seen; 1000 never was a sample.
+  assert core.pacer.cadence_step() == 20  # The largest step seen; 1000 never was a sample.
   clock.t = 2.0
-  assert core.cadence_step() == 20 + 10  # 10 steps/s from the one valid sample.
+  assert core.pacer.cadence_step() == 20 + 10  # 10 steps/s from the one valid sample.
 
 
 def _tick_core(clock):
@@ -911,7 +913,7 @@ def _answer(core, request):
     rep(0, p=p, values=theta(0.125, p), anchor=request.base_version, round_step=request.round_step)
   )
   assert (result.status, result.weight) == ("accepted", 1000.0)
-  (event,) = core.poll()
+  (event,) = core.closer.poll()
   assert (event.fragment, event.version) == (p, request.base_version + 1)
   core.fetch(0, p)
 
@@ -925,19 +927,23 @@ def test_tick_opens_exactly_the_rounds_due_on_the_step_clock():
   """
   clock = FakeClock(0.0)
   core = _tick_core(clock)
-  assert (core.cadence_step(), core.tick(), core.next_tick_time()) == (-1, [], None)
+  assert (core.pacer.cadence_step(), core.pacer.tick(), core.pacer.next_tick_time()) == (
+    -1,
+    [],
+    None,
+  )
   for i in range(3):
     core.observe_steps(i, 1)
-  assert core.tick() == []  # Step 1: nothing due.
-  assert core.cadence_step() == 1
-  assert core.next_tick_time() is None  # No rate measured yet: the clock holds.
+  assert core.pacer.tick() == []  # Step 1: nothing due.
+  assert core.pacer.cadence_step() == 1
+  assert core.pacer.next_tick_time() is None  # No rate measured yet: the clock holds.
   clock.t = 1.0
   for i, rate in enumerate((1, 2, 4)):
     core.observe_steps(i, 1 + rate)
   # The first rates cover the second since t = 0: the clock is at step 3, and step 2 is due now.
-  assert core.cadence_step() == 3
-  assert core.next_tick_time() == 1.0
-  assert core.tick() == [RoundRequest(1, 2, 0)]
+  assert core.pacer.cadence_step() == 3
+  assert core.pacer.next_tick_time() == 1.0
+  assert core.pacer.tick() == [RoundRequest(1, 2, 0)]
   _answer(core, RoundRequest(1, 2, 0))
   # By hand: (fragment, step, base version) opened at each step; p1's round 6 overruns step 10.
   expected = {
@@ -959,14 +965,14 @@ def test_tick_opens_exactly_the_rounds_due_on_the_step_clock():
   held = None  # Round (1, 6) until step 11.
   for step, requests in expected.items():
     t = (step - 1) / 2
-    assert core.next_tick_time() == t
+    assert core.pacer.next_tick_time() == t
     clock.t = t - 0.25
-    assert core.tick() == []
+    assert core.pacer.tick() == []
     clock.t = t
     # Heartbeats: each learner's step at its rate. Learner 1's are exact, so the median stays 2.
     for i, rate in enumerate((1, 2, 4)):
       core.observe_steps(i, int(1 + rate * t))
-    opened = core.tick()
+    opened = core.pacer.tick()
     assert opened == requests
     # Every fragment due at this step got its round, or overran an open one.
     assert {r.fragment for r in opened} | ({1} if step in overrun else set()) == set(
@@ -977,10 +983,10 @@ def test_tick_opens_exactly_the_rounds_due_on_the_step_clock():
       if r == RoundRequest(1, 6, 1):
         held = r
       else:
-        assert core.open_rounds().count(r) == 1
+        assert core.rounds.open_requests().count(r) == 1
         _answer(core, r)
     # At most one open round per fragment: only the held one.
-    assert core.open_rounds() == ([held] if held else [])
+    assert core.rounds.open_requests() == ([held] if held else [])
     if step == 11:
       _answer(core, held)
       held = None
@@ -988,8 +994,8 @@ def test_tick_opens_exactly_the_rounds_due_on_the_step_clock():
   assert (stats["rounds_opened"], stats["overrun_rounds"], stats["versions"]) == (7, 1, [4, 3])
   # A clock that jumped (a slow tick) opens every round due since, in due order.
   clock.t = (20 - 1) / 2
-  assert core.tick() == [RoundRequest(1, 18, 3), RoundRequest(0, 20, 4)]
-  assert core.next_tick_time() == 10.0
+  assert core.pacer.tick() == [RoundRequest(1, 18, 3), RoundRequest(0, 20, 4)]
+  assert core.pacer.next_tick_time() == 10.0
 
 
 def _run_fleet(*, use_grace, until):
@@ -1020,7 +1026,7 @@ def _run_fleet(*, use_grace, until):
   opened, merges, answers = [], [], {}
   while clock.t < until:
     boundary = [(inner[i] + 1) * step_s[i] for i in range(4)]
-    due = [t for t in (core.next_tick_time(), core.next_deadline()) if t is not None]
+    due = [t for t in (core.pacer.next_tick_time(), core.closer.next_deadline()) if t is not None]
     clock.t = max(min(boundary + due), clock.t)
     for i in range(4):
       if boundary[i] > clock.t:
@@ -1045,11 +1051,11 @@ def _run_fleet(*, use_grace, until):
         )
         answers.setdefault((p, r.round_step), {})[i] = (clock.t, result.status)
       pending[i] = []
-    for r in core.tick():
+    for r in core.pacer.tick():
       opened.append((clock.t, r))
       for i in range(4):
         pending[i].append(r)
-    for e in core.poll():
+    for e in core.closer.poll():
       merges.append(e)
       for i in range(4):
         held[i][e.fragment] = core.fetch(i, e.fragment).version
@@ -1066,7 +1072,7 @@ def test_a_straggler_joins_every_round_within_the_grace_window():
   core, opened, merges, answers = _run_fleet(use_grace=True, until=42.0)
   # Rounds at steps 2, 4, ..., 42 (the last still open); the clock ticks on the whole seconds.
   assert [(t, r.round_step) for t, r in opened] == [(float(s), s) for s in range(2, 43, 2)]
-  assert core.open_rounds() == [RoundRequest(1, 42, 10)]
+  assert core.rounds.open_requests() == [RoundRequest(1, 42, 10)]
   by_round = {(e.fragment, e.version): e for e in merges}
   assert len(by_round) == len(merges) == 20  # Every closed round merged exactly once.
   for p in (0, 1):
@@ -1114,13 +1120,13 @@ def _rounds_with_a_late_answerer(delays, *, grace_spread=True, rounds=16):
       rep(0, anchor=request.base_version, step=step + 1, round_step=step, step_time_s=1.0)
     )
     clock.t += delays[k % len(delays)]
-    merges += core.poll()  # Closed by now if the window was shorter than the delay.
+    merges += core.closer.poll()  # Closed by now if the window was shorter than the delay.
     result = core.report(
       rep(1, anchor=request.base_version, step=step + 1, round_step=step, step_time_s=1.0)
     )
     statuses.append(result.status)
     clock.t += 5.0
-    merges += core.poll()
+    merges += core.closer.poll()
   return statuses, merges
 
 
@@ -1155,13 +1161,15 @@ def test_a_late_answer_refused_from_its_header_feeds_the_spread():
   clock.t = 1.0
   core.report(rep(0, step_time_s=1.0))
   clock.t = 10.0
-  assert len(core.poll()) == 1
+  assert len(core.closer.poll()) == 1
   delays = core._grace.delays
   clock.t = 12.5
-  core.drop_late(100, "closed", learner_id=1, fragment=0, round_step=ROUND + 1)  # Not that round.
-  core.drop_late(100, "closed", learner_id=1)  # No round named.
+  core.intake.drop_late(
+    100, "closed", learner_id=1, fragment=0, round_step=ROUND + 1
+  )  # Not that round.
+  core.intake.drop_late(100, "closed", learner_id=1)  # No round named.
   assert list(delays) == []
-  core.drop_late(100, "closed", learner_id=1, fragment=0, round_step=ROUND)
+  core.intake.drop_late(100, "closed", learner_id=1, fragment=0, round_step=ROUND)
   assert list(delays) == [11.5]  # 12.5 s, after the first answer at 1.0 s.
 
 
@@ -1210,7 +1218,7 @@ def test_token_ledger_books_every_report_once():
   book = core.ledger()
   assert (book["received"], book["merged"], book["dropped"], book["pending"]) == (82, 0, 7, 75)
   core.report(ledger_rep(1, 20, step=10))  # The second answer of round (0, 10): quorum, merge.
-  assert [e.version for e in core.poll()] == [1]
+  assert [e.version for e in core.closer.poll()] == [1]
   book = core.ledger()
   assert (book["received"], book["merged"], book["dropped"], book["pending"]) == (102, 55, 7, 40)
   assert book["learners"][0] == {"received": 42, "merged": 35, "dropped": 7, "pending": 0}
@@ -1221,7 +1229,9 @@ def test_token_ledger_books_every_report_once():
   core.register(2)
   core.open_round(0, 13)
   assert core.report(ledger_rep(2, 11, step=20, anchor=1, round_step=13)).weight == 0.0
-  core.drop_late(100, "stale header", learner_id=1, new_tokens=3)  # The service's early refusal.
+  core.intake.drop_late(
+    100, "stale header", learner_id=1, new_tokens=3
+  )  # The service's early refusal.
   book = core.ledger()
   assert (book["received"], book["merged"], book["dropped"], book["pending"]) == (125, 55, 30, 40)
   assert book["received"] == book["merged"] + book["dropped"] + book["pending"]
@@ -1252,7 +1262,7 @@ def test_filing_sums_rda_norms_and_the_merge_keeps_its_bits():
   core.report(rep(0, values=theta(0.25), step=1, round_step=1))
   core.report(rep(1, values=theta(0.5), step=1, round_step=1))
   core.report(rep(2, values=theta(0.75), step=1, round_step=1))
-  (event,) = core.poll()
+  (event,) = core.closer.poll()
   assert event.version == 1
   v1 = core.state(0).values
   # Round 2, opened on version 1: the norms are taken against the round's base, Θ1.
@@ -1273,7 +1283,7 @@ def test_filing_sums_rda_norms_and_the_merge_keeps_its_bits():
   assert _norms_of(twin) == {0: None, 1: None}
   core.report(rep(2, values=theta(0.0625), anchor=1, step=2, round_step=2))
   twin.report(rep(2, values=theta(0.0625), anchor=1, step=2, round_step=2))
-  (a,), (b,) = core.poll(), twin.poll()
+  (a,), (b,) = core.closer.poll(), twin.closer.poll()
   assert a.digest == b.digest
   for k, v in core.state(0).values.items():
     assert v.tobytes() == twin.state(0).values[k].tobytes()
@@ -1328,14 +1338,14 @@ def test_reused_merge_memory_never_reaches_published_versions():
   core = make_core(learners=(0,), **sgd1())
   core.open_round(0, 1)
   core.report(rep(0, values=theta(0.25), step=1, round_step=1))
-  (e1,) = core.flush()
+  (e1,) = core.closer.flush()
   v1 = {k: v.copy() for k, v in core.state(0).values.items()}
   np.testing.assert_array_equal(v1["b"], init_values()["b"] + np.float32(0.25))  # Θ − (Θ − θ).
   core.fetch(0, 0)
   core.open_round(0, 2)
   values = {k: v + np.float32(0.5) for k, v in v1.items()}
   core.report(rep(0, values=values, anchor=1, step=2, round_step=2))
-  (e2,) = core.flush()
+  (e2,) = core.closer.flush()
   assert (e1.version, e2.version) == (1, 2)
   old = core.state_at(0, 1)
   assert old.digest == e1.digest
@@ -1351,12 +1361,12 @@ def test_tick_skips_a_round_opened_directly_and_keeps_merging():
   core = _tick_core(clock)
   for i in range(3):
     core.observe_steps(i, 1)
-  assert core.tick() == []  # The clock starts at step 1; no rate yet.
+  assert core.pacer.tick() == []  # The clock starts at step 1; no rate yet.
   assert core.open_round(0, 4) == RoundRequest(0, 4, 0)
   clock.t = 2.0
   for i in range(3):
     core.observe_steps(i, 5)  # 2 steps/s: the clock is at step 5 (p1 due at 2, p0 at 4).
-  assert core.tick() == [RoundRequest(1, 2, 0)]
+  assert core.pacer.tick() == [RoundRequest(1, 2, 0)]
   assert core.stats()["rounds_opened"] == 2
 
 
@@ -1365,14 +1375,14 @@ def test_the_step_time_a_learner_reports_starts_the_clock_and_a_silent_one_stops
   core = _tick_core(clock)
   core.observe_steps(0, 3, step_time_s=0.5)  # 2 steps/s, before two samples could measure it.
   core.observe_steps(1, 3, step_time_s=0.125)  # 8 steps/s.
-  assert core.cadence_step() == 3
+  assert core.pacer.cadence_step() == 3
   clock.t = 0.5
-  assert core.cadence_step() == 5  # 3 + 0.5 s at the median, 5 steps/s: 5.5.
+  assert core.pacer.cadence_step() == 5  # 3 + 0.5 s at the median, 5 steps/s: 5.5.
   # Learner 1 is silent (paused, crashed) for more than max(2 s, 4 of its steps): from then on
   # only learner 0 paces the clock, at its measured rate 0.5 x 2 + 0.5 x (8 − 3) / 3 = 1.8333.
   clock.t = 3.0
   core.observe_steps(0, 8)
-  assert core.cadence_step() == 10  # 5.5 + 2.5 s x 1.8333 = 10.08 (with learner 1: 17.8).
+  assert core.pacer.cadence_step() == 10  # 5.5 + 2.5 s x 1.8333 = 10.08 (with learner 1: 17.8).
 
 
 # -- hostile values and counters: refused whole, the global model untouched ----------------------
@@ -1406,12 +1416,12 @@ def test_huge_finite_answer_is_refused_as_implausible(shift):
   result = core.report(rep(0, values=huge))
   assert (result.status, result.weight) == ("rejected", 0.0)
   assert "outer gradient" in result.reason
-  assert core.flush() == []
+  assert core.closer.flush() == []
   _assert_same(before, _snapshot(core))
   assert (core.stats()["implausible"], core.stats()["rejected"]) == (1, 1)
   # The fleet goes on: an honest answer to the same round merges.
   assert core.report(rep(1)).status == "accepted"
-  (event,) = core.flush()
+  (event,) = core.closer.flush()
   assert event.contributors == (1,)
   assert all(np.isfinite(v).all() for v in core.state(0).values.values())
 
@@ -1422,7 +1432,7 @@ def test_plausibility_bound_follows_recent_merged_answers():
   # ‖Θ_0‖ ≈ 4.6; an outer gradient of norm ≈ 0.4 is merged, then one ≈ 20 (> 2 × 4.6) is refused.
   core.open_round(0, ROUND)
   assert core.report(rep(0, values=theta(0.125))).weight > 0
-  assert [e.version for e in core.flush()] == [1]
+  assert [e.version for e in core.closer.flush()] == [1]
   core.open_round(0, ROUND + 2)
   far = rep(0, values=theta(6.0), anchor=1, round_step=ROUND + 2)
   assert "implausible outer gradient" in core.report(far).reason
@@ -1436,7 +1446,7 @@ def test_a_restored_core_bounds_answers_by_the_restored_fragment():
   a = make_core(learners=(0,), **sgd1(), max_update_ratio=0.0)
   a.open_round(0, ROUND)
   assert a.report(rep(0, values=theta(10.0))).status == "accepted"
-  a.flush()  # Θ_0 = init + 10: its norm is many times the initial one.
+  a.closer.flush()  # Θ_0 = init + 10: its norm is many times the initial one.
   b = make_core(**sgd1(), max_update_ratio=2.0)
   b.load_state_dict(a.state_dict())
   initial = np.sqrt(sum(float(np.sum(v**2)) for v in theta(0.0).values()))
@@ -1469,7 +1479,7 @@ def test_merge_that_overflows_changes_nothing():
   core.open_round(0, ROUND)
   before = _snapshot(core)
   assert core.report(rep(0, values=theta(1.0))).weight > 0  # Plausible: ‖δ‖ ≈ 3.2, ‖Θ‖ ≈ 4.6.
-  assert core.poll() == []  # Failed: nothing published.
+  assert core.closer.poll() == []  # Failed: nothing published.
   _assert_same(before, _snapshot(core))
   stats, book = core.stats(), core.ledger()
   assert (stats["failed_merges"], stats["merges"], stats["open_rounds"]) == (1, 0, 0)
@@ -1479,7 +1489,7 @@ def test_merge_that_overflows_changes_nothing():
   assert core.report(rep(1)).status == "late"
   core.open_round(0, ROUND + 2)
   assert core.report(rep(1, values=theta(1.0), round_step=ROUND + 2)).weight > 0
-  assert core.poll() == []
+  assert core.closer.poll() == []
   _assert_same(before, _snapshot(core))
 
 
@@ -1493,7 +1503,7 @@ def test_merge_that_raises_changes_nothing(monkeypatch):
     raise RuntimeError("merge bug")
 
   monkeypatch.setattr(merge, "merge_reports", boom)
-  assert core.poll() == []
+  assert core.closer.poll() == []
   _assert_same(before, _snapshot(core))
   assert core.stats()["failed_merges"] == 1
 
@@ -1534,15 +1544,15 @@ def test_step_clock_resists_a_learner_claiming_a_far_step():
   core.observe_steps(1, 2**40, step_time_s=1e-9)  # Within range, but one of three.
   core.observe_steps(0, 50, step_time_s=0.5)
   core.observe_steps(2, 50, step_time_s=0.5)
-  assert core.cadence_step() == 50  # The median learner's step, not the liar's.
+  assert core.pacer.cadence_step() == 50  # The median learner's step, not the liar's.
   clock.t += 2.0
   core.observe_steps(1, 2**40, step_time_s=1e-9)
   # The fleet's median rate (2/s; the liar's rate is clamped to 100/s): ~4 steps in 2 s.
-  assert 50 <= core.cadence_step() <= 60
+  assert 50 <= core.pacer.cadence_step() <= 60
   for i in (0, 1, 2):
     core.observe_steps(i, 2**40)
   clock.t += 1e12  # Even at the clamped rate for ages the clock stays a valid step.
-  assert core.cadence_step() <= 2**40
+  assert core.pacer.cadence_step() <= 2**40
   core.state_dict()
 
 
@@ -1550,7 +1560,7 @@ def test_retry_after_merge_is_not_filed_or_booked_twice():
   core = make_core(learners=(0,), **sgd1())
   core.open_round(0, ROUND)
   first = core.report(dataclasses.replace(rep(0), new_tokens=100))
-  (event,) = core.flush()
+  (event,) = core.closer.flush()
   book = core.ledger()
   again = core.report(dataclasses.replace(rep(0), new_tokens=100))
   assert (again.status, again.weight, again.round_version) == (
@@ -1576,7 +1586,7 @@ def test_warm_up_compiles_every_outer_step_and_changes_nothing(caplog):
       for p in (0, 1):
         core.open_round(p, ROUND)
         assert core.report(rep(0, p=p)).status == "accepted"
-      events[name] = core.poll()
+      events[name] = core.closer.poll()
     compiles = [r for r in caplog.records if "Compiling" in r.getMessage()]
     # The cold core compiles its outer step at each fragment's first merge; the warm one never.
     assert bool(compiles) == (name == "cold"), [r.getMessage() for r in compiles]
@@ -1604,7 +1614,7 @@ def test_outer_gradient_answers_merge_as_their_thetas(rule):
       r = rep(i, values=t, tokens=100 + 50 * i)
       r = _as_outer_gradient(core, r) if d else r
       assert core.report(r).status == "accepted"
-    (event,) = core.poll()
+    (event,) = core.closer.poll()
     digests.add(event.digest)
   assert len(digests) == 1
 

@@ -60,7 +60,7 @@ def _merge(core: SyncerCore, step: int, delta: dict[str, np.ndarray]) -> None:
     outer_gradient=True,
   )
   assert core.report(report).weight > 0
-  (event,) = core.flush()
+  (event,) = core.closer.flush()
   assert event.version == state.version + 1
 
 

@@ -91,7 +91,7 @@ def _merge(core: SyncerCore, step: int, answers: list[Report]) -> None:
   assert core.open_round(0, step) is not None
   for r in answers:
     assert core.report(r).weight > 0
-  (event,) = core.flush()
+  (event,) = core.closer.flush()
   assert event.version == core.version(0)
 
 
@@ -164,7 +164,7 @@ def test_a_merge_that_overflows_changes_nothing(fused_bytes):
   before = _snapshot(core)
   for r in _answers(core, 10, seed=1, scale=1.0):
     assert core.report(r).weight > 0
-  assert core.flush() == []
+  assert core.closer.flush() == []
   _assert_same(before, _snapshot(core))
   assert (core.stats()["failed_merges"], core.stats()["merges"]) == (1, 0)
 
@@ -180,7 +180,7 @@ def test_a_fused_merge_that_raises_changes_nothing(monkeypatch):
     raise RuntimeError("merge bug")
 
   monkeypatch.setattr(outer.OuterStep, "merge_and_step", boom)
-  assert core.flush() == []
+  assert core.closer.flush() == []
   _assert_same(before, _snapshot(core))
   assert core.stats()["failed_merges"] == 1
 
@@ -194,7 +194,7 @@ def test_a_restored_round_merges_as_the_original():
     core.report(r)
   restored = _core(FUSED)
   restored.load_state_dict(core.state_dict())
-  assert core.flush()[0].digest == restored.flush()[0].digest
+  assert core.closer.flush()[0].digest == restored.closer.flush()[0].digest
 
 
 def test_the_outer_step_refuses_mismatched_answers():

@@ -124,7 +124,7 @@ def test_the_core_files_answers_with_the_rules_weights():
       )
       results.append(core.report(r))
     assert [(x.status, x.weight) for x in results] == [("accepted", 1024.0), ("accepted", expected)]
-    (event,) = core.flush()
+    (event,) = core.closer.flush()
     if gamma == 0.0:
       assert "StalenessDiscountedMean(gamma=0.0) gives it weight 0" in results[1].reason
       assert event.contributors == (0,) and core.stats()["zero_weight_reports"] == 1

@@ -121,7 +121,7 @@ def test_filing_with_the_sums_merges_the_same_bits():
       got.append(
         core.report(report if keep else dataclasses.replace(report, sq_norms=None), copy=False)
       )
-    core.flush()
+    core.closer.flush()
     results.append([(r.status, r.weight) for r in got])
     states.append((core.version(0), core.state(0).digest))
   assert results[0] == results[1] and results[0][0][0] == "accepted"

@@ -1,4 +1,4 @@
-"""Checkpointing of the syncer core: its whole state as a flat dict of arrays and scalars (docs/algorithm.md §6).
+"""The syncer core's state for a checkpoint: all of it as a flat dict of arrays and scalars (docs/algorithm.md §6).
 
 `SyncerCore.state_dict()` / `load_state_dict()` call `state_dict` / `load_state_dict` here with its
 collaborators, whose public surface they read and restore. The flat {name: numpy array | python

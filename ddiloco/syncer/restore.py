@@ -11,7 +11,7 @@ from ddiloco.syncer.rounds import RoundTable
 from ddiloco.syncer.versions import VersionStore
 
 
-class Recovery:
+class FragmentRestore:
   """The restore operations on fragments (known to exist: the core checks them)."""
 
   def __init__(
