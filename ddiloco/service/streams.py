@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from ddiloco.fragments import shards
 from ddiloco.metrics.writer import quantiles
 from ddiloco.protocol import counter_error, step_time_error
 from ddiloco.service import door, stream_gate
@@ -483,7 +484,7 @@ class DataStreams:
       owned = sorted(self._core.owned)
       raise self._refuse(
         grpc.StatusCode.OUT_OF_RANGE,
-        f"Fragment {fragment} belongs to another syncer shard; this one owns {owned[:16]}"
+        f"Fragment {fragment} {shards.NOT_OWNED}; this one owns {owned[:16]}"
         f"{' ...' if len(owned) > 16 else ''}.",
       )
 
