@@ -229,7 +229,6 @@ def run_case(case: dict) -> dict:
     "final_eval_loss": round(summary["final_eval_loss"], 4),
     "bytes_up": summary["bytes_up"],
     "bytes_down": summary["bytes_down"],
-    "mean_mbit": round(max(summary["bytes_up"], summary["bytes_down"]) * 8 / wall / 1e6, 3),
     "training_span_s": round(wall, 1),
     "digests_agree": summary["digests_agree"],
   }
@@ -292,11 +291,12 @@ def sweep(rates: list[float], codecs: list[str], workdir: str) -> list[dict]:
         cmd = ["ip", "netns", "exec", NS_LEARNERS, sys.executable, os.path.abspath(__file__)]
         cmd += [f"--case={json.dumps(case)}", f"--out={out}"]
         print(f"{codec}, link {rate or 'unshaped'} ...", flush=True)
+        load = round(os.getloadavg()[0], 2)  # The machine's own noise, beside the link's.
         subprocess.run(cmd, check=True, cwd=ROOT, timeout=_TIMEOUT.value + 120)
         with open(out) as f:
           row = json.load(f)
         reference = reference or row
-        rows.append(row | _compare(row, reference))
+        rows.append(row | _compare(row, reference) | {"load_avg_1m_at_start": load})
         print("  " + json.dumps(rows[-1]), flush=True)
   finally:
     cleanup()
