@@ -463,7 +463,7 @@ def _stall(env: _Env, learner: int) -> socket.socket:
 def test_stalled_pushes_of_some_learners_cannot_starve_another():
   # Four places for learners, two per learner; learners 1 and 2 fill them with pushes stalled
   # mid-body (their chunk deadline is far). Learner 0, with nothing open, takes the newest place
-  # of a learner holding two for its push; learner 1 stalls another in the place freed, and
+  # of a learner holding two for its push; that learner stalls another in the place freed, and
   # learner 0 takes one again for its pull. Both succeed; the two stalls cut are answered
   # RESOURCE_EXHAUSTED, saying why.
   env = _Env(
@@ -479,7 +479,9 @@ def test_stalled_pushes_of_some_learners_cannot_starve_another():
     _wait_for(lambda: env.svc.admission.gate.open_streams() == full)
     result = env.client.push(env.report(), "fp32", anchor_values=env.held.values)
     assert result.status == "accepted"
-    stalls.append(_stall(env, 1))
+    _wait_for(lambda: env.svc.admission.gate.open_streams()[0] == 3)
+    _, held = env.svc.admission.gate.open_streams()
+    stalls.append(_stall(env, 1 if held.get(1, 0) < 2 else 2))  # The one that lost a place.
     _wait_for(lambda: env.svc.admission.gate.open_streams() == full)
     assert env.pull(known=-1).version == 0
     cut = [sock for sock in stalls if select.select([sock], [], [], 5.0)[0]]
