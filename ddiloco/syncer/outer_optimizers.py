@@ -44,14 +44,9 @@ def nesterov_warmup(
     ValueError: for a learning rate that is not > 0, a momentum outside [0, 1) or a negative
       warm-up.
   """
-  for name, lr in (
-    ("learning_rate", learning_rate),
-    ("initial_learning_rate", initial_learning_rate),
-  ):
-    if lr is not None and not (isinstance(lr, int | float) and lr > 0):
-      raise ValueError(f"{name} must be > 0, got {lr!r}.")
-  if learning_rate is None:
-    raise ValueError("learning_rate must be > 0, got None.")
+  _check_rate("learning_rate", learning_rate)
+  if initial_learning_rate is not None:
+    _check_rate("initial_learning_rate", initial_learning_rate)
   if not 0 <= momentum < 1:
     raise ValueError(f"momentum must be in [0, 1), got {momentum}.")
   if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -63,3 +58,8 @@ def nesterov_warmup(
     momentum=optax.linear_schedule(0.0, momentum, warmup_steps) if warmup_steps else momentum,
     nesterov=True,
   )
+
+
+def _check_rate(name: str, value: float) -> None:
+  if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+    raise ValueError(f"{name} must be > 0, got {value!r}.")
