@@ -54,6 +54,7 @@ __all__ = [
   "SyncerCheckpointConfig",
   "SyncerCheckpointer",
   "VersionLog",
+  "WorkdirMismatch",
   "quiet_orbax_logs",
   "read_journal",
   "read_journal_records",
@@ -279,6 +280,10 @@ class RestoreError(ValueError):
   """No usable state: checkpoints exist, none is intact, and the journal says versions were served."""
 
 
+class WorkdirMismatch(ValueError):
+  """The workdir holds another syncer's state: another model, fragment layout or shard."""
+
+
 def restore_core(
   core: SyncerCore,
   checkpointer: SyncerCheckpointer,
@@ -311,13 +316,21 @@ def restore_core(
 
   Raises:
     RestoreError: if checkpoints exist but none is intact while the journal holds versions.
-    ValueError: if a checkpoint or the journal does not fit the core's layout.
+    WorkdirMismatch: if a checkpoint or the journal does not fit the core's layout (another
+      model, fragment count or syncer shard).
     OSError: if the republished versions cannot be journaled.
   """
   journal = read_journal_records(journal_path)
   for p in journal:
     if not 0 <= p < core.num_fragments:
-      raise ValueError(f"Merge journal names fragment {p}; the layout has {core.num_fragments}.")
+      raise WorkdirMismatch(
+        f"Merge journal {journal_path} names fragment {p}; the layout has {core.num_fragments}."
+      )
+    if not core.owns(p):
+      raise WorkdirMismatch(
+        f"Merge journal {journal_path} names fragment {p}, which this syncer shard does not own: "
+        "it was written by another shard, or with another shard count."
+      )
   initial = {p: core.state(p).digest for p in range(core.num_fragments) if core.version(p) == 0}
   step, unusable = _load_newest_intact(core, checkpointer, journal, initial)
   if step is None and unusable and journal:
@@ -413,9 +426,9 @@ def _load_newest_intact(
       problem = f"unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     else:
       if state.get("layout_fingerprint") != core.layout_fingerprint():
-        raise ValueError(
+        raise WorkdirMismatch(
           f"Syncer checkpoint {step} in {checkpointer.directory} was written for a different "
-          "fragment layout (another model or fragment count?)."
+          "fragment layout (another model, fragment count, or syncer shard?)."
         )
       problem = _contradiction(core, state, journal, initial)
       if problem is None:

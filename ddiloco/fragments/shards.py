@@ -7,6 +7,10 @@ are spread over the period too. Fragment ids stay global everywhere (on the wire
 in digests); a shard holds values, versions and outer states only for its own fragments.
 """
 
+# What a shard's refusal (OUT_OF_RANGE) of a fragment it does not own says: a learner reading it
+# knows its shard map is stale.
+NOT_OWNED = "belongs to another syncer shard"
+
 
 def check_shards(num_shards: int, num_fragments: int) -> None:
   """Raises ValueError unless 1 <= num_shards <= num_fragments (every shard owns a fragment)."""

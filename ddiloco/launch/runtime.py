@@ -113,8 +113,10 @@ class SyncerRun:
 
     Raises:
       ckpt_lib.RestoreError: if no checkpoint is intact while the journal records served versions.
+      ckpt_lib.WorkdirMismatch: if the workdir holds another shard's state, or another model's.
     """
     cfg = self.checkpoint
+    recorded = syncer_shards.check_workdir(self.workdir, self.shard, self.num_shards)
     ckpt_lib.quiet_orbax_logs()
     self._checkpointer = ckpt_lib.SyncerCheckpointer(
       os.path.join(self.workdir, cfg.subdir), max_to_keep=cfg.max_to_keep
@@ -131,6 +133,8 @@ class SyncerRun:
         version_log=self._version_log,
       )
       self.service.refresh_published()
+    if not recorded:  # Restored (or fresh): this workdir is this shard's from now on.
+      syncer_shards.record_workdir(self.workdir, self.shard, self.num_shards)
     if self.restored is not None:
       info = self.restored
       self._saved_step = info.step

@@ -14,8 +14,9 @@ reach both. Both bind to 127.0.0.1 unless `--host` says otherwise. The shared to
 A port in use (by another syncer, say) ends the program with one line on stderr and exit status 1.
 SIGTERM or SIGINT stops it gracefully: it stops accepting calls, merges every round that has its
 quorum, evaluates the global model and writes `summary.json` to the workdir. It exits 1 with a
-one-line error if its workdir holds no usable checkpoint although learners were served versions, and
-after writing its summary if a merge could not be journaled (a full disk; docs/resilience.md).
+one-line error if its workdir holds no usable checkpoint although learners were served versions, or
+holds another shard's state (or another model's), and after writing its summary if a merge could
+not be journaled (a full disk; docs/resilience.md).
 """
 
 import os
@@ -78,7 +79,7 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   # Imported after flag parsing and JAX_PLATFORMS: these import jax.
-  from ddiloco.checkpoint.syncer import RestoreError, SyncerCheckpointConfig
+  from ddiloco.checkpoint.syncer import RestoreError, SyncerCheckpointConfig, WorkdirMismatch
   from ddiloco.launch import configurables, runtime
   from ddiloco.launch.job import JobConfig
 
@@ -107,6 +108,8 @@ def main(argv: list[str]) -> None:
   if ":" in _HOST.value and not _HOST.value.startswith("["):
     address = f"[{_HOST.value}]:{_PORT.value}"  # An IPv6 literal.
   try:
+    # Checked before the model is built (`SyncerRun` checks it again, for its other callers).
+    syncer_shards.check_workdir(workdir, _SHARD.value, job.syncer_shards)
     run = runtime.SyncerRun(
       job,
       workdir=workdir,
@@ -114,7 +117,7 @@ def main(argv: list[str]) -> None:
       shard=_SHARD.value,
       shard_addresses=shard_addresses,
     )
-  except RestoreError as e:
+  except (RestoreError, WorkdirMismatch) as e:  # One line: the operator's to fix, no traceback.
     raise SystemExit(f"ddiloco-syncer: cannot restart: {e}") from None
   try:
     server = run.serve(

@@ -8,6 +8,7 @@ shard 0 joins them with its own to evaluate the final global model. On several h
 be on a file system every shard mounts for that last evaluation; training does not need it.
 """
 
+import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -15,7 +16,12 @@ from typing import Any
 
 import numpy as np
 
+from ddiloco.checkpoint.syncer import WorkdirMismatch
+
 FINAL_VALUES = "final_values.npz"
+# Which shard of how many wrote a syncer workdir: a shard restarted on another's state (or with
+# another shard count) would serve fragments it does not own, or refuse its checkpoint late.
+SHARD_FILE = "syncer_shard.json"
 
 
 def shard_workdir(syncer_workdir: str, shard: int) -> str:
@@ -23,6 +29,47 @@ def shard_workdir(syncer_workdir: str, shard: int) -> str:
   if shard == 0:
     return syncer_workdir
   return f"{syncer_workdir.rstrip('/')}_{shard}"
+
+
+def check_workdir(workdir: str, shard: int, num_shards: int) -> bool:
+  """Refuses a syncer workdir that another shard, or a syncer with another shard count, wrote
+  (`record_workdir`); whether it says which wrote it (a fresh workdir, or one older than the
+  record, does not: the restore's own checks are then what refuse another's state).
+
+  Raises:
+    WorkdirMismatch: naming the shard that wrote it and this one.
+  """
+  path = os.path.join(workdir, SHARD_FILE)
+  mine = {"shard": shard, "num_shards": num_shards}
+  try:
+    with open(path) as f:
+      theirs = json.load(f)
+  except FileNotFoundError:
+    return False
+  except (OSError, ValueError) as e:
+    raise WorkdirMismatch(f"{path} is unreadable ({e}): is {workdir} a syncer's workdir?") from e
+  if theirs != mine:
+    raise WorkdirMismatch(
+      f"{workdir} holds the state of {_shard_name(theirs)}, not of {_shard_name(mine)}: start each "
+      "shard on its own workdir with the shard count it was written with (--shard, "
+      "JobConfig.syncer_shards), or on a fresh workdir."
+    )
+  return True
+
+
+def record_workdir(workdir: str, shard: int, num_shards: int) -> None:
+  """Records which shard of how many writes a syncer workdir (once its state is restored)."""
+  path = os.path.join(workdir, SHARD_FILE)
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump({"shard": shard, "num_shards": num_shards}, f)
+  os.replace(tmp, path)
+
+
+def _shard_name(record: Mapping[str, Any]) -> str:
+  if record.get("num_shards") == 1:
+    return "an unsharded syncer"
+  return f"syncer shard {record.get('shard')} of {record.get('num_shards')}"
 
 
 def parse_addresses(text: str, num_shards: int) -> tuple[str, ...]:

@@ -17,6 +17,12 @@ Each shard fails alone (docs/resilience.md, "A sharded syncer"):
   shard answers, registering with it is retried with a backoff (never blocking the heartbeats of
   the others), and its Rounds stream is renewed by its own thread. Pushes and pulls to it fail and
   are retried by their callers as for an unsharded syncer.
+- A stale shard map (a shard restarted on another address, or the shards' addresses changed):
+  a shard that refuses a fragment as another's (OUT_OF_RANGE, `shards.NOT_OWNED`) or answers
+  Register as another shard marks the map stale; the next registration asks shard 0 again, and
+  its answer's `shard_addresses` replace the map: the shards whose address changed get new
+  clients (and registrations), and the Rounds streams are subscribed anew. The call refused is
+  not retried (a push's answer is dropped, a pull comes again with the next announcement).
 """
 
 import logging
@@ -64,6 +70,8 @@ class ShardedClient:
     self._connect = connect
     self._lock = threading.Lock()
     self._shards = [_Shard(0, client)]
+    self._map_stale = False  # A shard said the map is wrong: shard 0 is asked again.
+    self._rounds: list[MergedRounds] = []  # Subscribed anew when the map changes.
     self.address = client.address
     self.deadline_s = client.deadline_s
     self.transfer_deadline_s = client.transfer_deadline_s
@@ -93,6 +101,13 @@ class ShardedClient:
     except grpc.RpcError as e:
       if e.code() in UNREGISTERED and shard.client.session(learner_id) == session:
         shard.stale = True
+      elif e.code() == grpc.StatusCode.OUT_OF_RANGE and shards.NOT_OWNED in (e.details() or ""):
+        log.warning(
+          "learner %d: shard %d refused a fragment as another's: the shard map is stale",
+          learner_id,
+          shard.index,
+        )
+        self._map_stale = shard.stale = True  # Its heartbeat asks for a registration.
       raise
 
   @property
@@ -136,9 +151,13 @@ class ShardedClient:
       for s in shards_:  # Asked to register with none stale: a full re-registration.
         s.stale = True
     first = shards_[0]
+    if self._map_stale:
+      first.stale = True
     if first.stale:
       self._register_one(first, learner_id, kwargs, lenient=len(shards_) > 1)
-      self._add_shards(list(first.answer.shard_addresses) if first.answer is not None else [])
+      if first.answer is not None and not first.stale:
+        self._map_stale = False
+        self._set_map(list(first.answer.shard_addresses))
     for s in self._all()[1:]:
       if s.stale and time.monotonic() >= s.retry_at:
         self._register_one(s, learner_id, kwargs, lenient=True)
@@ -156,21 +175,46 @@ class ShardedClient:
       log.warning("learner %d: syncer shard %d: %s", learner_id, shard.index, e.code().name)
       return
     if resp.shard != shard.index:
-      raise ValueError(
-        f"The syncer at {shard.client.address} is shard {resp.shard}, not {shard.index}."
+      message = f"The syncer at {shard.client.address} is shard {resp.shard}, not {shard.index}."
+      if shard.index == 0:
+        raise ValueError(message)  # The learner was given another shard's address.
+      log.warning(
+        "learner %d: %s The shard map is stale: shard 0 is asked again.", learner_id, message
       )
+      self._map_stale = True
+      shard.retry_at = time.monotonic() + shard.backoff.next_delay()
+      return
     shard.answer, shard.stale = resp, False
     shard.backoff.reset()
     num = max(1, len(resp.shard_addresses))
     shard.versions = {p: int(v) for p, v in enumerate(resp.versions) if p % num == shard.index}
     shard.fleet_step = int(resp.fleet_step)
 
-  def _add_shards(self, addresses: list[str]) -> None:
+  def _set_map(self, addresses: list[str]) -> None:
+    """Makes shard 0's list of every shard's address the map (shard 0's own entry aside: the
+    learner keeps the address it was given, a proxy's perhaps). A shard whose address changed
+    gets a new client; with another shard count every shard registers again, and the Rounds
+    streams are subscribed anew."""
     with self._lock:
-      if len(self._shards) > 1 or len(addresses) <= 1:
+      old = self._shards
+      if [s.client.address for s in old[1:]] == addresses[1:]:
         return
+      shards_ = [old[0]]
       for i, address in enumerate(addresses[1:], start=1):
-        self._shards.append(_Shard(i, self._connect(address)))
+        kept = i < len(old) and old[i].client.address == address
+        shards_.append(old[i] if kept else _Shard(i, self._connect(address)))
+      if len(shards_) != len(old):
+        for s in shards_[1:]:
+          s.stale = True
+      gone = [s for s in old if s not in shards_]
+      self._shards = shards_
+      rounds, self._rounds = self._rounds, []
+    if len(old) > 1:
+      log.warning("the syncer's shard map changed: %s", addresses)
+    for s in gone:
+      s.client.close()
+    for merged in rounds:
+      merged.cancel()  # Its listener subscribes again, to the new map.
 
   def _merged_answer(self) -> syncer_pb2.RegisterResponse:
     shards_ = self._all()
@@ -287,7 +331,10 @@ class ShardedClient:
     shards_ = self._all()
     if len(shards_) == 1:
       return shards_[0].client.rounds(learner_id)
-    return MergedRounds(shards_, learner_id, len(shards_))
+    merged = MergedRounds(shards_, learner_id, len(shards_))
+    with self._lock:
+      self._rounds = [r for r in self._rounds if not r.cancelled] + [merged]
+    return merged
 
 
 class MergedRounds:
@@ -348,6 +395,10 @@ class MergedRounds:
         yield self._queue.get(timeout=0.25)
       except queue.Empty:
         continue
+
+  @property
+  def cancelled(self) -> bool:
+    return self._cancelled.is_set()
 
   def cancel(self) -> None:
     self._cancelled.set()

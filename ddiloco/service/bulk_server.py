@@ -4,24 +4,38 @@ gRPC's Python stack caps a push at about a third of what the socket carries (scr
 docs/results.md, "Wire"), so data never goes over gRPC: the bulk port (framing in
 transport/bulk_wire.py) carries the chunk messages with one kernel copy per byte on each side. Each
 connection runs the data plane's handlers (`server.data_handlers`: the Push and Pull of
-service/streams.py, admitted by the `StreamGate`, read through a `PacedStream`, watched by the
-`Watchdog`), behind the token check the control plane's calls pass (`auth.TokenInterceptor`),
-with the learner's session passed as the call's metadata. The handlers see a `_Call` in place of
-gRPC's servicer context; a refusal they raise reaches the client as a trailer with its gRPC
-status and message, counted in `Status.refused` as a control call's.
+service/streams.py) behind the token check the control plane's calls pass
+(`auth.TokenInterceptor`), with the learner's session passed as the call's metadata. The handlers
+see a `bulk_calls.BulkCall` in place of gRPC's servicer context; a refusal they raise reaches the
+client as a trailer with its gRPC status and message, counted in `Status.refused` as a control
+call's.
 
-The door's own bounds, on top of the handlers':
-- at most `max_connections` connections (default: `max_data_streams`); one more is answered
-  RESOURCE_EXHAUSTED and closed;
-- the hello must arrive within `stream_idle_s`, its lengths within `bulk_wire`'s bounds (checked
-  before anything is read), or INVALID_ARGUMENT / DEADLINE_EXCEEDED;
-- a Push frame over `bulk_chunk_bytes + FRAMING_SLACK` is refused RESOURCE_EXHAUSTED before a
-  byte of it is allocated (the handlers bound each chunk's data by `bulk_chunk_bytes`, which
-  Register advertises, as they bound gRPC's by `max_chunk_bytes`); a stream cut mid-frame, or ended without its end mark, INVALID_ARGUMENT;
-- every socket operation has a timeout (`stream_idle_s`, plus a second so that the handlers' own
-  idle deadline, with its precise status, comes first); a Pull's stuck send is cut by the
-  watchdog (CANCELLED), a Push's silence by `PacedStream` (DEADLINE_EXCEEDED);
-- the port is bound without SO_REUSEPORT (never shared); `stop` closes the listener, cuts every
+The door, as hard as the gRPC port's:
+- **Admission, fair between learners** (service/stream_gate.py). Each connection is a data
+  stream of the service's `StreamGate` from its accept: unclaimed until its hello's session names
+  its learner (`SyncerService.identify`), then counted against that learner (at most
+  `max_data_streams_per_learner`). Unclaimed connections have a pool of their own
+  (`max_unclaimed_streams`), where a new one evicts the oldest that has shown nothing: a flood of
+  connections that never say who they are cannot keep a learner out, and takes none of the
+  learners' places. When the learners' places (`max_data_streams`) are all taken, a learner with
+  fewer open takes the newest of the learner with the most (it is cut RESOURCE_EXHAUSTED): stalled
+  transfers of some learners cannot starve another. A connection whose session names no learner
+  stays unclaimed until its handler refuses it.
+- **Phase deadlines a trickle cannot reset** (`bulk_pace.PacedSocket`, `ServiceConfig.bulk_limits`):
+  the hello (TLS handshake included) within `bulk_hello_s` of the accept; a push's first chunk
+  message within `bulk_hello_s` of the hello, each later one within `stream_idle_s` plus its
+  bytes at `bulk_min_rate`, read or sent (a pull's), and the whole call at that rate after the
+  same grace, and within `stream_deadline_s`. Time counts only while the syncer waits on the
+  peer, a send's bytes only once acknowledged. A phase past its deadline is cut with
+  DEADLINE_EXCEEDED naming it, in the trailer when the peer can still read one, always counted
+  (`Status.refused`, and by phase in `expired`) and logged.
+- **Bounded resources**: at most `ServiceConfig.bulk_connections` connections, each with one
+  thread (a push one more, its reader) and one descriptor; one more is closed at once (counted,
+  RESOURCE_EXHAUSTED). A connection buffers at most its hello (bounded before it is read,
+  INVALID_ARGUMENT beyond) and three chunk messages of a push (a frame over `bulk_chunk_bytes +
+  FRAMING_SLACK` is refused RESOURCE_EXHAUSTED before a byte of it is allocated); a stream cut
+  mid-frame, or ended without its end mark, INVALID_ARGUMENT.
+- The port is bound without SO_REUSEPORT (never shared); `stop` closes the listener, cuts every
   open connection and joins every thread.
 """
 
@@ -30,84 +44,83 @@ import contextlib
 import logging
 import socket
 import ssl
+import struct
 import threading
 import time
 
 import grpc
 
+from ddiloco.service import stream_gate
+from ddiloco.service.bulk_calls import Aborted, BulkCall, PullFraming, PushFrames, Quiet
 from ddiloco.service.refusals import Refusal
 from ddiloco.service.service import SyncerService
-from ddiloco.transport import auth, bulk_wire
-from ddiloco.transport.chunks import FRAMING_SLACK, ArrayPool
+from ddiloco.transport import auth, bulk_pace, bulk_wire
+from ddiloco.transport.chunks import FRAMING_SLACK
 from ddiloco.transport.placement import Placement
-from ddiloco.transport.proto import syncer_pb2
 
 log = logging.getLogger(__name__)
 
 _METHODS = {bulk_wire.OP_PUSH: bulk_wire.PUSH_METHOD, bulk_wire.OP_PULL: bulk_wire.PULL_METHOD}
-_DRAIN_S = 2.0  # Longest a refused push's unread bytes are drained (so the trailer is not reset).
 _CallDetails = collections.namedtuple("_CallDetails", ["method", "invocation_metadata"])
+_LAST_WORDS_S = 1.0  # Longest a refusal's trailer may wait to be sent on its way out.
 
 
-class _Aborted(Exception):
-  """A handler aborted its call (`_Call.abort`): the status and message the client gets."""
+class _Connection:
+  """One accepted connection: its socket (replaced by its TLS wrapper), its place in the gate, and
+  its eviction, which may come from any thread (another connection's admission)."""
 
-  def __init__(self, code: grpc.StatusCode, message: str):
-    super().__init__(message)
-    self.code, self.message = code, message
+  def __init__(self, sock: socket.socket, started: float):
+    self.sock = sock
+    self.started = started
+    self.ticket: stream_gate.StreamTicket | None = None
+    self.call: BulkCall | None = None
+    self.evicted = threading.Event()
+    self._lock = threading.Lock()
+
+  def use(self, sock: socket.socket) -> socket.socket:
+    """Makes `sock` (the TLS wrapper) the connection's socket."""
+    with self._lock:
+      self.sock = sock
+      if self.evicted.is_set():
+        _shutdown(sock, socket.SHUT_RD)
+    return sock
+
+  def evict(self) -> None:
+    """Its place went to another stream before its handler ran: its reads end at once; it then
+    answers RESOURCE_EXHAUSTED (`BulkServer._connection`)."""
+    with self._lock:
+      self.evicted.set()
+      _shutdown(self.sock, socket.SHUT_RD)
+
+  def reset(self) -> None:
+    """Closes with a reset: the kernel drops what the socket still queues for the peer."""
+    with self._lock, contextlib.suppress(OSError):
+      self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+  def cut(self) -> None:
+    if self.call is not None:
+      self.call.close()
+    with self._lock:
+      _shutdown(self.sock, socket.SHUT_RDWR)
 
 
-class _Call:
-  """What the Push and Pull handlers use of gRPC's servicer context, for one bulk connection."""
-
-  def __init__(
-    self, sock: socket.socket, metadata: tuple[tuple[str, str], ...], max_chunk_bytes: int
-  ):
-    self._sock = sock
-    self._metadata = metadata
-    self.max_chunk_bytes = max_chunk_bytes  # The handlers' chunk bound on this port.
-    self._callbacks: list = []
-    self.closing = threading.Event()  # Set once the call is over: reads then stop quietly.
-    # A push's chunks are received where the handler's reader offers (transport/placement.py).
-    self.placement: Placement | None = None
-    # A pull's stream is sent as pieces framed by this (`state_messages.state_pieces`).
-    self.frame_head = None
-
-  def invocation_metadata(self):
-    return self._metadata
-
-  def add_callback(self, callback) -> bool:
-    self._callbacks.append(callback)
-    return True
-
-  def abort(self, code: grpc.StatusCode, details: str):
-    raise _Aborted(code, details)
-
-  def cancel(self) -> None:
-    """The watchdog cuts a stuck send: the socket is shut, the blocked send raises."""
-    self.close()
-
-  def close(self) -> None:
-    self.closing.set()
-    with contextlib.suppress(OSError):
-      self._sock.shutdown(socket.SHUT_RDWR)
-
-  def run_callbacks(self) -> None:
-    for callback in self._callbacks:
-      callback()
+def _shutdown(sock: socket.socket, how: int) -> None:
+  with contextlib.suppress(OSError):
+    sock.shutdown(how)
 
 
 class BulkServer:
   """Serves a `SyncerService`'s Push and Pull on a port of its own (see module docstring).
 
   Args:
-    service: the service (its config bounds the door; refusals are counted in it).
+    service: the service (its config bounds the door; refusals are counted in it; its
+      `admission` admits the connections).
     handlers: the service's data handlers, by method path (`server.data_handlers(service)`).
     host: the interface to bind ("" or "0.0.0.0": every IPv4 one; "::": every one).
     port: the port (0: a free one).
     token: the shared token every call must carry (None: none).
     tls: (cert_file, key_file) to serve TLS, as the gRPC port does; None: plain TCP.
-    max_connections: connections open at once (None: the config's `max_data_streams`).
+    max_connections: connections open at once (None: the config's `bulk_connections`).
   """
 
   def __init__(
@@ -124,9 +137,10 @@ class BulkServer:
     self._service = service
     self._handlers = handlers
     cfg = service.config
-    self._idle_s = cfg.stream_idle_s
+    self._limits = cfg.bulk_limits()
     self._max_frame = cfg.bulk_chunk_bytes + FRAMING_SLACK
-    self._max_connections = max_connections or cfg.max_data_streams
+    self._max_connections = max_connections or cfg.bulk_connections
+    self._admission = service.admission
     self._pool = bulk_wire.frame_pool(self._max_frame)
     self._interceptor = auth.TokenInterceptor(token, service.count_refusal) if token else None
     self._tls = None
@@ -144,9 +158,12 @@ class BulkServer:
     self._listener.settimeout(0.2)  # The accept loop checks for `stop` this often.
     self.port = self._listener.getsockname()[1]
     self._lock = threading.Lock()
-    self._open: dict[threading.Thread, list] = {}  # Thread -> [its socket, its _Call or None].
+    self._open: dict[threading.Thread, _Connection] = {}
     self._stopping = threading.Event()
     self.calls: collections.Counter[str] = collections.Counter()  # Push and Pull calls served.
+    # Calls cut by a phase deadline, by phase; connections closed at their accept, by why.
+    self.expired: collections.Counter[str] = collections.Counter()
+    self.dropped: collections.Counter[str] = collections.Counter()
     self._acceptor = threading.Thread(target=self._accept_loop, name="syncer-bulk", daemon=True)
     self._acceptor.start()
 
@@ -156,21 +173,18 @@ class BulkServer:
     self._acceptor.join(timeout_s)
     self._listener.close()
     with self._lock:
-      threads = {t: list(v) for t, v in self._open.items()}
-    for sock, call in threads.values():
-      if call is not None:
-        call.close()
-      with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)  # A connection still in its hello ends too.
+      connections = dict(self._open)
+    for connection in connections.values():
+      connection.cut()
     deadline = time.monotonic() + timeout_s
-    for thread in threads:
+    for thread in connections:
       thread.join(max(0.0, deadline - time.monotonic()))
 
   def open_connections(self) -> int:
     with self._lock:
       return len(self._open)
 
-  # -- connections --------------------------------------------------------------------------------
+  # -- admission ----------------------------------------------------------------------------------
 
   def _accept_loop(self) -> None:
     while not self._stopping.is_set():
@@ -183,100 +197,133 @@ class BulkServer:
           return
         time.sleep(0.05)  # Out of descriptors, say: the next try may pass.
         continue
-      with self._lock:
-        full = len(self._open) >= self._max_connections
-        if not full:
-          thread = threading.Thread(
-            target=self._connection, args=(sock,), name="syncer-bulk-conn", daemon=True
-          )
-          self._open[thread] = [sock, None]
-      if full:
-        self._refuse_connection(sock)
-      else:
-        thread.start()
+      self._admit(sock, time.monotonic())
 
-  def _refuse_connection(self, sock: socket.socket) -> None:
-    """Answers a connection beyond the bound RESOURCE_EXHAUSTED (counted) and closes it."""
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    self._service.count_refusal(code, "")
-    message = f"The syncer's bulk port has {self._max_connections} connections open; retry later."
+  def _admit(self, sock: socket.socket, started: float) -> None:
+    """Starts a connection's thread, or closes it at once (counted) when it cannot be admitted."""
+    with self._lock:
+      full = len(self._open) >= self._max_connections
+    if full:
+      message = f"The syncer's bulk port has {self._max_connections} connections open; retry later."
+      self._drop(sock, "connections", self._refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, message))
+      return
+    connection = _Connection(sock, started)
+    # Unclaimed until its hello names its learner: evicted (its reads cut) for a newer one.
+    ticket, why = self._admission.gate.admit(on_evict=connection.evict)
+    if ticket is None:
+      self._drop(sock, why, self._admission.refusal(why, None))
+      return
+    connection.ticket = ticket
+    thread = threading.Thread(
+      target=self._connection, args=(connection,), name="syncer-bulk-conn", daemon=True
+    )
+    with self._lock:
+      self._open[thread] = connection
+    thread.start()
+
+  def _drop(self, sock: socket.socket, why: str, refusal: Refusal) -> None:
+    """Closes a connection at its accept (its refusal counted), with its trailer if it fits the
+    socket's buffer at once (a TLS client would need a handshake first: it just sees a close)."""
+    self.dropped[why] += 1
     with contextlib.suppress(OSError), sock:
-      sock.settimeout(1.0)
-      if self._tls is None:  # A TLS client would need a handshake first: it just sees a close.
-        sock.sendall(bulk_wire.trailer(code, message))
+      if self._tls is None:
+        sock.send(bulk_wire.trailer(refusal.code, refusal.message), socket.MSG_DONTWAIT)
 
-  def _connection(self, sock: socket.socket) -> None:
-    me = threading.current_thread()
-    call = None
+  def _identify(self, call: BulkCall, session: str) -> None:
+    """Claims the connection for the learner its session names (fairly: `StreamGate`); one that
+    names none stays unclaimed, for its handler to refuse. Refusals raised as `Aborted`."""
+    learner_id = self._service.identify(session)
+    if learner_id is None:
+      return
     try:
-      sock.settimeout(self._idle_s)
+      self._admission.claim(call.ticket, learner_id)
+    except Refusal as r:
+      raise self._aborted(r) from None
+
+  # -- a connection -------------------------------------------------------------------------------
+
+  def _connection(self, connection: _Connection) -> None:
+    me = threading.current_thread()
+    sock = connection.sock
+    try:
       bulk_wire.tune(sock)
-      if self._tls is not None:
-        sock = self._tls.wrap_socket(sock, server_side=True)  # Handshake within the timeout.
-      op, metadata, request = self._hello(sock)
-      call = _Call(sock, metadata, self._service.config.bulk_chunk_bytes)
-      with self._lock:
-        self._open[me][1] = call
-      if self._stopping.is_set():
-        return
-      sock.settimeout(self._idle_s + 1.0)  # The handlers' deadlines come first (module doc).
-      self._run(sock, call, op, request)
-    except _Aborted as a:
-      self._send_status(sock, a.code, a.message)
-    except (OSError, ssl.SSLError, bulk_wire.BulkClosed) as e:
-      log.debug("bulk connection ended: %s", e)
+      if self._tls is not None:  # The handshake is part of the hello's phase.
+        sock.settimeout(max(0.001, connection.started + self._limits.hello_s - time.monotonic()))
+        try:
+          sock = connection.use(self._tls.wrap_socket(sock, server_side=True))
+        except TimeoutError:
+          message = f"No TLS handshake within {self._limits.hello_s:g} s of the connection."
+          self._expired(bulk_pace.PhaseTimeout("hello", message))
+          return
+      paced = bulk_pace.PacedSocket(sock, self._limits, started=connection.started)
+      op, metadata, session, request = self._hello(paced)
+      paced.begin_transfer()
+      connection.call = BulkCall(
+        paced, metadata, self._service.config.bulk_chunk_bytes, connection.ticket
+      )
+      if not self._stopping.is_set():
+        self._run(paced, connection.call, op, session, request)
+    except Aborted as a:
+      connection.ticket.close()  # Its place is free before its client reads why.
+      self._last_words(connection.sock, a.code, a.message)
+    except (OSError, ssl.SSLError, bulk_wire.BulkClosed, Quiet) as e:
+      if isinstance(e, bulk_pace.PhaseTimeout):  # A pull's client not reading: no trailer.
+        self._expired(e)
+        connection.reset()  # What its socket still queues for it is dropped, not kept.
+      elif connection.evicted.is_set() and connection.call is None:
+        r = self._admission.evicted(connection.ticket)
+        connection.ticket.close()
+        self._last_words(connection.sock, r.code, r.message)
+      else:
+        log.debug("bulk connection ended: %s", e)
     except Exception:  # A bug must not kill the thread silently nor leak the connection.
       log.exception("bulk connection failed")
-      self._send_status(sock, grpc.StatusCode.INTERNAL, "The syncer failed on this call.")
+      self._last_words(connection.sock, grpc.StatusCode.INTERNAL, "The syncer failed on this call.")
     finally:
-      if call is not None:
-        call.close()
-        call.run_callbacks()
-      sock.close()
+      if connection.call is not None:
+        connection.call.close()
+        connection.call.run_callbacks()
+      connection.ticket.close()
+      connection.sock.close()
       with self._lock:
         self._open.pop(me, None)
 
-  def _hello(self, sock: socket.socket) -> tuple[int, tuple[tuple[str, str], ...], bytes]:
-    """(op, call metadata, request bytes) of the hello; refusals raised as `_Aborted`."""
+  def _hello(self, sock: bulk_pace.PacedSocket) -> tuple[int, tuple, str, bytes]:
+    """(op, call metadata, session, request bytes) of the hello; refusals raised as `Aborted`."""
     try:
       head = bulk_wire.recv_exact(sock, len(bulk_wire.MAGIC) + bulk_wire.HELLO.size)
-    except TimeoutError:
-      raise self._refused(
-        grpc.StatusCode.DEADLINE_EXCEEDED, f"No bulk hello within {self._idle_s} s."
-      ) from None
-    if bytes(head[:4]) != bulk_wire.MAGIC:
-      raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, "Not a bulk hello (bad magic).")
-    op, n_token, n_session, n_request = bulk_wire.HELLO.unpack(head[4:])
-    if (
-      op not in _METHODS
-      or n_token > bulk_wire.MAX_TOKEN_BYTES
-      or n_session > bulk_wire.MAX_SESSION_BYTES
-      or n_request > bulk_wire.MAX_REQUEST_BYTES
-    ):
-      raise self._refused(
-        grpc.StatusCode.INVALID_ARGUMENT,
-        f"Bulk hello out of bounds: op {op}, token {n_token}, session {n_session}, request "
-        f"{n_request} bytes (at most {bulk_wire.MAX_TOKEN_BYTES}, {bulk_wire.MAX_SESSION_BYTES}, "
-        f"{bulk_wire.MAX_REQUEST_BYTES}).",
-      )
-    try:
+      if bytes(head[:4]) != bulk_wire.MAGIC:
+        raise self._aborted(
+          self._refusal(grpc.StatusCode.INVALID_ARGUMENT, "Not a bulk hello (bad magic).")
+        )
+      op, n_token, n_session, n_request = bulk_wire.HELLO.unpack(head[4:])
+      if (
+        op not in _METHODS
+        or n_token > bulk_wire.MAX_TOKEN_BYTES
+        or n_session > bulk_wire.MAX_SESSION_BYTES
+        or n_request > bulk_wire.MAX_REQUEST_BYTES
+      ):
+        message = (
+          f"Bulk hello out of bounds: op {op}, token {n_token}, session {n_session}, request "
+          f"{n_request} bytes (at most {bulk_wire.MAX_TOKEN_BYTES}, "
+          f"{bulk_wire.MAX_SESSION_BYTES}, {bulk_wire.MAX_REQUEST_BYTES})."
+        )
+        raise self._aborted(self._refusal(grpc.StatusCode.INVALID_ARGUMENT, message))
       rest = bytes(bulk_wire.recv_exact(sock, n_token + n_session + n_request))
       token = rest[:n_token].decode()
       session = rest[n_token : n_token + n_session].decode()
-    except TimeoutError:
-      raise self._refused(
-        grpc.StatusCode.DEADLINE_EXCEEDED, f"No whole bulk hello within {self._idle_s} s."
-      ) from None
+    except bulk_pace.PhaseTimeout as e:
+      raise self._aborted(self._expired(e)) from None
     except UnicodeDecodeError:
-      raise self._refused(grpc.StatusCode.INVALID_ARGUMENT, "Bulk hello: text not UTF-8.") from None
+      raise self._aborted(
+        self._refusal(grpc.StatusCode.INVALID_ARGUMENT, "Bulk hello: text not UTF-8.")
+      ) from None
     metadata = auth.token_metadata(token) + auth.session_metadata(session)
-    return op, metadata, rest[n_token + n_session :]
+    return op, metadata, session, rest[n_token + n_session :]
 
-  def _refused(self, code: grpc.StatusCode, message: str) -> _Aborted:
-    self._service.count_refusal(code, "")
-    return _Aborted(code, message)
-
-  def _run(self, sock: socket.socket, call: _Call, op: int, request: bytes) -> None:
+  def _run(
+    self, sock: bulk_pace.PacedSocket, call: BulkCall, op: int, session: str, request: bytes
+  ) -> None:
     """Runs the call's handler, behind the token check, and sends its answer."""
     method = _METHODS[op]
     with self._lock:
@@ -284,133 +331,80 @@ class BulkServer:
     handler = self._handlers[method]
     if self._interceptor is not None:
       details = _CallDetails(method, call.invocation_metadata())
-      handler = self._interceptor.intercept_service(lambda _: handler, details)
+      checked = self._interceptor.intercept_service(lambda _: handler, details)
+      admitted, handler = checked is handler, checked
+    else:
+      admitted = True
+    if admitted:  # The token is good: the session may claim the connection for its learner.
+      self._identify(call, session)
     if op == bulk_wire.OP_PUSH:
-      call.placement = Placement()
-      frames = _PushFrames(
-        sock,
-        call,
-        max_frame=self._max_frame,
-        idle_s=self._idle_s,
-        service=self._service,
-        pool=self._pool,
-      )
-      try:
-        response = handler.stream_unary(iter(frames), call)
-        status = (grpc.StatusCode.OK, "", handler.response_serializer(response))
-      except _Aborted as a:
-        status = (a.code, a.message, b"")
-      call.placement.stop()  # Lets go of the arrays it offered.
-      call.closing.set()  # A read still under way in the handler's reader thread ends quietly.
-      bulk_wire.send_parts(sock, [bulk_wire.trailer(*status)])
-      frames.drain()
-      return
-    framing = _PullFraming()
+      self._push(sock, call, handler)
+    else:
+      self._pull(sock, call, handler, request)
+
+  def _push(self, sock: bulk_pace.PacedSocket, call: BulkCall, handler) -> None:
+    call.placement = Placement()
+    frames = PushFrames(
+      sock,
+      call,
+      max_frame=self._max_frame,
+      pool=self._pool,
+      refuse=self._refusal,
+      on_expired=self._count_expired,
+    )
+    try:
+      response = handler.stream_unary(iter(frames), call)
+      status = (grpc.StatusCode.OK, "", handler.response_serializer(response))
+    except Aborted as a:
+      status = (a.code, a.message, b"")
+    call.placement.stop()  # Lets go of the arrays it offered.
+    call.closing.set()  # A read still under way in the handler's reader thread ends quietly.
+    # Its last words: not paced, as a push cut for its pace has no budget left to send why.
+    self._last_words(sock.raw, *status)
+    frames.drain()
+
+  def _pull(self, sock: bulk_pace.PacedSocket, call: BulkCall, handler, request: bytes) -> None:
+    framing = PullFraming(sock)
     call.frame_head = framing.head  # The stream comes as pieces, framed (module doc).
     pieces = handler.unary_stream(handler.request_deserializer(request), call)
     try:
       with contextlib.closing(pieces):  # Its `finally` (the stream's ticket) runs on any exit.
         pending = bulk_wire.send_pieces(sock, framing.counted(pieces))
+    except bulk_pace.PhaseTimeout:
+      raise  # A client that stopped reading: nothing more reaches it (`_connection`).
     except Exception as e:
       if framing.mid_frame():  # A trailer now would be read as the frame's bytes: cut instead.
         log.warning("bulk pull failed mid-frame, connection cut: %r", e)
         raise bulk_wire.BulkClosed("The pull failed mid-frame.") from None
       raise
+    sock.begin_chunk()
     bulk_wire.send_parts(sock, [*pending, bulk_wire.trailer(grpc.StatusCode.OK, "")])
 
-  def _send_status(self, sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
-    with contextlib.suppress(OSError, ValueError):
-      bulk_wire.send_parts(sock, [bulk_wire.trailer(code, message)])
+  # -- refusals -----------------------------------------------------------------------------------
 
-
-class _PullFraming:
-  """Frames a Pull's pieces (`bulk_wire.frame_head`) and knows whether a frame is under way: a
-  failure mid-frame must cut the connection, as a trailer would be read as the frame's bytes."""
-
-  def __init__(self):
-    self._yielded = 0  # Bytes of the pieces handed to the sender.
-    self._frame_end = 0  # Where the last frame begun ends.
-
-  def head(self, message_head: bytes, data_len: int) -> bytes:
-    head = bulk_wire.frame_head(message_head, data_len)
-    self._frame_end = self._yielded + len(head) + data_len
-    return head
-
-  def counted(self, pieces):
-    for piece in pieces:
-      self._yielded += len(piece)
-      yield piece
-
-  def mid_frame(self) -> bool:
-    return self._yielded != self._frame_end and self._yielded > 0
-
-
-class _Quiet(Exception):
-  """A read failed after the call was over: nobody listens, nothing is counted."""
-
-
-class _PushFrames:
-  """A Push's frames as the handler's request iterator: each chunk message read into its own
-  buffer, its length checked first; refusals counted and raised as the handler's `Refusal`s are.
-
-  The handler reads it in `PacedStream`'s helper thread; once the call is over (`call.closing`)
-  a read that fails ends it quietly: the call's status is already decided.
-  """
-
-  def __init__(
-    self,
-    sock,
-    call: _Call,
-    *,
-    max_frame: int,
-    idle_s: float,
-    service: SyncerService,
-    pool: ArrayPool,
-  ):
-    self._sock, self._call, self._max, self._idle_s = sock, call, max_frame, idle_s
-    self._service = service
-    self._reader = bulk_wire.FrameReader(sock, pool, call.placement, syncer_pb2.PushHeader)
-    self.ended = False  # The end mark was read: nothing of the client's is left unread.
-
-  def __iter__(self):
-    try:
-      while True:
-        (n,) = bulk_wire.LENGTH.unpack(bulk_wire.recv_exact(self._sock, bulk_wire.LENGTH.size))
-        if n == bulk_wire.END:
-          self.ended = True
-          return
-        if n > self._max:
-          raise self._refusal(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"Push frame of {n} bytes: chunk messages are at most {self._max} bytes.",
-          )
-        yield self._reader.read(n)
-    except bulk_wire.BulkClosed as e:
-      raise self._refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Push stream truncated: {e}") from None
-    except TimeoutError:
-      raise self._refusal(
-        grpc.StatusCode.DEADLINE_EXCEEDED, f"No push bytes for {self._idle_s} s."
-      ) from None
-    except OSError:
-      if not self._call.closing.is_set():
-        raise
-
-  def _refusal(self, code: grpc.StatusCode, message: str) -> Exception:
-    if self._call.closing.is_set():
-      return _Quiet()
+  def _refusal(self, code: grpc.StatusCode, message: str) -> Refusal:
+    """A refusal made at the bulk port, counted as the handlers' are."""
     self._service.count_refusal(code, "")
     return Refusal(code, message)
 
-  def drain(self) -> None:
-    """Reads what the client still sends of a refused push until it closes, for at most
-    `_DRAIN_S`: closing with unread bytes would make the kernel reset the connection, and the
-    client could lose the trailer before reading it. The client stops sending once it sees it."""
-    if self.ended:
-      return
-    deadline = time.monotonic() + _DRAIN_S
-    buf = bytearray(1 << 16)
+  def _aborted(self, refusal: Refusal) -> Aborted:
+    return Aborted(refusal.code, refusal.message)
+
+  def _count_expired(self, phase: str) -> None:
+    with self._lock:
+      self.expired[phase] += 1
+
+  def _expired(self, e: bulk_pace.PhaseTimeout) -> Refusal:
+    """The counted DEADLINE_EXCEEDED of a phase past its deadline, logged."""
+    self._count_expired(e.phase)
+    log.info("bulk call cut in its %s phase: %s", e.phase, e)
+    return self._refusal(grpc.StatusCode.DEADLINE_EXCEEDED, f"{e} ({e.phase})")
+
+  def _last_words(
+    self, sock: socket.socket, code: grpc.StatusCode, message: str, body: bytes = b""
+  ) -> None:
+    """Sends a call's trailer, waiting at most `_LAST_WORDS_S` (a peer that does not read does
+    not get it)."""
     with contextlib.suppress(OSError, ValueError):
-      while time.monotonic() < deadline:
-        self._sock.settimeout(max(0.01, deadline - time.monotonic()))
-        if self._sock.recv_into(buf) == 0:
-          return
+      sock.settimeout(_LAST_WORDS_S)
+      bulk_wire.send_parts(sock, [bulk_wire.trailer(code, message, body)])

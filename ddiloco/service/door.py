@@ -5,12 +5,8 @@ server's (service/service.py), a push or pull one of the bulk port's
 (service/bulk_server.py), and a push handler blocks on the client's next chunk. Pieces here
 keep any client, token holder or not, from starving the server or growing its memory:
 
-- `StreamGate` admits data streams (pushes, pulls, Recovers): at most `total` at once,
-  `per_learner` per learner id, and `unclaimed` that have not named their learner yet (a push
-  names it in its first chunk). When the unclaimed places are full, a new push evicts the oldest
-  unclaimed one still waiting for its first chunk: a client stalling before its first chunk cannot
-  lock learners out, whose pushes name themselves at once. A push whose first chunk has arrived is not stalling
-  (its handler may wait for the service's lock before it names its learner): it is not evicted.
+- Data streams (pushes, pulls, Recovers) are admitted by service/stream_gate.py's `StreamGate`:
+  bounded in all, per learner and before they name their learner, fairly between learners.
 - `PacedStream` reads a push's chunks (the bulk port's frames, a Recover's gRPC request iterator) in
   a helper thread, so the handler can wait for each chunk with a timeout: a stream silent for the
   idle deadline, or open past its total deadline, is ended with DEADLINE_EXCEEDED by the handler
@@ -32,7 +28,6 @@ import queue
 import socket
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 
 from google.protobuf import descriptor, message
@@ -102,142 +97,6 @@ def parse_request(cls: type[message.Message]) -> Callable[[bytes], "message.Mess
   return parse
 
 
-class StreamGate:
-  """Admission of data streams: at most `total` open at once, `per_learner` for any learner id and
-  `unclaimed` (default: `total`) not yet counted against a learner.
-
-  A stream is admitted in two steps: `enter` at its start, `claim` once its learner id is known (a
-  Push names it in its first chunk; `StreamTicket.arrived` marks that chunk's arrival, after which
-  the stream is no longer evicted). `StreamTicket.close` undoes both; it is idempotent, and every
-  handler closes its ticket on every exit (service/streams.py), so the counts never leak: a
-  stream counts against its learner from its claim until its handler ends, which may be after its
-  client gave up (a client deadline, a dropped connection) while the server still reads or files.
-  """
-
-  def __init__(self, total: int, per_learner: int, unclaimed: int | None = None):
-    self._total, self._per_learner = total, per_learner
-    self._unclaimed_limit = total if unclaimed is None else unclaimed
-    self._lock = threading.Lock()
-    self._open = 0
-    self._unclaimed = 0
-    self._by_learner: Counter[int] = Counter()
-    self._waiting: dict[int, StreamTicket] = {}  # Evictable unclaimed tickets, oldest first.
-
-  def enter(
-    self, learner_id: int | None = None, on_evict: Callable[[], None] | None = None
-  ) -> "StreamTicket | None":
-    """`admit`'s ticket, or None."""
-    return self.admit(learner_id, on_evict)[0]
-
-  def admit(
-    self, learner_id: int | None = None, on_evict: Callable[[], None] | None = None
-  ) -> "tuple[StreamTicket | None, str]":
-    """(a ticket for a new stream, "") or (None, why: "total", "learner" or "unclaimed").
-
-    None if `total` streams are open ("total"). A stream whose learner is known at once (a Pull)
-    passes `learner_id`: it is claimed at entry and never counts as unclaimed; None if that learner
-    has its share open too ("learner"). An unclaimed stream passes `on_evict`: when `unclaimed` are
-    open, the oldest not yet `arrived` is evicted (its `on_evict` called; its place in the total is
-    freed when it closes) to admit the new one; None if every one has arrived ("unclaimed").
-    """
-    evicted = None
-    with self._lock:
-      if self._open >= self._total:
-        return None, "total"
-      if learner_id is None:
-        if self._unclaimed >= self._unclaimed_limit:
-          if not self._waiting:
-            return None, "unclaimed"
-          evicted = self._waiting.pop(next(iter(self._waiting)))
-          evicted._evicted = True
-          self._unclaimed -= 1
-        self._unclaimed += 1
-      elif self._by_learner[learner_id] >= self._per_learner:
-        return None, "learner"
-      else:
-        self._by_learner[learner_id] += 1
-      self._open += 1
-      ticket = StreamTicket(self)
-      ticket._learner = learner_id
-      if learner_id is None and on_evict is not None:
-        ticket._on_evict = on_evict
-        self._waiting[id(ticket)] = ticket
-    if evicted is not None:
-      evicted._on_evict()
-    return ticket, ""
-
-  def open_streams(self) -> tuple[int, dict[int, int]]:
-    """(open streams, {learner id: its open streams})."""
-    with self._lock:
-      return self._open, dict(self._by_learner)
-
-  def _arrive(self, ticket: "StreamTicket") -> bool:
-    with self._lock:
-      self._waiting.pop(id(ticket), None)
-      return not ticket._evicted
-
-  def _claim(self, ticket: "StreamTicket", learner_id: int) -> bool:
-    with self._lock:
-      if ticket._evicted or self._by_learner[learner_id] >= self._per_learner:
-        return False
-      self._by_learner[learner_id] += 1
-      self._unclaimed -= 1
-      self._waiting.pop(id(ticket), None)
-      return True
-
-  def _release(self, ticket: "StreamTicket", learner_id: int | None) -> None:
-    with self._lock:
-      self._open -= 1
-      self._waiting.pop(id(ticket), None)
-      if learner_id is None:
-        if not ticket._evicted:  # An evicted ticket gave its unclaimed place up already.
-          self._unclaimed -= 1
-      else:
-        self._by_learner[learner_id] -= 1
-        if not self._by_learner[learner_id]:
-          del self._by_learner[learner_id]
-
-
-class StreamTicket:
-  """One admitted stream (`StreamGate.enter`)."""
-
-  def __init__(self, gate: StreamGate):
-    self._gate = gate
-    self._learner: int | None = None
-    self._lock = threading.Lock()
-    self._closed = False
-    self._evicted = False
-    self._on_evict: Callable[[], None] = lambda: None
-
-  @property
-  def evicted(self) -> bool:
-    """Whether the stream was evicted to admit a newer one (it can no longer be claimed)."""
-    return self._evicted
-
-  def arrived(self) -> bool:
-    """The stream's first chunk has arrived: it is no longer evicted for a newer stream. False if
-    it was evicted already."""
-    return self._gate._arrive(self)
-
-  def claim(self, learner_id: int) -> bool:
-    """Counts the stream against `learner_id`; False if that learner has its share open (or the
-    stream was evicted meanwhile)."""
-    if self._learner is not None:
-      raise RuntimeError("A stream is claimed once.")
-    if not self._gate._claim(self, learner_id):
-      return False
-    self._learner = learner_id
-    return True
-
-  def close(self) -> None:
-    """Frees the stream's place (idempotent: called by the handler and at the call's end)."""
-    with self._lock:
-      if self._closed:
-        return
-      self._closed = True
-    self._gate._release(self, self._learner)
-
-
 class StreamTimeout(Exception):
   """A request stream passed its idle or total deadline (`PacedStream`)."""
 
@@ -252,8 +111,9 @@ class PacedStream:
 
   Args:
     source: the request iterator.
-    idle_s: longest wait for one item.
-    total_s: longest time from construction to the last item.
+    idle_s: longest wait for one item; None: no bound (a carrier that times every read of its
+      own, as the bulk port does: `bulk_pace.PacedSocket`).
+    total_s: longest time from construction to the last item; None: no bound (as `idle_s`).
     clock: monotonic clock.
   """
 
@@ -261,13 +121,13 @@ class PacedStream:
     self,
     source: Iterator,
     *,
-    idle_s: float,
-    total_s: float,
+    idle_s: float | None,
+    total_s: float | None,
     clock: Callable[[], float] = time.monotonic,
   ):
-    self._idle_s = idle_s
+    self._idle_s = float("inf") if idle_s is None else idle_s
     self._clock = clock
-    self._deadline = clock() + total_s
+    self._deadline = clock() + (float("inf") if total_s is None else total_s)
     self._interrupted = threading.Event()
     self._ahead = ReadAhead(source, depth=2, name="syncer-push-reader")
 
@@ -282,7 +142,8 @@ class PacedStream:
     if left <= 0:
       raise StreamTimeout("total")
     try:
-      item = self._ahead.get(timeout=min(self._idle_s, left))
+      wait = min(self._idle_s, left)
+      item = self._ahead.get(timeout=None if wait == float("inf") else wait)
     except queue.Empty:
       raise StreamTimeout("idle" if self._clock() < self._deadline else "total") from None
     except StopIteration:

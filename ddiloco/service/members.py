@@ -13,13 +13,14 @@ delivery, counters, the token ledger):
 - **Eviction.** A learner that left or was declared dead `member_retention_s` ago is forgotten
   (and the longest-gone first once `max_members` are known); its next call finds it unregistered.
 
-Not thread-safe: the service calls it under its lock.
+Not thread-safe, but for `learner_of`: the service calls it under its lock.
 """
 
 import dataclasses
 import hmac
 import logging
 import secrets
+import threading
 from collections.abc import Callable
 
 import grpc
@@ -66,6 +67,10 @@ class Members:
     self._clock = clock
     self._refuse = refuse
     self._table: dict[int, Member] = {}
+    self._sessions: dict[str, int] = {}  # Each current session's learner.
+    # `learner_of` is called without the service's lock (admission must not wait for a busy
+    # syncer): the sessions have a lock of their own.
+    self._sessions_lock = threading.Lock()
 
   def ids(self) -> frozenset[int]:
     """Ids in the table (alive, or gone and not yet forgotten)."""
@@ -96,6 +101,9 @@ class Members:
     call `ensure_room` first)."""
     # A new session voids the previous registration's: its calls are refused from now on.
     session = secrets.token_urlsafe(24)
+    self._forget(learner_id)
+    with self._sessions_lock:
+      self._sessions[session] = learner_id
     self._table[learner_id] = Member(
       last_seen=self._clock(),
       session=session,
@@ -104,6 +112,12 @@ class Members:
       batch_size=batch_size,
     )
     return session
+
+  def learner_of(self, session: str) -> int | None:
+    """The learner whose current session `session` is, or None (a hint for admission: `check`
+    is what authorizes a call). Thread-safe without the service's lock."""
+    with self._sessions_lock:
+      return self._sessions.get(session)
 
   def check(self, learner_id: int, session: str) -> Member:
     """The learner's record if it is registered, alive and `session` is its own; marks it seen.
@@ -164,7 +178,7 @@ class Members:
       elif member.left_at is None:
         member.left_at = now  # Left the core another way (e.g. a restored checkpoint).
       elif now - member.left_at > self._cfg.member_retention_s:
-        del self._table[learner_id]
+        self._forget(learner_id)
     return dead
 
   def next_deadline(self) -> float | None:
@@ -182,5 +196,11 @@ class Members:
     gone = [(m.left_at or 0.0, i) for i, m in self._table.items() if i not in alive]
     if not gone:
       return False
-    del self._table[min(gone)[1]]
+    self._forget(min(gone)[1])
     return True
+
+  def _forget(self, learner_id: int) -> None:
+    member = self._table.pop(learner_id, None)
+    if member is not None:
+      with self._sessions_lock:
+        self._sessions.pop(member.session, None)

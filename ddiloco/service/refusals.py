@@ -16,17 +16,24 @@ is counted by status name (`Status.refused`):
     PERMISSION_DENIED   a missing or wrong learner session (service/members.py)
     INVALID_ARGUMENT    also: request bytes that do not decode, a text field over its bound (host
                         255 characters, layout digest 128, codec 16, any other 256; service/door.py)
-    RESOURCE_EXHAUSTED  also: a Push or Pull beyond `max_data_streams` open (or
-                        `max_data_streams_per_learner` for one learner), the oldest push still
-                        without its first chunk when `max_unclaimed_streams` are (it is cut to
-                        admit a new one), a Rounds stream beyond
-                        `max_rounds_streams`, a new learner id beyond `max_members`
+    RESOURCE_EXHAUSTED  also: a Push or Pull beyond `max_data_streams_per_learner` for one
+                        learner, or beyond `max_data_streams` when no learner holds two more than
+                        its own; the newest stream of the learner holding the most, cut to admit
+                        one of a learner with fewer (service/stream_gate.py); the oldest stream yet
+                        to name its learner when `max_unclaimed_streams` are open (cut to admit a
+                        new one); a bulk connection beyond `ServiceConfig.bulk_connections`
+                        (closed at its accept); a Rounds stream beyond `max_rounds_streams`, a
+                        new learner id beyond `max_members`
     DEADLINE_EXCEEDED   a push stream with no chunk for `stream_idle_s`, a push or pull stream open
-                        past `stream_deadline_s`
+                        past `stream_deadline_s`; on the bulk port, a phase past its deadline,
+                        named in the message: "hello", "header", "chunk" (slower than
+                        `bulk_min_rate` after its grace), "transfer" (bulk_pace.PhaseLimits)
     OUT_OF_RANGE        a Push, Pull or Recover of a fragment another syncer shard owns
                         (fragments/shards.py)
-    CANCELLED           a Pull or Rounds stream whose client stopped reading: a send stuck for
-                        `stream_idle_s` is cut by the watchdog (the client sees CANCELLED)
+    CANCELLED           a Rounds stream (or an in-process pull) whose client stopped reading: a
+                        send stuck for `stream_idle_s` is cut by the watchdog (the client sees
+                        CANCELLED); a bulk pull's is cut by its phase deadline (counted
+                        DEADLINE_EXCEEDED; the client, not reading, sees the connection reset)
 """
 
 import collections

@@ -26,9 +26,10 @@ learner does waits for a merge. Decisions (docs/algorithm.md, "Distributed runti
   its life. Its pool has `control_workers + max_data_streams + max_rounds_streams` threads (a
   Recover is a data stream on gRPC); streams are admitted within their bounds, so at least
   `control_workers` threads always remain for Register, Heartbeat, Status, Leave and quick
-  refusals. The bulk port holds a thread per connection, `max_data_streams` at most. A push is read through a helper
-  thread so that a stalled stream is cut at its idle deadline with DEADLINE_EXCEEDED; stuck sends
-  are cut by a watchdog. Calls beyond the pool wait in gRPC's queue, bounded by `max_pending_calls`
+  refusals. The bulk port holds a thread per connection (`ServiceConfig.bulk_connections` at
+  most), admitted fairly between learners and timed by phase (service/bulk_server.py). A
+  Recover is read through a helper thread so that a stalled stream is cut at its idle deadline
+  with DEADLINE_EXCEEDED; stuck Rounds sends are cut by a watchdog. Calls beyond the pool wait in gRPC's queue, bounded by `max_pending_calls`
   (beyond it gRPC itself refuses RESOURCE_EXHAUSTED, not counted here).
 - Members (service/members.py): the service forgets a learner that left or was declared dead `member_retention_s` ago
   (and the longest-gone first once `max_members` are known); its next call finds it unregistered and
@@ -64,6 +65,7 @@ from ddiloco.service.publication import Publisher
 from ddiloco.service.recovery import Recovery
 from ddiloco.service.refusals import Refusal, Refusals, call_session, run_or_abort
 from ddiloco.service.service_config import ServiceConfig
+from ddiloco.service.stream_gate import Admission
 from ddiloco.service.streams import DataStreams
 from ddiloco.service.subscriptions import Subscribers, Subscription, stream_events
 from ddiloco.syncer.core import MergeEvent, SyncerCore
@@ -281,6 +283,17 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     """The refusal of a request that did not decode or is out of bounds (`door.parse_request`)."""
     return self._refusals.refuse(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
 
+  @property
+  def admission(self) -> Admission:
+    """The admission of data streams (the bulk port admits its connections through it)."""
+    return self._streams.admission
+
+  def identify(self, session: str) -> int | None:
+    """The learner whose current session `session` is (None: none), for admission only: every
+    call's session is still checked against the learner it names (`Members.check`). Never waits
+    for the service's lock: a busy syncer does not leave connections unnamed, and evictable."""
+    return self._members.learner_of(session)
+
   def count_refusal(self, code: grpc.StatusCode, method: str) -> None:
     """For interceptors (e.g. the token check), which refuse before a servicer method runs."""
     del method
@@ -349,15 +362,16 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
   def Push(self, request_iterator, context):
     """The data plane's push (`server.data_handlers`, not a gRPC method). A bulk port call's
     context carries where its chunks may be received and their bound (bulk_server._Call)."""
-    placement = getattr(context, "placement", None)
-    chunk_bytes = getattr(context, "max_chunk_bytes", None)
     return run_or_abort(
       context,
-      self._streams.push,
-      request_iterator,
-      call_session(context),
-      placement,
-      chunk_bytes,
+      lambda: self._streams.push(
+        request_iterator,
+        call_session(context),
+        getattr(context, "placement", None),
+        getattr(context, "max_chunk_bytes", None),
+        ticket=getattr(context, "ticket", None),
+        paced=getattr(context, "paced", False),
+      ),
     )
 
   def Recover(self, request_iterator, context):

@@ -7,7 +7,7 @@ interval); the rest bounds the service's door (service/door.py) and its server's
 import dataclasses
 
 from ddiloco.fragments import compression
-from ddiloco.transport import wire
+from ddiloco.transport import bulk_pace, wire
 from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE, FRAMING_SLACK
 from ddiloco.types import check_int_fields
 
@@ -27,16 +27,21 @@ class ServiceConfig:
     liveness_timeout_s: silence after which a learner is declared dead.
     control_workers: server threads that data and Rounds streams can never take: they serve
       Register, Heartbeat, Status, Leave and refusals however many streams are open.
-    max_data_streams: push, pull and Recover streams open at once (each holds a thread), and
-      connections open at once on the bulk port.
+    max_data_streams: push, pull and Recover streams open at once that have named their learner
+      (each holds a thread); when they are all taken, a learner with fewer open takes the newest
+      place of the learner with the most (service/stream_gate.py), so with at least one place per
+      learner of the fleet, a learner with none open always gets one.
     max_data_streams_per_learner: Push and Pull streams open at once for one learner id (a learner
       pushes one fragment and pulls one at a time; the rest is room for a retry overlapping the end
       of its predecessor).
-    max_unclaimed_streams: Push streams open at once that have not sent their first chunk, which
-      names the learner: streams stalled before it keep at most this share from the learners.
+    max_unclaimed_streams: streams open at once that have not named their learner yet (a push's
+      first chunk names it, a bulk connection's hello's session too): a pool of their own, never
+      taken from the learners'; a new one evicts the oldest that has shown nothing of itself.
     max_rounds_streams: Rounds streams open at once: one per learner (a new subscription replaces
       the learner's previous one), so this bounds the fleet that can subscribe.
-    stream_idle_s: longest wait for a push's next chunk, and longest a send may be stuck.
+    stream_idle_s: longest wait for a push's next chunk, and longest a send may be stuck; on the
+      bulk port, the grace of each chunk message before `bulk_min_rate` counts (a chunk of n bytes
+      may take `stream_idle_s + n / bulk_min_rate` s, `PhaseLimits.chunk_deadline_s`).
     stream_deadline_s: longest a push or pull stream may stay open (the learners' deadline of
       theirs too: `launch/runtime.learner_client`).
     max_pending_calls: calls that may wait for a server thread (gRPC refuses any beyond).
@@ -53,6 +58,17 @@ class ServiceConfig:
       holds up to three chunks of it per stream while it is read. With a lossy downlink codec
       at least `max_chunk_bytes` (its deltas' chunks are cut once, in that size, for every
       carrier).
+    bulk_hello_s: on the bulk port, longest from a connection's accept to its whole hello (a TLS
+      handshake included), and the grace of a push's first chunk message after it: a learner
+      sends both at once, so only a client that says nothing waits it out.
+    bulk_min_rate: on the bulk port, bytes per second each chunk message and each whole call must
+      keep, read or sent, after its grace (`bulk_pace.PhaseLimits`): a peer that trickles is cut
+      about a grace into its phase, whatever it trickles. Far below any real link's share (32
+      KiB/s is 0.26 Mbit/s): it only tells a peer that stalls from a slow one.
+    max_bulk_connections: connections open at once on the bulk port (each holds a thread and a
+      descriptor); one more is closed at once (counted, RESOURCE_EXHAUSTED). 0: the data streams'
+      places (`max_data_streams + max_unclaimed_streams`) plus `max_unclaimed_streams` for
+      connections that are saying their last words (a refusal's trailer, its drain).
   """
 
   uplink_codec: str = "bf16"
@@ -73,6 +89,9 @@ class ServiceConfig:
   member_retention_s: float = 600.0
   bulk_port: int = 0
   bulk_chunk_bytes: int = 4 << 20
+  bulk_hello_s: float = 10.0
+  bulk_min_rate: int = 32 << 10
+  max_bulk_connections: int = 0
 
   def __post_init__(self):
     check_int_fields(self)  # A gin typo such as 4.5 fails here, not mid-run.
@@ -125,11 +144,37 @@ class ServiceConfig:
       raise ValueError(f"member_retention_s must be >= 0, got {self.member_retention_s}.")
     if not 0 <= self.bulk_port <= 65535:
       raise ValueError(f"bulk_port must be in [0, 65535], got {self.bulk_port}.")
+    if not self.bulk_hello_s > 0:  # `not >` refuses NaN too.
+      raise ValueError(f"bulk_hello_s must be > 0, got {self.bulk_hello_s}.")
+    if self.bulk_min_rate < 1:
+      raise ValueError(f"bulk_min_rate must be >= 1 byte/s, got {self.bulk_min_rate}.")
+    if self.max_bulk_connections < 0:
+      raise ValueError(f"max_bulk_connections must be >= 0, got {self.max_bulk_connections}.")
 
   @property
   def server_threads(self) -> int:
     """The server's thread pool: streams within their bounds leave `control_workers` free."""
-    return self.control_workers + self.max_data_streams + self.max_rounds_streams
+    return (
+      self.control_workers
+      + self.max_data_streams
+      + self.max_unclaimed_streams
+      + self.max_rounds_streams
+    )
+
+  @property
+  def bulk_connections(self) -> int:
+    """Connections open at once on the bulk port (`max_bulk_connections`, or its default)."""
+    return self.max_bulk_connections or self.max_data_streams + 2 * self.max_unclaimed_streams
+
+  def bulk_limits(self) -> bulk_pace.PhaseLimits:
+    """The bulk port's phase deadlines (`bulk_pace.PacedSocket`)."""
+    return bulk_pace.PhaseLimits(
+      hello_s=self.bulk_hello_s,
+      header_s=self.bulk_hello_s,
+      grace_s=self.stream_idle_s,
+      min_rate=self.bulk_min_rate,
+      transfer_s=self.stream_deadline_s,
+    )
 
   def channel_options(self) -> list[tuple[str, int]]:
     """Explicit message size limits for both ends (gRPC's default receive limit is 4 MiB)."""

@@ -3,12 +3,15 @@
 Pushes and pulls come over the bulk port (service/bulk_server.py) or the in-process carrier,
 a Recover over gRPC: the same handlers and rules whatever carries them.
 
-Every stream is admitted by the door's `StreamGate` (service/door.py) and read through a
-`PacedStream` (a push) or watched by the `Watchdog` (a pull) so that a stalled one is cut. A push's
-header is checked before its body is read: a late answer is dropped unread (ABORTED), and a retry
-of an answer already filed (same learner, round and counters) gets the first answer's reply: it is
-never filed twice. A refused push leaves the global fragments, versions, optimizer states and
-rounds as they were.
+Every stream is admitted by the `StreamGate` (service/stream_gate.py): a bulk port connection is
+admitted by the port at its accept and hands its ticket to the handler, any other stream by its
+handler. A push is read through a `PacedStream` and a pull watched by the `Watchdog`
+(service/door.py) so that a stalled one is cut; the bulk port times every read and send itself
+(its phase deadlines, `bulk_pace.PacedSocket`), so its calls have neither's deadlines. A push's
+header is checked before its body is read: a late answer is dropped unread (ABORTED), and a
+retry of an answer already filed (same learner, round and counters) gets the first answer's
+reply: it is never filed twice. A refused push leaves the global fragments, versions, optimizer
+states and rounds as they were.
 """
 
 import collections
@@ -21,9 +24,10 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from ddiloco.fragments import shards
 from ddiloco.metrics.writer import quantiles
 from ddiloco.protocol import counter_error, step_time_error
-from ddiloco.service import door
+from ddiloco.service import door, stream_gate
 from ddiloco.service.downlink import DownlinkAdopter
 from ddiloco.service.members import Members
 from ddiloco.service.publication import Publisher
@@ -97,11 +101,12 @@ class DataStreams:
     self._push_times: dict[str, collections.deque[float]] = {
       k: collections.deque(maxlen=4096) for k in ("read", "lock_wait", "file")
     }
-    self._gate = door.StreamGate(
+    gate = stream_gate.StreamGate(
       config.max_data_streams,
       config.max_data_streams_per_learner,
       config.max_unclaimed_streams,
     )
+    self.admission = stream_gate.Admission(gate, refusals.refuse)
 
   # -- counters ---------------------------------------------------------------------------------
 
@@ -119,7 +124,7 @@ class DataStreams:
 
   def open_count(self) -> int:
     """Push and Pull streams open now."""
-    data, _ = self._gate.open_streams()
+    data, _ = self.admission.gate.open_streams()
     return data
 
   # -- Push and Recover -------------------------------------------------------------------------
@@ -130,29 +135,48 @@ class DataStreams:
     session: str,
     placement: Placement | None = None,
     chunk_bytes: int | None = None,
+    *,
+    ticket: stream_gate.StreamTicket | None = None,
+    paced: bool = False,
   ) -> syncer_pb2.PushResponse:
     """A learner's answer to a round, filed in the core; `placement`: where the bulk port
     receives its chunks in place (transport/placement.py); `chunk_bytes`: the stream's chunk
-    bound (the bulk port's; default `max_chunk_bytes`)."""
+    bound (the bulk port's; default `max_chunk_bytes`); `ticket`: the stream's place if its
+    carrier admitted it (the bulk port); `paced`: the carrier times each read itself."""
     chunk_bytes = chunk_bytes or self._cfg.max_chunk_bytes
     return self._admitted_push(
       request_iterator,
       session,
       lambda it, session, ticket: self._push(it, session, ticket, placement, chunk_bytes),
+      ticket=ticket,
+      paced=paced,
     )
 
   def recover(self, request_iterator, session: str) -> syncer_pb2.RecoverResponse:
     """A learner hands back a version a restart lost (service/recovery.py)."""
     return self._admitted_push(request_iterator, session, self._recover)
 
-  def _admitted_push(self, request_iterator, session: str, body: Callable):
+  def _admitted_push(
+    self,
+    request_iterator,
+    session: str,
+    body: Callable,
+    *,
+    ticket: stream_gate.StreamTicket | None = None,
+    paced: bool = False,
+  ):
     """A push within the stream bounds, read with the idle and total deadlines (service/door.py)."""
     cfg = self._cfg
-    stream = door.PacedStream(
-      request_iterator, idle_s=cfg.stream_idle_s, total_s=cfg.stream_deadline_s
+    stream = door.PacedStream(  # A paced carrier's deadlines are its own (see module docstring).
+      request_iterator,
+      idle_s=None if paced else cfg.stream_idle_s,
+      total_s=None if paced else cfg.stream_deadline_s,
     )
     try:
-      ticket = self._admit(on_evict=stream.interrupt)
+      if ticket is None:
+        ticket = self.admission.admit(on_evict=stream.interrupt)
+      elif not ticket.watch(stream.interrupt):
+        stream.interrupt()  # Evicted before its handler ran: refused below, as any eviction.
     except Refusal:
       stream.close()
       raise
@@ -160,11 +184,7 @@ class DataStreams:
       return body(stream, session, ticket)
     except door.StreamTimeout as e:
       if str(e) == "evicted":
-        raise self._refuse(
-          grpc.StatusCode.RESOURCE_EXHAUSTED,
-          f"No first push chunk yet while {cfg.max_unclaimed_streams} pushes waited for theirs: "
-          "this one, the oldest, was cut to make room.",
-        ) from None
+        raise self.admission.evicted(ticket) from None
       if str(e) == "idle":
         message = f"No push chunk for {cfg.stream_idle_s} s: the stream was cut."
       else:
@@ -174,7 +194,7 @@ class DataStreams:
       stream.close()
       ticket.close()
 
-  def _recover(self, it: Iterator, session: str, ticket: door.StreamTicket):
+  def _recover(self, it: Iterator, session: str, ticket: stream_gate.StreamTicket):
     """A learner hands back a version a restart lost (`SyncerService.begin_recovery`)."""
     first = self._stream_header(it, session, ticket, "recovery")
     h = first.header
@@ -225,7 +245,7 @@ class DataStreams:
     return syncer_pb2.RecoverResponse(adopted=True, version=version)
 
   def _stream_header(
-    self, it: Iterator, session: str, ticket: door.StreamTicket, what: str
+    self, it: Iterator, session: str, ticket: stream_gate.StreamTicket, what: str
   ) -> frames.ChunkFrame:
     """Chunk 0 of a push or recovery stream, its header checked: text bounds, a registered and
     alive learner with its session (the stream's ticket is then claimed by it), the fragment."""
@@ -245,7 +265,8 @@ class DataStreams:
       raise self._refuse(grpc.StatusCode.INVALID_ARGUMENT, f"{what.capitalize()} header: {fault}")
     with self._cond:
       self._members.check(int(h.learner_id), session)
-    self._claim(ticket, int(h.learner_id))
+    if ticket.learner is None:  # Else claimed by its carrier, for the learner of its session.
+      self.admission.claim(ticket, int(h.learner_id))
     self._check_fragment(h.fragment)
     return first
 
@@ -253,7 +274,7 @@ class DataStreams:
     self,
     it: Iterator,
     session: str,
-    ticket: door.StreamTicket,
+    ticket: stream_gate.StreamTicket,
     placement: Placement | None,
     chunk_bytes: int,
   ):
@@ -368,9 +389,19 @@ class DataStreams:
   def pull(self, request, context) -> Iterator[bytes | memoryview]:
     """A pull: p's newest served version as framed pieces (`bulk_wire.frame_head`), watched, or
     the call aborted with a refusal."""
-    ticket = None
+    ticket = getattr(context, "ticket", None)  # Admitted by its carrier (the bulk port).
+    evicted = threading.Event()
     try:
-      ticket = self._admit(int(request.learner_id))  # Named at once: never "unclaimed".
+      if ticket is None:
+        # Named at once: claimed at entry.
+        ticket = self.admission.admit(int(request.learner_id), on_evict=evicted.set)
+      else:
+        if not ticket.watch(evicted.set):
+          evicted.set()
+        if ticket.learner is None:  # Its session named no learner: refused, or claimed for it.
+          with self._cond:
+            self._members.check(int(request.learner_id), call_session(context))
+          self.admission.claim(ticket, int(request.learner_id))
       context.add_callback(ticket.close)  # Also freed if the call drops the generator unfinished.
       # A bulk port call's context frames the stream itself (it tracks where a frame ends,
       # bulk_server._Call.frame_head) and bounds its chunks; the in-process carrier's does not.
@@ -379,9 +410,12 @@ class DataStreams:
         call_session(context),
         getattr(context, "frame_head", bulk_wire.frame_head),
         getattr(context, "max_chunk_bytes", None) or self._cfg.max_chunk_bytes,
+        lambda: self.admission.evicted(ticket) if evicted.is_set() else None,
       )
-      # A client that stops reading blocks a send: the watchdog cuts it after stream_idle_s.
-      yield from self._watchdog.watched(context, chunks)
+      if getattr(context, "paced", False):  # The carrier cuts a stuck send itself.
+        yield from chunks
+      else:  # A client that stops reading blocks a send: the watchdog cuts it.
+        yield from self._watchdog.watched(context, chunks)
     except Refusal as r:
       context.abort(r.code, r.message)
     finally:
@@ -394,11 +428,12 @@ class DataStreams:
     session: str,
     frame: Callable[[bytes, int], bytes],
     chunk_bytes: int,
+    eviction: Callable[[], Refusal | None],
   ) -> Iterator[bytes | memoryview]:
     """p's newest version as the pieces of its FragmentChunk messages, each framed by `frame`
     (`state_messages.state_pieces`), in chunks of `chunk_bytes` (the cached downlink's are
     `max_chunk_bytes`: `ServiceConfig` keeps the bulk port's bound at least that with a lossy
-    downlink)."""
+    downlink); cut between two messages once `eviction` returns a refusal."""
     deadline = time.monotonic() + self._cfg.stream_deadline_s
     self._check_fragment(request.fragment)
     p, known = int(request.fragment), int(request.known_version)
@@ -417,6 +452,9 @@ class DataStreams:
 
     def framed(head: bytes, n: int) -> bytes:
       nonlocal sent
+      refusal = eviction()
+      if refusal is not None:  # Between two messages: its place went to another learner.
+        raise refusal
       if time.monotonic() > deadline:  # Between two messages.
         raise self._refuse(
           grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -436,37 +474,6 @@ class DataStreams:
 
   # -- admission --------------------------------------------------------------------------------
 
-  def _admit(self, learner_id: int | None = None, on_evict=None) -> door.StreamTicket:
-    """A place for a new data stream (of `learner_id` if known), or a refusal when none is left."""
-    ticket, why = self._gate.admit(learner_id, on_evict)
-    if ticket is None:
-      if why == "learner":  # Decided by the gate itself: the total may have changed since.
-        self._claim_refused(learner_id)
-      raise self._refuse(
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        f"The syncer's push and pull streams are all taken (at most {self._cfg.max_data_streams}, "
-        f"{self._cfg.max_unclaimed_streams} of them before their first chunk); retry later.",
-      )
-    return ticket
-
-  def _claim(self, ticket: door.StreamTicket, learner_id: int) -> None:
-    if not ticket.claim(learner_id):
-      if ticket.evicted:  # Not the learner's share: the stream was cut for a newer one.
-        raise door.StreamTimeout("evicted")
-      self._claim_refused(learner_id)
-
-  def _claim_refused(self, learner_id: int):
-    """Refuses a stream of `learner_id`: the gate counted its share open (`StreamGate`'s count,
-    under its lock). Every stream's handler holds its place until it ends, which may be after its
-    client gave up on it (a client deadline or a dropped connection while the server still reads,
-    waits for the lock or files): a retry then meets its first attempt's place still held, and
-    is refused until that attempt's handler ends; the client's retry with backoff passes then."""
-    raise self._refuse(
-      grpc.StatusCode.RESOURCE_EXHAUSTED,
-      f"Learner {learner_id} has {self._cfg.max_data_streams_per_learner} push and pull "
-      "streams open; retry later.",
-    )
-
   def _check_fragment(self, fragment: int) -> None:
     if not 0 <= fragment < self._core.num_fragments:
       raise self._refuse(
@@ -477,7 +484,7 @@ class DataStreams:
       owned = sorted(self._core.owned)
       raise self._refuse(
         grpc.StatusCode.OUT_OF_RANGE,
-        f"Fragment {fragment} belongs to another syncer shard; this one owns {owned[:16]}"
+        f"Fragment {fragment} {shards.NOT_OWNED}; this one owns {owned[:16]}"
         f"{' ...' if len(owned) > 16 else ''}.",
       )
 

@@ -24,6 +24,8 @@ One call per connection:
 
 The in-process carrier of the simulated cluster (transport/client.py) carries the same frames
 without a socket: `messages_of` joins them back into whole chunk messages.
+
+The server times every read and send of a call by its phase (transport/bulk_pace.py).
 """
 
 import socket

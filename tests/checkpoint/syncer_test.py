@@ -194,6 +194,26 @@ def test_restore_without_checkpoint_moves_versions_past_the_journal(tmp_path):
   _assert_never_behind(third, {**published, **served})
 
 
+def test_a_journal_of_another_shard_is_refused_naming_the_mismatch(tmp_path):
+  """A workdir older than its shard record: the journal of the shard owning fragment 1, restored
+  by the shard owning fragment 0, is refused before anything is restored."""
+  journal = ckpt_lib.MergeJournal(str(tmp_path / ckpt_lib.JOURNAL_NAME))
+  journal.record(1, 1, "0" * 32)
+  journal.close()
+  ck = ckpt_lib.SyncerCheckpointer(str(tmp_path / "ck"))
+  shard0 = SyncerCore(
+    fragment_keys=KEYS,
+    init_values=_init(),
+    config=SyncerConfig(use_grace=False),
+    clock=FakeClock(),
+    owned=[0],
+  )
+  with pytest.raises(ckpt_lib.WorkdirMismatch, match="names fragment 1, which this syncer shard"):
+    ckpt_lib.restore_core(shard0, ck, journal.path)
+  ck.close()
+  assert shard0.version(0) == 0
+
+
 def test_restore_moves_versions_past_the_journal(tmp_path):
   core = _core()
   journal = ckpt_lib.MergeJournal(str(tmp_path / ckpt_lib.JOURNAL_NAME))

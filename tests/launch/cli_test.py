@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from ddiloco.launch import cli
+from ddiloco.launch import cli, syncer_shards
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LOCAL_GIN = str(ROOT / "gin_configs" / "local_tiny.gin")
@@ -299,6 +299,26 @@ def test_launcher_flags_are_checked(tmp_path, prog, args, expected):
 
 
 # -- in-process units -------------------------------------------------------------------------
+
+
+def test_a_syncer_shard_on_another_shards_workdir_stops_with_one_line(tmp_path):
+  workdir = tmp_path / "syncer"
+  workdir.mkdir()
+  syncer_shards.record_workdir(str(workdir), shard=1, num_shards=2)
+  proc = _script(
+    "ddiloco-syncer",
+    f"--gin_file={LOCAL_GIN}",
+    f"--workdir={workdir}",
+    "--gin.JobConfig.syncer_shards=2",
+    "--shard=0",
+    "--shard_addresses=127.0.0.1:1,127.0.0.1:2",
+  )
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("ddiloco-syncer: cannot restart: ") and (
+    "holds the state of syncer shard 1 of 2, not of syncer shard 0 of 2" in last
+  ), proc.stderr[-3000:]
 
 
 def test_describe_config_error_of_a_failed_configurable():

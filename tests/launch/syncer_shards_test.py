@@ -8,6 +8,7 @@ import grpc
 import numpy as np
 import pytest
 
+from ddiloco.checkpoint.syncer import WorkdirMismatch
 from ddiloco.data import text as text_data
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch import syncer_shards
@@ -101,3 +102,20 @@ def test_the_launcher_sees_the_shards_as_one_syncer():
   assert half.shard_merges() == [8, None]
   with pytest.raises(grpc.RpcError):
     syncer_shards.ShardsStatus([_FakeClient(None), _FakeClient(None)]).status()
+
+
+def test_a_workdir_records_its_shard_and_refuses_another(tmp_path):
+  workdir = str(tmp_path)
+  assert not syncer_shards.check_workdir(workdir, 1, 2)  # Fresh: nothing recorded yet.
+  syncer_shards.record_workdir(workdir, 1, 2)
+  assert syncer_shards.check_workdir(workdir, 1, 2)
+  for shard, num, theirs in ((0, 2, "syncer shard 0 of 2"), (1, 3, "syncer shard 1 of 3")):
+    with pytest.raises(
+      WorkdirMismatch, match=f"holds the state of syncer shard 1 of 2, not of {theirs}"
+    ):
+      syncer_shards.check_workdir(workdir, shard, num)
+  with pytest.raises(WorkdirMismatch, match="not of an unsharded syncer"):
+    syncer_shards.check_workdir(workdir, 0, 1)
+  (tmp_path / syncer_shards.SHARD_FILE).write_text("{not json")
+  with pytest.raises(WorkdirMismatch, match="unreadable"):
+    syncer_shards.check_workdir(workdir, 1, 2)

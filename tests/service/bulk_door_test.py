@@ -5,9 +5,14 @@ Each refusal test asserts the status and a precise part of the message the clien
 trailer, that `Status.refused` counted exactly that one refusal, and that the global model did not
 move (every fragment's version and digest). Fragment 0 = {"a/w": f32[128, 64]} (32 KiB), chunks of
 4 KiB: a push is 9 chunk messages.
+
+Each class of abuse has its tests: phase deadlines a trickle cannot restart (the hello, a push's
+header and chunks, a pull's sends), fairness between learners (stalled transfers of some cannot
+starve another), and bounded connections (a flood of them cannot keep a learner out).
 """
 
 import contextlib
+import select
 import shutil
 import socket
 import threading
@@ -33,6 +38,7 @@ from ddiloco.testing import runs
 from ddiloco.testing.wire import push_messages
 from ddiloco.transport import bulk_client, bulk_wire, messages, state_messages
 from ddiloco.transport.client import SyncerClient, fragment_layouts
+from ddiloco.transport.proto import syncer_pb2
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -49,7 +55,7 @@ _ONE_BLOCK = {"num_layers": 1, "d_model": 32, "num_heads": 2, "head_dim": 16, "m
 class _Env:
   """A served syncer (bulk port on), learner 0 registered and holding version 0, a round open."""
 
-  def __init__(self, tmp_path=None, *, tls: bool = False, **config):
+  def __init__(self, tmp_path=None, *, tls: bool = False, init=None, learners: int = 1, **config):
     service_config = ServiceConfig(
       **{
         "uplink_codec": "fp32",
@@ -60,9 +66,10 @@ class _Env:
       }
       | config
     )
+    self.init = INIT if init is None else init
     self.svc = make_syncer(
       fragment_keys=FRAGMENTS,
-      init_values=INIT,
+      init_values=self.init,
       syncer_config=SyncerConfig(min_quorum=2, use_grace=False),
       service_config=service_config,
       layout_digest=DIGEST,
@@ -78,7 +85,8 @@ class _Env:
       tls_ca_file=cert,
     )
     self.client.wait_ready(10)
-    self.register = self.client.register(0, layout_digest=DIGEST, num_fragments=1)
+    for learner in reversed(range(learners)):  # Learner 0's registration last: `register`.
+      self.register = self.client.register(learner, layout_digest=DIGEST, num_fragments=1)
     self.held = self.pull()
     assert self.svc.core.open_round(0, ROUND) is not None
 
@@ -87,15 +95,15 @@ class _Env:
       0,
       0,
       known,
-      layout_keys=list(LAYOUT),
-      shapes={k: s for k, (s, _) in LAYOUT.items()},
-      dtypes={k: d for k, (_, d) in LAYOUT.items()},
+      layout_keys=["a/w"],
+      shapes={"a/w": self.init["a/w"].shape},
+      dtypes={"a/w": np.float32},
     )
 
-  def report(self, step: int = 1) -> Report:
+  def report(self, step: int = 1, learner: int = 0) -> Report:
     values = {k: v + np.float32(0.01) for k, v in self.held.values.items()}
     return Report(
-      learner_id=0,
+      learner_id=learner,
       fragment=0,
       values=values,
       tokens=100,
@@ -105,8 +113,9 @@ class _Env:
       round_step=ROUND,
     )
 
-  def chunks(self) -> list[bytes]:
-    return list(push_messages(self.report(), "fp32", chunk_size=CHUNK))
+  def chunks(self, learner: int = 0) -> list[bytes]:
+    chunk = self.svc.config.bulk_chunk_bytes
+    return list(push_messages(self.report(learner=learner), "fp32", chunk_size=chunk))
 
   def model(self) -> list[tuple[int, str]]:
     with self.svc.lock:
@@ -117,9 +126,15 @@ class _Env:
     sock.settimeout(10)
     return sock
 
-  def hello(self, op: int = bulk_wire.OP_PUSH, *, token=TOKEN, session=None, request=b""):
-    session = self.client.session(0) if session is None else session
+  def hello(
+    self, op: int = bulk_wire.OP_PUSH, *, token=TOKEN, session=None, request=b"", learner: int = 0
+  ):
+    session = self.client.session(learner) if session is None else session
     return bulk_wire.hello(op, token, session, request)
+
+  def pull_hello(self, learner: int = 0) -> bytes:
+    request = syncer_pb2.PullRequest(learner_id=learner, fragment=0, known_version=-1)
+    return self.hello(bulk_wire.OP_PULL, request=request.SerializeToString(), learner=learner)
 
   def close(self) -> None:
     self.client.close()
@@ -153,7 +168,7 @@ def _refused(env: _Env, sock: socket.socket, code: grpc.StatusCode, words: str, 
   assert env.model() == before
 
 
-# -- the happy paths ----------------------------------------------------------------------------
+# -- the happy paths -----------------------------------------------------------------------------
 
 
 def test_the_bulk_port_has_its_own_larger_chunk_bound(monkeypatch):
@@ -204,7 +219,7 @@ def test_a_push_of_a_learner_not_alive_is_refused_from_its_header(env):
   assert env.srv.bulk.calls["Push"] == 1
 
 
-# -- refusals at the door -----------------------------------------------------------------------
+# -- refusals at the door ------------------------------------------------------------------------
 
 
 def test_bad_token(env):
@@ -267,33 +282,22 @@ def test_garbage_pull_request(env):
   _refused(env, sock, grpc.StatusCode.INVALID_ARGUMENT, "Undecodable PullRequest", before)
 
 
-def test_idle_stall_before_the_hello_and_mid_push():
-  env = _Env(stream_idle_s=0.4, stream_deadline_s=30.0)
+def test_silence_before_the_hello_and_mid_push_is_cut_naming_its_phase():
+  env = _Env(bulk_hello_s=0.4, stream_idle_s=0.4, stream_deadline_s=30.0)
   try:
     before, sock = env.model(), env.connect()
-    _refused(env, sock, grpc.StatusCode.DEADLINE_EXCEEDED, "No bulk hello", before)
+    _refused(
+      env, sock, grpc.StatusCode.DEADLINE_EXCEEDED, "No whole bulk hello within 0.4 s", before
+    )
     sock = env.connect()
     sock.sendall(env.hello() + _frames(env.chunks())[0])  # Then silence.
     got, message = _status(sock)
     sock.close()
-    assert got == grpc.StatusCode.DEADLINE_EXCEEDED and "No push chunk for 0.4 s" in message
+    assert got == grpc.StatusCode.DEADLINE_EXCEEDED and message.endswith("(chunk)"), message
+    assert "after its 0.4 s grace" in message
     assert env.svc.refused() == {"DEADLINE_EXCEEDED": 2}
+    assert env.srv.bulk.expired == {"hello": 1, "chunk": 1}
     assert env.model() == before
-  finally:
-    env.close()
-
-
-def test_too_many_connections():
-  env = _Env(max_data_streams=2, max_data_streams_per_learner=2, max_unclaimed_streams=2)
-  try:
-    before = env.model()
-    held = [env.connect(), env.connect()]
-    deadline = time.monotonic() + 5
-    while env.srv.bulk.open_connections() < 2 and time.monotonic() < deadline:
-      time.sleep(0.01)
-    _refused(env, env.connect(), grpc.StatusCode.RESOURCE_EXHAUSTED, "connections open", before)
-    for sock in held:
-      sock.close()
   finally:
     env.close()
 
@@ -336,7 +340,212 @@ def _wait_for(predicate, timeout_s: float = 10.0) -> None:
     time.sleep(0.02)
 
 
-# -- a broken connection, shutdown, TLS -------------------------------------------------------------
+# -- phase deadlines a trickle cannot restart ----------------------------------------------------
+
+
+def _trickle(sock: socket.socket, data: bytes, every_s: float, give_up_s: float) -> float:
+  """Sends `data` a byte every `every_s` until the syncer answers (or cuts) or `give_up_s`
+  passes; returns the seconds it took."""
+  start = time.monotonic()
+  for byte in data:
+    if select.select([sock], [], [], every_s)[0] or time.monotonic() - start > give_up_s:
+      break
+    with contextlib.suppress(OSError):
+      sock.sendall(bytes([byte]))
+  return time.monotonic() - start
+
+
+@pytest.mark.parametrize("phase", ["hello", "header", "chunk"])
+def test_a_trickler_is_cut_within_its_phase_deadline(phase):
+  # A byte every 0.3 s: an idle timer of 1 s, restarted on every byte, would never fire. Each
+  # phase has 1 s of grace, and a byte earns 1/1024 s of it: the trickler is cut about 1 s in.
+  env = _Env(bulk_hello_s=1.0, stream_idle_s=1.0, bulk_min_rate=1024, stream_deadline_s=30.0)
+  try:
+    before, sock = env.model(), env.connect()
+    frames = _frames(env.chunks())
+    sent = {"hello": b"", "header": env.hello(), "chunk": env.hello() + frames[0]}[phase]
+    sock.sendall(sent)
+    trickled = {"hello": env.hello(), "header": frames[0], "chunk": frames[1]}[phase]
+    took = _trickle(sock, trickled, every_s=0.3, give_up_s=8.0)
+    assert took < 3.0, f"not cut within its {phase} phase's deadline ({took:.1f} s)"
+    _refused(env, sock, grpc.StatusCode.DEADLINE_EXCEEDED, f"({phase})", before)
+    assert env.srv.bulk.expired == {phase: 1}
+  finally:
+    env.close()
+
+
+_BIG = {"a/w": np.random.default_rng(1).normal(size=(1024, 1024)).astype(np.float32)}  # 4 MiB
+
+
+def _big_env(**config) -> _Env:
+  """Fragment 0 of 4 MiB in chunks of 64 KiB, chunk grace 1 s, at least 256 KiB/s."""
+  kwargs = {"max_chunk_bytes": 64 << 10, "bulk_chunk_bytes": 64 << 10, "stream_idle_s": 1.0}
+  return _Env(init=_BIG, bulk_min_rate=256 << 10, stream_deadline_s=30.0, **(kwargs | config))
+
+
+def _pull_socket(env: _Env) -> socket.socket:
+  """A pull's connection with a small receive buffer, its hello sent."""
+  sock = socket.socket()
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+  sock.settimeout(10)
+  sock.connect(("127.0.0.1", env.srv.bulk.port))
+  sock.sendall(env.pull_hello())
+  return sock
+
+
+def test_a_pull_whose_client_stops_reading_is_cut_at_its_grace():
+  env = _big_env()
+  try:
+    sock = _pull_socket(env)  # Reads nothing.
+    _wait_for(lambda: env.srv.bulk.expired, timeout_s=8.0)
+    assert sum(env.srv.bulk.expired.values()) == 1
+    assert env.svc.refused() == {"DEADLINE_EXCEEDED": 1}
+    _wait_for(lambda: env.srv.bulk.open_connections() == 0)
+    assert env.svc.open_streams()["data"] == 0
+    sock.close()
+  finally:
+    env.close()
+
+
+def test_a_pull_read_below_the_minimum_rate_is_cut():
+  # 100 KiB/s, each 64 KiB chunk message sent within a second (a per-send idle timer of 1 s never
+  # fires), against a minimum of 256 KiB/s: the whole call falls behind its budget (1 s of grace
+  # plus 4 s per MiB acknowledged) after ~170 KB, about 2 s in.
+  env = _big_env()
+  try:
+    sock = _pull_socket(env)
+    start, got = time.monotonic(), 0
+    while not env.srv.bulk.expired and time.monotonic() - start < 10.0:
+      time.sleep(0.16)
+      with contextlib.suppress(TimeoutError):
+        sock.settimeout(0.01)
+        got += len(sock.recv(16 << 10))
+    took = time.monotonic() - start
+    assert took < 6.0 and got < 1 << 20, f"cut after {took:.1f} s and {got} bytes"
+    assert env.srv.bulk.expired == {"transfer": 1}
+    assert env.svc.refused() == {"DEADLINE_EXCEEDED": 1}
+    sock.close()
+  finally:
+    env.close()
+
+
+def test_a_slow_link_above_the_minimum_rate_is_not_cut():
+  # 1 MiB/s, four times the minimum, for 4 MiB: 4 s, past every grace, and the pull succeeds.
+  env = _big_env()
+  try:
+    sock = _pull_socket(env)
+    start, frames, code = time.monotonic(), 0, None
+    while code is None:
+      (n,) = bulk_wire.LENGTH.unpack(bulk_wire.recv_exact(sock, 4))
+      if n == bulk_wire.END:
+        code, message, _ = bulk_wire.read_trailer(sock)
+        break
+      bulk_wire.recv_exact(sock, n)
+      frames += 1
+      time.sleep(max(0.0, start + frames * (n / (1 << 20)) - time.monotonic()))
+    assert code == grpc.StatusCode.OK, message
+    assert time.monotonic() - start > 3.0 and env.svc.refused() == {}
+    sock.close()
+  finally:
+    env.close()
+
+
+# -- fairness between learners -------------------------------------------------------------------
+
+
+def _stall(env: _Env, learner: int) -> socket.socket:
+  """A push of `learner` that sends its hello and header, then nothing."""
+  sock = env.connect()
+  sock.sendall(env.hello(learner=learner) + _frames(env.chunks(learner))[0])
+  return sock
+
+
+def test_stalled_pushes_of_some_learners_cannot_starve_another():
+  # Four places for learners, two per learner; learners 1 and 2 fill them with pushes stalled
+  # mid-body (their chunk deadline is far). Learner 0, with nothing open, takes the newest place
+  # of a learner holding two for its push; that learner stalls another in the place freed, and
+  # learner 0 takes one again for its pull. Both succeed; the two stalls cut are answered
+  # RESOURCE_EXHAUSTED, saying why.
+  env = _Env(
+    learners=3,
+    max_data_streams=4,
+    max_data_streams_per_learner=2,
+    max_unclaimed_streams=2,
+    stream_idle_s=20.0,
+  )
+  try:
+    full = (4, {1: 2, 2: 2})
+    stalls = [_stall(env, learner) for learner in (1, 2, 1, 2)]
+    _wait_for(lambda: env.svc.admission.gate.open_streams() == full)
+    result = env.client.push(env.report(), "fp32", anchor_values=env.held.values)
+    assert result.status == "accepted"
+    _wait_for(lambda: env.svc.admission.gate.open_streams()[0] == 3)
+    _, held = env.svc.admission.gate.open_streams()
+    stalls.append(_stall(env, 1 if held.get(1, 0) < 2 else 2))  # The one that lost a place.
+    _wait_for(lambda: env.svc.admission.gate.open_streams() == full)
+    assert env.pull(known=-1).version == 0
+    cut = [sock for sock in stalls if select.select([sock], [], [], 5.0)[0]]
+    assert len(cut) == 2
+    for sock in cut:
+      code, message = _status(sock)
+      assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "cut to make room" in message
+    assert env.svc.refused() == {"RESOURCE_EXHAUSTED": 2}
+    assert env.svc.admission.gate.open_streams()[0] == 3
+    for sock in stalls:
+      sock.close()
+  finally:
+    env.close()
+
+
+# -- bounded connections -------------------------------------------------------------------------
+
+
+def test_a_flood_of_silent_connections_is_bounded_and_a_learner_still_gets_in():
+  # Room for two connections that have not named their learner: each new one evicts the
+  # oldest, answered RESOURCE_EXHAUSTED; threads and connections stay bounded, and the learner's
+  # push and pull (which name it in their hello) get in.
+  env = _Env(max_data_streams=4, max_unclaimed_streams=2, bulk_hello_s=20.0)
+  try:
+    threads = threading.active_count()
+    flood = [env.connect() for _ in range(12)]
+    _wait_for(lambda: env.srv.bulk.open_connections() <= 2)
+    assert threading.active_count() <= threads + 4  # Two connections' threads, and slack.
+    result = env.client.push(env.report(), "fp32", anchor_values=env.held.values)
+    assert result.status == "accepted" and env.pull(known=-1).version == 0
+    answered = [_status(sock) for sock in flood if select.select([sock], [], [], 5.0)[0]]
+    assert len(answered) >= 10
+    assert all(c == grpc.StatusCode.RESOURCE_EXHAUSTED and "oldest" in m for c, m in answered)
+    assert env.svc.refused() == {"RESOURCE_EXHAUSTED": len(answered)}
+    for sock in flood:
+      sock.close()
+  finally:
+    env.close()
+
+
+def test_a_connection_beyond_the_limit_is_closed_at_once_and_counted():
+  env = _Env(
+    learners=3,
+    max_data_streams=2,
+    max_data_streams_per_learner=2,
+    max_unclaimed_streams=2,
+    max_bulk_connections=4,
+  )
+  try:
+    before, held = env.model(), []
+    for learner in (1, 2):  # Each named before the next comes (else it could evict it).
+      held.append(_stall(env, learner))
+      _wait_for(lambda n=learner: env.svc.admission.gate.open_streams()[0] == n)
+    held += [env.connect(), env.connect()]  # Two silent.
+    _wait_for(lambda: env.srv.bulk.open_connections() == 4)
+    _refused(env, env.connect(), grpc.StatusCode.RESOURCE_EXHAUSTED, "4 connections open", before)
+    assert env.srv.bulk.dropped == {"connections": 1}
+    for sock in held:
+      sock.close()
+  finally:
+    env.close()
+
+
+# -- a broken connection, shutdown, TLS ----------------------------------------------------------
 
 
 def test_a_push_whose_connection_broke_fails_unavailable_and_its_retry_goes_over_the_port(
@@ -397,7 +606,7 @@ def test_tls_on_both_ports(tmp_path):
     env.close()
 
 
-# -- a learner worker over the bulk port ----------------------------------------------------------
+# -- a learner worker over the bulk port ---------------------------------------------------------
 
 
 def test_a_learner_worker_trains_over_the_bulk_port(tmp_path):

@@ -1,4 +1,4 @@
-"""The door's pieces on their own: admission, paced reads, the send watchdog, request parsing."""
+"""The door's pieces on their own: paced reads, the send watchdog, request parsing."""
 
 import socket
 import threading
@@ -9,96 +9,6 @@ from ddiloco.service import door
 from ddiloco.transport.proto import syncer_pb2
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def test_stream_gate_bounds_the_total_and_each_learner():
-  gate = door.StreamGate(total=3, per_learner=2)
-  tickets = [gate.enter() for _ in range(3)]
-  assert all(t is not None for t in tickets)
-  assert gate.enter() is None  # The total is reached.
-  assert tickets[0].claim(7) and tickets[1].claim(7)
-  assert not tickets[2].claim(7)  # Learner 7 has its two.
-  assert tickets[2].claim(8)
-  assert gate.open_streams() == (3, {7: 2, 8: 1})
-  tickets[0].close()
-  tickets[0].close()  # Idempotent: the handler and the call's end both close.
-  assert gate.open_streams() == (2, {7: 1, 8: 1})
-  again = gate.enter()
-  assert again is not None and again.claim(7)
-  for t in (tickets[1], tickets[2], again):
-    t.close()
-  assert gate.open_streams() == (0, {})
-
-
-def test_stream_gate_bounds_streams_yet_to_name_their_learner():
-  gate = door.StreamGate(total=4, per_learner=4, unclaimed=2)
-  first, second = gate.enter(), gate.enter()
-  assert gate.enter() is None  # Two unclaimed already.
-  assert first.claim(1)
-  third = gate.enter()  # Claiming freed an unclaimed place.
-  assert third is not None and gate.enter() is None
-  named = gate.enter(learner_id=5)  # A pull names its learner at once: not unclaimed.
-  assert named is not None
-  named.close()
-  second.close()
-  assert gate.open_streams() == (2, {1: 1})
-  first.close()
-  third.close()
-  assert gate.open_streams() == (0, {})
-
-
-def test_stream_gate_evicts_the_oldest_unclaimed_stream_for_a_new_one():
-  gate = door.StreamGate(total=4, per_learner=4, unclaimed=2)
-  evicted: list[str] = []
-  a = gate.enter(on_evict=lambda: evicted.append("a"))
-  b = gate.enter(on_evict=lambda: evicted.append("b"))
-  c = gate.enter(on_evict=lambda: evicted.append("c"))
-  assert c is not None and evicted == ["a"]
-  assert not a.claim(1)  # Evicted: it can no longer name a learner.
-  assert b.claim(1)
-  a.close()
-  assert gate.open_streams() == (2, {1: 1})
-  d = gate.enter(on_evict=lambda: evicted.append("d"))
-  assert d is not None and evicted == ["a"]  # b claimed: room without evicting.
-  e = gate.enter(on_evict=lambda: evicted.append("e"))  # c and d wait: c, the oldest, goes.
-  assert e is not None and evicted == ["a", "c"]
-  assert gate.enter(on_evict=lambda: evicted.append("f")) is None  # The total (4) is reached.
-  assert evicted == ["a", "c"]
-  for t in (b, c, d, e):
-    t.close()
-  assert gate.open_streams() == (0, {})
-
-
-def test_stream_gate_does_not_evict_a_stream_whose_first_chunk_arrived():
-  gate = door.StreamGate(total=4, per_learner=4, unclaimed=2)
-  evicted: list[str] = []
-  a = gate.enter(on_evict=lambda: evicted.append("a"))
-  b = gate.enter(on_evict=lambda: evicted.append("b"))
-  assert a.arrived()  # Its header is in: it waits (for the service's lock) to name its learner.
-  c = gate.enter(on_evict=lambda: evicted.append("c"))
-  assert c is not None and evicted == ["b"]  # b, still silent, goes; a stays.
-  assert not b.arrived() and b.evicted and not b.claim(1)
-  assert c.arrived()
-  ticket, why = gate.admit(on_evict=lambda: evicted.append("d"))
-  assert ticket is None and why == "unclaimed"  # a and c arrived: neither is evicted.
-  assert evicted == ["b"] and not a.evicted and not c.evicted
-  assert a.claim(1) and c.claim(1)
-  for t in (a, b, c):
-    t.close()
-  assert gate.open_streams() == (0, {})
-
-
-def test_stream_gate_says_why_it_refused():
-  gate = door.StreamGate(total=2, per_learner=1)
-  first = gate.enter(learner_id=3)
-  assert gate.admit(learner_id=3) == (None, "learner")
-  second, why = gate.admit(learner_id=4)
-  assert second is not None and why == ""
-  assert gate.admit(learner_id=5) == (None, "total")
-  assert gate.admit(learner_id=3) == (None, "total")  # The total is checked first.
-  first.close()
-  second.close()
-  assert gate.open_streams() == (0, {})
 
 
 def test_paced_stream_interrupt_raises_evicted():
