@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import grpc
 
+from ddiloco.service import door
 from ddiloco.service.refusals import Refusal
 from ddiloco.service.stream_gate import StreamTicket
 from ddiloco.transport import bulk_pace, bulk_wire
@@ -160,13 +161,17 @@ class PushFrames:
             f"Push frame of {n} bytes: chunk messages are at most {self._max} bytes.",
           )
         yield self._reader.read(n)
-    except bulk_wire.BulkClosed as e:
-      raise self._refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Push stream truncated: {e}") from None
     except bulk_pace.PhaseTimeout as e:
       if not self._call.closing.is_set():
         self._on_expired(e.phase)
       raise self._refusal(grpc.StatusCode.DEADLINE_EXCEEDED, f"{e} ({e.phase})") from None
-    except OSError:
+    except (bulk_wire.BulkClosed, OSError) as e:  # (BulkClosed is one)
+      if self._call.ticket.evicted:  # Its reads were cut to give its place to another stream:
+        raise door.StreamTimeout("evicted") from None  # refused as such, nothing else counted.
+      if isinstance(e, bulk_wire.BulkClosed):
+        raise self._refusal(
+          grpc.StatusCode.INVALID_ARGUMENT, f"Push stream truncated: {e}"
+        ) from None
       if not self._call.closing.is_set():
         raise
 

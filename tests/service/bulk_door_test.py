@@ -475,8 +475,11 @@ def test_stalled_pushes_of_some_learners_cannot_starve_another():
   )
   try:
     full = (4, {1: 2, 2: 2})
-    stalls = [_stall(env, learner) for learner in (1, 2, 1, 2)]
-    _wait_for(lambda: env.svc.admission.gate.open_streams() == full)
+    stalls = []
+    for n, learner in enumerate((1, 2, 1, 2), 1):  # Each named before the next comes (with two
+      stalls.append(_stall(env, learner))  # unclaimed places, a third silent one evicts one).
+      _wait_for(lambda n=n: sum(env.svc.admission.gate.open_streams()[1].values()) == n)
+    assert env.svc.admission.gate.open_streams() == full
     result = env.client.push(env.report(), "fp32", anchor_values=env.held.values)
     assert result.status == "accepted"
     _wait_for(lambda: env.svc.admission.gate.open_streams()[0] == 3)
@@ -504,11 +507,19 @@ def test_a_flood_of_silent_connections_is_bounded_and_a_learner_still_gets_in():
   # Room for two connections that have not named their learner: each new one evicts the
   # oldest, answered RESOURCE_EXHAUSTED; threads and connections stay bounded, and the learner's
   # push and pull (which name it in their hello) get in.
-  env = _Env(max_data_streams=4, max_unclaimed_streams=2, bulk_hello_s=20.0)
+  # (The connection cap is above the flood: it is another test's.)
+  env = _Env(
+    max_data_streams=4, max_unclaimed_streams=2, bulk_hello_s=20.0, max_bulk_connections=16
+  )
   try:
     threads = threading.active_count()
     flood = [env.connect() for _ in range(12)]
-    _wait_for(lambda: env.srv.bulk.open_connections() <= 2)
+    _wait_for(  # Every one accepted, ten evicted and closed.
+      lambda: (
+        env.svc.refused().get("RESOURCE_EXHAUSTED", 0) == 10
+        and env.srv.bulk.open_connections() <= 2
+      )
+    )
     assert threading.active_count() <= threads + 4  # Two connections' threads, and slack.
     result = env.client.push(env.report(), "fp32", anchor_values=env.held.values)
     assert result.status == "accepted" and env.pull(known=-1).version == 0
@@ -534,7 +545,7 @@ def test_a_connection_beyond_the_limit_is_closed_at_once_and_counted():
     before, held = env.model(), []
     for learner in (1, 2):  # Each named before the next comes (else it could evict it).
       held.append(_stall(env, learner))
-      _wait_for(lambda n=learner: env.svc.admission.gate.open_streams()[0] == n)
+      _wait_for(lambda n=learner: sum(env.svc.admission.gate.open_streams()[1].values()) == n)
     held += [env.connect(), env.connect()]  # Two silent.
     _wait_for(lambda: env.srv.bulk.open_connections() == 4)
     _refused(env, env.connect(), grpc.StatusCode.RESOURCE_EXHAUSTED, "4 connections open", before)
