@@ -28,7 +28,7 @@ The door, as hard as the gRPC port's:
   same grace, and within `stream_deadline_s`. Time counts only while the syncer waits on the
   peer, a send's bytes only once acknowledged. A phase past its deadline is cut with
   DEADLINE_EXCEEDED naming it, in the trailer when the peer can still read one, always counted
-  (`Status.refused`, and by phase in `expired`) and logged.
+  (`Status.refused`, and by phase in `Status.counters`' `bulk_expired_<phase>`) and logged.
 - **Bounded resources**: at most `ServiceConfig.bulk_connections` connections, each with one
   thread (a push one more, its reader) and one descriptor; one more is closed at once (counted,
   RESOURCE_EXHAUSTED). A connection buffers at most its hello (bounded before it is read,
@@ -224,7 +224,8 @@ class BulkServer:
   def _drop(self, sock: socket.socket, why: str, refusal: Refusal) -> None:
     """Closes a connection at its accept (its refusal counted), with its trailer if it fits the
     socket's buffer at once (a TLS client would need a handshake first: it just sees a close)."""
-    self.dropped[why] += 1
+    with self._lock:
+      self.dropped[why] += 1
     with contextlib.suppress(OSError), sock:
       if self._tls is None:
         sock.send(bulk_wire.trailer(refusal.code, refusal.message), socket.MSG_DONTWAIT)
@@ -389,6 +390,15 @@ class BulkServer:
 
   def _aborted(self, refusal: Refusal) -> Aborted:
     return Aborted(refusal.code, refusal.message)
+
+  def door_counters(self) -> dict[str, int]:
+    """The door's counts as `Status.counters`: `bulk_expired_<phase>` (cut past a phase's
+    deadline) and `bulk_dropped_<why>` (closed at the accept: over the connection cap, or no
+    place in the stream gate)."""
+    with self._lock:
+      out = {f"bulk_expired_{phase}": n for phase, n in self.expired.items()}
+      out |= {f"bulk_dropped_{why}": n for why, n in self.dropped.items()}
+    return out
 
   def _count_expired(self, phase: str) -> None:
     with self._lock:

@@ -315,6 +315,7 @@ def serve(
       f"Could not bind the syncer's bulk port {host}:{bulk_port} (in use?): {e}"
     ) from None
   service.advertise_bulk(advertise_bulk_port or bulk.port)
+  service.count_door(bulk.door_counters)
   log.info("pushes and pulls served on bulk port %d", bulk.port)
   service.start()
   server.start()

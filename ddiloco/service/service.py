@@ -150,6 +150,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
     )
     self._started = clock()
     self._bulk_port = 0  # Advertised at Register once a bulk port serves (`advertise_bulk`).
+    self._door_counters: Callable[[], dict[str, int]] = dict  # The bulk door's (`count_door`).
 
   # -- lifecycle --------------------------------------------------------------------------------
 
@@ -199,6 +200,10 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
   def shard(self) -> int:
     """This syncer's shard index (0 when unsharded)."""
     return self._shard
+
+  def count_door(self, counters: Callable[[], dict[str, int]]) -> None:
+    """Adds a door's counts (the bulk port's `BulkServer.door_counters`) to `Status.counters`."""
+    self._door_counters = counters
 
   def advertise_bulk(self, port: int) -> None:
     """Tells learners at Register that pushes and pulls go to `port` (the bulk port, or a proxy's
@@ -474,6 +479,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
       stats = self._core.stats()
       hist = stats.get("quorum_size_counts", {})
       counters = {k: int(v) for k, v in stats.items() if isinstance(v, int | np.integer)}
+      counters |= self._door_counters()
       bytes_up, bytes_down = self._streams.traffic()
       return syncer_pb2.StatusResponse(
         versions=self._publisher.versions(),

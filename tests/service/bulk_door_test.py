@@ -297,6 +297,8 @@ def test_silence_before_the_hello_and_mid_push_is_cut_naming_its_phase():
     assert "after its 0.4 s grace" in message
     assert env.svc.refused() == {"DEADLINE_EXCEEDED": 2}
     assert env.srv.bulk.expired == {"hello": 1, "chunk": 1}
+    counters = env.client.status().counters
+    assert counters["bulk_expired_hello"] == 1 and counters["bulk_expired_chunk"] == 1
     assert env.model() == before
   finally:
     env.close()
@@ -550,6 +552,7 @@ def test_a_connection_beyond_the_limit_is_closed_at_once_and_counted():
     _wait_for(lambda: env.srv.bulk.open_connections() == 4)
     _refused(env, env.connect(), grpc.StatusCode.RESOURCE_EXHAUSTED, "4 connections open", before)
     assert env.srv.bulk.dropped == {"connections": 1}
+    assert env.client.status().counters["bulk_dropped_connections"] == 1
     for sock in held:
       sock.close()
   finally:
