@@ -12,7 +12,7 @@ Rows:
    Nesterov momentum 0.9, its learning rate searched on the grid 0.1, 0.2, 0.4, 0.7, 1.0, 1.4
    (seed 0): two neighbours first, then one step at a time towards the lower loss until a step
    is worse.
-3. **Momentum warm-up**: DiLoCo at M = 4 and 8 with their best outer lr and the momentum ramped
+3. **Momentum warm-up**: DiLoCo at every M with its best outer lr and the momentum ramped
    from 0 to 0.9 over the first 20 outer steps, the learning rate brought from 0.7 down to the
    best over the same steps (`nesterov_warmup`, the shipped form, which short runs need:
    experiments/short_horizon.py), against the same rows without it (seed 0).
@@ -21,7 +21,8 @@ Rows:
    300 s) at M = 4 and M = 8, with the best DiLoCo outer lr of their M and the warm-up of 3.
    The Decoupled rows run α = 0 and α = 0.5 (seed 0); the better α (mean over M = 4 and 8) is
    the one both methods then run for every seed.
-5. Seeds 1 and 2 of data-parallel, of each M's best DiLoCo row, and of the rows of 4.
+5. Seeds 1 and 2 of data-parallel, of each M's DiLoCo row (at its best outer lr, plain or with the
+   warm-up of 3, whichever is lower on seed 0), and of the rows of 4.
 
 Runs go one per core (`--workers`, each pinned to its own core), in the order above, the sweeps
 of M = 4 and 1 (the headline's) before those of 8 and 2; a run's result is stored as soon as it ends, with the commit, date and machine, so an
@@ -230,6 +231,22 @@ def best_lr(store: study.ResultStore, m: int) -> float | None:
   return min(lrs, key=lambda lr: losses[lr])
 
 
+def best_diloco(store: study.ResultStore, m: int) -> tuple[str, study.System] | None:
+  """M's DiLoCo row for the table: at M's best outer lr, plain Nesterov or its warm-up (the
+  shipped form), whichever has the lower seed-0 loss; (its outer lr's label, its system)."""
+  lr = best_lr(store, m)
+  if lr is None:
+    return None
+  plain, warm = diloco(m, lr), diloco(m, lr, WARMUP)
+  warm_loss = _loss(store, warm, 0)
+  if warm_loss is None:
+    return None
+  if warm_loss < _loss(store, plain, 0):
+    lr0 = _lr0(lr)
+    return f"{lr}, warm-up" + (f" from {lr0}" if lr0 is not None else ""), warm
+  return f"{lr}", plain
+
+
 def best_alpha(store: study.ResultStore) -> float | None:
   """The α of the lower mean seed-0 loss of the Decoupled rows over M = 4 and 8."""
   means = {}
@@ -253,8 +270,8 @@ def plan(store: study.ResultStore, seeds: list[int]) -> Plan:
   jobs.append((data_parallel(), first))
   for m in (4, 1, 8, 2):  # The headline's M = 4 and 1 first; the streaming rows need 4 and 8.
     jobs += [(diloco(m, lr), first) for lr in sweep_of(store, m)]
-    if m in STREAMING_MS and (lr := best_lr(store, m)) is not None:
-      jobs.append((diloco(m, lr, WARMUP), first))  # Does the warm-up cost at this horizon?
+    if (lr := best_lr(store, m)) is not None:
+      jobs.append((diloco(m, lr, WARMUP), first))  # The shipped form, at M's best lr.
   for m in STREAMING_MS:
     lr = best_lr(store, m)
     if lr is None:
@@ -271,11 +288,11 @@ def plan(store: study.ResultStore, seeds: list[int]) -> Plan:
     jobs += [(decoupled(m, lr, alpha), s) for s in rest]
   jobs += [(data_parallel(), s) for s in rest]
   for m in MS:
-    lr = best_lr(store, m)
-    if lr is None:
+    best = best_diloco(store, m)
+    if best is None:
       waiting = True
       continue
-    jobs += [(diloco(m, lr), s) for s in rest]
+    jobs += [(best[1], s) for s in rest]
   ready = [(sys_, s) for sys_, s in jobs if store.get(sys_, s) is None]
   return Plan(ready=ready, waiting=waiting)
 
@@ -510,13 +527,13 @@ def gap_over_training(
   return out
 
 
-def final_rows(store: study.ResultStore) -> list[tuple[str, int, float, study.System]]:
+def final_rows(store: study.ResultStore) -> list[tuple[str, int, float | str, study.System]]:
   """(method, M, outer lr, system) of the table's final rows, those whose settings are known."""
   rows = []
   for m in MS:
-    lr = best_lr(store, m)
-    if lr is not None:
-      rows.append(("DiLoCo", m, lr, diloco(m, lr)))
+    best = best_diloco(store, m)
+    if best is not None:
+      rows.append(("DiLoCo", m, *best))
   alpha = best_alpha(store)
   for m in STREAMING_MS:
     lr = best_lr(store, m)
@@ -607,7 +624,7 @@ def report(store: study.ResultStore, seeds: list[int]) -> None:
   ]
   # The momentum warm-up at this horizon.
   warm_rows = []
-  for m in STREAMING_MS:
+  for m in MS:
     lr = best_lr(store, m)
     if lr is None:
       continue
