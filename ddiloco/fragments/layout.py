@@ -19,6 +19,14 @@ Strategies (`make_layout`):
     is then placed by the same LPT rule, starting from the byte loads the blocks left.
   * "tensor": one whole leaf per fragment, in sorted path order. `num_fragments` must equal the leaf
     count, or be 0 meaning "one fragment per leaf". `split_large` is rejected here.
+
+Slices (`slices` = S > 1, a syncer of S shards; docs/architecture.md, "The sharded syncer"). The
+strategy's P fragments become P groups, each cut into S slices balanced by bytes: the group's items
+are placed by the LPT rule into S slices, after an item larger than the group's bytes / S is cut
+along axis 0 into ceil(bytes·S / group bytes) pieces, and, while the group has fewer items than S,
+its largest item with two rows or more is halved. Slice s of group p is fragment p·S + s, so shard
+s of S (fragment f to shard f mod S) owns slice s of every group. With S = 1 the layout is the
+strategy's, digest included.
 """
 
 import dataclasses
@@ -353,6 +361,57 @@ def _lpt(items: Sequence[tuple[str, int]], loads: list[int], assignment: list[li
     heapq.heappush(heap, (loads[p], p))
 
 
+def _cut(key: str, shape: tuple[int, ...], num_pieces: int) -> list[tuple[str, tuple[int, ...]]]:
+  """Cuts item `key` (a leaf or a piece of one) along axis 0 into `num_pieces` near-equal pieces
+  (the first rows % k get one extra row, as np.array_split), as piece keys of its leaf."""
+  leaf, offset, _ = parse_key(key)
+  offset = offset or 0
+  base, extra = divmod(shape[0], num_pieces)
+  sizes = [base + (i < extra) for i in range(num_pieces)]
+  return [
+    (f"{leaf}{PIECE_SEPARATOR}{offset + start}:{offset + stop}", (stop - start, *shape[1:]))
+    for start, stop in itertools.pairwise(itertools.accumulate(sizes, initial=0))
+  ]
+
+
+def _slice_group(
+  p: int,
+  keys: Sequence[str],
+  shapes: dict[str, tuple[int, ...]],
+  dtypes: dict[str, str],
+  slices: int,
+) -> list[list[str]]:
+  """Cuts group `p` into `slices` byte-balanced slices (module docstring); updates `shapes` and
+  `dtypes` in place for the pieces it cuts.
+
+  Raises:
+    ValueError: if the group cannot be cut into `slices` non-empty slices (too few rows).
+  """
+  total = sum(_nbytes(shapes[k], dtypes[k]) for k in keys)
+  items: dict[str, tuple[int, ...]] = {}
+  for key in keys:
+    shape, dtype = shapes.pop(key), dtypes.pop(key)
+    size = _nbytes(shape, dtype)
+    num_pieces = min(-(-size * slices // total), shape[0]) if shape and total else 1
+    for k, s in _cut(key, shape, num_pieces) if num_pieces > 1 else [(key, shape)]:
+      items[k], dtypes[k] = s, dtype
+  while len(items) < slices:
+    cuttable = [k for k, s in items.items() if s and s[0] >= 2]
+    if not cuttable:
+      raise ValueError(
+        f"Fragment {p} cannot be cut into {slices} slices (one per syncer shard): its "
+        f"{len(items)} tensor(s) have too few rows. Use fewer syncer shards or fewer fragments."
+      )
+    key = max(cuttable, key=lambda k: (_nbytes(items[k], dtypes[k]), k))
+    dtype = dtypes.pop(key)
+    for k, s in _cut(key, items.pop(key), 2):
+      items[k], dtypes[k] = s, dtype
+  shapes.update(items)
+  assignment: list[list[str]] = [[] for _ in range(slices)]
+  _lpt([(k, _nbytes(s, dtypes[k])) for k, s in sorted(items.items())], [0] * slices, assignment)
+  return assignment
+
+
 def _block_index(key: str) -> int | None:
   for part in parse_key(key)[0].split("/"):
     m = _BLOCK_RE.match(part)
@@ -367,6 +426,7 @@ def make_layout(
   num_fragments: int,
   strategy: str = "balanced",
   split_large: bool = False,
+  slices: int = 1,
 ) -> FragmentLayout:
   """Builds a deterministic fragment layout from leaf shapes and dtypes alone (docs/algorithm.md §2).
 
@@ -376,6 +436,8 @@ def make_layout(
     strategy: "balanced", "layer" or "tensor" (see the module docstring).
     split_large: cut every leaf larger than total/P bytes along axis 0 into ceil(bytes·P/total)
       near-equal pieces (at most one per row) before assigning (docs/algorithm.md §2 decision: off by default).
+    slices: S >= 1: cut each of the P fragments into S byte-balanced slices, fragment p·S + s
+      being slice s of fragment p (the module docstring); the layout then has P·S fragments.
 
   Returns:
     The layout.
@@ -383,8 +445,10 @@ def make_layout(
   Raises:
     ValueError: on an unknown strategy, no leaves, a "@" in a leaf path, P < 1, P larger than the
       number of items (leaves or pieces), a "tensor" P that is not the leaf count, `split_large`
-      with "tensor", or an empty fragment.
+      with "tensor", an empty fragment, S < 1 or a fragment too small for S slices.
   """
+  if slices < 1:
+    raise ValueError(f"slices must be >= 1, got {slices}.")
   if strategy not in STRATEGIES:
     raise ValueError(f"Unknown strategy {strategy!r}; expected one of {STRATEGIES}.")
   if not shapes:
@@ -443,6 +507,13 @@ def make_layout(
         f"'tensor' needs num_fragments == number of items ({len(keys)}) or 0; got {num_fragments}."
       )
     assignment = [[k] for k in keys]
+  if slices > 1:
+    assignment = [
+      sliced
+      for p, group in enumerate(assignment)
+      for sliced in _slice_group(p, group, item_shapes, item_dtypes, slices)
+    ]
+    num_fragments *= slices
   return FragmentLayout(
     num_fragments=num_fragments,
     strategy=strategy,
