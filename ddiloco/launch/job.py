@@ -26,9 +26,9 @@ class JobConfig:
       processes_per_learner × devices_per_learner devices.
     model_parallelism: size of each learner mesh's "model" axis (tensor parallelism; the "data"
       axis gets the rest of its devices); must divide a learner's device count.
-    senders: each learner process's sender threads, each with one push in flight (of different
-      fragments; learner_process/senders.py); with its pull, at most the syncer's
-      `ServiceConfig.max_data_streams_per_learner`.
+    senders: each learner process's sender threads per syncer shard, each with one push in
+      flight (of different fragments; learner_process/senders.py); with its pull, at most each
+      shard's `ServiceConfig.max_data_streams_per_learner`.
     syncer_shards: S syncer processes, each with its own port, checkpoint and journal; learners
       learn the shards' addresses at Register (docs/architecture.md, "The sharded syncer"). With
       S > 1 every fragment of the schedule is cut into S slices (`FragmentSchedule.slices`, set
