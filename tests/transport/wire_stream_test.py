@@ -174,6 +174,23 @@ def test_array_pool_keeps_at_most_max_free_bytes():
   assert pool.free_bytes == 64  # A second 64-byte buffer would pass 100: released instead.
 
 
+def test_array_pool_within_peak_keeps_what_was_out_at_once_and_no_more():
+  pool = ArrayPool(max_free_bytes=1 << 20, within_peak=True)
+  round_1 = [pool.empty(16, np.float32) for _ in range(3)]  # 3 x 64 bytes out at once: the peak.
+  del round_1
+  assert pool.free_bytes == 3 * 64  # All kept: free and out together stay within 192 bytes.
+  round_2 = [pool.empty(16, np.float32) for _ in range(3)]
+  assert (pool.reused, pool.free_bytes) == (3, 0)  # No fresh memory.
+  small = pool.empty(8, np.float32)  # 32 fresh bytes: the peak is now 224.
+  del round_2
+  assert pool.free_bytes == 3 * 64
+  del small  # 32 + 192 free is within the 224 held at the peak.
+  assert pool.free_bytes == 224
+  big = pool.empty(64, np.float32)  # 256 bytes, none free of that size: out + free is 480.
+  del big  # Kept, it would make 480 bytes held while the peak out at once was 256.
+  assert pool.free_bytes == 224
+
+
 def test_reader_decodes_into_the_allocator_arrays():
   made = []
 
