@@ -1,9 +1,11 @@
 """`RunDecoder`: one array's payload decoded piece by piece into its output, base added (docs/algorithm.md §5)."""
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ddiloco.fragments.codec import F32 as _F32
-from ddiloco.fragments.codec import RUN_VALUES, Codec, as_f32
+from ddiloco.fragments.codec import RUN_VALUES, Codec, RunScratch, as_f32
 
 
 def add_base(dst: np.ndarray, base: np.ndarray, x: np.ndarray) -> None:
@@ -18,9 +20,12 @@ class RunDecoder:
   """Decodes one array's payload, fed in pieces of any size, into a flat output array.
 
   Each run of whole values is decoded, has `base` added (float32), is cast to the output's dtype
-  and counted for NaN/Inf while it is in cache: one pass, no full-size temporary. A misaligned
-  fp32 run (framing puts payloads at any byte offset) is first copied into an aligned scratch:
-  numpy is several times slower on misaligned float32.
+  and counted for NaN/Inf while it is in cache: one pass, no full-size temporary. A codec that
+  decodes straight into the output (`Codec.decode_run_into`: bf16, int4) writes each run there
+  with no temporary to copy, and `on_values` may read the run while it is still in cache (the
+  door's norms, `fragment_reader._BlockDots`). A misaligned fp32 run (framing puts payloads at any
+  byte offset) is first copied into an aligned scratch: numpy is several times slower on
+  misaligned float32.
   """
 
   def __init__(
@@ -31,6 +36,7 @@ class RunDecoder:
     scales: np.ndarray | None = None,
     base: np.ndarray | None = None,
     check: bool = True,
+    on_values: Callable[[int], None] | None = None,
   ):
     """Prepares to fill `out` (flat, any float dtype) with cast(base + decoded values).
 
@@ -40,6 +46,7 @@ class RunDecoder:
       scales: the array's `checked_scales` (int8/int4).
       base: a flat array of out's size added to the decoded values (a delta), or None.
       check: count NaN/Inf in the output (after the cast), see `close`.
+      on_values: called after each run with k: values [0, k) of `out` are final.
     """
     self._codec, self._out, self._base = codec, out, base
     # Whether a piece may already sit in `out` (received in place, transport/placement.py).
@@ -47,6 +54,8 @@ class RunDecoder:
     self._scales = np.empty(0, np.float32) if scales is None else scales
     self._max_run = RUN_VALUES * codec.unit_bytes // codec.values_per_unit
     self._finite = np.empty(min(out.size, RUN_VALUES), bool) if check else None
+    self._on_values = on_values
+    self._work = RunScratch(min(out.size, RUN_VALUES))  # `decode_run_into`'s, run after run.
     self._aligned: memoryview | None = None
     self._carry = b""
     self._start = 0
@@ -66,12 +75,20 @@ class RunDecoder:
       if len(self._carry) < unit:
         return
       self._run(memoryview(self._carry))
+      self._done()
     whole = len(piece) - (len(piece) - head) % unit
     run = piece[head:whole]
-    if whole > head and not (self._in_place(run) or self._into(run)):
+    if whole > head and not self._in_place(run):
       for i in range(head, whole, self._max_run):
-        self._run(piece[i : min(i + self._max_run, whole)])
+        run = piece[i : min(i + self._max_run, whole)]
+        if not self._into(run):
+          self._run(run)
+        self._done()
     self._carry = bytes(piece[whole:])
+
+  def _done(self) -> None:
+    if self._on_values is not None:
+      self._on_values(self._start)
 
   def _in_place(self, view: memoryview) -> bool:
     """Takes `view` if it holds the next values where they belong in `out` already; False if
@@ -87,17 +104,20 @@ class RunDecoder:
     ):
       return False
     self._skip(x.size)
+    self._done()
     return True
 
   def _into(self, view: memoryview) -> bool:
     """Decodes `view` (whole units) straight into `out` if the codec can (`Codec.decode_run_into`:
-    no base to add, the whole piece in one call); False if not, nothing done."""
-    if self._base is not None or self._codec.quantized:
+    no base to add); False if not, nothing done."""
+    if self._base is not None:
       return False
-    n = len(view) // self._codec.unit_bytes * self._codec.values_per_unit
-    if self._start + n > self._out.size:  # `_run` says how much too long.
-      return False
-    if not self._codec.decode_run_into(view, self._out[self._start : self._start + n]):
+    codec, start = self._codec, self._start
+    n = codec.run_values(len(view), self._out.size - start)
+    if len(view) // codec.unit_bytes * codec.values_per_unit - n >= codec.values_per_unit:
+      return False  # More payload than values left (past a padding nibble): `_run` says so.
+    dst = self._out[start : start + n]
+    if not codec.decode_run_into(view, dst, start=start, scales=self._scales, work=self._work):
       return False
     self._skip(n)  # Counts NaN/Inf if asked, as `_run` does.
     return True

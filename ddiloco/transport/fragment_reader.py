@@ -73,8 +73,8 @@ class FragmentReader:
       placement: where a socket reader may receive payload bytes in place (transport/placement.py):
         with an fp32 `codec_name` and no base, the float32 arrays are made at once and offered at
         the offsets the sender's encoding puts them; an entry that starts elsewhere gets a fresh one.
-      norms: sum each fp32 float32 entry's squared norm as the syncer's door does, block by block
-        as its values arrive (while they are in cache): `sq_norms` (`Report.sq_norms`).
+      norms: sum each float32 entry's squared norm (no base) as the syncer's door does, block by
+        block as its values are decoded (while they are in cache): `sq_norms` (`Report.sq_norms`).
 
     Attributes:
       sq_norms: with `norms`, {key: ‖values‖²} of the entries read so far whose every block's dot
@@ -249,21 +249,18 @@ class FragmentReader:
     else:
       out = self._alloc(n, np.dtype(dtype))
     what, at, left = f"{key!r} payload", self._pos, payload_len
+    # The door's norms of a float32 δ, summed block by block as the decoder finishes each run.
+    dots = None
+    if self._norms and base is None and out.dtype == _LE_F32:
+      dots = _BlockDots(out)
+    on_values = None if dots is None else dots.advance
     try:
       if not codec.quantized:
-        decoder = RunDecoder(codec, out, base=base, check=self._check)
-        # An exact fp32 float32 payload's values are final as its bytes arrive (whole values).
-        dots = None
-        if self._norms and codec.exact and codec.unit_bytes == 4 and base is None:
-          dots = _BlockDots(out) if out.dtype == _LE_F32 else None
+        decoder = RunDecoder(codec, out, base=base, check=self._check, on_values=on_values)
         while left:
           piece = yield from self._some(left, what, payload_len, at)
           decoder.feed(piece)
           left -= len(piece)
-          if dots is not None:
-            dots.advance((payload_len - left) // 4)
-        if dots is not None and dots.finite:
-          self.sq_norms[key] = dots.sq
       else:  # The scales follow the payload: gather it (int payloads are 4-8x smaller).
         payload = memoryview(np.empty(payload_len, np.uint8))
         while left:
@@ -272,9 +269,13 @@ class FragmentReader:
           left -= len(piece)
         scales_len = codec.nbytes(n)[1]
         scales = codec.checked_scales((yield from self._take(scales_len, f"{key!r} scales")), n)
-        decoder = RunDecoder(codec, out, scales=scales, base=base, check=self._check)
+        decoder = RunDecoder(
+          codec, out, scales=scales, base=base, check=self._check, on_values=on_values
+        )
         decoder.feed(payload)
       bad = decoder.close()
+      if dots is not None and dots.finite and dots.done:
+        self.sq_norms[key] = dots.sq
     except WireError:
       raise
     except ValueError as e:
@@ -296,6 +297,11 @@ class _BlockDots:
     self._done = 0
     self.sq = 0.0
     self.finite = True  # False once a block's dot product is NaN/Inf: the door then checks it.
+
+  @property
+  def done(self) -> bool:
+    """Whether every value is summed."""
+    return self._done == self._out.size
 
   def advance(self, final: int) -> None:
     """Values [0, final) of the array are final: sums every whole block among them (the last,
