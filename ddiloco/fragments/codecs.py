@@ -84,7 +84,8 @@ class Bf16(Codec):
     xb = x32.astype(ml_dtypes.bfloat16)
     bits = xb.view(np.uint16)
     decoded = work.get("decoded", bits.size, np.uint32)
-    np.left_shift(bits, 16, out=decoded, dtype=np.uint32)
+    np.copyto(decoded, bits)  # Then shifted in place, as `decode_run_into`.
+    np.left_shift(decoded, np.uint32(16), out=decoded)
     values = decoded.view(np.float32)
     if not np.isfinite(values).all():
       raise ValueError("Values overflow bfloat16 (|x| > 3.39e38).")
@@ -107,7 +108,11 @@ class Bf16(Codec):
     bits = np.frombuffer(payload, "<u2")
     if bits.size != out.size:
       raise ValueError(f"a run of {bits.size} values for {out.size} places.")
-    np.left_shift(bits, 16, out=out.view(np.uint32), dtype=np.uint32)
+    # The widening copy, then the shift in place: twice as fast as one shift that casts its
+    # input through numpy's buffers (scripts/bench_ingest.py).
+    wide = out.view(np.uint32)
+    np.copyto(wide, bits)
+    np.left_shift(wide, np.uint32(16), out=wide)
     return True
 
 
