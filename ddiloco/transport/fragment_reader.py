@@ -37,8 +37,9 @@ class FragmentReader:
   """Parses, checks and decodes a serialized fragment fed in pieces (chunks), in order.
 
   Each piece is parsed or decoded into the output arrays when it is fed, so the caller can drop it:
-  the payload is never joined or held whole. fp32/bf16 payloads are decoded as they arrive;
-  int8/int4 payloads are gathered (their scales follow them) and decoded once the scales are in.
+  the payload is never joined. fp32/bf16 payloads are decoded as they arrive; int8/int4 payloads
+  are held (their scales follow them: views of the pieces, not copies, so a caller must not write
+  into a piece it fed until the entry's scales are read) and decoded once the scales are in.
   Every length is checked against the layout before the bytes it covers are read, and NaN/Inf is
   counted after the cast to the layout dtype (`RunDecoder`), the one check of the receive path.
 
@@ -261,18 +262,19 @@ class FragmentReader:
           piece = yield from self._some(left, what, payload_len, at)
           decoder.feed(piece)
           left -= len(piece)
-      else:  # The scales follow the payload: gather it (int payloads are 4-8x smaller).
-        payload = memoryview(np.empty(payload_len, np.uint8))
+      else:  # The scales follow the payload: hold its pieces (int payloads are 4-8x smaller).
+        pieces = []
         while left:
           piece = yield from self._some(left, what, payload_len, at)
-          payload[payload_len - left : payload_len - left + len(piece)] = piece
+          pieces.append(piece)
           left -= len(piece)
         scales_len = codec.nbytes(n)[1]
         scales = codec.checked_scales((yield from self._take(scales_len, f"{key!r} scales")), n)
         decoder = RunDecoder(
           codec, out, scales=scales, base=base, check=self._check, on_values=on_values
         )
-        decoder.feed(payload)
+        for run in _recut(pieces, decoder.run_bytes):
+          decoder.feed(run)
       bad = decoder.close()
       if dots is not None and dots.finite and dots.done:
         self.sq_norms[key] = dots.sq
@@ -285,6 +287,29 @@ class FragmentReader:
         f"{key!r}: {bad} non-finite value(s) (NaN/Inf) after decoding as {dtype.name}."
       )
     return out.reshape(shape)
+
+
+def _recut(pieces: list[memoryview], size: int):
+  """The bytes of `pieces` in order, as views of `size` bytes (the last shorter): only the few that
+  span two pieces are copied (each run of a block-quantized payload then starts on a block, as
+  its direct decoding needs, without gathering the payload into one buffer)."""
+  held: memoryview | bytearray = memoryview(b"")  # A piece's tail (a view) until more comes.
+  for piece in pieces:
+    if not piece:
+      continue
+    at = 0
+    if held:
+      at = min(size - len(held), len(piece))
+      held = bytearray(held) + piece[:at]
+      if len(held) < size:
+        continue
+      yield memoryview(held)
+    whole = at + (len(piece) - at) // size * size
+    for i in range(at, whole, size):
+      yield piece[i : i + size]
+    held = piece[whole:]
+  if held:
+    yield memoryview(held)
 
 
 class _BlockDots:

@@ -19,11 +19,11 @@ from ddiloco.testing.wire import (
   report_to_chunks,
   serialize_fragment,
 )
-from ddiloco.transport import wire
+from ddiloco.transport import fragment_reader, wire
 from ddiloco.transport.chunks import ArrayPool, ChunkAssembler, ChunkWriter
 from ddiloco.transport.errors import WireError
 from ddiloco.transport.fragment_encoder import serialize_chunks
-from ddiloco.transport.fragment_reader import FragmentReader
+from ddiloco.transport.fragment_reader import FragmentReader, read_layout
 from ddiloco.transport.messages import chunks_to_report
 
 
@@ -222,3 +222,30 @@ def test_reader_decodes_into_the_allocator_arrays():
   for k, m in zip(("a", "b"), made):
     assert np.shares_memory(got.values[k], m)
     np.testing.assert_array_equal(got.values[k], base[k] - values[k])  # δ, exact in fp32.
+
+
+@pytest.mark.parametrize("sizes", [[10], [3, 7], [4, 4, 2], [1] * 10, [9, 1], [25], [0, 10, 0]])
+def test_recut_gives_views_of_one_size_copying_only_what_spans_two_pieces(sizes):
+  data = bytes(range(sum(sizes)))
+  pieces, at = [], 0
+  for n in sizes:
+    pieces.append(memoryview(data)[at : at + n])
+    at += n
+  runs = list(fragment_reader._recut(pieces, 4))
+  assert b"".join(bytes(r) for r in runs) == data
+  assert all(len(r) == 4 for r in runs[:-1]) and 0 < len(runs[-1]) <= 4
+  ends = np.cumsum(sizes)
+  for i, r in enumerate(runs):  # A run inside one piece is a view of it; one across two, a copy.
+    lo, hi = 4 * i, 4 * i + len(r)
+    inside = any(end - n <= lo and hi <= end for end, n in zip(ends, sizes))
+    assert (r.obj is data) == inside
+
+
+@pytest.mark.parametrize("chunk", [1, 333, 4096 + 3])
+def test_int4_pieces_decode_as_one_payload(chunk):
+  values = {"w": np.random.default_rng(chunk).standard_normal(300_001).astype(np.float32)}
+  pieces = list(serialize_chunks(values, "int4", chunk_size=chunk))
+  layout = {"w": ((300_001,), np.dtype(np.float32))}
+  whole = read_layout(b"".join(pieces), layout, codec_name="int4", max_bytes=None, base=None)
+  cut = read_layout(pieces, layout, codec_name="int4", max_bytes=None, base=None)
+  np.testing.assert_array_equal(cut["w"].view(np.uint32), whole["w"].view(np.uint32))
