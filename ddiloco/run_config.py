@@ -165,6 +165,7 @@ class RunConfig:
       task=self.the_task(),
       inner_opt=self.inner_opt or InnerOptConfig(),
       num_fragments=self.the_schedule().num_fragments,
+      slices=self.the_schedule().slices,
       layout_strategy=self.layout_strategy,
       split_large=self.split_large,
       num_shards=self.num_learners if num_shards is None else num_shards,

@@ -266,17 +266,34 @@ class Codec:
     """
     raise NotImplementedError
 
-  def decode_run_into(self, payload: bytes | memoryview | np.ndarray, out: np.ndarray) -> bool:
+  def decode_run_into(
+    self,
+    payload: bytes | memoryview | np.ndarray,
+    out: np.ndarray,
+    *,
+    start: int = 0,
+    scales: np.ndarray | None = None,
+    work: RunScratch | None = None,
+  ) -> bool:
     """Decodes a run of whole units straight into `out` if this codec can, bit for bit what
     `decode_run` gives; False (nothing written) if it cannot: the caller uses `decode_run`.
 
-    Only for unquantized codecs, whose values do not depend on `start`, `n` or scales.
+    No temporary the size of the run leaves the codec, and none is copied into `out`.
 
     Args:
-      payload: bytes of whole units of an array's payload.
-      out: the flat, C-contiguous output for exactly the run's values (any float dtype).
+      payload: bytes of whole units of an array's payload, beginning at value `start`.
+      out: the flat, C-contiguous output for exactly the run's values (any float dtype); its
+        size says how many values the payload holds (int4: a trailing nibble past it is
+        padding).
+      start: index of the run's first value in the flattened array (quantized codecs).
+      scales: the array's `checked_scales` (quantized codecs).
+      work: scratch memory reused from run to run (None: the codec's own, made for this run).
+
+    Raises:
+      ValueError: as `decode_run`, on malformed codes or padding, or a payload that does not
+        hold `out`'s values.
     """
-    del payload, out
+    del payload, out, start, scales, work
     return False
 
   def _check_whole_units(self, payload: bytes | memoryview | np.ndarray) -> None:

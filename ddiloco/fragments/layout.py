@@ -19,6 +19,14 @@ Strategies (`make_layout`):
     is then placed by the same LPT rule, starting from the byte loads the blocks left.
   * "tensor": one whole leaf per fragment, in sorted path order. `num_fragments` must equal the leaf
     count, or be 0 meaning "one fragment per leaf". `split_large` is rejected here.
+
+Slices (`slices` = S > 1, a syncer of S shards; docs/architecture.md, "The sharded syncer"). The
+strategy's P fragments become P groups, each cut into S slices balanced by bytes: the group's items
+are placed by the LPT rule into S slices, after an item larger than the group's bytes / S is cut
+along axis 0 into ceil(bytes·S / group bytes) pieces, and, while the group has fewer items than S,
+its largest item with two rows or more is halved. Slice s of group p is fragment p·S + s, so shard
+s of S (fragment f to shard f mod S) owns slice s of every group. With S = 1 the layout is the
+strategy's, digest included.
 """
 
 import dataclasses
@@ -367,6 +375,7 @@ def make_layout(
   num_fragments: int,
   strategy: str = "balanced",
   split_large: bool = False,
+  slices: int = 1,
 ) -> FragmentLayout:
   """Builds a deterministic fragment layout from leaf shapes and dtypes alone (docs/algorithm.md §2).
 
@@ -376,6 +385,8 @@ def make_layout(
     strategy: "balanced", "layer" or "tensor" (see the module docstring).
     split_large: cut every leaf larger than total/P bytes along axis 0 into ceil(bytes·P/total)
       near-equal pieces (at most one per row) before assigning (docs/algorithm.md §2 decision: off by default).
+    slices: S >= 1: cut each of the P fragments into S byte-balanced slices, fragment p·S + s
+      being slice s of fragment p (the module docstring); the layout then has P·S fragments.
 
   Returns:
     The layout.
@@ -383,8 +394,10 @@ def make_layout(
   Raises:
     ValueError: on an unknown strategy, no leaves, a "@" in a leaf path, P < 1, P larger than the
       number of items (leaves or pieces), a "tensor" P that is not the leaf count, `split_large`
-      with "tensor", or an empty fragment.
+      with "tensor", an empty fragment, S < 1 or a fragment too small for S slices.
   """
+  if slices < 1:
+    raise ValueError(f"slices must be >= 1, got {slices}.")
   if strategy not in STRATEGIES:
     raise ValueError(f"Unknown strategy {strategy!r}; expected one of {STRATEGIES}.")
   if not shapes:
@@ -443,6 +456,15 @@ def make_layout(
         f"'tensor' needs num_fragments == number of items ({len(keys)}) or 0; got {num_fragments}."
       )
     assignment = [[k] for k in keys]
+  if slices > 1:
+    from ddiloco.fragments import slicing  # It builds on this module's helpers.
+
+    assignment = [
+      sliced
+      for p, group in enumerate(assignment)
+      for sliced in slicing.slice_group(p, group, item_shapes, item_dtypes, slices)
+    ]
+    num_fragments *= slices
   return FragmentLayout(
     num_fragments=num_fragments,
     strategy=strategy,

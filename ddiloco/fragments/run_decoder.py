@@ -1,9 +1,11 @@
 """`RunDecoder`: one array's payload decoded piece by piece into its output, base added (docs/algorithm.md §5)."""
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ddiloco.fragments.codec import F32 as _F32
-from ddiloco.fragments.codec import RUN_VALUES, Codec, as_f32
+from ddiloco.fragments.codec import INTO_RUN_VALUES, RUN_VALUES, Codec, RunScratch, as_f32
 
 
 def add_base(dst: np.ndarray, base: np.ndarray, x: np.ndarray) -> None:
@@ -18,9 +20,12 @@ class RunDecoder:
   """Decodes one array's payload, fed in pieces of any size, into a flat output array.
 
   Each run of whole values is decoded, has `base` added (float32), is cast to the output's dtype
-  and counted for NaN/Inf while it is in cache: one pass, no full-size temporary. A misaligned
-  fp32 run (framing puts payloads at any byte offset) is first copied into an aligned scratch:
-  numpy is several times slower on misaligned float32.
+  and counted for NaN/Inf while it is in cache: one pass, no full-size temporary. A codec that
+  decodes straight into the output (`Codec.decode_run_into`: bf16, int4) writes each run there
+  with no temporary to copy, and `on_values` may read the run while it is still in cache (the
+  door's norms, `fragment_reader._BlockDots`). A misaligned fp32 run (framing puts payloads at any
+  byte offset) is first copied into an aligned scratch: numpy is several times slower on
+  misaligned float32.
   """
 
   def __init__(
@@ -31,6 +36,7 @@ class RunDecoder:
     scales: np.ndarray | None = None,
     base: np.ndarray | None = None,
     check: bool = True,
+    on_values: Callable[[int], None] | None = None,
   ):
     """Prepares to fill `out` (flat, any float dtype) with cast(base + decoded values).
 
@@ -40,17 +46,30 @@ class RunDecoder:
       scales: the array's `checked_scales` (int8/int4).
       base: a flat array of out's size added to the decoded values (a delta), or None.
       check: count NaN/Inf in the output (after the cast), see `close`.
+      on_values: called after each run with k: values [0, k) of `out` are final.
     """
     self._codec, self._out, self._base = codec, out, base
     # Whether a piece may already sit in `out` (received in place, transport/placement.py).
     self._plain = base is None and codec.exact and out.dtype == _F32 and codec.unit_bytes == 4
     self._scales = np.empty(0, np.float32) if scales is None else scales
     self._max_run = RUN_VALUES * codec.unit_bytes // codec.values_per_unit
+    # A direct decoding's runs are longer: its scratch is smaller than `decode_run`'s temporaries,
+    # and fewer numpy calls measured 12-14 % less CPU for bf16 and int4 (scripts/bench_ingest.py);
+    # a run is then one block of the door's norms (`blockwise.BLOCK_VALUES`).
+    self._into_run = INTO_RUN_VALUES * codec.unit_bytes // codec.values_per_unit
     self._finite = np.empty(min(out.size, RUN_VALUES), bool) if check else None
+    self._on_values = on_values
+    self._work = RunScratch(min(out.size, INTO_RUN_VALUES))  # `decode_run_into`'s, reused.
     self._aligned: memoryview | None = None
     self._carry = b""
     self._start = 0
     self._non_finite = 0
+
+  @property
+  def run_bytes(self) -> int:
+    """Payload bytes of the longest run (`decode_run_into`'s): pieces of whole multiples of it
+    decode in runs that start where the payload's first does (on a block)."""
+    return self._into_run
 
   def feed(self, data: bytes | memoryview | np.ndarray) -> None:
     """Decodes the next bytes of the payload (a unit split across pieces is carried over).
@@ -66,12 +85,21 @@ class RunDecoder:
       if len(self._carry) < unit:
         return
       self._run(memoryview(self._carry))
+      self._done()
     whole = len(piece) - (len(piece) - head) % unit
     run = piece[head:whole]
-    if whole > head and not (self._in_place(run) or self._into(run)):
-      for i in range(head, whole, self._max_run):
-        self._run(piece[i : min(i + self._max_run, whole)])
+    if whole > head and not self._in_place(run):
+      for i in range(head, whole, self._into_run):
+        run = piece[i : min(i + self._into_run, whole)]
+        if not self._into(run):
+          for j in range(0, len(run), self._max_run):
+            self._run(run[j : j + self._max_run])
+        self._done()
     self._carry = bytes(piece[whole:])
+
+  def _done(self) -> None:
+    if self._on_values is not None:
+      self._on_values(self._start)
 
   def _in_place(self, view: memoryview) -> bool:
     """Takes `view` if it holds the next values where they belong in `out` already; False if
@@ -87,17 +115,20 @@ class RunDecoder:
     ):
       return False
     self._skip(x.size)
+    self._done()
     return True
 
   def _into(self, view: memoryview) -> bool:
     """Decodes `view` (whole units) straight into `out` if the codec can (`Codec.decode_run_into`:
-    no base to add, the whole piece in one call); False if not, nothing done."""
-    if self._base is not None or self._codec.quantized:
+    no base to add); False if not, nothing done."""
+    if self._base is not None:
       return False
-    n = len(view) // self._codec.unit_bytes * self._codec.values_per_unit
-    if self._start + n > self._out.size:  # `_run` says how much too long.
-      return False
-    if not self._codec.decode_run_into(view, self._out[self._start : self._start + n]):
+    codec, start = self._codec, self._start
+    n = codec.run_values(len(view), self._out.size - start)
+    if len(view) // codec.unit_bytes * codec.values_per_unit - n >= codec.values_per_unit:
+      return False  # More payload than values left (past a padding nibble): `_run` says so.
+    dst = self._out[start : start + n]
+    if not codec.decode_run_into(view, dst, start=start, scales=self._scales, work=self._work):
       return False
     self._skip(n)  # Counts NaN/Inf if asked, as `_run` does.
     return True

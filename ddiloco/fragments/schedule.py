@@ -7,6 +7,13 @@ one fragment due; with P < H some steps have none; with P > H several fragments 
 offsets coincide), which is allowed. A fragment sent after step s is applied once the learner has
 completed step s + τ (the overlap), so τ < H keeps the merge of one round landing before the next
 round of the same fragment is sent.
+
+Slices (docs/architecture.md, "The sharded syncer"). With `slices` = S > 1 each of the P fragments
+(a "group") is cut into S slices, and the layout's fragment ids run over [0, P·S): fragment f is
+slice f mod S of group f // S, and is due exactly when its group would be (offset t_{f // S}), so
+the S slices of a group are sent together and merged, each by its own syncer shard, in parallel.
+Each slice is a fragment of its own in every other respect (round, quorum, version, digest). S = 1
+is the plain schedule.
 """
 
 import dataclasses
@@ -19,37 +26,55 @@ class FragmentSchedule:
   """The streaming schedule: P fragments, period H, overlap τ (docs/algorithm.md §2 defaults P = H = 24, τ = 2).
 
   Attributes:
-    num_fragments: P >= 1.
+    num_fragments: P >= 1, the groups of the schedule (the fragments when `slices` = 1).
     period: H >= 1 inner steps between two sends of the same fragment.
     overlap: τ in [0, H): steps between sending a fragment and applying its merge. τ = 0 applies the
       merge before the next step (synchronous configurations, e.g. DiLoCo or identity tests).
+    slices: S >= 1 slices per group (module docstring): fragment ids run over [0, P·S). Set by
+      the launchers from `JobConfig.syncer_shards`, not by hand.
   """
 
   num_fragments: int = 24
   period: int = 24
   overlap: int = 2
+  slices: int = 1
 
   def __post_init__(self):
     check_int_fields(self)  # A gin typo such as 4.5 fails here, not mid-run.
     if self.num_fragments < 1:
       raise ValueError(f"num_fragments must be >= 1, got {self.num_fragments}.")
+    if self.slices < 1:
+      raise ValueError(f"slices must be >= 1, got {self.slices}.")
     if self.period < 1:
       raise ValueError(f"period must be >= 1, got {self.period}.")
     if not 0 <= self.overlap < self.period:
       raise ValueError(f"overlap must be in [0, period={self.period}), got {self.overlap}.")
 
-  def _check_fragment(self, p: int) -> None:
-    if not 0 <= p < self.num_fragments:
-      raise ValueError(f"Fragment {p} out of range [0, {self.num_fragments}).")
+  @property
+  def total_fragments(self) -> int:
+    """The fragment ids' count, P·S: the layout's fragments."""
+    return self.num_fragments * self.slices
 
-  def offset(self, p: int) -> int:
-    """Returns t_p = floor(p·H/P), the phase of fragment `p` within the period.
+  def group(self, p: int) -> int:
+    """The group of fragment `p` (p // S; p itself when S = 1).
 
     Raises:
-      ValueError: if `p` is not in [0, P).
+      ValueError: if `p` is not in [0, P·S).
     """
     self._check_fragment(p)
-    return p * self.period // self.num_fragments
+    return p // self.slices
+
+  def _check_fragment(self, p: int) -> None:
+    if not 0 <= p < self.total_fragments:
+      raise ValueError(f"Fragment {p} out of range [0, {self.total_fragments}).")
+
+  def offset(self, p: int) -> int:
+    """Returns t_p = floor(g·H/P) for fragment `p` of group g, its phase within the period.
+
+    Raises:
+      ValueError: if `p` is not in [0, P·S).
+    """
+    return self.group(p) * self.period // self.num_fragments
 
   def is_due(self, p: int, t: int) -> bool:
     """Whether fragment `p` is sent after completed step `t`."""
@@ -63,7 +88,7 @@ class FragmentSchedule:
     """
     if t < 0:
       raise ValueError(f"Step must be >= 0, got {t}.")
-    return tuple(p for p in range(self.num_fragments) if self.is_due(p, t))
+    return tuple(p for p in range(self.total_fragments) if self.is_due(p, t))
 
   def apply_step(self, send_step: int) -> int:
     """Returns the step after which a fragment sent after `send_step` is applied (send_step + τ)."""
@@ -73,7 +98,7 @@ class FragmentSchedule:
     """Returns the first step strictly after `t` at which fragment `p` is due.
 
     Raises:
-      ValueError: if `p` is not in [0, P).
+      ValueError: if `p` is not in [0, P·S).
     """
     first = max(t + 1, 1)
     return first + (self.offset(p) - first) % self.period

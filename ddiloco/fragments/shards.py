@@ -1,9 +1,9 @@
 """Which syncer shard owns which fragment (docs/architecture.md, "The sharded syncer").
 
-With S syncer shards, fragment p belongs to shard p mod S. The layout balances fragments by bytes
-(`FragmentLayout`), so round-robin gives every shard about P/S fragments and about 1/S of the
-bytes, and the P/H schedule staggers the due steps of consecutive fragments, so each shard's merges
-are spread over the period too. Fragment ids stay global everywhere (on the wire, in checkpoints,
+With S syncer shards, fragment p belongs to shard p mod S. The layout then cuts each of the
+schedule's fragments into S byte-balanced slices, slice s of group g being fragment g·S + s
+(`make_layout(slices=S)`), so shard s owns slice s of every group: about 1/S of the bytes, and a
+share of every round, which all shards merge in parallel. Fragment ids stay global everywhere (on the wire, in checkpoints,
 in digests); a shard holds values, versions and outer states only for its own fragments.
 """
 

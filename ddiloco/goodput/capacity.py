@@ -3,8 +3,9 @@
 The syncer holds the global model and merges every fragment once per period from every learner.
 This model turns a fleet (parameters, learners, schedule, step time, codecs) and per-core costs
 measured on a machine (`SyncerCosts`; scripts/bench_merge.py and scripts/bench_wire.py measure
-them) into what one of S syncer shards needs. Fragments are spread evenly over the shards, so
-every per-shard figure is the fleet's divided by S. Assumptions:
+them) into what one of S syncer shards needs. Every fragment is cut into S slices, one per shard
+(docs/architecture.md, "The sharded syncer"), so every per-shard figure is the fleet's divided by
+S, and so is every round's work on each shard. Assumptions:
 
 - Memory per shard: the `keep_versions` newest versions of its fragments in the parameters' own
   dtype, one float32 optimizer-state array per parameter per `state_arrays` (1 for Nesterov SGD),
@@ -12,7 +13,7 @@ every per-shard figure is the fleet's divided by S. Assumptions:
   dtype, from every learner), and the encoded downlink delta kept per fragment for a lossy
   downlink. Rounds open at once: a round stays open for its τ steps of overlap (then the grace
   window, bounded by the same budget), and a fragment is due every H / P steps, so
-  ceil((τ + 1) · P / H) rounds are open fleet-wide, spread over the shards. Process overhead
+  ceil((τ + 1) · P / H) rounds are open fleet-wide, each shard holding its slice of each. Process overhead
   (Python, gRPC, buffers) is `base_bytes`.
 - Ingest: every learner answers every round, P / H rounds per step fleet-wide, one fragment each,
   in the uplink's bits per value. Egress: every merged fragment goes to every learner in the
@@ -23,8 +24,8 @@ every per-shard figure is the fleet's divided by S. Assumptions:
   per-core rate. A shard that needs more than one core must run those on several threads or
   processes; the figure is the work, not a promise that Python spreads it.
 - Latency: a round's merge (M answers of one fragment, plus adoption) must finish within the
-  grace budget, τ steps, or learners apply the round late. `merge_s` is that time on
-  `merge_cores` cores. Shards do not shorten it: they split the fragments, not a fragment.
+  grace budget, τ steps, or learners apply the round late. `merge_s` is one shard's slice of it
+  on `merge_cores` cores: the S slices merge side by side, so shards shorten it.
 """
 
 import dataclasses
@@ -83,10 +84,9 @@ class SyncerLoad:
       and keeps the encoded delta of each fragment's newest version).
     keep_versions: versions kept per fragment, current included.
     state_arrays: float32 optimizer-state arrays per parameter (1: Nesterov momentum).
-    shards: S, syncer processes the fragments are spread over.
-    merge_cores: cores one merge runs on (XLA's intra-op threads run the fused merge on several;
-      it used 1.4 of 2 cores on the development VM). Sharding splits the fragments, not one
-      fragment's merge: only this (or smaller fragments) shortens a merge.
+    shards: S, syncer processes; each merges one slice of every fragment.
+    merge_cores: cores one shard's merge runs on (XLA's intra-op threads run the fused merge on
+      several; it used 1.4 of 2 cores on the development VM).
     base_bytes: memory of a shard besides the model (interpreter, libraries, buffers).
   """
 
@@ -113,8 +113,8 @@ class SyncerLoad:
     for name in (*names, "merge_cores"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-    if not 1 <= self.shards <= self.fragments:
-      raise ValueError(f"shards must be in [1, fragments={self.fragments}], got {self.shards}.")
+    if self.shards < 1:
+      raise ValueError(f"shards must be >= 1, got {self.shards}.")
     if self.state_arrays < 0 or self.base_bytes < 0:
       raise ValueError("state_arrays and base_bytes must be >= 0.")
     if not (math.isfinite(self.step_time_s) and self.step_time_s > 0):
@@ -147,23 +147,23 @@ def size_shard(load: SyncerLoad, costs: SyncerCosts) -> ShardSizing:
   fragment_params = load.params / load.fragments
   rounds_per_step = load.fragments / load.period  # Fleet-wide.
   open_rounds = math.ceil((load.overlap + 1) * rounds_per_step)
-  open_here = math.ceil(open_rounds / s)
+  slice_params = fragment_params / s  # A shard's slice of every fragment.
   parts = {
     "versions": load.keep_versions * shard_params * load.param_bytes,
     "optimizer": load.state_arrays * shard_params * 4,
-    "answers": open_here * m * fragment_params * load.param_bytes,
+    "answers": open_rounds * m * slice_params * load.param_bytes,
     "downlink": shard_params * load.downlink.bits / 8 if load.lossy_downlink else 0.0,
     "base": load.base_bytes,
   }
   steps_per_s = 1.0 / load.step_time_s
-  # Per shard and second: rounds merged, bytes pushed in and pulled out.
-  rounds = rounds_per_step * steps_per_s / s
-  ingest = rounds * m * fragment_params * load.uplink.bits / 8 / _GB
-  egress = rounds * m * fragment_params * load.downlink.bits / 8 / _GB
-  merge_bytes = m * fragment_params * load.param_bytes
-  merge_work = merge_bytes / (costs.merge_gbps * _GB)  # Core-seconds per round.
+  # Per shard and second: rounds (its slice of each) merged, bytes pushed in and pulled out.
+  rounds = rounds_per_step * steps_per_s
+  ingest = rounds * m * slice_params * load.uplink.bits / 8 / _GB
+  egress = rounds * m * slice_params * load.downlink.bits / 8 / _GB
+  merge_bytes = m * slice_params * load.param_bytes
+  merge_work = merge_bytes / (costs.merge_gbps * _GB)  # Core-seconds per round's slice.
   if load.lossy_downlink:
-    merge_work += fragment_params * load.param_bytes / (costs.adopt_gbps * _GB)
+    merge_work += slice_params * load.param_bytes / (costs.adopt_gbps * _GB)
   cores = ingest / costs.ingest_gbps + egress / costs.egress_gbps + rounds * merge_work
   return ShardSizing(
     shards=s,
@@ -178,11 +178,17 @@ def size_shard(load: SyncerLoad, costs: SyncerCosts) -> ShardSizing:
 
 
 def fewest_shards(
-  load: SyncerLoad, costs: SyncerCosts, *, max_cores: float, max_ram_bytes: float
+  load: SyncerLoad,
+  costs: SyncerCosts,
+  *,
+  max_cores: float,
+  max_ram_bytes: float,
+  max_shards: int = 256,
 ) -> ShardSizing | None:
-  """The sizing with the fewest shards (1, 2, 3, ... up to P) whose shards each need at most
-  `max_cores` cores and `max_ram_bytes` of memory and merge within the grace budget, or None."""
-  for s in range(1, load.fragments + 1):
+  """The sizing with the fewest shards (1, 2, 3, ... up to `max_shards`) whose shards each need
+  at most `max_cores` cores and `max_ram_bytes` of memory and merge within the grace budget, or
+  None."""
+  for s in range(1, max_shards + 1):
     sizing = size_shard(dataclasses.replace(load, shards=s), costs)
     if sizing.cores <= max_cores and sizing.ram_bytes <= max_ram_bytes and sizing.in_budget:
       return sizing
@@ -250,23 +256,26 @@ class MeasuredShard:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ShardPlan:
-  """How many shards a fleet needs, and what the busiest one needs (`plan_shards`).
+  """How many shards a fleet needs, and what each needs (`plan_shards`).
 
   Attributes:
     shards: S.
-    cores: CPU work of the busiest shard (the one with ceil(P / S) fragments), cores.
+    hosts: hosts of `cores_per_host` cores holding the S shards, each shard on `max_cores` cores.
+    cores: CPU work of one shard, cores.
     ram_bytes: its RSS.
     ingest_gbps: the wire bytes it takes in per second, GB.
-    merge_s: one round's merge (quorum to publication).
-    round_s: one round from its opening to its publication at the least: its M answers received
-      at one core's ingest rate (they all go to the one shard that owns the fragment), then
-      merged. Sharding does not shorten it.
+    merge_s: its part of one round's merge (quorum to publication).
+    round_s: one round from its opening to its publication at the least: the 1/S of its M answers
+      each shard takes in, received at one core's ingest rate, then merged; every shard does its
+      slice of the round at once, so the round shortens with S.
     grace_budget_s: τ · step time.
-    limited_by: what set S: "cores", "ram", or "one shard".
-    fits: whether every limit holds at S <= P (False: no S does; the figures are at S = P).
+    limited_by: what set S: "cores", "ram", "round" (its budget), or "one shard".
+    fits: whether every limit holds at some S <= `max_shards` (False: none does; the figures are
+      at S = `max_shards`).
   """
 
   shards: int
+  hosts: int
   cores: float
   ram_bytes: float
   ingest_gbps: float
@@ -283,16 +292,34 @@ class ShardPlan:
 
 
 def plan_shards(
-  load: SyncerLoad, shard: MeasuredShard, *, max_cores: float = 1.0, max_ram_bytes: float = math.inf
+  load: SyncerLoad,
+  shard: MeasuredShard,
+  *,
+  max_cores: float = 1.0,
+  max_ram_bytes: float = math.inf,
+  cores_per_host: int = 16,
+  max_shards: int = 256,
 ) -> ShardPlan:
-  """The fewest shards (at most P) whose busiest shard needs at most `max_cores` cores of work and
-  `max_ram_bytes` of RSS, from measured figures; `load.shards` is ignored.
+  """The fewest shards whose every shard needs at most `max_cores` cores of work and
+  `max_ram_bytes` of RSS, and whose rounds fit their grace budget, from measured figures;
+  `load.shards` is ignored.
 
-  A shard owns the fragments p with p mod S == i, so the busiest holds ceil(P / S) of the P and
-  takes that share of the fleet's ingest. RSS per parameter is scaled to `load.keep_versions` by
-  `load.param_bytes` per version kept more or less than measured. `max_cores` is 1 for a shard
-  that is one Python process (its GIL); a merge is not split, so `merge_s` does not fall with S.
+  Every fragment is cut into S byte-balanced slices and shard s owns slice s of each
+  (docs/architecture.md, "The sharded syncer"), so each shard takes 1/S of the fleet's ingest and
+  of every round: a round is S slices received and merged side by side, and its time falls as 1/S.
+  (Slices balance within the layout's bound, the largest piece; the plan takes them as equal.) RSS
+  per parameter is scaled to `load.keep_versions` by `load.param_bytes` per version kept more or
+  less than measured. `max_cores` is 1 for a shard that is one Python process (its GIL); hosts
+  hold floor(`cores_per_host` / `max_cores`) shards each.
+
+  Raises:
+    ValueError: if `max_shards` or `cores_per_host` is below 1, or `max_cores` is not > 0.
   """
+  if max_shards < 1 or cores_per_host < 1 or not max_cores > 0:
+    raise ValueError(
+      f"Need max_shards >= 1, cores_per_host >= 1 and max_cores > 0, got {max_shards}, "
+      f"{cores_per_host}, {max_cores}."
+    )
   m, p = load.learners, load.fragments
   rounds_per_s = p / load.period / load.step_time_s  # Fleet-wide; one answer per learner each.
   fragment_params = load.params / p
@@ -305,44 +332,50 @@ def plan_shards(
   per_param += (load.keep_versions - shard.keep_versions) * load.param_bytes
   merge_s = m * fragment_params * 4 / (shard.merge_gbps * _GB)
   receive_s = m * fragment_params * load.uplink.bits / 8 / (shard.ingest_gbps_per_core * _GB)
+  budget_s = load.overlap * load.step_time_s
+  per_host = max(1, int(cores_per_host // max_cores))  # A shard wider than a host: one each.
 
-  def at(s: int, limited_by: str, fits: bool) -> ShardPlan:
-    share = math.ceil(p / s) / p
+  def at(s: int, limited_by: str = "", fits: bool = True) -> ShardPlan:
     return ShardPlan(
       shards=s,
-      cores=fleet_cores * share,
-      ram_bytes=shard.rss_base_bytes + load.params * share * per_param,
-      ingest_gbps=fleet_ingest * share,
-      merge_s=merge_s,
-      round_s=receive_s + merge_s,
-      grace_budget_s=load.overlap * load.step_time_s,
+      hosts=math.ceil(s / per_host),
+      cores=fleet_cores / s,
+      ram_bytes=shard.rss_base_bytes + load.params / s * per_param,
+      ingest_gbps=fleet_ingest / s,
+      merge_s=merge_s / s,
+      round_s=(receive_s + merge_s) / s,
+      grace_budget_s=budget_s,
       limited_by=limited_by,
       fits=fits,
     )
 
-  for s in range(1, p + 1):
-    z = at(s, "one shard", True)
-    if z.cores <= max_cores and z.ram_bytes <= max_ram_bytes:
-      if s == 1:
-        return z
-      prev = at(s - 1, "", True)
-      return at(s, "cores" if prev.cores > max_cores else "ram", True)
-  z = at(p, "", False)
-  return at(p, "cores" if z.cores > max_cores else "ram", False)
+  def failed(z: ShardPlan) -> str:
+    """The first limit `z` breaks ("" if none)."""
+    if z.cores > max_cores:
+      return "cores"
+    if z.ram_bytes > max_ram_bytes:
+      return "ram"
+    return "round" if not z.in_budget else ""
+
+  for s in range(1, max_shards + 1):
+    if not failed(at(s)):
+      return at(s, "one shard" if s == 1 else failed(at(s - 1)))
+  return at(max_shards, failed(at(max_shards)), False)
 
 
 def format_plans(rows: list[tuple[str, ShardPlan]]) -> str:
-  """A table: one row per (label, plan), figures for the busiest shard."""
+  """A table: one row per (label, plan), figures per shard."""
   head = (
-    f"{'fleet':34s} {'S':>3s} {'cores':>6s} {'RAM GB':>7s} {'in GB/s':>8s} {'merge ms':>9s} "
-    f"{'round ms':>9s} {'budget ms':>9s}  limited by"
+    f"{'fleet':34s} {'S':>3s} {'hosts':>5s} {'cores':>6s} {'RAM GB':>7s} {'in GB/s':>8s} "
+    f"{'merge ms':>9s} {'round ms':>9s} {'budget ms':>9s}  limited by"
   )
   lines = [head]
   for label, z in rows:
     lines.append(
-      f"{label:34s} {z.shards:3d} {z.cores:6.2f} {z.ram_bytes / _GB:7.1f} {z.ingest_gbps:8.3f} "
-      f"{1e3 * z.merge_s:9.0f} {1e3 * z.round_s:9.0f} {1e3 * z.grace_budget_s:9.0f}  {z.limited_by}"
-      + ("" if z.fits else " (does not fit even at S = P)")
+      f"{label:34s} {z.shards:3d} {z.hosts:5d} {z.cores:6.2f} {z.ram_bytes / _GB:7.1f} "
+      f"{z.ingest_gbps:8.3f} {1e3 * z.merge_s:9.0f} {1e3 * z.round_s:9.0f} "
+      f"{1e3 * z.grace_budget_s:9.0f}  {z.limited_by}"
+      + ("" if z.fits else " (does not fit at any S)")
       + ("" if z.in_budget else " (round over budget)")
     )
   return "\n".join(lines)
@@ -361,6 +394,7 @@ class CapacityStudy:
     measured: a shard's end-to-end measured figures; if given, every fleet is also planned from
       them (`plan_shards`, one core per shard: `measured_cores` cores of work at most).
     measured_cores: cores of work one shard may need in that plan.
+    cores_per_host: cores of one syncer host in that plan (how many hosts the shards need).
   """
 
   fleets: Sequence[tuple[str, SyncerLoad]]
@@ -369,6 +403,7 @@ class CapacityStudy:
   max_ram_gb: float = 128.0
   measured: MeasuredShard | None = None
   measured_cores: float = 1.0
+  cores_per_host: int = 16
 
   def __post_init__(self):
     object.__setattr__(self, "fleets", tuple((str(n), f) for n, f in self.fleets))
@@ -413,7 +448,11 @@ def run_capacity_study(study: CapacityStudy, workdir: str) -> dict[str, object]:
       (
         label,
         plan_shards(
-          load, study.measured, max_cores=study.measured_cores, max_ram_bytes=study.max_ram_gb * _GB
+          load,
+          study.measured,
+          max_cores=study.measured_cores,
+          max_ram_bytes=study.max_ram_gb * _GB,
+          cores_per_host=study.cores_per_host,
         ),
       )
       for label, load in study.fleets
@@ -430,5 +469,8 @@ def run_capacity_study(study: CapacityStudy, workdir: str) -> dict[str, object]:
   if study.measured is not None:
     print(f"\nFrom measured shards ({study.measured.source or 'source unstated'}):")
     print(format_plans(plans))
-    print(f"busiest shard; limits {study.measured_cores:g} cores, {study.max_ram_gb:g} GB")
+    print(
+      f"per shard; limits {study.measured_cores:g} cores, {study.max_ram_gb:g} GB; hosts of "
+      f"{study.cores_per_host} cores"
+    )
   return result

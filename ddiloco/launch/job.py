@@ -26,12 +26,14 @@ class JobConfig:
       processes_per_learner × devices_per_learner devices.
     model_parallelism: size of each learner mesh's "model" axis (tensor parallelism; the "data"
       axis gets the rest of its devices); must divide a learner's device count.
-    senders: each learner process's sender threads, each with one push in flight (of different
-      fragments; learner_process/senders.py); with its pull, at most the syncer's
-      `ServiceConfig.max_data_streams_per_learner`.
-    syncer_shards: S syncer processes, fragment p merged by shard p mod S (fragments/shards.py),
-      each with its own port, checkpoint and journal; learners learn the shards' addresses at
-      Register (docs/architecture.md, "The sharded syncer"). At most the fragment count.
+    senders: each learner process's sender threads per syncer shard, each with one push in
+      flight (of different fragments; learner_process/senders.py); with its pull, at most each
+      shard's `ServiceConfig.max_data_streams_per_learner`.
+    syncer_shards: S syncer processes, each with its own port, checkpoint and journal; learners
+      learn the shards' addresses at Register (docs/architecture.md, "The sharded syncer"). With
+      S > 1 every fragment of the schedule is cut into S slices (`FragmentSchedule.slices`, set
+      here from S for every process of the run), and shard s merges slice s of every fragment,
+      so each round's work is spread over all shards.
   """
 
   run: RunConfig = dataclasses.field(default_factory=RunConfig)
@@ -53,12 +55,7 @@ class JobConfig:
     bad = [f"{name}={getattr(self, name)}" for name in counts if getattr(self, name) < 1]
     if bad:
       raise ValueError(f"{', '.join(bad)}: {', '.join(counts)} must be >= 1.")
-    if self.syncer_shards > self.run.the_schedule().num_fragments:
-      raise ValueError(
-        f"syncer_shards={self.syncer_shards} exceeds the "
-        f"{self.run.the_schedule().num_fragments} fragments: "
-        "a shard would own none."
-      )
+    object.__setattr__(self, "run", _sliced(self.run, self.syncer_shards))
     service = self.run.the_service()
     if self.senders + 1 > service.max_data_streams_per_learner:
       # Each sender has a push open, the puller a pull: the syncer would refuse the one too many
@@ -94,3 +91,19 @@ class JobConfig:
       device_slot=0,
     )
     return factory, spec, learner
+
+
+def _sliced(run: RunConfig, shards: int) -> RunConfig:
+  """`run` with S = `shards` slices per fragment (docs/architecture.md, "The sharded syncer"): the
+  layout and schedule every process derives from the job. Slices are the shard count's to set;
+  a schedule that names another count is refused."""
+  schedule = run.the_schedule()
+  if schedule.slices == shards:
+    return run
+  if schedule.slices != 1:
+    raise ValueError(
+      f"FragmentSchedule.slices={schedule.slices} contradicts JobConfig.syncer_shards={shards}: "
+      "slices follow the shard count; set only syncer_shards."
+    )
+  sliced = dataclasses.replace(schedule, slices=shards)
+  return dataclasses.replace(run, schedule=sliced)

@@ -4,7 +4,8 @@
 
 With `--gin.JobConfig.syncer_shards=S` (S > 1) run S of them, each with its own `--shard=i`,
 workdir, port and the same `--shard_addresses=host:port,...` (every shard's, in shard order):
-shard i merges the fragments p with p mod S = i (docs/architecture.md, "The sharded syncer").
+every fragment is cut into S slices, and shard i merges slice i of each: the layout's fragments
+f with f mod S = i (docs/architecture.md, "The sharded syncer").
 
 It serves its control plane (gRPC) on `--port` and its data plane, every push and pull, on its
 bulk port (`--bulk_port`, or `ServiceConfig.bulk_port`; a free one by default): learners must

@@ -98,6 +98,7 @@ class LearnerFactory:
     data_config: the text pipeline's config.
     inner_opt: the inner AdamW config.
     num_fragments: P.
+    slices: S slices per fragment, one per syncer shard (`make_layout`): the layout has P·S.
     layout_strategy: "balanced" | "layer" | "tensor".
     split_large: allow splitting tensors larger than total/P (docs/algorithm.md §2 decision, off by default).
     num_shards: disjoint data shards (one per learner slot).
@@ -125,6 +126,7 @@ class LearnerFactory:
     data_config: text_data.TextDataConfig | None = None,
     inner_opt: train_step_lib.InnerOptConfig,
     num_fragments: int,
+    slices: int = 1,
     layout_strategy: str = "balanced",
     split_large: bool = False,
     num_shards: int = 1,
@@ -166,6 +168,7 @@ class LearnerFactory:
       num_fragments=num_fragments,
       strategy=layout_strategy,
       split_large=split_large,
+      slices=slices,
     )
     # Fixed by these two alone (not by the learners' batches): one held-out set per run file.
     self._eval_batches = self.task.eval_batches(eval_batches, batch_size=eval_batch_size)

@@ -97,9 +97,10 @@ class LearnerKernel:
     schedule: FragmentSchedule,
     config: LearnerConfig | None = None,
   ):
-    if schedule.num_fragments != layout.num_fragments:
+    if schedule.total_fragments != layout.num_fragments:
       raise ValueError(
-        f"schedule has {schedule.num_fragments} fragments but the layout has {layout.num_fragments}."
+        f"schedule has {schedule.total_fragments} fragments (P={schedule.num_fragments} x "
+        f"{schedule.slices} slices) but the layout has {layout.num_fragments}."
       )
     self.learner_id = learner_id
     self.layout = layout

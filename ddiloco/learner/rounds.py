@@ -31,7 +31,8 @@ class RoundBook:
     """Records round (p, t) unless its base is older than `newest`, the newest version of p held
     or received (that round has merged). A newer round of p replaces an unanswered older one."""
     if request.base_version < newest:
-      return
+      self._answered[request.fragment] = max(self._answered[request.fragment], request.round_step)
+      return  # That round merged without this learner: nothing to answer, nor to wait for.
     p = request.fragment
     old = self._requests.get(p)
     if old is None or request.round_step > old.round_step:
@@ -68,7 +69,8 @@ class RoundBook:
     """Version `version` of p arrived: an unanswered request of an older base has merged."""
     request = self._requests.get(p)
     if request is not None and request.base_version < version:
-      del self._requests[p]
+      del self._requests[p]  # Merged without this learner: a blocking one waits for it no more.
+      self._answered[p] = max(self._answered[p], request.round_step)
 
   def applied(self, p: int) -> None:
     """A version of p was applied: nothing of p is outstanding any more."""

@@ -7,6 +7,12 @@ replaces an unsent older one, carrying its ledger tokens (learner/ledger.py).
 Each sender thread pushes the oldest queued answer whose fragment has no push in flight, so at most
 one push per fragment is in flight and an answer waits only behind pushes of its own fragment. Every
 answer ends as one item of the inbox's `results` (learner_process/inbox.py).
+
+To a sharded syncer (docs/architecture.md, "The sharded syncer") the S slices of a fragment are due
+together and go to S shards: there are `count` threads per shard, and a thread takes an answer only
+while its shard (fragment p's is p mod S, fragments/shards.py) has fewer than `count` pushes in
+flight. So pushes to different shards never wait behind each other, and each shard sees at most
+`count` pushes of this learner at once, as an unsharded syncer does.
 """
 
 import collections
@@ -19,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from ddiloco.fragments import shards as shards_lib
 from ddiloco.learner_process.link import SyncerLink
 from ddiloco.learner_process.retry import TRANSIENT, UNREGISTERED, Backoff
 from ddiloco.learner_process.session import SyncerSession
@@ -55,11 +62,15 @@ class Senders:
     results: where each answer's outcome goes (the inbox's `results`).
     stop: set when the threads must stop.
     event: writes one event to this learner's metrics (`kind`, then its fields).
-    count: sender threads, each with one push in flight (of different fragments): with one, an
-      answer waits behind every slower push before it.
+    count: sender threads per syncer shard, each with one push in flight (of different
+      fragments): with one, an answer waits behind every slower push to its shard.
+    shards: the syncer's shards, S: `count` x S threads, at most `count` pushes in flight to each.
+
+  Attributes:
+    count: the sender threads to run (`run(k)` for k in range(count)).
 
   Raises:
-    ValueError: if `count` < 1.
+    ValueError: if `count` or `shards` < 1.
   """
 
   def __init__(
@@ -72,10 +83,15 @@ class Senders:
     stop: threading.Event,
     event: Callable[..., None],
     count: int = 2,
+    shards: int = 1,
   ):
     if count < 1:
       raise ValueError(f"senders must be >= 1, got {count}.")
-    self.count = count
+    if shards < 1:
+      raise ValueError(f"shards must be >= 1, got {shards}.")
+    self.count = count * shards
+    self._per_shard, self._shards = count, shards
+    self._busy = [0] * shards  # Pushes in flight to each shard.
     self._id = learner_id
     self._link = link
     self._session = session
@@ -140,13 +156,22 @@ class Senders:
       self._jobs.clear()
       self._cv.notify_all()
 
+  def _shard(self, p: int) -> int:
+    return shards_lib.shard_of(p, self._shards)
+
   def _ready_jobs(self) -> list[int]:
-    """Fragments with a queued push and none in flight (caller holds the lock)."""
-    return [q for q in self._jobs if q not in self._sending]
+    """Fragments with a queued push and none in flight, whose shard has a push to spare (caller
+    holds the lock)."""
+    return [
+      q
+      for q in self._jobs
+      if q not in self._sending and self._busy[self._shard(q)] < self._per_shard
+    ]
 
   def run(self, k: int = 0) -> None:
     """One of `count` threads: pushes the oldest queued answer whose fragment has no push in
-    flight. Several pushes in flight keep answers from queueing behind a slow one."""
+    flight and whose shard has a push to spare. Several pushes in flight keep answers from
+    queueing behind a slow one."""
     backoff = Backoff(seed=1000 + 100 * k + self._id)
     while True:
       with self._cv:
@@ -158,6 +183,7 @@ class Senders:
         p = min(ready, key=lambda q: self._jobs[q].answer.step)
         job = self._jobs.pop(p)
         self._sending.add(p)
+        self._busy[self._shard(p)] += 1
         self._in_flight += 1
       epoch = self._session.registrations
       try:
@@ -181,6 +207,7 @@ class Senders:
       with self._cv:
         self._in_flight -= 1
         self._sending.discard(p)
+        self._busy[self._shard(p)] -= 1
         newer = self._jobs.get(p)
         if result is None and newer is None and not self._stop.is_set():
           self._jobs[p] = job  # Retry unless a newer snapshot of p replaced it.

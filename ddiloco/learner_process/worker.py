@@ -76,8 +76,10 @@ class LearnerWorker:
     connect_timeout_s: how long the first registration may take.
     checkpointer: saves and restores this learner's state (None: never checkpoints). `data` must
       then be checkpointable (`get_state`/`set_state`, as the grain iterators are).
-    senders: sender threads, each with one push in flight (of different fragments): with one, an
-      answer waits behind every slower push before it.
+    senders: sender threads per syncer shard, each with one push in flight (of different
+      fragments): with one, an answer waits behind every slower push to its shard.
+    shards: the syncer's shards (`JobConfig.syncer_shards`): pushes to different shards go out
+      side by side (learner_process/senders.py).
     inbox: the queues between the background threads and the training thread (default: plain
       queues; a multi-process learner gates them, learner_process/multihost.py).
     before_drain: called by the training thread with (step, waits) before each drain; True stops
@@ -103,6 +105,7 @@ class LearnerWorker:
     connect_timeout_s: float = 120.0,
     checkpointer: LearnerCheckpointer | None = None,
     senders: int = 2,
+    shards: int = 1,
     inbox: Inbox | None = None,
     before_drain: Callable[[int, int], bool] | None = None,
     sends: bool = True,
@@ -146,6 +149,7 @@ class LearnerWorker:
       stop=self._stop,
       event=self._event,
       count=senders,
+      shards=shards,
     )
     self.loop = TrainingLoop(
       learner=learner,

@@ -8,6 +8,7 @@ which is exact.
 
 import math
 import os
+import sys
 import threading
 from collections.abc import Mapping
 
@@ -16,6 +17,7 @@ import numpy as np
 from ddiloco.fragments import compression
 from ddiloco.syncer import blockwise
 from ddiloco.transport import state_messages
+from ddiloco.transport.chunks import ArrayPool
 from ddiloco.transport.fragment_encoder import FragmentEncoder, serialize_chunks
 
 # Fragments of fewer values are adopted on the calling thread alone: a thread's start and join
@@ -64,6 +66,10 @@ class DownlinkAdopter:
     self._staged: dict[int, list[bytes]] = {}
     self._cache: dict[int, tuple[int, list[bytes]]] = {}  # p -> (version, serialized chunks).
     self._encoded = blockwise.OutputBuffer()  # Payloads and scales, reused by every adoption.
+    # The adopted values (published versions) in the memory of versions no longer held: fresh
+    # pages cost the kernel's zeroing, ~8 % of a bf16 shard's CPU (scripts/bench_ingest.py); kept
+    # within the most ever held at once, the pool adds nothing to the process's peak.
+    self._pool = ArrayPool(sys.maxsize, within_peak=True)
 
   def __call__(self, p: int, new: Mapping[str, np.ndarray], prev: Mapping[str, np.ndarray]):
     # The bytes are encoded once and kept: re-encoding adopted − prev need not give the same ints.
@@ -73,7 +79,8 @@ class DownlinkAdopter:
     # (tests/service/downlink_test.py checks it against `read_layout`).
     keys = sorted(new)
     dtypes = [np.asarray(new[k]).dtype for k in keys]
-    flats = blockwise.aligned_empties([(np.size(new[k]), d) for k, d in zip(keys, dtypes)])
+    specs = [(np.size(new[k]), d) for k, d in zip(keys, dtypes)]
+    flats = blockwise.aligned_empties(specs, lambda nbytes: self._pool.empty(nbytes, np.uint8))
     received = dict(zip(keys, flats))
     total = sum(np.size(new[k]) for k in keys)
     if self._workers > 1 and total >= self._split:

@@ -17,7 +17,7 @@ states and rounds as they were.
 import collections
 import itertools
 import logging
-import math
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -88,12 +88,12 @@ class DataStreams:
       [list(st.values) for st in states], {k: v for st in states for k, v in st.values.items()}
     )
     self._max_bytes = [wire.max_wire_bytes(lay) for lay in self._layouts]
-    # Pushes are decoded into recycled memory: fresh pages cost the kernel's zeroing.
-    # Free buffers all held reports a moment before, so the pool adds nothing to the peak; it is
-    # capped at one copy of the model.
-    self.pool = ArrayPool(
-      sum(d.itemsize * math.prod(s) for lay in self._layouts for s, d in lay.values())
-    )
+    # Pushes are decoded into recycled memory: fresh pages cost the kernel's zeroing (with a
+    # round's M answers freed at its merge, a pool of one model's copy left M − 1 of the next
+    # round's to fresh memory when M > P: half a bf16 push's CPU, scripts/bench_ingest.py).
+    # Free buffers all held reports a moment before; kept within the most the reports ever held
+    # at once, the pool adds nothing to the process's peak.
+    self.pool = ArrayPool(sys.maxsize, within_peak=True)
     self._bytes_up = 0
     self._bytes_down = 0
     # Seconds per filed push: its chunks read and decoded (from chunk 0), waiting for the lock,

@@ -71,7 +71,7 @@ def simulate(
       time=0.0,
       params=factory.num_params,
       layout_digest=factory.layout.digest,
-      fragment_bytes=[factory.layout.fragment_bytes(p) for p in range(schedule.num_fragments)],
+      fragment_bytes=[factory.layout.fragment_bytes(p) for p in range(schedule.total_fragments)],
     )
     sim = SimulatedCluster(
       factory=factory,

@@ -125,8 +125,11 @@ class SyncerCore:
     self._config = config
     if schedule is None:
       schedule = FragmentSchedule(num_fragments=num, period=max(num, 3), overlap=2)
-    if schedule.num_fragments != num:
-      raise ValueError(f"The schedule has P={schedule.num_fragments} fragments, this syncer {num}.")
+    if schedule.total_fragments != num:
+      raise ValueError(
+        f"The schedule has {schedule.total_fragments} fragments (P={schedule.num_fragments} "
+        f"x {schedule.slices} slices), this syncer {num}."
+      )
     self._schedule = schedule
     self._clock = clock
     self._embedding_keys = frozenset(embedding_keys)

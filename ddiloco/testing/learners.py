@@ -31,8 +31,10 @@ def tiny_learner(
   overlap: int = 1,
   config: LearnerConfig | None = None,
   split_large: bool = False,
+  slices: int = 1,
 ) -> Learner:
-  """The tiny learner (module docstring), P = `num_fragments`, H = `period`, τ = `overlap`."""
+  """The tiny learner (module docstring), P = `num_fragments`, H = `period`, τ = `overlap`, each
+  fragment cut into `slices` slices (fragments/schedule.py)."""
   cfg = configs.transformer_config("tiny", vocab_size=VOCAB, max_len=SEQ_LEN)
   model = transformer.Transformer(cfg)
   mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
@@ -41,12 +43,16 @@ def tiny_learner(
   opt = train_step.make_inner_optimizer(train_step.InnerOptConfig(warmup_steps=1, decay_steps=20))
   steps = train_step.CompiledSteps(model, opt, mesh, abstract, shardings)
   flat = {k: np.asarray(v) for k, v in tree.flatten(jax.device_get(params)).items()}
-  layout = layout_lib.make_layout(flat, num_fragments=num_fragments, split_large=split_large)
-  schedule = FragmentSchedule(num_fragments=num_fragments, period=period, overlap=overlap)
+  layout = layout_lib.make_layout(
+    flat, num_fragments=num_fragments, split_large=split_large, slices=slices
+  )
+  schedule = FragmentSchedule(
+    num_fragments=num_fragments, period=period, overlap=overlap, slices=slices
+  )
   learner = Learner(
     learner_id=0, steps=steps, params=params, layout=layout, schedule=schedule, config=config
   )
-  states = [fragment_state(layout.select(flat, p), p, 0) for p in range(num_fragments)]
+  states = [fragment_state(layout.select(flat, p), p, 0) for p in range(layout.num_fragments)]
   for state in states:
     learner.kernel.held.keep(state)
   learner.load_global(states)

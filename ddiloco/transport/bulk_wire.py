@@ -130,10 +130,15 @@ def fill(sock: socket.socket, view: memoryview, what: str = "frame") -> memoryvi
   return view
 
 
-def frame_pool(max_frame_bytes: int, free_bytes: int = 16 << 20) -> ArrayPool:
+def frame_pool(max_frame_bytes: int, free_bytes: int = 32 << 20) -> ArrayPool:
   """A pool of frame buffers (`recv_body`) keeping up to `free_bytes` of free ones, and at least
-  four of the largest size."""
-  return ArrayPool(max(free_bytes, 4 * _bucket(max_frame_bytes)))
+  eight of the largest size, never more than were in use at once (`ArrayPool(within_peak=)`).
+
+  A push's frames in flight (read ahead, decoding, its shorter last one) take four to five
+  buffers: with room for four, one went back to the kernel with every push and the next was
+  faulted in, zeroed, anew (2 % of a bf16 push's CPU, scripts/bench_ingest.py).
+  """
+  return ArrayPool(max(free_bytes, 8 * _bucket(max_frame_bytes)), within_peak=True)
 
 
 def _bucket(n: int) -> int:

@@ -244,11 +244,13 @@ class ArrayPool:
   so zeroing took ~19 % of a 64 MiB push's CPU (perf, scripts/bench_wire.py). A buffer comes back
   when every array made from it has died (a `weakref.finalize` on the array handed out, which its
   views keep alive), so nothing still in use is ever handed out twice. At most `max_free_bytes`
-  of free buffers are kept; beyond that they are released. Thread-safe; a buffer is owned by
-  one array at a time.
+  of free buffers are kept; beyond that they are released. With `within_peak`, a buffer is also
+  kept only while the free and the handed-out buffers together stay within the most that was ever
+  handed out at once: the pool then never makes its owner hold more memory than it held at its
+  busiest moment. Thread-safe; a buffer is owned by one array at a time.
   """
 
-  def __init__(self, max_free_bytes: int):
+  def __init__(self, max_free_bytes: int, *, within_peak: bool = False):
     """Creates an empty pool.
 
     Raises:
@@ -257,10 +259,13 @@ class ArrayPool:
     if max_free_bytes < 0:
       raise ValueError(f"max_free_bytes must be >= 0, got {max_free_bytes}.")
     self.max_free_bytes = max_free_bytes
+    self._within_peak = within_peak
     self._free: collections.defaultdict[int, collections.deque] = collections.defaultdict(
       collections.deque
     )
     self._free_bytes = 0
+    self._out_bytes = 0  # Bytes of the buffers handed out whose arrays are alive.
+    self._peak_bytes = 0  # The most `_out_bytes` ever was.
     # Re-entrant: a finalizer may run inside `empty` (a garbage collection there) in this thread.
     self._lock = threading.RLock()
     self.reused = 0  # Arrays made from a recycled buffer (for tests and benchmarks).
@@ -275,6 +280,8 @@ class ArrayPool:
       if buf is not None:
         self._free_bytes -= nbytes
         self.reused += 1
+      self._out_bytes += nbytes
+      self._peak_bytes = max(self._peak_bytes, self._out_bytes)
     if buf is None:
       buf = buffers.aligned_empty(nbytes, np.uint8)  # XLA reads it in place (buffers.py).
     # A view whose base is a memoryview, not `buf`: numpy then makes every further view's base
@@ -286,7 +293,11 @@ class ArrayPool:
 
   def _give_back(self, buf: np.ndarray) -> None:
     with self._lock:
-      if self._free_bytes + buf.nbytes <= self.max_free_bytes:
+      self._out_bytes -= buf.nbytes
+      held = self._out_bytes + self._free_bytes + buf.nbytes
+      if self._free_bytes + buf.nbytes <= self.max_free_bytes and (
+        not self._within_peak or held <= self._peak_bytes
+      ):
         self._free_bytes += buf.nbytes
         self._free[buf.nbytes].append(buf)
 

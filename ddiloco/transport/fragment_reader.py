@@ -37,8 +37,9 @@ class FragmentReader:
   """Parses, checks and decodes a serialized fragment fed in pieces (chunks), in order.
 
   Each piece is parsed or decoded into the output arrays when it is fed, so the caller can drop it:
-  the payload is never joined or held whole. fp32/bf16 payloads are decoded as they arrive;
-  int8/int4 payloads are gathered (their scales follow them) and decoded once the scales are in.
+  the payload is never joined. fp32/bf16 payloads are decoded as they arrive; int8/int4 payloads
+  are held (their scales follow them: views of the pieces, not copies, so a caller must not write
+  into a piece it fed until the entry's scales are read) and decoded once the scales are in.
   Every length is checked against the layout before the bytes it covers are read, and NaN/Inf is
   counted after the cast to the layout dtype (`RunDecoder`), the one check of the receive path.
 
@@ -73,8 +74,8 @@ class FragmentReader:
       placement: where a socket reader may receive payload bytes in place (transport/placement.py):
         with an fp32 `codec_name` and no base, the float32 arrays are made at once and offered at
         the offsets the sender's encoding puts them; an entry that starts elsewhere gets a fresh one.
-      norms: sum each fp32 float32 entry's squared norm as the syncer's door does, block by block
-        as its values arrive (while they are in cache): `sq_norms` (`Report.sq_norms`).
+      norms: sum each float32 entry's squared norm (no base) as the syncer's door does, block by
+        block as its values are decoded (while they are in cache): `sq_norms` (`Report.sq_norms`).
 
     Attributes:
       sq_norms: with `norms`, {key: ‖values‖²} of the entries read so far whose every block's dot
@@ -249,32 +250,34 @@ class FragmentReader:
     else:
       out = self._alloc(n, np.dtype(dtype))
     what, at, left = f"{key!r} payload", self._pos, payload_len
+    # The door's norms of a float32 δ, summed block by block as the decoder finishes each run.
+    dots = None
+    if self._norms and base is None and out.dtype == _LE_F32:
+      dots = _BlockDots(out)
+    on_values = None if dots is None else dots.advance
     try:
       if not codec.quantized:
-        decoder = RunDecoder(codec, out, base=base, check=self._check)
-        # An exact fp32 float32 payload's values are final as its bytes arrive (whole values).
-        dots = None
-        if self._norms and codec.exact and codec.unit_bytes == 4 and base is None:
-          dots = _BlockDots(out) if out.dtype == _LE_F32 else None
+        decoder = RunDecoder(codec, out, base=base, check=self._check, on_values=on_values)
         while left:
           piece = yield from self._some(left, what, payload_len, at)
           decoder.feed(piece)
           left -= len(piece)
-          if dots is not None:
-            dots.advance((payload_len - left) // 4)
-        if dots is not None and dots.finite:
-          self.sq_norms[key] = dots.sq
-      else:  # The scales follow the payload: gather it (int payloads are 4-8x smaller).
-        payload = memoryview(np.empty(payload_len, np.uint8))
+      else:  # The scales follow the payload: hold its pieces (int payloads are 4-8x smaller).
+        pieces = []
         while left:
           piece = yield from self._some(left, what, payload_len, at)
-          payload[payload_len - left : payload_len - left + len(piece)] = piece
+          pieces.append(piece)
           left -= len(piece)
         scales_len = codec.nbytes(n)[1]
         scales = codec.checked_scales((yield from self._take(scales_len, f"{key!r} scales")), n)
-        decoder = RunDecoder(codec, out, scales=scales, base=base, check=self._check)
-        decoder.feed(payload)
+        decoder = RunDecoder(
+          codec, out, scales=scales, base=base, check=self._check, on_values=on_values
+        )
+        for run in _recut(pieces, decoder.run_bytes):
+          decoder.feed(run)
       bad = decoder.close()
+      if dots is not None and dots.finite and dots.done:
+        self.sq_norms[key] = dots.sq
     except WireError:
       raise
     except ValueError as e:
@@ -284,6 +287,29 @@ class FragmentReader:
         f"{key!r}: {bad} non-finite value(s) (NaN/Inf) after decoding as {dtype.name}."
       )
     return out.reshape(shape)
+
+
+def _recut(pieces: list[memoryview], size: int):
+  """The bytes of `pieces` in order, as views of `size` bytes (the last shorter): only the few that
+  span two pieces are copied (each run of a block-quantized payload then starts on a block, as
+  its direct decoding needs, without gathering the payload into one buffer)."""
+  held: memoryview | bytearray = memoryview(b"")  # A piece's tail (a view) until more comes.
+  for piece in pieces:
+    if not piece:
+      continue
+    at = 0
+    if held:
+      at = min(size - len(held), len(piece))
+      held = bytearray(held) + piece[:at]
+      if len(held) < size:
+        continue
+      yield memoryview(held)
+    whole = at + (len(piece) - at) // size * size
+    for i in range(at, whole, size):
+      yield piece[i : i + size]
+    held = piece[whole:]
+  if held:
+    yield memoryview(held)
 
 
 class _BlockDots:
@@ -296,6 +322,11 @@ class _BlockDots:
     self._done = 0
     self.sq = 0.0
     self.finite = True  # False once a block's dot product is NaN/Inf: the door then checks it.
+
+  @property
+  def done(self) -> bool:
+    """Whether every value is summed."""
+    return self._done == self._out.size
 
   def advance(self, final: int) -> None:
     """Values [0, final) of the array are final: sums every whole block among them (the last,

@@ -305,3 +305,109 @@ def test_json_round_trip_and_tamper():
     FragmentLayout.from_json(json.dumps(doc))
   with pytest.raises(ValueError, match="Malformed layout JSON"):
     FragmentLayout.from_json("{}")
+
+
+# -- slices (one per syncer shard) -------------------------------------------------------------------
+
+
+def test_one_slice_is_the_unsliced_layout():
+  # Golden digests of the layout before slices existed: S = 1 changes nothing on the wire.
+  x = _transformer_like()
+  golden = {
+    "balanced": "653dde48b47a237c843707a26c3173e3",
+    "layer": "209b78a273c6e8a9a9784b5c6490adeb",
+  }
+  for strategy, digest in golden.items():
+    assert make_layout(x, num_fragments=4, strategy=strategy, slices=1).digest == digest
+    assert make_layout(x, num_fragments=4, strategy=strategy).digest == digest
+
+
+@pytest.mark.parametrize("strategy", ["balanced", "layer", "tensor"])
+@pytest.mark.parametrize("slices", [2, 3, 5])
+def test_slices_cut_every_group_by_bytes(strategy, slices):
+  x = _transformer_like()
+  num = 0 if strategy == "tensor" else 4
+  groups = make_layout(x, num_fragments=num, strategy=strategy)
+  layout = make_layout(x, num_fragments=num, strategy=strategy, slices=slices)
+  _assert_partition(layout)
+  assert layout.num_fragments == groups.num_fragments * slices
+  assert layout.strategy == strategy
+  assert layout.join(layout.split(x)).keys() == x.keys()
+  for k, v in layout.join(layout.split(x)).items():
+    np.testing.assert_array_equal(v, x[k])
+  for p in range(groups.num_fragments):
+    members = range(p * slices, (p + 1) * slices)
+    # Slice s of group p is fragment p·S + s: together they hold exactly the group's rows.
+    rows = {k: layout.select(x, f) for f in members for k in layout.fragments[f]}
+    group = groups.select(x, p)
+    assert {parse_key(k)[0] for k in rows} == {parse_key(k)[0] for k in group}
+    assert sum(layout.fragment_bytes(f) for f in members) == groups.fragment_bytes(p)
+    # List scheduling: no slice exceeds the ideal share by more than its largest item, and
+    # every item is at most about a share (cut into ceil(bytes·S / group) pieces, whole rows).
+    ideal = groups.fragment_bytes(p) / slices
+    largest = max(int(v.nbytes) for f in members for v in layout.select(x, f).values())
+    assert largest <= ideal + max(int(v.nbytes) // len(v) for v in group.values() if v.ndim)
+    assert max(layout.fragment_bytes(f) for f in members) <= ideal + largest
+
+
+def test_slices_hand_example():
+  # Group 0 = {c: 100x8} (3200 bytes), group 1 = {a: 10x4, b: 3, d: scalar} (176 bytes). S = 2:
+  # c is larger than 3200/2 (it is the whole group): 2 pieces of 50 rows. In group 1, a (160
+  # bytes > 88) is cut in 2 pieces of 80 bytes; LPT places a@0:5, a@5:10, b (12), d (4).
+  x = {
+    "a": np.zeros((10, 4), np.float32),
+    "b": np.zeros(3, np.float32),
+    "c": np.zeros((100, 8), np.float32),
+    "d": np.zeros((), np.float32),
+  }
+  layout = make_layout(x, num_fragments=2, slices=2)
+  assert layout.fragments == (("c@0:50",), ("c@50:100",), ("a@0:5", "b"), ("a@5:10", "d"))
+  assert [layout.fragment_bytes(f) for f in range(4)] == [1600, 1600, 92, 84]
+  # S = 3: c in 3 near-equal pieces (34, 33, 33 rows), a in ceil(160·3/176) = 3 pieces.
+  layout = make_layout(x, num_fragments=2, slices=3)
+  assert layout.fragments[:3] == (("c@0:34",), ("c@34:67",), ("c@67:100",))
+  assert layout.fragments[3:] == (("a@0:4",), ("a@4:7", "b"), ("a@7:10", "d"))
+
+
+def test_slices_halve_the_largest_item_of_a_group_with_too_few():
+  # Two equal leaves, S = 4: each is half the group (> 1/4), cut in ceil(4·1/2) = 2 pieces.
+  layout = make_layout(_f32(a=8, b=8), num_fragments=1, slices=4)
+  assert layout.fragments == (("a@0:4",), ("a@4:8",), ("b@0:4",), ("b@4:8",))
+  # A group of many small leaves and S = 3 > leaves after cutting: the largest is halved.
+  layout = make_layout(_f32(a=2, b=1, c=1), num_fragments=1, slices=3)
+  _assert_partition(layout)
+  assert layout.num_fragments == 3
+
+
+def test_slices_of_pieces_are_pieces_of_the_leaf():
+  # split_large first cuts the 40-row leaf in 2 pieces; slicing each group cuts them further,
+  # as piece keys of the leaf itself.
+  x = {"big": np.arange(80, dtype=np.float32).reshape(40, 2), "s": np.zeros(4, np.float32)}
+  layout = make_layout(x, num_fragments=2, split_large=True, slices=2)
+  assert {k for f in layout.fragments for k in f if k.startswith("big")} == {
+    "big@0:10",
+    "big@10:20",
+    "big@20:30",
+    "big@30:40",
+  }
+  np.testing.assert_array_equal(layout.join(layout.split(x))["big"], x["big"])
+
+
+def test_slices_are_deterministic_and_named_in_the_digest():
+  x = _transformer_like()
+  a, b = (make_layout(dict(reversed(x.items())), num_fragments=4, slices=2) for _ in range(2))
+  assert a == b and a.digest == make_layout(x, num_fragments=4, slices=2).digest
+  assert a.digest != make_layout(x, num_fragments=4).digest
+  assert a.digest != make_layout(x, num_fragments=4, slices=3).digest
+  assert FragmentLayout.from_json(a.to_json()) == a
+
+
+def test_slices_errors():
+  with pytest.raises(ValueError, match="slices must be >= 1"):
+    make_layout(_f32(a=4), num_fragments=1, slices=0)
+  with pytest.raises(ValueError) as e:  # One row, or a scalar, cannot be cut.
+    make_layout({"a": np.zeros((1, 4), np.float32)}, num_fragments=1, slices=2)
+  assert str(e.value) == (
+    "Fragment 0 cannot be cut into 2 slices (one per syncer shard): its 1 tensor(s) have too few "
+    "rows. Use fewer syncer shards or fewer fragments."
+  )

@@ -1,12 +1,12 @@
-"""Direct bf16 decoding (`Codec.decode_run_into`, `RunDecoder`) and its adoption kernel: bit for bit
-what the ml_dtypes cast gives."""
+"""Direct bf16 and int4 decoding (`Codec.decode_run_into`, `RunDecoder`) and the bf16 adoption
+kernel: bit for bit what the ml_dtypes cast and `decode_run` give."""
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 from ddiloco.fragments.codec import INTO_RUN_VALUES
-from ddiloco.fragments.codecs import Bf16, Fp32, Int8
+from ddiloco.fragments.codecs import Bf16, Fp32, Int4, Int8
 from ddiloco.fragments.run_decoder import RunDecoder
 
 
@@ -31,8 +31,69 @@ def test_bf16_into_refuses_what_it_cannot_write():
     Bf16().decode_run_into(payload, np.zeros(3, np.float32))
   with pytest.raises(ValueError):
     Bf16().decode_run_into(payload[:-1], np.zeros(4, np.float32))  # Half a value.
-  for codec in (Fp32(), Int8()):  # Only bf16 has a direct decoding.
+  for codec in (Fp32(), Int8()):  # Only bf16 and int4 have a direct decoding.
     assert not codec.decode_run_into(np.ones(4, np.uint8).tobytes(), np.zeros(1, np.float32))
+
+
+def _int4(n: int, block_size: int, seed: int = 0) -> tuple[Int4, bytes, np.ndarray]:
+  """(codec, payload, scales) of n values with all-zero, subnormal-scale and huge blocks."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(n).astype(np.float32)
+  x[:block_size] = 0.0  # A zero scale.
+  x[block_size : 2 * block_size] *= np.float32(1e-44)  # A subnormal scale.
+  x[-1] = np.float32(3e38)  # q · s near float32's top.
+  codec = Int4(block_size=block_size)
+  runs = list(codec.encode_runs(x))
+  return codec, b"".join(p.tobytes() for p, _ in runs), np.concatenate([s for _, s in runs])
+
+
+@pytest.mark.parametrize("n", [1, 2, 129, 64 * 1000 + 3])
+@pytest.mark.parametrize("block_size", [1, 7, 64])
+def test_int4_into_is_decode_run(n, block_size):
+  codec, payload, scales = _int4(max(n, 2 * block_size + 1), block_size, seed=n)
+  n = max(n, 2 * block_size + 1)
+  want = codec.decode_run(payload, 0, n, scales)
+  out = np.full(n, 7.0, np.float32)
+  assert codec.decode_run_into(payload, out, start=0, scales=scales)
+  np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+  # A run from a later block on, as `RunDecoder` cuts them.
+  start = 2 * block_size * (n // (4 * block_size))
+  rest = np.empty(n - start, np.float32)
+  assert codec.decode_run_into(payload[start // 2 :], rest, start=start, scales=scales)
+  np.testing.assert_array_equal(rest.view(np.uint32), want[start:].view(np.uint32))
+
+
+def test_int4_into_refuses_what_decode_run_refuses():
+  codec, payload, scales = _int4(129, 64)
+  out = np.empty(129, np.float32)
+  bad = bytearray(payload)
+  bad[3] &= 0xF0  # Code 0: q = -8.
+  with pytest.raises(ValueError, match=r"outside \[-7, 7\]"):
+    codec.decode_run_into(bytes(bad), out, scales=scales)
+  bad = bytearray(payload)
+  bad[-1] = (bad[-1] & 0x0F) | 0x90  # The padding nibble of an odd count must be 8.
+  with pytest.raises(ValueError, match="padding"):
+    codec.decode_run_into(bytes(bad), out, scales=scales)
+  with pytest.raises(ValueError, match="65 bytes for 126 values"):
+    codec.decode_run_into(payload, out[:126], scales=scales)
+  with pytest.raises(ValueError, match="scales cover"):
+    codec.decode_run_into(payload, out, scales=scales[:1])
+  assert not codec.decode_run_into(payload[1:], out[2:], start=2, scales=scales)  # Mid-block.
+  assert not codec.decode_run_into(payload, out.astype(np.float64), scales=scales)
+
+
+@pytest.mark.parametrize("block_size", [64, 100])  # 100: runs start mid-block (`decode_run`).
+def test_int4_runs_decode_as_before_and_report_their_progress(block_size):
+  n = 3 * (1 << 16) + 101
+  codec, payload, scales = _int4(n, block_size)
+  out = np.full(n, 3.0, np.float32)
+  done = []
+  decoder = RunDecoder(codec, out, scales=scales, check=True, on_values=done.append)
+  decoder.feed(payload)
+  assert decoder.close() == 0
+  want = codec.decode_run(payload, 0, n, scales)
+  np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+  assert done == sorted(done) and done[-1] == n and len(done) == -(-n // INTO_RUN_VALUES)
 
 
 @pytest.mark.parametrize("offset", [0, 1])  # Payloads sit at any byte offset of a chunk.

@@ -102,3 +102,30 @@ def test_gin_configurable():
     assert FragmentSchedule().num_fragments == 24  # A direct call ignores gin.
   finally:
     configurables.clear()
+
+
+def test_slices_of_a_group_are_due_together():
+  # P = 4, H = 8, S = 3: fragments 0..11, fragment f in group f // 3 with the group's offset.
+  plain = FragmentSchedule(num_fragments=4, period=8, overlap=1)
+  s = FragmentSchedule(num_fragments=4, period=8, overlap=1, slices=3)
+  assert s.total_fragments == 12 and plain.total_fragments == 4
+  assert [s.group(f) for f in range(12)] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+  assert [s.offset(f) for f in range(12)] == [plain.offset(f // 3) for f in range(12)]
+  for t in range(0, 40):
+    assert s.due(t) == tuple(3 * g + i for g in plain.due(t) for i in range(3))
+    for f in range(12):
+      assert s.next_due(f, t) == plain.next_due(f // 3, t)
+  assert s.due(2) == (3, 4, 5)
+  assert s.apply_step(2) == plain.apply_step(2)
+  with pytest.raises(ValueError, match=r"Fragment 12 out of range \[0, 12\)"):
+    s.offset(12)
+
+
+def test_one_slice_is_the_plain_schedule():
+  s = FragmentSchedule(num_fragments=24, period=24, overlap=2)
+  assert s == FragmentSchedule(num_fragments=24, period=24, overlap=2, slices=1)
+  assert s.total_fragments == 24 and [s.group(p) for p in range(24)] == list(range(24))
+  with pytest.raises(ValueError, match="slices must be >= 1"):
+    FragmentSchedule(slices=0)
+  with pytest.raises(ValueError, match=r"Fragment 24 out of range \[0, 24\)"):
+    s.offset(24)

@@ -47,8 +47,12 @@ def test_two_shards_merge_and_digests_agree(tmp_path):
   for shard, s in enumerate(summary["shards"]):
     assert s["merges"] > 0 and s["digests_agree"] and s["ledger_balanced"], s
     own = _shard_summary(tmp_path, shard)
-    assert own["owned"] == list(range(shard, job.run.the_schedule().num_fragments, 2))
+    schedule = job.run.the_schedule()
+    assert own["owned"] == list(range(shard, schedule.total_fragments, 2))
     assert {int(k.split(":")[0]) % 2 for k in own["digests"]} == {shard}
+    # Every shard merged a slice of every group (fragment f is slice f mod 2 of group f // 2).
+    merged = {int(k.split(":")[0]) for k in own["digests"] if int(k.split(":")[1]) > 0}
+    assert {schedule.group(f) for f in merged} == set(range(schedule.num_fragments))
   assert summary["merges"] == sum(s["merges"] for s in summary["shards"])
 
 

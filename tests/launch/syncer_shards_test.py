@@ -1,6 +1,7 @@
 """Tests of the sharded syncer's launcher side: the shard count's checks, `--shard_addresses`, the
 shards' folders and final values, and the merged Status the launcher reads."""
 
+import dataclasses
 import os
 import time
 
@@ -18,17 +19,46 @@ from ddiloco.run_config import RunConfig
 from ddiloco.transport.proto import syncer_pb2
 
 
-def test_the_shard_count_is_checked_against_the_fragments():
-  run = RunConfig(
+def _run(slices: int = 1) -> RunConfig:
+  return RunConfig(
     model=configs.transformer_config("tiny", vocab_size=256, max_len=8),
     data=text_data.TextDataConfig(seq_len=8, batch_size=8),
-    schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1),
+    schedule=FragmentSchedule(num_fragments=4, period=4, overlap=1, slices=slices),
   )
-  assert JobConfig(run=run, syncer_shards=4).syncer_shards == 4
-  with pytest.raises(ValueError, match="exceeds the 4 fragments"):
-    JobConfig(run=run, syncer_shards=5)
+
+
+def test_the_shard_count_sets_the_slices_of_every_fragment():
+  # Every shard takes a slice of every fragment, so S may exceed P: 5 shards of 4 fragments.
+  for shards in (1, 2, 5):
+    job = JobConfig(run=_run(), syncer_shards=shards)
+    schedule = job.run.the_schedule()
+    assert (schedule.num_fragments, schedule.slices) == (4, shards)
+    assert dataclasses.replace(schedule, slices=1) == _run().the_schedule()
+  unsharded = JobConfig(run=_run())
+  assert unsharded.run == _run()  # S = 1: the run as given.
+  assert JobConfig(run=_run(slices=2), syncer_shards=2).run.the_schedule().slices == 2
   with pytest.raises(ValueError, match="syncer_shards=0"):
-    JobConfig(run=run, syncer_shards=0)
+    JobConfig(run=_run(), syncer_shards=0)
+
+
+@pytest.mark.parametrize(("slices", "shards"), [(2, 1), (2, 3), (3, 2)])
+def test_slices_that_contradict_the_shard_count_are_refused(slices, shards):
+  with pytest.raises(ValueError) as e:
+    JobConfig(run=_run(slices=slices), syncer_shards=shards)
+  assert str(e.value) == (
+    f"FragmentSchedule.slices={slices} contradicts JobConfig.syncer_shards={shards}: slices "
+    "follow the shard count; set only syncer_shards."
+  )
+
+
+def test_the_layout_of_a_sharded_job_has_a_slice_per_shard_of_every_fragment():
+  unsharded = JobConfig(run=_run()).factory().layout
+  sharded = JobConfig(run=_run(), syncer_shards=2).factory().layout
+  assert (unsharded.num_fragments, sharded.num_fragments) == (4, 8)
+  assert unsharded.digest == RunConfig.factory(_run()).layout.digest
+  for p in range(4):  # Slices 2p and 2p + 1 hold fragment p's tensors, together and no more.
+    leaves = {k.split("@")[0] for f in (2 * p, 2 * p + 1) for k in sharded.fragments[f]}
+    assert leaves == {k.split("@")[0] for k in unsharded.fragments[p]}
 
 
 def test_shard_addresses_must_name_every_shard():

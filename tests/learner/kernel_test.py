@@ -200,6 +200,24 @@ def test_a_blocking_learner_waits_for_its_round_and_then_for_the_merge():
   assert not kernel.blocked()
 
 
+def test_a_blocking_learner_waits_no_more_for_a_round_that_merged_without_it():
+  # Its round (1, 2) merges on the other learners' answers before it answers: the version that
+  # round made arrives first (or the request comes after it). It must not wait for it forever.
+  kernel = _kernel(LearnerConfig(blocking=True), overlap=1)
+  _train(kernel, 1)
+  kernel.ask(RoundRequest(1, 2, 0))
+  _train(kernel, 1)
+  assert (kernel.due(), kernel.blocked()) == ((1,), True)
+  kernel.receive(_state(1, 1, 1.0))
+  assert not kernel.blocked()
+  late = _kernel(LearnerConfig(blocking=True), overlap=1)
+  _train(late, 2)
+  assert late.blocked()  # Due at step 2, no request yet.
+  late.receive(_state(1, 1, 1.0))
+  late.ask(RoundRequest(1, 2, 0))  # Its base is older than what arrived: that round is over.
+  assert (late.due(), late.blocked()) == ((), False)
+
+
 def test_a_load_overwrites_everything_and_forgets_the_rounds():
   kernel = _kernel(LearnerConfig(apply_rule="carry"))
   _train(kernel, 2)

@@ -16,10 +16,12 @@ from ddiloco.protocol import Answer, HostTheta, ReportResult
 pytestmark = pytest.mark.timeout(120)  # Threads: a hang must fail the test.
 
 
-def _senders(client, count: int) -> tuple[Senders, threading.Event, queue.Queue]:
-  """Senders with no learner behind them: answers of fragments 0 and 1 queued, the older one
-  first. Returns them, their stop event and their results queue."""
-  link = SyncerLink(client, learner_id=0, layouts=[{}, {}], layout_digest="")
+def _senders(
+  client, count: int, *, shards: int = 1, fragments: tuple[int, ...] = (0, 1)
+) -> tuple[Senders, threading.Event, queue.Queue]:
+  """Senders with no learner behind them: answers of `fragments` queued, the older first.
+  Returns them, their stop event and their results queue."""
+  link = SyncerLink(client, learner_id=0, layouts=[{}] * 4, layout_digest="")
   session = SyncerSession(
     learner=types.SimpleNamespace(), client=client, link=link, event=lambda *a, **k: None
   )
@@ -32,8 +34,9 @@ def _senders(client, count: int) -> tuple[Senders, threading.Event, queue.Queue]
     stop=stop,
     event=lambda *a, **k: None,
     count=count,
+    shards=shards,
   )
-  for p in (0, 1):
+  for p in fragments:
     assert senders.enqueue(_answer(p, step=p)) is None
   return senders, stop, results
 
@@ -86,6 +89,43 @@ def test_a_slow_push_holds_back_other_fragments_only_with_one_sender(senders):
       t.join(10)
   assert sorted(pushed) == [0, 1] and not any(t.is_alive() for t in threads)
   assert results.qsize() == 2
+
+
+def test_pushes_to_different_shards_go_out_side_by_side():
+  """Two shards, one sender each: slices 0 and 1 of a group (shards 0 and 1) go out together
+  while slice 0's push hangs; fragment 2 (shard 0 too) waits behind it though 3 is sent."""
+  release, pushed, in_flight = threading.Event(), [], []
+
+  class _Client:
+    def push(self, report, codec, *, block_size, anchor_values):
+      del codec, block_size, anchor_values
+      in_flight.append(report.fragment)
+      if report.fragment == 0:
+        release.wait(10)
+      pushed.append(report.fragment)
+      return ReportResult("accepted", "", 1.0)
+
+  sender, stop, results = _senders(_Client(), 1, shards=2, fragments=(0, 1, 2, 3))
+  assert sender.count == 2  # One thread per shard.
+  threads = [threading.Thread(target=sender.run, args=(k,)) for k in range(sender.count)]
+  for t in threads:
+    t.start()
+  try:
+    deadline = time.monotonic() + 10
+    while pushed != [1, 3] and time.monotonic() < deadline:
+      time.sleep(0.01)
+    time.sleep(0.2)  # Fragment 2 must still be waiting for shard 0's one push.
+    assert pushed == [1, 3] and sorted(in_flight) == [0, 1, 3]
+  finally:
+    release.set()
+    stop.set()
+    sender.wake()
+    for t in threads:
+      t.join(10)
+  assert sorted(pushed) == [0, 1, 2, 3] and not any(t.is_alive() for t in threads)
+  assert results.qsize() == 4
+  with pytest.raises(ValueError, match="shards must be >= 1"):
+    _senders(_Client(), 1, shards=0)
 
 
 def test_an_answer_that_cannot_be_encoded_is_rejected_and_the_sender_goes_on():

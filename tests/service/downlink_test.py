@@ -93,3 +93,20 @@ def test_non_finite_refused_as_one_encoding_refuses_it(workers, where):
 def test_workers_checked():
   with pytest.raises(ValueError, match="workers"):
     DownlinkAdopter("int4", block_size=64, chunk_size=1000, workers=0)
+
+
+def test_adopted_values_reuse_the_memory_of_versions_no_longer_held():
+  new, prev = _fragment(np.float32, seed=3)
+  adopter = DownlinkAdopter("int4", block_size=64, chunk_size=1000, workers=1)
+  first = adopter(0, new, prev)
+  want = {k: v.copy() for k, v in first.items()}
+  view = first["c"][5:]  # A view keeps the whole allocation in use.
+  del first
+  second = adopter(0, new, prev)
+  assert not np.shares_memory(second["c"], view)  # Still held: fresh memory.
+  del view
+  third = adopter(0, new, prev)  # The first version's memory, back once nothing held it.
+  assert adopter._pool.reused == 1
+  for k, v in want.items():  # The same bits, wherever they are written.
+    np.testing.assert_array_equal(third[k].view(np.uint8), v.view(np.uint8))
+    np.testing.assert_array_equal(second[k].view(np.uint8), v.view(np.uint8))

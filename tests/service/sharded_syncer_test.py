@@ -45,6 +45,7 @@ JOB = JobConfig(
   ),
   syncer_shards=S,
 )
+N = P * S  # Fragment ids: slice s of group g is fragment g·S + s, owned by shard s.
 ADDRESSES = tuple(f"shard-{i}" for i in range(S))  # Names the test's `connect` resolves.
 
 
@@ -89,7 +90,7 @@ def shards():
 
 def test_a_shard_refuses_fragments_it_does_not_own(shards):
   client = shards.connect(ADDRESSES[0])
-  resp = client.register(7, layout_digest=shards.factory.layout.digest, num_fragments=P)
+  resp = client.register(7, layout_digest=shards.factory.layout.digest, num_fragments=N)
   assert resp.shard == 0 and list(resp.shard_addresses) == list(ADDRESSES)
   layout = shards.factory.layout
   keys = list(layout.fragments[1])
@@ -153,7 +154,10 @@ def test_learners_train_against_two_shards_and_digests_agree(shards, tmp_path):
   merges = [len(srv.service.merge_log()) for srv in shards.servers]
   assert all(m > 0 for m in merges), merges
   for i, srv in enumerate(shards.servers):
-    assert {e.fragment for e in srv.service.merge_log()} <= {p for p in range(P) if p % S == i}
+    merged = {e.fragment for e in srv.service.merge_log()}
+    assert merged <= {p for p in range(N) if p % S == i}
+    # Every shard took a slice of every group's rounds: shard i merged slice i of each group.
+    assert {p // S for p in merged} == set(range(P)), (i, merged)
   published = _published(shards)
   checks = 0
   for summary in summaries.values():
@@ -163,10 +167,10 @@ def test_learners_train_against_two_shards_and_digests_agree(shards, tmp_path):
       checks += 1
   assert checks > 0
   # Every fragment merged on its own shard: the learners applied versions > 0 of each.
-  assert {p for s in summaries.values() for p, v, _ in s["applies"] if v > 0} == set(range(P))
+  assert {p for s in summaries.values() for p, v, _ in s["applies"] if v > 0} == set(range(N))
   # Memory: a shard holds only its fragments' values.
   for i, srv in enumerate(shards.servers):
-    for p in range(P):
+    for p in range(N):
       assert bool(srv.service.core.state(p).values) == (p % S == i)
 
 
@@ -208,13 +212,13 @@ def test_a_shard_that_is_down_or_restarted_leaves_the_others_alone():
     )
 
   try:
-    client.register(5, layout_digest=lay.digest, num_fragments=P)
+    client.register(5, layout_digest=lay.digest, num_fragments=N)
     assert client.num_shards == S
     session0 = client.session(5)
     assert pull(0).version == 0 and pull(1).version == 0  # Each from its owner.
     servers[1].stop(grace_s=0.1, flush=False)  # Shard 1 dies.
     hb = client.heartbeat(5, step=3)
-    assert hb.registered and list(hb.versions) == [0] * P  # Shard 0 answered alone.
+    assert hb.registered and list(hb.versions) == [0] * N  # Shard 0 answered alone.
     assert pull(2).version == 0  # Shard 0 still serves.
     with pytest.raises(grpc.RpcError) as e:
       pull(1)
@@ -224,7 +228,7 @@ def test_a_shard_that_is_down_or_restarted_leaves_the_others_alone():
     while client.heartbeat(5, step=4).registered:  # Until the client finds it forgot us.
       assert time.monotonic() < deadline
       time.sleep(0.2)
-    client.register(5, layout_digest=lay.digest, num_fragments=P)
+    client.register(5, layout_digest=lay.digest, num_fragments=N)
     assert client.session(5) == session0  # Shard 0 was not registered with again.
     assert 5 in servers[1].service.core.alive() and 5 in servers[0].service.core.alive()
     assert client.heartbeat(5, step=5).registered

@@ -5,6 +5,7 @@ import pytest
 
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.syncer.core import Report, SyncerConfig, SyncerCore
+from ddiloco.testing import learners
 
 # Four fragments of one key each; shard 1 of 2 owns fragments 1 and 3.
 KEYS = (("a",), ("b",), ("c",), ("d",))
@@ -116,3 +117,74 @@ def test_owned_must_name_known_fragments():
     make_core({4})
   with pytest.raises(ValueError, match="owned must name"):
     make_core(set())
+
+
+def test_each_slice_of_a_group_is_its_own_round_applied_on_its_own():
+  """The per-slice rule (docs/architecture.md, "The sharded syncer"): one group cut into two
+  slices, each merged by its own shard with its own quorum and version, each applied by the
+  learner when it arrives; the learner's digests are the shards'."""
+  learner = learners.tiny_learner(num_fragments=1, period=4, overlap=1, slices=2)
+  layout, schedule = learner.layout, learner.schedule
+  initial = {p: learner.device.read(p) for p in range(2)}
+  clock = FakeClock()
+  cores = [
+    SyncerCore(
+      fragment_keys=layout.fragments,
+      init_values=initial[s],
+      config=SyncerConfig(use_grace=False, min_quorum=2),
+      clock=clock,
+      schedule=schedule,
+      owned={s},
+    )
+    for s in range(2)
+  ]
+  for s, core in enumerate(cores):
+    assert core.state(s).digest == learner.kernel.held.newest_held()[s][1]
+    for i in range(3):
+      core.register(i)
+      core.fetch(i, s)
+  for t in range(1, 5):
+    learner.train_step(learners.batch(t))
+  assert schedule.due(4) == (0, 1)  # The group is due at H = 4: both slices together.
+  for s, core in enumerate(cores):
+    learner.kernel.ask(core.open_round(s, 4))
+  assert learner.due() == (0, 1)
+
+  def report(i, s, values):
+    return Report(
+      learner_id=i,
+      fragment=s,
+      values=values,
+      tokens=8,
+      steps=4,
+      anchor_version=0,
+      step=4,
+      round_step=4,
+    )
+
+  for s, core in enumerate(cores):
+    answer = learner.answer(s, host_copy=True)
+    assert core.report(report(0, s, answer.theta())).status == "accepted"
+    # Learner 1 answers both slices; learner 2's answer of slice 1 never reaches shard 1.
+    for i in (1, 2) if s == 0 else (1,):
+      theta = {k: v + np.float32(0.01 * i) for k, v in initial[s].items()}
+      assert core.report(report(i, s, theta)).status == "accepted"
+  merges = [core.closer.poll() for core in cores]
+  assert [[(e.fragment, e.version, e.contributors) for e in m] for m in merges] == [
+    [(0, 1, (0, 1, 2))],
+    [(1, 1, (0, 1))],
+  ]
+  # Slice 0 arrives first and is applied alone, τ = 1 step after the answer; slice 1 stays at
+  # version 0 until its own merge arrives.
+  learner.kernel.receive(cores[0].state(0))
+  learner.train_step(learners.batch(5))
+  assert learner.apply_ready() == [(0, 1)]
+  assert list(learner.kernel.anchor) == [1, 0]
+  learner.kernel.receive(cores[1].state(1))
+  assert learner.apply_ready() == [(1, 1)]
+  checks = learner.verified_applies(block=True)
+  assert [(c.fragment, c.version, c.ok) for c in checks] == [(0, 1, True), (1, 1, True)]
+  assert [c.expected for c in checks] == [cores[0].state(0).digest, cores[1].state(1).digest]
+  for s, core in enumerate(cores):
+    for k, v in learner.device.read(s).items():
+      np.testing.assert_array_equal(v, core.state(s).values[k])

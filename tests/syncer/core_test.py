@@ -798,7 +798,9 @@ def test_constructor_validation():
       config=SyncerConfig(),
       clock=FakeClock(),
     )
-  with pytest.raises(ValueError, match=r"schedule has P=3 fragments, this syncer 2"):
+  with pytest.raises(
+    ValueError, match=r"schedule has 3 fragments \(P=3 x 1 slices\), this syncer 2"
+  ):
     make_core(schedule=FragmentSchedule(num_fragments=3, period=4, overlap=2))
   # τ is the schedule's alone: the grace window spends the slack of the schedule's overlap.
   core = make_core(schedule=FragmentSchedule(num_fragments=2, period=4, overlap=1))

@@ -19,11 +19,11 @@ from ddiloco.testing.wire import (
   report_to_chunks,
   serialize_fragment,
 )
-from ddiloco.transport import wire
+from ddiloco.transport import fragment_reader, wire
 from ddiloco.transport.chunks import ArrayPool, ChunkAssembler, ChunkWriter
 from ddiloco.transport.errors import WireError
 from ddiloco.transport.fragment_encoder import serialize_chunks
-from ddiloco.transport.fragment_reader import FragmentReader
+from ddiloco.transport.fragment_reader import FragmentReader, read_layout
 from ddiloco.transport.messages import chunks_to_report
 
 
@@ -174,6 +174,23 @@ def test_array_pool_keeps_at_most_max_free_bytes():
   assert pool.free_bytes == 64  # A second 64-byte buffer would pass 100: released instead.
 
 
+def test_array_pool_within_peak_keeps_what_was_out_at_once_and_no_more():
+  pool = ArrayPool(max_free_bytes=1 << 20, within_peak=True)
+  round_1 = [pool.empty(16, np.float32) for _ in range(3)]  # 3 x 64 bytes out at once: the peak.
+  del round_1
+  assert pool.free_bytes == 3 * 64  # All kept: free and out together stay within 192 bytes.
+  round_2 = [pool.empty(16, np.float32) for _ in range(3)]
+  assert (pool.reused, pool.free_bytes) == (3, 0)  # No fresh memory.
+  small = pool.empty(8, np.float32)  # 32 fresh bytes: the peak is now 224.
+  del round_2
+  assert pool.free_bytes == 3 * 64
+  del small  # 32 + 192 free is within the 224 held at the peak.
+  assert pool.free_bytes == 224
+  big = pool.empty(64, np.float32)  # 256 bytes, none free of that size: out + free is 480.
+  del big  # Kept, it would make 480 bytes held while the peak out at once was 256.
+  assert pool.free_bytes == 224
+
+
 def test_reader_decodes_into_the_allocator_arrays():
   made = []
 
@@ -205,3 +222,30 @@ def test_reader_decodes_into_the_allocator_arrays():
   for k, m in zip(("a", "b"), made):
     assert np.shares_memory(got.values[k], m)
     np.testing.assert_array_equal(got.values[k], base[k] - values[k])  # δ, exact in fp32.
+
+
+@pytest.mark.parametrize("sizes", [[10], [3, 7], [4, 4, 2], [1] * 10, [9, 1], [25], [0, 10, 0]])
+def test_recut_gives_views_of_one_size_copying_only_what_spans_two_pieces(sizes):
+  data = bytes(range(sum(sizes)))
+  pieces, at = [], 0
+  for n in sizes:
+    pieces.append(memoryview(data)[at : at + n])
+    at += n
+  runs = list(fragment_reader._recut(pieces, 4))
+  assert b"".join(bytes(r) for r in runs) == data
+  assert all(len(r) == 4 for r in runs[:-1]) and 0 < len(runs[-1]) <= 4
+  ends = np.cumsum(sizes)
+  for i, r in enumerate(runs):  # A run inside one piece is a view of it; one across two, a copy.
+    lo, hi = 4 * i, 4 * i + len(r)
+    inside = any(end - n <= lo and hi <= end for end, n in zip(ends, sizes))
+    assert (r.obj is data) == inside
+
+
+@pytest.mark.parametrize("chunk", [1, 333, 4096 + 3])
+def test_int4_pieces_decode_as_one_payload(chunk):
+  values = {"w": np.random.default_rng(chunk).standard_normal(300_001).astype(np.float32)}
+  pieces = list(serialize_chunks(values, "int4", chunk_size=chunk))
+  layout = {"w": ((300_001,), np.dtype(np.float32))}
+  whole = read_layout(b"".join(pieces), layout, codec_name="int4", max_bytes=None, base=None)
+  cut = read_layout(pieces, layout, codec_name="int4", max_bytes=None, base=None)
+  np.testing.assert_array_equal(cut["w"].view(np.uint32), whole["w"].view(np.uint32))
