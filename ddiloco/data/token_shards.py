@@ -32,9 +32,11 @@ every learner read):
   within the bound above.
 - The slot count is the factory's `num_shards`. The simulator counts a slot for every learner that
   can ever join (`ClusterConfig.num_shards`), so a joining learner reads positions no one else
-  reads. A distributed run has M = `RunConfig.num_learners` slots, and a learner added beyond them
-  (`ddiloco-fleet add`) shares slot id mod M with a running learner and reads the same positions:
-  restart the fleet with the larger M instead, within the bound above.
+  reads. A distributed run has `RunConfig.the_data_slots()` slots (`data_slots`, default
+  M = `num_learners`): a learner added with an id below it reads a slot of its own, and one added
+  beyond it (`ddiloco-fleet add`) shares slot id mod the slots with a running learner and reads
+  the same positions (the launcher warns): leave slots to spare, or restart the fleet with the
+  larger M, within the bound above.
 - A learner without a position (a fresh start, no checkpoint) reads its slot from the stream's
   start again: it repeats rather than skips, as the other pipelines do.
 A repeated position is a repeated example; a skipped position is an example that epoch lacks.
