@@ -48,6 +48,12 @@ class RunConfig:
     service: the syncer service's wire codecs, chunk size, heartbeats and liveness (default
       `ServiceConfig()`); the simulator runs that very service, in virtual seconds.
     num_learners: M, the learners the run starts with (ids 0..M-1).
+    data_slots: the disjoint slots the training data is cut into; learner i reads slot
+      i mod `data_slots` (data/sharding.py, data/token_shards.py). 0: M, one per starting
+      learner. Set it above M to leave slots for learners added while the run goes
+      (`ddiloco-fleet add`): learner i < `data_slots` then reads data no other learner reads,
+      where one beyond shares slot i mod `data_slots` with a running learner. A slot without a
+      learner is not read (until one takes it), so spare slots leave their share unread meanwhile.
     steps_per_learner: inner steps each learner trains. Sets the token budget, M x steps x
       (tokens per nominal step): the simulator stops when the fleet has trained that many tokens,
       so runs with faults or baselines compare at equal tokens.
@@ -75,6 +81,7 @@ class RunConfig:
   inner_opt: InnerOptConfig | None = None
   service: ServiceConfig | None = None
   num_learners: int = 4
+  data_slots: int = 0
   steps_per_learner: int = 100
   batch_size: int | None = None
   layout_strategy: str = "balanced"
@@ -104,6 +111,11 @@ class RunConfig:
       isinstance(self.batch_size, numbers.Integral) and self.batch_size >= 1
     ):
       raise ValueError(f"batch_size must be an integer >= 1 or None, got {self.batch_size!r}.")
+    if self.data_slots and self.data_slots < self.num_learners:
+      raise ValueError(
+        f"data_slots={self.data_slots} is below num_learners={self.num_learners}: learners would "
+        "share data from the start (0 gives one slot per learner)."
+      )
     if self.layout_strategy not in STRATEGIES:
       raise ValueError(
         f"layout_strategy must be one of {STRATEGIES}, got {self.layout_strategy!r}."
@@ -120,6 +132,10 @@ class RunConfig:
         f"{service.max_rounds_streams} or max_members={service.max_members}: the learners beyond "
         "them could never subscribe to rounds. Raise those bounds."
       )
+
+  def the_data_slots(self) -> int:
+    """The data's slots: `data_slots`, or one per starting learner."""
+    return self.data_slots or self.num_learners
 
   def the_task(self) -> Task:
     """The task: `task`, or a `TextTask` of (model, data) (cheap: built on each call)."""
@@ -158,7 +174,7 @@ class RunConfig:
     """Task, layout and compiled steps, identical wherever the run's learners are built.
 
     Args:
-      num_shards: disjoint data shards (default `num_learners`: one per learner).
+      num_shards: disjoint data shards (default `the_data_slots()`).
       model_parallelism: size of each learner mesh's "model" axis (`LearnerFactory`).
     """
     return LearnerFactory(
@@ -168,7 +184,7 @@ class RunConfig:
       slices=self.the_schedule().slices,
       layout_strategy=self.layout_strategy,
       split_large=self.split_large,
-      num_shards=self.num_learners if num_shards is None else num_shards,
+      num_shards=self.the_data_slots() if num_shards is None else num_shards,
       seed=self.seed,
       hf_checkpoint=self.hf_checkpoint,
       eval_batches=self.eval_batches,

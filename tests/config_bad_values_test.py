@@ -96,6 +96,9 @@ _CASES = [
   (_run, "batch_size", 8.5),
   (_run, "layout_strategy", "bogus"),
   (_run, "eval_every_s", NAN),
+  (_run, "data_slots", 1.5),
+  (_run, "data_slots", -1),
+  (_run, "data_slots", 3),  # Below num_learners (4): learners would share data from the start.
   (_job, "senders", 1.5),
   (_job, "syncer_shards", 1.5),
 ]

@@ -32,9 +32,11 @@ every learner read):
   within the bound above.
 - The slot count is the factory's `num_shards`. The simulator counts a slot for every learner that
   can ever join (`ClusterConfig.num_shards`), so a joining learner reads positions no one else
-  reads. A distributed run has M = `RunConfig.num_learners` slots, and a learner added beyond them
-  (`ddiloco-fleet add`) shares slot id mod M with a running learner and reads the same positions:
-  restart the fleet with the larger M instead, within the bound above.
+  reads. A distributed run has `RunConfig.the_data_slots()` slots (`data_slots`, default
+  M = `num_learners`): a learner added with an id below it reads a slot of its own, and one added
+  beyond it (`ddiloco-fleet add`) shares slot id mod the slots with a running learner and reads
+  the same positions (the launcher warns): leave slots to spare, or restart the fleet with the
+  larger M, within the bound above.
 - A learner without a position (a fresh start, no checkpoint) reads its slot from the stream's
   start again: it repeats rather than skips, as the other pipelines do.
 A repeated position is a repeated example; a skipped position is an example that epoch lacks.
@@ -278,3 +280,46 @@ def eval_batches(
   ids = np.arange(wanted, dtype=np.int64) * available // wanted
   read = _ReadWindows(_source(info, "eval"), info.dtype, info.window_len)
   return [read.map(chunk) for chunk in ids.reshape(num_batches, batch_size)]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataLedger:
+  """Which stream positions a run's learners read (`data_ledger`), up to `end`, the furthest.
+
+  Attributes:
+    end: one past the furthest position any learner read.
+    read: positions read at least once.
+    repeated: positions read more than once.
+    unread: positions below `end` nobody read, by slot (slot -> count; the slot count of the
+      learner that read furthest).
+  """
+
+  end: int
+  read: int
+  repeated: int
+  unread: dict[int, int]
+
+
+def data_ledger(segments: list[tuple[int, int, int, int]]) -> DataLedger:
+  """The ledger of (slot, slots, start, end) segments: a learner of slot `slot` of `slots` read
+  the positions p ≡ slot (mod slots) with start <= p < end, in order (this module's rule; a
+  learner's summary.json has them as "data").
+
+  Raises:
+    ValueError: on a segment that is not a slot of its slots, or that ends before it starts.
+  """
+  end = 0
+  for slot, slots, start, stop in segments:
+    if not (0 <= slot < slots and 0 <= start <= stop):
+      raise ValueError(f"Not a data segment: slot {slot} of {slots}, positions [{start}, {stop}).")
+    end = max(end, stop)
+  counts = np.zeros(end, np.int64)
+  for slot, slots, start, stop in segments:
+    first = start + (slot - start) % slots
+    counts[first:stop:slots] += 1
+  slots = max((s[1] for s in segments), default=1)
+  never = np.flatnonzero(counts == 0)
+  unread = {int(k): int(v) for k, v in zip(*np.unique(never % slots, return_counts=True))}
+  return DataLedger(
+    end=end, read=int((counts > 0).sum()), repeated=int((counts > 1).sum()), unread=unread
+  )

@@ -4,9 +4,11 @@ Elastic scavenging (docs/algorithm.md §6): learners can join a running job (`Le
 with their own device count, batch size and steps) and leave it again (`LearnerFleet.begin_remove`:
 SIGTERM, so the learner saves, flushes, calls Leave and exits 0; `LearnerFleet.check` reaps it,
 SIGKILLing it past its deadline). Every join, leave, finish and failure is an event of
-`LearnerFleet.membership`, which summary.json keeps as "membership". An added learner with id m
-reads data shard m mod M (M = RunConfig.num_learners): the shard of learner m mod M, so scavenged compute repeats data that the
-fleet also reads (docs/resilience.md "Elastic scavenging (real processes)"). A learner the job
+`LearnerFleet.membership`, which summary.json keeps as "membership". Learner m reads data slot
+m mod S (S = `RunConfig.the_data_slots()`, num_learners unless `data_slots` leaves room for
+joiners): an added learner below S reads data no other learner reads, one beyond shares the slot
+of learner m mod S and repeats what it reads (logged; its join event says `data_slot` and
+`shares_data`; docs/resilience.md "Elastic scavenging (real processes)"). A learner the job
 started with that fails fails the job; an added one that fails is recorded and the job goes on.
 
 The fleet starts learners through the cluster that owns it (launch/local_cluster.py, whose
@@ -15,6 +17,7 @@ The fleet starts learners through the cluster that owns it (launch/local_cluster
 """
 
 import dataclasses
+import logging
 import os
 import signal
 import time
@@ -25,6 +28,8 @@ from ddiloco.launch import fleet as fleet_lib
 from ddiloco.launch import processes
 from ddiloco.launch.job import JobConfig
 from ddiloco.launch.run_summary import read_json
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -129,7 +134,8 @@ class LearnerFleet:
     elastic: bool,
     extra_args: Sequence[str] = (),
   ) -> FleetMember:
-    """Starts a learner and records it as a running member (no checks: `add` makes them)."""
+    """Starts a learner and records it as a running member (no checks: `add` makes them); its
+    join event says its data slot and whether a learner the run started with reads it too."""
     # This learner's own bindings, after the run's: its make_learner_worker reads them.
     args = []
     if steps is not None:
@@ -146,8 +152,26 @@ class LearnerFleet:
       started=time.time(),
     )
     self.members[learner_id] = member
+    slots = self.job.run.the_data_slots() if self.job is not None else self.num_learners
+    slot, shares = learner_id % slots, learner_id >= slots
+    if shares:
+      log.warning(
+        "learner %d reads data slot %d, which learner %d reads too: set RunConfig.data_slots "
+        "above %d to give learners that join data of their own.",
+        learner_id,
+        slot,
+        slot,
+        learner_id,
+      )
     self.record(
-      "join", learner_id, devices=devices, batch_size=batch_size, steps=steps, elastic=elastic
+      "join",
+      learner_id,
+      devices=devices,
+      batch_size=batch_size,
+      steps=steps,
+      elastic=elastic,
+      data_slot=slot,
+      shares_data=shares,
     )
     return member
 

@@ -64,7 +64,7 @@ def serve_request(
         "devices": m.devices,
         "batch_size": m.batch_size or fleet.job.run.learner_batch_size(),
         "steps": m.steps or fleet.job.run.steps_per_learner,
-        "data_shard": i % fleet.job.run.num_learners,  # LearnerFactory.make_data.
+        "data_shard": i % fleet.job.run.the_data_slots(),  # LearnerFactory.make_data.
         "log": fleet.learners[i].log_path,
       }
       if progress is not None:

@@ -246,3 +246,28 @@ def plot(workdir: str, *, interrupted: bool = False) -> str | None:
   fig.savefig(out, dpi=110)
   plt.close(fig)
   return out
+
+
+def data_segments(workdir: str) -> list[tuple[int, int, int, int, int]]:
+  """(learner, slot, slots, start, end) of every learner folder's summary.json in the run: the
+  data positions it read (data/token_shards.py, `data_ledger`). A learner restored from its own
+  checkpoint read its slot from the start in its earlier runs.
+
+  Raises:
+    ValueError: if a learner wrote no summary, or its summary has no data positions.
+  """
+  out = []
+  names = [n for n in os.listdir(workdir) if n.startswith("learner_") and n[8:].isdigit()]
+  for learner in sorted(int(n[8:]) for n in names):
+    path = os.path.join(workdir, f"learner_{learner}", "summary.json")
+    if not os.path.exists(path):
+      raise ValueError(f"learner {learner} wrote no summary ({path}): did it end?")
+    with open(path) as f:
+      s = json.load(f)
+    data = s.get("data") or {}
+    start, end = data.get("start"), data.get("end")
+    if start is None or end is None:
+      raise ValueError(f"learner {learner} has no data positions: not a token-corpus run?")
+    first = 0 if str(s.get("restored_from", "")).startswith("own") else start["position"]
+    out.append((learner, end["slot"], end["slots"], first, end["position"]))
+  return out

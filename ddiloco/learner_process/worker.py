@@ -180,6 +180,7 @@ class LearnerWorker:
     # "own:<step>", "peer:<id>:<step>" or "fresh" once restored; None before.
     self.restored_from: str | None = None
     self.resumed_step = 0
+    self.data_start: dict[str, int] | None = None  # Its data position once restored.
     self._t0 = time.time()
 
   @property
@@ -205,6 +206,7 @@ class LearnerWorker:
     """
     if self.checkpointer is None:
       self.restored_from = "fresh"
+      self.data_start = self.data_position()
       return self.restored_from
     restored = self.checkpointer.restore()
     if restored.opt_state is not None:
@@ -218,6 +220,7 @@ class LearnerWorker:
       kernel.ledger.load_state(restored.ledger)
       kernel.ledger.restored()
     self.restored_from, self.resumed_step = restored.restored_from, restored.step
+    self.data_start = self.data_position()
     self._event(
       "restore",
       restored_from=restored.restored_from,
@@ -359,6 +362,19 @@ class LearnerWorker:
     except grpc.RpcError as e:
       log.warning("learner %d: leave failed: %s", self.id, e.code())
 
+  def data_position(self) -> dict[str, int] | None:
+    """Where this learner's data stream is, for a stream that reads numbered positions
+    (pre-tokenized corpora, data/token_shards.py: `position`, its `slot` of `slots`); None for
+    others."""
+    if not hasattr(self._data, "position"):
+      return None
+    state = self._data.get_state()
+    return {
+      "position": int(state["position"]),
+      "slot": int(state["shard_index"]),
+      "slots": int(state["num_shards"]),
+    }
+
   def summary(self, train_s: float) -> dict[str, Any]:
     """This learner's summary.json. `steps` and `tokens` run from the start of its shard, across
     restarts (a restored learner counts from its checkpoint; repeated batches count once)."""
@@ -393,6 +409,8 @@ class LearnerWorker:
       "checkpoint_steps": list(self.checkpointer.saved_steps) if self.checkpointer else [],
       "ledger": kernel.ledger.totals(),
       "carried_applies": kernel.answers.carried,  # learner/carry.py; 0 unless apply_rule = "carry".
+      # The positions it read: from `start` (after its restore) to `end` (data/token_shards.py).
+      "data": {"start": self.data_start, "end": self.data_position()},
     }
 
   def _write_scalars(self, loss: float) -> None:

@@ -216,3 +216,12 @@ def test_config_checks_its_window_length_and_writes_refuse_bad_windows(tmp_path)
       str(tmp_path / "bad"), {"train": [np.arange(9)] * 3, "eval": []}, vocab_size=10, tokenizer="x"
     )
   assert sorted(os.listdir(tmp_path)) == before  # The train files of both went with the stage.
+
+
+def test_the_ledger_of_a_run_counts_repeats_and_unread_positions_by_slot():
+  # Slots of 3: learner 0 reads 0, 3, 6, 9; learner 1 reads 1, 4 then leaves; learner 2 joins
+  # late but reads its slot from the start: 2, 5, 8, 11; a learner sharing slot 0 reads 6, 9.
+  ledger = token_shards.data_ledger([(0, 3, 0, 12), (1, 3, 0, 6), (2, 3, 2, 12), (0, 3, 5, 11)])
+  assert ledger == token_shards.DataLedger(end=12, read=10, repeated=2, unread={1: 2})
+  with pytest.raises(ValueError, match="Not a data segment"):
+    token_shards.data_ledger([(3, 3, 0, 4)])

@@ -134,10 +134,17 @@ def test_ctrl_c_stops_the_run_in_order_and_leaves_nothing(tmp_path):
   leave no process behind."""
   before = _ray_daemons()
   workdir = tmp_path / "run"
+  # An interactive shell gives its foreground job the default SIGINT handler; a test runner
+  # started in the background may not (SIG_IGN is inherited), so the child sets it as a terminal
+  # would.
+  code = (
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "runpy.run_module('ddiloco.launch.ray_main', run_name='__main__', alter_sys=True)"
+  )
   cmd = [
     sys.executable,
-    "-m",
-    "ddiloco.launch.ray_main",
+    "-c",
+    code,
     f"--workdir={workdir}",
     "--timeout_s=300",
     "--progress_every_s=0.5",

@@ -1,0 +1,40 @@
+"""The data ledger of a run folder (run_summary.data_segments, scripts/data_ledger.py): learner
+summaries written by hand, no run."""
+
+import json
+import pathlib
+
+import pytest
+
+from ddiloco.data.token_shards import data_ledger
+from ddiloco.launch.run_summary import data_segments
+
+
+def _learner(workdir: pathlib.Path, i: int, start: int, end: int, *, slots: int, restored="fresh"):
+  folder = workdir / f"learner_{i}"
+  folder.mkdir()
+  slot = i % slots
+  data = {
+    "start": {"position": start, "slot": slot, "slots": slots},
+    "end": {"position": end, "slot": slot, "slots": slots},
+  }
+  (folder / "summary.json").write_text(json.dumps({"data": data, "restored_from": restored}))
+
+
+def test_segments_of_a_run_with_a_join_a_leave_and_a_restart(tmp_path):
+  # Learner 0 restarted from its own checkpoint at 12: it read its slot from 0 before.
+  _learner(tmp_path, 0, 12, 30, slots=3, restored="own:4")
+  _learner(tmp_path, 1, 1, 10, slots=3)
+  _learner(tmp_path, 2, 2, 20, slots=3)
+  (tmp_path / "syncer").mkdir()
+  rows = data_segments(str(tmp_path))
+  assert rows == [(0, 0, 3, 0, 30), (1, 1, 3, 1, 10), (2, 2, 3, 2, 20)]
+  ledger = data_ledger([r[1:] for r in rows])
+  assert (ledger.read, ledger.repeated, ledger.unread) == (10 + 3 + 6, 0, {1: 7, 2: 4})
+
+
+def test_a_learner_without_positions_is_named(tmp_path):
+  (tmp_path / "learner_0").mkdir()
+  (tmp_path / "learner_0" / "summary.json").write_text(json.dumps({"data": {"start": None}}))
+  with pytest.raises(ValueError, match="learner 0 has no data positions"):
+    data_segments(str(tmp_path))
