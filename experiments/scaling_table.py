@@ -399,12 +399,39 @@ def _running_children() -> list[tuple[int, str, int, str, int]]:
   return out
 
 
+def _result_path(system: study.System, seed: int) -> str:
+  return os.path.join(_WORKDIR.value, study.slug(system.name), f"seed_{seed}") + ".result.json"
+
+
+def _collect_finished(store_path: str, seeds: list[int], running: set[tuple[str, int]]) -> None:
+  """Stores the results of runs that ended while no driver watched them (their result files),
+  rather than running them again."""
+  while True:
+    store = study.ResultStore(store_path)
+    found = []
+    for system, seed in plan(store, seeds).ready:
+      path = _result_path(system, seed)
+      if (system.name, seed) in running or not os.path.exists(path):
+        continue
+      try:
+        with open(path) as f:
+          found.append((system, seed, json.load(f)))
+      except (OSError, ValueError):
+        continue  # Cut short while it was written: the run goes again.
+    if not found:
+      return
+    for system, seed, result in found:
+      store.put(system, seed, result)
+      print(f"[{system.name} seed {seed}] eval {result['final_eval_loss']:.4f} (found)", flush=True)
+
+
 def drive(seeds: list[int]) -> None:
   """Runs the plan's ready jobs, `--workers` at a time, each pinned to a core, until none is left.
 
   Each run is a child in a session of its own at normal priority, so that the kernel's
   per-session fair share gives the study its own share beside other work on the machine. Runs
-  left by an earlier driver are adopted, not started again.
+  left by an earlier driver are adopted, not started again, and the results of runs that ended
+  while no driver watched are stored, not run again.
   """
   store_path = os.path.join(_OUT.value, f"{STUDY}.json")
   os.makedirs(_WORKDIR.value, exist_ok=True)
@@ -415,6 +442,7 @@ def drive(seeds: list[int]) -> None:
   for pid, name, seed, path, core in _running_children():
     slots[core] = (_Adopted(pid), by_name[name], seed, path, time.time())
     print(f"[{name} seed {seed}] adopted (pid {pid}, core {core})", flush=True)
+  _collect_finished(store_path, seeds, {(s.name, seed) for _, s, seed, _, _ in slots.values()})
   failed: set[tuple[str, int]] = set()  # Not offered again by this driver: a rerun retries them.
   while True:
     store = study.ResultStore(store_path)
@@ -437,11 +465,11 @@ def drive(seeds: list[int]) -> None:
     running = {(s.name, seed) for _, s, seed, _, _ in slots.values()} | failed
     todo = plan(store, seeds)
     ready = [(s, seed) for s, seed in todo.ready if (s.name, seed) not in running]
-    free = [c for c in cores[: _WORKERS.value] if c not in slots]
+    free = [c for c in cores if c not in slots][: max(0, _WORKERS.value - len(slots))]
     for core, (system, seed) in zip(free, ready):
-      folder = os.path.join(_WORKDIR.value, study.slug(system.name), f"seed_{seed}")
+      path = _result_path(system, seed)
+      folder = path.removesuffix(".result.json")
       os.makedirs(os.path.dirname(folder), exist_ok=True)
-      path = folder + ".result.json"
       if os.path.exists(path):
         os.remove(path)
       log = open(folder + ".log", "w")  # noqa: SIM115 - the child's, closed with it.
