@@ -357,10 +357,13 @@ def plan_shards(
       return "ram"
     return "round" if not z.in_budget else ""
 
+  why = ""  # What S - 1 shards broke.
   for s in range(1, max_shards + 1):
-    if not failed(at(s)):
-      return at(s, "one shard" if s == 1 else failed(at(s - 1)))
-  return at(max_shards, failed(at(max_shards)), False)
+    broken = failed(at(s))
+    if not broken:
+      return at(s, why or "one shard")
+    why = broken
+  return at(max_shards, why, False)
 
 
 def format_plans(rows: list[tuple[str, ShardPlan]]) -> str:

@@ -1,6 +1,7 @@
 """The sender threads of a learner process (learner_process/senders.py), against fake clients: which
 answer goes out when, and what an answer that cannot be sent becomes."""
 
+import contextlib
 import queue
 import threading
 import time
@@ -41,6 +42,22 @@ def _senders(
   return senders, stop, results
 
 
+@contextlib.contextmanager
+def _running(sender, stop: threading.Event, release: threading.Event):
+  """Runs every sender thread; at the end releases the hung push, stops and joins them."""
+  threads = [threading.Thread(target=sender.run, args=(k,)) for k in range(sender.count)]
+  for t in threads:
+    t.start()
+  try:
+    yield threads
+  finally:
+    release.set()
+    stop.set()
+    sender.wake()
+    for t in threads:
+      t.join(10)
+
+
 def _answer(p: int, *, step: int, steps: int = 1, new_tokens: int = 0) -> Answer:
   """An answer of fragment p with an empty θ and no anchor (sent as fp32 θ)."""
   return Answer(
@@ -72,21 +89,12 @@ def test_a_slow_push_holds_back_other_fragments_only_with_one_sender(senders):
       return ReportResult("accepted", "", 1.0)
 
   sender, stop, results = _senders(_Client(), senders)  # Fragment 0's answer is the older one.
-  threads = [threading.Thread(target=sender.run, args=(k,)) for k in range(senders)]
-  for t in threads:
-    t.start()
-  try:
+  with _running(sender, stop, release) as threads:
     deadline = time.monotonic() + 10
     while senders == 2 and pushed != [1] and time.monotonic() < deadline:
       time.sleep(0.01)
     time.sleep(0.2)  # One sender: fragment 1 must still be waiting.
     assert pushed == ([1] if senders == 2 else [])
-  finally:
-    release.set()
-    stop.set()
-    sender.wake()
-    for t in threads:
-      t.join(10)
   assert sorted(pushed) == [0, 1] and not any(t.is_alive() for t in threads)
   assert results.qsize() == 2
 
@@ -107,21 +115,12 @@ def test_pushes_to_different_shards_go_out_side_by_side():
 
   sender, stop, results = _senders(_Client(), 1, shards=2, fragments=(0, 1, 2, 3))
   assert sender.count == 2  # One thread per shard.
-  threads = [threading.Thread(target=sender.run, args=(k,)) for k in range(sender.count)]
-  for t in threads:
-    t.start()
-  try:
+  with _running(sender, stop, release) as threads:
     deadline = time.monotonic() + 10
     while pushed != [1, 3] and time.monotonic() < deadline:
       time.sleep(0.01)
     time.sleep(0.2)  # Fragment 2 must still be waiting for shard 0's one push.
     assert pushed == [1, 3] and sorted(in_flight) == [0, 1, 3]
-  finally:
-    release.set()
-    stop.set()
-    sender.wake()
-    for t in threads:
-      t.join(10)
   assert sorted(pushed) == [0, 1, 2, 3] and not any(t.is_alive() for t in threads)
   assert results.qsize() == 4
   with pytest.raises(ValueError, match="shards must be >= 1"):

@@ -1,6 +1,7 @@
 """A syncer sharded over two services, learners reaching both through one `ShardedClient`, over the
-in-process transport: ownership at the door, merges on both shards with digests agreeing, and a
-shard that restarts alone while the other keeps merging, losing no merge."""
+in-process transport and over real sockets: ownership at the door, every shard merging a slice of
+every group with digests agreeing, and a shard that restarts alone while the other keeps merging,
+losing no merge (docs/architecture.md, "The sharded syncer")."""
 
 import threading
 import time
@@ -49,6 +50,21 @@ N = P * S  # Fragment ids: slice s of group g is fragment g·S + s, owned by sha
 ADDRESSES = tuple(f"shard-{i}" for i in range(S))  # Names the test's `connect` resolves.
 
 
+def _syncer(factory, shard: int, addresses: tuple[str, ...]):
+  """Shard `shard` of the job's syncer, as `ddiloco-syncer --shard` makes it."""
+  return server_lib.make_syncer(
+    fragment_keys=factory.layout.fragments,
+    init_values=factory.global_init_values(),
+    syncer_config=JOB.run.the_syncer(),
+    schedule=JOB.run.the_schedule(),
+    service_config=JOB.run.the_service(),
+    layout_digest=factory.layout.digest,
+    embedding_keys=factory.embedding_keys(),
+    shard=shard,
+    shard_addresses=addresses,
+  )
+
+
 class Shards:
   """S in-process syncer services, one per shard, and clients that reach them by name."""
 
@@ -57,18 +73,7 @@ class Shards:
     self.servers = [self._serve(i) for i in range(S)]
 
   def _serve(self, shard: int) -> server_lib.InProcessSyncer:
-    svc = server_lib.make_syncer(
-      fragment_keys=self.factory.layout.fragments,
-      init_values=self.factory.global_init_values(),
-      syncer_config=JOB.run.the_syncer(),
-      schedule=JOB.run.the_schedule(),
-      service_config=JOB.run.the_service(),
-      layout_digest=self.factory.layout.digest,
-      embedding_keys=self.factory.embedding_keys(),
-      shard=shard,
-      shard_addresses=ADDRESSES,
-    )
-    return server_lib.serve_in_process(svc)
+    return server_lib.serve_in_process(_syncer(self.factory, shard, ADDRESSES))
 
   def connect(self, address: str) -> SyncerClient:
     return SyncerClient(channel=self.servers[ADDRESSES.index(address)].channel(), deadline_s=10.0)
@@ -113,14 +118,15 @@ def test_a_shard_refuses_fragments_it_does_not_own(shards):
   assert shards.servers[1].service.status().shard == 1
 
 
-def _run_workers(shards, tmp_path, steps, during=None):
-  """Trains two learners `steps` steps against the shards; `during(step)` runs at every step."""
+def _run_workers(client, tmp_path, steps, during=None, learners=2):
+  """Trains `learners` learners `steps` steps against the shards, each through its `client()`;
+  `during(workers)` runs while they train."""
   workers, summaries = [], {}
-  for i in range(2):
+  for i in range(learners):
     worker, _ = runtime.make_learner_worker(
       JOB,
       learner_id=i,
-      client=shards.client(),
+      client=client(),
       workdir=str(tmp_path / f"learner_{i}"),
       connect_timeout_s=30.0,
     )
@@ -136,29 +142,30 @@ def _run_workers(shards, tmp_path, steps, during=None):
     during(workers)
   for t in threads:
     t.join(timeout=200)
-  assert len(summaries) == 2
+  assert len(summaries) == learners
   return summaries
 
 
-def _published(shards) -> dict[tuple[int, int], str]:
+def _published(servers) -> dict[tuple[int, int], str]:
   out = {}
-  for i, srv in enumerate(shards.servers):
+  for i, srv in enumerate(servers):
     for (p, v), d in srv.service.published_digests().items():
       if p % S == i:
         out[(p, v)] = d
   return out
 
 
-def test_learners_train_against_two_shards_and_digests_agree(shards, tmp_path):
-  summaries = _run_workers(shards, tmp_path, steps=12)
-  merges = [len(srv.service.merge_log()) for srv in shards.servers]
+def _check_slices_merged_and_applied(servers, summaries) -> None:
+  """Every shard merged a slice of every group, and every learner applied each shard's exact
+  bits of every fragment."""
+  merges = [len(srv.service.merge_log()) for srv in servers]
   assert all(m > 0 for m in merges), merges
-  for i, srv in enumerate(shards.servers):
+  for i, srv in enumerate(servers):
     merged = {e.fragment for e in srv.service.merge_log()}
     assert merged <= {p for p in range(N) if p % S == i}
     # Every shard took a slice of every group's rounds: shard i merged slice i of each group.
-    assert {p // S for p in merged} == set(range(P)), (i, merged)
-  published = _published(shards)
+    assert {JOB.run.the_schedule().group(p) for p in merged} == set(range(P)), (i, merged)
+  published = _published(servers)
   checks = 0
   for summary in summaries.values():
     assert summary["digest_mismatches"] == 0
@@ -168,6 +175,11 @@ def test_learners_train_against_two_shards_and_digests_agree(shards, tmp_path):
   assert checks > 0
   # Every fragment merged on its own shard: the learners applied versions > 0 of each.
   assert {p for s in summaries.values() for p, v, _ in s["applies"] if v > 0} == set(range(N))
+
+
+def test_learners_train_against_two_shards_and_digests_agree(shards, tmp_path):
+  summaries = _run_workers(shards.client, tmp_path, steps=12)
+  _check_slices_merged_and_applied(shards.servers, summaries)
   # Memory: a shard holds only its fragments' values.
   for i, srv in enumerate(shards.servers):
     for p in range(N):
@@ -175,17 +187,31 @@ def test_learners_train_against_two_shards_and_digests_agree(shards, tmp_path):
 
 
 def _grpc_shard(factory, shard, addresses):
-  svc = server_lib.make_syncer(
-    fragment_keys=factory.layout.fragments,
-    init_values=factory.global_init_values(),
-    syncer_config=JOB.run.the_syncer(),
-    schedule=JOB.run.the_schedule(),
-    service_config=JOB.run.the_service(),
-    layout_digest=factory.layout.digest,
-    shard=shard,
-    shard_addresses=addresses,
+  return server_lib.serve(_syncer(factory, shard, addresses), address=addresses[shard])
+
+
+def _sockets_client(addresses) -> ShardedClient:
+  return ShardedClient(
+    SyncerClient(addresses[0], deadline_s=10.0), lambda a: SyncerClient(a, deadline_s=10.0)
   )
-  return server_lib.serve(svc, address=addresses[shard])
+
+
+@pytest.mark.integration
+def test_three_learners_over_real_sockets_get_every_shards_exact_bits(tmp_path):
+  factory = JOB.factory()
+  layout = factory.layout
+  assert (JOB.run.the_schedule().slices, layout.num_fragments) == (S, N)
+  addresses = tuple(f"127.0.0.1:{processes.free_port()}" for _ in range(S))
+  servers = [_grpc_shard(factory, i, addresses) for i in range(S)]
+  try:
+    summaries = _run_workers(lambda: _sockets_client(addresses), tmp_path, steps=9, learners=3)
+    _check_slices_merged_and_applied(servers, summaries)
+    # Each shard holds about 1/S of the bytes: its slices of every group.
+    owned = [sum(layout.fragment_bytes(f) for f in range(i, N, S)) for i in range(S)]
+    assert max(owned) <= 1.5 * layout.total_bytes() / S, owned
+  finally:
+    for srv in servers:
+      srv.stop(grace_s=0.1)
 
 
 @pytest.mark.integration
