@@ -80,7 +80,7 @@ class Theta(Protocol):
     """θ_p in host memory, keyed as the layout keys it."""
 
   def encode_delta(self, codec: str, anchor: Mapping[str, np.ndarray], block_size: int) -> Any:
-    """δ = anchor − θ_p already encoded (a `device_int4.EncodedDelta`), or None: encode on the host."""
+    """δ = anchor − θ_p already encoded (a `device_codec.EncodedDelta`), or None: encode on the host."""
 
 
 @dataclasses.dataclass(frozen=True)

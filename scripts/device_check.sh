@@ -7,8 +7,8 @@
 #   1. checks the modules the learner needs; missing ones are installed, without network and
 #      without dependencies, from wheels in .whl/ (if that folder was brought along) into a
 #      folder of their own put first on PYTHONPATH;
-#   2. checks the int4 encoding of δ on the GPU against the numpy codec, bit for bit
-#      (scripts/check_device_int4.py), and times the host and device paths of one answer;
+#   2. checks the encoding of δ on the GPU in every codec: within each codec's error bound
+#      (scripts/check_device_codec.py), and times the host and device paths of one answer;
 #   3. runs scripts/bench_learner_step.py for the tiny and the small model on 1 GPU (the commands
 #      of docs/results.md, "On a GPU").
 # Everything printed also goes to $OUT (default: a temporary folder): summary.txt and one log
@@ -81,7 +81,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: runs it, its output in $OUT/NAME.log
   return $rc
 }
 
-step int4_device 150 "$PY" scripts/check_device_int4.py --timing_mib=64
+step device_codec 150 "$PY" scripts/check_device_codec.py --timing_mib=64
 exact=$?
 step learner_step_tiny 75 "$PY" scripts/bench_learner_step.py --size=tiny --devices=1 \
   --steps=40 --rounds=2

@@ -8,6 +8,8 @@ from ddiloco.learner.carry import APPLY_RULES
 if TYPE_CHECKING:  # The learner's kernel imports this module, and must not import optax (jax).
   from ddiloco.syncer.types import SyncerConfig
 
+DEVICE_ENCODE = ("auto", "always", "never")  # `LearnerConfig.device_encode`.
+
 
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
@@ -25,23 +27,26 @@ class LearnerConfig:
       boundary's work (draining, applying, answering, logging), which hides that host work behind
       the step. A round request that arrives meanwhile is then answered after that step too: about
       1.5 steps after it arrived on average instead of 0.5, which can miss the round's grace window.
-    device_encode: on an accelerator, answers' δ is int4-encoded by a program on the learner's
-      devices and only the encoded bytes come back (learner/snapshot.py, fragments/device_int4.py;
-      never on CPU, where the numpy codec is cheaper). Off by default: on an H200, XLA's float32
-      division gave block scales one ulp away from the numpy codec's in about half the blocks, so
-      the bytes are an equally valid int4 encoding but not the same bytes as the host path's
-      (scripts/check_device_int4.py; docs/results.md, "On a GPU").
+    device_encode: where answers' δ is encoded in the uplink's codec by a program on the learner's
+      devices, only the encoded bytes coming back to the host (learner/snapshot.py,
+      fragments/device_codec.py): "auto" (the default) on accelerators; "always" on any device,
+      XLA's CPU backend included, where the numpy codec is cheaper (tests, comparisons); "never".
+      A multi-process learner always encodes on its leader's host. The bytes may differ from the
+      host codec's by an ulp of a block scale (on an H200, about half the blocks): the syncer
+      decodes what it receives, so any valid encoding is right (scripts/check_device_codec.py).
   """
 
   mixing_alpha: float = 0.0
   apply_rule: str = "overwrite"
   blocking: bool = False
   step_in_flight: bool = False
-  device_encode: bool = False
+  device_encode: str = "auto"
 
   def __post_init__(self):
     if not 0.0 <= self.mixing_alpha < 1.0:
       raise ValueError(f"mixing_alpha must be in [0, 1), got {self.mixing_alpha}.")
+    if self.device_encode not in DEVICE_ENCODE:
+      raise ValueError(f"device_encode must be one of {DEVICE_ENCODE}, got {self.device_encode!r}.")
     if self.apply_rule not in APPLY_RULES:
       raise ValueError(f"apply_rule must be one of {APPLY_RULES}, got {self.apply_rule!r}.")
     if self.apply_rule == "carry" and self.mixing_alpha > 0:

@@ -54,11 +54,12 @@ class DeviceParams:
     params: the parameters, placed with `shardings`.
     shardings: each leaf's sharding (`CompiledSteps.param_shardings`).
     layout: the fragment layout.
-    device_encode: whether answers' δ may be int4-encoded on the devices (never on CPU).
+    device_encode: where answers' δ is encoded on the devices (`LearnerConfig.device_encode`:
+      "auto" on accelerators, "always", "never").
   """
 
   def __init__(
-    self, params: PyTree, shardings: PyTree, layout: FragmentLayout, *, device_encode: bool
+    self, params: PyTree, shardings: PyTree, layout: FragmentLayout, *, device_encode: str
   ):
     self.params = params
     self.layout = layout
@@ -77,7 +78,9 @@ class DeviceParams:
     self.host_readable: Callable[[list[jax.Array]], list[jax.Array]] | None = None
     devices = jax.tree_util.tree_leaves(params)[0].sharding.device_set if self._index else set()
     self.snapshot_by_reference = all(d.platform == "cpu" for d in devices)
-    self.device_encode = device_encode and not self.snapshot_by_reference
+    self.device_encode = device_encode == "always" or (
+      device_encode == "auto" and not self.snapshot_by_reference
+    )
     self.defer_digests = False
     self.applied_digest: dict[int, str] = {}  # p -> digest of Θ_p read back at its last apply.
     self._keep_params = False  # The next train step must not donate the parameters.

@@ -1,11 +1,12 @@
 """θ_p of one answer, held on the devices until a sender needs it (`Learner.snapshot_report`).
 
-A sender either copies θ_p to host memory (`FragmentSnapshot()`) and encodes δ = Θ^(anchor) − θ_p
-there, or, with the int4 uplink on an accelerator, has the devices encode δ
-(`FragmentSnapshot.encode_delta`, fragments/device_int4.py): it then copies 0.5 + 4 / block_size
-bytes per value instead of 4, and its host does no per-value work. On XLA's CPU backend the
-"device" is the host itself, and its program measured 4x the CPU time of the numpy codec on the
-tiny model's fragments (bench_learner_overhead.py's docs), so there the host path is kept.
+A sender either has the devices encode δ = Θ^(anchor) − θ_p in the uplink's codec
+(`FragmentSnapshot.encode_delta`, fragments/device_codec.py) and copies only the encoded bytes
+(0.5 + 4 / block_size per value with int4, 2 with bf16, instead of θ_p's 4) while its host does no
+per-value work, or copies θ_p to host memory (`FragmentSnapshot()`) and encodes δ there. The first
+is the default on accelerators (`LearnerConfig.device_encode`). On XLA's CPU backend the "device" is
+the host itself, and its program measured 4x the CPU time of the numpy codec on the tiny model's
+fragments (bench_learner_overhead.py's docs), so there the host path is the default.
 """
 
 from collections.abc import Mapping, Sequence
@@ -13,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from ddiloco.fragments import device_int4
+from ddiloco.fragments import device_codec
 from ddiloco.fragments.layout import FragmentLayout
 
 
@@ -50,15 +51,16 @@ class FragmentSnapshot:
 
   def encode_delta(
     self, codec: str, anchor: Mapping[str, np.ndarray], block_size: int
-  ) -> device_int4.EncodedDelta | None:
-    """δ = anchor − θ_p encoded on the devices, in host memory; None where the host must encode
-    (`device_encode` off, a codec other than int4, a fragment whose values the device program
-    cannot match bit for bit: `DeviceEncoding.exact`, or a device error such as out of memory).
+  ) -> device_codec.EncodedDelta | None:
+    """δ = anchor − θ_p encoded on the devices in `codec`, in host memory; None where the host must
+    encode (`device_encode` off, a codec without a device program, a fragment with no valid device
+    encoding, such as one with a NaN/Inf that the host codec then refuses by name:
+    `DeviceEncoding.valid`, or a device error such as out of memory).
 
     Raises:
       ValueError: if `anchor` lacks a key of the fragment or has another shape.
     """
-    if not self.device_encode or codec != "int4":
+    if not self.device_encode or codec not in device_codec.CODECS:
       return None
     theta = self._layout.select(dict(zip(self._names, self._arrays)), self._p)
     keys = sorted(theta)
@@ -66,12 +68,12 @@ class FragmentSnapshot:
     if missing:
       raise ValueError(f"The anchor lacks keys {missing[:3]} of fragment {self._p}.")
     try:
-      encoding = device_int4.encode_delta(
-        [anchor[k] for k in keys], [theta[k] for k in keys], block_size=block_size
+      encoding = device_codec.encode_delta(
+        [anchor[k] for k in keys], [theta[k] for k in keys], codec=codec, block_size=block_size
       )
-      exact, pairs = encoding.to_host()
+      valid, pairs = encoding.to_host()
     except jax.errors.JaxRuntimeError:  # E.g. out of device memory: the host path still works.
       return None
-    if not exact:
+    if not valid:
       return None
-    return device_int4.EncodedDelta("int4", block_size, dict(zip(keys, pairs)))
+    return device_codec.EncodedDelta(codec, block_size, dict(zip(keys, pairs)))

@@ -176,7 +176,7 @@ class SyncerLink:
     """Pushes `answer`: δ = Θ^(anchor) − θ in the negotiated codec (`Uplink.DELTA`), or fp32 θ.
 
     θ comes from the answer's host copy or device snapshot: a snapshot may encode δ on the devices
-    (fragments/device_int4.py), sent in its own codec and block size; otherwise θ is copied to the
+    (fragments/device_codec.py), sent in its own codec and block size; otherwise θ is copied to the
     host and δ is formed in the encoder's one pass. `on_copied` is called once the payload is in
     host memory (the sender's latency split).
 

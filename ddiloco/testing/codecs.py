@@ -130,11 +130,55 @@ def fragment_wire_bytes(encoded: Mapping[str, Encoded]) -> int:
   return sum(enc.nbytes for enc in encoded.values())
 
 
-def int4_delta_bytes(anchor: np.ndarray, theta: np.ndarray, block_size: int) -> tuple[bytes, bytes]:
-  """The numpy int4 codec's payload and scale bytes of δ = anchor − θ, as a push puts them on the
-  wire (`Codec.encode_runs` with θ as base): the reference the device encoder is checked against."""
+def delta_bytes(
+  codec: str, anchor: np.ndarray, theta: np.ndarray, block_size: int
+) -> tuple[bytes, bytes]:
+  """The numpy codec's payload and scale bytes of δ = anchor − θ, as a push puts them on the wire
+  (`Codec.encode_runs` with θ as base): the reference the device encoder is checked against."""
   payloads, scales = [], []
-  for payload, run_scales in get_codec("int4", block_size).encode_runs(anchor, base=theta):
+  for payload, run_scales in get_codec(codec, block_size).encode_runs(anchor, base=theta):
     payloads.append(payload.tobytes())
     scales.append(np.asarray(run_scales, "<f4").tobytes())
   return b"".join(payloads), b"".join(scales)
+
+
+def delta_excess(
+  codec: str,
+  anchor: np.ndarray,
+  theta: np.ndarray,
+  payload: np.ndarray,
+  scales: np.ndarray,
+  *,
+  block_size: int,
+) -> float:
+  """How far the receiver's decode of an encoding of δ = anchor − θ goes beyond the codec's error
+  bound at worst (<= 0: within it everywhere).
+
+  The bound per value: fp32 exact; bf16 2^-8 of |δ| (round to nearest); int8 and int4 half a
+  step of the block's scale, plus float32's rounding of the division and of the decode's q · s
+  (2^-22 of |δ|); plus the smallest normal float32 everywhere (a backend may flush subnormals).
+
+  Raises:
+    ValueError: if the decoder refuses the bytes.
+  """
+  spec = get_codec(codec, block_size)
+  delta = np.asarray(anchor, np.float32).reshape(-1) - np.asarray(theta, np.float32).reshape(-1)
+  enc = Encoded(
+    codec=codec,
+    shape=(delta.size,),
+    dtype="float32",
+    payload=np.asarray(payload, np.uint8).tobytes(),
+    scales=np.asarray(scales, "<f4").tobytes(),
+    block_size=block_size if spec.quantized else 0,
+  )
+  exact = delta.astype(np.float64)
+  err = np.abs(decode(spec, enc).astype(np.float64) - exact)
+  tiny = float(np.finfo(np.float32).tiny)
+  if codec == "fp32":
+    bound = np.full(delta.size, tiny)
+  elif codec == "bf16":
+    bound = np.abs(exact) * 2.0**-8 + tiny
+  else:
+    step = np.repeat(np.asarray(scales, np.float64), block_size)[: delta.size]
+    bound = step / 2 + np.abs(exact) * 2.0**-22 + tiny
+  return float(np.max(err - bound)) if delta.size else 0.0

@@ -87,7 +87,7 @@ class FragmentEncoder:
         checked when merged; receivers check them again): with "fp32" and no base, a float32
         array's own bytes are the payload, handed out as they are (no copy, no pass over them).
       encoded: per key, its payload (uint8) and float32 scales, already encoded in this codec
-        (a learner's devices encode δ: fragments/device_int4.py); `values` then only name the
+        (a learner's devices encode δ: fragments/device_codec.py); `values` then only name the
         keys, shapes and dtypes, and no base is taken. Their sizes are checked here.
 
     Raises:

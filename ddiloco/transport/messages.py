@@ -57,7 +57,7 @@ def push_encoder(
 ) -> FragmentEncoder:
   """The encoder of a report's Push payload: θ, or with `anchor_values` δ = Θ^(anchor) − θ.
 
-  `encoded`: δ already encoded in `codec` (per key, payload and scales; fragments/device_int4.py);
+  `encoded`: δ already encoded in `codec` (per key, payload and scales; fragments/device_codec.py);
   needs `anchor_values`, which then give the keys, shapes and dtypes, and ignores report.values.
 
   Raises:

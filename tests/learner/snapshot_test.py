@@ -1,5 +1,6 @@
-"""An answer's snapshot (`learner/snapshot.py`): δ encoded on the devices is the host path's wire,
-byte for byte; the cases the device program cannot match fall back to the host."""
+"""An answer's snapshot (`learner/snapshot.py`): δ encoded on the devices, in every codec, is the
+host path's wire byte for byte on CPU; the cases with no valid device encoding fall back to the
+host, which refuses what must be refused."""
 
 import dataclasses
 
@@ -7,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from ddiloco.fragments import device_int4
+from ddiloco.fragments import device_codec
 from ddiloco.fragments import layout as layout_lib
 from ddiloco.learner.snapshot import FragmentSnapshot
 from ddiloco.protocol import Report
@@ -49,9 +50,10 @@ def _report(p, values):
   )
 
 
+@pytest.mark.parametrize("codec", device_codec.CODECS)
 @pytest.mark.parametrize("block_size", [64, 32])
 @pytest.mark.parametrize("split_large", [False, True], ids=["whole", "split"])
-def test_device_encoded_push_is_the_host_push_byte_for_byte(block_size, split_large):
+def test_device_encoded_push_is_the_host_push_byte_for_byte(codec, block_size, split_large):
   flat, layout = _layout(split_large)
   rng = np.random.default_rng(1)
   for p in range(layout.num_fragments):
@@ -61,11 +63,11 @@ def test_device_encoded_push_is_the_host_push_byte_for_byte(block_size, split_la
       k: (v + rng.standard_normal(v.shape).astype(np.float32) * np.float32(0.01)).astype(v.dtype)
       for k, v in theta.items()
     }
-    encoded = snap.encode_delta("int4", anchor, block_size)
-    assert encoded is not None and encoded.codec == "int4" and encoded.block_size == block_size
+    encoded = snap.encode_delta(codec, anchor, block_size)
+    assert encoded is not None and encoded.codec == codec and encoded.block_size == block_size
     assert set(encoded.entries) == set(theta)
-    host = _wire(_report(p, theta), anchor, block_size=block_size)
-    device = _wire(_report(p, {}), anchor, encoded.entries, block_size=block_size)
+    host = _wire(_report(p, theta), anchor, codec=codec, block_size=block_size)
+    device = _wire(_report(p, {}), anchor, encoded.entries, codec=codec, block_size=block_size)
     assert device == host
 
 
@@ -74,15 +76,16 @@ def test_the_host_encodes_where_the_device_declines():
   snap = _snapshot(flat, layout, 0)
   theta = snap()
   anchor = {k: v + np.float32(1) for k, v in theta.items()}
-  assert snap.encode_delta("int8", anchor, 64) is None  # Only int4 is encoded on the devices.
+  assert snap.encode_delta("fp8", anchor, 64) is None  # No device program: the host's to refuse.
   assert _snapshot(flat, layout, 0, device_encode=False).encode_delta("int4", anchor, 64) is None
   bad = dict(anchor)
   key = sorted(bad)[0]
   bad[key] = bad[key].copy()
   bad[key].flat[0] = np.nan  # The numpy codec refuses it; the device program must not guess.
-  assert snap.encode_delta("int4", bad, 64) is None
-  with pytest.raises(ValueError, match=r"non-finite"):
-    _wire(_report(0, theta), bad)
+  for codec in device_codec.CODECS:
+    assert snap.encode_delta(codec, bad, 64) is None
+    with pytest.raises(ValueError, match=r"non-finite|NaN"):
+      _wire(_report(0, theta), bad, codec=codec)
   with pytest.raises(ValueError, match="lacks keys"):
     snap.encode_delta("int4", {}, 64)
 
@@ -108,5 +111,5 @@ def test_a_device_error_leaves_the_encoding_to_the_host(monkeypatch):
   def fail(*args, **kwargs):
     raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory")
 
-  monkeypatch.setattr(device_int4, "encode_delta", fail)
+  monkeypatch.setattr(device_codec, "encode_delta", fail)
   assert snap.encode_delta("int4", anchor, 64) is None

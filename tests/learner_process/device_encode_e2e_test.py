@@ -1,14 +1,16 @@
-"""A learner whose devices encode its answers' δ (`LearnerConfig.device_encode`), driven end to end
-through a real syncer: the training loop, the senders, the link, the client and the bulk port, as
-on a GPU or TPU.
+"""A learner whose devices encode its answers' δ (`LearnerConfig.device_encode = "always"`, the
+accelerators' default path forced on CPU), driven end to end through a real syncer: the training
+loop, the senders, the link, the client and the data carrier, over every transport (the bulk port
+over TCP and over TLS, and the in-process carrier), in the uplink codecs a run uses.
 
-On CPU the learner turns device encoding off (learner/learner.py); the test turns it back on, with
-the snapshot an on-device copy (`snapshot_by_reference = False`, the accelerators' path), and
-checks that the syncer accepts and merges the device-encoded answers.
+The syncer decodes what it receives: the answers are accepted and merged, and every adopted
+version's digest agrees on both sides.
 
-Model: one block, d=32, byte vocabulary; P = 2 fragments, H = 2; int4 uplink, fp32 downlink.
+Model: one block, d=32, byte vocabulary; P = 2 fragments, H = 2; fp32 downlink.
 """
 
+import dataclasses
+import functools
 import threading
 
 import optax
@@ -26,18 +28,16 @@ from ddiloco.run_config import RunConfig
 from ddiloco.service import server as server_lib
 from ddiloco.service.service_config import ServiceConfig
 from ddiloco.syncer.types import SyncerConfig
+from ddiloco.testing import runs
 from ddiloco.transport.client import SyncerClient
 
-pytestmark = [
-  pytest.mark.integration,
-  pytest.mark.timeout(120),
-]  # Sockets and threads: a hang must fail the test.
+pytestmark = pytest.mark.timeout(120)  # Threads (and sockets): a hang must fail the test.
 
 L, B = 8, 8
 ONE_BLOCK = {"num_layers": 1, "d_model": 32, "num_heads": 2, "head_dim": 16, "mlp_dim": 64}
 
 
-def _job() -> JobConfig:
+def _job(codec: str) -> JobConfig:
   return JobConfig(
     run=RunConfig(
       model=configs.transformer_config("tiny", vocab_size=256, max_len=L, **ONE_BLOCK),
@@ -46,10 +46,10 @@ def _job() -> JobConfig:
       syncer=SyncerConfig(
         use_grace=False, min_quorum=1, outer_optimizer=lambda: optax.sgd(0.7), clock="slowest"
       ),
-      learner=LearnerConfig(blocking=True, device_encode=True),
+      learner=LearnerConfig(blocking=True, device_encode="always"),
       inner_opt=InnerOptConfig(warmup_steps=1, decay_steps=50),
       service=ServiceConfig(
-        uplink_codec="int4",
+        uplink_codec=codec,
         downlink_codec="fp32",
         heartbeat_interval_s=0.05,
         liveness_timeout_s=600,
@@ -60,14 +60,48 @@ def _job() -> JobConfig:
   )
 
 
-def test_device_encoded_answers_are_accepted_and_merged(tmp_path, monkeypatch):
-  job = _job()
+@pytest.fixture
+def serve(tmp_path, request):
+  """(transport) -> (the server, a client factory); everything stopped at the end."""
+  stops = []
+
+  def start(svc, transport):
+    if transport == "in_process":
+      srv = server_lib.serve_in_process(svc)
+      stops.append(srv.stop)
+      return srv, lambda: SyncerClient(channel=srv.channel(), deadline_s=10.0)
+    tls, trust = None, None
+    if transport == "tls":
+      tls = runs.self_signed_certificate(str(tmp_path), san="IP:127.0.0.1")
+      trust = tls[0]
+    srv = server_lib.serve(svc, tls=tls)
+    stops.append(functools.partial(srv.stop, grace_s=0.5))
+    return srv, lambda: SyncerClient(f"127.0.0.1:{srv.port}", tls_ca_file=trust, deadline_s=10.0)
+
+  yield start
+  for stop in stops:
+    stop()
+
+
+TRANSPORTS = [
+  "in_process",
+  pytest.param("tcp", marks=pytest.mark.integration),
+  pytest.param("tls", marks=pytest.mark.integration),
+]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("codec", ["int4", "bf16"])
+def test_device_encoded_answers_are_accepted_and_merged(
+  tmp_path, monkeypatch, serve, transport, codec
+):
+  job = _job(codec)
   encoded = []
   encode_delta = snapshot.FragmentSnapshot.encode_delta
 
   def recording(self, codec, anchor, block_size):
     result = encode_delta(self, codec, anchor, block_size)
-    encoded.append(result is not None)
+    encoded.append(None if result is None else result.codec)
     return result
 
   monkeypatch.setattr(snapshot.FragmentSnapshot, "encode_delta", recording)
@@ -81,18 +115,14 @@ def test_device_encoded_answers_are_accepted_and_merged(tmp_path, monkeypatch):
     layout_digest=factory.layout.digest,
     embedding_keys=factory.embedding_keys(),
   )
-  srv = server_lib.serve(svc)
-  client = SyncerClient(f"127.0.0.1:{srv.port}")
+  srv, connect = serve(svc, transport)
+  client = connect()
   try:
     worker, writer = runtime.make_learner_worker(
       job, learner_id=0, client=client, workdir=str(tmp_path / "learner"), connect_timeout_s=30.0
     )
-    learner = worker.learner
-    assert not learner.device.device_encode  # CPU: off, whatever the config says.
-    learner.device.snapshot_by_reference = False  # The accelerators' path: an on-device copy...
-    learner.device.device_encode = True  # ... whose δ the devices encode.
+    assert worker.learner.device.device_encode  # Forced on, on CPU.
     worker.connect()
-    assert client.bulk_port == srv.bulk.port
     # A blocking learner waits for merges: answers the syncer never files would hold it forever.
     summaries = []
     run = threading.Thread(target=lambda: summaries.append(worker.run(8)), daemon=True)
@@ -104,13 +134,19 @@ def test_device_encoded_answers_are_accepted_and_merged(tmp_path, monkeypatch):
     summary = summaries[0]
     assert summary["steps"] == 8  # Not stopped by the watchdog above.
     writer.close()
-    assert encoded and all(encoded), encoded  # Every answer went device-encoded.
+    assert encoded and encoded == [codec] * len(encoded), encoded  # All device-encoded.
     assert summary["push_status"].get("accepted", 0) == len(encoded), summary["push_status"]
     with svc.lock:
       merged = sum(svc.core.state(p).version for p in range(2))
     assert merged >= 2
     assert summary["digest_mismatches"] == 0
-    assert srv.bulk.calls["Push"] == len(encoded)
+    if transport != "in_process":
+      assert srv.bulk.calls["Push"] == len(encoded)
   finally:
     client.close()
-    srv.stop(grace_s=0.5)
+
+
+def test_the_learner_config_refuses_an_unknown_mode():
+  with pytest.raises(ValueError, match="device_encode must be one of"):
+    LearnerConfig(device_encode="sometimes")
+  assert dataclasses.replace(LearnerConfig(), device_encode="never").device_encode == "never"
