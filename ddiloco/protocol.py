@@ -14,7 +14,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -73,14 +73,32 @@ class Uplink(enum.Enum):
   THETA = "theta"  # θ itself, fp32: the learner holds no anchor of p (never received it).
 
 
+@dataclasses.dataclass(frozen=True)
+class EncodedDelta:
+  """A fragment's outer gradient δ, already encoded: what a push sends as its payload.
+
+  Attributes:
+    codec: the codec's name.
+    block_size: values per scale.
+    entries: per layout key, (payload as uint8, float32 scales; empty for fp32 and bf16).
+  """
+
+  codec: str
+  block_size: int
+  entries: dict[str, tuple[np.ndarray, np.ndarray]]
+
+
 class Theta(Protocol):
   """θ_p as an answer took it: a host copy, or a snapshot on the devices (learner/snapshot.py)."""
 
   def __call__(self) -> Mapping[str, np.ndarray]:
     """θ_p in host memory, keyed as the layout keys it."""
 
-  def encode_delta(self, codec: str, anchor: Mapping[str, np.ndarray], block_size: int) -> Any:
-    """δ = anchor − θ_p already encoded (a `device_codec.EncodedDelta`), or None: encode on the host."""
+  def encode_delta(
+    self, codec: str, anchor: Mapping[str, np.ndarray], block_size: int
+  ) -> EncodedDelta | None:
+    """δ = anchor − θ_p already encoded (on the devices: fragments/device_codec.py), or None:
+    encode on the host."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,25 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddiloco.fragments.compression import get_codec
+from ddiloco.protocol import EncodedDelta
+
+__all__ = ["CODECS", "DeviceEncoding", "EncodedDelta", "encode_delta"]
 
 CODECS = ("fp32", "bf16", "int8", "int4")  # The codecs with a device program.
 
 _TINY = float(np.finfo(np.float32).tiny)  # The smallest normal float32.
-
-
-@dataclasses.dataclass(frozen=True)
-class EncodedDelta:
-  """A fragment's outer gradient δ, encoded: what a push sends as its payload.
-
-  Attributes:
-    codec: the codec's name.
-    block_size: values per scale.
-    entries: per layout key, (payload as uint8, float32 scales; empty for fp32 and bf16).
-  """
-
-  codec: str
-  block_size: int
-  entries: dict[str, tuple[np.ndarray, np.ndarray]]
 
 
 @dataclasses.dataclass(frozen=True)

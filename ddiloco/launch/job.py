@@ -29,6 +29,10 @@ class JobConfig:
     senders: each learner process's sender threads per syncer shard, each with one push in
       flight (of different fragments; learner_process/senders.py); with its pull, at most each
       shard's `ServiceConfig.max_data_streams_per_learner`.
+    encode_workers: threads a learner process encodes one answer's δ on where its host encodes it
+      (a learner on CPU, a multi-process learner's leader, a fragment its devices cannot encode:
+      learner_process/link.py); 0 picks it: 1 for a learner on CPU, whose cores train, else half
+      the CPUs this process may use, at most 8.
     syncer_shards: S syncer processes, each with its own port, checkpoint and journal; learners
       learn the shards' addresses at Register (docs/architecture.md, "The sharded syncer"). With
       S > 1 every fragment of the schedule is cut into S slices (`FragmentSchedule.slices`, set
@@ -41,6 +45,7 @@ class JobConfig:
   processes_per_learner: int = 1
   model_parallelism: int = 1
   senders: int = 2
+  encode_workers: int = 0
   syncer_shards: int = 1
 
   def __post_init__(self):
@@ -55,6 +60,8 @@ class JobConfig:
     bad = [f"{name}={getattr(self, name)}" for name in counts if getattr(self, name) < 1]
     if bad:
       raise ValueError(f"{', '.join(bad)}: {', '.join(counts)} must be >= 1.")
+    if self.encode_workers < 0:
+      raise ValueError(f"encode_workers must be >= 0 (0: chosen), got {self.encode_workers}.")
     object.__setattr__(self, "run", _sliced(self.run, self.syncer_shards))
     service = self.run.the_service()
     if self.senders + 1 > service.max_data_streams_per_learner:

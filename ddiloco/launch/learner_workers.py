@@ -49,6 +49,7 @@ def worker_args(
     "batch_size": job.run.learner_batch_size(),
     "log_every": job.run.log_every,
     "senders": job.senders,
+    "encode_workers": job.encode_workers,
     "shards": job.syncer_shards,
     "connect_timeout_s": connect_timeout_s,
     "checkpointer": checkpointer,

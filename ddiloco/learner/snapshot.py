@@ -16,6 +16,7 @@ import numpy as np
 
 from ddiloco.fragments import device_codec
 from ddiloco.fragments.layout import FragmentLayout
+from ddiloco.protocol import EncodedDelta
 
 
 class FragmentSnapshot:
@@ -51,7 +52,7 @@ class FragmentSnapshot:
 
   def encode_delta(
     self, codec: str, anchor: Mapping[str, np.ndarray], block_size: int
-  ) -> device_codec.EncodedDelta | None:
+  ) -> EncodedDelta | None:
     """δ = anchor − θ_p encoded on the devices in `codec`, in host memory; None where the host must
     encode (`device_encode` off, a codec without a device program, a fragment with no valid device
     encoding, such as one with a NaN/Inf that the host codec then refuses by name:
@@ -76,4 +77,4 @@ class FragmentSnapshot:
       return None
     if not valid:
       return None
-    return device_codec.EncodedDelta(codec, block_size, dict(zip(keys, pairs)))
+    return EncodedDelta(codec, block_size, dict(zip(keys, pairs)))

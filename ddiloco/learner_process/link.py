@@ -16,12 +16,15 @@ for the protocol.
 
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+
+import numpy as np
 
 from ddiloco.learner.held import HeldVersions
-from ddiloco.protocol import Answer, FragmentState, ReportResult, Uplink
+from ddiloco.protocol import Answer, EncodedDelta, FragmentState, ReportResult, Uplink
 from ddiloco.transport import wire
 from ddiloco.transport.client import SyncerClient
+from ddiloco.transport.fragment_encoder import SPLIT_VALUES, encode_in_parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +50,9 @@ class SyncerLink:
     layout_digest: the fragment layout's digest, checked by the syncer at Register.
     held: the versions the learner holds (its kernel's, `LearnerKernel.held`); None: a store of
       the link's own (a link without a learner).
+    encode_workers: threads that encode one answer's δ where this host encodes it (the devices
+      did not): a fragment of at least `SPLIT_VALUES` values is encoded in that many parts at once
+      (`fragment_encoder.encode_in_parts`), the same bytes as one pass; 1: one pass, streamed.
   """
 
   def __init__(
@@ -57,8 +63,12 @@ class SyncerLink:
     layouts: list[wire.Layout],
     layout_digest: str,
     held: HeldVersions | None = None,
+    encode_workers: int = 1,
   ):
+    if encode_workers < 1:
+      raise ValueError(f"encode_workers must be >= 1, got {encode_workers}.")
     self.client = client
+    self.encode_workers = encode_workers
     self.learner_id = learner_id
     self.layouts = layouts
     self.layout_digest = layout_digest
@@ -177,7 +187,8 @@ class SyncerLink:
 
     θ comes from the answer's host copy or device snapshot: a snapshot may encode δ on the devices
     (fragments/device_codec.py), sent in its own codec and block size; otherwise θ is copied to the
-    host and δ is formed in the encoder's one pass. `on_copied` is called once the payload is in
+    host and δ is formed there, in the encoder's one pass while it is sent, or for a large
+    fragment on `encode_workers` threads first. `on_copied` is called once the payload is in
     host memory (the sender's latency split).
 
     Raises:
@@ -190,7 +201,15 @@ class SyncerLink:
       codec = "fp32"
     else:
       encoded = answer.theta.encode_delta(codec, answer.anchor, block_size)
-    report = answer.as_report(answer.theta() if encoded is None else {})
+    theta = answer.theta() if encoded is None else {}
+    if encoded is None and answer.uplink is Uplink.DELTA and self._in_parts(theta):
+      # Before anything is sent: a NaN/Inf θ raises here, named by key.
+      entries = encode_in_parts(
+        answer.anchor, codec, block_size=block_size, base=theta, workers=self.encode_workers
+      )
+      encoded = EncodedDelta(codec, block_size, entries)
+      theta = {}
+    report = answer.as_report(theta)
     if on_copied is not None:
       on_copied()
     if encoded is None:
@@ -202,6 +221,10 @@ class SyncerLink:
       anchor_values=answer.anchor,
       encoded=encoded.entries,
     )
+
+  def _in_parts(self, theta: Mapping[str, np.ndarray]) -> bool:
+    """Whether this host encodes θ's δ on `encode_workers` threads (see the class docstring)."""
+    return self.encode_workers > 1 and sum(np.size(v) for v in theta.values()) >= SPLIT_VALUES
 
   def heartbeat(self, step: int, step_time_s: float = 0.0):
     """One heartbeat (the learner's schedule step and step time); the HeartbeatResponse."""

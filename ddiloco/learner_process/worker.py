@@ -33,6 +33,7 @@ repeats and loses.
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -57,6 +58,14 @@ from ddiloco.transport.client import SyncerClient
 log = logging.getLogger(__name__)
 
 
+def default_encode_workers(learner: Learner) -> int:
+  """Threads for the host's encoding of an answer: 1 for a learner on CPU (its cores train), else
+  half the CPUs this process may use, at most 8 (`JobConfig.encode_workers`)."""
+  if learner.device.snapshot_by_reference:
+    return 1
+  return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+
+
 class LearnerWorker:
   """Runs one learner against the syncer service (see module docstring).
 
@@ -78,6 +87,8 @@ class LearnerWorker:
       then be checkpointable (`get_state`/`set_state`, as the grain iterators are).
     senders: sender threads per syncer shard, each with one push in flight (of different
       fragments): with one, an answer waits behind every slower push to its shard.
+    encode_workers: threads one answer's δ is encoded on where this host encodes it
+      (`JobConfig.encode_workers`; 0: `default_encode_workers`).
     shards: the syncer's shards (`JobConfig.syncer_shards`): pushes to different shards go out
       side by side (learner_process/senders.py).
     inbox: the queues between the background threads and the training thread (default: plain
@@ -105,6 +116,7 @@ class LearnerWorker:
     connect_timeout_s: float = 120.0,
     checkpointer: LearnerCheckpointer | None = None,
     senders: int = 2,
+    encode_workers: int = 0,
     shards: int = 1,
     inbox: Inbox | None = None,
     before_drain: Callable[[int, int], bool] | None = None,
@@ -131,6 +143,7 @@ class LearnerWorker:
       layouts=layouts,
       layout_digest=layout_digest,
       held=learner.kernel.held,
+      encode_workers=encode_workers or default_encode_workers(learner),
     )
     self.inbox = inbox if inbox is not None else Inbox()
     self.session = SyncerSession(

@@ -6,10 +6,8 @@ newest version only; a learner that holds an older version (or none) gets the fu
 which is exact.
 """
 
-import math
 import os
 import sys
-import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -18,11 +16,12 @@ from ddiloco.fragments import compression
 from ddiloco.syncer import blockwise
 from ddiloco.transport import state_messages
 from ddiloco.transport.chunks import ArrayPool
-from ddiloco.transport.fragment_encoder import FragmentEncoder, serialize_chunks
-
-# Fragments of fewer values are adopted on the calling thread alone: a thread's start and join
-# (~0.1 ms) would cost more than half of their encoding saves.
-SPLIT_VALUES = 1 << 18
+from ddiloco.transport.fragment_encoder import (
+  SPLIT_VALUES,
+  FragmentEncoder,
+  encode_in_parts,
+  serialize_chunks,
+)
 
 
 class DownlinkAdopter:
@@ -100,59 +99,15 @@ class DownlinkAdopter:
   def _split_chunks(self, new, prev, received) -> list[bytes]:
     """The chunks of `serialize_chunks(new, base=prev, received=received)`, encoded in parts on
     `workers` threads (see the class docstring)."""
-    codec = compression.get_codec(self._codec, self._block)
-    keys = sorted(new)
-    sizes = {k: int(np.size(new[k])) for k in keys}
-    specs = []
-    for k in keys:
-      payload, scales = codec.nbytes(sizes[k])
-      specs += [(payload, np.dtype(np.uint8)), (scales // 4, np.dtype(np.float32))]
-    arrays = self._encoded.arrays(specs)
-    encoded = {k: (arrays[2 * i], arrays[2 * i + 1]) for i, k in enumerate(keys)}
-    # Parts start on a block and on a whole payload unit (int4: two values a byte).
-    grain = math.lcm(self._block if codec.quantized else 1, codec.values_per_unit)
-    share = -(-sum(sizes.values()) // self._workers)
-    parts: list[list[tuple[str, int, int]]] = [[] for _ in range(self._workers)]
-    done = 0
-    for k in keys:
-      start = 0
-      while start < sizes[k]:
-        w = min(done // share, self._workers - 1)
-        cut = (w + 1) * share - done  # Values left to this worker's share.
-        stop = sizes[k] if w == self._workers - 1 else min(sizes[k], start + cut)
-        stop = min(sizes[k], -(-stop // grain) * grain)
-        parts[w].append((k, start, stop))
-        done += stop - start
-        start = stop
-    errors: list[BaseException] = []
-
-    def encode(part: list[tuple[str, int, int]]) -> None:
-      try:
-        for k, start, stop in part:
-          x = np.ravel(np.asarray(new[k]))[start:stop]
-          b = np.ravel(np.asarray(prev[k]))[start:stop]
-          payload, scales = encoded[k]
-          at = start // codec.values_per_unit * codec.unit_bytes
-          s_at = start // self._block if codec.quantized else 0
-          runs = codec.encode_runs(x, base=b, into=received[k][start:stop])
-          for run_payload, run_scales in runs:
-            payload[at : at + run_payload.size] = run_payload
-            scales[s_at : s_at + run_scales.size] = run_scales
-            at, s_at = at + run_payload.size, s_at + run_scales.size
-      except BaseException as e:  # Re-raised on the calling thread, below.
-        errors.append(e)
-
-    helpers = [threading.Thread(target=encode, args=(part,), daemon=True) for part in parts[1:]]
-    for t in helpers:
-      t.start()
-    encode(parts[0])
-    for t in helpers:
-      t.join()
-    if errors:
-      # The whole fragment again on this thread, for the error it raises (named by key, counted
-      # over the whole array); it cannot succeed where a part failed.
-      list(serialize_chunks(new, self._codec, block_size=self._block, base=prev, received=received))
-      raise errors[0]
+    encoded = encode_in_parts(
+      new,
+      self._codec,
+      block_size=self._block,
+      base=prev,
+      workers=self._workers,
+      received=received,
+      allocate=self._encoded.arrays,
+    )
     encoder = FragmentEncoder(new, self._codec, block_size=self._block, encoded=encoded)
     return list(encoder.chunks(self._chunk))
 

@@ -5,7 +5,8 @@ The format is described in `wire`; `fragment_reader` reads it back.
 
 import math
 import struct
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -21,6 +22,10 @@ from ddiloco.transport.wire import (
   U16,
   resolve_dtype,
 )
+
+# Fragments of fewer values are encoded on the calling thread alone (`encode_in_parts`'s callers):
+# a thread's start and join (~0.1 ms) would cost more than half of what a second part saves.
+SPLIT_VALUES = 1 << 18
 
 # Values per run of an unquantized payload sent piece by piece (`framed`): 1 MiB of float32,
 # a quarter of the calls per byte of `RUN_VALUES` for about the same cache behaviour.
@@ -298,3 +303,96 @@ def outer_gradient_encoder(
     ValueError: as `FragmentEncoder`; while encoding, on a NaN/Inf in δ (a NaN/Inf θ).
   """
   return FragmentEncoder(anchor, codec_name, block_size=block_size, base=theta)
+
+
+def encode_in_parts(
+  values: Mapping[str, np.ndarray],
+  codec_name: str,
+  *,
+  block_size: int = 64,
+  base: Mapping[str, np.ndarray] | None = None,
+  workers: int,
+  received: Mapping[str, np.ndarray] | None = None,
+  allocate: Callable[[list[tuple[int, np.dtype]]], list[np.ndarray]] | None = None,
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """Each key's payload and scales of `values` (− `base`) in `codec_name`, encoded in `workers`
+  parts of about equal size, each on its own thread (numpy releases the GIL in its loops).
+
+  A value's bytes, scales and decoded value depend only on its own block, so parts cut at block
+  (and payload unit: int4's byte) boundaries give the bytes of one encoding of the whole, which
+  `FragmentEncoder(..., encoded=)` then frames. The calling thread encodes the first part.
+
+  Args:
+    values, base, received: as `FragmentEncoder`'s (`received` filled part by part).
+    codec_name, block_size: the codec.
+    workers: parts (threads), >= 1.
+    allocate: makes the output arrays from (count, dtype) specs, a payload's (uint8) and its
+      scales' (float32) per key in sorted key order (a pool's); default `np.empty`.
+
+  Raises:
+    ValueError: on workers < 1, or on a value the codec refuses (a NaN/Inf: named by key and
+      counted over its whole array, as `FragmentEncoder.pieces` says it).
+  """
+  if workers < 1:
+    raise ValueError(f"workers must be >= 1, got {workers}.")
+  codec = compression.get_codec(codec_name, block_size)
+  keys = sorted(values)
+  sizes = {k: int(np.size(values[k])) for k in keys}
+  specs = []
+  for k in keys:
+    payload, scales = codec.nbytes(sizes[k])
+    specs += [(payload, np.dtype(np.uint8)), (scales // 4, np.dtype(np.float32))]
+  arrays = allocate(specs) if allocate is not None else [np.empty(n, d) for n, d in specs]
+  encoded = {k: (arrays[2 * i], arrays[2 * i + 1]) for i, k in enumerate(keys)}
+  grain = math.lcm(block_size if codec.quantized else 1, codec.values_per_unit)
+  share = -(-sum(sizes.values()) // workers)
+  parts: list[list[tuple[str, int, int]]] = [[] for _ in range(workers)]
+  done = 0
+  for k in keys:
+    start = 0
+    while start < sizes[k]:
+      w = min(done // share, workers - 1)
+      cut = (w + 1) * share - done  # Values left to this worker's share.
+      stop = sizes[k] if w == workers - 1 else min(sizes[k], start + cut)
+      stop = min(sizes[k], -(-stop // grain) * grain)
+      parts[w].append((k, start, stop))
+      done += stop - start
+      start = stop
+  failed: list[tuple[str, BaseException]] = []
+
+  def encode(part: list[tuple[str, int, int]]) -> None:
+    key = ""
+    try:
+      for key, start, stop in part:
+        x = np.ravel(np.asarray(values[key]))[start:stop]
+        b = None if base is None else np.ravel(np.asarray(base[key]))[start:stop]
+        into = None if received is None else received[key][start:stop]
+        payload, scales = encoded[key]
+        at = start // codec.values_per_unit * codec.unit_bytes
+        s_at = start // block_size if codec.quantized else 0
+        for run_payload, run_scales in codec.encode_runs(x, base=b, into=into):
+          payload[at : at + run_payload.size] = run_payload
+          scales[s_at : s_at + run_scales.size] = run_scales
+          at, s_at = at + run_payload.size, s_at + run_scales.size
+    except BaseException as e:  # Re-raised on the calling thread, below.
+      failed.append((key, e))
+
+  helpers = [threading.Thread(target=encode, args=(part,), daemon=True) for part in parts[1:]]
+  for t in helpers:
+    t.start()
+  encode(parts[0])
+  for t in helpers:
+    t.join()
+  if failed:
+    key, error = min(failed, key=lambda f: f[0])
+    if not isinstance(error, ValueError):
+      raise error
+    # The key's whole array again on this thread, for the error counted over all of it.
+    b = None if base is None else base[key]
+    try:
+      for _ in codec.encode_runs(values[key], base=b):
+        pass
+    except ValueError as e:
+      raise ValueError(f"{key!r}: {e}") from e
+    raise ValueError(f"{key!r}: {error}") from error
+  return encoded
