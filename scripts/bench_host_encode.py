@@ -5,7 +5,8 @@
 Where a learner's host encodes δ = Θ^(anchor) − θ (a learner on CPU, a multi-process learner's
 leader, a fragment its devices cannot encode), its link either encodes in the one pass that frames
 the push as it is sent (`FragmentEncoder.pieces`, one thread) or, with `JobConfig.encode_workers`
-> 1, first in parts on threads (`fragment_encoder.encode_in_parts`) and then frames the bytes. Both
+> 1, first in parts on threads (`fragment_encoder.encode_in_parts`, into memory it reuses) and
+then frames the bytes. Both
 are timed here side by side in one run on one fragment of `--mib` MiB of float32 (the pieces are
 consumed, not sent): median wall and process CPU seconds of `--reps` repetitions, GB/s of fp32
 values, and each row's wall against the streamed pass. Wall ratios need as many idle cores as
@@ -24,6 +25,7 @@ import time
 import numpy as np
 from absl import app, flags
 
+from ddiloco.syncer.blockwise import OutputBuffer
 from ddiloco.transport.fragment_encoder import FragmentEncoder, encode_in_parts
 
 _MIB = flags.DEFINE_integer("mib", 64, "MiB of float32 values in the fragment")
@@ -77,9 +79,10 @@ def main(argv: list[str]) -> None:
 
         name = "streamed, 1 thread"
       else:
+        out = OutputBuffer()  # The link's: each sender thread reuses its own.
 
-        def run(codec=codec, workers=workers):
-          parts = encode_in_parts(anchor, codec, base=theta, workers=workers)
+        def run(codec=codec, workers=workers, out=out):
+          parts = encode_in_parts(anchor, codec, base=theta, workers=workers, allocate=out.arrays)
           return _consume(FragmentEncoder(anchor, codec, encoded=parts))
 
         name = f"parts, {workers} threads"

@@ -20,8 +20,10 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from ddiloco.fragments import compression
 from ddiloco.learner.held import HeldVersions
 from ddiloco.protocol import Answer, EncodedDelta, FragmentState, ReportResult, Uplink
+from ddiloco.syncer.blockwise import OutputBuffer
 from ddiloco.transport import wire
 from ddiloco.transport.client import SyncerClient
 from ddiloco.transport.fragment_encoder import SPLIT_VALUES, encode_in_parts
@@ -51,8 +53,10 @@ class SyncerLink:
     held: the versions the learner holds (its kernel's, `LearnerKernel.held`); None: a store of
       the link's own (a link without a learner).
     encode_workers: threads that encode one answer's δ where this host encodes it (the devices
-      did not): a fragment of at least `SPLIT_VALUES` values is encoded in that many parts at once
-      (`fragment_encoder.encode_in_parts`), the same bytes as one pass; 1: one pass, streamed.
+      did not) in a lossy codec: a fragment of at least `SPLIT_VALUES` values is encoded in that
+      many parts at once (`fragment_encoder.encode_in_parts`), the same bytes as one pass, into
+      memory each sender thread reuses; 1, or fp32 (a subtraction, faster streamed than the
+      parts' copy: scripts/bench_host_encode.py): one pass, streamed as it is sent.
   """
 
   def __init__(
@@ -69,6 +73,7 @@ class SyncerLink:
       raise ValueError(f"encode_workers must be >= 1, got {encode_workers}.")
     self.client = client
     self.encode_workers = encode_workers
+    self._local = threading.local()  # Each sender thread's output memory for encoded parts.
     self.learner_id = learner_id
     self.layouts = layouts
     self.layout_digest = layout_digest
@@ -202,10 +207,15 @@ class SyncerLink:
     else:
       encoded = answer.theta.encode_delta(codec, answer.anchor, block_size)
     theta = answer.theta() if encoded is None else {}
-    if encoded is None and answer.uplink is Uplink.DELTA and self._in_parts(theta):
+    if encoded is None and answer.uplink is Uplink.DELTA and self._in_parts(codec, theta):
       # Before anything is sent: a NaN/Inf θ raises here, named by key.
       entries = encode_in_parts(
-        answer.anchor, codec, block_size=block_size, base=theta, workers=self.encode_workers
+        answer.anchor,
+        codec,
+        block_size=block_size,
+        base=theta,
+        workers=self.encode_workers,
+        allocate=self._output().arrays,
       )
       encoded = EncodedDelta(codec, block_size, entries)
       theta = {}
@@ -222,9 +232,20 @@ class SyncerLink:
       encoded=encoded.entries,
     )
 
-  def _in_parts(self, theta: Mapping[str, np.ndarray]) -> bool:
+  def _in_parts(self, codec: str, theta: Mapping[str, np.ndarray]) -> bool:
     """Whether this host encodes θ's δ on `encode_workers` threads (see the class docstring)."""
-    return self.encode_workers > 1 and sum(np.size(v) for v in theta.values()) >= SPLIT_VALUES
+    return (
+      self.encode_workers > 1
+      and not compression.codec_class(codec).exact
+      and sum(np.size(v) for v in theta.values()) >= SPLIT_VALUES
+    )
+
+  def _output(self) -> OutputBuffer:
+    """This thread's memory for encoded parts: its push is sent before it encodes another."""
+    buffer = getattr(self._local, "buffer", None)
+    if buffer is None:
+      buffer = self._local.buffer = OutputBuffer()
+    return buffer
 
   def heartbeat(self, step: int, step_time_s: float = 0.0):
     """One heartbeat (the learner's schedule step and step time); the HeartbeatResponse."""

@@ -120,12 +120,13 @@ def test_a_link_encodes_a_large_answer_in_parts_with_the_bytes_of_one_pass(codec
   assert wires[0] == wires[1]
 
 
-def test_a_link_sends_a_small_answer_in_one_streamed_pass():
-  theta = {"w": np.ones(100, np.float32)}
+@pytest.mark.parametrize("size, codec", [(100, "int4"), (SPLIT_VALUES, "fp32")])
+def test_a_link_streams_a_small_or_an_fp32_answer_in_one_pass(size, codec):
+  theta = {"w": np.ones(size, np.float32)}
   client = _Client()
   link = SyncerLink(client, learner_id=0, layouts=[{}], layout_digest="", encode_workers=4)
-  link.codec = "int4"
-  link.push(_answer(theta, {"w": np.zeros(100, np.float32)}))
+  link.codec = codec
+  link.push(_answer(theta, {"w": np.zeros(size, np.float32)}))
   assert client.pushes[0][2].get("encoded") is None
 
 
