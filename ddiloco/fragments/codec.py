@@ -142,8 +142,10 @@ class Codec:
       into: with `base`, a flat array of x's size filled run by run with what a receiver holding
         `base` makes of the bytes, cast(float32(base) + decoded) (`run_decoder.add_base`), bit
         for bit (`encode_run_into`); the runs then yield (payload, scales) only.
-      run_values: values per run of an unquantized codec (default `RUN_VALUES`): a sender that
-        hands each run to the kernel as it is made takes longer runs, fewer calls per byte.
+      run_values: values per run (default `RUN_VALUES`; whole blocks and payload units): a
+        sender that hands each run to the kernel as it is made, or encodes on several threads
+        (which contend for the interpreter between numpy's calls), takes longer runs, fewer calls
+        per byte.
 
     Yields:
       (payload bytes as a uint8 array, float32 scales of the run's blocks; empty for fp32/bf16),
@@ -165,7 +167,7 @@ class Codec:
     n = flat.size
     if into is not None:
       run = self._run_length(INTO_RUN_VALUES)
-    elif run_values is not None and not self.quantized:
+    elif run_values is not None:
       run = self._run_length(run_values)
     else:
       run = self._run_length(RUN_VALUES)
@@ -188,7 +190,7 @@ class Codec:
         elif decoded:
           encoded = self.encode_run_decoded(x32)
         else:
-          encoded = self.encode_run(x32)
+          encoded = self.encode_run_in(x32, work)
       except NonFiniteRun:
         raise _non_finite_error(self._count_non_finite(flat, base_flat)) from None
       yield encoded
@@ -199,6 +201,17 @@ class Codec:
     A codec with `checks_finite` raises `NonFiniteRun` for a run with a NaN/Inf instead.
     """
     raise NotImplementedError
+
+  def encode_run_in(self, x32: np.ndarray, work: "RunScratch") -> tuple[np.ndarray, np.ndarray]:
+    """`encode_run(x32)`, its temporaries and payload in `work`'s scratch memory (reused from run
+    to run, so the payload is overwritten by the next run's); `x32` may be overwritten.
+
+    The default is `encode_run`. A codec whose encoding makes per-value temporaries overrides it:
+    fresh memory each run costs allocation and page faults, which threads encoding at once
+    contend on (scripts/bench_host_encode.py).
+    """
+    del work
+    return self.encode_run(x32)
 
   def encode_run_decoded(self, x32: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`encode_run(x32)` and the float32 values `decode_run` gives back for those bytes.

@@ -262,6 +262,12 @@ class Int8(_BlockQuantized):
     q += np.float32(0)  # -0.0 -> +0.0, as int8 -> float32 gives it; the rest as `decode_run`.
     return payload, scales, self._scaled(q, 0, scales)
 
+  def encode_run_in(self, x32, work):
+    q, _, scales = self._quantize_into(x32, work)
+    payload = work.get("payload", q.size, np.int8)
+    np.copyto(payload, q, casting="unsafe")
+    return payload.view(np.uint8), scales
+
   def encode_run_into(self, x32, base32, out, work):
     q, per, scales = self._quantize_into(x32, work)
     payload = work.get("payload", q.size, np.int8)
@@ -296,8 +302,20 @@ class Int4(_BlockQuantized):
     codes -= np.float32(8)  # The code's value as `decode_run` forms it: float32(code) − 8.
     return payload, scales, self._scaled(codes, 0, scales)
 
+  def encode_run_in(self, x32, work):
+    q, _, scales = self._quantize_into(x32, work)
+    return self._packed(q, work), scales
+
   def encode_run_into(self, x32, base32, out, work):
     q, per, scales = self._quantize_into(x32, work)
+    payload = self._packed(q, work)
+    q += np.float32(0)  # -0.0 becomes +0.0, as `decode_run`'s float32(code) − 8 gives it.
+    self._adopt(q, per, base32, out)
+    return payload, scales
+
+  @staticmethod
+  def _packed(q: np.ndarray, work: RunScratch) -> np.ndarray:
+    """The payload of integers q in [-7, 7] (float32), in `work`'s scratch."""
     n = q.size
     codes = work.get("codes", n + n % 2, np.uint8)
     # q as int8 (exact: integers in [-7, 7]), then + 8 in uint8: the codes, one byte a value
@@ -305,15 +323,13 @@ class Int4(_BlockQuantized):
     np.copyto(codes[:n].view(np.int8), q, casting="unsafe")
     np.add(codes[:n], np.uint8(8), out=codes[:n])
     codes[n:] = 8  # The padding nibble of an odd count.
-    q += np.float32(0)  # -0.0 becomes +0.0, as `decode_run`'s float32(code) − 8 gives it.
     pairs = codes.view("<u2")  # As `_encoded`: lo | hi << 4 in the low byte of lo + 256·hi.
     wide = work.get("wide", pairs.size, np.uint16)
     np.right_shift(pairs, 4, out=wide)
     np.bitwise_or(wide, pairs, out=wide)
     payload = work.get("payload", pairs.size, np.uint8)
     np.copyto(payload, wide, casting="unsafe")
-    self._adopt(q, per, base32, out)
-    return payload, scales
+    return payload
 
   def _encoded(self, x32: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(payload, scales, the codes q + 8 as float32)."""

@@ -27,9 +27,11 @@ from ddiloco.transport.wire import (
 # a thread's start and join (~0.1 ms) would cost more than half of what a second part saves.
 SPLIT_VALUES = 1 << 18
 
-# Values per run of an unquantized payload sent piece by piece (`framed`): 1 MiB of float32,
-# a quarter of the calls per byte of `RUN_VALUES` for about the same cache behaviour.
-_SEND_RUN_VALUES = 1 << 18
+# Values per run of a payload sent piece by piece (`framed`) or encoded in parts: 1 MiB of
+# float32, a quarter of the calls per byte of `RUN_VALUES` for about the same cache behaviour
+# (int4 of 64 MiB: 20.8 against 24.3 ms on one thread, and 14.1 against 26.0 ms on two, which
+# contend for the interpreter between numpy's calls; scripts/bench_host_encode.py).
+SEND_RUN_VALUES = 1 << 18
 
 
 def _entry_head(key: str, shape: tuple[int, ...], dtype: str, codec: Codec) -> bytes:
@@ -217,7 +219,7 @@ class FragmentEncoder:
 
   def _framed(self, chunk_size: int, head: Prefix) -> Iterator[bytes | memoryview]:
     index, left, done = 0, 0, 0
-    for piece in self.pieces(_SEND_RUN_VALUES):
+    for piece in self.pieces(SEND_RUN_VALUES):
       view = memoryview(piece).cast("B")
       while view:
         if not left:
@@ -370,7 +372,8 @@ def encode_in_parts(
         payload, scales = encoded[key]
         at = start // codec.values_per_unit * codec.unit_bytes
         s_at = start // block_size if codec.quantized else 0
-        for run_payload, run_scales in codec.encode_runs(x, base=b, into=into):
+        runs = codec.encode_runs(x, base=b, into=into, run_values=SEND_RUN_VALUES)
+        for run_payload, run_scales in runs:
           payload[at : at + run_payload.size] = run_payload
           scales[s_at : s_at + run_scales.size] = run_scales
           at, s_at = at + run_payload.size, s_at + run_scales.size

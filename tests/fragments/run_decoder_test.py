@@ -43,7 +43,7 @@ def _int4(n: int, block_size: int, seed: int = 0) -> tuple[Int4, bytes, np.ndarr
   x[block_size : 2 * block_size] *= np.float32(1e-44)  # A subnormal scale.
   x[-1] = np.float32(3e38)  # q · s near float32's top.
   codec = Int4(block_size=block_size)
-  runs = list(codec.encode_runs(x))
+  runs = [(p.copy(), s.copy()) for p, s in codec.encode_runs(x)]  # Runs reuse their memory.
   return codec, b"".join(p.tobytes() for p, _ in runs), np.concatenate([s for _, s in runs])
 
 
