@@ -291,8 +291,8 @@ class SyncerRun:
       if self._others is None and self._others_initial:
         self._others_initial = False  # Used once: version 0's evaluation.
         others = [p for p in range(self.layout.num_fragments) if not self.service.core.owns(p)]
-        init = self.factory.global_init_values(others)
-        self._others = {p: self.layout.select(init, p) for p in others}
+        init = self.factory.global_init_values(others)  # Keyed as the layout keys them.
+        self._others = {p: {k: init[k] for k in self.layout.fragments[p]} for p in others}
       if self._others is None:
         return None
       states = [self._others.get(p, vals) for p, vals in enumerate(states)]
