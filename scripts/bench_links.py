@@ -14,8 +14,10 @@ records:
   logged step: start-up and compilation left out), averaged over the learners;
 - `util_model`: the bandwidth model's prediction for the same settings (goodput/bandwidth.py,
   `DiLoCoLink` with the unshaped run's step time, P, H, τ and codec, the link shared by the M
-  learners: rate / M each, each way), and `knee_mbit`, the rate it needs for every fragment to
-  cross in time (M x `required_gbps`);
+  learners: rate / M each, each way) for the job's learners, which never wait
+  (`learner_utilization`: 1); `util_waiting_model`, its prediction for a learner that waits for
+  its fragments (`utilization`, Streaming DiLoCo's); `knee_mbit`, the rate it needs for every
+  fragment to cross in time (M x `required_gbps`), and `link_load`, the knee over the rate;
 - `control_p50_s`, `control_p99_s`: the latency of Status and Heartbeat calls made every 0.2 s
   from the learners' side while the data crosses the link (a Heartbeat of an id never registered:
   the same server threads and lock as a learner's, answered `registered=False`);
@@ -257,11 +259,14 @@ def _compare(row: dict, reference: dict) -> dict:
   )
   ratios = [t0 / t for t0, t in zip(reference["step_time_s"], row["step_time_s"], strict=True)]
   rate = row["rate_mbit"]
-  model = 1.0 if rate is None else float(link.utilization(rate / 1e3 / row["learners"]))
+  gbps = None if rate is None else rate / 1e3 / row["learners"]
+  waiting = 1.0 if gbps is None else float(link.utilization(gbps))
   return {
     "util_measured": round(float(np.mean(ratios)), 4),
-    "util_model": round(model, 4),
+    "util_model": 1.0 if gbps is None else float(link.learner_utilization(gbps)),
+    "util_waiting_model": round(waiting, 4),
     "knee_mbit": round(link.required_gbps() * 1e3 * row["learners"], 3),
+    "link_load": None if gbps is None else round(float(link.link_load(gbps)), 3),
   }
 
 

@@ -174,6 +174,22 @@ class DiLoCoLink:
     """Bandwidth per direction at which every fragment arrives on time (100 % utilization)."""
     return max(self.deadline_gbps, self.sustained_gbps)
 
+  def link_load(self, gbps: np.ndarray | float) -> np.ndarray:
+    """ρ: the bandwidth the schedule needs over the bandwidth given (`required_gbps() / gbps`);
+    above 1 the link cannot carry every fragment in time."""
+    return self.required_gbps() / np.asarray(gbps, dtype=np.float64)
+
+  def learner_utilization(self, gbps: np.ndarray | float) -> np.ndarray:
+    """Compute utilization of a Decoupled DiLoCo learner: 1 at any bandwidth.
+
+    It never waits for the link (docs/algorithm.md §3): its senders push in the background, and a
+    newer answer of a fragment replaces one not yet sent. What a slow link costs it is answers
+    that miss their rounds or weigh nothing (the merged fraction, measured by
+    scripts/bench_links.py; not predicted here), not steps. `utilization` is the learner that
+    waits.
+    """
+    return np.ones_like(np.asarray(gbps, dtype=np.float64))
+
   def utilization(self, gbps: np.ndarray | float) -> np.ndarray:
     """Utilization of a learner that waits for late fragments (Streaming DiLoCo's behaviour).
 

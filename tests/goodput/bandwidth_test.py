@@ -84,6 +84,9 @@ def test_diloco_utilization_is_link_limited_below_the_requirement():
   link = bandwidth.DiLoCoLink(params=_PARAMS, inner_steps=48)
   need = link.required_gbps()
   np.testing.assert_allclose(link.utilization([need / 2, need, 10 * need]), [0.5, 1.0, 1.0])
+  np.testing.assert_allclose(link.link_load([need / 2, need, 10 * need]), [2.0, 1.0, 0.1])
+  # A Decoupled learner never waits: the link costs it merged answers, not steps.
+  np.testing.assert_allclose(link.learner_utilization([need / 2, need]), [1.0, 1.0])
 
 
 @pytest.mark.parametrize(

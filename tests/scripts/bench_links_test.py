@@ -42,3 +42,5 @@ def test_one_codec_unshaped_and_at_one_rate(tmp_path):
       assert row[key] is not None and row[key] >= 0, key
     assert row["digests_agree"] and row["merges"] > 0
   assert unshaped["util_measured"] == 1.0 and shaped["knee_mbit"] > 0
+  assert abs(shaped["link_load"] - shaped["knee_mbit"] / 8) < 1e-3 and shaped["util_model"] == 1.0
+  assert 0 < shaped["util_waiting_model"] <= 1
