@@ -13,6 +13,12 @@ together and go to S shards: there are `count` threads per shard, and a thread t
 while its shard (fragment p's is p mod S, fragments/shards.py) has fewer than `count` pushes in
 flight. So pushes to different shards never wait behind each other, and each shard sees at most
 `count` pushes of this learner at once, as an unsharded syncer does.
+
+A push that fails for a transient reason (the shard down, the connection cut) is queued again and
+its shard backs off (`Backoff`, per shard): its answers wait out the delay while the threads go on
+pushing the other shards' answers. A thread never sleeps in a backoff: with every thread asleep
+after a down shard's failures (its answers being the oldest queued), a healthy shard's answers
+waited seconds at a time and missed their rounds.
 """
 
 import collections
@@ -92,6 +98,9 @@ class Senders:
     self.count = count * shards
     self._per_shard, self._shards = count, shards
     self._busy = [0] * shards  # Pushes in flight to each shard.
+    # Each shard's backoff after a transient failure, and when its answers may go again.
+    self._backoff = [Backoff(seed=1000 + 100 * s + learner_id) for s in range(shards)]
+    self._retry_at = [0.0] * shards
     self._id = learner_id
     self._link = link
     self._session = session
@@ -159,25 +168,34 @@ class Senders:
   def _shard(self, p: int) -> int:
     return shards_lib.shard_of(p, self._shards)
 
-  def _ready_jobs(self) -> list[int]:
-    """Fragments with a queued push and none in flight, whose shard has a push to spare (caller
-    holds the lock)."""
+  def _ready_jobs(self, now: float) -> list[int]:
+    """Fragments with a queued push and none in flight, whose shard has a push to spare and is
+    not backing off (caller holds the lock)."""
     return [
       q
       for q in self._jobs
-      if q not in self._sending and self._busy[self._shard(q)] < self._per_shard
+      if q not in self._sending
+      and self._busy[self._shard(q)] < self._per_shard
+      and self._retry_at[self._shard(q)] <= now
     ]
+
+  def _wait_s(self, now: float) -> float | None:
+    """How long a thread with nothing ready may sleep: until the first backing-off shard with
+    queued answers may push again (None: until woken). Caller holds the lock."""
+    due = [self._retry_at[self._shard(q)] for q in self._jobs if q not in self._sending]
+    due = [t for t in due if t > now]
+    return max(0.0, min(due) - now) if due else None
 
   def run(self, k: int = 0) -> None:
     """One of `count` threads: pushes the oldest queued answer whose fragment has no push in
     flight and whose shard has a push to spare. Several pushes in flight keep answers from
     queueing behind a slow one."""
-    backoff = Backoff(seed=1000 + 100 * k + self._id)
+    del k  # Threads are alike; backoffs are per shard.
     while True:
       with self._cv:
-        while not self._ready_jobs() and not self._stop.is_set():
-          self._cv.wait()
-        ready = self._ready_jobs()
+        while not self._ready_jobs(time.monotonic()) and not self._stop.is_set():
+          self._cv.wait(self._wait_s(time.monotonic()))
+        ready = self._ready_jobs(time.monotonic())
         if not ready:  # Stopping: what is left is another sender's to finish.
           return
         p = min(ready, key=lambda q: self._jobs[q].answer.step)
@@ -207,7 +225,13 @@ class Senders:
       with self._cv:
         self._in_flight -= 1
         self._sending.discard(p)
-        self._busy[self._shard(p)] -= 1
+        shard = self._shard(p)
+        self._busy[shard] -= 1
+        if result is None:  # Its shard waits; the threads go on with the other shards'.
+          self._retry_at[shard] = time.monotonic() + self._backoff[shard].next_delay()
+        else:
+          self._backoff[shard].reset()
+          self._retry_at[shard] = 0.0
         newer = self._jobs.get(p)
         if result is None and newer is None and not self._stop.is_set():
           self._jobs[p] = job  # Retry unless a newer snapshot of p replaced it.
@@ -216,11 +240,8 @@ class Senders:
           self._jobs[p] = _fold(job, newer)
           self._results.put((p, job.answer.step, newer.answer.step))
         self._cv.notify_all()
-      if result is None:
-        self._stop.wait(backoff.next_delay())
-        continue
-      backoff.reset()
-      self._results.put((p, job.answer.step, result))
+      if result is not None:
+        self._results.put((p, job.answer.step, result))
 
   def _push(self, job: _Job) -> ReportResult:
     job.picked_at = time.monotonic()

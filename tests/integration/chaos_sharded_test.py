@@ -5,6 +5,7 @@ A few minutes on 2 loaded cores; in the e2e tier (`bash scripts/run_e2e_tests.sh
 `ddiloco.chaos.driver.ChaosRun` with gin_configs/chaos/sharded.gin.
 """
 
+import itertools
 import re
 
 import pytest
@@ -32,7 +33,10 @@ def test_a_shard_killed_alone_loses_no_merge_and_every_invariant_holds(tmp_path)
   back_at = next(r["t"] for r in tape if r["kind"] == "syncer_up" and r["t"] > killed_at)
   merges = {s: [r["t"] for r in tape if r["kind"] == "merge" and r["shard"] == s] for s in (0, 1)}
   assert any(t > back_at for t in merges[1])  # Shard 1 merged again after its restart,
-  assert any(killed_at < t < back_at for t in merges[0])  # and shard 0 merged on meanwhile.
+  # and shard 0 merged on meanwhile, never stalled: its answers do not wait behind shard 1's
+  # (the learners' senders back off per shard).
+  during = [killed_at, *(t for t in merges[0] if killed_at < t < back_at), back_at]
+  assert len(during) > 2 and max(b - a for a, b in itertools.pairwise(during)) < 5.0, during
   # Shard 1 was killed mid-run, after it had merged (its metrics lines of before the kill may have
   # died unflushed with it, so the restore says so): the restart had no checkpoint, took every
   # merge back from its version log, and lost none.

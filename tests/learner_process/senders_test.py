@@ -1,12 +1,14 @@
 """The sender threads of a learner process (learner_process/senders.py), against fake clients: which
 answer goes out when, and what an answer that cannot be sent becomes."""
 
+import collections
 import contextlib
 import queue
 import threading
 import time
 import types
 
+import grpc
 import pytest
 
 from ddiloco.learner_process.link import SyncerLink
@@ -164,3 +166,42 @@ def test_a_newer_snapshot_replaces_an_unsent_one_and_carries_its_tokens():
     assert sender.enqueue(answer) == replaced
   job = sender._jobs[1]
   assert (job.answer.step, job.answer.new_tokens) == (3, 9)
+
+
+class _Unavailable(grpc.RpcError):
+  def code(self):
+    return grpc.StatusCode.UNAVAILABLE
+
+  def details(self):
+    return "shard down"
+
+
+def test_a_down_shard_backs_off_alone_and_the_others_answers_go_out_at_once():
+  """Shard 1 is down: its pushes fail and its (older) answers wait out a backoff of its own,
+  while shard 0's answers, queued every 50 ms, go out at once. A thread that slept in the
+  backoff itself left every thread asleep after shard 1's failures, and shard 0's answers waited
+  up to seconds."""
+  attempts, latency, queued_at = collections.Counter(), [], {}
+
+  class _Client:
+    def push(self, report, codec, *, block_size, anchor_values):
+      del codec, block_size, anchor_values
+      attempts[report.fragment] += 1
+      if report.fragment % 2:
+        raise _Unavailable()
+      latency.append(time.monotonic() - queued_at[report.step])
+      return ReportResult("accepted", "", 1.0)
+
+  sender, stop, results = _senders(_Client(), 2, shards=2, fragments=(1, 3))
+  with _running(sender, stop, threading.Event()):
+    for step in range(10, 70):  # 3 s of shard 0's answers, fragments 0 and 2 by turns.
+      queued_at[step] = time.monotonic()
+      sender.enqueue(_answer(2 * (step % 2), step=step))
+      time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while results.qsize() < len(latency) and time.monotonic() < deadline:
+      time.sleep(0.01)
+  assert len(latency) >= 50  # Nearly every one pushed (a newer one may replace an unsent one).
+  assert max(latency) < 0.4, sorted(latency)[-5:]
+  # Shard 1 was tried again and again, but backing off: nowhere near once per 50 ms.
+  assert 3 <= attempts[1] + attempts[3] <= 30, attempts
