@@ -9,7 +9,7 @@ set of 512 windows (16 batches of 32, fixed whatever the learners' batches).
 Rows:
 1. **Data-parallel**: one learner with the whole batch.
 2. **DiLoCo** (synchronous, P = 1, K = M, mean merge) with M in {1, 2, 4, 8}: outer SGD with
-   Nesterov momentum 0.9, its learning rate searched on the grid 0.1, 0.2, 0.4, 0.7, 1.0, 1.4
+   Nesterov momentum 0.9, its learning rate searched on the grid 0.05, 0.1, 0.2, 0.4, 0.7, 1.0, 1.4
    (seed 0): two neighbours first, then one step at a time towards the lower loss until a step
    is worse.
 3. **Momentum warm-up**: DiLoCo at every M with its best outer lr and the momentum ramped
@@ -71,8 +71,8 @@ MS = (1, 2, 4, 8)
 MOMENTUM = 0.9
 # Outer learning rates (seed 0): each M starts from two neighbours on this grid (the best one
 # grows with M in the scaling-law study) and walks the grid towards the lower loss until a value
-# is worse than the best so far, so a sweep costs three or four runs, not the grid's six.
-GRID = (0.1, 0.2, 0.4, 0.7, 1.0, 1.4)
+# is worse than the best so far, so a sweep costs three or four runs, not the grid's seven.
+GRID = (0.05, 0.1, 0.2, 0.4, 0.7, 1.0, 1.4)
 START = {1: (0.2, 0.4), 2: (0.4, 0.7), 4: (0.4, 0.7), 8: (0.4, 0.7)}
 ALPHAS = (0.0, 0.5)
 # The streaming rows' outer optimizer: Nesterov with its momentum ramped over this many outer
