@@ -1,7 +1,9 @@
-"""`ddiloco-export`: the syncer's global model of a run, as Orbax or Hugging Face files.
+"""`ddiloco-export`: the syncer's global model of a run, or one learner's θ, as Orbax or Hugging
+Face files.
 
   ddiloco-export --workdir=workdirs/local_tiny --format=hf --out=exports/local_tiny_hf
   ddiloco-export --workdir=workdirs/local_tiny --format=orbax --out=exports/v40 --version=40
+  ddiloco-export --workdir=workdirs/local_tiny --format=orbax --out=exports/learner_1 --learner=1
 
 `--workdir` is the run's folder (as `ddiloco-local` or `ddiloco-ray` wrote it, with `syncer/` and,
 sharded, `syncer_1/` ...) or a syncer's own `--workdir`. The model is the newest the syncer
@@ -10,19 +12,27 @@ published (every fragment at its newest journaled version: what a learner would 
 keeps its last `SyncerCheckpointConfig.max_to_keep` checkpoints; another N lists them). The run may
 still be going: nothing in its folder is written.
 
+`--learner=M` exports learner M's own θ instead: its parameters as it trained them between syncs
+(the global fragments it last received plus its inner steps since), from its newest checkpoint,
+or with `--step=N` its checkpoint of step N (a learner keeps its last
+`LearnerCheckpointConfig.max_to_keep`; another N lists them). Only a learner run with
+`--gin.LearnerCheckpointConfig.save_params=True` saves θ in its checkpoints; a restart never reads
+it back (checkpoint/learner.py). Learner M's checkpoints are in `<workdir>/learner_M/checkpoints`,
+or under `LearnerCheckpointConfig.directory` when the run's config sets one.
+
 Formats (ddiloco/checkpoint/export.py): "orbax", a standard Orbax checkpoint of the model's own
 parameter pytree that `orbax.checkpoint.StandardCheckpointer().restore(DIR)` reads without ddiloco;
 "hf", a Hugging Face `LlamaForCausalLM` folder (config.json + safetensors) for the dense text
 transformer. The run's model comes from its `config.gin` (`--config` to read another file): the
 parameters are checked against it, and "hf" takes its RoPE base, norm epsilon and context length.
 
-Bad input (no syncer checkpoint, an unknown version, a model that is no Llama for "hf", an `--out`
-that holds something) ends in one line and exit status 2, with nothing written. Learner checkpoints
-hold no parameters (checkpoint/learner.py), so the global model is the one export.
+Bad input (no syncer checkpoint, an unknown version, an unknown learner or step, a learner
+checkpoint without θ, a model that is no Llama for "hf", an `--out` that holds something) ends in
+one line and exit status 2, with nothing written.
 """
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 from absl import app, flags
 
@@ -33,6 +43,12 @@ _FORMAT = flags.DEFINE_enum("format", None, ["orbax", "hf"], "what to write", re
 _OUT = flags.DEFINE_string("out", None, "output folder (new, or empty)", required=True)
 _VERSION = flags.DEFINE_integer(
   "version", None, "the model after this many merges (a syncer checkpoint); default: the newest"
+)
+_LEARNER = flags.DEFINE_integer(
+  "learner", None, "export this learner's own θ instead of the global model", lower_bound=0
+)
+_STEP = flags.DEFINE_integer(
+  "step", None, "with --learner: its checkpoint of this step; default: its newest"
 )
 _CONFIG = flags.DEFINE_string(
   "config", None, "the run's gin config (default: WORKDIR's config.gin)"
@@ -50,13 +66,27 @@ def find_config(workdir: str) -> str | None:
   return None
 
 
-def run_model(config_path: str) -> tuple[Any, dict[str, Any], str]:
-  """(transformer config or None, {leaf path: (shape, dtype)}, the syncer's checkpoints folder
-  name) of the run a gin config describes.
+class RunModel(NamedTuple):
+  """What an export needs of a run's config (`run_model`).
 
-  The config is None for a task whose model is not the text transformer (a vision run).
+  Attributes:
+    model_config: the transformer config, or None for a task whose model is not the text
+      transformer (a vision run).
+    signature: {leaf path: (shape, dtype)} of the model's parameters.
+    subdir: the syncer's checkpoints folder name (`SyncerCheckpointConfig.subdir`).
+    learner_checkpoint: the learners' `LearnerCheckpointConfig` (where their checkpoints are).
   """
+
+  model_config: Any
+  signature: dict[str, Any]
+  subdir: str
+  learner_checkpoint: Any
+
+
+def run_model(config_path: str) -> RunModel:
+  """What an export needs of the run a gin config describes."""
   from ddiloco.checkpoint.export import param_signature
+  from ddiloco.checkpoint.learner import LearnerCheckpointConfig
   from ddiloco.checkpoint.syncer import SyncerCheckpointConfig
   from ddiloco.launch import configurables
   from ddiloco.models.transformer import TransformerConfig
@@ -66,17 +96,30 @@ def run_model(config_path: str) -> tuple[Any, dict[str, Any], str]:
   try:
     task = configurables.configured(RunConfig)().the_task()
     subdir = configurables.configured(SyncerCheckpointConfig)().subdir
+    learner_checkpoint = configurables.configured(LearnerCheckpointConfig)()
   finally:
     configurables.clear()
   config = getattr(task, "model_config", None)
-  signature = param_signature(task.model, task.dummy_inputs(batch_size=1))
-  return (config if isinstance(config, TransformerConfig) else None), signature, subdir
+  return RunModel(
+    model_config=config if isinstance(config, TransformerConfig) else None,
+    signature=param_signature(task.model, task.dummy_inputs(batch_size=1)),
+    subdir=subdir,
+    learner_checkpoint=learner_checkpoint,
+  )
 
 
 def export(
-  workdir: str, *, fmt: str, out: str, version: int | None = None, config: str | None = None
+  workdir: str,
+  *,
+  fmt: str,
+  out: str,
+  version: int | None = None,
+  config: str | None = None,
+  learner: int | None = None,
+  step: int | None = None,
 ) -> Any:
-  """What the command does (`export.export_global_model` with the run's model); returns its info.
+  """What the command does: `export.export_global_model`, or with `learner`
+  `export.export_learner_params`, with the run's model; returns its info.
 
   Raises:
     FileNotFoundError, FileExistsError, ValueError: for bad input (module docstring).
@@ -85,28 +128,46 @@ def export(
   from ddiloco.checkpoint import global_model
 
   export_lib.check_out(out)  # The cheapest refusals first, before the config is parsed.
-  global_model.syncer_folders(workdir)
+  if learner is None and step is not None:
+    raise ValueError(
+      "--step is a learner checkpoint's: give --learner too (the syncer's: --version)."
+    )
+  if learner is not None and version is not None:
+    raise ValueError("--version is the syncer's; a learner's checkpoint is chosen with --step.")
+  if learner is None:
+    global_model.syncer_folders(workdir)
   config = config or find_config(workdir)
   if config is None:
     raise FileNotFoundError(
       f"{workdir} holds no {CONFIG_NAME} (nor syncer/{CONFIG_NAME}): give the run's gin config "
       "as --config."
     )
-  model_config, signature, subdir = run_model(config)
-  global_model.syncer_folders(workdir, subdir=subdir)
-  if fmt == "hf" and model_config is None:
+  run = run_model(config)
+  if fmt == "hf" and run.model_config is None:
     raise ValueError(
       "The run's model is not the text transformer: only a Llama-style model exports as hf; "
       "use --format=orbax."
     )
+  if learner is not None:
+    return export_lib.export_learner_params(
+      workdir,
+      out,
+      learner_id=learner,
+      fmt=fmt,
+      step=step,
+      model_config=run.model_config,
+      expected=run.signature,
+      checkpoint=run.learner_checkpoint,
+    )
+  global_model.syncer_folders(workdir, subdir=run.subdir)
   return export_lib.export_global_model(
     workdir,
     out,
     fmt=fmt,
     step=version,
-    model_config=model_config,
-    expected=signature,
-    subdir=subdir,
+    model_config=run.model_config,
+    expected=run.signature,
+    subdir=run.subdir,
   )
 
 
@@ -120,10 +181,24 @@ def main(argv: list[str]) -> None:
       out=_OUT.value,
       version=_VERSION.value,
       config=_CONFIG.value,
+      learner=_LEARNER.value,
+      step=_STEP.value,
     )
+  print(_describe(info))
+
+
+def _describe(info: Any) -> str:
+  """The line the command prints about what it wrote."""
+  from ddiloco.checkpoint.learner import LearnerParams
+
   model = info.model
+  if isinstance(model, LearnerParams):
+    return (
+      f"wrote {info.format} to {info.out}: {len(model.params)} tensors, learner "
+      f"{model.learner_id}'s θ at step {model.step} ({model.tokens_trained} tokens trained)"
+    )
   behind = f"; {len(model.behind)} fragments behind the journal" if model.behind else ""
-  print(
+  return (
     f"wrote {info.format} to {info.out}: {len(model.params)} tensors, fragment versions "
     f"{min(model.versions.values())}..{max(model.versions.values())} "
     f"(checkpoint steps {', '.join(map(str, model.steps))}){behind}"

@@ -330,6 +330,7 @@ class LearnerWorker:
       tokens_trained=self.loop.tokens_trained,
       schedule_step=kernel.schedule_step,
       ledger=kernel.ledger.state(),
+      params=self.learner.params,  # Saved with `save_params` only, for export.
     )
     if saved:
       self._event("checkpoint", step=kernel.step, blocking_s=round(time.monotonic() - t, 4))

@@ -1,7 +1,9 @@
-"""Tests of ddiloco/checkpoint/export.py: the global model out as Orbax or Hugging Face files.
+"""Tests of ddiloco/checkpoint/export.py: the global model, or a learner's θ, out as Orbax or
+Hugging Face files.
 
 The syncer folder is written as the runtime writes it (`testing.syncer_folders`), for a small
-Llama-style transformer whose fragments hold known values: the export must hold exactly them.
+Llama-style transformer whose fragments hold known values: the export must hold exactly them. A
+learner's checkpoints are written by `LearnerCheckpointer` itself, from θ sharded over a 2x2 mesh.
 """
 
 import dataclasses
@@ -15,9 +17,13 @@ import orbax.checkpoint as ocp
 import pytest
 
 from ddiloco.checkpoint import export
+from ddiloco.checkpoint import learner as learner_ckpt
 from ddiloco.checkpoint.global_model import join_pieces
+from ddiloco.fragments import tree
 from ddiloco.fragments.layout import make_layout
 from ddiloco.models import hf_llama, transformer
+from ddiloco.parallel import mesh as mesh_lib
+from ddiloco.parallel import partitioning
 from ddiloco.testing.syncer_folders import write_syncer_folder
 
 CONFIG = transformer.TransformerConfig(
@@ -162,4 +168,132 @@ def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
   monkeypatch.setattr(hf_llama, "save", fail)
   with pytest.raises(OSError, match="No space left"):
     export.export_global_model(run, str(tmp_path / "out"), fmt="hf", model_config=CONFIG)
+  assert _listing(tmp_path) == before
+
+
+# -- a learner's θ ----------------------------------------------------------------------------------
+
+
+def _learner_run(tmp_path, *, save_params=True, directory=None):
+  """A run folder where learner 1 saved checkpoints 3 and 5 (θ sharded over a 2x2 mesh, moved off
+  its initial values) and learner 0 saved checkpoint 2; returns (run folder, {step: learner 1's
+  flat θ})."""
+  mesh = mesh_lib.make_mesh(devices=jax.devices()[:4], model_parallelism=2)
+  params, _ = partitioning.init_params(transformer.Transformer(CONFIG), mesh, jax.random.key(0))
+  assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(params))
+  config = learner_ckpt.LearnerCheckpointConfig(save_params=save_params, directory=directory)
+  opt_state = {"count": jnp.zeros((), jnp.int32)}  # Stands for the optimizer state.
+  run = tmp_path / "run"
+  saved = {}
+  for learner_id, steps in ((1, (3, 5)), (0, (2,))):
+    ckpt = learner_ckpt.LearnerCheckpointer(
+      config,
+      learner_id=learner_id,
+      workdir=str(run / f"learner_{learner_id}"),
+      opt_target=opt_state,
+      layout_digest="layout",
+    )
+    for step in steps:
+      theta = jax.tree.map(lambda x, s=step, i=learner_id: x * s + i, params)
+      ckpt.save(
+        step,
+        opt_state=opt_state,
+        data_state=None,
+        tokens_trained=step * 16,
+        schedule_step=step,
+        params=theta,
+      )
+      if learner_id == 1:
+        saved[step] = {k: np.asarray(v) for k, v in tree.flatten(jax.device_get(theta)).items()}
+    ckpt.close()
+  return str(run), saved
+
+
+def test_a_learners_theta_exports_as_orbax_and_restores_with_orbax_alone(tmp_path):
+  run, saved = _learner_run(tmp_path)
+  out = tmp_path / "out"
+  info = export.export_learner_params(
+    run, str(out), learner_id=1, fmt="orbax", expected=_signature()
+  )
+  assert (info.model.learner_id, info.model.step, info.model.tokens_trained) == (1, 5, 80)
+  restored = ocp.StandardCheckpointer().restore(str(out))
+  assert tree.flatten(restored).keys() == saved[5].keys()  # The model's own pytree.
+  for path, value in saved[5].items():
+    node = restored
+    for part in path.split("/"):
+      node = node[part]
+    got = np.asarray(node)
+    assert got.dtype == value.dtype and got.shape == value.shape
+    np.testing.assert_array_equal(got, value, err_msg=path)  # Bit for bit, gathered from 4 devices.
+  tokens = jnp.arange(8, dtype=jnp.int32)[None] % CONFIG.vocab_size
+  logits = transformer.Transformer(CONFIG).apply({"params": restored}, tokens)
+  assert logits.shape == (1, 8, CONFIG.vocab_size)
+  provenance = json.loads((out / export.PROVENANCE_NAME).read_text())
+  assert provenance["format"] == "orbax"
+  assert (provenance["learner_id"], provenance["step"], provenance["tokens_trained"]) == (1, 5, 80)
+  assert provenance["checkpoint_folder"] == f"{run}/learner_1/checkpoints"
+  assert not [n for n in os.listdir(tmp_path) if n.endswith(".partial")]
+
+
+def test_a_learners_theta_exports_as_hf_and_a_step_is_that_checkpoints(tmp_path):
+  run, saved = _learner_run(tmp_path)
+  info = export.export_learner_params(
+    run, str(tmp_path / "hf"), learner_id=1, fmt="hf", step=3, model_config=CONFIG
+  )
+  assert info.model.step == 3
+  assert set(info.files) == {"config.json", "model.safetensors", export.PROVENANCE_NAME}
+  loaded = hf_llama.load(str(tmp_path / "hf"))
+  assert loaded.keys() == saved[3].keys()
+  for k, v in saved[3].items():
+    np.testing.assert_array_equal(loaded[k], v, err_msg=k)
+
+
+def test_a_learners_theta_under_a_shared_checkpoint_directory(tmp_path):
+  shared = str(tmp_path / "shared")
+  run, saved = _learner_run(tmp_path, directory=shared)
+  assert sorted(os.listdir(shared)) == ["learner_0", "learner_1"]
+  config = learner_ckpt.LearnerCheckpointConfig(directory=shared)
+  assert learner_ckpt.learner_folders(config, run) == {
+    0: f"{shared}/learner_0",
+    1: f"{shared}/learner_1",
+  }
+  info = export.export_learner_params(
+    run, str(tmp_path / "out"), learner_id=1, fmt="orbax", checkpoint=config
+  )
+  np.testing.assert_array_equal(info.model.params["unembed/kernel"], saved[5]["unembed/kernel"])
+  # Without the run's `directory` the learners' folders are not found.
+  with pytest.raises(FileNotFoundError, match=r"no learner has one"):
+    export.export_learner_params(run, str(tmp_path / "o2"), learner_id=1, fmt="orbax")
+
+
+@pytest.mark.parametrize(
+  "save_params, kwargs, error, message",
+  [
+    (True, dict(learner_id=7), FileNotFoundError,
+     r"Learner 7 has no checkpoint folder under .*run; learners with checkpoints: \[0, 1\]"),
+    (True, dict(learner_id=1, step=4), ValueError, r"has no checkpoint 4; it has steps \[3, 5\]"),
+    (False, dict(learner_id=1), ValueError,
+     r"holds no parameters: .* LearnerCheckpointConfig\.save_params = True"),
+    (True, dict(learner_id=1, fmt="hf"), ValueError, "needs the run's transformer config"),
+    (
+      True,
+      dict(learner_id=1, expected=_signature(dataclasses.replace(CONFIG, vocab_size=64))),
+      ValueError,
+      "Learner 1's θ does not fit the run's model",
+    ),
+    (
+      True,
+      dict(learner_id=1, fmt="hf", model_config=dataclasses.replace(CONFIG, mlp_dim=8)),
+      ValueError,
+      "wrong shapes",
+    ),
+  ],
+)  # fmt: skip
+def test_bad_learner_input_is_refused_and_nothing_is_written(
+  tmp_path, save_params, kwargs, error, message
+):
+  run, _ = _learner_run(tmp_path, save_params=save_params)
+  before = _listing(tmp_path)
+  with pytest.raises(error, match=message):
+    export.export_learner_params(run, str(tmp_path / "out"), **{"fmt": "orbax", **kwargs})
   assert _listing(tmp_path) == before

@@ -1,9 +1,10 @@
 """LearnerCheckpointer across the two processes of one learner (jax.distributed + gloo on CPU).
 
 The test runs this file as two processes (2 fake CPU devices each, one 4-device mesh). They save two
-steps of an optimizer-like state sharded across both processes, with a different data position per
-process, then restore it (own), restore it as another learner (peer) and discard it (fresh). Each
-process writes what it saw to a JSON file; the test compares them.
+steps of an optimizer-like state and of θ sharded across both processes, with a different data
+position per process, then restore it (own), restore it as another learner (peer) and discard it
+(fresh); process 0 reads θ back whole, as an export does. Each process writes what it saw to a JSON
+file; the test compares them.
 """
 
 import json
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -30,7 +32,7 @@ def _child(process_id: int, port: int, root: str, out: str) -> None:
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-  from ddiloco.checkpoint.learner import LearnerCheckpointConfig, LearnerCheckpointer
+  from ddiloco.checkpoint.learner import LearnerCheckpointConfig, LearnerCheckpointer, read_params
   from ddiloco.parallel.multihost import ProcessGroup
 
   mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -50,7 +52,9 @@ def _child(process_id: int, port: int, root: str, out: str) -> None:
   group = ProcessGroup(mesh)
 
   def checkpointer(learner_id, init_from="own"):
-    config = LearnerCheckpointConfig(directory=root, init_from=init_from, max_to_keep=3)
+    config = LearnerCheckpointConfig(
+      directory=root, init_from=init_from, max_to_keep=3, save_params=True
+    )
     return LearnerCheckpointer(
       config,
       learner_id=learner_id,
@@ -78,9 +82,13 @@ def _child(process_id: int, port: int, root: str, out: str) -> None:
       tokens_trained=step,
       schedule_step=step,
       ledger=ledger,
+      params={"w": state(step)["mu"]},
     )
   ckpt.close()
   seen["saved_rows"] = local_rows(state(10))
+  if process_id == 0:  # No collective: one process reads every process's shards.
+    theta = read_params(f"{root}/learner_0")
+    seen["theta"] = {"step": theta.step, "w": theta.params["w"].tolist()}
 
   restored = checkpointer(0).restore()
   seen["own"] = {
@@ -162,6 +170,8 @@ def test_two_processes_save_and_restore_one_learner_checkpoint(tmp_path):
   assert seen[1]["saved_rows"][0][0][0] == [160.0, 170.0, 180.0, 190.0]
   assert seen[0]["saved_rows"][1] == seen[1]["saved_rows"][1] == 10
   assert not [n for n in os.listdir(tmp_path / "ck" / "learner_0") if n[0].isdigit()]
+  # θ of step 10 whole: both processes' rows, 0, 10, ..., 310.
+  assert seen[0]["theta"] == {"step": 10, "w": (np.arange(32.0).reshape(8, 4) * 10).tolist()}
 
 
 if __name__ == "__main__":

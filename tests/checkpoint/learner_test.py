@@ -5,6 +5,7 @@ optimizer is clip -> AdamW with a schedule, so its state holds a count at `[1][2
 `ScaleByScheduleState`) that equals the number of updates: a hand-checkable number after a restore.
 """
 
+import dataclasses
 import os
 import shutil
 
@@ -14,6 +15,7 @@ import pytest
 
 from ddiloco.checkpoint import learner as ckpt_lib
 from ddiloco.data import text as text_data
+from ddiloco.fragments import tree
 from ddiloco.learner import train_step
 from ddiloco.models import configs, transformer
 from ddiloco.parallel import mesh as mesh_lib
@@ -231,3 +233,57 @@ def test_starting_past_own_discards_own_checkpoints(one, tmp_path):
   assert restored == ckpt_lib.Restored("fresh", discarded_steps=(2, 4))
   assert again.all_steps() == [] and again.due(2)
   again.close()
+
+
+def test_params_are_saved_on_request_for_export_and_never_restored(two, tmp_path):
+  params, opt_state, it = two.train(3)
+  with_params = {"save_params": True}
+  ckpt = _checkpointer(two, tmp_path, **with_params)
+  with pytest.raises(ValueError, match="needs the learner's parameters"):
+    _save(ckpt, 2, opt_state, it)
+  assert ckpt.all_steps() == []  # Refused before anything was started.
+  assert ckpt.save(
+    3, opt_state=opt_state, data_state=it.get_state(), tokens_trained=48, schedule_step=3,
+    params=params,
+  )  # fmt: skip
+  ckpt.close()
+  assert sorted(os.listdir(f"{ckpt.directory}/3")) == [
+    "_CHECKPOINT_METADATA", "commit_success.txt", "learner", "opt_state", "params",
+  ]  # fmt: skip
+  # What the learner held, gathered from its 2 devices; never what a restore returns.
+  theta = ckpt_lib.read_params(ckpt.directory)
+  assert (theta.learner_id, theta.step, theta.tokens_trained) == (0, 3, 48)
+  flat = tree.flatten(jax.device_get(params))
+  assert theta.params.keys() == flat.keys()
+  for k, v in flat.items():
+    assert theta.params[k].dtype == v.dtype
+    np.testing.assert_array_equal(theta.params[k], v, err_msg=k)
+  for init_from, restored_from in (("own", "own:3"), ("peer", "peer:0:3")):
+    learner_id = 0 if init_from == "own" else 1
+    restored = _checkpointer(two, tmp_path, learner_id, init_from=init_from).restore()
+    assert restored.restored_from == restored_from
+    assert [f.name for f in dataclasses.fields(restored)] == [
+      "restored_from", "step", "opt_state", "data_state", "tokens_trained", "discarded_steps",
+      "ledger",
+    ]  # fmt: skip
+    _assert_tree_equal(restored.opt_state, jax.device_get(opt_state))
+
+
+def test_a_checkpoint_without_params_restores_with_them_on_and_exports_nothing(one, tmp_path):
+  _, opt_state, it = one.train(2)
+  ckpt = _checkpointer(one, tmp_path)  # save_params off: params given or not, none are saved.
+  ckpt.save(
+    2, opt_state=opt_state, data_state=it.get_state(), tokens_trained=32, schedule_step=2,
+    params=one.params(),
+  )  # fmt: skip
+  ckpt.close()
+  assert "params" not in os.listdir(f"{ckpt.directory}/2")
+  restored = _checkpointer(one, tmp_path, save_params=True).restore()
+  assert (restored.restored_from, restored.tokens_trained) == ("own:2", 32)
+  _assert_tree_equal(restored.opt_state, jax.device_get(opt_state))
+  with pytest.raises(ValueError, match=r"holds no parameters: .*save_params = True"):
+    ckpt_lib.read_params(ckpt.directory)
+  with pytest.raises(ValueError, match=r"has no checkpoint 4; it has steps \[2\]"):
+    ckpt_lib.read_params(ckpt.directory, step=4)
+  with pytest.raises(FileNotFoundError, match="holds no learner checkpoint"):
+    ckpt_lib.read_params(str(tmp_path / "nothing"))

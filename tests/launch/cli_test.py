@@ -289,6 +289,7 @@ def test_a_parameter_that_moved_to_the_run_config_says_so(
     ("ddiloco-fleet", ["frobnicate"], "add | remove | list"),
     ("ddiloco-export", ["--format=hf", "--out=o"], "neither a run folder (with syncer/)"),
     ("ddiloco-export", ["--format=safetensors", "--out=o"], "--format"),
+    ("ddiloco-export", ["--format=orbax", "--out=o", "--learner=0", "--version=3"], "--step"),
   ],
 )
 def test_launcher_flags_are_checked(tmp_path, prog, args, expected):

@@ -21,12 +21,14 @@ import os
 import threading
 import time
 
+import jax
 import numpy as np
 import optax
 import pytest
 
-from ddiloco.checkpoint.learner import LearnerCheckpointConfig
+from ddiloco.checkpoint.learner import LearnerCheckpointConfig, read_params
 from ddiloco.data import text as text_data
+from ddiloco.fragments import tree
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.launch import runtime
 from ddiloco.launch.job import JobConfig
@@ -111,7 +113,8 @@ def syncer(request):
     srv.stop()
 
 
-def _worker(connect, tmp_path, learner_id=0):
+def _worker(connect, tmp_path, learner_id=0, **checkpoint):
+  checkpoint = {"directory": str(tmp_path / "ckpt"), "save_every_steps": 3, **checkpoint}
   client = connect(deadline_s=10.0)
   data = _Recording(learner_id)
   worker, writer = runtime.make_learner_worker(
@@ -121,7 +124,7 @@ def _worker(connect, tmp_path, learner_id=0):
     workdir=str(tmp_path / f"learner_{learner_id}"),
     connect_timeout_s=30.0,
     data=data,
-    checkpoint=LearnerCheckpointConfig(directory=str(tmp_path / "ckpt"), save_every_steps=3),
+    checkpoint=LearnerCheckpointConfig(**checkpoint),
   )
   return worker, data, writer, client
 
@@ -298,6 +301,31 @@ def test_crash_at_step_7_resumes_at_6_with_weight_0_until_received(syncer, tmp_p
   c.checkpointer.close()
   c_writer.close()
   c_client.close()
+
+
+def test_a_learner_saves_its_theta_for_export_when_asked(syncer, tmp_path):
+  _, connect = syncer
+  a, _, a_writer, a_client = _worker(connect, tmp_path, save_every_steps=100, save_params=True)
+  a.connect()
+  a.start()
+  a.train(4)
+  assert a.save_checkpoint()  # As a graceful stop does.
+  a.checkpointer.wait()
+  theta = read_params(a.checkpointer.directory)
+  assert (theta.learner_id, theta.step) == (0, 4)
+  held = tree.flatten(jax.device_get(a.learner.params))
+  assert theta.params.keys() == held.keys()
+  for k, v in held.items():
+    np.testing.assert_array_equal(theta.params[k], v, err_msg=k)
+  a.abandon()
+  a.checkpointer.close()
+  a_writer.close()
+  a_client.close()
+  b, _, b_writer, b_client = _worker(connect, tmp_path, save_params=True)
+  assert b.restore() == "own:4"  # The step and optimizer state, as without θ.
+  b.checkpointer.close()
+  b_writer.close()
+  b_client.close()
 
 
 def test_checkpointing_needs_a_checkpointable_iterator():
