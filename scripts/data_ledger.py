@@ -3,11 +3,13 @@
   python scripts/data_ledger.py --workdir=W
 
 For a run on a pre-tokenized corpus (`RunConfig.data = @TokenShardDataConfig()`), every learner's
-summary.json (W/learner_i/summary.json) says where its data stream started and ended (`data`: position, slot, slots; a
-learner restored from its own checkpoint read its slot from the start in its earlier runs, and
-continued from where it stopped). The script prints the positions read, those read twice or more, and those below the furthest read that
-nobody read, by slot (data/token_shards.py states which of these a fleet change may cause), and
-writes them as JSON with `--out`.
+summary.json (W/learner_i/summary.json) says where its data stream started and ended (`data`:
+position, slot, slots; a learner restored from its own checkpoint read its slot from the start in
+its earlier runs, and continued from where it stopped). A simulated run's W/summary.json holds the
+same for each learner, with one segment per life (a start, a restart, a join). The script prints
+the segments, the positions read, those read twice or more, and those below the furthest read
+that nobody read, by slot (data/token_shards.py states which of these a fleet change may cause),
+and writes them as JSON with `--out`.
 """
 
 import json

@@ -12,8 +12,10 @@ Rule for a learner that restarts, joins or leaves (`resume_position`). A learner
 g (its own checkpoint's, or another learner's) continues at the first position >= g in its own
 slot: g itself when the slot count and the slot are unchanged, whatever the batch sizes. A learner
 without any position starts at its slot's first position m. The runtimes give a restarted learner
-the position its own checkpoint holds (checkpoint/learner.py); a learner without a checkpoint of
-its own starts fresh, and one given a peer's state (`set_state`) continues after that peer.
+the position its own checkpoint holds (checkpoint/learner.py; the simulator keeps a restarted
+learner's iterator, as if it checkpointed every step: simulation/slot.py); a learner without a
+checkpoint of its own starts fresh, and one given a peer's state (`set_state`) continues after
+that peer.
 
 What that guarantees (tests/data/token_shards_test.py checks each on a ledger of the positions
 every learner read):
@@ -30,9 +32,9 @@ every learner read):
 - A slot without a learner is not read: a learner that leaves for good while M stays leaves 1/M
   of the stream unread from then on; a restart of the fleet with M' = M - 1 slots closes the gap
   within the bound above.
-- The slot count is the factory's `num_shards`. The simulator counts a slot for every learner that
-  can ever join (`ClusterConfig.num_shards`), so a joining learner reads positions no one else
-  reads. A distributed run has `RunConfig.the_data_slots()` slots (`data_slots`, default
+- The slot count is the factory's `num_shards`. The simulator takes `RunConfig.data_slots` when
+  set, and otherwise counts a slot for every learner that can ever join (`ClusterConfig.num_shards`),
+  so a joining learner reads positions no one else reads. A distributed run has `RunConfig.the_data_slots()` slots (`data_slots`, default
   M = `num_learners`): a learner added with an id below it reads a slot of its own, and one added
   beyond it (`ddiloco-fleet add`) shares slot id mod the slots with a running learner and reads
   the same positions (the launcher warns): leave slots to spare, or restart the fleet with the
@@ -240,6 +242,19 @@ class TokenShardIterator(grain.DatasetIterator):
         f"{(self._info.fingerprint, self._seed)}."
       )
     self._start(resume_position(int(state["position"]), self._slot, self._num_shards))
+
+
+def stream_position(data: Any) -> dict[str, int] | None:
+  """Where a data iterator is, for one that reads numbered positions (`TokenShardIterator`):
+  the next `position`, its `slot` of `slots` (a learner summary's "data"); None for others."""
+  if not hasattr(data, "position"):
+    return None
+  state = data.get_state()
+  return {
+    "position": int(state["position"]),
+    "slot": int(state["shard_index"]),
+    "slots": int(state["num_shards"]),
+  }
 
 
 def make_train_iterator(

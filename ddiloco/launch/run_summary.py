@@ -249,15 +249,22 @@ def plot(workdir: str, *, interrupted: bool = False) -> str | None:
 
 
 def data_segments(workdir: str) -> list[tuple[int, int, int, int, int]]:
-  """(learner, slot, slots, start, end) of every learner folder's summary.json in the run: the
-  data positions it read (data/token_shards.py, `data_ledger`). A learner restored from its own
-  checkpoint read its slot from the start in its earlier runs.
+  """(learner, slot, slots, start, end) of every learner's data positions in the run: the
+  positions it read (data/token_shards.py, `data_ledger`).
+
+  A distributed run's learners each write learner_i/summary.json; a learner restored from its
+  own checkpoint read its slot from the start in its earlier runs. A simulated run
+  (`ddiloco-simulate`) has no learner folders: its summary.json lists every learner's data, one
+  segment per life (a start, a restart, a join), each from where it started reading to where it
+  stopped (simulation/slot.py).
 
   Raises:
     ValueError: if a learner wrote no summary, or its summary has no data positions.
   """
-  out = []
   names = [n for n in os.listdir(workdir) if n.startswith("learner_") and n[8:].isdigit()]
+  if not names:
+    return _simulated_segments(workdir)
+  out = []
   for learner in sorted(int(n[8:]) for n in names):
     path = os.path.join(workdir, f"learner_{learner}", "summary.json")
     if not os.path.exists(path):
@@ -270,4 +277,23 @@ def data_segments(workdir: str) -> list[tuple[int, int, int, int, int]]:
       raise ValueError(f"learner {learner} has no data positions: not a token-corpus run?")
     first = 0 if str(s.get("restored_from", "")).startswith("own") else start["position"]
     out.append((learner, end["slot"], end["slots"], first, end["position"]))
+  return out
+
+
+def _simulated_segments(workdir: str) -> list[tuple[int, int, int, int, int]]:
+  """`data_segments` of a simulated run's summary.json: a segment per learner life."""
+  path = os.path.join(workdir, "summary.json")
+  if not os.path.exists(path):
+    raise ValueError(f"{workdir} holds no learner_i folders and no summary.json: not a run?")
+  learners = read_json(path).get("learners") or {}
+  if not learners:
+    raise ValueError(f"{path} lists no learners.")
+  out = []
+  for learner in sorted(learners, key=int):
+    data = learners[learner].get("data")
+    if not data:
+      raise ValueError(f"learner {learner} has no data positions: not a token-corpus run?")
+    end = data["end"]
+    for start, stop in data["lives"]:
+      out.append((int(learner), end["slot"], end["slots"], start, stop))
   return out

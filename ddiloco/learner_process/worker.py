@@ -44,6 +44,7 @@ import jax
 import numpy as np
 
 from ddiloco.checkpoint.learner import LearnerCheckpointer
+from ddiloco.data import token_shards
 from ddiloco.learner.learner import Learner
 from ddiloco.learner_process.inbox import Inbox
 from ddiloco.learner_process.link import SyncerLink
@@ -377,17 +378,9 @@ class LearnerWorker:
       log.warning("learner %d: leave failed: %s", self.id, e.code())
 
   def data_position(self) -> dict[str, int] | None:
-    """Where this learner's data stream is, for a stream that reads numbered positions
-    (pre-tokenized corpora, data/token_shards.py: `position`, its `slot` of `slots`); None for
-    others."""
-    if not hasattr(self._data, "position"):
-      return None
-    state = self._data.get_state()
-    return {
-      "position": int(state["position"]),
-      "slot": int(state["shard_index"]),
-      "slots": int(state["num_shards"]),
-    }
+    """Where this learner's data stream is (`token_shards.stream_position`); None for a stream
+    without numbered positions."""
+    return token_shards.stream_position(self._data)
 
   def summary(self, train_s: float) -> dict[str, Any]:
     """This learner's summary.json. `steps` and `tokens` run from the start of its shard, across

@@ -175,6 +175,7 @@ class SimulatedCluster:
       slot.data = self.factory.make_data(index, spec=slot.spec)
     slot.alive, slot.blocked = True, False
     slot.gen += 1
+    slot.begin_life()  # It reads on from where its data iterator stopped (slot.py).
     if self.syncer is not None:
       # Register, then restore every fragment from the global copy (docs/algorithm.md §6 rejoin), as a
       # learner process does. The inner optimizer state is kept, as if restored from the learner's
@@ -217,6 +218,7 @@ class SimulatedCluster:
       return
     slot.alive, slot.blocked = False, False
     slot.gen += 1
+    slot.end_life()
     if self.syncer is not None:
       if left:
         slot.link.leave()

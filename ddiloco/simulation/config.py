@@ -86,7 +86,11 @@ class ClusterConfig:
       jitter=self.jitter,
     )
 
-  def num_shards(self, num_learners: int) -> int:
-    """Data shards: one per learner slot that can ever exist (the run's M and joins)."""
+  def num_shards(self, num_learners: int, data_slots: int = 0) -> int:
+    """Data slots: `data_slots` when the run sets them (`RunConfig.data_slots`: learner i reads
+    slot i mod them, as in a distributed run), else one per learner that can ever exist (the
+    run's M and joins), so that a joining learner reads a slot of its own."""
+    if data_slots:
+      return data_slots
     joins = [e.learner + 1 for e in parse_faults(self.faults) if e.kind == "add_learner"]
     return max([num_learners, *joins])

@@ -150,6 +150,8 @@ def summary(sim: "SimulatedCluster", final_loss: float, wall_s: float) -> dict[s
         "steps": s.steps_done,
         "tokens": s.tokens_done,
         "time": sim.ledger.totals(s.index),
+        # The positions it read (slot.py; launch/run_summary.py `data_segments`).
+        "data": s.data_summary(),
         **(
           {
             "token_ledger": s.learner.kernel.ledger.totals(),

@@ -55,7 +55,7 @@ def simulate(
   if not sync and run.num_learners != 1:
     raise ValueError("The data-parallel baseline (sync=False) runs exactly one learner.")
   schedule = run.the_schedule()
-  factory = run.factory(num_shards=fleet.num_shards(run.num_learners))
+  factory = run.factory(num_shards=fleet.num_shards(run.num_learners, run.data_slots))
   service = run.the_service()
   # The distributed runtime's syncer service, on the virtual clock (service/virtual.py).
   syncer_fn = functools.partial(

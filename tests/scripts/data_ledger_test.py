@@ -38,3 +38,33 @@ def test_a_learner_without_positions_is_named(tmp_path):
   (tmp_path / "learner_0" / "summary.json").write_text(json.dumps({"data": {"start": None}}))
   with pytest.raises(ValueError, match="learner 0 has no data positions"):
     data_segments(str(tmp_path))
+
+
+def test_segments_of_a_simulated_run_one_a_life(tmp_path):
+  # Learner 1 crashed after position 13 and restarted there; learner 2 joined and read to 8.
+  def data(slot, start, lives):
+    where = {"slot": slot, "slots": 3}
+    end = {"position": lives[-1][1], **where}
+    return {"data": {"start": {"position": start, **where}, "end": end, "lives": lives}}
+
+  learners = {
+    "0": data(0, 0, [[0, 15]]),
+    "1": data(1, 1, [[1, 13], [13, 19]]),
+    "2": data(2, 2, [[2, 8]]),
+  }
+  (tmp_path / "summary.json").write_text(json.dumps({"learners": learners}))
+  rows = data_segments(str(tmp_path))
+  assert rows == [(0, 0, 3, 0, 15), (1, 1, 3, 1, 13), (1, 1, 3, 13, 19), (2, 2, 3, 2, 8)]
+  ledger = data_ledger([r[1:] for r in rows])
+  # Below 19: slot 0 read 0, 3, .., 12 (5; 15 and 18 unread), slot 1 all of 1, 4, .., 16 (6) and
+  # slot 2 read 2 and 5 (8, 11, 14 and 17 unread).
+  assert (ledger.read, ledger.repeated, ledger.unread) == (13, 0, {0: 2, 2: 4})
+
+
+def test_a_simulated_run_without_positions_is_named(tmp_path):
+  (tmp_path / "summary.json").write_text(json.dumps({"learners": {"0": {"data": None}}}))
+  with pytest.raises(ValueError, match="learner 0 has no data positions"):
+    data_segments(str(tmp_path))
+  (tmp_path / "summary.json").unlink()
+  with pytest.raises(ValueError, match=r"no learner_i folders and no summary\.json"):
+    data_segments(str(tmp_path))

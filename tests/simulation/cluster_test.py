@@ -633,3 +633,11 @@ def test_latency_jitter_spreads_the_answers_and_the_grace_window_takes_them_in(t
   assert grace["mean_quorum_size"] > no_grace["mean_quorum_size"] + 0.5
   with pytest.raises(ValueError, match="jitter"):
     ClusterConfig(latency_jitter=-1.0)
+
+
+def test_data_slots_are_the_runs_or_one_per_learner_that_can_join():
+  fleet = ClusterConfig(faults=("join:5@4", "leave:1@6"))
+  assert fleet.num_shards(4) == 6  # Learner 4 never joins: its slot stays unread.
+  assert (
+    fleet.num_shards(4, data_slots=4) == 4
+  )  # Learner 5 shares slot 1 (a distributed run's rule).
