@@ -3,7 +3,7 @@
 `export_global_model` reads the syncer's global model from a run's folder
 (`global_model.read_global_model`: the newest published model, or a checkpoint's);
 `export_learner_params` reads one learner's own θ, as it trained it between syncs, from that
-learner's checkpoint (`learner.read_params`: only a learner run with
+learner's checkpoint (`learner_params.read_params`: only a learner run with
 `LearnerCheckpointConfig.save_params` saves it). Either is written as
 
 - **"orbax"**: a standard Orbax checkpoint of the model's own parameter pytree, the nested dict that
@@ -33,10 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from ddiloco.checkpoint import global_model
-from ddiloco.checkpoint import learner as learner_ckpt
+from ddiloco.checkpoint import global_model, learner_params
 from ddiloco.checkpoint.global_model import GlobalModel
-from ddiloco.checkpoint.learner import LearnerCheckpointConfig, LearnerParams
+from ddiloco.checkpoint.learner import LearnerCheckpointConfig
+from ddiloco.checkpoint.learner_params import LearnerParams
 from ddiloco.models import hf_llama
 from ddiloco.models.transformer import TransformerConfig
 
@@ -235,21 +235,21 @@ def export_learner_params(
 
   Raises:
     ValueError: for an unknown format, "hf" without a Llama-style `model_config`, a θ that does
-      not fit `expected` or `model_config`; as `learner.read_params` (an unknown step, a
+      not fit `expected` or `model_config`; as `learner_params.read_params` (an unknown step, a
       checkpoint without θ).
     FileExistsError: if `out` holds something.
     FileNotFoundError: if the learner has no checkpoint (the message lists those that have one).
   """
   out = _check_request(out, fmt, model_config)
   checkpoint = checkpoint or LearnerCheckpointConfig()
-  folders = learner_ckpt.learner_folders(checkpoint, run_dir)
+  folders = learner_params.learner_folders(checkpoint, run_dir)
   if learner_id not in folders:
     root = run_dir if checkpoint.directory is None else checkpoint.directory
     have = f"learners with checkpoints: {sorted(folders)}" if folders else "no learner has one"
     raise FileNotFoundError(
       f"Learner {learner_id} has no checkpoint folder under {os.path.abspath(root)}; {have}."
     )
-  learner = learner_ckpt.read_params(folders[learner_id], step=step)
+  learner = learner_params.read_params(folders[learner_id], step=step)
   provenance = {
     "run": os.path.abspath(run_dir),
     "learner_id": learner.learner_id,

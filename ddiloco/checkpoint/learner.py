@@ -8,14 +8,11 @@ its state from here. What a checkpoint holds, and why:
   built from `CompiledSteps.opt_shardings`, so a peer's state re-shards onto this learner's mesh).
 - **Learner state** (`learner`, JSON): step, schedule step, cumulative tokens, the grain iterator's
   state, and the layout digest and optimizer signature that guard a restore.
-- **The parameters only on request, and never restored.** `LearnerWorker.connect` overwrites every
-  leaf with the syncer's fragments (the layout covers the whole tree, and `Learner.load_global`
-  never mixes, whatever α), so a restarted learner's θ is the global model; restoring saved
-  parameters would change that protocol, so no restore reads them, and checkpoints with and
-  without them restore alike. By default they are left out, which makes a checkpoint a third
-  smaller. With `save_params` each checkpoint also holds θ of the last step boundary (`params`,
-  saved like the optimizer state, each process writing its shards), for export alone:
-  `read_params` reads it back whole without the learner (`ddiloco-export --learner`).
+- **The parameters only for export, never restored.** `LearnerWorker.connect` overwrites every
+  leaf with the syncer's fragments (`Learner.load_global` never mixes), so a restarted learner's θ
+  is the global model. `save_params` adds θ of the step boundary (`params`, saved as the optimizer
+  state) for `ddiloco-export --learner` (checkpoint/learner_params.py); off, a checkpoint is a
+  third smaller.
 - **Not the per-fragment counters.** A restarted learner has received no fragment yet, so its reports
   weigh 0 until it has (docs/algorithm.md §3); `load_global` restarts the counters from that receipt.
 
@@ -47,12 +44,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
 from ddiloco import storage
-from ddiloco.fragments import tree as fragment_tree
 from ddiloco.learner.train_step import CompiledSteps
 from ddiloco.parallel.multihost import ProcessGroup
 from ddiloco.types import PyTree, check_int_fields
@@ -62,9 +57,9 @@ log = logging.getLogger(__name__)
 INIT_FROM = ("own", "peer", "fresh")
 _CHAIN = {"own": ("own", "peer"), "peer": ("peer",), "fresh": ()}  # "fresh" ends every chain.
 PARAMS_ITEM = "params"
+LEARNER_DIR = re.compile(r"^learner_(\d+)$")  # A learner's folder in a run, or in `directory`.
 _ITEMS = ("opt_state", "learner", PARAMS_ITEM)
-_LEARNER_DIR = re.compile(r"^learner_(\d+)$")
-_FORMAT = 1
+FORMAT = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -223,19 +218,9 @@ class LearnerCheckpointer:
 
     Blocks while a previous save is still being written (orbax waits for it) and while the arrays
     are copied to host memory; the files are written in the background. A multi-process learner's
-    processes all call it at the same step (their step counters agree).
-
-    Args:
-      step: the learner's step.
-      opt_state: the inner optimizer state, on the learner's mesh.
-      data_state: this process's data iterator state.
-      tokens_trained: cumulative tokens at `step`.
-      schedule_step: the learning-rate schedule's step.
-      ledger: the token ledger's state (learner/ledger.py).
-      params: θ at `step`, on the learner's mesh; saved only with `config.save_params`.
-
-    Raises:
-      ValueError: with `config.save_params` and no `params`.
+    processes all call it at the same step (their step counters agree). `data_state` is this
+    process's data iterator's; `params`, θ at `step` on the learner's mesh, is saved only with
+    `config.save_params`, and then needed (ValueError without it).
     """
     if self.config.save_params and params is None:
       raise ValueError("save_params is set: a checkpoint needs the learner's parameters.")
@@ -246,7 +231,7 @@ class LearnerCheckpointer:
       mine = json.dumps(None if data_state is None else dict(data_state)).encode()
       per_process = [json.loads(b) for b in self._group.gather(mine)]
     state = {
-      "format": _FORMAT,
+      "format": FORMAT,
       "learner_id": self.learner_id,
       "step": step,
       "schedule_step": schedule_step,
@@ -423,7 +408,7 @@ class LearnerCheckpointer:
       return []
     out = []
     for path in storage.glob(storage.resolve(root), "learner_*"):
-      m = _LEARNER_DIR.match(os.path.basename(path))
+      m = LEARNER_DIR.match(os.path.basename(path))
       if m and int(m.group(1)) != self.learner_id:
         out.append((int(m.group(1)), path))
     return out
@@ -497,8 +482,8 @@ class LearnerCheckpointer:
     return None
 
   def _mismatch(self, state: Mapping[str, Any]) -> str | None:
-    if state.get("format") != _FORMAT:
-      return f"format {state.get('format')} != {_FORMAT}"
+    if state.get("format") != FORMAT:
+      return f"format {state.get('format')} != {FORMAT}"
     if state.get("layout_digest") != self._layout_digest:
       return f"layout digest {state.get('layout_digest')} != {self._layout_digest}"
     if state.get("opt_signature") != self._signature:
@@ -510,96 +495,3 @@ class LearnerCheckpointer:
       step, args=ocp.args.Composite(opt_state=ocp.args.StandardRestore(self._opt_target))
     )
     return restored.opt_state
-
-
-# -- θ out of a run, for export ---------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class LearnerParams:
-  """A learner's θ as one of its checkpoints holds it (`read_params`).
-
-  Attributes:
-    params: the flat parameters {leaf path: array} on the host ("block_0/attn/query/kernel": ...).
-    learner_id: the learner that saved them.
-    step: the learner's step at the save (θ of that step's boundary).
-    tokens_trained: the learner's cumulative tokens at `step`.
-    folder: the checkpoint folder read.
-  """
-
-  params: dict[str, np.ndarray]
-  learner_id: int
-  step: int
-  tokens_trained: int
-  folder: str
-
-
-def learner_folders(config: LearnerCheckpointConfig, run_dir: str) -> dict[int, str]:
-  """{learner id: checkpoint folder} of the learners of a run that have one, by id.
-
-  Learner m of a run in `run_dir` works in `<run_dir>/learner_<m>` (`ddiloco-local`,
-  `ddiloco-ray`), so it checkpoints in `<run_dir>/learner_<m>/checkpoints`, or in
-  `<config.directory>/learner_<m>` when the run sets a shared `directory`.
-  """
-  root = run_dir if config.directory is None else config.directory
-  found = {}
-  for path in storage.glob(storage.resolve(root), "learner_*"):
-    m = _LEARNER_DIR.match(os.path.basename(path))
-    if m is None:
-      continue
-    folder = config.learner_directory(int(m.group(1)), path)
-    if storage.exists(folder):
-      found[int(m.group(1))] = folder
-  return dict(sorted(found.items()))
-
-
-def read_params(folder: str, step: int | None = None) -> LearnerParams:
-  """θ as a learner's checkpoint holds it (`save_params`), read to the host without the learner.
-
-  It only reads, through orbax's handlers and never a manager: nothing in `folder` is created or
-  removed, so the learner may be running (a save in flight is a tmp folder, never read). The
-  arrays come back whole whatever mesh, or processes, saved them.
-
-  Args:
-    folder: a learner's checkpoint folder (`learner_folders`).
-    step: the checkpoint's step; None: the newest.
-
-  Returns:
-    The parameters and where they come from.
-
-  Raises:
-    FileNotFoundError: if `folder` holds no complete checkpoint.
-    ValueError: for a step `folder` does not hold, a checkpoint of another format, or one saved
-      without θ (the learner's `LearnerCheckpointConfig.save_params` was off).
-  """
-  name_format = ocp.path.step.standard_name_format()
-  found = {meta.step: meta.path for meta in name_format.find_all(epath.Path(folder))}
-  if not found:
-    raise FileNotFoundError(f"{folder} holds no learner checkpoint.")
-  if step is None:
-    step = max(found)
-  elif step not in found:
-    raise ValueError(f"{folder} has no checkpoint {step}; it has steps {sorted(found)}.")
-  path = found[step]
-  state = ocp.JsonCheckpointHandler().restore(path / "learner")
-  if state.get("format") != _FORMAT:
-    raise ValueError(f"Checkpoint {path} is of format {state.get('format')}, not {_FORMAT}.")
-  if not (path / PARAMS_ITEM).exists():
-    raise ValueError(
-      f"Checkpoint {path} holds no parameters: the learner saves them with "
-      "LearnerCheckpointConfig.save_params = True."
-    )
-  handler = ocp.PyTreeCheckpointHandler()
-  try:
-    shapes = handler.metadata(path / PARAMS_ITEM).tree
-    host = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), shapes)
-    tree = handler.restore(path / PARAMS_ITEM, args=ocp.args.PyTreeRestore(restore_args=host))
-  finally:
-    handler.close()
-  return LearnerParams(
-    params={k: np.asarray(v) for k, v in fragment_tree.flatten(tree).items()},
-    learner_id=int(state["learner_id"]),
-    step=int(state["step"]),
-    tokens_trained=int(state["tokens_trained"]),
-    folder=str(folder),
-  )

@@ -189,7 +189,7 @@ def main(argv: list[str]) -> None:
 
 def _describe(info: Any) -> str:
   """The line the command prints about what it wrote."""
-  from ddiloco.checkpoint.learner import LearnerParams
+  from ddiloco.checkpoint.learner_params import LearnerParams
 
   model = info.model
   if isinstance(model, LearnerParams):

@@ -16,7 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from ddiloco.checkpoint import export
+from ddiloco.checkpoint import export, learner_params
 from ddiloco.checkpoint import learner as learner_ckpt
 from ddiloco.checkpoint.global_model import join_pieces
 from ddiloco.fragments import tree
@@ -253,7 +253,7 @@ def test_a_learners_theta_under_a_shared_checkpoint_directory(tmp_path):
   run, saved = _learner_run(tmp_path, directory=shared)
   assert sorted(os.listdir(shared)) == ["learner_0", "learner_1"]
   config = learner_ckpt.LearnerCheckpointConfig(directory=shared)
-  assert learner_ckpt.learner_folders(config, run) == {
+  assert learner_params.learner_folders(config, run) == {
     0: f"{shared}/learner_0",
     1: f"{shared}/learner_1",
   }

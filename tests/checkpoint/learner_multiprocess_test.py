@@ -32,7 +32,8 @@ def _child(process_id: int, port: int, root: str, out: str) -> None:
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-  from ddiloco.checkpoint.learner import LearnerCheckpointConfig, LearnerCheckpointer, read_params
+  from ddiloco.checkpoint.learner import LearnerCheckpointConfig, LearnerCheckpointer
+  from ddiloco.checkpoint.learner_params import read_params
   from ddiloco.parallel.multihost import ProcessGroup
 
   mesh = Mesh(np.array(jax.devices()), ("data",))

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from ddiloco.checkpoint import learner as ckpt_lib
+from ddiloco.checkpoint import learner_params
 from ddiloco.data import text as text_data
 from ddiloco.fragments import tree
 from ddiloco.learner import train_step
@@ -251,7 +252,7 @@ def test_params_are_saved_on_request_for_export_and_never_restored(two, tmp_path
     "_CHECKPOINT_METADATA", "commit_success.txt", "learner", "opt_state", "params",
   ]  # fmt: skip
   # What the learner held, gathered from its 2 devices; never what a restore returns.
-  theta = ckpt_lib.read_params(ckpt.directory)
+  theta = learner_params.read_params(ckpt.directory)
   assert (theta.learner_id, theta.step, theta.tokens_trained) == (0, 3, 48)
   flat = tree.flatten(jax.device_get(params))
   assert theta.params.keys() == flat.keys()
@@ -282,8 +283,8 @@ def test_a_checkpoint_without_params_restores_with_them_on_and_exports_nothing(o
   assert (restored.restored_from, restored.tokens_trained) == ("own:2", 32)
   _assert_tree_equal(restored.opt_state, jax.device_get(opt_state))
   with pytest.raises(ValueError, match=r"holds no parameters: .*save_params = True"):
-    ckpt_lib.read_params(ckpt.directory)
+    learner_params.read_params(ckpt.directory)
   with pytest.raises(ValueError, match=r"has no checkpoint 4; it has steps \[2\]"):
-    ckpt_lib.read_params(ckpt.directory, step=4)
+    learner_params.read_params(ckpt.directory, step=4)
   with pytest.raises(FileNotFoundError, match="holds no learner checkpoint"):
-    ckpt_lib.read_params(str(tmp_path / "nothing"))
+    learner_params.read_params(str(tmp_path / "nothing"))

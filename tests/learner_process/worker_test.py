@@ -26,7 +26,8 @@ import numpy as np
 import optax
 import pytest
 
-from ddiloco.checkpoint.learner import LearnerCheckpointConfig, read_params
+from ddiloco.checkpoint.learner import LearnerCheckpointConfig
+from ddiloco.checkpoint.learner_params import read_params
 from ddiloco.data import text as text_data
 from ddiloco.fragments import tree
 from ddiloco.fragments.schedule import FragmentSchedule
