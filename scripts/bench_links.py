@@ -156,20 +156,22 @@ class _Prober:
 
 def _shaped_cluster(workdir: str, gin_args: list[str], learners: int):
   """A `LocalCluster` whose syncer runs in the syncer's namespace, reached at its address."""
-  from ddiloco.launch import local_cluster, processes
+  from ddiloco.launch import backend, local_cluster, processes
 
-  class ShapedCluster(local_cluster.LocalCluster):
-    def __init__(self, **kwargs):
-      super().__init__(**kwargs)
-      self.syncer_host = IP_SYNCER
+  class SyncerInItsNamespace(backend.LocalProcesses):
+    """Child processes here; the syncer's started through `ip netns exec` in its namespace."""
 
-    def _popen(self, launch: processes.Launch) -> subprocess.Popen:
+    def start(self, launch: processes.Launch) -> subprocess.Popen:
       if launch.role == "syncer":
         argv = ["netns", "exec", NS_SYNCER, self.python, *launch.argv]
         return processes.spawn("ip", dataclasses.replace(launch, argv=argv))
-      return super()._popen(launch)
+      return super().start(launch)
 
-  return ShapedCluster(workdir=workdir, gin_args=gin_args, num_learners=learners)
+  cluster = local_cluster.LocalCluster(
+    workdir=workdir, gin_args=gin_args, num_learners=learners, backend=SyncerInItsNamespace()
+  )
+  cluster.syncer_host = IP_SYNCER
+  return cluster
 
 
 def run_case(case: dict) -> dict:
