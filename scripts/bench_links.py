@@ -9,9 +9,13 @@ way; no delay nor loss: those are the chaos proxy's, ddiloco/chaos/proxy.py):
 For each codec it runs the main job (gin_configs/local_tiny.gin: 4 learners, int4 or bf16 both
 ways, shortened to --steps) under `LocalCluster` across the link unshaped, then at each rate, and
 records:
-- `util_measured`: the learners' compute utilization against the unshaped link: their steady step
-  time there over their steady step time at this rate (each from the learner's first to its last
-  logged step: start-up and compilation left out), averaged over the learners;
+- `util_measured`: the learners' compute utilization as they measure it: the share of each one's
+  training span (its first to its last step) not spent waiting for the syncer (`blocked_s`, the
+  training thread's time waiting for a merge), averaged over the learners;
+- `step_time_ratio`: their steady step time unshaped over their steady step time at this rate
+  (each from the learner's first to its last logged step), averaged over the learners: on a small
+  machine where learners and syncer share the cores it moves with the CPU the run's merges and
+  applies take, not only with the link;
 - `util_model`: the bandwidth model's prediction for the same settings (goodput/bandwidth.py,
   `DiLoCoLink` with the unshaped run's step time, P, H, τ and codec, the link shared by the M
   learners: rate / M each, each way) for the job's learners, which never wait
@@ -57,6 +61,9 @@ _TIMEOUT = flags.DEFINE_integer("timeout_s", 600, "longest one run may take")
 _OUT = flags.DEFINE_string("out", "docs/results/links.json", "where the rows go")
 _WORKDIR = flags.DEFINE_string("workdir", None, "runs' folders (default: a temporary one)")
 _CLEANUP = flags.DEFINE_bool("cleanup", False, "only remove the namespaces (after a crash)")
+_REREAD = flags.DEFINE_bool(
+  "reread", False, "rebuild --out's rows from --workdir's finished runs, comparing them again"
+)
 _CASE = flags.DEFINE_string(
   "case", None, "internal: run one case (JSON) in the learners' namespace"
 )
@@ -199,6 +206,7 @@ def run_case(case: dict) -> dict:
     with open(os.path.join(case["workdir"], f"learner_{i}", "summary.json")) as f:
       learners.append(json.load(f))
   span = [s["train_end"] - s["train_start"] for s in learners]
+  waits = _waits(learners)
   # Seconds per step from each learner's first logged step to its last (start-up left out).
   steady = [
     (s["losses"][-1][1] - s["losses"][0][1]) / (s["losses"][-1][0] - s["losses"][0][0])
@@ -234,8 +242,34 @@ def run_case(case: dict) -> dict:
     "bytes_up": summary["bytes_up"],
     "bytes_down": summary["bytes_down"],
     "training_span_s": round(wall, 1),
+    **waits,
     "digests_agree": summary["digests_agree"],
   }
+
+
+def _waits(learners: list[dict]) -> dict:
+  """Each learner's training span and its time blocked waiting for merges (its summary)."""
+  return {
+    "train_span_s": [round(s["train_end"] - s["train_start"], 2) for s in learners],
+    "blocked_s": [round(s.get("blocked_s", 0.0), 3) for s in learners],
+  }
+
+
+def reread(workdir: str, rows: list[dict]) -> list[dict]:
+  """`rows` of a finished sweep, their learners' waits read again from the sweep's folders and
+  compared again: a change to the comparison, without running the links again."""
+  out, reference = [], {}
+  for old in rows:
+    rate = old["rate_mbit"]
+    case = os.path.join(workdir, f"{old['codec']}_{'unshaped' if rate is None else f'{rate:g}'}")
+    learners = []
+    for i in range(old["learners"]):
+      with open(os.path.join(case, f"learner_{i}", "summary.json")) as f:
+        learners.append(json.load(f))
+    row = old | _waits(learners)
+    reference.setdefault(row["codec"], row)  # The codec's unshaped run comes first.
+    out.append(row | _compare(row, reference[row["codec"]]))
+  return out
 
 
 def _compare(row: dict, reference: dict) -> dict:
@@ -260,11 +294,13 @@ def _compare(row: dict, reference: dict) -> dict:
     wire=wire,
   )
   ratios = [t0 / t for t0, t in zip(reference["step_time_s"], row["step_time_s"], strict=True)]
+  held = [b / s for b, s in zip(row["blocked_s"], row["train_span_s"], strict=True) if s > 0]
   rate = row["rate_mbit"]
   gbps = None if rate is None else rate / 1e3 / row["learners"]
   waiting = 1.0 if gbps is None else float(link.utilization(gbps))
   return {
-    "util_measured": round(float(np.mean(ratios)), 4),
+    "util_measured": round(1.0 - float(np.mean(held)), 4) if held else None,
+    "step_time_ratio": round(float(np.mean(ratios)), 4),
     "util_model": 1.0 if gbps is None else float(link.learner_utilization(gbps)),
     "util_waiting_model": round(waiting, 4),
     "knee_mbit": round(link.required_gbps() * 1e3 * row["learners"], 3),
@@ -325,6 +361,17 @@ def main(argv: list[str]) -> None:
     row = run_case(json.loads(_CASE.value))
     with open(_OUT.value, "w") as f:
       json.dump(row, f, indent=1)
+    return
+  if _REREAD.value:
+    with open(_OUT.value) as f:
+      result = json.load(f)
+    result["rows"] = reread(_WORKDIR.value, result["rows"])
+    result["reread"] = subprocess.run(
+      ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
+    ).stdout.strip()
+    with open(_OUT.value, "w") as f:
+      json.dump(result, f, indent=1)
+    print(f"rewrote {_OUT.value}")
     return
   if os.geteuid() != 0:
     sys.exit("bench_links: needs root (ip netns, tc).")
