@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import grpc
 
+from ddiloco.fragments import shards as shards_lib
 from ddiloco.learner_process.inbox import Inbox
 from ddiloco.learner_process.link import SyncerLink
 from ddiloco.learner_process.retry import UNREGISTERED, Backoff
@@ -83,6 +84,10 @@ class SyncerListener:
     stream = self._stream
     if stream is not None:
       stream.cancel()
+
+  def _shard(self, p: int) -> int:
+    """Fragment p's syncer shard (0 for an unsharded syncer; the map is known after Register)."""
+    return shards_lib.shard_of(p, max(1, getattr(self._client, "num_shards", 1)))
 
   def _announce(self, p: int, version: int) -> None:
     """Asks the puller for version `version` of p (or newer), unless it is held already."""
@@ -162,28 +167,55 @@ class SyncerListener:
         stream.cancel()
 
   def pull_loop(self) -> None:
-    """Pulls every announced version, newest first per fragment, in announcement order."""
-    backoff = Backoff(seed=3000 + self.id)
+    """Pulls every announced version, newest first per fragment, in announcement order.
+
+    A pull that fails puts its shard (of a sharded syncer: fragment p's is p mod S) in a backoff
+    of its own: its fragments wait out the delay, announced again by the heartbeat, while the other
+    shards' versions are pulled as they come. One shard down never holds up another's pulls.
+    """
+    backoff: dict[int, Backoff] = {}
+    retry_at: dict[int, float] = {}  # Shard -> when its fragments may be pulled again.
+
+    def due(p: int) -> float:
+      return retry_at.get(self._shard(p), 0.0)
+
     while not self._stop.is_set():
       with self._announce_cv:
-        while not self._announced and not self._stop.is_set():
-          self._announce_cv.wait(0.5)
-        announced, self._announced = self._announced, {}
+        while not self._stop.is_set():
+          now = time.monotonic()
+          if any(due(p) <= now for p in self._announced):
+            break
+          self._announce_cv.wait(min([0.5, *(due(p) - now for p in self._announced)]))
+        now = time.monotonic()
+        announced = {p: v for p, v in self._announced.items() if due(p) <= now}
+        for p in announced:
+          del self._announced[p]
         known = {p: self._link.newest(p) for p in announced}
       epoch = self._session.registrations
-      try:
-        for p, version in announced.items():
+      for p, version in announced.items():
+        if self._stop.is_set():
+          break
+        s = self._shard(p)
+        if s not in backoff:
+          backoff[s] = Backoff(seed=3000 + 100 * s + self.id)
+        if version <= known[p] or due(p) > time.monotonic():
           if version > known[p]:
-            state = self._link.pull(p, known[p])
-            if state is not None:
-              self._inbox.received.put(state)
-        backoff.reset()
-      except grpc.RpcError as e:  # The heartbeat announces the version again once it answers.
-        if self._session.unregistered(e, epoch):
-          self._session.need_register.set()
-        self._stop.wait(backoff.next_delay())
-      except WireError as e:  # A corrupt or mismatching fragment: fetch it in full next time.
-        log.error("learner %d: bad fragment from the syncer: %s", self.id, e)
-        self._event("bad_fragment", error=str(e))
-        self._link.forget_deliveries()
-        self._stop.wait(backoff.next_delay())
+            self._announce(p, version)  # Its shard failed meanwhile: after its backoff.
+          continue
+        try:
+          state = self._link.pull(p, known[p])
+        except grpc.RpcError as e:  # The heartbeat announces the version again once it answers.
+          if self._session.unregistered(e, epoch):
+            self._session.need_register.set()
+          retry_at[s] = time.monotonic() + backoff[s].next_delay()
+          self._announce(p, version)
+          continue
+        except WireError as e:  # A corrupt or mismatching fragment: fetch it in full next time.
+          log.error("learner %d: bad fragment from the syncer: %s", self.id, e)
+          self._event("bad_fragment", error=str(e))
+          self._link.forget_deliveries()
+          retry_at[s] = time.monotonic() + backoff[s].next_delay()
+          continue
+        backoff[s].reset()
+        if state is not None:
+          self._inbox.received.put(state)

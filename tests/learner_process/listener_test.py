@@ -4,6 +4,7 @@ import threading
 import time
 import types
 
+import grpc
 import pytest
 
 from ddiloco.learner_process.inbox import Inbox
@@ -67,3 +68,66 @@ def test_heartbeats_announce_only_versions_newer_than_held_and_again_until_pulle
     t.join(timeout=10)
   assert set(client.pulls) == {(1, 2), (2, -1)}
   assert len(client.pulls) >= 4  # Announced again by later heartbeats, since never delivered.
+
+
+class _Unavailable(grpc.RpcError):
+  def code(self):
+    return grpc.StatusCode.UNAVAILABLE
+
+  def details(self):
+    return "shard down"
+
+
+def test_a_down_shard_backs_off_alone_and_the_others_versions_are_pulled_at_once():
+  """Two shards, shard 1 down: its pulls fail and its fragments wait out a backoff of their own,
+  while shard 0's versions, announced every 50 ms, are pulled at once. A failed pull that put
+  the puller itself to sleep, and dropped the other announcements with it, held shard 0's
+  versions back for up to seconds."""
+  pulled, attempts = [], {0: 0, 1: 0}
+
+  class _Sharded:
+    num_shards = 2
+
+    def pull(self, learner_id, p, known, **kwargs):
+      del learner_id, known, kwargs
+      attempts[p] += 1
+      if p % 2:
+        raise _Unavailable()
+      pulled.append(time.monotonic())  # Nothing delivered: the next version is pulled too.
+
+  client = _Sharded()
+  link = SyncerLink(client, learner_id=0, layouts=[{}, {}], layout_digest="")
+  session = SyncerSession(
+    learner=types.SimpleNamespace(), client=client, link=link, event=lambda *a, **k: None
+  )
+  stop = threading.Event()
+  listener = SyncerListener(
+    learner_id=0,
+    client=client,
+    link=link,
+    session=session,
+    inbox=Inbox(),
+    stop=stop,
+    event=lambda *a, **k: None,
+    pace=lambda: (0, 0.0),
+    on_request=lambda: None,
+  )
+  puller = threading.Thread(target=listener.pull_loop)
+  puller.start()
+  latency = []
+  try:
+    for version in range(1, 61):  # 3 s of versions of both shards' fragments.
+      announced = time.monotonic()
+      before = len(pulled)
+      listener._announce(1, version)  # Shard 1's first: its failure comes before shard 0's pull.
+      listener._announce(0, version)
+      while len(pulled) == before and time.monotonic() < announced + 5:
+        time.sleep(0.002)
+      latency.append(time.monotonic() - announced)
+      time.sleep(0.05)
+  finally:
+    stop.set()
+    listener.wake()
+    puller.join(timeout=10)
+  assert max(latency) < 0.4, sorted(latency)[-5:]
+  assert 3 <= attempts[1] <= 30, attempts  # Retried, but backing off: not once per 50 ms.
