@@ -85,10 +85,6 @@ class SyncerListener:
     if stream is not None:
       stream.cancel()
 
-  def _shard(self, p: int) -> int:
-    """Fragment p's syncer shard (0 for an unsharded syncer; the map is known after Register)."""
-    return shards_lib.shard_of(p, max(1, getattr(self._client, "num_shards", 1)))
-
   def _announce(self, p: int, version: int) -> None:
     """Asks the puller for version `version` of p (or newer), unless it is held already."""
     if not 0 <= p < self._link.num_fragments:
@@ -166,56 +162,52 @@ class SyncerListener:
       finally:
         stream.cancel()
 
-  def pull_loop(self) -> None:
-    """Pulls every announced version, newest first per fragment, in announcement order.
+  def pull_loop(self, shard: int = 0, shards: int = 1) -> None:
+    """Pulls every announced version of shard `shard`'s fragments (of `shards`; fragment p's is
+    p mod S), newest first per fragment, in announcement order: each shard has a puller of its
+    own, so a shard that is down, or slow to send, never holds up another's versions.
 
-    A pull that fails puts its shard (of a sharded syncer: fragment p's is p mod S) in a backoff
-    of its own: its fragments wait out the delay, announced again by the heartbeat, while the other
-    shards' versions are pulled as they come. One shard down never holds up another's pulls.
+    A pull that fails backs off (its fragment is announced again, and pulled after the delay);
+    the heartbeat announces what a failed pull left behind too.
     """
-    backoff: dict[int, Backoff] = {}
-    retry_at: dict[int, float] = {}  # Shard -> when its fragments may be pulled again.
-
-    def due(p: int) -> float:
-      return retry_at.get(self._shard(p), 0.0)
-
+    backoff = Backoff(seed=3000 + 100 * shard + self.id)
+    retry_at = 0.0
     while not self._stop.is_set():
       with self._announce_cv:
         while not self._stop.is_set():
           now = time.monotonic()
-          if any(due(p) <= now for p in self._announced):
+          if now >= retry_at and any(self._owns(p, shard, shards) for p in self._announced):
             break
-          self._announce_cv.wait(min([0.5, *(due(p) - now for p in self._announced)]))
-        now = time.monotonic()
-        announced = {p: v for p, v in self._announced.items() if due(p) <= now}
+          self._announce_cv.wait(min(0.5, retry_at - now) if retry_at > now else 0.5)
+        announced = {p: v for p, v in self._announced.items() if self._owns(p, shard, shards)}
         for p in announced:
           del self._announced[p]
         known = {p: self._link.newest(p) for p in announced}
       epoch = self._session.registrations
       for p, version in announced.items():
-        if self._stop.is_set():
-          break
-        s = self._shard(p)
-        if s not in backoff:
-          backoff[s] = Backoff(seed=3000 + 100 * s + self.id)
-        if version <= known[p] or due(p) > time.monotonic():
-          if version > known[p]:
-            self._announce(p, version)  # Its shard failed meanwhile: after its backoff.
+        if self._stop.is_set() or version <= known[p]:
+          continue
+        if time.monotonic() < retry_at:  # A pull of this shard failed just now.
+          self._announce(p, version)
           continue
         try:
           state = self._link.pull(p, known[p])
-        except grpc.RpcError as e:  # The heartbeat announces the version again once it answers.
+        except grpc.RpcError as e:
           if self._session.unregistered(e, epoch):
             self._session.need_register.set()
-          retry_at[s] = time.monotonic() + backoff[s].next_delay()
+          retry_at = time.monotonic() + backoff.next_delay()
           self._announce(p, version)
           continue
         except WireError as e:  # A corrupt or mismatching fragment: fetch it in full next time.
           log.error("learner %d: bad fragment from the syncer: %s", self.id, e)
           self._event("bad_fragment", error=str(e))
           self._link.forget_deliveries()
-          retry_at[s] = time.monotonic() + backoff[s].next_delay()
+          retry_at = time.monotonic() + backoff.next_delay()
           continue
-        backoff[s].reset()
+        backoff.reset()
         if state is not None:
           self._inbox.received.put(state)
+
+  @staticmethod
+  def _owns(p: int, shard: int, shards: int) -> bool:
+    return shards_lib.shard_of(p, shards) == shard

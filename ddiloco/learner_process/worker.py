@@ -90,7 +90,8 @@ class LearnerWorker:
       fragments): with one, an answer waits behind every slower push to its shard.
     encode_workers: threads one answer's δ is encoded on where this host encodes it
       (`JobConfig.encode_workers`; 0: `default_encode_workers`).
-    shards: the syncer's shards (`JobConfig.syncer_shards`): pushes to different shards go out
+    shards: the syncer's shards (`JobConfig.syncer_shards`): pulls from each have a thread of
+      their own, and pushes to different shards go out
       side by side (learner_process/senders.py).
     inbox: the queues between the background threads and the training thread (default: plain
       queues; a multi-process learner gates them, learner_process/multihost.py).
@@ -155,6 +156,7 @@ class LearnerWorker:
       connect_timeout_s=connect_timeout_s,
       event=self._event,
     )
+    self._shards = shards
     self.senders = Senders(
       learner_id=self.id,
       link=self.link,
@@ -269,7 +271,10 @@ class LearnerWorker:
       *((functools.partial(self.senders.run, k), f"sender{k}") for k in range(self.senders.count)),
       (self.listener.comm_loop, "comm"),
       (self.listener.round_loop, "rounds"),
-      (self.listener.pull_loop, "puller"),
+      *(
+        (functools.partial(self.listener.pull_loop, shard=s, shards=self._shards), f"puller{s}")
+        for s in range(self._shards)
+      ),
     )
     for target, name in loops:
       t = threading.Thread(target=target, name=f"learner{self.id}-{name}", daemon=True)
