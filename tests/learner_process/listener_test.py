@@ -35,11 +35,8 @@ class _Client:
     self.pulls.append((p, known))  # None: nothing delivered, so heartbeats announce it again.
 
 
-def test_heartbeats_announce_only_versions_newer_than_held_and_again_until_pulled():
-  client = _Client()
-  link = SyncerLink(client, learner_id=0, layouts=[{}, {}, {}], layout_digest="")
-  link.keep(FragmentState(fragment=0, version=3, values={}, digest="a"))  # Held: never pulled.
-  link.keep(FragmentState(fragment=1, version=2, values={}, digest="b"))  # Older than 5.
+def _listener(client, link) -> tuple[SyncerListener, threading.Event]:
+  """A listener on `client` and `link` with no learner behind it; its stop event."""
   session = SyncerSession(
     learner=types.SimpleNamespace(), client=client, link=link, event=lambda *a, **k: None
   )
@@ -56,6 +53,15 @@ def test_heartbeats_announce_only_versions_newer_than_held_and_again_until_pulle
     pace=lambda: (0, 0.0),
     on_request=lambda: None,
   )
+  return listener, stop
+
+
+def test_heartbeats_announce_only_versions_newer_than_held_and_again_until_pulled():
+  client = _Client()
+  link = SyncerLink(client, learner_id=0, layouts=[{}, {}, {}], layout_digest="")
+  link.keep(FragmentState(fragment=0, version=3, values={}, digest="a"))  # Held: never pulled.
+  link.keep(FragmentState(fragment=1, version=2, values={}, digest="b"))  # Older than 5.
+  listener, stop = _listener(client, link)
   threads = [threading.Thread(target=f) for f in (listener.comm_loop, listener.pull_loop)]
   for t in threads:
     t.start()
@@ -99,21 +105,7 @@ def test_a_down_or_slow_shard_never_holds_up_the_others_versions(trouble):
 
   client = _Sharded()
   link = SyncerLink(client, learner_id=0, layouts=[{}, {}], layout_digest="")
-  session = SyncerSession(
-    learner=types.SimpleNamespace(), client=client, link=link, event=lambda *a, **k: None
-  )
-  stop = threading.Event()
-  listener = SyncerListener(
-    learner_id=0,
-    client=client,
-    link=link,
-    session=session,
-    inbox=Inbox(),
-    stop=stop,
-    event=lambda *a, **k: None,
-    pace=lambda: (0, 0.0),
-    on_request=lambda: None,
-  )
+  listener, stop = _listener(client, link)
   pullers = [
     threading.Thread(target=listener.pull_loop, kwargs={"shard": s, "shards": 2}) for s in (0, 1)
   ]
