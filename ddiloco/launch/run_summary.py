@@ -252,8 +252,12 @@ def data_segments(workdir: str) -> list[tuple[int, int, int, int, int]]:
   """(learner, slot, slots, start, end) of every learner's data positions in the run: the
   positions it read (data/token_shards.py, `data_ledger`).
 
-  A distributed run's learners each write learner_i/summary.json; a learner restored from its
-  own checkpoint read its slot from the start in its earlier runs. A simulated run
+  A distributed run's learners each write learner_i/summary.json, and their metrics.jsonl holds
+  every life's start (its "restore" event's `data`) and how far it had read at each logged step
+  ("train" events' `data_position`): one segment per life, a killed one's ending at its last
+  logged step (it may have read up to `log_every` steps further: repeats are counted at least).
+  Without those events (an older run), a learner restored from its own checkpoint is taken to
+  have read its slot from the start in its earlier lives. A simulated run
   (`ddiloco-simulate`) has no learner folders: its summary.json lists every learner's data, one
   segment per life (a start, a restart, a join), each from where it started reading to where it
   stopped (simulation/slot.py).
@@ -275,9 +279,38 @@ def data_segments(workdir: str) -> list[tuple[int, int, int, int, int]]:
     start, end = data.get("start"), data.get("end")
     if start is None or end is None:
       raise ValueError(f"learner {learner} has no data positions: not a token-corpus run?")
+    lives = _lives(os.path.join(workdir, f"learner_{learner}", "metrics.jsonl"))
+    if lives:
+      lives[-1][1] = end["position"]  # The last life ended with the run: its summary says where.
+      out += [(learner, end["slot"], end["slots"], a, max(a, b)) for a, b in lives]
+      continue
     first = 0 if str(s.get("restored_from", "")).startswith("own") else start["position"]
     out.append((learner, end["slot"], end["slots"], first, end["position"]))
   return out
+
+
+def _lives(path: str) -> list[list[int]]:
+  """[start, furthest logged position] of each life of a learner, from its metrics.jsonl's
+  "restore" and "train" events; [] if they do not say (a run without the positions)."""
+  if not os.path.exists(path):
+    return []
+  events = []
+  with open(path) as f:
+    for line in f:
+      try:
+        events.append(json.loads(line))
+      except json.JSONDecodeError:  # A line a killed life left half written.
+        continue
+  lives: list[list[int]] = []
+  for event in events:
+    if event.get("kind") == "restore":
+      data = event.get("data")
+      if not data:
+        return []
+      lives.append([data["position"], data["position"]])
+    elif event.get("kind") == "train" and lives and "data_position" in event:
+      lives[-1][1] = max(lives[-1][1], int(event["data_position"]))
+  return lives
 
 
 def _simulated_segments(workdir: str) -> list[tuple[int, int, int, int, int]]:

@@ -244,6 +244,7 @@ class LearnerWorker:
       tokens=restored.tokens_trained,
       directory=self.checkpointer.directory,
       discarded_steps=list(restored.discarded_steps),
+      data=self.data_start,  # Where this life starts reading (run_summary.data_segments).
     )
     log.info(
       "learner %d: restored from %s at step %d", self.id, restored.restored_from, restored.step
@@ -308,12 +309,15 @@ class LearnerWorker:
   def _log_train(self, step: int, metrics: Mapping[str, jax.Array]) -> None:
     loss = float(metrics["loss"])
     self.losses.append((step, time.time(), loss))
+    position = self.data_position()
     self._event(
       "train",
       step=step,
       loss=loss,
       step_time_s=self.loop.step_time_s,
       schedule_step=self.learner.kernel.schedule_step,
+      # How far this life has read: a life killed later read at least this far.
+      **({} if position is None else {"data_position": position["position"]}),
     )
     if self._writer is not None:
       self._write_scalars(loss)

@@ -68,3 +68,23 @@ def test_a_simulated_run_without_positions_is_named(tmp_path):
   (tmp_path / "summary.json").unlink()
   with pytest.raises(ValueError, match=r"no learner_i folders and no summary\.json"):
     data_segments(str(tmp_path))
+
+
+def test_a_killed_life_counts_its_repeats_from_the_learners_events(tmp_path):
+  """Learner 0's first life read slot 0 to at least 18 (its last logged step) and was killed
+  mid-line; restored from its checkpoint at position 9, its second life read 9 to 30 again."""
+  _learner(tmp_path, 0, 9, 30, slots=3, restored="own:3")
+  where = {"slot": 0, "slots": 3}
+  events = [
+    {"kind": "restore", "restored_from": "fresh", "data": {"position": 0, **where}},
+    *({"kind": "train", "step": s, "data_position": 6 * s} for s in (1, 2, 3)),
+    {"kind": "restore", "restored_from": "own:3", "data": {"position": 9, **where}},
+    {"kind": "train", "step": 4, "data_position": 15},
+  ]
+  lines = [json.dumps(e) for e in events]
+  lines.insert(4, '{"kind": "train", "ste')  # The killed life's half-written last line.
+  (tmp_path / "learner_0" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+  rows = data_segments(str(tmp_path))
+  assert rows == [(0, 0, 3, 0, 18), (0, 0, 3, 9, 30)]
+  ledger = data_ledger([r[1:] for r in rows])
+  assert ledger.repeated == 3  # Positions 9, 12 and 15, read by both lives.
