@@ -19,7 +19,6 @@ its latency is fixed per run); they are listed in `ReplayPlan.skipped`.
 
 import dataclasses
 import glob
-import json
 import math
 import os
 import statistics
@@ -28,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ddiloco.faults import parse_fault, parse_faults
+from ddiloco.metrics.writer import read_event_lines
 from ddiloco.run_config import RunConfig
 from ddiloco.simulation.config import ClusterConfig
 
@@ -154,16 +154,11 @@ def logged_step_times(metrics_path: str) -> list[float]:
 
   A torn last line (the process was SIGKILLed mid-write) is skipped.
   """
-  times = []
-  with open(metrics_path) as f:
-    for line in f:
-      try:
-        event = json.loads(line)
-      except json.JSONDecodeError:
-        continue
-      if event.get("kind") == "train" and event.get("step_time_s", 0) > 0:
-        times.append(float(event["step_time_s"]))
-  return times
+  return [
+    float(event["step_time_s"])
+    for event in read_event_lines(metrics_path)
+    if event.get("kind") == "train" and event.get("step_time_s", 0) > 0
+  ]
 
 
 def logged_step_time(run_dir: str) -> float:

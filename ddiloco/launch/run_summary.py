@@ -15,7 +15,7 @@ import numpy as np
 
 from ddiloco.launch import syncer_shards
 from ddiloco.launch.job import JobConfig
-from ddiloco.metrics.writer import write_summary
+from ddiloco.metrics.writer import read_event_lines, write_summary
 
 # What a syncer summary holds before the syncer wrote one (a run interrupted while it started).
 _NO_SYNCER = {
@@ -294,15 +294,8 @@ def _lives(path: str) -> list[list[int]]:
   "restore" and "train" events; [] if they do not say (a run without the positions)."""
   if not os.path.exists(path):
     return []
-  events = []
-  with open(path) as f:
-    for line in f:
-      try:
-        events.append(json.loads(line))
-      except json.JSONDecodeError:  # A line a killed life left half written.
-        continue
   lives: list[list[int]] = []
-  for event in events:
+  for event in read_event_lines(path):
     if event.get("kind") == "restore":
       data = event.get("data")
       if not data:

@@ -203,6 +203,19 @@ def read_events(workdir: str, kind: str | None = None) -> list[dict[str, Any]]:
   return [e for e in events if kind is None or e.get("kind") == kind]
 
 
+def read_event_lines(path: str) -> list[dict[str, Any]]:
+  """Every event of a metrics.jsonl file, over all the incarnations that appended to it; a torn
+  line (a process SIGKILLed mid-write) is skipped."""
+  events = []
+  with open(path) as f:
+    for line in f:
+      try:
+        events.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return events
+
+
 def read_scalars(path: str) -> dict[str, list[tuple[int, float]]]:
   """TensorBoard scalars under `path` (a workdir or one run folder), read back with TensorBoard's
   own event reader: {tag: [(x, value), ...]} in the order written, runs in name order."""
