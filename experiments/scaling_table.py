@@ -36,15 +36,17 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import contextlib
 import dataclasses
 import datetime
 import itertools
 import json
 import platform
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from absl import app, flags
 
@@ -52,7 +54,30 @@ from studylib import study
 
 _OUT = flags.DEFINE_string("out", "docs/results", "folder for the table, plot and JSON")
 _WORKDIR = flags.DEFINE_string("workdir", "workdirs/scaling_table", "run outputs")
-_TIER = flags.DEFINE_enum("tier", "all", ["all", "report"], "run what is missing, or only report")
+_TIER = flags.DEFINE_enum(
+  "tier",
+  "all",
+  ["all", "report", "device", "device_report"],
+  "run what is missing, only report, run the final rows on this machine's accelerator "
+  "(their settings chosen by --sweep_store's seed-0 sweep), or report such a run's store "
+  "(--device_store)",
+)
+_DEVICE_STORE = flags.DEFINE_string(
+  "device_store",
+  "docs/results/scaling_table_h200.json",
+  "device_report: the store of a --tier=device run (its --out's scaling_table.json, kept here)",
+)
+_SWEEP_STORE = flags.DEFINE_string(
+  "sweep_store",
+  "docs/results/scaling_table.json",
+  "device tier: the study whose seed-0 sweep chooses each M's row",
+)
+_START_UNTIL = flags.DEFINE_float(
+  "start_until_s", 0.0, "start no run after this many seconds of the driver (0: no limit)"
+)
+_STOP_AT = flags.DEFINE_float(
+  "stop_at_s", 0.0, "kill the runs still going and stop after this many seconds (0: no limit)"
+)
 _WORKERS = flags.DEFINE_integer("workers", 2, "runs at once, each pinned to its own core")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds of the final rows")
 # One run, in a child process (the driver's): the system's name, its seed, where its result goes.
@@ -297,6 +322,32 @@ def plan(store: study.ResultStore, seeds: list[int]) -> Plan:
   return Plan(ready=ready, waiting=waiting)
 
 
+def device_plan(sweeps: study.ResultStore, store: study.ResultStore, seeds: list[int]) -> Plan:
+  """The final DiLoCo rows and data-parallel over every seed, on an accelerator host.
+
+  Each M's row is the one `sweeps` (this study's store on the CPU) chose on seed 0: its best outer
+  lr, plain or with the warm-up. Every seed, seed 0 included, runs again here so that each pair of
+  the table's gaps comes from one backend; the M with no finished sweep are left out. Jobs go
+  seed by seed, the longest (largest M) first, so that runs cut short by the host's time limit
+  cost the fewest complete seeds. Streaming and Decoupled DiLoCo at M = 4 and 8 (both α) follow,
+  for what time is left.
+  """
+  jobs = []
+  for seed in seeds:
+    for m in sorted(MS, reverse=True):
+      if (best := best_diloco(sweeps, m)) is not None:
+        jobs.append((best[1], seed))
+    jobs.append((data_parallel(), seed))
+  # Then, while the host's time lasts, Streaming and Decoupled DiLoCo (both α) seed by seed.
+  for m in STREAMING_MS:
+    if (lr := best_lr(sweeps, m)) is None:
+      continue
+    for seed in seeds:
+      for alpha in ALPHAS:
+        jobs += [(decoupled(m, lr, alpha), seed), (streaming(m, lr, alpha), seed)]
+  return Plan(ready=[(s, seed) for s, seed in jobs if store.get(s, seed) is None], waiting=False)
+
+
 def all_systems(store: study.ResultStore) -> Iterator[study.System]:
   """Every system the study may run (for looking one up by name)."""
   yield data_parallel()
@@ -326,11 +377,17 @@ def provenance() -> dict[str, str]:
       check=False,
     ).stdout.strip()
   except (OSError, subprocess.SubprocessError):
-    commit, dirty = "unknown", ""
+    # A copy of the tree without its history (an accelerator host): the commit it was made from.
+    commit, dirty = os.environ.get("DDILOCO_COMMIT", "unknown"), ""
+  machine = f"{_cpu_model()}, {os.cpu_count()} cores, {platform.machine()}"
+  import jax
+
+  if jax.default_backend() != "cpu":
+    machine += f", {jax.devices()[0].device_kind}"
   return {
     "commit": commit + ("+changes" if dirty else ""),
     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    "machine": f"{_cpu_model()}, {os.cpu_count()} cores, {platform.machine()}",
+    "machine": machine,
   }
 
 
@@ -393,7 +450,8 @@ def _running_children() -> list[tuple[int, str, int, str, int]]:
     if not any(a.endswith("scaling_table.py") for a in argv) or "--seed=" not in " ".join(argv):
       continue
     args = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
-    if "run" in args and "python" in os.path.basename(argv[0]):
+    # Only this driver's study (its --out): another study's runs are not ours to adopt or kill.
+    if "run" in args and "python" in os.path.basename(argv[0]) and args.get("out") == _OUT.value:
       core = min(os.sched_getaffinity(int(entry)))
       out.append((int(entry), args["run"], int(args["seed"]), args["result"], core))
   return out
@@ -403,13 +461,15 @@ def _result_path(system: study.System, seed: int) -> str:
   return os.path.join(_WORKDIR.value, study.slug(system.name), f"seed_{seed}") + ".result.json"
 
 
-def _collect_finished(store_path: str, seeds: list[int], running: set[tuple[str, int]]) -> None:
+def _collect_finished(
+  store_path: str, plan_of: Callable[[study.ResultStore], Plan], running: set[tuple[str, int]]
+) -> None:
   """Stores the results of runs that ended while no driver watched them (their result files),
   rather than running them again."""
   while True:
     store = study.ResultStore(store_path)
     found = []
-    for system, seed in plan(store, seeds).ready:
+    for system, seed in plan_of(store).ready:
       path = _result_path(system, seed)
       if (system.name, seed) in running or not os.path.exists(path):
         continue
@@ -425,24 +485,30 @@ def _collect_finished(store_path: str, seeds: list[int], running: set[tuple[str,
       print(f"[{system.name} seed {seed}] eval {result['final_eval_loss']:.4f} (found)", flush=True)
 
 
-def drive(seeds: list[int]) -> None:
+def drive(seeds: list[int], plan_of: Callable[[study.ResultStore], Plan] | None = None) -> None:
   """Runs the plan's ready jobs, `--workers` at a time, each pinned to a core, until none is left.
+
+  `plan_of` gives the jobs from the stored results (default: the study's `plan`).
+  `--start_until_s` and `--stop_at_s` fit the study in a time slot: no run starts after the first
+  and the runs still going are killed at the second (their results are lost, the others kept).
 
   Each run is a child in a session of its own at normal priority, so that the kernel's
   per-session fair share gives the study its own share beside other work on the machine. Runs
   left by an earlier driver are adopted, not started again, and the results of runs that ended
   while no driver watched are stored, not run again.
   """
+  plan_of = plan_of or (lambda store: plan(store, seeds))
   store_path = os.path.join(_OUT.value, f"{STUDY}.json")
   os.makedirs(_WORKDIR.value, exist_ok=True)
   cores = sorted(os.sched_getaffinity(0))
+  started = time.monotonic()
   slots: dict[int, tuple] = {}
   store = study.ResultStore(store_path)
   by_name = {s.name: s for s in all_systems(store)}
   for pid, name, seed, path, core in _running_children():
     slots[core] = (_Adopted(pid), by_name[name], seed, path, time.time())
     print(f"[{name} seed {seed}] adopted (pid {pid}, core {core})", flush=True)
-  _collect_finished(store_path, seeds, {(s.name, seed) for _, s, seed, _, _ in slots.values()})
+  _collect_finished(store_path, plan_of, {(s.name, seed) for _, s, seed, _, _ in slots.values()})
   failed: set[tuple[str, int]] = set()  # Not offered again by this driver: a rerun retries them.
   while True:
     store = study.ResultStore(store_path)
@@ -463,8 +529,18 @@ def drive(seeds: list[int]) -> None:
         failed.add((system.name, seed))
         print(f"[{system.name} seed {seed}] FAILED (exit {proc.returncode})", flush=True)
     running = {(s.name, seed) for _, s, seed, _, _ in slots.values()} | failed
-    todo = plan(store, seeds)
+    todo = plan_of(store)
     ready = [(s, seed) for s, seed in todo.ready if (s.name, seed) not in running]
+    elapsed = time.monotonic() - started
+    if _STOP_AT.value and elapsed > _STOP_AT.value:
+      for proc, system, seed, _, _ in slots.values():
+        _kill_session(proc.pid)
+        if isinstance(proc, subprocess.Popen):
+          proc.wait(timeout=30)
+        print(f"[{system.name} seed {seed}] killed at the time limit", flush=True)
+      return
+    if _START_UNTIL.value and elapsed > _START_UNTIL.value:
+      ready = []
     free = [c for c in cores if c not in slots][: max(0, _WORKERS.value - len(slots))]
     for core, (system, seed) in zip(free, ready):
       path = _result_path(system, seed)
@@ -493,7 +569,13 @@ def drive(seeds: list[int]) -> None:
       if todo.waiting or failed:
         print(f"stopping: {len(failed)} runs failed; rows that need them were not run", flush=True)
       return
-    time.sleep(10)
+    time.sleep(10 if not _STOP_AT.value else 1)
+
+
+def _kill_session(pid: int) -> None:
+  """Kills a run and whatever it started (it leads a session of its own)."""
+  with contextlib.suppress(ProcessLookupError, PermissionError):
+    os.killpg(pid, signal.SIGKILL)
 
 
 # The literature this table is read against (DiLoCo scaling laws, Charles et al. 2025, Table 4):
@@ -731,12 +813,160 @@ def report(store: study.ResultStore, seeds: list[int]) -> None:
   study.publish(_OUT.value, STUDY, "\n".join(parts), fig, "python experiments/scaling_table.py")
 
 
+def report_device(sweeps: study.ResultStore, store: study.ResultStore, seeds: list[int]) -> str:
+  """Writes the table of a `--tier=device` run beside its store (`<store>.md`): each final row
+  over the seeds it ran, its gap paired by seed with data-parallel of the same backend, and
+  seed 0 against the CPU study's seed 0 (what the backend changes). Returns the table's path."""
+  name = os.path.splitext(os.path.basename(store.path))[0]
+  dp = _losses(store, data_parallel(), seeds)
+  for row_name, by_seed in store.results.items():
+    for seed, result in by_seed.items():
+      ref = dp.get(int(seed))
+      result["paired_gap_vs_data_parallel"] = (
+        None
+        if ref is None or row_name == data_parallel().name
+        else result["final_eval_loss"] / ref - 1
+      )
+  store.save()
+  machines = sorted({r.get("machine", "?") for by in store.results.values() for r in by.values()})
+  commits = sorted({r.get("commit", "?") for by in store.results.values() for r in by.values()})
+  rows = [["data-parallel", "–", "–", _cell(dp), "–", "–", "–", "–", len(dp)]]
+  cross = []
+  systems = [(1, "–", data_parallel())]
+  for m in MS:
+    if (best := best_diloco(sweeps, m)) is None:
+      continue
+    label, system = best
+    systems.append((m, label, system))
+    values = _losses(store, system, seeds)
+    gap = _gap(values, dp)
+    per_seed = ", ".join(
+      f"{100 * (values[s] / dp[s] - 1):+.2f}" for s in seeds if s in values and s in dp
+    )
+    rows.append(
+      [
+        "DiLoCo",
+        m,
+        label,
+        _cell(values),
+        _fmt(gap),
+        per_seed or "–",
+        f"≤ {GOAL[m]:+.1f} %",
+        _met(gap, GOAL[m]),
+        len(values),
+      ]
+    )
+  for m, label, system in systems:
+    here, there = store.get(system, 0), sweeps.get(system, 0)
+    if here and there:
+      a, b = here["final_eval_loss"], there["final_eval_loss"]
+      title = "data-parallel" if system == data_parallel() else f"DiLoCo M={m}, {label}"
+      cross.append([title, f"{b:.4f}", f"{a:.4f}", f"{100 * (a / b - 1):+.2f} %"])
+  fractions = (0.5, 0.625, 0.75, 0.875, 1.0)
+  half_rows = []
+  for m, _, system in systems[1:]:
+    gaps = gap_over_training(store, system, seeds, fractions)
+    half_rows.append(["DiLoCo", m, *(_fmt(g) for g in gaps)])
+  streamed_rows = []
+  for m in STREAMING_MS:
+    if (lr := best_lr(sweeps, m)) is None:
+      continue
+    for alpha in ALPHAS:
+      stream = _losses(store, streaming(m, lr, alpha), seeds)
+      dec = _losses(store, decoupled(m, lr, alpha), seeds)
+      if not stream and not dec:
+        continue
+      vs = _gap(dec, stream)
+      streamed_rows.append(
+        [
+          m,
+          alpha,
+          f"{_cell(stream)} ({len(stream)})",
+          _fmt(_gap(stream, dp)),
+          f"{_cell(dec)} ({len(dec)})",
+          _fmt(_gap(dec, dp)),
+          _fmt(vs),
+          _met(vs, STREAMING_GOAL),
+        ]
+      )
+  parts = [
+    "# The scaling table's final rows on an accelerator",
+    "",
+    f"The rows of scaling_table.md (tiny model, {STEPS} steps of {GLOBAL_BATCH} x {SEQ_LEN} "
+    f"tokens, H = {PERIOD}, {OUTER_STEPS} outer steps, one held-out set of 512 windows), each M's "
+    "outer step as the CPU study's seed-0 sweep chose it, run again over every seed on "
+    f"{'; '.join(machines)} (commit {', '.join(commits)}), float32 with float32 matrix products. "
+    "Every gap is paired by seed with data-parallel run on the same backend.",
+    "",
+    "Reproduce (on a host with a GPU): "
+    "`python experiments/scaling_table.py --tier=device --seeds=1,2,0 --out=OUT`, then "
+    f"`python experiments/scaling_table.py --tier=device_report --device_store=OUT/{STUDY}.json`.",
+    "",
+    study.markdown_table(
+      [
+        "method",
+        "M",
+        "outer lr",
+        "eval loss",
+        "vs data-parallel",
+        "per seed (%)",
+        "goal",
+        "met",
+        "seeds",
+      ],
+      rows,
+    ),
+    "",
+    "## The gap over the second half of training",
+    "",
+    study.markdown_table(["method", "M", *(f"{int(100 * f)} %" for f in fractions)], half_rows),
+    "",
+    "## Streaming DiLoCo and Decoupled DiLoCo (1 crash)",
+    "",
+    f"P = H = {PERIOD}, τ = 2, each M's outer lr with the warm-up; seeds run in parentheses.",
+    "",
+    study.markdown_table(
+      [
+        "M",
+        "α",
+        "Streaming",
+        "vs data-parallel",
+        "Decoupled",
+        "vs data-parallel",
+        "Decoupled vs Streaming",
+        f"≤ {STREAMING_GOAL:+.1f} %",
+      ],
+      streamed_rows,
+    )
+    if streamed_rows
+    else "Not run.",
+    "",
+    "## Seed 0 on both backends",
+    "",
+    "The same run (config and seed) on the CPU study's machine and here.",
+    "",
+    study.markdown_table(["row", "CPU", "here", "here vs CPU"], cross),
+  ]
+  path = study.write_report(os.path.dirname(store.path) or ".", name, "\n".join(parts))
+  print("\n".join(parts))
+  return path
+
+
 def main(argv: list[str]) -> None:
   del argv
   if _RUN.value is not None:
     run_one(_RUN.value, _SEED.value, _RESULT.value)
     return
   seeds = [int(s) for s in _SEEDS.value]
+  if _TIER.value == "device_report":
+    report_device(
+      study.ResultStore(_SWEEP_STORE.value), study.ResultStore(_DEVICE_STORE.value), seeds
+    )
+    return
+  if _TIER.value == "device":
+    sweeps = study.ResultStore(_SWEEP_STORE.value)
+    drive(seeds, lambda store: device_plan(sweeps, store, seeds))
+    return
   if _TIER.value != "report":
     drive(seeds)
   report(study.ResultStore(os.path.join(_OUT.value, f"{STUDY}.json")), seeds)
