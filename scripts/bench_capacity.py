@@ -23,26 +23,36 @@ holds values only for those, and opens their rounds on the run's schedule (P, H,
 come at 1/S of the fleet's rate. It merges with quorum M (every learner's answer), RDA, bf16
 downlink adoption.
 
+`--slices` cuts each of the P fragments into S slices instead, as ddiloco-syncer's shards do
+(`FragmentSchedule.slices`; `--fragment_mib` is then a group's size): every shard opens a round
+for its slice of each step's group, so a round's work is split S ways.
+
 Load: the offered ingest is M · (fragment's wire bytes) · (P/H) / step_s over all shards. The ramp
 offers each `--ramp_gbps` to every shard count in turn (S = 1 then S = 2 at each level, so the
-machine's noise hits them alike); a shard count stops after its first level not kept up with. Each
+machine's noise hits them alike; with `--ramp_per_shard` S shards are offered S times the level); a
+shard count stops after its first level not kept up with, and with `--deadline_s` a point that would
+end past the deadline is skipped (its cost beyond the load is the last point's of that S). Each
 level runs `--windows` windows of `--window_s` one after the other after `--warmup_s`. A shard keeps
-up in a window when it opened `--keep_up` of the rounds its schedule has (a late step clock skips
-a round whose previous one is still open), merged `--keep_up` of the answers to those (one round of
+up in a window when it opened `--keep_up` of the rounds its schedule has (a late step clock skips a
+round whose previous one is still open), merged `--keep_up` of the answers to those (one round of
 lag allowed), and its p99 round latency (open → published, on its own clock) is within the grace
 budget τ · step_s; a level is kept up with when most of its windows were, and its figures are the
 medians over its windows (the spread over windows is printed beside them: the noise). Sustained
-ingest is the highest merged ingest of a level kept up with; it prints "ingest(S=2)/ingest(S=1)"
-from those. Per level and shard: merged GB/s, rounds opened/scheduled, p50/p99 open → published
-and p99 quorum → published (the merge) latency, the shard's CPU (cores) and RSS, the fleet's push
-answers (and how many needed a retry) and its CPU.
+ingest is the highest merged ingest of a level kept up with; it prints "ingest(S)/ingest(S=1)" from
+those. Per level and shard: merged GB/s, rounds opened/scheduled, p50/p99 open → published and p99
+quorum → published (the merge) latency, the shard's CPU (cores) and RSS, the fleet's push answers
+(and how many needed a retry) and its CPU.
 
 Placement: shard i runs under `taskset -c <--shard_cpus[i]>`, the fleet under `--fleet_cpus`
 (default unpinned: S = 1 and S = 2 see the same machine, the fleet where the scheduler puts it).
 On a 2-core machine the fleet shares the shards' cores, so the summary fits
 each side's CPU (a fixed part plus CPU-seconds per GB, scripts/bench_capacity_summary.py) and
 prints the ingest CPU alone would allow. `--sweep` ramps S = 1 at `--sweep_learners` and at
-`--sweep_mib` fragment sizes, and fits RSS per parameter held. `--json` writes every figure.
+`--sweep_mib` fragment sizes, and fits RSS per parameter held. `--json` writes every figure, again
+after every point ("complete": false until the run ends: a run killed by `timeout` leaves the
+points it finished for `--analyze`; its SIGTERM stops the children).
+`--jax_cache` lets the shards share compiled merges through a JAX compilation cache (start-up only).
+scripts/device_capacity.sh is the S = 1, 2, 4, 8 run for a 16-core host in a ~100 s budget.
 `--fleet_send=sendfile` has the fake learners send a push's frames after the first from an
 in-memory file with sendfile (the same bytes; ~30 % less of the fleet's CPU per push on this
 machine), so that less of what a fleet on other hosts would spend lands on the shards' cores.
@@ -65,12 +75,21 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import bench_capacity_fleet  # Beside this script: its folder is first on sys.path when it runs.
 import bench_capacity_timeline as timeline
 import numpy as np
 from absl import app, flags, logging
-from bench_capacity_summary import clock_lag, medians, shard_figures, statuses, summarize
+from bench_capacity_summary import (
+  clock_lag,
+  medians,
+  print_level,
+  run_figures,
+  shard_figures,
+  statuses,
+  summarize,
+)
 
 from ddiloco.launch import processes
 
@@ -117,7 +136,25 @@ _FLEET_PRIORITY = flags.DEFINE_enum(
 _SWEEP = flags.DEFINE_bool("sweep", False, "also ramp S = 1 over M and fragment sizes")
 _SWEEP_MIB = flags.DEFINE_list("sweep_mib", ["1", "16"], "fragment sizes of the sweep, MiB")
 _SWEEP_M = flags.DEFINE_list("sweep_learners", ["2", "4"], "learner counts of the sweep")
-_JSON = flags.DEFINE_string("json", "", "write every figure here")
+_JSON = flags.DEFINE_string("json", "", "write every figure here (again after every point)")
+_SLICES = flags.DEFINE_bool(
+  "slices",
+  False,
+  "cut each fragment into S slices, one per shard, as ddiloco-syncer's shards do (every shard "
+  "takes a slice of every round); off: each fragment's round goes whole to one shard",
+)
+_RAMP_PER_SHARD = flags.DEFINE_bool(
+  "ramp_per_shard", False, "--ramp_gbps is per shard: S shards are offered S times each level"
+)
+_JAX_CACHE = flags.DEFINE_bool(
+  "jax_cache",
+  False,
+  "shards keep their compiled merges in a JAX compilation cache shared by the run's points: a "
+  "point after the first of its sizes starts ~1 CPU-s sooner (the merges run the same)",
+)
+_DEADLINE = flags.DEFINE_float(
+  "deadline_s", 0.0, "skip the points that would end later than this after the start (0: none)"
+)
 _ANALYZE = flags.DEFINE_string("analyze", "", "print the summary of a --json file; run nothing")
 # Internal (shard and fleet roles).
 _SPEC = flags.DEFINE_string("spec", "", "internal: JSON of the point")
@@ -130,12 +167,17 @@ _TIMEOUT_S = bench_capacity_fleet.TIMEOUT_S  # Longest wait for a child to start
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-  """One measured configuration: S shards, M learners, fragments, the offered load."""
+  """One measured configuration: S shards, M learners, fragments, the offered load.
+
+  With `slices` = S, each of the P `fragments` (groups) is cut into S slices of `fragment_params`,
+  fragment g·S + s being slice s of group g (`FragmentSchedule.slices`), so each shard takes a
+  slice of every round; with 1 each fragment's round goes whole to the shard that owns it.
+  """
 
   shards: int
   learners: int
   fragments: int
-  fragment_params: int
+  fragment_params: int  # One (sliced) fragment's.
   step_s: float
   overlap: int
   codec: str
@@ -145,16 +187,22 @@ class Point:
   window_s: float = 8.0
   windows: int = 1  # Measured windows of window_s, one after the other (`measure`).
   addresses: tuple[str, ...] = ()
+  slices: int = 1  # 1 or `shards`.
+
+  @property
+  def total_fragments(self) -> int:
+    """The layout's fragment ids' count, P · slices."""
+    return self.fragments * self.slices
 
   @property
   def digest(self) -> str:
-    return f"capacity-{self.fragments}x{self.fragment_params}"
+    return f"capacity-{self.fragments}x{self.slices}x{self.fragment_params}"
 
   def owned(self, shard: int) -> frozenset[int]:
     """The fragments shard `shard` owns (p mod S == shard)."""
     from ddiloco.fragments import shards
 
-    return shards.owned(shard, self.shards, self.fragments)
+    return shards.owned(shard, self.shards, self.total_fragments)
 
 
 def wire_bytes(params: int, codec: str) -> int:
@@ -182,12 +230,14 @@ def _shard_main(pt: Point, out: str) -> None:
   owned = sorted(pt.owned(_INDEX.value))
   init = {f"f{k}": rng.standard_normal(pt.fragment_params, np.float32) for k in owned}
   svc = make_syncer(
-    fragment_keys=[[f"f{k}"] for k in range(pt.fragments)],
+    fragment_keys=[[f"f{k}"] for k in range(pt.total_fragments)],
     init_values=init,
     syncer_config=SyncerConfig(min_quorum=pt.learners, grace_max_s=pt.overlap * pt.step_s),
     service_config=ServiceConfig(uplink_codec=pt.codec, downlink_codec=pt.downlink),
     layout_digest=pt.digest,
-    schedule=FragmentSchedule(num_fragments=pt.fragments, period=pt.fragments, overlap=pt.overlap),
+    schedule=FragmentSchedule(
+      num_fragments=pt.fragments, period=pt.fragments, overlap=pt.overlap, slices=pt.slices
+    ),
     shard=_INDEX.value,
     shard_addresses=pt.addresses if pt.shards > 1 else (),
   )
@@ -270,6 +320,12 @@ def _child(role: str, pt: Point, index: int, out: str, cpus: str) -> subprocess.
   if cpus:
     cmd = ["taskset", "-c", cpus, *cmd]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
+  if _JAX_CACHE.value:  # In the run's temp dir, beside the point's files.
+    env.update(
+      JAX_COMPILATION_CACHE_DIR=os.path.join(os.path.dirname(out), "jax_cache"),
+      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
   return subprocess.Popen(
     cmd,
     env=env,
@@ -324,22 +380,33 @@ def measure(pt: Point, tmp: str) -> dict:
   after the warm-up; returns its figures, each the median over the windows, a level kept up with
   when most windows were (see the module docstring), and every window's own figures."""
   tag = f"{tmp}/s{pt.shards}m{pt.learners}f{pt.fragment_params}t{pt.step_s:.4f}"
+  began = time.monotonic()
+  # Seconds from `began` at which each phase ended (what a point costs beyond its load), and the
+  # CPU-seconds its processes took to start.
+  marks = {}
   # Every shard's address before any starts: a shard advertises the map at Register, as
   # ddiloco-local's shards do.
   ports = [processes.free_port() for _ in range(pt.shards)]
   pt = dataclasses.replace(pt, addresses=tuple(f"127.0.0.1:{port}" for port in ports))
   shards = [start_shard(pt, i, f"{tag}.shard{i}") for i in range(pt.shards)]
-  fleets: list[subprocess.Popen] = []
+  # The fleet starts beside them (imports, encodes its pushes) and registers once they serve.
+  fleets = [
+    _child("fleet", pt, k, f"{tag}.fleet{k}", _FLEET_CPUS.value)
+    for k in range(min(_FLEET_PROCS.value, pt.learners))
+  ]
   cpu: list[list[float]] = []  # Per window boundary: CPU seconds of every shard and fleet process.
   try:
     for i in range(pt.shards):
-      _wait_file(f"{tag}.shard{i}.port", shards)
-    fleets = [
-      _child("fleet", pt, k, f"{tag}.fleet{k}", _FLEET_CPUS.value)
-      for k in range(min(_FLEET_PROCS.value, pt.learners))
-    ]
+      _wait_file(f"{tag}.shard{i}.port", shards + fleets)
+    marks["shards_up"] = time.monotonic() - began
+    marks["shard_start_cpu_s"] = max(_cpu_s(p.pid) for p in shards)  # Its busiest's, to serve.
+    for k in range(len(fleets)):
+      with open(f"{tag}.fleet{k}.serving", "w"):
+        pass
     for k in range(len(fleets)):
       _wait_file(f"{tag}.fleet{k}.ready", fleets + shards)
+    marks["fleet_up"] = time.monotonic() - began
+    marks["fleet_start_cpu_s"] = max(_cpu_s(p.pid) for p in fleets)  # Registered and pulled.
     t0 = time.monotonic() + 0.2
     for k in range(len(fleets)):
       with open(f"{tag}.fleet{k}.go", "w") as f:
@@ -351,9 +418,11 @@ def measure(pt: Point, tmp: str) -> dict:
     rss = [_rss_mib(p.pid) for p in shards]
     for p in fleets:
       p.wait(_TIMEOUT_S)
+    marks["load_end"] = time.monotonic() - began
   finally:
     _stop(fleets)
     _stop(shards)
+  marks["stopped"] = time.monotonic() - began
   pushes, asks = [], []
   for k in range(len(fleets)):
     with open(f"{tag}.fleet{k}") as f:
@@ -388,7 +457,8 @@ def measure(pt: Point, tmp: str) -> dict:
         "shards": per_shard,
       }
     )
-  offered = pt.learners * (pt.fragments / pt.fragments) / pt.step_s  # P/H = 1 round per step.
+  # P/H = 1 group per step: M answers to each of its slices.
+  offered = pt.learners * pt.slices / pt.step_s
   kept = sum(w["keeps_up"] for w in windows)
   return {
     "point": dataclasses.asdict(pt),
@@ -410,81 +480,91 @@ def measure(pt: Point, tmp: str) -> dict:
     "overrun_rounds": [lg["counts"].get("overrun_rounds", 0) for lg in logs],
     "clock_lag_steps": [clock_lag(lg["clock"], t0, bounds[-1], pt.step_s) for lg in logs],
     "windows": windows,
+    "phase_s": marks,
   }
 
 
-def ramp(shard_counts: list[int], learners: int, fragment_mib: float, tmp: str) -> list[dict]:
+@dataclasses.dataclass
+class Deadline:
+  """When the run must be over (`--deadline_s`): a point starts only if it should end before.
+
+  A point's cost beyond its load (start-up of its processes, registration and pulls, stop,
+  analysis) is taken from the last point of the same shard count, else the largest seen yet.
+  """
+
+  end: float = float("inf")  # time.monotonic()
+  overhead_s: dict[int, float] = dataclasses.field(default_factory=dict)
+
+  def fits(self, pt: Point) -> bool:
+    over = self.overhead_s.get(pt.shards, max(self.overhead_s.values(), default=0.0))
+    return time.monotonic() + _load_s(pt) + over <= self.end
+
+  def spent(self, pt: Point, seconds: float) -> None:
+    self.overhead_s[pt.shards] = max(0.0, seconds - _load_s(pt))
+
+
+def _load_s(pt: Point) -> float:
+  return pt.warmup_s + pt.windows * pt.window_s
+
+
+def ramp(
+  shard_counts: list[int],
+  learners: int,
+  fragment_mib: float,
+  tmp: str,
+  *,
+  deadline: Deadline,
+  record: Callable[[list[dict]], None] = lambda runs: None,
+) -> list[dict]:
   """Offers each `--ramp_gbps` in turn to every shard count, interleaved (S = 1, then S = 2, at
   each level) so that the machine's noise hits them alike; a shard count stops ramping after its
-  first level not kept up with. Returns one run per shard count."""
-  params = int(fragment_mib * (1 << 20) / 4)
-  wire = wire_bytes(params, _CODEC.value)
+  first level not kept up with, and a point that would end past `deadline` is skipped. Calls
+  `record` with the runs so far after each point. Returns one run per shard count measured."""
   print(
     f"\nM={learners} P={_FRAGMENTS.value} fragment {fragment_mib:g} MiB float32 "
-    f"({wire / 2**20:.2f} MiB {_CODEC.value} on the wire), {_WINDOWS.value} windows of "
+    f"({wire_bytes(int(fragment_mib * (1 << 18)), _CODEC.value) / 2**20:.2f} MiB {_CODEC.value} "
+    f"on the wire{', cut into S slices' if _SLICES.value else ''}), {_WINDOWS.value} windows of "
     f"{_WINDOW.value:g} s per level, medians. Per shard: [merged GB/s, rounds opened/scheduled, "
     "p50/p99 open->published ms, p99 quorum->published ms, cores, RSS MiB, fleet's push answers]; "
     "then windows kept up with, merged GB/s and the worst shard's p99 (min-max over windows)"
   )
   print(f"{'S':>2s} {'offered':>8s} {'merged':>7s} {'frag/s':>7s} {'budget':>7s} {'fleet':>6s}")
   levels: dict[int, list[dict]] = {s: [] for s in shard_counts}
-  for gbps in (float(g) for g in _RAMP.value):
+  for level in (float(g) for g in _RAMP.value):
     for shards in shard_counts:
       if levels[shards] and not levels[shards][-1]["keeps_up"]:
         continue
+      slices = shards if _SLICES.value else 1
+      params = int(fragment_mib * (1 << 18)) // slices  # float32 values of one (sliced) fragment.
+      gbps = level * shards if _RAMP_PER_SHARD.value else level
       pt = Point(
         shards=shards,
         learners=learners,
         fragments=_FRAGMENTS.value,
         fragment_params=params,
-        step_s=learners * wire / (gbps * 1e9),  # P = H: one round per step, M answers each.
+        # P = H: one group per step, M answers to each of its slices.
+        step_s=learners * slices * wire_bytes(params, _CODEC.value) / (gbps * 1e9),
         overlap=_OVERLAP.value,
         codec=_CODEC.value,
         downlink=_DOWNLINK.value,
         warmup_s=_WARMUP.value,
         window_s=_WINDOW.value,
         windows=_WINDOWS.value,
+        slices=slices,
       )
+      if not deadline.fits(pt):
+        print(f"{shards:2d} {gbps:8.3f}  skipped: it would end past --deadline_s", flush=True)
+        continue
+      began = time.monotonic()
       r = measure(pt, tmp)
+      deadline.spent(pt, time.monotonic() - began)
       levels[shards].append(r)
-      shard_txt = "  ".join(
-        f"[{s['gbps']:.3f} {s['opened_rounds']:.0f}/{s['scheduled_rounds']:.0f} "
-        f"{1e3 * s['p50_open_s']:.0f}/{1e3 * s['p99_open_s']:.0f} "
-        f"{1e3 * s['p99_merge_s']:.0f} {s['cores']:.2f} {s['rss_mib']:.0f} {s['push_status']}"
-        f"{' retried {:.0f}'.format(s['retried']) if s['retried'] else ''}]"
-        for s in r["shards"]
-      )
-      overruns = f", overrun rounds {r['overrun_rounds']}" if any(r["overrun_rounds"]) else ""
-      lo, hi = r["gbps_range"]
-      p_lo, p_hi = r["p99_open_range_s"]
-      print(
-        f"{shards:2d} {r['offered_gbps']:8.3f} {r['gbps']:7.3f} {r['fragments_per_s']:7.1f} "
-        f"{1e3 * r['budget_s']:5.0f}ms {r['fleet_cores']:6.2f}  {shard_txt}  "
-        f"kept {r['kept_windows']}/{len(r['windows'])}, {lo:.3f}-{hi:.3f} GB/s, "
-        f"p99 {1e3 * p_lo:.0f}-{1e3 * p_hi:.0f} ms"
-        f"{overruns}"
-        f"{'' if r['keeps_up'] else '  <- does not keep up'}",
-        flush=True,
-      )
+      print_level(r)
       for i in range(shards) if _TIMELINE.value else ():
         rows = [row for w in r["windows"] for row in w["shards"][i].get("timeline", [])]
         timeline.print_rounds(f"shard {i}", rows)
-  runs = []
-  for shards, lv in levels.items():
-    kept = [r for r in lv if r["keeps_up"]]
-    best = max(kept, key=lambda r: r["gbps"]) if kept else None
-    runs.append(
-      {
-        "shards": shards,
-        "learners": learners,
-        "fragment_mib": fragment_mib,
-        "levels": lv,
-        "sustained_gbps": best["gbps"] if best else 0.0,
-        "sustained_fragments_per_s": best["fragments_per_s"] if best else 0.0,
-        "peak_gbps": max(r["gbps"] for r in lv),
-      }
-    )
-  return runs
+      record([run_figures(s, learners, fragment_mib, lv) for s, lv in levels.items() if lv])
+  return [run_figures(s, learners, fragment_mib, lv) for s, lv in levels.items() if lv]
 
 
 def main(argv):
@@ -510,25 +590,47 @@ def main(argv):
     with open(_ANALYZE.value) as f:
       summarize(json.load(f))
     return
-  shard_counts = [int(s) for s in _SHARDS.value]
-  if any(_FRAGMENTS.value % s for s in shard_counts):
+  _coordinate([int(s) for s in _SHARDS.value])
+
+
+def _save(out: dict) -> None:
+  """Writes `out` to `--json` whole or not at all: a run cut short leaves its last complete copy."""
+  if _JSON.value:
+    with open(_JSON.value + ".tmp", "w") as f:
+      json.dump(out, f, indent=1)
+    os.replace(_JSON.value + ".tmp", _JSON.value)
+
+
+def _coordinate(shard_counts: list[int]) -> None:
+  """The ramps (and `--sweep`), `--json` rewritten after every point; the summary."""
+  if not _SLICES.value and any(_FRAGMENTS.value % s for s in shard_counts):
     raise app.UsageError(f"--fragments={_FRAGMENTS.value} must divide by every --shards.")
+  # A SIGTERM (`timeout`) unwinds: each point's finally stops its children, the temp dir goes.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+  deadline = Deadline(time.monotonic() + (_DEADLINE.value or float("inf")))
   with open("/proc/loadavg") as f:
     print(f"load before: {f.read().strip()}; {os.cpu_count()} CPUs")
-  out: dict = {"runs": [], "sweep": [], "cpus": len(os.sched_getaffinity(0))}
+  out: dict = {"runs": [], "sweep": [], "cpus": len(os.sched_getaffinity(0)), "complete": False}
+
+  def record(key: str, done: list[dict]) -> Callable[[list[dict]], None]:
+    return lambda runs: _save({**out, key: done + runs})
+
   with tempfile.TemporaryDirectory(prefix="bench_capacity_") as tmp:
-    out["runs"] = ramp(shard_counts, _LEARNERS.value, _FRAGMENT_MIB.value, tmp)
+    m, mib = _LEARNERS.value, _FRAGMENT_MIB.value
+    out["runs"] = ramp(shard_counts, m, mib, tmp, deadline=deadline, record=record("runs", []))
     if _SWEEP.value:
       for m in (int(m) for m in _SWEEP_M.value):
-        out["sweep"] += ramp([1], m, _FRAGMENT_MIB.value, tmp)
+        runs = ramp([1], m, mib, tmp, deadline=deadline, record=record("sweep", out["sweep"]))
+        out["sweep"] += runs
       for mib in (float(x) for x in _SWEEP_MIB.value):
-        out["sweep"] += ramp([1], _LEARNERS.value, mib, tmp)
+        m = _LEARNERS.value
+        runs = ramp([1], m, mib, tmp, deadline=deadline, record=record("sweep", out["sweep"]))
+        out["sweep"] += runs
   with open("/proc/loadavg") as f:
     print(f"\nload after: {f.read().strip()}")
   summarize(out)
-  if _JSON.value:
-    with open(_JSON.value, "w") as f:
-      json.dump(out, f, indent=1)
+  out["complete"] = True
+  _save(out)
 
 
 if __name__ == "__main__":

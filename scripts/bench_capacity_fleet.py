@@ -46,7 +46,9 @@ class _Answerer:
 
     pt = self._pt
     self.client.wait_ready(TIMEOUT_S)
-    resp = self.client.register(self.learner, layout_digest=pt.digest, num_fragments=pt.fragments)
+    resp = self.client.register(
+      self.learner, layout_digest=pt.digest, num_fragments=pt.total_fragments
+    )
     self.heartbeat_s = float(resp.heartbeat_interval_s)  # Learners heartbeat at the syncer's.
     self._bulk = (bulk_client.address_host(pt.addresses[self.shard]), resp.bulk_port)
     for p in sorted(pt.owned(self.shard)):  # The shard's own fragments: ids are global.
@@ -217,7 +219,7 @@ def _encode_payloads(
 
   delta = 1e-3 * np.random.default_rng(0).standard_normal(pt.fragment_params, np.float32)
   out = {}
-  for p in range(pt.fragments):
+  for p in range(pt.total_fragments):
     enc = FragmentEncoder({f"f{p}": delta}, pt.codec)
     data = list(enc.chunks(DEFAULT_CHUNK_SIZE))
     rest = [chunk_prefix(i, len(d)) + d for i, d in enumerate(data) if i]
@@ -225,12 +227,22 @@ def _encode_payloads(
   return out
 
 
+def _wait_for(path: str, why: str) -> None:
+  """Waits for the coordinator to write `path`; raises TimeoutError(why) after TIMEOUT_S."""
+  deadline = time.monotonic() + TIMEOUT_S
+  while not os.path.exists(path):
+    if time.monotonic() > deadline:
+      raise TimeoutError(why)
+    time.sleep(0.02)
+
+
 def fleet_main(pt, out: str, *, index: int, procs: int, send: str = "sendmsg") -> None:
   """Fake learners `index::procs` of the M in `pt` (bench_capacity.Point) against every shard, until
   its window ends, pushing over the bulk port, its frames by `send` (`_bulk_push`); writes their
   pushes and round requests to `out`."""
   stop = threading.Event()
-  chunks = _encode_payloads(pt, send)
+  chunks = _encode_payloads(pt, send)  # While the shards start: the coordinator starts both.
+  _wait_for(out + ".serving", "no word from the coordinator that the shards serve")
   log: list = []
   asks: list = []
   ids = range(index, pt.learners, procs)
@@ -243,11 +255,7 @@ def fleet_main(pt, out: str, *, index: int, procs: int, send: str = "sendmsg") -
     c.start()
   with open(out + ".ready", "w"):
     pass
-  deadline = time.monotonic() + TIMEOUT_S
-  while not os.path.exists(out + ".go"):  # t0, once every fleet process has registered and pulled.
-    if time.monotonic() > deadline:
-      raise TimeoutError("no go from the coordinator")
-    time.sleep(0.05)
+  _wait_for(out + ".go", "no go from the coordinator")  # Once every fleet process has pulled.
   with open(out + ".go") as f:
     pt = dataclasses.replace(pt, t0=float(f.read()))
   for c in conns:

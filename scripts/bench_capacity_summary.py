@@ -53,6 +53,52 @@ def cpu_bound(shards: int, cpus: int, c: dict) -> float:
   return min(one, spare / (c["shard_s_per_gb"] + c["fleet_s_per_gb"]))
 
 
+def run_figures(shards: int, learners: int, fragment_mib: float, lv: list[dict]) -> dict:
+  """A shard count's ramp so far: its levels, and the best one kept up with."""
+  kept = [r for r in lv if r["keeps_up"]]
+  best = max(kept, key=lambda r: r["gbps"]) if kept else None
+  return {
+    "shards": shards,
+    "learners": learners,
+    "fragment_mib": fragment_mib,
+    "levels": lv,
+    "sustained_gbps": best["gbps"] if best else 0.0,
+    "sustained_fragments_per_s": best["fragments_per_s"] if best else 0.0,
+    # The worst shard's p99 open -> published at the sustained level (NaN if none).
+    "sustained_p99_open_s": max(s["p99_open_s"] for s in best["shards"]) if best else float("nan"),
+    "peak_gbps": max(r["gbps"] for r in lv),
+  }
+
+
+def print_level(r: dict) -> None:
+  """One line of the ramp: a level's figures (bench_capacity.measure), its shards' in brackets."""
+  shard_txt = "  ".join(
+    f"[{s['gbps']:.3f} {s['opened_rounds']:.0f}/{s['scheduled_rounds']:.0f} "
+    f"{1e3 * s['p50_open_s']:.0f}/{1e3 * s['p99_open_s']:.0f} "
+    f"{1e3 * s['p99_merge_s']:.0f} {s['cores']:.2f} {s['rss_mib']:.0f} {s['push_status']}"
+    f"{' retried {:.0f}'.format(s['retried']) if s['retried'] else ''}]"
+    for s in r["shards"]
+  )
+  overruns = f", overrun rounds {r['overrun_rounds']}" if any(r["overrun_rounds"]) else ""
+  lo, hi = r["gbps_range"]
+  p_lo, p_hi = r["p99_open_range_s"]
+  ph = r.get("phase_s", {})
+  started = (
+    f", shards up in {ph['shards_up']:.1f} s, fleet {ph['fleet_up'] - ph['shards_up']:.1f} s, "
+    f"all done {ph['stopped']:.1f} s"
+    if "stopped" in ph
+    else ""
+  )
+  print(
+    f"{r['point']['shards']:2d} {r['offered_gbps']:8.3f} {r['gbps']:7.3f} "
+    f"{r['fragments_per_s']:7.1f} {1e3 * r['budget_s']:5.0f}ms {r['fleet_cores']:6.2f}  "
+    f"{shard_txt}  kept {r['kept_windows']}/{len(r['windows'])}, {lo:.3f}-{hi:.3f} GB/s, "
+    f"p99 {1e3 * p_lo:.0f}-{1e3 * p_hi:.0f} ms{overruns}{started}"
+    f"{'' if r['keeps_up'] else '  <- does not keep up'}",
+    flush=True,
+  )
+
+
 def summarize(out: dict) -> None:
   """Prints (and adds to `out`) the per-core figures, the ratio and the RSS fit of the runs."""
   for run in out["runs"] + out["sweep"]:
@@ -65,21 +111,32 @@ def summarize(out: dict) -> None:
       f"{c['fleet_fixed_cores']:.2f} + {c['fleet_s_per_gb']:.2f} s/GB; merge {c['merge_gbps']:.2f} GB/s"
     )
   by_s = {r["shards"]: r for r in out["runs"]}
-  if 1 in by_s and 2 in by_s:
+  for s, run in sorted(by_s.items()):
+    p99 = run.get("sustained_p99_open_s", float("nan"))
+    print(
+      f"S={s}: {run['sustained_gbps'] / s:.3f} GB/s per shard core sustained, p99 open->published "
+      f"{1e3 * p99:.0f} ms there"
+    )
+  if 1 in by_s and len(by_s) > 1:
     if by_s[1]["sustained_gbps"] > 0:
-      ratio = by_s[2]["sustained_gbps"] / by_s[1]["sustained_gbps"]
-      peak = by_s[2]["peak_gbps"] / by_s[1]["peak_gbps"]
-      out["ratio"], out["peak_ratio"] = ratio, peak
-      print(f"ingest(S=2)/ingest(S=1) = {ratio:.2f} sustained ({peak:.2f} at peak; goal >= 1.7)")
+      out["ratios"] = {}
+      for s in sorted(by_s)[1:]:
+        ratio = by_s[s]["sustained_gbps"] / by_s[1]["sustained_gbps"]
+        peak = by_s[s]["peak_gbps"] / by_s[1]["peak_gbps"]
+        out["ratios"][str(s)] = ratio
+        if s == 2:
+          out["ratio"], out["peak_ratio"] = ratio, peak
+        print(f"ingest(S={s})/ingest(S=1) = {ratio:.2f} sustained ({peak:.2f} at peak; ideal {s})")
     else:  # A loaded machine can fail even the ramp's lowest level: say so, not a made-up ratio.
       out["ratio"] = out["peak_ratio"] = None
-      print("ingest(S=2)/ingest(S=1) = n/a: S=1 kept up with no level of the ramp (start it lower)")
+      print("ingest(S)/ingest(S=1) = n/a: S=1 kept up with no level of the ramp (start it lower)")
     cpus = out.get("cpus", 2)
-    bound = [cpu_bound(s, cpus, by_s[s]["per_core"]) for s in (1, 2)]
+    counts = sorted(by_s)
+    bound = [cpu_bound(s, cpus, by_s[s]["per_core"]) for s in counts]
     out["cpu_bound_gbps"] = bound
     print(
       f"CPU-bound on {cpus} cores at each one's measured costs (the fleet on the same cores): "
-      f"S=1 {bound[0]:.3f} GB/s, S=2 {bound[1]:.3f} GB/s, ratio {bound[1] / bound[0]:.2f}"
+      + ", ".join(f"S={s} {b:.3f} GB/s" for s, b in zip(counts, bound))
     )
   rss = rss_per_param(out["runs"] + out["sweep"])
   if rss is not None:
@@ -97,7 +154,8 @@ def rss_per_param(runs: list[dict]) -> dict | None:
     for level in run["levels"]:
       pt = level["point"]
       for s in level["shards"]:
-        xs.append(pt["fragment_params"] * pt["fragments"] / pt["shards"])
+        held = pt["fragment_params"] * pt["fragments"] * pt.get("slices", 1)
+        xs.append(held / pt["shards"])
         ys.append(s["rss_mib"] * 2**20)
   if len(set(xs)) < 2:
     return None
@@ -155,7 +213,8 @@ def shard_figures(pt, merges: list, opened: int, *, keep_up: float, wire: int) -
   open_s = np.array([m[1] - m[2] for m in merges] or [np.inf])
   merge_s = np.array([m[1] - m[3] for m in merges] or [np.inf])
   rate = answers / pt.window_s
-  scheduled = pt.window_s / pt.step_s / pt.shards  # P = H: one round a step over all shards.
+  # P = H: one group a step, its `slices` rounds over all shards.
+  scheduled = pt.window_s / pt.step_s * pt.slices / pt.shards
   due = keep_up * pt.learners * max(opened - 1, 0)
   budget = pt.overlap * pt.step_s
   return {

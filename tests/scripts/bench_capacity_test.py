@@ -74,7 +74,7 @@ def test_two_shard_counts_side_by_side(tmp_path):
 @pytest.mark.integration
 def test_sendfile_fleet_and_round_timeline(tmp_path):
   """The fleet's sendfile pushes are the same bytes (every answer filed), and `--timeline` gives
-  each merged round's phases in order."""
+  each merged round's phases in order; with `--slices` each shard takes a slice of every round."""
   out = tmp_path / "capacity.json"
   cmd = [
     sys.executable,
@@ -83,7 +83,9 @@ def test_sendfile_fleet_and_round_timeline(tmp_path):
     "--learners=2",
     "--fragments=4",
     "--fragment_mib=1",
-    "--ramp_gbps=0.005",
+    "--ramp_gbps=0.0025",
+    "--ramp_per_shard",
+    "--slices",
     "--window_s=2",
     "--windows=1",
     "--warmup_s=1",
@@ -97,8 +99,14 @@ def test_sendfile_fleet_and_round_timeline(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "median ms: last_asked=" in proc.stdout
   assert not _processes_naming(str(tmp_path))
-  (run,) = json.loads(out.read_text())["runs"]
+  figures = json.loads(out.read_text())
+  assert figures["complete"]
+  (run,) = figures["runs"]
   (level,) = run["levels"]
+  assert level["point"]["slices"] == 2 and level["point"]["fragments"] == 4
+  assert level["offered_gbps"] == pytest.approx(0.005, rel=1e-6)  # 0.0025 per shard.
+  # Each step's group has a slice on each shard: both open rounds and merge them.
+  assert all(s["opened_rounds"] > 0 and s["merges"] > 0 for s in level["shards"])
   rows = []
   for shard in level["windows"][0]["shards"]:
     assert set(shard["push_status"]) == {"accepted"}
