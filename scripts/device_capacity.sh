@@ -14,8 +14,9 @@
 # registration and pulls) and stop.
 #
 # Writes OUT/capacity_16core.json after every point ("complete": false until the end) and
-# OUT/capacity_16core.txt (everything printed). If the budget kills the run, the summary of the
-# points it finished is printed from the JSON (bench_capacity.py --analyze).
+# OUT/capacity_16core.txt (everything printed; LOG=... puts it elsewhere). If the budget kills the
+# run, the summary of the points it finished is printed from the JSON (bench_capacity.py
+# --analyze).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash scripts/device_capacity.sh OUT [BUDGET_S]}
@@ -24,7 +25,7 @@ PY=${PYTHON:-python3}
 RAMP=${RAMP:-0.3,0.45,0.65,0.95}
 mkdir -p "$OUT"
 JSON="$OUT/capacity_16core.json"
-LOG="$OUT/capacity_16core.txt"
+LOG="${LOG:-$OUT/capacity_16core.txt}"
 if (($(nproc) < 16)); then
   echo "needs 16 cores (shards on 0-7, the fleet on 8-15); this machine has $(nproc)" | tee "$LOG"
   exit 2
@@ -36,7 +37,7 @@ fi
 } | tee "$LOG"
 # The deadline leaves the coordinator's start-up, a point overrunning its estimate and the summary
 # within the budget; timeout is the backstop (its SIGTERM stops every child).
-OPENBLAS_NUM_THREADS=1 PYTHONPATH=. timeout -k 3 $((BUDGET - 4)) "$PY" scripts/bench_capacity.py \
+OPENBLAS_NUM_THREADS=1 PYTHONPATH=".:${PYTHONPATH:-}" timeout -k 3 $((BUDGET - 4)) "$PY" scripts/bench_capacity.py \
   --shards=1,2,4,8 --slices --ramp_per_shard --ramp_gbps="$RAMP" \
   --learners=8 --fragments=4 --fragment_mib=32 --warmup_s=1 --windows=2 --window_s=1.5 \
   --shard_cpus=0,1,2,3,4,5,6,7 --fleet_procs=8 --fleet_cpus=8-15 --fleet_send=sendfile \
@@ -45,6 +46,6 @@ OPENBLAS_NUM_THREADS=1 PYTHONPATH=. timeout -k 3 $((BUDGET - 4)) "$PY" scripts/b
 rc=${PIPESTATUS[0]}
 if ((rc != 0)) && [[ -f "$JSON" ]]; then
   echo "exit $rc: the summary of the points written before" | tee -a "$LOG"
-  PYTHONPATH=. "$PY" scripts/bench_capacity.py --analyze="$JSON" 2>&1 | tee -a "$LOG"
+  PYTHONPATH=".:${PYTHONPATH:-}" "$PY" scripts/bench_capacity.py --analyze="$JSON" 2>&1 | tee -a "$LOG"
 fi
 exit "$rc"
