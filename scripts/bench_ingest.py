@@ -13,7 +13,9 @@ benchmark in place of the merge thread, which is stopped so that it merges exact
 CPU time, not wall time: on a loaded machine it is the steadier figure, and it is what a shard's
 capacity is made of (docs/results.md, "Syncer capacity and shards"). Printed per codec, medians
 over `--rounds` rounds: the syncer's CPU-seconds per GB of pushes (wire bytes), the GB of pushes
-one core ingests per second, the same per GB of decoded float32, and the merge's CPU.
+one core ingests per second, the same per GB of decoded float32, the merge's CPU, and the minor
+page faults of the ingest and of the merge (fresh memory, which the kernel zeroes on first touch).
+The syncer process runs with OPENBLAS_NUM_THREADS=1 unless set, as `ddiloco-syncer` does.
 
 `--baseline_tree=DIR` runs a second syncer process from another checkout of the package (e.g.
 `git archive HEAD~3 | tar -x -C /tmp/base`) and interleaves its rounds with this tree's, so both
@@ -123,6 +125,7 @@ def _serve(codec: str, mib: int, learners: int) -> None:
       raise ValueError(op)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     reply["cpu"], reply["sys"] = usage.ru_utime + usage.ru_stime, usage.ru_stime
+    reply["faults"] = usage.ru_minflt
     out.write(json.dumps(reply) + "\n")
     out.flush()
   server.stop(flush=False)
@@ -133,6 +136,9 @@ class _Syncer:
 
   def __init__(self, tree: str, codec: str, mib: int, learners: int):
     env = dict(os.environ, PYTHONPATH=tree)
+    # As `ddiloco-syncer` sets it (launch/syncer_main.py): an idle OpenBLAS thread spins, and its
+    # spinning is charged to the syncer's CPU (scripts/bench_merge.py).
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
     argv = [sys.executable, os.path.abspath(__file__), f"--serve={codec}"]
     argv += [f"--fragment_mib={mib}", f"--learners={learners}"]
     self.tree = tree
@@ -208,22 +214,28 @@ class _Fleet:
     )
     self.step = 0
 
-  def round(self, pushes: list[list[bytes]]) -> tuple[float, float]:
-    """One round: M pushes, then the merge; (ingest, merge) CPU seconds of the syncer."""
+  def round(self, pushes: list[list[bytes]]) -> tuple[float, float, int, int]:
+    """One round: M pushes, then the merge; (ingest, merge) CPU seconds of the syncer, then the
+    minor page faults of each (fresh memory touched)."""
     self.step += 1
     version = self.syncer.call("round", step=self.step)["version"]
     framed = [_with_header(c, self.step, version) for c in pushes]
-    t0 = self.syncer.call("cpu")["cpu"]
+    before = self.syncer.call("cpu")
     for m, chunks in enumerate(framed):
       body = self.bulk.push(bulk_wire.message_frames(chunks), self.client.session(m), 300.0)
       response = syncer_pb2.PushResponse.FromString(body)
       if response.status != "accepted" or response.weight <= 0:
         raise RuntimeError(f"Push of learner {m} not filed with weight > 0: {response}")
-    t1 = self.syncer.call("cpu")["cpu"]
+    pushed = self.syncer.call("cpu")
     merged = self.syncer.call("merge")
     if merged["version"] != version + 1:
       raise RuntimeError(f"The round did not merge: version {merged['version']}.")
-    return t1 - t0, merged["cpu"] - t1
+    return (
+      pushed["cpu"] - before["cpu"],
+      merged["cpu"] - pushed["cpu"],
+      pushed["faults"] - before["faults"],
+      merged["faults"] - pushed["faults"],
+    )
 
   def close(self) -> None:
     self.client.close()
@@ -293,7 +305,8 @@ def _tree() -> str:
   return os.path.dirname(os.path.dirname(os.path.abspath(ddiloco.__file__)))
 
 
-def _line(name: str, wire: int, decoded: int, ingest: list[float], merge: list[float]) -> str:
+def _line(name: str, wire: int, decoded: int, samples: tuple[list, list, list]) -> str:
+  ingest, merge, faults = samples
   s = statistics.median(ingest)
   per_gb = s / (wire / _GB)
   merge_s = statistics.median(merge)
@@ -301,7 +314,8 @@ def _line(name: str, wire: int, decoded: int, ingest: list[float], merge: list[f
     f"  {name:<9} ingest {per_gb:6.3f} CPU-s/GB = {1 / per_gb:5.2f} GB/s per core "
     f"({decoded / _GB / s:5.2f} GB/s decoded; {s * 1e3:6.1f} ms a round, "
     f"spread {min(ingest) * 1e3:.0f}-{max(ingest) * 1e3:.0f}) | merge {merge_s * 1e3:6.1f} ms, "
-    f"with it {(s + merge_s) / (wire / _GB):6.3f} CPU-s/GB"
+    f"with it {(s + merge_s) / (wire / _GB):6.3f} CPU-s/GB | page faults "
+    f"{statistics.median(f[0] for f in faults):.0f} + {statistics.median(f[1] for f in faults):.0f}"
   )
 
 
@@ -321,7 +335,7 @@ def _run_codec(codec: str) -> None:
   syncers = {name: _Syncer(tree, codec, mib, learners) for name, tree in trees.items()}
   try:
     fleets = {name: _Fleet(s, learners, digest, chunk_bytes) for name, s in syncers.items()}
-    times = {name: ([], []) for name in fleets}
+    times = {name: ([], [], []) for name in fleets}
     perf = None
     for r in range(_WARMUP.value + _ROUNDS.value):
       if r == _WARMUP.value and _PERF.value:
@@ -331,10 +345,11 @@ def _run_codec(codec: str) -> None:
         )
         time.sleep(1.0)
       for name, fleet in fleets.items():  # Interleaved: both see the same load.
-        ingest, merge = fleet.round(pushes)
+        ingest, merge, *faults = fleet.round(pushes)
         if r >= _WARMUP.value:
           times[name][0].append(ingest)
           times[name][1].append(merge)
+          times[name][2].append(faults)
     if perf is not None:
       perf.send_signal(signal.SIGINT)
       perf.wait(60)
@@ -342,8 +357,8 @@ def _run_codec(codec: str) -> None:
       f"{codec}: {learners} pushes of a {mib} MiB fragment, {wire / learners / 2**20:.2f} MiB "
       f"on the wire each, {_ROUNDS.value} rounds"
     )
-    for name, (ingest, merge) in times.items():
-      print(_line(name, wire, decoded, ingest, merge))
+    for name, samples in times.items():
+      print(_line(name, wire, decoded, samples))
     if "baseline" in times:
       ratio = statistics.median(times["baseline"][0]) / statistics.median(times["this"][0])
       print(f"  ingest CPU, baseline / this: {ratio:.2f}x")

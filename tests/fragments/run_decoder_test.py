@@ -63,6 +63,21 @@ def test_int4_into_is_decode_run(n, block_size):
   np.testing.assert_array_equal(rest.view(np.uint32), want[start:].view(np.uint32))
 
 
+def test_int4_into_decodes_every_valid_byte_as_decode_run():
+  # Every byte of two codes in [1, 15] (q in [-7, 7]; code 8 is q = 0, +0.0 either way), under a
+  # scale of 1 and one that rounds: `decode_run_into` forms q in int8 where `decode_run` forms
+  # float32(code) − 8.
+  codes = np.arange(1, 16, dtype=np.uint8)
+  payload = (codes[:, None] | codes[None, :] << 4).reshape(-1).tobytes()
+  codec = Int4(block_size=2)
+  for scale in (np.float32(1), np.float32(0.1)):
+    scales = np.full(len(payload), scale, np.float32)
+    want = codec.decode_run(payload, 0, 2 * len(payload), scales)
+    out = np.empty(2 * len(payload), np.float32)
+    assert codec.decode_run_into(payload, out, scales=scales)
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+
+
 def test_int4_into_refuses_what_decode_run_refuses():
   codec, payload, scales = _int4(129, 64)
   out = np.empty(129, np.float32)
