@@ -16,7 +16,13 @@ import math
 from collections.abc import Mapping
 from typing import Protocol
 
+import ml_dtypes
 import numpy as np
+
+# An outer gradient the bf16 uplink sent may be kept as it was sent, a bfloat16 array standing for a
+# float32 tensor (transport/fragment_reader.py, `as_sent`): its widening to float32 is exact, and the
+# syncer widens it where it reads it (`holds_values_of`).
+_AS_SENT = {(np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))}
 
 # Bounds on the counters a learner sends. They are far above any real run (2^40 steps is ~35,000
 # years at one step per second) and far below int64, so every sum the syncer forms of them (its
@@ -181,7 +187,10 @@ class Report:
     learner_id: the reporting learner.
     fragment: fragment index p.
     values: on the learner's side, θ_{m,p} to encode; on the syncer's, as read from the wire: the
-      outer gradient δ = Θ^(anchor) − θ_{m,p} with `outer_gradient`, else θ_{m,p}.
+      outer gradient δ = Θ^(anchor) − θ_{m,p} with `outer_gradient`, else θ_{m,p}. Each array
+      has its tensor's shape and dtype, or (δ only) the dtype it was sent in where that widens
+      exactly to the tensor's (bf16's bfloat16 for float32, `holds_values_of`); a reader widens
+      it (`astype(np.float32)`, in XLA or numpy) and gets the decoded values bit for bit.
     tokens: tokens since the learner last applied p (it resets them at every apply).
     steps: inner steps since then.
     anchor_version: version of p the learner last applied; -1 if it never received p. It weighs
@@ -214,6 +223,14 @@ class Report:
   round_step: int = -1
   outer_gradient: bool = False
   sq_norms: Mapping[str, float] | None = None
+
+
+def holds_values_of(dtype: np.dtype, tensor_dtype: np.dtype, outer_gradient: bool) -> bool:
+  """Whether a `Report`'s array of `dtype` may hold the values of a tensor of `tensor_dtype`: its
+  own dtype, or for an outer gradient a dtype kept as sent that widens to it exactly (bfloat16 for
+  float32)."""
+  dtype, tensor_dtype = np.dtype(dtype), np.dtype(tensor_dtype)
+  return dtype == tensor_dtype or (bool(outer_gradient) and (dtype, tensor_dtype) in _AS_SENT)
 
 
 @dataclasses.dataclass(frozen=True)

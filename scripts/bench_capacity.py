@@ -221,6 +221,7 @@ def _shard_main(pt: Point, out: str) -> None:
   from ddiloco.service.server import make_syncer, serve
   from ddiloco.service.service_config import ServiceConfig
   from ddiloco.syncer.core import SyncerConfig
+  from ddiloco.transport import messages
 
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -243,7 +244,7 @@ def _shard_main(pt: Point, out: str) -> None:
   )
   del init  # The core keeps its own copy: RSS is the shard's alone.
   for p in owned:  # As SyncerRun.warm_up: no merge compiles under the lock.
-    svc.core.warm_up(p, pt.learners)
+    svc.core.warm_up(p, pt.learners, sent_as=messages.kept_dtype(pt.codec))
   if _GC_FREEZE.value:  # As ddiloco-syncer does once serving (launch/syncer_main.py).
     gc.freeze()
   srv = serve(svc, address=pt.addresses[_INDEX.value], token=_TOKEN)

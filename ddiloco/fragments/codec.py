@@ -83,6 +83,10 @@ class Codec:
     quantized: whether it has block scales (then `block_size` applies and goes on the wire).
     unit_bytes: bytes of the smallest self-contained piece of payload.
     values_per_unit: values in such a piece (int4: a byte holds two).
+    payload_dtype: the dtype whose little-endian bytes the payload is, value for value, and
+      whose widening to float32 is exactly `decode_run` (fp32: float32, bf16: bfloat16); None if
+      the payload must be decoded (int8, int4). A receiver may keep such a payload as it is sent,
+      an array of this dtype (`FragmentReader(as_sent=)`), and widen it where it reads it.
 
   Attributes:
     block_size: values per absmax scale (quantized codecs; others ignore it).
@@ -94,6 +98,7 @@ class Codec:
   quantized: ClassVar[bool] = False
   unit_bytes: ClassVar[int] = 1
   values_per_unit: ClassVar[int] = 1
+  payload_dtype: ClassVar[np.dtype | None] = None
 
   # Whether `encode_run` itself refuses NaN/Inf (`NonFiniteRun`), so `encode_runs` need not check
   # every value first (the block-quantized codecs see it in their scales).

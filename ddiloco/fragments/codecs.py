@@ -17,6 +17,7 @@ Decisions (docs/algorithm.md §5):
 
 import dataclasses
 import functools
+import sys
 from typing import ClassVar
 
 import ml_dtypes
@@ -46,6 +47,7 @@ class Fp32(Codec):
   wire_id: ClassVar[int] = 0
   exact: ClassVar[bool] = True
   unit_bytes: ClassVar[int] = 4
+  payload_dtype: ClassVar[np.dtype] = F32
 
   def encode_run(self, x32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return x32.view(np.uint8), _NO_SCALES
@@ -64,6 +66,10 @@ class Bf16(Codec):
   name: ClassVar[str] = "bf16"
   wire_id: ClassVar[int] = 1
   unit_bytes: ClassVar[int] = 2
+  # The payload is little-endian: a bfloat16 array (native order) holds its bytes on such a host.
+  payload_dtype: ClassVar[np.dtype | None] = (
+    np.dtype(ml_dtypes.bfloat16) if sys.byteorder == "little" else None
+  )
 
   def encode_run(self, x32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     xb = x32.astype(ml_dtypes.bfloat16)

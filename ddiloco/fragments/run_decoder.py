@@ -4,7 +4,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ddiloco.fragments.codec import F32 as _F32
 from ddiloco.fragments.codec import INTO_RUN_VALUES, RUN_VALUES, Codec, RunScratch, as_f32
 
 
@@ -25,7 +24,9 @@ class RunDecoder:
   with no temporary to copy, and `on_values` may read the run while it is still in cache (the
   door's norms, `fragment_reader._BlockDots`). A misaligned fp32 run (framing puts payloads at any
   byte offset) is first copied into an aligned scratch: numpy is several times slower on
-  misaligned float32.
+  misaligned float32. A payload whose bytes are the output's own (an output of the codec's
+  `payload_dtype`, no base: fp32 into float32, bf16 kept as bfloat16) is copied as bytes, or
+  found in place (received there, transport/placement.py).
   """
 
   def __init__(
@@ -49,8 +50,11 @@ class RunDecoder:
       on_values: called after each run with k: values [0, k) of `out` are final.
     """
     self._codec, self._out, self._base = codec, out, base
-    # Whether a piece may already sit in `out` (received in place, transport/placement.py).
-    self._plain = base is None and codec.exact and out.dtype == _F32 and codec.unit_bytes == 4
+    # Whether the payload's bytes are `out`'s: copied, or already in place (received there,
+    # transport/placement.py).
+    self._plain = (
+      base is None and codec.payload_dtype is not None and out.dtype == codec.payload_dtype
+    )
     self._scales = np.empty(0, np.float32) if scales is None else scales
     self._max_run = RUN_VALUES * codec.unit_bytes // codec.values_per_unit
     # A direct decoding's runs are longer: its scratch is smaller than `decode_run`'s temporaries,
@@ -84,14 +88,16 @@ class RunDecoder:
       self._carry += bytes(piece[:head])
       if len(self._carry) < unit:
         return
-      self._run(memoryview(self._carry))
+      carried = memoryview(self._carry)
+      if not self._copy(carried):
+        self._run(carried)
       self._done()
     whole = len(piece) - (len(piece) - head) % unit
     run = piece[head:whole]
     if whole > head and not self._in_place(run):
       for i in range(head, whole, self._into_run):
         run = piece[i : min(i + self._into_run, whole)]
-        if not self._into(run):
+        if not (self._copy(run) or self._into(run)):
           for j in range(0, len(run), self._max_run):
             self._run(run[j : j + self._max_run])
         self._done()
@@ -101,12 +107,25 @@ class RunDecoder:
     if self._on_values is not None:
       self._on_values(self._start)
 
+  def _copy(self, view: memoryview) -> bool:
+    """Copies `view` (whole units) into `out` if its bytes are the values (`_plain`); False if
+    not, nothing done."""
+    if not self._plain:
+      return False
+    n = len(view) // self._out.itemsize
+    if self._start + n > self._out.size:
+      raise ValueError(f"payload holds more than the array's {self._out.size} values.")
+    dst = self._out[self._start : self._start + n]
+    dst.view(np.uint8)[...] = np.frombuffer(view, np.uint8)
+    self._skip(n)  # Counts NaN/Inf if asked, as `_run` does.
+    return True
+
   def _in_place(self, view: memoryview) -> bool:
     """Takes `view` if it holds the next values where they belong in `out` already; False if
     not, nothing done."""
-    if not self._plain or self._start + len(view) // 4 > self._out.size:
+    if not self._plain or self._start + len(view) // self._out.itemsize > self._out.size:
       return False
-    x = np.frombuffer(view, _F32)
+    x = np.frombuffer(view, self._out.dtype)
     dst = self._out[self._start : self._start + x.size]
     # may_share_memory compares bounds only (cheap); the addresses settle it.
     if not (

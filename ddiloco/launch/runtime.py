@@ -33,6 +33,7 @@ from ddiloco.learner_process.worker import LearnerWorker
 from ddiloco.metrics.writer import MetricsWriter, write_summary
 from ddiloco.service import server as server_lib
 from ddiloco.syncer.core import MergeEvent
+from ddiloco.transport import messages
 from ddiloco.transport.client import SyncerClient
 
 __all__ = ["SyncerRun", "make_learner_worker"]
@@ -275,9 +276,11 @@ class SyncerRun:
     t0 = time.monotonic()
     core = self.service.core
     answers = self.job.run.num_learners  # The full fleet: the common answer count.
+    # The dtype the door keeps the answers in (bf16: bfloat16): the merge's program depends on it.
+    sent_as = messages.kept_dtype(self.job.run.the_service().uplink_codec)
     with futures.ThreadPoolExecutor(2) as pool:
       # Re-raises a failure.
-      list(pool.map(lambda p: core.warm_up(p, answers), sorted(core.owned)))
+      list(pool.map(lambda p: core.warm_up(p, answers, sent_as=sent_as), sorted(core.owned)))
     seconds = time.monotonic() - t0
     log.info("outer steps of %d fragments compiled in %.1f s", len(core.owned), seconds)
     self.writer.event("warm_up", time=round(time.time(), 4), seconds=round(seconds, 3))

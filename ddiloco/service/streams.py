@@ -332,6 +332,9 @@ class DataStreams:
         # refuses the report untouched ("rejected", INVALID_ARGUMENT); one pass, not two.
         check_finite=False,
         placement=placement,
+        # bf16 δ stays bfloat16 up to the merge, which widens it as it reads it (exact): the
+        # door writes no float32 and the merge reads half the bytes.
+        as_sent=True,
       )
     except WireError as e:
       code = grpc.StatusCode.INVALID_ARGUMENT

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ddiloco.fragments.schedule import FragmentSchedule
-from ddiloco.protocol import counter_error, step_time_error
+from ddiloco.protocol import counter_error, holds_values_of, step_time_error
 from ddiloco.syncer import blockwise
 from ddiloco.syncer import merge as merge_lib
 from ddiloco.syncer.learners import LearnerRegistry
@@ -134,7 +134,7 @@ class Admission:
     summed = r.sq_norms if r.outer_gradient and r.sq_norms is not None else {}
     for k, ref in expected.items():
       v = np.asarray(r.values[k])
-      if v.shape != ref.shape or v.dtype != ref.dtype:
+      if v.shape != ref.shape or not holds_values_of(v.dtype, ref.dtype, r.outer_gradient):
         return f"{k!r} is {v.dtype}{list(v.shape)}, expected {ref.dtype}{list(ref.shape)}", None
       if k in summed:  # Every block's dot product finite: the values are.
         if sq_norms is not None:

@@ -435,10 +435,10 @@ class SyncerCore:
     out["versions"] = self._versions.versions()
     return out
 
-  def warm_up(self, p: int, answers: int = 1) -> None:
+  def warm_up(self, p: int, answers: int = 1, *, sent_as: np.dtype | None = None) -> None:
     """Compiles fragment p's outer step now, so that its first merge does not (`FragmentUpdater.warm_up`)."""
     self._check_fragment(p)
-    self._updater.warm_up(p, answers)
+    self._updater.warm_up(p, answers, sent_as=sent_as)
 
   def _check_fragment(self, p: int) -> None:
     if not 0 <= p < self.num_fragments:

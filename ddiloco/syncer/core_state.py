@@ -96,7 +96,9 @@ def state_dict(
         d[q + name] = getattr(e.report, name)
       d[q + "outer_gradient"] = int(e.report.outer_gradient)  # Saved as a number.
       for k, a in e.report.values.items():
-        d[f"{q}value/{k}"] = np.array(a)
+        # Widened to the tensor's dtype if kept as sent (bfloat16, exact): the checkpoint's
+        # layout is the tensors'; a restored answer's norms are computed at its merge.
+        d[f"{q}value/{k}"] = np.array(a, dtype=versions.values(p)[k].dtype)
   records = dict(learners.items())
   ids = sorted(records)
   d["learners/ids"] = np.array(ids, np.int64)

@@ -46,17 +46,23 @@ _DEFAULT_RULE = RDA()
 def _check_inputs(
   vs: Sequence[np.ndarray], ws: Sequence[float]
 ) -> tuple[list[np.ndarray], np.ndarray]:
-  """Validates a (values, weights) pair and returns them as arrays; weights as float64."""
+  """Validates a (values, weights) pair and returns them as arrays; weights as float64.
+
+  The values may differ in dtype where they are merged in the same one (`Diffs.dtype`): an
+  outer gradient kept as the bf16 uplink sent it (bfloat16, `protocol.holds_values_of`) beside
+  float32 ones (a restored round's), each widened exactly as it is read.
+  """
   if len(vs) != len(ws):
     raise ValueError(f"Got {len(vs)} values but {len(ws)} weights.")
   if not vs:
     raise ValueError("Nothing to merge: no values given.")
   arrays = [np.asarray(v) for v in vs]
   shape, dtype = arrays[0].shape, arrays[0].dtype
+  acc = np.promote_types(dtype, np.float32)
   for i, a in enumerate(arrays):
     if a.shape != shape:
       raise ValueError(f"Shape mismatch: values[0] has {shape}, values[{i}] has {a.shape}.")
-    if a.dtype != dtype:
+    if a.dtype != dtype and np.promote_types(a.dtype, np.float32) != acc:
       raise ValueError(f"Dtype mismatch: values[0] is {dtype}, values[{i}] is {a.dtype}.")
   w = np.asarray(ws, dtype=np.float64)
   if not np.all(np.isfinite(w)) or np.any(w < 0):

@@ -182,7 +182,7 @@ class FragmentUpdater:
       spare=self._spare(p),
     )
 
-  def warm_up(self, p: int, answers: int = 1) -> None:
+  def warm_up(self, p: int, answers: int = 1, *, sent_as: np.dtype | None = None) -> None:
     """Compiles fragment p's outer step now, so that its first merge does not.
 
     A merge runs under the service's lock: a first merge that compiles holds every push, pull and
@@ -193,6 +193,10 @@ class FragmentUpdater:
     once on the current values and zero outer gradients, and its results are discarded (only the
     spare output buffers are donated, and its outputs are the next spare): nothing else changes.
     Safe to call from several threads for different fragments, not beside a merge of p.
+
+    `sent_as`: the dtype δ answers of float32 tensors arrive in, where the transport keeps them
+    as sent (bf16: bfloat16, `transport.messages.kept_dtype`); the program depends on it. None:
+    the tensors' own dtypes.
 
     Raises:
       ValueError: if answers < 1.
@@ -207,7 +211,10 @@ class FragmentUpdater:
       self._spare_params[p], self._spare_state[p] = out[0], out[1]  # Discarded: spare again.
       jax.block_until_ready(out)
       return
-    values = {k: np.zeros(v.shape, v.dtype) for k, v in self._versions.values(p).items()}
+    values = {
+      k: np.zeros(v.shape, sent_as if sent_as is not None and v.dtype == np.float32 else v.dtype)
+      for k, v in self._versions.values(p).items()
+    }
     # The program depends on which tensors the rules give a radius, not on the coefficients'
     # values: unit weights and norms stand in for the answers'.
     ones = (1.0,) * answers

@@ -29,12 +29,15 @@ def read_stream(
   check_finite: bool = True,
   placement: Placement | None = None,
   norms: Callable[[object], bool] | None = None,
+  as_sent: Callable[[object], bool] | None = None,
 ) -> tuple[object, dict[str, np.ndarray], dict[str, float]]:
   """(header of chunk 0, values, `FragmentReader.sq_norms` if `norms(header)`) of a chunk stream.
 
   Chunks may be ChunkFrames, serialized messages or protobuf messages (`as_frame`). The header is
   checked (by `base_for` too, which returns the base of a delta or None) before any further chunk
-  is read; each chunk is then decoded as soon as it is next in order, and dropped.
+  is read; each chunk is then decoded as soon as it is next in order, and dropped. `norms(header)`
+  and `as_sent(header)` say whether the reader sums the norms and keeps values as sent
+  (`FragmentReader`).
   """
   it = iter(chunks)
   first = next(it, None)
@@ -62,6 +65,7 @@ def read_stream(
     check_finite=check_finite,
     placement=placement,
     norms=norms is not None and norms(header),
+    as_sent=as_sent is not None and as_sent(header),
   )
   for data in asm.add(first.index, first.data):
     reader.feed(data)

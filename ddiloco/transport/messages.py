@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from ddiloco.fragments import compression
 from ddiloco.protocol import Report, counter_error, step_time_error
 from ddiloco.transport import wire
 from ddiloco.transport.chunk_stream import read_stream
@@ -121,6 +122,13 @@ def push_pieces(
   )
 
 
+def kept_dtype(codec: str) -> np.dtype | None:
+  """The dtype `chunks_to_report(as_sent=True)` keeps a float32 tensor's δ in when pushed in
+  `codec` (bf16: bfloat16), or None if it decodes it to float32."""
+  kept = compression.get_codec(codec).payload_dtype
+  return None if kept is None or kept == np.float32 else kept
+
+
 def chunks_to_report(
   chunks: Iterable[syncer_pb2.PushChunk | bytes | ChunkFrame],
   layout_keys: Sequence[str],
@@ -132,6 +140,7 @@ def chunks_to_report(
   alloc: wire.Allocator | None = None,
   check_finite: bool = True,
   placement: Placement | None = None,
+  as_sent: bool = False,
 ) -> Report:
   """Rebuilds a Report from a Push stream, validating everything (docs/architecture.md).
 
@@ -152,10 +161,14 @@ def chunks_to_report(
       `SyncerCore` passes False: the core checks every value, fused with RDA's first pass; and
       for a delta push, that pass is made here as the values arrive (`Report.sq_norms`).
     placement: where the stream's socket reader receives chunks in place (transport/placement.py).
+    as_sent: keep a `delta` push's values of float32 tensors as sent when the codec's payload
+      widens exactly to them (bf16: bfloat16 arrays, `FragmentReader(as_sent=)`): for a receiver
+      that widens them where it reads them (the syncer's merge, `syncer.types.Report`).
 
   Returns:
     The report, values cast to the layout dtypes: θ, or for a `delta` header the outer gradient
-    δ = Θ^(anchor) − θ as decoded (`Report.outer_gradient`; no anchor is needed to read it).
+    δ = Θ^(anchor) − θ as decoded (`Report.outer_gradient`; no anchor is needed to read it), or
+    as sent (`as_sent`).
 
   Raises:
     WireError: on any malformed chunk, header, payload or value (NaN/Inf with check_finite).
@@ -192,6 +205,7 @@ def chunks_to_report(
     check_finite=check_finite,
     placement=placement,
     norms=None if check_finite else lambda header: bool(header.delta),  # The core's pass, here.
+    as_sent=lambda header: as_sent and bool(header.delta),
   )
   return Report(
     learner_id=int(header.learner_id),

@@ -41,7 +41,8 @@ class Placement:
       raise ValueError("Only native C-contiguous arrays receive bytes in place.")
     with self._lock:
       if not self._stopped:
-        self._ranges.append((start, start + out.nbytes, memoryview(out.reshape(-1)).cast("B")))
+        # Through uint8: a dtype numpy cannot export (bfloat16) has bytes all the same.
+        self._ranges.append((start, start + out.nbytes, memoryview(out.reshape(-1).view(np.uint8))))
 
   def claim(self, index: int, nbytes: int) -> memoryview | None:
     """Where chunk `index`, of `nbytes` data bytes, is received: memory of an offered array

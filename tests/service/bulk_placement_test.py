@@ -9,6 +9,7 @@ import dataclasses
 import socket
 
 import grpc
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -32,13 +33,13 @@ CHUNK = 4096
 class _Env:
   """A served syncer with its bulk port, learner 0 registered and holding version 0, a round open."""
 
-  def __init__(self):
+  def __init__(self, uplink: str = "fp32"):
     self.svc = make_syncer(
       fragment_keys=FRAGMENTS,
       init_values=INIT,
       syncer_config=SyncerConfig(min_quorum=2, use_grace=False),
       service_config=ServiceConfig(
-        uplink_codec="fp32", downlink_codec="fp32", max_chunk_bytes=CHUNK, liveness_timeout_s=600
+        uplink_codec=uplink, downlink_codec="fp32", max_chunk_bytes=CHUNK, liveness_timeout_s=600
       ),
       layout_digest="L",
     )
@@ -112,6 +113,22 @@ def test_a_push_received_in_place_files_exactly_what_was_sent(env):
   want = env.held.values["a/w"] - (env.held.values["a/w"] + np.float32(0.25))
   np.testing.assert_array_equal(env.filed()["a/w"], want)
   assert env.svc.traffic()[0] == env.client.bytes_up
+
+
+def test_a_bf16_push_is_filed_as_sent():
+  """The bf16 uplink's δ is filed as the bfloat16 it was sent in (`chunks_to_report(as_sent=)`):
+  its widening is the decoded δ, bit for bit."""
+  env = _Env(uplink="bf16")
+  try:
+    report = env.report(1, 0.25)
+    result = env.client.push(report, "bf16", anchor_values=env.held.values)
+    assert result.status == "accepted" and env.srv.bulk.calls["Push"] == 1
+    filed = env.filed()["a/w"]
+    want = (env.held.values["a/w"] - report.values["a/w"]).astype(ml_dtypes.bfloat16)
+    assert filed.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(filed.view(np.uint16), want.view(np.uint16))
+  finally:
+    env.close()
 
 
 def test_an_answer_encoded_on_the_devices_goes_over_the_bulk_port_as_encoded(env):

@@ -4,6 +4,7 @@ The socket is left out: a chunk the placement claims is copied into the claimed 
 the bulk port's `FrameReader` reads it there, and handed to the reader as a `ChunkFrame`.
 """
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -110,6 +111,26 @@ def test_a_placed_push_decodes_to_the_same_values_in_place():
   # "d" (12000 bytes) spans whole chunks: those were received into its output array itself.
   in_place = [f for f in handed if np.shares_memory(np.frombuffer(f.data, np.uint8), got["d"])]
   assert len(in_place) >= 2
+
+
+def test_a_placed_bf16_push_kept_as_sent_is_received_into_its_bfloat16_arrays():
+  chunks = list(push_messages(_report(), "bf16", chunk_size=CHUNK, anchor_values=ANCHOR))
+  want = _read(chunks).values
+  placement = Placement()
+  handed = []
+
+  def watched():
+    for frame in _placed(chunks, placement):
+      handed.append(frame)
+      yield frame
+
+  got = _read(watched(), placement, as_sent=True, check_finite=False).values
+  for k in VALUES:
+    assert got[k].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(got[k].astype(np.float32), want[k])
+  # "d" (6000 bytes of bf16) spans a whole chunk: received into its output array itself.
+  in_place = [f for f in handed if np.shares_memory(np.frombuffer(f.data, np.uint8), got["d"])]
+  assert len(in_place) >= 1
 
 
 def test_chunks_out_of_order_stop_placement_and_still_decode():
