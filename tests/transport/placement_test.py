@@ -94,8 +94,10 @@ def test_plain_head_agrees_with_protobufs_parse():
     assert frames.plain_head(message[: frames.PLAIN_HEAD_BYTES], len(message)) is None
 
 
-def test_a_placed_push_decodes_to_the_same_values_in_place():
-  chunks = list(push_messages(_report(), "fp32", chunk_size=CHUNK, anchor_values=ANCHOR))
+def _read_placed(codec: str, **read_kw):
+  """A push in `codec` read with placement: (values read without it, values read with it, how
+  many frames of "d" were received into its output array itself)."""
+  chunks = list(push_messages(_report(), codec, chunk_size=CHUNK, anchor_values=ANCHOR))
   want = _read(chunks).values
   placement = Placement()
   handed = []
@@ -105,32 +107,26 @@ def test_a_placed_push_decodes_to_the_same_values_in_place():
       handed.append(frame)
       yield frame
 
-  got = _read(watched(), placement).values
+  got = _read(watched(), placement, **read_kw).values
+  in_place = [f for f in handed if np.shares_memory(np.frombuffer(f.data, np.uint8), got["d"])]
+  return want, got, len(in_place)
+
+
+def test_a_placed_push_decodes_to_the_same_values_in_place():
+  want, got, in_place = _read_placed("fp32")
   for k in VALUES:
     np.testing.assert_array_equal(got[k], want[k])
   # "d" (12000 bytes) spans whole chunks: those were received into its output array itself.
-  in_place = [f for f in handed if np.shares_memory(np.frombuffer(f.data, np.uint8), got["d"])]
-  assert len(in_place) >= 2
+  assert in_place >= 2
 
 
 def test_a_placed_bf16_push_kept_as_sent_is_received_into_its_bfloat16_arrays():
-  chunks = list(push_messages(_report(), "bf16", chunk_size=CHUNK, anchor_values=ANCHOR))
-  want = _read(chunks).values
-  placement = Placement()
-  handed = []
-
-  def watched():
-    for frame in _placed(chunks, placement):
-      handed.append(frame)
-      yield frame
-
-  got = _read(watched(), placement, as_sent=True, check_finite=False).values
+  want, got, in_place = _read_placed("bf16", as_sent=True, check_finite=False)
   for k in VALUES:
     assert got[k].dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(got[k].astype(np.float32), want[k])
   # "d" (6000 bytes of bf16) spans a whole chunk: received into its output array itself.
-  in_place = [f for f in handed if np.shares_memory(np.frombuffer(f.data, np.uint8), got["d"])]
-  assert len(in_place) >= 1
+  assert in_place >= 1
 
 
 def test_chunks_out_of_order_stop_placement_and_still_decode():
