@@ -653,15 +653,10 @@ def final_rows(store: study.ResultStore) -> list[tuple[str, int, float | str, st
   return rows
 
 
-def report(store: study.ResultStore, seeds: list[int]) -> None:
-  """Writes docs/results/scaling_table.{md,png} and each run's paired gap into the JSON."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+def _store_paired_gaps(store: study.ResultStore, seeds: list[int]) -> dict[int, float]:
+  """Gives every stored run its gap to data-parallel on its seed (for readers of the JSON alone),
+  saves the store, and returns data-parallel's loss per seed."""
   dp = _losses(store, data_parallel(), seeds)
-  # Every stored run gets its gap to data-parallel on its seed, for readers of the JSON alone.
   for name, by_seed in store.results.items():
     for seed, result in by_seed.items():
       ref = dp.get(int(seed))
@@ -669,6 +664,17 @@ def report(store: study.ResultStore, seeds: list[int]) -> None:
         None if ref is None or name == data_parallel().name else result["final_eval_loss"] / ref - 1
       )
   store.save()
+  return dp
+
+
+def report(store: study.ResultStore, seeds: list[int]) -> None:
+  """Writes docs/results/scaling_table.{md,png} and each run's paired gap into the JSON."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  dp = _store_paired_gaps(store, seeds)
 
   parts = [
     "# DiLoCo against data-parallel: the scaling table at 1.1M parameters",
@@ -818,16 +824,7 @@ def report_device(sweeps: study.ResultStore, store: study.ResultStore, seeds: li
   over the seeds it ran, its gap paired by seed with data-parallel of the same backend, and
   seed 0 against the CPU study's seed 0 (what the backend changes). Returns the table's path."""
   name = os.path.splitext(os.path.basename(store.path))[0]
-  dp = _losses(store, data_parallel(), seeds)
-  for row_name, by_seed in store.results.items():
-    for seed, result in by_seed.items():
-      ref = dp.get(int(seed))
-      result["paired_gap_vs_data_parallel"] = (
-        None
-        if ref is None or row_name == data_parallel().name
-        else result["final_eval_loss"] / ref - 1
-      )
-  store.save()
+  dp = _store_paired_gaps(store, seeds)
   machines = sorted({r.get("machine", "?") for by in store.results.values() for r in by.values()})
   commits = sorted({r.get("commit", "?") for by in store.results.values() for r in by.values()})
   rows = [["data-parallel", "–", "–", _cell(dp), "–", "–", "–", "–", len(dp)]]

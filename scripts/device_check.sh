@@ -94,6 +94,12 @@ phase() {
 # What each phase may take, and its least useful share (kept for it while earlier phases run).
 declare -A LIMIT=([codec]=40 [table]=270 [capacity]=100 [sync2b]=150)
 declare -A LEAST=([codec]=20 [table]=150 [capacity]=60 [sync2b]=120)
+# slot NAME RESERVE_S: the seconds phase NAME gets (its limit, or what is left once RESERVE_S is kept).
+slot() {
+  local t=$(($(left) - $2))
+  ((t > LIMIT[$1])) && t=${LIMIT[$1]}
+  echo "$t"
+}
 run_phase() {
   local name=$1 reserve=$2
   case $name in
@@ -103,8 +109,8 @@ run_phase() {
     table)
       # The table's runs: fp32 with fp32 matrix products (as on the CPU: no TF32), deterministic
       # reductions where XLA offers them, 12 at once, each pinned to a core.
-      local t=$(($(left) - reserve))
-      ((t > LIMIT[table])) && t=${LIMIT[table]}
+      local t
+      t=$(slot table "$reserve")
       JAX_DEFAULT_MATMUL_PRECISION=highest \
         XLA_FLAGS="--xla_force_host_platform_device_count=8 ${TABLE_XLA_FLAGS:-}" \
         phase table "$t" "$reserve" "$PY" experiments/scaling_table.py --tier=device \
@@ -120,16 +126,16 @@ run_phase() {
       done
       ;;
     capacity)
-      local t=$(($(left) - reserve))
-      ((t > LIMIT[capacity])) && t=${LIMIT[capacity]}
+      local t
+      t=$(slot capacity "$reserve")
       # Its own log is this phase's: only the JSON comes back beside it.
       LOG="$(mktemp)" phase capacity "$t" "$reserve" bash scripts/device_capacity.sh "$OUT" "$t"
       ;;
     sync2b)
       # 2,115M parameters (byte vocabulary), bf16 with remat, 8 x 1024 tokens a step; 4 shards on
       # cores 6-15, the learner on 0-5.
-      local t=$(($(left) - reserve))
-      ((t > LIMIT[sync2b])) && t=${LIMIT[sync2b]}
+      local t
+      t=$(slot sync2b "$reserve")
       phase sync2b "$t" "$reserve" "$PY" scripts/bench_learner_overhead.py --size=2b --devices=0 \
         --batch=8 --seq_len=1024 --shards=4 --learner_cpus=0-5 --syncer_cpus=6-15 \
         --syncer_blas_threads=1 --skip=36 --steps=40 --rounds=1 --bare=bare,bare_async \
