@@ -2,8 +2,9 @@
 
 A fake learner registers with every shard, pulls each fragment once (the syncer counts an answer
 only from a learner that received the fragment), holds a Rounds stream per shard and answers every
-round with a pre-encoded δ push: the payload is encoded once per fragment, and a push re-makes only
-its first chunk (the header). Two sender threads per shard, as a learner's. A push goes over the
+round with a pre-encoded δ push: the payload is encoded once per fragment, cut in chunks of the
+size the shard advertises at Register (`bulk_chunk_bytes`, as a learner's bulk pushes are), and a
+push re-makes only its first chunk (the header). Two sender threads per shard, as a learner's. A push goes over the
 shard's bulk port (RegisterResponse.bulk_port, as real learners push: one connection per push, the
 chunk messages in the port's framing, sent in one gathered write), and so does the pull; the
 control calls (Register, Rounds, Heartbeat) over gRPC. A heartbeat loop reports steps at `step_s`, which
@@ -50,6 +51,11 @@ class _Answerer:
       self.learner, layout_digest=pt.digest, num_fragments=pt.total_fragments
     )
     self.heartbeat_s = float(resp.heartbeat_interval_s)  # Learners heartbeat at the syncer's.
+    if resp.bulk_chunk_bytes != bulk_chunk_bytes():
+      raise RuntimeError(
+        f"Shard {self.shard} advertises {resp.bulk_chunk_bytes}-byte bulk chunks; the fleet's "
+        f"pushes were cut at {bulk_chunk_bytes()}, so they would not be a learner's."
+      )
     self._bulk = (bulk_client.address_host(pt.addresses[self.shard]), resp.bulk_port)
     for p in sorted(pt.owned(self.shard)):  # The shard's own fragments: ids are global.
       key = f"f{p}"
@@ -208,12 +214,19 @@ def _tail(rest: list[bytes]) -> _Tail:
   return _Tail(f, os.fstat(fd).st_size)
 
 
+def bulk_chunk_bytes() -> int:
+  """The chunk size of a push: the one the shards advertise at Register (their `ServiceConfig`'s,
+  the default), which a learner's bulk pushes are cut at (`SyncerClient`); checked at Register."""
+  from ddiloco.service.service_config import ServiceConfig
+
+  return ServiceConfig().bulk_chunk_bytes
+
+
 def _encode_payloads(
   pt, send: str = "sendmsg"
 ) -> dict[int, tuple[bytes, list[bytes], int, _Tail | None]]:
   """Per fragment: first chunk's data, the other chunk messages, total payload bytes, and with
   `send="sendfile"` the other frames in a file (`_bulk_push`)."""
-  from ddiloco.transport.chunks import DEFAULT_CHUNK_SIZE
   from ddiloco.transport.fragment_encoder import FragmentEncoder
   from ddiloco.transport.frames import chunk_prefix
 
@@ -221,7 +234,7 @@ def _encode_payloads(
   out = {}
   for p in range(pt.total_fragments):
     enc = FragmentEncoder({f"f{p}": delta}, pt.codec)
-    data = list(enc.chunks(DEFAULT_CHUNK_SIZE))
+    data = list(enc.chunks(bulk_chunk_bytes()))
     rest = [chunk_prefix(i, len(d)) + d for i, d in enumerate(data) if i]
     out[p] = (data[0], rest, enc.nbytes, _tail(rest) if send == "sendfile" else None)
   return out
