@@ -16,12 +16,7 @@ from ddiloco.fragments import compression
 from ddiloco.syncer import blockwise
 from ddiloco.transport import state_messages
 from ddiloco.transport.chunks import ArrayPool
-from ddiloco.transport.fragment_encoder import (
-  SPLIT_VALUES,
-  FragmentEncoder,
-  encode_in_parts,
-  serialize_chunks,
-)
+from ddiloco.transport.fragment_encoder import SPLIT_VALUES, FragmentEncoder, encode_in_parts
 
 
 class DownlinkAdopter:
@@ -62,7 +57,8 @@ class DownlinkAdopter:
       raise ValueError(f"workers must be >= 1, got {workers}.")
     self._codec, self._block, self._chunk = codec, block_size, chunk_size
     self._workers, self._split = workers, split_values
-    self._staged: dict[int, list[bytes]] = {}
+    # p -> (its chunks as `state_messages.staged_prefix` cuts them, payload bytes), till published.
+    self._staged: dict[int, tuple[list[bytes], int]] = {}
     self._cache: dict[int, tuple[int, list[bytes]]] = {}  # p -> (version, serialized chunks).
     self._encoded = blockwise.OutputBuffer()  # Payloads and scales, reused by every adoption.
     # The adopted values (published versions) in the memory of versions no longer held: fresh
@@ -83,22 +79,20 @@ class DownlinkAdopter:
     received = dict(zip(keys, flats))
     total = sum(np.size(new[k]) for k in keys)
     if self._workers > 1 and total >= self._split:
-      chunks = self._split_chunks(new, prev, received)
+      encoder = self._split_encoder(new, prev, received)
     else:
-      chunks = serialize_chunks(
-        new,
-        self._codec,
-        block_size=self._block,
-        base=prev,
-        chunk_size=self._chunk,
-        received=received,
+      encoder = FragmentEncoder(
+        new, self._codec, block_size=self._block, base=prev, received=received
       )
-    self._staged[p] = list(chunks)
+    # Each chunk after the first is made whole (its message) in its one copy; the first gets its
+    # header, which holds the digest of the adopted values, when published.
+    chunks = list(encoder.chunks(self._chunk, state_messages.staged_prefix))
+    self._staged[p] = (chunks, encoder.nbytes)
     return {k: received[k].reshape(np.shape(new[k])) for k in keys}
 
-  def _split_chunks(self, new, prev, received) -> list[bytes]:
-    """The chunks of `serialize_chunks(new, base=prev, received=received)`, encoded in parts on
-    `workers` threads (see the class docstring)."""
+  def _split_encoder(self, new, prev, received) -> FragmentEncoder:
+    """The encoder of `serialize_chunks(new, base=prev, received=received)`'s bytes, encoded in
+    parts on `workers` threads (see the class docstring), `received` filled."""
     encoded = encode_in_parts(
       new,
       self._codec,
@@ -108,16 +102,17 @@ class DownlinkAdopter:
       received=received,
       allocate=self._encoded.arrays,
     )
-    encoder = FragmentEncoder(new, self._codec, block_size=self._block, encoded=encoded)
-    return list(encoder.chunks(self._chunk))
+    return FragmentEncoder(new, self._codec, block_size=self._block, encoded=encoded)
 
   def published(self, p: int, version: int, digest: str) -> None:
     """Called (under the service lock) when version `version` of p, just adopted, is published.
 
     `digest` is the core's digest of the adopted values (MergeEvent.digest).
     """
-    chunks = state_messages.encoded_state_messages(
-      self._staged.pop(p),
+    staged, payload_bytes = self._staged.pop(p)
+    chunks = state_messages.headed_state_messages(
+      staged,
+      payload_bytes,
       fragment=p,
       version=version,
       digest=digest,

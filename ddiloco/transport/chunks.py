@@ -58,8 +58,13 @@ class ChunkWriter:
     nbytes: bytes written so far.
   """
 
-  def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE):
+  def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE, prefix: Prefix | None = None):
     """Prepares an empty stream.
+
+    Args:
+      chunk_size: payload bytes per chunk.
+      prefix: if given, each chunk comes as `prefix(index, n) + its n bytes`, made in the chunk's
+        one copy (a chunk's message framing, written with its data rather than copied in later).
 
     Raises:
       ValueError: if chunk_size < 1.
@@ -67,6 +72,7 @@ class ChunkWriter:
     if chunk_size < 1:
       raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
     self._size = chunk_size
+    self._prefix = prefix
     self._buf: memoryview | None = None  # numpy-backed: no zero fill, huge pages when large.
     self._fill = 0
     self._emitted = 0
@@ -94,21 +100,27 @@ class ChunkWriter:
 
   def _whole(self, view: memoryview) -> bytes:
     """A chunk made straight from the caller's bytes."""
-    self._emitted += 1
-    return bytes(view)
+    return self._chunk(view)
 
   def _take(self) -> bytes:
     """The buffered chunk."""
-    self._emitted += 1
     fill, self._fill = self._fill, 0
-    return bytes(self._buf[:fill])
+    return self._chunk(self._buf[:fill])
+
+  def _chunk(self, data: memoryview) -> bytes:
+    """The next chunk of `data`, its prefix in front (one copy of `data`)."""
+    index = self._emitted
+    self._emitted += 1
+    if self._prefix is None:
+      return bytes(data)
+    return b"".join((self._prefix(index, len(data)), data))
 
   def flush(self) -> list[bytes]:
     """The partial last chunk, if any; one empty chunk if the stream had no bytes at all."""
     if self._fill:
       return [self._take()]
     if not self._emitted:
-      return [b""]  # Every payload has a chunk to carry its header.
+      return [self._chunk(memoryview(b""))]  # Every payload has a chunk to carry its header.
     return []
 
 

@@ -183,15 +183,16 @@ class FragmentEncoder:
       and x.flags.c_contiguous
     )
 
-  def chunks(self, chunk_size: int = DEFAULT_CHUNK_SIZE):
+  def chunks(self, chunk_size: int = DEFAULT_CHUNK_SIZE, prefix: Prefix | None = None):
     """The serialized fragment cut into `bytes` chunks of `chunk_size`, made one by one.
 
-    Every byte is copied once, into its chunk (`ChunkWriter`). There is always at least one chunk.
+    Every byte is copied once, into its chunk (`ChunkWriter`), with `prefix(index, n)` in front of
+    the chunk's n bytes if given. There is always at least one chunk.
 
     Raises:
       ValueError: at once if chunk_size < 1; while iterating, as `pieces`.
     """
-    writer = ChunkWriter(chunk_size)
+    writer = ChunkWriter(chunk_size, prefix)
     return self._chunks_of(writer)
 
   def _chunks_of(self, writer: ChunkWriter) -> Iterator[bytes]:

@@ -144,6 +144,41 @@ def encoded_state_messages(
   return [chunk_prefix(i, len(d), header if i == 0 else None) + d for i, d in enumerate(pieces)]
 
 
+def staged_prefix(index: int, nbytes: int) -> bytes:
+  """The prefix (`FragmentEncoder.chunks(prefix=)`) of a pull stream's chunks cut before its header
+  is known (`headed_state_messages`): every chunk after the first comes as its whole
+  FragmentChunk message, made in its one copy; the first stays its bare data until then."""
+  return chunk_prefix(index, nbytes) if index else b""
+
+
+def headed_state_messages(
+  staged: Sequence[bytes],
+  payload_bytes: int,
+  *,
+  fragment: int,
+  version: int,
+  digest: str,
+  codec: str,
+  base_version: int,
+) -> list[bytes]:
+  """`encoded_state_messages` of a payload of `payload_bytes` cut with `staged_prefix` (the first
+  chunk bare, the others whole messages already): byte for byte the same messages, and only the
+  first chunk is copied again, behind its header.
+
+  `digest` must be that of what the receiver will hold after decoding (docs/algorithm.md §4.7).
+  """
+  header = _fragment_header(
+    fragment=fragment,
+    version=version,
+    digest=digest,
+    codec=codec,
+    total=payload_bytes,
+    num_chunks=len(staged),
+    base=base_version,
+  ).SerializeToString()
+  return [chunk_prefix(0, len(staged[0]), header) + staged[0], *staged[1:]]
+
+
 def chunks_to_state(
   chunks: Iterable[syncer_pb2.FragmentChunk | bytes | ChunkFrame],
   layout_keys: Sequence[str],

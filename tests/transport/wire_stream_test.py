@@ -42,6 +42,20 @@ def test_chunk_writer_cuts_exact_chunks():
   assert ChunkWriter(4).flush() == [b""]  # An empty stream still has its one chunk.
 
 
+def test_chunk_writer_puts_each_chunks_prefix_in_front():
+  def prefix(index, n):
+    return f"<{index}:{n}>".encode()
+
+  w = ChunkWriter(4, prefix)
+  # A whole chunk straight from a write (efgh), the buffered ones, and the partial last.
+  got = w.write(b"abc") + w.write(b"defghijkl") + w.flush()
+  assert got == [b"<0:4>abcd", b"<1:4>efgh", b"<2:4>ijkl"]
+  assert w.nbytes == 12  # Payload bytes only.
+  assert ChunkWriter(4, prefix).flush() == [b"<0:0>"]
+  tail = ChunkWriter(4, prefix)
+  assert tail.write(b"abcdef") + tail.flush() == [b"<0:4>abcd", b"<1:2>ef"]
+
+
 def test_assembler_hands_chunks_on_in_order_without_keeping_them():
   asm = ChunkAssembler(
     num_chunks=3, total_bytes=5, max_total_bytes=5, max_chunk_bytes=2, keep=False
