@@ -48,9 +48,10 @@ Placement: shard i runs under `taskset -c <--shard_cpus[i]>`, the fleet under `-
 On a 2-core machine the fleet shares the shards' cores, so the summary fits
 each side's CPU (a fixed part plus CPU-seconds per GB, scripts/bench_capacity_summary.py) and
 prints the ingest CPU alone would allow. `--sweep` ramps S = 1 at `--sweep_learners` and at
-`--sweep_mib` fragment sizes, and fits RSS per parameter held. `--json` writes every figure, again
-after every point ("complete": false until the run ends: a run killed by `timeout` leaves the
-points it finished for `--analyze`; its SIGTERM stops the children).
+`--sweep_mib` fragment sizes, and fits RSS per parameter held. `--json` writes every figure with
+the date, the commit and the machine, again after every point ("complete": false until the run
+ends: a run killed by `timeout` leaves the points it finished for `--analyze`; its SIGTERM stops
+the children).
 `--jax_cache` lets the shards share compiled merges through a JAX compilation cache (start-up only).
 scripts/device_capacity.sh is the S = 1, 2, 4, 8 run for a 16-core host in a ~100 s budget.
 `--fleet_send=sendfile` has the fake learners send a push's frames after the first from an
@@ -79,6 +80,7 @@ from collections.abc import Callable
 
 import bench_capacity_fleet  # Beside this script: its folder is first on sys.path when it runs.
 import bench_capacity_timeline as timeline
+import bench_learner_overhead_report
 import numpy as np
 from absl import app, flags, logging
 from bench_capacity_summary import (
@@ -611,7 +613,15 @@ def _coordinate(shard_counts: list[int]) -> None:
   deadline = Deadline(time.monotonic() + (_DEADLINE.value or float("inf")))
   with open("/proc/loadavg") as f:
     print(f"load before: {f.read().strip()}; {os.cpu_count()} CPUs")
-  out: dict = {"runs": [], "sweep": [], "cpus": len(os.sched_getaffinity(0)), "complete": False}
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out: dict = {
+    **bench_learner_overhead_report.provenance(root),
+    "command": " ".join(sys.argv),
+    "runs": [],
+    "sweep": [],
+    "cpus": len(os.sched_getaffinity(0)),
+    "complete": False,
+  }
 
   def record(key: str, done: list[dict]) -> Callable[[list[dict]], None]:
     return lambda runs: _save({**out, key: done + runs})

@@ -180,14 +180,22 @@ def _machine() -> dict[str, Any]:
   }
 
 
+def provenance(root: str) -> dict[str, Any]:
+  """The date, the checkout's commit (and whether it has changes) and the machine, for a
+  benchmark's JSON."""
+  return {
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    **_commit(root),
+    "machine": _machine(),
+  }
+
+
 def write_json(path: str, res: Results, *, root: str, partial: bool, elapsed_s: float) -> None:
   """Writes every figure, the machine, the commit and the date to `path` (replaced atomically)."""
   record = {
-    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    **provenance(root),
     "partial": partial,
     "elapsed_s": elapsed_s,
-    **_commit(root),
-    "machine": _machine(),
     "config": res.config,
     "model": res.model,
     "rates": res.rates(),

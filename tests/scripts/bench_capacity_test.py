@@ -48,6 +48,8 @@ def test_two_shard_counts_side_by_side(tmp_path):
   assert "ingest(S=2)/ingest(S=1) =" in proc.stdout
   assert not _processes_naming(str(tmp_path))  # Every shard and fleet process is gone.
   figures = json.loads(out.read_text())
+  assert figures["complete"] and figures["date"] and "cpus" in figures["machine"]
+  assert "dirty" in figures and "--shards=1,2" in figures["command"]
   runs = {r["shards"]: r for r in figures["runs"]}
   assert sorted(runs) == [1, 2]
   for s, run in runs.items():
