@@ -117,31 +117,14 @@ def _state_stream(
   return encoder, header
 
 
-def encoded_state_messages(
-  pieces: Sequence[bytes],
-  *,
-  fragment: int,
-  version: int,
-  digest: str,
-  codec: str,
-  base_version: int,
-) -> list[bytes]:
+def encoded_state_messages(pieces: Sequence[bytes], **header) -> list[bytes]:
   """A pull stream of already-serialized payload pieces (e.g. a delta the syncer encoded once),
-  as serialized FragmentChunk messages; one copy of each piece.
-
-  `digest` must be that of what the receiver will hold after decoding (docs/algorithm.md §4.7).
+  as serialized FragmentChunk messages; one copy of each piece. `header`: the keywords of
+  `headed_state_messages` (fragment, version, digest, codec, base_version).
   """
   pieces = list(pieces) or [b""]
-  header = _fragment_header(
-    fragment=fragment,
-    version=version,
-    digest=digest,
-    codec=codec,
-    total=sum(map(len, pieces)),
-    num_chunks=len(pieces),
-    base=base_version,
-  ).SerializeToString()
-  return [chunk_prefix(i, len(d), header if i == 0 else None) + d for i, d in enumerate(pieces)]
+  staged = [staged_prefix(i, len(d)) + d for i, d in enumerate(pieces)]
+  return headed_state_messages(staged, sum(map(len, pieces)), **header)
 
 
 def staged_prefix(index: int, nbytes: int) -> bytes:
