@@ -18,7 +18,7 @@ Decisions (docs/algorithm.md §5):
 import dataclasses
 import functools
 import sys
-from typing import ClassVar
+from typing import ClassVar, NoReturn
 
 import ml_dtypes
 import numpy as np
@@ -58,6 +58,14 @@ class Fp32(Codec):
     return np.frombuffer(payload, F32).astype(np.float32, copy=False)
 
 
+def _refuse(x32: np.ndarray) -> NoReturn:
+  """Refuses a run whose bfloat16 encoding is not finite: NaN/Inf among its values
+  (`NonFiniteRun`, which `Codec.encode_runs` reports with their count), or an overflow."""
+  if not np.isfinite(x32).all():
+    raise NonFiniteRun("a run has NaN/Inf values")
+  raise ValueError("Values overflow bfloat16 (|x| > 3.39e38).")
+
+
 @register
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Bf16(Codec):
@@ -71,10 +79,14 @@ class Bf16(Codec):
     np.dtype(ml_dtypes.bfloat16) if sys.byteorder == "little" else None
   )
 
+  # The encoding's own check refuses NaN/Inf: a bfloat16 is infinite or NaN exactly when the
+  # float32 it comes from is, or overflows; `_refuse` tells the two apart.
+  checks_finite: ClassVar[bool] = True
+
   def encode_run(self, x32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     xb = x32.astype(ml_dtypes.bfloat16)
     if not np.isfinite(xb).all():
-      raise ValueError("Values overflow bfloat16 (|x| > 3.39e38).")
+      _refuse(x32)
     return xb.view(np.uint16).astype("<u2", copy=False).view(np.uint8), _NO_SCALES
 
   def decode_run(self, payload, start, n, scales) -> np.ndarray:
@@ -94,7 +106,7 @@ class Bf16(Codec):
     np.left_shift(decoded, np.uint32(16), out=decoded)
     values = decoded.view(np.float32)
     if not np.isfinite(values).all():
-      raise ValueError("Values overflow bfloat16 (|x| > 3.39e38).")
+      _refuse(x32)
     with np.errstate(over="ignore"):  # Inf from the cast: the caller checks its values.
       if out.dtype == np.float32:
         np.add(base32, values, out=out)

@@ -148,6 +148,10 @@ def test_non_finite_rejected(name, bad):
 def test_out_of_range_rejected():
   with pytest.raises(ValueError, match="overflow bfloat16"):
     encode(get_codec("bf16"), np.array([3.4e38], np.float32))
+  # Encoded with what a receiver decodes formed alongside (`into`, the downlink's adoption).
+  x, into = np.array([1.0, 3.4e38], np.float32), np.empty(2, np.float32)
+  with pytest.raises(ValueError, match="overflow bfloat16"):
+    list(get_codec("bf16").encode_runs(x, base=np.zeros(2, np.float32), into=into))
   with pytest.raises(ValueError, match="non-finite"), warnings.catch_warnings():
     warnings.simplefilter("ignore")  # numpy warns about the float64 -> float32 overflow.
     encode(get_codec("int8"), np.array([1e300]))

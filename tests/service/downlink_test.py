@@ -71,9 +71,10 @@ def test_exact_codec_refused():
     DownlinkAdopter("fp32", block_size=64, chunk_size=1000)
 
 
+@pytest.mark.parametrize("codec", ["int4", "bf16"])
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("where", [0, 150, 1461])  # In the first, a middle and the last part.
-def test_non_finite_refused_as_one_encoding_refuses_it(workers, where):
+def test_non_finite_refused_as_one_encoding_refuses_it(codec, workers, where):
   new, prev = _fragment(np.float32, seed=0)
   keys = sorted(new)
   at = where
@@ -83,11 +84,12 @@ def test_non_finite_refused_as_one_encoding_refuses_it(workers, where):
       break
     at -= new[k].size
   with pytest.raises(ValueError) as want:
-    list(serialize_chunks(new, "int4", block_size=64, base=prev, chunk_size=1000))
-  adopter = DownlinkAdopter("int4", block_size=64, chunk_size=1000, workers=workers, split_values=1)
+    list(serialize_chunks(new, codec, block_size=64, base=prev, chunk_size=1000))
+  adopter = DownlinkAdopter(codec, block_size=64, chunk_size=1000, workers=workers, split_values=1)
   with pytest.raises(ValueError) as got:
     adopter(0, new, prev)
   assert str(got.value) == str(want.value)
+  assert "Refusing to encode 1 non-finite value(s)" in str(got.value)
 
 
 def test_workers_checked():
