@@ -159,7 +159,9 @@ def _commit(root: str) -> dict[str, Any]:
     return out.stdout.strip() if out.returncode == 0 else None
 
   status = git("status", "--porcelain", "--untracked-files=no")
-  return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
+  # A copy of the tree without its history (an accelerator host): the commit it was made from.
+  commit = git("rev-parse", "HEAD") or os.environ.get("DDILOCO_COMMIT")
+  return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
 def _machine() -> dict[str, Any]:
