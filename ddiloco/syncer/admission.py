@@ -4,6 +4,7 @@ the memory of recent answers that makes a retry idempotent (docs/resilience.md).
 import collections
 import math
 import numbers
+import statistics
 from collections.abc import Mapping
 
 import numpy as np
@@ -97,7 +98,7 @@ class Admission:
       return f"the outer gradient of fragment {p} overflows (its norm is not finite)"
     ratio = self._config.max_update_ratio
     recent = self._recent_norms[p]
-    scale = max(self._versions.theta_norm(p), float(np.median(recent)) if recent else 0.0)
+    scale = max(self._versions.theta_norm(p), statistics.median(recent) if recent else 0.0)
     if ratio > 0 and scale > 0 and norm > ratio * scale:
       return (
         f"implausible outer gradient: its norm {norm:.4g} exceeds {ratio:g} x {scale:.4g}, the "

@@ -46,11 +46,20 @@ def _checked(limits, params, grads, opt_state, opt):
   new = optax.apply_updates(params, updates)
   ok = jnp.array(True)
   for k, v in new.items():
-    ok &= jnp.max(jnp.abs(v)) <= limits[k]
+    ok &= _max_abs(v) <= limits[k]
   for leaf in jax.tree_util.tree_leaves(new_state):
     if jnp.issubdtype(leaf.dtype, jnp.inexact) and leaf.size:
-      ok &= jnp.isfinite(jnp.max(jnp.abs(leaf)))
+      ok &= jnp.isfinite(_max_abs(leaf))
   return new, new_state, ok
+
+
+def _max_abs(v):
+  """max |v|, NaN if v has one: from the max and the min, two reads of v. XLA's CPU backend runs
+  `max(abs(v))` as an elementwise pass that writes |v|, then the max: 1.5 against 0.95 ms for
+  16 MiB of float32 here, and the check reads the new params and every state leaf."""
+  if jnp.issubdtype(v.dtype, jnp.complexfloating):
+    return jnp.max(jnp.abs(v))
+  return jnp.maximum(jnp.max(v), -jnp.min(v))
 
 
 def _step(opt, limits, inputs, state, spare):
