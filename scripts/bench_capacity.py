@@ -596,6 +596,28 @@ def main(argv):
   _coordinate([int(s) for s in _SHARDS.value])
 
 
+def memcpy_probe(nbytes: int = 64 << 20, repeats: int = 8) -> dict[str, float]:
+  """The GB/s of a `nbytes` copy on each CPU this process may run on, this process pinned to it
+  in turn (the best of `repeats`). The machine's speed, recorded beside each run's figures: on a
+  shared VM it drifts by a factor of two within an hour, with the code unchanged."""
+  allowed = sorted(os.sched_getaffinity(0))
+  src = np.ones(nbytes, np.uint8)
+  dst = np.empty_like(src)
+  out = {}
+  try:
+    for cpu in allowed:
+      os.sched_setaffinity(0, {cpu})
+      best = float("inf")
+      for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+      out[str(cpu)] = round(nbytes / best / 1e9, 2)
+  finally:
+    os.sched_setaffinity(0, set(allowed))
+  return out
+
+
 def _save(out: dict) -> None:
   """Writes `out` to `--json` whole or not at all: a run cut short leaves its last complete copy."""
   if _JSON.value:
@@ -614,9 +636,12 @@ def _coordinate(shard_counts: list[int]) -> None:
   with open("/proc/loadavg") as f:
     print(f"load before: {f.read().strip()}; {os.cpu_count()} CPUs")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  probe = {"before": memcpy_probe()}
+  print(f"memcpy GB/s by core before: {probe['before']}")
   out: dict = {
     **bench_learner_overhead_report.provenance(root),
     "command": " ".join(sys.argv),
+    "memcpy_gbps": probe,
     "runs": [],
     "sweep": [],
     "cpus": len(os.sched_getaffinity(0)),
@@ -639,6 +664,8 @@ def _coordinate(shard_counts: list[int]) -> None:
         out["sweep"] += runs
   with open("/proc/loadavg") as f:
     print(f"\nload after: {f.read().strip()}")
+  probe["after"] = memcpy_probe()
+  print(f"memcpy GB/s by core after: {probe['after']}")
   summarize(out)
   out["complete"] = True
   _save(out)

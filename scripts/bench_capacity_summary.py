@@ -110,6 +110,8 @@ def summarize(out: dict) -> None:
       f"{c['shard_s_per_gb']:.2f} s/GB (one core: {c['shard_gbps_per_core']:.3f} GB/s), fleet "
       f"{c['fleet_fixed_cores']:.2f} + {c['fleet_s_per_gb']:.2f} s/GB; merge {c['merge_gbps']:.2f} GB/s"
     )
+  if "memcpy_gbps" in out:  # The machine's speed (`bench_capacity.memcpy_probe`).
+    print(f"memcpy GB/s by core: {out['memcpy_gbps']}")
   by_s = {r["shards"]: r for r in out["runs"]}
   for s, run in sorted(by_s.items()):
     p99 = run.get("sustained_p99_open_s", float("nan"))

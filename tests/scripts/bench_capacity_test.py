@@ -50,6 +50,11 @@ def test_two_shard_counts_side_by_side(tmp_path):
   figures = json.loads(out.read_text())
   assert figures["complete"] and figures["date"] and "cpus" in figures["machine"]
   assert "dirty" in figures and "--shards=1,2" in figures["command"]
+  # The machine's speed beside the figures: a copy's GB/s on every CPU, before and after.
+  cpus = {str(c) for c in os.sched_getaffinity(0)}
+  for when in ("before", "after"):
+    assert set(figures["memcpy_gbps"][when]) == cpus
+    assert all(g > 0 for g in figures["memcpy_gbps"][when].values())
   runs = {r["shards"]: r for r in figures["runs"]}
   assert sorted(runs) == [1, 2]
   for s, run in runs.items():
