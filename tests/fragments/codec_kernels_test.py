@@ -150,7 +150,7 @@ def test_encode_into_matches_reference(name, bs, n, dtype):
   assert plain == want_payload
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "bf16"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_encode_into_refuses_non_finite(name, bad):
   codec = get_codec(name, 64)

@@ -171,6 +171,18 @@ def test_bf16_adoption_kernel_matches_the_cast(n, dtype):
   assert payload == b"".join(p.tobytes() for p, _ in Bf16().encode_runs(x, base=base))
 
 
+def test_bf16_adoption_takes_finite_values_whose_squares_overflow():
+  """The adoption proves a run finite by its dot product; one that overflows float32 while
+  every value is finite (|x| ~ 1e20) is checked value by value, and taken."""
+  x = np.full(10, 1e20, np.float32)
+  x[2] = -3e38  # Within bfloat16's range.
+  into = np.empty(10, np.float32)
+  payload = b"".join(p.tobytes() for p, _ in Bf16().encode_runs(x, base=np.zeros(10), into=into))
+  bits = x.astype(ml_dtypes.bfloat16)
+  assert payload == bits.view(np.uint16).astype("<u2").tobytes()
+  np.testing.assert_array_equal(into, bits.astype(np.float32))
+
+
 def test_bf16_adoption_refuses_overflow():
   x = np.ones(10, np.float32)
   x[4] = np.finfo(np.float32).max  # Rounds to bfloat16's infinity.

@@ -272,3 +272,36 @@ def test_only_the_spare_buffers_are_donated(fused):
   for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got), strict=True):
     np.testing.assert_array_equal(np.asarray(w), np.asarray(g))
   np.testing.assert_array_equal(params["a"], np.arange(6, dtype=np.float32))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize(
+  ("lr", "nu", "ok"),
+  [
+    (-1.0, 0.0, True),  # Adam's first step moves each value by −lr: 1 + 1 = 2, within ±4.
+    (-4.0, 0.0, False),  # 5: above the limit.
+    (6.0, 0.0, False),  # −5: below −limit.
+    (float("nan"), 0.0, False),  # NaN values.
+    (1.0, float("inf"), False),  # An Inf second moment: the values stay, the state is Inf.
+  ],
+)
+def test_the_step_checks_values_on_both_sides_and_the_state(fused, lr, nu, ok):
+  """`ok` is False for a new value beyond ±limit or NaN, or a non-finite state value."""
+  step = outer.OuterStep(optax.adam(lr), {"w": 4.0})
+  params = {"w": np.ones(1000, np.float32)}
+  grads = {"w": np.full(1000, 2.0, np.float32)}
+  (adam, *rest) = step.init(params)
+  state = (adam._replace(nu={"w": np.full(1000, nu, np.float32)}), *rest)
+  if fused:
+    _, _, got = step.merge_and_step(
+      params,
+      base=None,
+      answers=[grads],
+      deltas=[True],
+      coefs={"w": {0: 1.0}},
+      radius={"w": None},
+      opt_state=state,
+    )
+  else:
+    _, _, got = step.step(params, grads, {"w": 1.0}, state)
+  assert bool(got) is ok
