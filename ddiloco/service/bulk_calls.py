@@ -80,6 +80,11 @@ class BulkCall:
     """Cuts the call: the socket is shut, a blocked read or send raises."""
     self.close()
 
+  def interrupt(self) -> None:
+    """Cuts the handler's read under way (`bulk_pace.Interrupted`), from another thread, and
+    leaves the socket open: the handler's refusal still reaches the client as its trailer."""
+    self._sock.interrupt()
+
   def close(self) -> None:
     self.closing.set()
     with contextlib.suppress(OSError):
@@ -118,8 +123,9 @@ class PullFraming:
 class PushFrames:
   """A Push's frames as the handler's request iterator (see module docstring).
 
-  The handler reads it in `PacedStream`'s helper thread; once the call is over (`call.closing`)
-  a read that fails ends it quietly: the call's status is already decided.
+  The handler reads it in its own thread (`PacedStream` without deadlines of its own); a read
+  cut by `BulkCall.interrupt` (the stream lost its place) ends it as evicted; once the call is
+  over (`call.closing`) a read that fails ends it quietly: the call's status is already decided.
 
   Args:
     sock: the connection.
@@ -165,6 +171,8 @@ class PushFrames:
       if not self._call.closing.is_set():
         self._on_expired(e.phase)
       raise self._refusal(grpc.StatusCode.DEADLINE_EXCEEDED, f"{e} ({e.phase})") from None
+    except bulk_pace.Interrupted:  # `BulkCall.interrupt`: its place went to another stream.
+      raise door.StreamTimeout("evicted") from None
     except (bulk_wire.BulkClosed, OSError) as e:  # (BulkClosed is one)
       if self._call.ticket.evicted:  # Its reads were cut to give its place to another stream:
         raise door.StreamTimeout("evicted") from None  # refused as such, nothing else counted.

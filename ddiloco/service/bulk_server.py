@@ -30,7 +30,7 @@ The door, as hard as the gRPC port's:
   DEADLINE_EXCEEDED naming it, in the trailer when the peer can still read one, always counted
   (`Status.refused`, and by phase in `Status.counters`' `bulk_expired_<phase>`) and logged.
 - **Bounded resources**: at most `ServiceConfig.bulk_connections` connections, each with one
-  thread (a push one more, its reader) and one descriptor; one more is closed at once (counted,
+  thread (a push's frames are read in it) and one descriptor; one more is closed at once (counted,
   RESOURCE_EXHAUSTED). A connection buffers at most its hello (bounded before it is read,
   INVALID_ARGUMENT beyond) and three chunk messages of a push (a frame over `bulk_chunk_bytes +
   FRAMING_SLACK` is refused RESOURCE_EXHAUSTED before a byte of it is allocated); a stream cut
@@ -359,7 +359,7 @@ class BulkServer:
     except Aborted as a:
       status = (a.code, a.message, b"")
     call.placement.stop()  # Lets go of the arrays it offered.
-    call.closing.set()  # A read still under way in the handler's reader thread ends quietly.
+    call.closing.set()  # A read that fails from now on ends quietly.
     # Its last words: not paced, as a push cut for its pace has no budget left to send why.
     self._last_words(sock.raw, *status)
     frames.drain()

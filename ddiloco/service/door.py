@@ -7,11 +7,12 @@ keep any client, token holder or not, from starving the server or growing its me
 
 - Data streams (pushes, pulls, Recovers) are admitted by service/stream_gate.py's `StreamGate`:
   bounded in all, per learner and before they name their learner, fairly between learners.
-- `PacedStream` reads a push's chunks (the bulk port's frames, a Recover's gRPC request iterator) in
-  a helper thread, so the handler can wait for each chunk with a timeout: a stream silent for the
-  idle deadline, or open past its total deadline, is ended with DEADLINE_EXCEEDED by the handler
-  itself. (gRPC's synchronous request iterator has no timeout, and a call cancelled from another
-  thread reaches the client as CANCELLED, not as a precise status.)
+- `PacedStream` reads a Recover's gRPC request iterator in a helper thread, so the handler can
+  wait for each chunk with a timeout: a stream silent for the idle deadline, or open past its
+  total deadline, is ended with DEADLINE_EXCEEDED by the handler itself. (gRPC's synchronous
+  request iterator has no timeout, and a call cancelled from another thread reaches the client
+  as CANCELLED, not as a precise status.) The bulk port's frames are read in the handler's own
+  thread: its socket times every read by phase (transport/bulk_pace.py).
 - `Watchdog` cancels streams whose *sends* are stuck (a pull or Rounds client that stopped reading):
   a send waits for the peer's window with no timeout (gRPC's flow control, a socket's buffer), and
   only a cancel frees it (the bulk port's cuts the socket).
@@ -102,18 +103,29 @@ class StreamTimeout(Exception):
 
 
 class PacedStream:
-  """Iterates a gRPC request iterator with an idle deadline per item and a total deadline.
+  """Iterates a push's request stream with an idle deadline per item and a total deadline, and
+  lets another thread cut it (`interrupt`: the stream lost its place in the gate).
 
-  A daemon thread moves items from `source` into a small queue (two items: gRPC's own flow control
-  keeps bounding what the client may send ahead); iterating waits on the queue with a timeout and
-  raises `StreamTimeout` when the next item is late. Call `close` when done: the reader thread ends
-  when gRPC ends the call (its iterator then raises or stops), which the handler's return brings.
+  With deadlines (gRPC's request iterator, which cannot time a read), a daemon thread moves items
+  from `source` into a small queue (two items: gRPC's own flow control keeps bounding what the
+  client may send ahead); iterating waits on the queue with a timeout and raises `StreamTimeout`
+  when the next item is late. The reader thread ends when gRPC ends the call (its iterator then
+  raises or stops), which the handler's return brings.
+
+  Without (a carrier that times every read of its own, as the bulk port does:
+  `bulk_pace.PacedSocket`), the handler reads `source` in its own thread, and `interrupt` calls
+  `on_interrupt` to cut a read under way (the bulk port's `BulkCall.interrupt`). A helper thread
+  there cost a bf16 shard ~10 % of its CPU per GB (its start, and the interpreter handed back and
+  forth on every frame: `scripts/bench_ingest.py --fragment_mib=16`, the two interleaved, 1.11
+  against 1.24 CPU-s/GB, the merge included).
+
+  Call `close` when done.
 
   Args:
     source: the request iterator.
-    idle_s: longest wait for one item; None: no bound (a carrier that times every read of its
-      own, as the bulk port does: `bulk_pace.PacedSocket`).
+    idle_s: longest wait for one item; None: no bound (a carrier that times its own reads).
     total_s: longest time from construction to the last item; None: no bound (as `idle_s`).
+    on_interrupt: called by `interrupt` (from its thread) to cut a read under way.
     clock: monotonic clock.
   """
 
@@ -123,13 +135,20 @@ class PacedStream:
     *,
     idle_s: float | None,
     total_s: float | None,
+    on_interrupt: Callable[[], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
   ):
     self._idle_s = float("inf") if idle_s is None else idle_s
     self._clock = clock
     self._deadline = clock() + (float("inf") if total_s is None else total_s)
     self._interrupted = threading.Event()
-    self._ahead = ReadAhead(source, depth=2, name="syncer-push-reader")
+    self._on_interrupt = on_interrupt
+    self._source: Iterator | None = None
+    self._ahead: ReadAhead | None = None
+    if idle_s is None and total_s is None:
+      self._source = iter(source)
+    else:
+      self._ahead = ReadAhead(source, depth=2, name="syncer-push-reader")
 
   def __iter__(self):
     return self
@@ -137,6 +156,8 @@ class PacedStream:
   def __next__(self):
     if self._interrupted.is_set():
       raise StreamTimeout("evicted")
+    if self._source is not None:
+      return self._next_here()
     now = self._clock()
     left = self._deadline - now
     if left <= 0:
@@ -154,14 +175,33 @@ class PacedStream:
       raise StreamTimeout("evicted")
     return item
 
+  def _next_here(self):
+    """The next item, read in this thread: whatever cuts a read after `interrupt` (its end, an
+    error) is the eviction."""
+    try:
+      item = next(self._source)
+    except StreamTimeout:
+      raise
+    except Exception:
+      if self._interrupted.is_set():
+        raise StreamTimeout("evicted") from None
+      raise
+    if self._interrupted.is_set():
+      raise StreamTimeout("evicted")
+    return item
+
   def close(self) -> None:
     """Stops the reader handing over items (it exits once gRPC ends the call)."""
-    self._ahead.stop()
+    if self._ahead is not None:
+      self._ahead.stop()
 
   def interrupt(self) -> None:
     """Makes the next read raise `StreamTimeout("evicted")` (from any thread)."""
     self._interrupted.set()
-    self._ahead.wake()  # Wakes a waiting reader; the flag says why (checked before each item too).
+    if self._ahead is not None:
+      self._ahead.wake()  # Wakes a waiting reader; the flag says why (checked before each item).
+    if self._on_interrupt is not None:
+      self._on_interrupt()  # Cuts a read under way in the handler's thread.
 
 
 class Watchdog:

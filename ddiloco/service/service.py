@@ -376,6 +376,7 @@ class SyncerService(syncer_pb2_grpc.SyncerServicer):
         getattr(context, "max_chunk_bytes", None),
         ticket=getattr(context, "ticket", None),
         paced=getattr(context, "paced", False),
+        interrupt=getattr(context, "interrupt", None),
       ),
     )
 

@@ -15,6 +15,7 @@ states and rounds as they were.
 """
 
 import collections
+import functools
 import itertools
 import logging
 import sys
@@ -138,18 +139,17 @@ class DataStreams:
     *,
     ticket: stream_gate.StreamTicket | None = None,
     paced: bool = False,
+    interrupt: Callable[[], None] | None = None,
   ) -> syncer_pb2.PushResponse:
     """A learner's answer to a round, filed in the core; `placement`: where the bulk port
-    receives its chunks in place (transport/placement.py); `chunk_bytes`: the stream's chunk
-    bound (the bulk port's; default `max_chunk_bytes`); `ticket`: the stream's place if its
-    carrier admitted it (the bulk port); `paced`: the carrier times each read itself."""
+    receives its chunks in place (transport/placement.py); `chunk_bytes`: the stream's chunk bound
+    (the bulk port's; default `max_chunk_bytes`); `ticket`: the stream's place if its carrier
+    admitted it (the bulk port); `paced`: the carrier times each read itself (read in this
+    thread); `interrupt`: cuts its read under way, when the stream loses its place."""
     chunk_bytes = chunk_bytes or self._cfg.max_chunk_bytes
+    body = functools.partial(self._push, placement=placement, chunk_bytes=chunk_bytes)
     return self._admitted_push(
-      request_iterator,
-      session,
-      lambda it, session, ticket: self._push(it, session, ticket, placement, chunk_bytes),
-      ticket=ticket,
-      paced=paced,
+      request_iterator, session, body, ticket=ticket, paced=paced, interrupt=interrupt
     )
 
   def recover(self, request_iterator, session: str) -> syncer_pb2.RecoverResponse:
@@ -164,13 +164,14 @@ class DataStreams:
     *,
     ticket: stream_gate.StreamTicket | None = None,
     paced: bool = False,
+    interrupt: Callable[[], None] | None = None,
   ):
     """A push within the stream bounds, read with the idle and total deadlines (service/door.py)."""
     cfg = self._cfg
-    stream = door.PacedStream(  # A paced carrier's deadlines are its own (see module docstring).
-      request_iterator,
-      idle_s=None if paced else cfg.stream_idle_s,
-      total_s=None if paced else cfg.stream_deadline_s,
+    # A paced carrier's deadlines are its own (see module docstring).
+    idle_s, total_s = (None, None) if paced else (cfg.stream_idle_s, cfg.stream_deadline_s)
+    stream = door.PacedStream(
+      request_iterator, idle_s=idle_s, total_s=total_s, on_interrupt=interrupt
     )
     try:
       if ticket is None:

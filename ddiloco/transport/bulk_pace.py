@@ -14,6 +14,7 @@ import fcntl
 import socket
 import struct
 import termios
+import threading
 import time
 from collections.abc import Callable
 
@@ -45,6 +46,16 @@ class PhaseLimits:
   def chunk_deadline_s(self, nbytes: int) -> float:
     """The longest a chunk message of `nbytes` may keep its reader or sender waiting."""
     return self.grace_s + nbytes / self.min_rate
+
+
+# Longest one wait on the peer lasts before the socket looks at `PacedSocket.interrupt` (and at
+# its budget) again: a blocked read or send is cut this soon after an interrupt.
+INTERRUPT_CHECK_S = 0.1
+
+
+class Interrupted(ConnectionError):
+  """A read or send was cut by `PacedSocket.interrupt` (another thread's: the stream lost its
+  place)."""
 
 
 class PhaseTimeout(TimeoutError):
@@ -106,6 +117,7 @@ class PacedSocket:
     self._sent = 0
     self._chunk: _Pace | None = None
     self._transfer: _Pace | None = None
+    self._interrupted = threading.Event()
 
   def __getattr__(self, name):
     return getattr(self.raw, name)
@@ -142,17 +154,31 @@ class PacedSocket:
     while view:
       view = view[self.send(view) :]
 
+  def interrupt(self) -> None:
+    """Cuts the read or send under way, and every later one, with `Interrupted` (from any
+    thread), within `INTERRUPT_CHECK_S`; the socket stays open (a trailer can still be sent on
+    `raw`, and what the peer still sends drained)."""
+    self._interrupted.set()
+
   def _timed(self, operation, *args) -> int:
-    self.raw.settimeout(self._left())
-    start = self._clock()
-    try:
-      return operation(*args)
-    except TimeoutError:
-      self._waited += self._clock() - start
-      start = self._clock()  # Counted once.
-      raise self._expired(self._tightest()[1]) from None
-    finally:
-      self._waited += self._clock() - start
+    # One wait lasts at most INTERRUPT_CHECK_S: then the interrupt and the budget are looked at
+    # again. A timed-out operation has moved nothing (the socket module waits for readiness
+    # first), so it is simply tried again.
+    while True:
+      if self._interrupted.is_set():
+        raise Interrupted("The call was interrupted (its stream lost its place).")
+      left = self._left()
+      self.raw.settimeout(min(left, INTERRUPT_CHECK_S))
+      start = self._clock()
+      try:
+        return operation(*args)
+      except TimeoutError:
+        if left <= INTERRUPT_CHECK_S and not self._interrupted.is_set():
+          self._waited += self._clock() - start
+          start = self._clock()  # Counted once.
+          raise self._expired(self._tightest()[1]) from None
+      finally:
+        self._waited += self._clock() - start
 
   # -- the budgets --------------------------------------------------------------------------------
 

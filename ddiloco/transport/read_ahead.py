@@ -2,8 +2,8 @@
 
 Both ends of a stream use it: the bulk port's client encodes a push's next chunks (or reads a
 pull's next frames) while it sends (or decodes) the previous ones (`bulk_wire.Prefetch`), and the
-syncer reads a push's request stream in a helper thread so its handler can wait for each item with
-a deadline (`service/door.PacedStream`).
+syncer reads a Recover's gRPC request stream in a helper thread so its handler can wait for each
+item with a deadline (`service/door.PacedStream`).
 """
 
 import contextlib

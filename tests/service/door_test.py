@@ -74,6 +74,50 @@ def test_paced_stream_passes_the_sources_error_on():
   stream.close()
 
 
+def test_paced_stream_without_deadlines_reads_in_the_callers_thread():
+  """A carrier that times its own reads (the bulk port): no helper thread; the items, the end
+  and the source's errors as they come."""
+  readers = []
+
+  def source():
+    readers.append(threading.current_thread())
+    yield 1
+    yield 2
+    raise RuntimeError("call ended")
+
+  before = set(threading.enumerate())
+  stream = door.PacedStream(source(), idle_s=None, total_s=None)
+  assert set(threading.enumerate()) == before
+  assert [next(stream), next(stream)] == [1, 2]
+  with pytest.raises(RuntimeError, match="call ended"):
+    next(stream)
+  assert readers == [threading.current_thread()]
+  stream.close()
+  assert list(door.PacedStream(iter([3]), idle_s=None, total_s=None)) == [3]
+
+
+def test_paced_stream_without_deadlines_interrupt_cuts_the_read_under_way():
+  """`interrupt` (another thread's) calls the carrier's `on_interrupt`, which cuts the blocked
+  read; whatever the read then raises, or the end it sees, is the eviction."""
+  for cut_by in (RuntimeError("read cut"), None):
+    cut = threading.Event()
+
+    def source(cut=cut, cut_by=cut_by):
+      yield "first"
+      cut.wait(10)  # A read blocked on a stalled client until the carrier cuts it.
+      if cut_by is not None:
+        raise cut_by
+
+    stream = door.PacedStream(source(), idle_s=None, total_s=None, on_interrupt=cut.set)
+    assert next(stream) == "first"
+    threading.Timer(0.1, stream.interrupt).start()
+    with pytest.raises(door.StreamTimeout, match="evicted"):
+      next(stream)
+    assert cut.is_set()
+    with pytest.raises(door.StreamTimeout, match="evicted"):  # And every later read.
+      next(stream)
+
+
 class _FakeContext:
   def __init__(self):
     self.cancelled = threading.Event()

@@ -155,3 +155,42 @@ def test_a_send_to_a_peer_that_stopped_reading_is_cut_at_its_grace():
   with pytest.raises(bulk_pace.PhaseTimeout) as e:
     bulk_wire.send_parts(sock, [b"p" * 1000])
   assert e.value.phase == "chunk" and clock.now - start == pytest.approx(3.0)
+
+
+def test_an_interrupt_cuts_a_blocked_read_and_every_later_one():
+  """`interrupt` (from another thread) ends a read waiting on a silent peer within one check
+  (`INTERRUPT_CHECK_S`), whatever its budget, and the waiting counts as the peer's."""
+  sock, clock = _paced([(0.0, b"hi"), (30.0, b"late")])
+  bulk_wire.recv_exact(sock, 2)
+  sock.begin_transfer()
+  sock.begin_chunk()
+  timeouts = []
+  settimeout = sock.raw.settimeout
+
+  def interrupt_after_two(timeout):  # Another thread's interrupt, after two waits.
+    timeouts.append(timeout)
+    if len(timeouts) == 3:
+      sock.interrupt()
+    settimeout(timeout)
+
+  sock.raw.settimeout = interrupt_after_two
+  start = clock.now
+  with pytest.raises(bulk_pace.Interrupted):
+    bulk_wire.recv_exact(sock, 4)
+  assert timeouts == [bulk_pace.INTERRUPT_CHECK_S] * 3
+  assert clock.now - start == pytest.approx(3 * bulk_pace.INTERRUPT_CHECK_S)
+  with pytest.raises(bulk_pace.Interrupted):
+    bulk_wire.send_parts(sock, [b"trailer"])
+
+
+def test_a_long_wait_is_checked_in_slices_and_cut_at_its_budget():
+  """A wait longer than one check is several; the phase is cut when its budget is spent, not
+  later (the chunk's grace, 3 s, with nothing moved)."""
+  sock, clock = _paced([(0.0, b"hi"), (30.0, b"late")])
+  bulk_wire.recv_exact(sock, 2)
+  sock.begin_transfer()
+  sock.begin_chunk()
+  start = clock.now
+  with pytest.raises(bulk_pace.PhaseTimeout) as e:
+    bulk_wire.recv_exact(sock, 4)
+  assert e.value.phase == "chunk" and clock.now - start == pytest.approx(3.0)
