@@ -30,9 +30,9 @@ The door, as hard as the gRPC port's:
   DEADLINE_EXCEEDED naming it, in the trailer when the peer can still read one, always counted
   (`Status.refused`, and by phase in `Status.counters`' `bulk_expired_<phase>`) and logged.
 - **Bounded resources**: at most `ServiceConfig.bulk_connections` connections, each with one
-  thread (a push's frames are read in it) and one descriptor; one more is closed at once (counted,
-  RESOURCE_EXHAUSTED). A connection buffers at most its hello (bounded before it is read,
-  INVALID_ARGUMENT beyond) and three chunk messages of a push (a frame over `bulk_chunk_bytes +
+  thread (a push's frames are read in it, one at a time) and one descriptor; one more is closed
+  at once (counted, RESOURCE_EXHAUSTED). A connection buffers at most its hello (bounded before
+  it is read, INVALID_ARGUMENT beyond) and a push's frame (a frame over `bulk_chunk_bytes +
   FRAMING_SLACK` is refused RESOURCE_EXHAUSTED before a byte of it is allocated); a stream cut
   mid-frame, or ended without its end mark, INVALID_ARGUMENT.
 - The port is bound without SO_REUSEPORT (never shared); `stop` closes the listener, cuts every
