@@ -156,18 +156,11 @@ class PacedStream:
   def __next__(self):
     if self._interrupted.is_set():
       raise StreamTimeout("evicted")
-    if self._source is not None:
-      return self._next_here()
-    now = self._clock()
-    left = self._deadline - now
-    if left <= 0:
-      raise StreamTimeout("total")
     try:
-      wait = min(self._idle_s, left)
-      item = self._ahead.get(timeout=None if wait == float("inf") else wait)
-    except queue.Empty:
-      raise StreamTimeout("idle" if self._clock() < self._deadline else "total") from None
-    except StopIteration:
+      item = self._take()
+    except StreamTimeout:
+      raise
+    except Exception:  # The end, or the source's error: after `interrupt`, a read it cut.
       if self._interrupted.is_set():
         raise StreamTimeout("evicted") from None
       raise
@@ -175,20 +168,18 @@ class PacedStream:
       raise StreamTimeout("evicted")
     return item
 
-  def _next_here(self):
-    """The next item, read in this thread: whatever cuts a read after `interrupt` (its end, an
-    error) is the eviction."""
+  def _take(self):
+    """The next item: read here (no deadlines of its own), or from the reader within them."""
+    if self._source is not None:
+      return next(self._source)
+    left = self._deadline - self._clock()
+    if left <= 0:
+      raise StreamTimeout("total")
     try:
-      item = next(self._source)
-    except StreamTimeout:
-      raise
-    except Exception:
-      if self._interrupted.is_set():
-        raise StreamTimeout("evicted") from None
-      raise
-    if self._interrupted.is_set():
-      raise StreamTimeout("evicted")
-    return item
+      wait = min(self._idle_s, left)
+      return self._ahead.get(timeout=None if wait == float("inf") else wait)
+    except queue.Empty:
+      raise StreamTimeout("idle" if self._clock() < self._deadline else "total") from None
 
   def close(self) -> None:
     """Stops the reader handing over items (it exits once gRPC ends the call)."""
