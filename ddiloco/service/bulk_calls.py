@@ -171,9 +171,7 @@ class PushFrames:
       if not self._call.closing.is_set():
         self._on_expired(e.phase)
       raise self._refusal(grpc.StatusCode.DEADLINE_EXCEEDED, f"{e} ({e.phase})") from None
-    except bulk_pace.Interrupted:  # `BulkCall.interrupt`: its place went to another stream.
-      raise door.StreamTimeout("evicted") from None
-    except (bulk_wire.BulkClosed, OSError) as e:  # (BulkClosed is one)
+    except (bulk_wire.BulkClosed, OSError) as e:  # (BulkClosed and bulk_pace.Interrupted are)
       if self._call.ticket.evicted:  # Its reads were cut to give its place to another stream:
         raise door.StreamTimeout("evicted") from None  # refused as such, nothing else counted.
       if isinstance(e, bulk_wire.BulkClosed):

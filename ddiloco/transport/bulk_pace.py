@@ -163,7 +163,8 @@ class PacedSocket:
   def _timed(self, operation, *args) -> int:
     # One wait lasts at most INTERRUPT_CHECK_S: then the interrupt and the budget are looked at
     # again. A timed-out operation has moved nothing (the socket module waits for readiness
-    # first), so it is simply tried again.
+    # first), so it is simply tried again. A wait given the whole budget left that times out
+    # spent it: cut then, not by the clock's arithmetic (a sum that may never reach zero).
     while True:
       if self._interrupted.is_set():
         raise Interrupted("The call was interrupted (its stream lost its place).")

@@ -248,18 +248,7 @@ def test_only_the_spare_buffers_are_donated(fused):
   state = step.step(params, grads, {"a": 1.0}, step.init(params))[1]  # Non-zero momentum.
 
   def run(spare):
-    if fused:
-      return step.merge_and_step(
-        params,
-        base=None,
-        answers=[grads],
-        deltas=[True],
-        coefs={"a": {0: 2.0}},
-        radius={"a": None},
-        opt_state=state,
-        spare=spare,
-      )
-    return step.step(params, grads, {"a": 2.0}, state, spare)
+    return _one_answer_step(step, params, grads, state, fused=fused, scale=2.0, spare=spare)
 
   want = run(None)
   spare = step.spare(params, state)
@@ -292,16 +281,22 @@ def test_the_step_checks_values_on_both_sides_and_the_state(fused, lr, nu, ok):
   grads = {"w": np.full(1000, 2.0, np.float32)}
   (adam, *rest) = step.init(params)
   state = (adam._replace(nu={"w": np.full(1000, nu, np.float32)}), *rest)
+  _, _, got = _one_answer_step(step, params, grads, state, fused=fused, scale=1.0)
+  assert bool(got) is ok
+
+
+def _one_answer_step(step, params, grads, state, *, fused, scale, spare=None):
+  """The step on `grads` · `scale`: one δ answer merged with that coefficient in the fused
+  program, or the step on the gradients with that scale."""
   if fused:
-    _, _, got = step.merge_and_step(
+    return step.merge_and_step(
       params,
       base=None,
       answers=[grads],
       deltas=[True],
-      coefs={"w": {0: 1.0}},
-      radius={"w": None},
+      coefs={k: {0: scale} for k in params},
+      radius=dict.fromkeys(params),
       opt_state=state,
+      spare=spare,
     )
-  else:
-    _, _, got = step.step(params, grads, {"w": 1.0}, state)
-  assert bool(got) is ok
+  return step.step(params, grads, dict.fromkeys(params, scale), state, spare)
