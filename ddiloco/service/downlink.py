@@ -58,8 +58,9 @@ class DownlinkAdopter:
     self._codec, self._block, self._chunk = codec, block_size, chunk_size
     self._workers, self._split = workers, split_values
     # p -> (its chunks as `state_messages.staged_prefix` cuts them, payload bytes), till published.
-    self._staged: dict[int, tuple[list[bytes], int]] = {}
-    self._cache: dict[int, tuple[int, list[bytes]]] = {}  # p -> (version, serialized chunks).
+    self._staged: dict[int, tuple[list[bytes | memoryview], int]] = {}
+    # p -> (version, serialized chunks: after the first, each in memory of its own).
+    self._cache: dict[int, tuple[int, list[bytes | memoryview]]] = {}
     self._encoded = blockwise.OutputBuffer()  # Payloads and scales, reused by every adoption.
     # The adopted values (published versions) in the memory of versions no longer held: fresh
     # pages cost the kernel's zeroing, ~8 % of a bf16 shard's CPU (scripts/bench_ingest.py); kept
@@ -121,7 +122,7 @@ class DownlinkAdopter:
     )
     self._cache[p] = (version, chunks)
 
-  def delta_chunks(self, p: int, version: int) -> list[bytes] | None:
+  def delta_chunks(self, p: int, version: int) -> list[bytes | memoryview] | None:
     """The encoded update from version − 1 to `version` of p, if that is the newest cached, as
     serialized FragmentChunk messages: serialized once, sent to every learner as they are."""
     cached = self._cache.get(p)

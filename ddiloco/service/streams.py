@@ -493,7 +493,7 @@ class DataStreams:
       )
 
 
-def _framed_messages(messages_: list[bytes], frame: Callable[[bytes, int], bytes]):
+def _framed_messages(messages_: list[bytes | memoryview], frame: Callable[[bytes, int], bytes]):
   """Whole serialized messages as pieces, each after `frame(b"", its length)`."""
   for m in messages_:
     yield frame(b"", len(m))

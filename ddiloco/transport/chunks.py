@@ -6,8 +6,8 @@ receiver bounds what it holds by the chunk. The receiver learns `num_chunks` and
 the first chunk's header and checks every chunk against them *before* buffering, so an oversized
 or malformed stream is rejected without holding its bytes.
 
-Copies (scripts/bench_wire.py): `ChunkWriter` cuts a stream of writes into `bytes` chunks, one copy
-per byte, no full-size buffer (the downlink's cached deltas). The receiver decodes each chunk as
+Copies (scripts/bench_wire.py): `ChunkWriter` cuts a stream of writes into chunks, one copy per
+byte, no full-size buffer (the downlink's cached deltas: each chunk's message made in that copy). The receiver decodes each chunk as
 `ChunkAssembler` hands it on in order (`fragment_reader.FragmentReader`), then drops it: nothing is
 joined, a chunk may be a view into the received message (never copied), and a chunk's memory is
 reused for the next instead of being faulted in anew.
@@ -48,11 +48,14 @@ def chunk(data: bytes, chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[bytes]:
 
 
 class ChunkWriter:
-  """Cuts a stream of writes into `bytes` chunks of `chunk_size` (the last may be shorter).
+  """Cuts a stream of writes into chunks of `chunk_size` payload bytes (the last may be shorter).
 
-  Each byte is copied once, into its chunk: a write that fills whole chunks becomes them directly,
-  smaller pieces gather in one reused chunk-sized buffer. Chunks are handed out as they complete,
-  so a sender can hand each on and drop it.
+  Each byte is copied once, into its chunk, and chunks are handed out as they complete, so a
+  sender can hand each on and drop it. Without a prefix a chunk is `bytes`: a write that fills
+  whole chunks becomes them directly, smaller pieces gather in one reused chunk-sized buffer.
+  With a prefix, pieces gather in the chunk's own buffer behind room for its prefix, written when
+  the chunk is complete, and the chunk is handed out as a memoryview of that buffer: the chunk's
+  message is made in the one copy of its bytes, not copied again behind its prefix.
 
   Attributes:
     nbytes: bytes written so far.
@@ -63,8 +66,9 @@ class ChunkWriter:
 
     Args:
       chunk_size: payload bytes per chunk.
-      prefix: if given, each chunk comes as `prefix(index, n) + its n bytes`, made in the chunk's
-        one copy (a chunk's message framing, written with its data rather than copied in later).
+      prefix: if given, each chunk comes as `prefix(index, n)` followed by its n bytes (a chunk's
+        message framing, written with its data rather than copied in later). A prefix must not
+        be longer for a short last chunk than for a whole one, or that chunk costs a copy more.
 
     Raises:
       ValueError: if chunk_size < 1.
@@ -74,38 +78,48 @@ class ChunkWriter:
     self._size = chunk_size
     self._prefix = prefix
     self._buf: memoryview | None = None  # numpy-backed: no zero fill, huge pages when large.
+    self._head = 0  # Bytes kept in front of the buffer's payload for its prefix.
     self._fill = 0
     self._emitted = 0
     self.nbytes = 0
 
-  def write(self, data: bytes | memoryview | np.ndarray) -> list[bytes]:
+  def write(self, data: bytes | memoryview | np.ndarray) -> list[bytes | memoryview]:
     """Appends the bytes of `data` (any C-contiguous buffer); returns the chunks it completed."""
     view = memoryview(data).cast("B")
     self.nbytes += len(view)
     size, out = self._size, []
     while view:
       if not self._fill and len(view) >= size:
-        out.append(self._whole(view[:size]))
+        out.append(self._chunk(view[:size]))
         view = view[size:]
         continue
       if self._buf is None:
-        self._buf = memoryview(np.empty(size, np.uint8))
+        # With a prefix every chunk is a buffer of its own (handed out); else one is reused.
+        self._head = 0 if self._prefix is None else len(self._prefix(self._emitted, size))
+        self._buf = memoryview(np.empty(self._head + size, np.uint8))
       m = min(len(view), size - self._fill)
-      self._buf[self._fill : self._fill + m] = view[:m]
+      at = self._head + self._fill
+      self._buf[at : at + m] = view[:m]
       self._fill += m
       view = view[m:]
       if self._fill == size:
         out.append(self._take())
     return out
 
-  def _whole(self, view: memoryview) -> bytes:
-    """A chunk made straight from the caller's bytes."""
-    return self._chunk(view)
-
-  def _take(self) -> bytes:
+  def _take(self) -> bytes | memoryview:
     """The buffered chunk."""
     fill, self._fill = self._fill, 0
-    return self._chunk(self._buf[:fill])
+    if self._prefix is None:
+      return self._chunk(self._buf[:fill])
+    buf, head, self._buf = self._buf, self._head, None
+    index = self._emitted
+    self._emitted += 1
+    framing = self._prefix(index, fill)
+    start = head - len(framing)
+    if start < 0:  # Longer than a whole chunk's: put together anew.
+      return b"".join((framing, buf[head : head + fill]))
+    buf[start:head] = framing
+    return buf[start : head + fill]
 
   def _chunk(self, data: memoryview) -> bytes:
     """The next chunk of `data`, its prefix in front (one copy of `data`)."""
@@ -115,7 +129,7 @@ class ChunkWriter:
       return bytes(data)
     return b"".join((self._prefix(index, len(data)), data))
 
-  def flush(self) -> list[bytes]:
+  def flush(self) -> list[bytes | memoryview]:
     """The partial last chunk, if any; one empty chunk if the stream had no bytes at all."""
     if self._fill:
       return [self._take()]

@@ -184,7 +184,8 @@ class FragmentEncoder:
     )
 
   def chunks(self, chunk_size: int = DEFAULT_CHUNK_SIZE, prefix: Prefix | None = None):
-    """The serialized fragment cut into `bytes` chunks of `chunk_size`, made one by one.
+    """The serialized fragment cut into chunks of `chunk_size`, made one by one: `bytes`, or with
+    a prefix, memoryviews of each chunk's own memory.
 
     Every byte is copied once, into its chunk (`ChunkWriter`), with `prefix(index, n)` in front of
     the chunk's n bytes if given. There is always at least one chunk.
@@ -195,7 +196,7 @@ class FragmentEncoder:
     writer = ChunkWriter(chunk_size, prefix)
     return self._chunks_of(writer)
 
-  def _chunks_of(self, writer: ChunkWriter) -> Iterator[bytes]:
+  def _chunks_of(self, writer: ChunkWriter) -> Iterator[bytes | memoryview]:
     for piece in self.pieces():
       yield from writer.write(piece)
     yield from writer.flush()

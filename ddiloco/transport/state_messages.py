@@ -135,7 +135,7 @@ def staged_prefix(index: int, nbytes: int) -> bytes:
 
 
 def headed_state_messages(
-  staged: Sequence[bytes],
+  staged: Sequence[bytes | memoryview],
   payload_bytes: int,
   *,
   fragment: int,
@@ -143,7 +143,7 @@ def headed_state_messages(
   digest: str,
   codec: str,
   base_version: int,
-) -> list[bytes]:
+) -> list[bytes | memoryview]:
   """`encoded_state_messages` of a payload of `payload_bytes` cut with `staged_prefix` (the first
   chunk bare, the others whole messages already): byte for byte the same messages, and only the
   first chunk is copied again, behind its header.

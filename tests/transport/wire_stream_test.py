@@ -56,6 +56,24 @@ def test_chunk_writer_puts_each_chunks_prefix_in_front():
   assert tail.write(b"abcdef") + tail.flush() == [b"<0:4>abcd", b"<1:2>ef"]
 
 
+def test_chunk_writer_makes_a_prefixed_chunk_in_its_own_memory():
+  # Gathered pieces are written behind room for the prefix: the chunk is that memory, not a copy,
+  # and no two chunks share it (a cache keeps them all).
+  w = ChunkWriter(4, lambda index, n: b"#" * (index + 1))
+  got = w.write(b"ab") + w.write(b"cdef") + w.write(b"gh") + w.flush()
+  assert got == [b"#abcd", b"##efgh"]
+  assert all(isinstance(c, memoryview) for c in got)
+  assert got[0].obj is not got[1].obj
+  got[0][1:] = b"wxyz"  # Each chunk owns its memory.
+  assert bytes(got[1]) == b"##efgh"
+
+  # A short last chunk whose prefix is shorter goes in the same memory; one longer than a whole
+  # chunk's is put together anew.
+  for prefix, want in ((lambda i, n: b"<" * n, b"<x"), (lambda i, n: b"<" * (5 - n), b"<<<<x")):
+    tail = ChunkWriter(4, prefix)
+    assert tail.write(b"x") + tail.flush() == [want]
+
+
 def test_assembler_hands_chunks_on_in_order_without_keeping_them():
   asm = ChunkAssembler(
     num_chunks=3, total_bytes=5, max_total_bytes=5, max_chunk_bytes=2, keep=False
