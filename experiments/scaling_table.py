@@ -110,6 +110,12 @@ WARMUP = 20
 WARMUP_LR0 = 0.7
 STREAMING_MS = (4, 8)
 CRASH = "crash:1@2000+300"
+# At this M the gap of Decoupled DiLoCo to Streaming DiLoCo is split into its parts: the protocol
+# (K = 1 + grace, learners that never wait), the merge rule (RDA against the weighted mean) and
+# the crash, by Decoupled rows without the crash and with the weighted mean.
+DIAGNOSED_M = 4
+# (crash, weighted mean in place of RDA) of the Decoupled rows that split the gap, on seed 0.
+DIAGNOSES = ((False, False), (False, True), (True, True))
 
 # Every setting a row depends on is bound here, not left to the run files' defaults, so that a
 # stored row stays the run it names when a default changes.
@@ -205,11 +211,22 @@ def streaming(m: int, lr: float, alpha: float) -> study.System:
   )
 
 
-def decoupled(m: int, lr: float, alpha: float) -> study.System:
+def decoupled(
+  m: int, lr: float, alpha: float, crash: bool = True, mean: bool = False
+) -> study.System:
+  """Decoupled DiLoCo as shipped (K = 1 + grace, RDA) with one learner crash; for what its gap to
+  Streaming DiLoCo is made of, without the crash (`crash` False) or merging by Streaming's
+  weighted mean in place of RDA (`mean`)."""
   return study.System(
-    name=f"Decoupled DiLoCo M={m}, outer lr {lr}, {_warm_name(lr)}, alpha {alpha}, 1 crash",
+    name=f"Decoupled DiLoCo M={m}, outer lr {lr}, {_warm_name(lr)}, alpha {alpha}, "
+    + ("1 crash" if crash else "no crash")
+    + (", weighted mean" if mean else ""),
     gin_files=("sim_tiny.gin",),
-    bindings=(*_streamed(m, lr, alpha), f'FAULTS = ("{CRASH}",)'),
+    bindings=(
+      *_streamed(m, lr, alpha),
+      f'FAULTS = ("{CRASH}",)' if crash else "FAULTS = ()",
+      *(["SyncerConfig.merge_rule = @WeightedMean()"] if mean else []),
+    ),
   )
 
 
@@ -311,6 +328,8 @@ def plan(store: study.ResultStore, seeds: list[int]) -> Plan:
       continue
     jobs += [(streaming(m, lr, alpha), s) for s in seeds]
     jobs += [(decoupled(m, lr, alpha), s) for s in rest]
+    if m == DIAGNOSED_M:  # What the gap to Streaming is made of.
+      jobs += [(decoupled(m, lr, alpha, c, w), first) for c, w in DIAGNOSES]
   jobs += [(data_parallel(), s) for s in rest]
   for m in MS:
     best = best_diloco(store, m)
@@ -358,6 +377,8 @@ def all_systems(store: study.ResultStore) -> Iterator[study.System]:
       for alpha in ALPHAS:
         yield streaming(m, lr, alpha)
         yield decoupled(m, lr, alpha)
+        for crash, mean in DIAGNOSES:
+          yield decoupled(m, lr, alpha, crash, mean)
 
 
 # -- running ----------------------------------------------------------------------------------------
@@ -637,6 +658,64 @@ def gap_over_training(
   return out
 
 
+def _paired_at(
+  store: study.ResultStore, a: study.System, b: study.System, seeds: list[int], frac: float | None
+) -> study.Interval:
+  """a against b paired by seed: final losses (`frac` None) or their eval curves at a fraction of
+  b's token budget."""
+  values, reference = {}, {}
+  for s in seeds:
+    ra, rb = store.get(a, s), store.get(b, s)
+    if ra is None or rb is None:
+      continue
+    if frac is None:
+      values[s], reference[s] = ra["final_eval_loss"], rb["final_eval_loss"]
+      continue
+    at = frac * rb["tokens_trained"]
+    x, y = _at_tokens(ra["curve"], at), _at_tokens(rb["curve"], at)
+    if x is not None and y is not None:
+      values[s], reference[s] = x, y
+  return _gap(values, reference)
+
+
+def gap_parts(store: study.ResultStore, seeds: list[int]) -> list[str]:
+  """The report's section on what Decoupled DiLoCo's gap to Streaming DiLoCo is made of, each
+  step from Streaming to Decoupled as shipped paired by seed at fractions of the tokens and at the
+  end: the protocol (K = 1 + grace, learners that never wait), the merge rule, the crash."""
+  alpha, lr = best_alpha(store), best_lr(store, DIAGNOSED_M)
+  if alpha is None or lr is None:
+    return []
+  m = DIAGNOSED_M
+  stream, shipped = streaming(m, lr, alpha), decoupled(m, lr, alpha)
+  clean_mean, crash_mean, clean = (decoupled(m, lr, alpha, c, w) for c, w in DIAGNOSES)
+  fractions = (0.25, 0.5, 0.75, 0.9)
+  rows = []
+  for label, a, b in (
+    ("the protocol: Decoupled (no crash, weighted mean) vs Streaming", clean_mean, stream),
+    ("the merge rule: RDA vs weighted mean (Decoupled, no crash)", clean, clean_mean),
+    ("the merge rule: RDA vs weighted mean (Decoupled, 1 crash)", shipped, crash_mean),
+    ("the crash: with one vs without (Decoupled, RDA)", shipped, clean),
+    ("the crash: with one vs without (Decoupled, weighted mean)", crash_mean, clean_mean),
+    ("all: Decoupled as shipped (RDA, 1 crash) vs Streaming", shipped, stream),
+  ):
+    gaps = [_paired_at(store, a, b, seeds, f) for f in (*fractions, None)]
+    rows.append([label, *(_fmt(g) for g in gaps)])
+  return [
+    "",
+    f"## What Decoupled DiLoCo's gap to Streaming DiLoCo is made of (M = {m}, α = {alpha})",
+    "",
+    "Both run the same fragments, outer step and tokens. Decoupled DiLoCo closes each round at",
+    "the first answer plus the grace window, its learners never wait for a merge, and it merges",
+    "by RDA (the mean norm along the mean direction); Streaming DiLoCo closes at M answers, its",
+    "learners wait at the apply, and it merges by the weighted mean. The crash takes learner 1",
+    f"down for 300 s at t = 2000 s (`{CRASH}`); the three others go on, so the fleet trains the",
+    "same tokens in more steps. Each row changes one of these, paired by seed at fractions of",
+    "the tokens (eval curves, interpolated) and at the end.",
+    "",
+    study.markdown_table(["step", *(f"{int(100 * f)} %" for f in fractions), "end"], rows),
+  ]
+
+
 def final_rows(store: study.ResultStore) -> list[tuple[str, int, float | str, study.System]]:
   """(method, M, outer lr, system) of the table's final rows, those whose settings are known."""
   rows = []
@@ -781,6 +860,7 @@ def report(store: study.ResultStore, seeds: list[int]) -> None:
     "",
     study.markdown_table(["M", "outer lr", "α", "eval loss", "vs data-parallel"], alpha_rows),
   ]
+  parts += gap_parts(store, seeds)
   # The gap over the second half.
   fractions = (0.5, 0.625, 0.75, 0.875, 1.0)
   half_rows = []
