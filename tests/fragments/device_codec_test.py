@@ -111,6 +111,20 @@ def test_values_the_host_codec_refuses_are_flagged_not_guessed(anchor, theta, co
       delta_bytes(codec, anchor, theta, 64)
 
 
+@pytest.mark.parametrize("codec", CODECS)
+def test_one_nan_in_a_large_tensor_is_flagged(codec):
+  """2^18 values, one NaN: XLA's CPU backend reduces a max that large in a kernel that skips NaN,
+  so a block's scale alone does not show it."""
+  theta = np.zeros(1 << 18, np.float32)
+  anchor = np.full(1 << 18, 0.25, np.float32)
+  anchor[1000] = np.nan
+  valid, _ = _device([anchor], [theta], codec)
+  assert not valid
+  anchor[1000] = 0.25
+  valid, _ = _device([anchor], [theta], codec)
+  assert valid
+
+
 @pytest.mark.parametrize("codec", ["int8", "int4"])
 def test_a_block_whose_scale_would_be_subnormal_is_left_to_the_host(codec):
   anchor, theta = np.array([3 * _TINY, 2 * _TINY], np.float32), np.zeros(2, np.float32)

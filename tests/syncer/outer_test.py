@@ -285,6 +285,29 @@ def test_the_step_checks_values_on_both_sides_and_the_state(fused, lr, nu, ok):
   assert bool(got) is ok
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("source", ["gradient", "state"])
+def test_one_nan_in_a_large_tensor_fails_the_step(fused, source):
+  """A NaN among 2^18 values: XLA's CPU backend reduces a max of that many values in a kernel
+  that skips NaN, so a check built on max |v| passed it."""
+  n = 1 << 18
+  step = outer.OuterStep(optax.adam(0.1), {"w": 4.0})
+  params, grads = {"w": np.ones(n, np.float32)}, {"w": np.full(n, 0.5, np.float32)}
+  (adam, *rest) = step.init(params)
+  nu = np.zeros(n, np.float32)
+  if source == "gradient":
+    grads["w"][n // 3] = np.nan
+  else:
+    nu[n - 5] = np.nan
+  state = (adam._replace(nu={"w": nu}), *rest)
+  _, _, ok = _one_answer_step(step, params, grads, state, fused=fused, scale=1.0)
+  assert not bool(ok)
+  grads["w"][:], nu[:] = 0.5, 0.0  # The same step without the NaN passes.
+  state = (adam._replace(nu={"w": nu}), *rest)
+  _, _, ok = _one_answer_step(step, params, grads, state, fused=fused, scale=1.0)
+  assert bool(ok)
+
+
 def _one_answer_step(step, params, grads, state, *, fused, scale, spare=None):
   """The step on `grads` · `scale`: one δ answer merged with that coefficient in the fused
   program, or the step on the gradients with that scale."""
