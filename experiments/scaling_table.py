@@ -114,8 +114,9 @@ CRASH = "crash:1@2000+300"
 # (K = 1 + grace, learners that never wait), the merge rule (RDA against the weighted mean) and
 # the crash, by Decoupled rows without the crash and with the weighted mean.
 DIAGNOSED_M = 4
-# (crash, weighted mean in place of RDA) of the Decoupled rows that split the gap, on seed 0.
-DIAGNOSES = ((False, False), (False, True), (True, True))
+# (crash, weighted mean in place of RDA) of the Decoupled rows that split the gap, on seed 0;
+# at M = 8 the merge rule alone (RDA's radius grows with M against the mean's).
+DIAGNOSES = {4: ((False, False), (False, True), (True, True)), 8: ((True, True),)}
 
 # Every setting a row depends on is bound here, not left to the run files' defaults, so that a
 # stored row stays the run it names when a default changes.
@@ -321,6 +322,9 @@ def plan(store: study.ResultStore, seeds: list[int]) -> Plan:
       continue
     jobs += [(decoupled(m, lr, alpha), first) for alpha in ALPHAS]
   alpha = best_alpha(store)
+  for m in STREAMING_MS:  # What the gap to Streaming is made of: one seed each, first.
+    if (lr := best_lr(store, m)) is not None and alpha is not None:
+      jobs += [(decoupled(m, lr, alpha, c, w), first) for c, w in DIAGNOSES.get(m, ())]
   for m in STREAMING_MS:
     lr = best_lr(store, m)
     if lr is None or alpha is None:
@@ -328,8 +332,6 @@ def plan(store: study.ResultStore, seeds: list[int]) -> Plan:
       continue
     jobs += [(streaming(m, lr, alpha), s) for s in seeds]
     jobs += [(decoupled(m, lr, alpha), s) for s in rest]
-    if m == DIAGNOSED_M:  # What the gap to Streaming is made of.
-      jobs += [(decoupled(m, lr, alpha, c, w), first) for c, w in DIAGNOSES]
   jobs += [(data_parallel(), s) for s in rest]
   for m in MS:
     best = best_diloco(store, m)
@@ -377,7 +379,7 @@ def all_systems(store: study.ResultStore) -> Iterator[study.System]:
       for alpha in ALPHAS:
         yield streaming(m, lr, alpha)
         yield decoupled(m, lr, alpha)
-        for crash, mean in DIAGNOSES:
+        for crash, mean in DIAGNOSES.get(m, ()):
           yield decoupled(m, lr, alpha, crash, mean)
 
 
@@ -687,7 +689,7 @@ def gap_parts(store: study.ResultStore, seeds: list[int]) -> list[str]:
     return []
   m = DIAGNOSED_M
   stream, shipped = streaming(m, lr, alpha), decoupled(m, lr, alpha)
-  clean_mean, crash_mean, clean = (decoupled(m, lr, alpha, c, w) for c, w in DIAGNOSES)
+  clean_mean, crash_mean, clean = (decoupled(m, lr, alpha, c, w) for c, w in DIAGNOSES[m])
   fractions = (0.25, 0.5, 0.75, 0.9)
   rows = []
   for label, a, b in (
