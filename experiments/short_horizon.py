@@ -67,6 +67,10 @@ CANDIDATES = {
   "1.0 warmup20": _warmup(1.0, 0.9, 20),
   "0.4 warmup20": _warmup(0.4, 0.9, 20),
   "0.7 to 0.4 warmup20": _warmup(0.4, 0.9, 20, lr0=0.7),
+  "0.7 to 0.4 warmup20 mean": (
+    *_warmup(0.4, 0.9, 20, lr0=0.7),
+    "SyncerConfig.merge_rule = @WeightedMean()",
+  ),
 }
 
 
@@ -81,6 +85,7 @@ DESCRIPTIONS = {
   "1.0 warmup20": "Nesterov, lr 1.0, momentum 0.9 ramped over 20 outer steps",
   "0.4 warmup20": "Nesterov, lr 0.4, momentum 0.9 ramped over 20 outer steps",
   "0.7 to 0.4 warmup20": "Nesterov, momentum 0.9 ramped and lr from 0.7 to 0.4 over 20 outer steps",
+  "0.7 to 0.4 warmup20 mean": "the same, merged by the weighted mean in place of RDA",
 }
 
 
