@@ -689,7 +689,7 @@ def gap_parts(store: study.ResultStore, seeds: list[int]) -> list[str]:
     return []
   m = DIAGNOSED_M
   stream, shipped = streaming(m, lr, alpha), decoupled(m, lr, alpha)
-  clean_mean, crash_mean, clean = (decoupled(m, lr, alpha, c, w) for c, w in DIAGNOSES[m])
+  clean, clean_mean, crash_mean = (decoupled(m, lr, alpha, c, w) for c, w in DIAGNOSES[m])
   fractions = (0.25, 0.5, 0.75, 0.9)
   rows = []
   for label, a, b in (
