@@ -16,11 +16,13 @@ Rows:
    from 0 to 0.9 over the first 20 outer steps, the learning rate brought from 0.7 down to the
    best over the same steps (`nesterov_warmup`, the shipped form, which short runs need:
    experiments/short_horizon.py), against the same rows without it (seed 0).
-4. **Streaming DiLoCo** (synchronous, P = H = 30, τ = 2, K = M, mean merge) and **Decoupled
-   DiLoCo** as shipped (P = H = 30, τ = 2, K = 1 + grace, RDA, token weights, learner 1 down for
-   300 s) at M = 4 and M = 8, with the best DiLoCo outer lr of their M and the warm-up of 3.
-   The Decoupled rows run α = 0 and α = 0.5 (seed 0); the better α (mean over M = 4 and 8) is
-   the one both methods then run for every seed.
+4. **Streaming DiLoCo** (synchronous, P = H = 30, τ = 2, K = M, weighted mean) and **Decoupled
+   DiLoCo** (P = H = 30, τ = 2, K = 1 + grace, token weights, learner 1 down for 300 s) at M = 4
+   and M = 8, with the best DiLoCo outer lr of their M and the warm-up of 3. The Decoupled rows
+   run α = 0 and α = 0.5 with RDA (seed 0); the better α (mean over M = 4 and 8) is the one both
+   methods then run. What Decoupled DiLoCo's gap to Streaming is made of (M = 4, seed 0): rows
+   without the crash, and with the weighted mean in place of RDA. The weighted mean, which
+   closed the gap, is the shipped rule: the final Decoupled rows merge by it, every seed.
 5. Seeds 1 and 2 of data-parallel, of each M's DiLoCo row (at its best outer lr, plain or with the
    warm-up of 3, whichever is lower on seed 0), and of the rows of 4.
 
@@ -115,8 +117,8 @@ CRASH = "crash:1@2000+300"
 # the crash, by Decoupled rows without the crash and with the weighted mean.
 DIAGNOSED_M = 4
 # (crash, weighted mean in place of RDA) of the Decoupled rows that split the gap, on seed 0;
-# at M = 8 the merge rule alone (RDA's radius grows with M against the mean's).
-DIAGNOSES = {4: ((False, False), (False, True), (True, True)), 8: ((True, True),)}
+# with one crash and the weighted mean, the final row (every seed).
+DIAGNOSES = ((False, False), (False, True))
 
 # Every setting a row depends on is bound here, not left to the run files' defaults, so that a
 # stored row stays the run it names when a default changes.
@@ -215,9 +217,10 @@ def streaming(m: int, lr: float, alpha: float) -> study.System:
 def decoupled(
   m: int, lr: float, alpha: float, crash: bool = True, mean: bool = False
 ) -> study.System:
-  """Decoupled DiLoCo as shipped (K = 1 + grace, RDA) with one learner crash; for what its gap to
-  Streaming DiLoCo is made of, without the crash (`crash` False) or merging by Streaming's
-  weighted mean in place of RDA (`mean`)."""
+  """Decoupled DiLoCo (K = 1 + grace) with one learner crash, merged by RDA or (`mean`) by the
+  weighted mean, the shipped rule; without the crash (`crash` False) for what its gap to
+  Streaming DiLoCo is made of. The rule is bound either way: RDA was the default when the RDA
+  rows ran."""
   return study.System(
     name=f"Decoupled DiLoCo M={m}, outer lr {lr}, {_warm_name(lr)}, alpha {alpha}, "
     + ("1 crash" if crash else "no crash")
@@ -226,7 +229,7 @@ def decoupled(
     bindings=(
       *_streamed(m, lr, alpha),
       f'FAULTS = ("{CRASH}",)' if crash else "FAULTS = ()",
-      *(["SyncerConfig.merge_rule = @WeightedMean()"] if mean else []),
+      f"SyncerConfig.merge_rule = @{'WeightedMean' if mean else 'RDA'}()",
     ),
   )
 
@@ -322,16 +325,16 @@ def plan(store: study.ResultStore, seeds: list[int]) -> Plan:
       continue
     jobs += [(decoupled(m, lr, alpha), first) for alpha in ALPHAS]
   alpha = best_alpha(store)
-  for m in STREAMING_MS:  # What the gap to Streaming is made of: one seed each, first.
-    if (lr := best_lr(store, m)) is not None and alpha is not None:
-      jobs += [(decoupled(m, lr, alpha, c, w), first) for c, w in DIAGNOSES.get(m, ())]
+  lr = best_lr(store, DIAGNOSED_M)
+  if lr is not None and alpha is not None:  # What the gap to Streaming is made of.
+    jobs += [(decoupled(DIAGNOSED_M, lr, alpha, c, w), first) for c, w in DIAGNOSES]
   for m in STREAMING_MS:
     lr = best_lr(store, m)
     if lr is None or alpha is None:
       waiting = True
       continue
-    jobs += [(streaming(m, lr, alpha), s) for s in seeds]
-    jobs += [(decoupled(m, lr, alpha), s) for s in rest]
+    for s in seeds:  # Seed by seed, so that each pair is complete as soon as can be.
+      jobs += [(streaming(m, lr, alpha), s), (decoupled(m, lr, alpha, mean=True), s)]
   jobs += [(data_parallel(), s) for s in rest]
   for m in MS:
     best = best_diloco(store, m)
@@ -339,7 +342,7 @@ def plan(store: study.ResultStore, seeds: list[int]) -> Plan:
       waiting = True
       continue
     jobs += [(best[1], s) for s in rest]
-  ready = [(sys_, s) for sys_, s in jobs if store.get(sys_, s) is None]
+  ready = [(sys_, s) for sys_, s in dict.fromkeys(jobs) if store.get(sys_, s) is None]
   return Plan(ready=ready, waiting=waiting)
 
 
@@ -365,7 +368,7 @@ def device_plan(sweeps: study.ResultStore, store: study.ResultStore, seeds: list
       continue
     for seed in seeds:
       for alpha in ALPHAS:
-        jobs += [(decoupled(m, lr, alpha), seed), (streaming(m, lr, alpha), seed)]
+        jobs += [(decoupled(m, lr, alpha, mean=True), seed), (streaming(m, lr, alpha), seed)]
   return Plan(ready=[(s, seed) for s, seed in jobs if store.get(s, seed) is None], waiting=False)
 
 
@@ -379,7 +382,7 @@ def all_systems(store: study.ResultStore) -> Iterator[study.System]:
       for alpha in ALPHAS:
         yield streaming(m, lr, alpha)
         yield decoupled(m, lr, alpha)
-        for crash, mean in DIAGNOSES.get(m, ()):
+        for crash, mean in (*DIAGNOSES, (True, True)):
           yield decoupled(m, lr, alpha, crash, mean)
 
 
@@ -681,24 +684,26 @@ def _paired_at(
 
 
 def gap_parts(store: study.ResultStore, seeds: list[int]) -> list[str]:
-  """The report's section on what Decoupled DiLoCo's gap to Streaming DiLoCo is made of, each
-  step from Streaming to Decoupled as shipped paired by seed at fractions of the tokens and at the
-  end: the protocol (K = 1 + grace, learners that never wait), the merge rule, the crash."""
+  """The report's section on what Decoupled DiLoCo's gap to Streaming DiLoCo is made of, each row
+  one change paired by seed at fractions of the tokens and at the end: the merge rule, the
+  protocol (K = 1 + grace, learners that never wait), the crash."""
   alpha, lr = best_alpha(store), best_lr(store, DIAGNOSED_M)
   if alpha is None or lr is None:
     return []
   m = DIAGNOSED_M
-  stream, shipped = streaming(m, lr, alpha), decoupled(m, lr, alpha)
-  clean, clean_mean, crash_mean = (decoupled(m, lr, alpha, c, w) for c, w in DIAGNOSES[m])
+  stream = streaming(m, lr, alpha)
+  rda, mean = decoupled(m, lr, alpha), decoupled(m, lr, alpha, mean=True)
+  rda_clean, mean_clean = (decoupled(m, lr, alpha, c, w) for c, w in DIAGNOSES)
   fractions = (0.25, 0.5, 0.75, 0.9)
   rows = []
   for label, a, b in (
-    ("the protocol: Decoupled (no crash, weighted mean) vs Streaming", clean_mean, stream),
-    ("the merge rule: RDA vs weighted mean (Decoupled, no crash)", clean, clean_mean),
-    ("the merge rule: RDA vs weighted mean (Decoupled, 1 crash)", shipped, crash_mean),
-    ("the crash: with one vs without (Decoupled, RDA)", shipped, clean),
-    ("the crash: with one vs without (Decoupled, weighted mean)", crash_mean, clean_mean),
-    ("all: Decoupled as shipped (RDA, 1 crash) vs Streaming", shipped, stream),
+    ("Decoupled with RDA (1 crash) vs Streaming", rda, stream),
+    ("the merge rule: RDA vs the weighted mean (1 crash)", rda, mean),
+    ("the merge rule: RDA vs the weighted mean (no crash)", rda_clean, mean_clean),
+    ("the protocol: Decoupled (weighted mean, no crash) vs Streaming", mean_clean, stream),
+    ("the crash: with one vs without (RDA)", rda, rda_clean),
+    ("the crash: with one vs without (weighted mean)", mean, mean_clean),
+    ("Decoupled as shipped (weighted mean, 1 crash) vs Streaming", mean, stream),
   ):
     gaps = [_paired_at(store, a, b, seeds, f) for f in (*fractions, None)]
     rows.append([label, *(_fmt(g) for g in gaps)])
@@ -707,14 +712,15 @@ def gap_parts(store: study.ResultStore, seeds: list[int]) -> list[str]:
     f"## What Decoupled DiLoCo's gap to Streaming DiLoCo is made of (M = {m}, α = {alpha})",
     "",
     "Both run the same fragments, outer step and tokens. Decoupled DiLoCo closes each round at",
-    "the first answer plus the grace window, its learners never wait for a merge, and it merges",
-    "by RDA (the mean norm along the mean direction); Streaming DiLoCo closes at M answers, its",
-    "learners wait at the apply, and it merges by the weighted mean. The crash takes learner 1",
-    f"down for 300 s at t = 2000 s (`{CRASH}`); the three others go on, so the fleet trains the",
-    "same tokens in more steps. Each row changes one of these, paired by seed at fractions of",
-    "the tokens (eval curves, interpolated) and at the end.",
+    "the first answer plus the grace window and its learners never wait for a merge; Streaming",
+    "DiLoCo closes at M answers and its learners wait at the apply. Streaming merges by the",
+    "weighted mean; Decoupled by RDA (the mean norm along the mean direction) or the weighted",
+    "mean, the shipped rule. The crash takes learner 1 down for 300 s at t = 2000 s",
+    f"(`{CRASH}`); the three others go on, so the fleet trains the same tokens in more steps.",
+    "Each row is one change, paired by seed at fractions of the tokens (eval curves,",
+    "interpolated) and at the end.",
     "",
-    study.markdown_table(["step", *(f"{int(100 * f)} %" for f in fractions), "end"], rows),
+    study.markdown_table(["change", *(f"{int(100 * f)} %" for f in fractions), "end"], rows),
   ]
 
 
@@ -730,7 +736,7 @@ def final_rows(store: study.ResultStore) -> list[tuple[str, int, float | str, st
     lr = best_lr(store, m)
     if lr is not None and alpha is not None:
       rows.append(("Streaming DiLoCo", m, lr, streaming(m, lr, alpha)))
-      rows.append(("Decoupled DiLoCo, 1 crash", m, lr, decoupled(m, lr, alpha)))
+      rows.append(("Decoupled DiLoCo, 1 crash", m, lr, decoupled(m, lr, alpha, mean=True)))
   return rows
 
 
@@ -952,7 +958,7 @@ def report_device(sweeps: study.ResultStore, store: study.ResultStore, seeds: li
       continue
     for alpha in ALPHAS:
       stream = _losses(store, streaming(m, lr, alpha), seeds)
-      dec = _losses(store, decoupled(m, lr, alpha), seeds)
+      dec = _losses(store, decoupled(m, lr, alpha, mean=True), seeds)
       if not stream and not dec:
         continue
       vs = _gap(dec, stream)
@@ -1002,7 +1008,8 @@ def report_device(sweeps: study.ResultStore, store: study.ResultStore, seeds: li
     "",
     "## Streaming DiLoCo and Decoupled DiLoCo (1 crash)",
     "",
-    f"P = H = {PERIOD}, τ = 2, each M's outer lr with the warm-up; seeds run in parentheses.",
+    f"P = H = {PERIOD}, τ = 2, each M's outer lr with the warm-up, Decoupled merged by the weighted",
+    "mean (the shipped rule); seeds run in parentheses.",
     "",
     study.markdown_table(
       [

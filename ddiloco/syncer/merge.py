@@ -34,13 +34,13 @@ from ddiloco.syncer.blockwise import BLOCK_VALUES, Diffs, OutputBuffer, aligned_
 from ddiloco.syncer.merge_rules import (
   EMBEDDING_RULE,
   EPS,
-  RDA,
   Coefficients,
   MergeRule,
+  WeightedMean,
   check_rule,
 )
 
-_DEFAULT_RULE = RDA()
+_DEFAULT_RULE = WeightedMean()
 
 
 def _check_inputs(
@@ -219,7 +219,7 @@ def merge_reports(
     values: per learner, its θ_m (or its δ_m, for a None anchor) with the same keys, shapes and
       dtypes.
     weights: one weight per learner (`MergeRule.weight`); learners of weight 0 are not read.
-    rule: the merge rule of non-embedding tensors (default RDA).
+    rule: the merge rule of non-embedding tensors (default the weighted mean, as SyncerConfig's).
     embedding_keys: keys merged with the weighted mean (docs/algorithm.md §4.5); absent keys are ignored.
     eps: the rescale's guard: a sum whose norm is at or below it merges to zeros when the rule
       gives a radius (`Coefficients`).

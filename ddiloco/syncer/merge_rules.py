@@ -16,7 +16,7 @@ Both merge paths apply exactly that form, so a rule never touches arrays: the nu
 for fragments of at least `SyncerConfig.fused_merge_bytes`). Embedding tensors take the weighted
 mean of the rule's weights whatever the rule (§4.5). A rule is a frozen dataclass: gin builds it
 (`SyncerConfig.merge_rule = @RDA()`), and two configs with equal rules compare equal. This module
-holds the interface and the two rules of §4.5, RDA (the default) and the plain weighted mean; a new
+holds the interface and the two rules of §4.5, the weighted mean (the default) and RDA; a new
 rule is a module of its own beside it (`staleness_rule.py`), registered for gin in
 `launch/configurables.py`.
 """
@@ -191,5 +191,5 @@ def check_rule(rule: object, what: str = "SyncerConfig.merge_rule") -> None:
     )
   raise ValueError(
     f"{what} must be a MergeRule (docs/algorithm.md §4.5), got {rule!r}: in gin, e.g. "
-    "@RDA() (the default) or @WeightedMean()."
+    "@WeightedMean() (the default) or @RDA()."
   )

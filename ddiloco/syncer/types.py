@@ -15,7 +15,7 @@ import optax
 
 from ddiloco.protocol import FragmentState, Report, ReportResult, RoundRequest
 from ddiloco.syncer import outer_optimizers
-from ddiloco.syncer.merge_rules import RDA, MergeRule, check_rule
+from ddiloco.syncer.merge_rules import MergeRule, WeightedMean, check_rule
 from ddiloco.types import check_int_fields
 
 # The types learners and the syncer exchange live in `ddiloco.protocol`; re-exported here.
@@ -114,7 +114,7 @@ class SyncerConfig:
     merge_rule: how a round's answers merge (docs/algorithm.md §4.4–4.5): each answer's weight and
       each non-embedding tensor's coefficients (embeddings take the weighted mean whatever the
       rule). A `MergeRule` (`syncer/merge_rules.py`); in gin, e.g.
-      `SyncerConfig.merge_rule = @RDA()` (the default) or `@WeightedMean()`.
+      `SyncerConfig.merge_rule = @WeightedMean()` (the default) or `@RDA()`.
     clock: how the syncer's step clock advances. "fleet_rate" (default): at the median step rate
       of the alive learners, whatever their positions. "slowest": to the lowest schedule step any
       alive learner has reached, so a round opens once every learner has reached its step; the
@@ -146,7 +146,7 @@ class SyncerConfig:
   grace_max_s: float = 10.0
   grace_spread: bool = True
   ema_decay: float = 0.8
-  merge_rule: MergeRule = dataclasses.field(default_factory=RDA)
+  merge_rule: MergeRule = dataclasses.field(default_factory=WeightedMean)
   clock: str = "fleet_rate"
   outer_optimizer: Callable[[], optax.GradientTransformation] = default_outer_optimizer
   keep_versions: int = 4

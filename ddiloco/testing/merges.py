@@ -25,7 +25,7 @@ from ddiloco.syncer import merge
 from ddiloco.syncer.core import SyncerConfig, SyncerCore
 from ddiloco.syncer.merge_rules import EPS, RDA, MergeRule, WeightedMean
 
-_RDA = RDA()  # The default rule of `merge_outer_gradients`.
+_DEFAULT_RULE = WeightedMean()  # That of `merge_outer_gradients`, as SyncerConfig's.
 _ROUND = 1  # The schedule step of the round the answers answer.
 FUSED, BLOCKWISE = 0, 1 << 62  # `SyncerConfig.fused_merge_bytes`: every fragment fused, or none.
 
@@ -143,7 +143,7 @@ def merge_outer_gradients(
   grads: Sequence[Mapping[str, np.ndarray]],
   weights: Sequence[float],
   *,
-  rule: MergeRule = _RDA,
+  rule: MergeRule = _DEFAULT_RULE,
   embedding_keys: Collection[str] = (),
   eps: float = EPS,
 ) -> dict[str, np.ndarray]:
@@ -152,7 +152,7 @@ def merge_outer_gradients(
   Args:
     grads: one {key: outer gradient} per learner, all with the same keys.
     weights: one weight per learner (see `MergeRule.weight`).
-    rule: the merge rule of non-embedding tensors (default RDA).
+    rule: the merge rule of non-embedding tensors (default the weighted mean, as SyncerConfig's).
     embedding_keys: keys that always use the weighted mean; absent keys are ignored.
     eps: the rescale's guard (`merge.merge_reports`).
 

@@ -152,8 +152,8 @@ def test_open_round_rules():
 
 
 def test_m1_sgd_lr1_overwrites_with_the_learner_values_exactly():
-  # Θ and θ both in [1, 2): Θ − θ is exact in float32 (Sterbenz), RDA of one vector returns it to within
-  # float64 rounding (which the float32 cast removes), so Θ − (Θ − θ) == θ bit for bit.
+  # Θ and θ both in [1, 2): Θ − θ is exact in float32 (Sterbenz), the merge of one vector returns it
+  # to within float64 rounding (which the float32 cast removes), so Θ − (Θ − θ) == θ bit for bit.
   rng = np.random.default_rng(0)
   values = {k: rng.uniform(1.0, 2.0, v.shape).astype(np.float32) for k, v in theta(0).items()}
   core = make_core(learners=(0,), **sgd1())
@@ -627,7 +627,7 @@ def test_embedding_keys_use_the_mean(embedding_keys, expected):
   core = SyncerCore(
     fragment_keys=KEYS,
     init_values=init_values(),
-    config=SyncerConfig(min_quorum=2, use_grace=False, **sgd1()),
+    config=SyncerConfig(min_quorum=2, use_grace=False, merge_rule=RDA(), **sgd1()),
     clock=FakeClock(),
     embedding_keys=embedding_keys,
   )
@@ -1259,7 +1259,7 @@ def _norms_of(core, p=0):
 def test_filing_sums_rda_norms_and_the_merge_keeps_its_bits():
   """Norms summed at the door give the merge the bits it gets when it sums them itself."""
   clock = FakeClock()
-  core = make_core(clock, learners=(0, 1, 2), min_quorum=3)
+  core = make_core(clock, learners=(0, 1, 2), min_quorum=3, merge_rule=RDA())
   core.open_round(0, 1)
   core.report(rep(0, values=theta(0.25), step=1, round_step=1))
   core.report(rep(1, values=theta(0.5), step=1, round_step=1))
@@ -1280,7 +1280,7 @@ def test_filing_sums_rda_norms_and_the_merge_keeps_its_bits():
   assert norms[0] == merge.outer_sq_norms(v1, fresh) == {"a": 6 / 64, "b": 4 / 64}
   assert norms[1] == merge.outer_sq_norms(v1, other)
   # A twin core restored from a checkpoint holds the same round without norms (not saved).
-  twin = make_core(FakeClock(clock.t), min_quorum=3)
+  twin = make_core(FakeClock(clock.t), min_quorum=3, merge_rule=RDA())
   twin.load_state_dict(core.state_dict())
   assert _norms_of(twin) == {0: None, 1: None}
   core.report(rep(2, values=theta(0.0625), anchor=1, step=2, round_step=2))
@@ -1295,9 +1295,9 @@ def test_filing_sums_rda_norms_and_the_merge_keeps_its_bits():
   "cfg, report, expected",
   [
     ({"merge_rule": WeightedMean()}, rep(0), None),  # The mean needs no norms: finiteness only.
-    ({"embedding_keys": ("a",)}, rep(0), {"b": 4 * 0.125**2}),  # "a" uses the mean.
-    ({}, rep(0, tokens=0), "no entry"),  # Weight 0: never merged.
-    ({}, rep(3), "no entry"),  # Never received p (docs/algorithm.md §3): weight 0.
+    ({"embedding_keys": ("a",), "merge_rule": RDA()}, rep(0), {"b": 4 * 0.125**2}),  # "a": mean.
+    ({"merge_rule": RDA()}, rep(0, tokens=0), "no entry"),  # Weight 0: never merged.
+    ({"merge_rule": RDA()}, rep(3), "no entry"),  # Never received p (§3): weight 0.
   ],
 )
 def test_norms_are_summed_only_for_reports_that_join_an_rda_round(cfg, report, expected):

@@ -71,7 +71,10 @@ def test_what_each_rule_needs_and_refuses():
 @pytest.mark.parametrize(
   ("value", "match"),
   [
-    ("rda", r"must be a MergeRule .* got 'rda': in gin, e.g. @RDA\(\)"),
+    (
+      "rda",
+      r"must be a MergeRule .* got 'rda': in gin, e.g. @WeightedMean\(\) \(the default\) or @RDA\(\)",
+    ),
     (None, "must be a MergeRule"),
     (
       RDA,
@@ -88,9 +91,10 @@ def test_a_bad_merge_rule_is_refused_with_what_to_write(value, match):
 
 def test_configs_with_equal_rules_are_equal():
   # gin builds a new rule object per parse: configs still compare by what they say.
-  assert SyncerConfig(merge_rule=RDA()) == SyncerConfig()
-  assert SyncerConfig(merge_rule=WeightedMean()) != SyncerConfig()
-  assert SyncerConfig(merge_rule=RDA(eps=1e-9)) != SyncerConfig()
+  assert SyncerConfig(merge_rule=WeightedMean()) == SyncerConfig()
+  assert SyncerConfig(merge_rule=RDA()) != SyncerConfig()
+  assert SyncerConfig(merge_rule=RDA()) == SyncerConfig(merge_rule=RDA())
+  assert SyncerConfig(merge_rule=RDA(eps=1e-9)) != SyncerConfig(merge_rule=RDA())
 
 
 def _answers(seed: int, n: int = 3, size: int = 300) -> list[Answer]:

@@ -87,11 +87,13 @@ def test_rda_cancelling_directions_give_zeros():
 def test_merge_outer_gradients_embeddings_use_the_mean():
   e1, e2 = np.array([1.0, 0.0]), np.array([0.0, 1.0])
   grads = [{"emb": e1, "w": e1}, {"emb": e2, "w": e2}]
-  out = reference.merge_outer_gradients(grads, [1.0, 1.0], embedding_keys={"emb", "not_here"})
+  out = reference.merge_outer_gradients(
+    grads, [1.0, 1.0], rule=RDA(), embedding_keys={"emb", "not_here"}
+  )
   assert list(out) == ["emb", "w"]
   np.testing.assert_allclose(out["emb"], [0.5, 0.5])  # mean
   np.testing.assert_allclose(np.linalg.norm(out["w"]), 1.0)  # RDA
-  out_mean = reference.merge_outer_gradients(grads, [1.0, 1.0], rule=WeightedMean())
+  out_mean = reference.merge_outer_gradients(grads, [1.0, 1.0])  # The default rule.
   np.testing.assert_allclose(out_mean["w"], [0.5, 0.5])
 
 
@@ -169,7 +171,11 @@ def test_merge_reports_embeddings_use_the_mean_and_outputs_are_aligned():
   e1, e2 = np.array([1.0, 0.0], np.float32), np.array([0.0, 1.0], np.float32)
   zero = np.zeros(2, np.float32)
   got = merge.merge_reports(
-    [{"emb": e1, "w": e1}] * 2, [{"emb": zero, "w": zero}] * 2, [1.0, 1.0], embedding_keys={"emb"}
+    [{"emb": e1, "w": e1}] * 2,
+    [{"emb": zero, "w": zero}] * 2,
+    [1.0, 1.0],
+    rule=RDA(),
+    embedding_keys={"emb"},
   )
   # v = [e1, e1] for both keys: mean and RDA agree on identical inputs ...
   np.testing.assert_allclose(got["emb"], e1)
@@ -177,6 +183,7 @@ def test_merge_reports_embeddings_use_the_mean_and_outputs_are_aligned():
     [{"emb": e1, "w": e1}, {"emb": e2, "w": e2}],
     [{"emb": zero, "w": zero}] * 2,
     [1.0, 1.0],
+    rule=RDA(),
     embedding_keys={"emb"},
   )
   # ... and differ on orthogonal ones: mean [0.5, 0.5], RDA [1, 1]/√2 (norm 1).
@@ -208,15 +215,17 @@ def test_norms_known_in_advance_give_the_same_bits(monkeypatch):
   norms = [merge.outer_sq_norms(a, v) for a, v in zip(anchors, values)]
   v64 = values[1]["k"].astype(np.float64) - anchors[1]["k"].astype(np.float64)
   assert norms[1]["k"] == pytest.approx(float(v64 @ v64), rel=300 * U32)
-  plain = merge.merge_reports(anchors, values, ws)["k"]
+  plain = merge.merge_reports(anchors, values, ws, rule=RDA())["k"]
   for given in (norms, [norms[0], None, norms[2]]):  # All known, or some.
-    got = merge.merge_reports(anchors, values, ws, sq_norms=given)["k"]
+    got = merge.merge_reports(anchors, values, ws, rule=RDA(), sq_norms=given)["k"]
     assert got.tobytes() == plain.tobytes()
   # The norms are used, not recomputed: doubling learner 0's changes the result.
   wrong = [{"k": 4 * norms[0]["k"]}, norms[1], norms[2]]
-  assert not np.allclose(merge.merge_reports(anchors, values, ws, sq_norms=wrong)["k"], plain)
+  assert not np.allclose(
+    merge.merge_reports(anchors, values, ws, rule=RDA(), sq_norms=wrong)["k"], plain
+  )
   with pytest.raises(ValueError, match="2 sq_norms but 3 reports"):
-    merge.merge_reports(anchors, values, ws, sq_norms=norms[:2])
+    merge.merge_reports(anchors, values, ws, rule=RDA(), sq_norms=norms[:2])
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float64])

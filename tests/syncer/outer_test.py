@@ -124,7 +124,7 @@ def test_the_fused_merge_matches_the_numpy_merge_then_step(rule):
 def test_the_fused_merge_is_the_reference_rda_and_mean():
   """The fused program's merged gradient, read through SGD(lr = 1) without momentum (Θ_new =
   Θ − merge), is `reference.rda` for RDA keys and `reference.weighted_mean` for the embedding."""
-  core = _core(FUSED, optimizer=optax.sgd(1.0))
+  core = _core(FUSED, optimizer=optax.sgd(1.0), merge_rule=RDA())
   answers = [r for r in _answers(core, 10, seed=3) if r.outer_gradient]  # δ answers only.
   _merge(core, 10, answers)
   weights = [token_weight(r.tokens, r.steps) for r in answers]
@@ -138,7 +138,7 @@ def test_the_fused_merge_is_the_reference_rda_and_mean():
 
 def test_zero_outer_gradients_leave_the_values_where_they_are():
   """RDA's degenerate case (every norm 0) in the fused program: a zero gradient, not NaN."""
-  core = _core(FUSED, optimizer=optax.sgd(0.7, momentum=0.9, nesterov=True))
+  core = _core(FUSED, optimizer=optax.sgd(0.7, momentum=0.9, nesterov=True), merge_rule=RDA())
   answers = _answers(core, 10, seed=0, scale=0.0)
   _merge(core, 10, answers)
   for k, v in _init().items():
