@@ -21,7 +21,7 @@ frozen out of the GC as ddiloco-syncer's is; `--nogc_freeze` leaves it in): its 
 fragments p with p mod S == i of the whole layout of P fragments of `--fragment_mib` (float32),
 holds values only for those, and opens their rounds on the run's schedule (P, H, τ), so its rounds
 come at 1/S of the fleet's rate. It merges with quorum M (every learner's answer) by the default
-rule (the weighted mean; RDA until 2026-11-30), with bf16 downlink adoption.
+rule (`SyncerConfig.merge_rule`), with bf16 downlink adoption.
 
 `--slices` cuts each of the P fragments into S slices instead, as ddiloco-syncer's shards do
 (`FragmentSchedule.slices`; `--fragment_mib` is then a group's size): every shard opens a round
