@@ -648,19 +648,7 @@ def gap_over_training(
   store: study.ResultStore, system: study.System, seeds: list[int], fractions: tuple[float, ...]
 ) -> list[study.Interval]:
   """The paired gap to data-parallel at each fraction of the token budget (eval curves)."""
-  out = []
-  for frac in fractions:
-    values, reference = {}, {}
-    for s in seeds:
-      run, dp = store.get(system, s), store.get(data_parallel(), s)
-      if run is None or dp is None:
-        continue
-      budget = dp["tokens_trained"]
-      a, b = _at_tokens(run["curve"], frac * budget), _at_tokens(dp["curve"], frac * budget)
-      if a is not None and b is not None:
-        values[s], reference[s] = a, b
-    out.append(_gap(values, reference))
-  return out
+  return [_paired_at(store, system, data_parallel(), seeds, f) for f in fractions]
 
 
 def _paired_at(

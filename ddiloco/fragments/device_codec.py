@@ -82,10 +82,9 @@ def _quantized(delta: jax.Array, qmax: jax.Array, block_size: int):
   blocks = _blocks(delta, block_size)
   absmax = jnp.max(jnp.abs(blocks), axis=1)
   scales = absmax / jax.lax.optimization_barrier(jnp.broadcast_to(qmax, absmax.shape))
-  # δ's own finiteness, not its scales': XLA's CPU backend reduces a large max in a kernel that
-  # skips NaN, so a block holding one can still get a finite scale there.
-  valid = jnp.all(jnp.isfinite(blocks)) & jnp.all(jnp.isfinite(scales))
-  valid &= ~jnp.any((absmax > 0) & (absmax < 2 * qmax * _TINY))
+  # δ's own finiteness (then its scales are finite), not its scales': XLA's CPU backend reduces a
+  # large max in a kernel that skips NaN, so a block holding one can still get a finite scale.
+  valid = jnp.all(jnp.isfinite(blocks)) & ~jnp.any((absmax > 0) & (absmax < 2 * qmax * _TINY))
   safe = jnp.where(scales > 0, scales, jnp.float32(1))  # An all-zero block: every q is 0.
   per_value = jax.lax.optimization_barrier(jnp.broadcast_to(safe[:, None], blocks.shape))
   q = jnp.clip(jnp.round(blocks / per_value), -qmax, qmax)  # round: half to even, as rint.

@@ -7,10 +7,11 @@ the first chunk's header and checks every chunk against them *before* buffering,
 or malformed stream is rejected without holding its bytes.
 
 Copies (scripts/bench_wire.py): `ChunkWriter` cuts a stream of writes into chunks, one copy per
-byte, no full-size buffer (the downlink's cached deltas: each chunk's message made in that copy). The receiver decodes each chunk as
-`ChunkAssembler` hands it on in order (`fragment_reader.FragmentReader`), then drops it: nothing is
-joined, a chunk may be a view into the received message (never copied), and a chunk's memory is
-reused for the next instead of being faulted in anew.
+byte, no full-size buffer (the downlink's cached deltas: each chunk's message made in that copy).
+The receiver decodes each chunk as `ChunkAssembler` hands it on in order
+(`fragment_reader.FragmentReader`), then drops it: nothing is joined, a chunk may be a view into
+the received message (never copied), and a chunk's memory is reused for the next instead of being
+faulted in anew.
 """
 
 import collections
