@@ -74,7 +74,9 @@ def main(argv: list[str]) -> None:
   run_file = gin_relative(_RUN.value)
   systems = {s: codec_system(s, run_file=run_file, bindings=bindings) for s in specs}
   study.enable_compilation_cache("workdirs/jax_cache")
-  store = study.ResultStore(os.path.join(out, f"{STUDY}.json"))
+  store = study.ResultStore(
+    os.path.join(out, f"{STUDY}.json"), resolve=configurables.resolved_config
+  )
   # Seed-major order: after each seed every codec of the tier has a run, so pairs are complete.
   plan = [(systems[s], [seed]) for seed in run_seeds for s in plan_for(specs, _TIER.value)]
   study.run_grid(

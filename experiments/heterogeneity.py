@@ -99,7 +99,9 @@ def main(argv: list[str]) -> None:
   del argv
   seeds = [int(s) for s in _SEEDS.value]
   study.enable_compilation_cache("workdirs/jax_cache")
-  store = study.ResultStore(os.path.join(_OUT.value, f"{STUDY}.json"))
+  store = study.ResultStore(
+    os.path.join(_OUT.value, f"{STUDY}.json"), resolve=configurables.resolved_config
+  )
   plan = []
   if _TIER.value in ("headline", "all"):
     plan += [(_system(r), seeds) for r in ROWS]

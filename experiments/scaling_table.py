@@ -428,11 +428,18 @@ def _cpu_model() -> str:
   return platform.processor() or "unknown CPU"
 
 
+def _store(path: str) -> study.ResultStore:
+  """The results at `path`: a row counts while the configuration it resolves to is unchanged."""
+  from ddiloco.launch import configurables
+
+  return study.ResultStore(path, resolve=configurables.resolved_config)
+
+
 def run_one(name: str, seed: int, result_path: str) -> None:
   """Runs one system in this process and writes its result (a child of the driver)."""
   from ddiloco.launch import configurables
 
-  store = study.ResultStore(os.path.join(_OUT.value, f"{STUDY}.json"))
+  store = _store(os.path.join(_OUT.value, f"{STUDY}.json"))
   system = next(s for s in all_systems(store) if s.name == name)
   study.enable_compilation_cache("workdirs/jax_cache")
   result = study.run_system(
@@ -441,6 +448,7 @@ def run_one(name: str, seed: int, result_path: str) -> None:
     workdir=os.path.join(_WORKDIR.value, study.slug(system.name), f"seed_{seed}"),
     simulate_files=configurables.simulate_files,
     progress=lambda line: print(line, flush=True),
+    resolve=configurables.resolved_config,
   )
   result.update(provenance())
   tmp = result_path + ".tmp"
@@ -493,7 +501,7 @@ def _collect_finished(
   """Stores the results of runs that ended while no driver watched them (their result files),
   rather than running them again."""
   while True:
-    store = study.ResultStore(store_path)
+    store = _store(store_path)
     found = []
     for system, seed in plan_of(store).ready:
       path = _result_path(system, seed)
@@ -501,9 +509,11 @@ def _collect_finished(
         continue
       try:
         with open(path) as f:
-          found.append((system, seed, json.load(f)))
+          result = json.load(f)
       except (OSError, ValueError):
         continue  # Cut short while it was written: the run goes again.
+      if store.current(system, seed, result):  # Not one run with another configuration.
+        found.append((system, seed, result))
     if not found:
       return
     for system, seed, result in found:
@@ -529,7 +539,7 @@ def drive(seeds: list[int], plan_of: Callable[[study.ResultStore], Plan] | None 
   cores = sorted(os.sched_getaffinity(0))
   started = time.monotonic()
   slots: dict[int, tuple] = {}
-  store = study.ResultStore(store_path)
+  store = _store(store_path)
   by_name = {s.name: s for s in all_systems(store)}
   for pid, name, seed, path, core in _running_children():
     slots[core] = (_Adopted(pid), by_name[name], seed, path, time.time())
@@ -537,7 +547,7 @@ def drive(seeds: list[int], plan_of: Callable[[study.ResultStore], Plan] | None 
   _collect_finished(store_path, plan_of, {(s.name, seed) for _, s, seed, _, _ in slots.values()})
   failed: set[tuple[str, int]] = set()  # Not offered again by this driver: a rerun retries them.
   while True:
-    store = study.ResultStore(store_path)
+    store = _store(store_path)
     for core, (proc, system, seed, path, t0) in list(slots.items()):
       if proc.poll() is None:
         continue
@@ -1033,17 +1043,15 @@ def main(argv: list[str]) -> None:
     return
   seeds = [int(s) for s in _SEEDS.value]
   if _TIER.value == "device_report":
-    report_device(
-      study.ResultStore(_SWEEP_STORE.value), study.ResultStore(_DEVICE_STORE.value), seeds
-    )
+    report_device(_store(_SWEEP_STORE.value), _store(_DEVICE_STORE.value), seeds)
     return
   if _TIER.value == "device":
-    sweeps = study.ResultStore(_SWEEP_STORE.value)
+    sweeps = _store(_SWEEP_STORE.value)
     drive(seeds, lambda store: device_plan(sweeps, store, seeds))
     return
   if _TIER.value != "report":
     drive(seeds)
-  report(study.ResultStore(os.path.join(_OUT.value, f"{STUDY}.json")), seeds)
+  report(_store(os.path.join(_OUT.value, f"{STUDY}.json")), seeds)
 
 
 if __name__ == "__main__":

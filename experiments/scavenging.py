@@ -61,7 +61,9 @@ def main(argv: list[str]) -> None:
   del argv
   seeds = [int(s) for s in _SEEDS.value]
   study.enable_compilation_cache("workdirs/jax_cache")
-  store = study.ResultStore(os.path.join(_OUT.value, f"{STUDY}.json"))
+  store = study.ResultStore(
+    os.path.join(_OUT.value, f"{STUDY}.json"), resolve=configurables.resolved_config
+  )
   plan = [(s, seeds) for s in systems()] if _TIER.value in ("headline", "all") else []
   study.run_grid(
     plan, store=store, workdir=_WORKDIR.value, simulate_files=configurables.simulate_files

@@ -53,7 +53,8 @@ def _warmup(lr: float, momentum: float, steps: int, lr0: float | None = None) ->
     f"outer/nesterov_warmup.learning_rate = {lr}",
     f"outer/nesterov_warmup.momentum = {momentum}",
     f"outer/nesterov_warmup.warmup_steps = {steps}",
-    *([f"outer/nesterov_warmup.initial_learning_rate = {lr0}"] if lr0 is not None else []),
+    # Bound either way: the run files ramp the learning rate from 0.7, None keeps it constant.
+    f"outer/nesterov_warmup.initial_learning_rate = {lr0}",
   )
 
 
@@ -152,7 +153,9 @@ def main(argv: list[str]) -> None:
   seeds = [int(s) for s in _SEEDS.value]
   steps_list = [int(s) for s in _STEPS.value]
   names = _CANDIDATES.value or list(CANDIDATES)
-  store = study.ResultStore(os.path.join(_OUT.value, f"{STUDY}.json"))
+  store = study.ResultStore(
+    os.path.join(_OUT.value, f"{STUDY}.json"), resolve=configurables.resolved_config
+  )
   if _TIER.value != "report":
     study.enable_compilation_cache("workdirs/jax_cache")
     plan = []

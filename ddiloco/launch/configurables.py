@@ -18,6 +18,7 @@ A new configurable (a model's config function, a task, a config class) is one mo
 
 import inspect
 import os
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -261,6 +262,51 @@ def simulate_files(
   parse(files, bindings, search_paths=search_paths)
   try:
     return configured(simulate)(**kwargs)
+  finally:
+    clear()
+
+
+class _Resolved(Exception):
+  """Stops `simulate` once its arguments are built (`resolved_config`)."""
+
+
+def _stop() -> None:
+  raise _Resolved
+
+
+def resolved_config(
+  files: Sequence[str], bindings: Sequence[str] = (), *, search_paths: Sequence[str] = ()
+) -> str:
+  """The configuration a simulated run of `files` then `bindings` resolves to, as gin text.
+
+  Every parameter of every configurable the run builds, the library's defaults included (gin's
+  operative configuration, taken once `simulate` has built and checked its arguments, before it
+  trains), followed by every binding parsed (so that the parameters of configurables built later,
+  such as an inner optimizer's, count too). Two runs with the same text are the same experiment
+  on the same code: a study signs its stored results with it, so a changed default or gin file
+  runs them again instead of reusing them.
+
+  Args:
+    files: gin files (see `parse`).
+    bindings: bindings after the files.
+    search_paths: folders searched for the files and their includes.
+
+  Returns:
+    The text; gin's configuration is cleared afterwards.
+
+  Raises:
+    ValueError: for a configuration `simulate` refuses (as a run of it would).
+  """
+  parse(files, bindings, search_paths=search_paths)
+  try:
+    with tempfile.TemporaryDirectory() as workdir:
+      try:
+        configured(simulate)(workdir=workdir, tensorboard=False, on_start=_stop)
+      except _Resolved:
+        pass
+      else:  # on_start is simulate's contract; a run that never called it resolved nothing.
+        raise RuntimeError("simulate returned without calling on_start.")
+    return f"{gin.operative_config_str()}\n# Bindings parsed\n# {'=' * 78}\n{gin.config_str()}"
   finally:
     clear()
 

@@ -10,6 +10,7 @@ over seeds.
 """
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -52,6 +53,11 @@ _KEPT = (
 # `simulate_files(files, bindings, search_paths=[...], workdir=..., progress=..., tensorboard=False)`
 # (`ddiloco.launch.configurables.simulate_files`).
 SimulateFiles = Callable[..., dict[str, Any]]
+
+# The configuration text a system's gin files then bindings resolve to, every parameter of every
+# configurable with the library's defaults included:
+# `resolve(files, bindings, search_paths=[...])` (`ddiloco.launch.configurables.resolved_config`).
+ResolveFiles = Callable[..., str]
 
 # The protocol a stored result was computed with: results of an older one are run again. 2: rounds
 # paced by the syncer (1: learner-paced sends, re-anchored stale reports).
@@ -96,6 +102,39 @@ class System:
     }
 
 
+_CONFIGURATIONS: dict[tuple, str] = {}  # (resolve, files, bindings, gin root): text, per process.
+
+
+def _gin_paths(system: System, gin_root: str) -> list[str]:
+  return [f if os.path.isabs(f) else os.path.join(gin_root, f) for f in system.gin_files]
+
+
+def configuration(
+  system: System, seed: int, *, resolve: ResolveFiles, gin_root: str = "gin_configs"
+) -> str:
+  """The configuration text (system, seed) resolves to, computed once per process.
+
+  Args:
+    system: the gin stack.
+    seed: the seed formatted into its bindings.
+    resolve: see `ResolveFiles`.
+    gin_root: folder that relative gin paths and includes are resolved against.
+  """
+  files, bindings = _gin_paths(system, gin_root), system.all_bindings(seed)
+  key = (resolve, tuple(files), tuple(bindings), gin_root)
+  if key not in _CONFIGURATIONS:
+    _CONFIGURATIONS[key] = resolve(files, bindings, search_paths=[gin_root])
+  return _CONFIGURATIONS[key]
+
+
+def configuration_digest(
+  system: System, seed: int, *, resolve: ResolveFiles, gin_root: str = "gin_configs"
+) -> str:
+  """The SHA-256 of `configuration`: what a stored result is signed with."""
+  text = configuration(system, seed, resolve=resolve, gin_root=gin_root)
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
 def enable_compilation_cache(path: str) -> None:
   """Turns on JAX's persistent compilation cache at `path`.
 
@@ -123,6 +162,7 @@ def run_system(
   simulate_files: SimulateFiles,
   gin_root: str = "gin_configs",
   progress: Callable[[str], None] | None = None,
+  resolve: ResolveFiles | None = None,
 ) -> dict[str, Any]:
   """Runs one (system, seed) through `simulate` and returns its kept numbers and eval curve.
 
@@ -133,6 +173,9 @@ def run_system(
     simulate_files: parses the stack and runs `simulate` (see `SimulateFiles`).
     gin_root: folder that relative gin paths and includes are resolved against.
     progress: called with simulate's one-line status.
+    resolve: with it, the result is signed with the configuration the stack resolves to
+      ("configuration_sha256"; the text is written to the workdir's configuration.gin), resolved
+      before the run from the same files.
 
   Returns:
     The summary's headline keys, "learners" (steps, tokens and seconds per state of each),
@@ -140,7 +183,10 @@ def run_system(
     "curve" ([virtual time, tokens, eval loss] per evaluation),
     "elapsed_s" (wall seconds, start-up included) and "config" (the run's signature).
   """
-  files = [f if os.path.isabs(f) else os.path.join(gin_root, f) for f in system.gin_files]
+  files = _gin_paths(system, gin_root)
+  text = None
+  if resolve is not None:
+    text = configuration(system, seed, resolve=resolve, gin_root=gin_root)
   if os.path.exists(workdir):
     shutil.rmtree(workdir)
   t0 = time.time()
@@ -161,6 +207,10 @@ def run_system(
   result["curve"] = [[e["time"], e["tokens"], e["loss"]] for e in read_events(workdir, "eval")]
   result["elapsed_s"] = time.time() - t0
   result["config"] = system.signature(seed)
+  if text is not None:
+    result["configuration_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+    with open(os.path.join(workdir, "configuration.gin"), "w") as f:
+      f.write(text)
   result["workdir"] = workdir
   return result
 
@@ -168,21 +218,49 @@ def run_system(
 class ResultStore:
   """Per-seed results of one study, {system name: {seed: result}}, persisted as JSON after each run.
 
+  A stored result counts for (system, seed) when it was run with the same gin files and
+  bindings and, given `resolve`, signed with the configuration they resolve to now: a default or
+  a gin file changed since makes it stale (`get` gives None, `run_grid` runs it again), and so does
+  a result stored before results were signed.
+
   Args:
     path: the JSON file (loaded if it exists).
+    resolve: see `ResolveFiles`; None compares the gin files and bindings only.
+    gin_root: folder that relative gin paths and includes are resolved against.
   """
 
-  def __init__(self, path: str):
+  def __init__(
+    self, path: str, *, resolve: ResolveFiles | None = None, gin_root: str = "gin_configs"
+  ):
     self.path = path
+    self.resolve = resolve
+    self.gin_root = gin_root
     self.results: dict[str, dict[str, dict[str, Any]]] = {}
     if os.path.exists(path):
       with open(path) as f:
         self.results = json.load(f)
 
-  def get(self, system: System, seed: int) -> dict[str, Any] | None:
-    """The stored result of (system, seed), or None if missing or run with another config."""
+  def stored(self, system: System, seed: int) -> dict[str, Any] | None:
+    """The result stored under (system, seed) with its gin files and bindings, current or not."""
     result = self.results.get(system.name, {}).get(str(seed))
     if result is None or result.get("config") != system.signature(seed):
+      return None
+    return result
+
+  def current(self, system: System, seed: int, result: Mapping[str, Any]) -> bool:
+    """Whether `result` was signed with the configuration (system, seed) resolves to now."""
+    if self.resolve is None:
+      return True
+    try:
+      digest = configuration_digest(system, seed, resolve=self.resolve, gin_root=self.gin_root)
+    except (ValueError, OSError):  # Its files no longer resolve: a run of it says why.
+      return False
+    return result.get("configuration_sha256") == digest
+
+  def get(self, system: System, seed: int) -> dict[str, Any] | None:
+    """The stored result of (system, seed), or None if missing, stale or run with another config."""
+    result = self.stored(system, seed)
+    if result is None or not self.current(system, seed, result):
       return None
     return result
 
@@ -224,10 +302,12 @@ def run_grid(
   """
   for system, seeds in plan:
     for seed in seeds:
-      if not rerun and store.get(system, seed) is not None:
-        print(f"[{system.name} seed {seed}] stored, skipped", file=sys.stderr, flush=True)
-        continue
       tag = f"[{system.name} seed {seed}]"
+      if not rerun and store.get(system, seed) is not None:
+        print(f"{tag} stored, skipped", file=sys.stderr, flush=True)
+        continue
+      if not rerun and store.stored(system, seed) is not None:
+        print(f"{tag} stored with another configuration: run again", file=sys.stderr, flush=True)
       try:
         result = run_system(
           system,
@@ -236,6 +316,7 @@ def run_grid(
           simulate_files=simulate_files,
           gin_root=gin_root,
           progress=lambda line, tag=tag: print(f"{tag} {line}", file=sys.stderr, flush=True),
+          resolve=store.resolve,
         )
       except Exception:
         # Reported loudly and not stored, so the table shows the row as "not run" and a rerun

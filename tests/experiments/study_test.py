@@ -106,6 +106,37 @@ def test_result_store_round_trip_and_config_check(tmp_path):
   assert again.runs(changed, [0, 1]) == []
 
 
+def test_result_store_signed_by_the_resolved_configuration(tmp_path):
+  # A fake resolution: the text of a "default" the files do not bind, which the test changes.
+  default = {"lr": "0.4"}
+  calls = []
+
+  def resolve(files, bindings, *, search_paths):
+    calls.append((tuple(files), tuple(bindings), tuple(search_paths)))
+    return f"files {files} bindings {bindings} lr {default['lr']}"
+
+  path = str(tmp_path / "s.json")
+  a = study.System(name="a", gin_files=("x.gin",))
+  store = study.ResultStore(path, resolve=resolve, gin_root="root")
+  digest = study.configuration_digest(a, 0, resolve=resolve, gin_root="root")
+  store.put(
+    a, 0, {"final_eval_loss": 2.0, "config": a.signature(0), "configuration_sha256": digest}
+  )
+  store.put(a, 1, {"final_eval_loss": 3.0, "config": a.signature(1)})  # Stored before signing.
+  again = study.ResultStore(path, resolve=resolve, gin_root="root")
+  assert again.get(a, 0)["final_eval_loss"] == 2.0
+  assert again.get(a, 1) is None and again.stored(a, 1)["final_eval_loss"] == 3.0
+  assert calls[0] == (("root/x.gin",), tuple(a.all_bindings(0)), ("root",))
+  # Resolved once per process, however many stores ask.
+  assert len([c for c in calls if c[1] == tuple(a.all_bindings(0))]) == 1
+  # A changed default (the same files and bindings) makes the stored result stale.
+  default["lr"] = "0.7"
+  study._CONFIGURATIONS.clear()
+  assert study.ResultStore(path, resolve=resolve, gin_root="root").get(a, 0) is None
+  assert study.ResultStore(path).get(a, 0)["final_eval_loss"] == 2.0  # Unsigned comparison.
+  study._CONFIGURATIONS.clear()
+
+
 def test_one_tiny_run_and_a_failing_row(tmp_path, capsys):
   from ddiloco.launch import configurables
 
@@ -120,7 +151,8 @@ def test_one_tiny_run_and_a_failing_row(tmp_path, capsys):
   )
   good = study.System(name="tiny", gin_files=("sim_tiny.gin",), bindings=fast)
   bad = study.System(name="broken", gin_files=("no_such_file.gin",))
-  store = study.ResultStore(str(tmp_path / "r.json"))
+  resolve = configurables.resolved_config
+  store = study.ResultStore(str(tmp_path / "r.json"), resolve=resolve, gin_root=GIN_ROOT)
   study.run_grid([(bad, [0]), (good, [0])], store=store, workdir=str(tmp_path / "runs"), **run)
   assert "[broken seed 0] FAILED" in capsys.readouterr().err
   assert store.get(bad, 0) is None
@@ -135,9 +167,25 @@ def test_one_tiny_run_and_a_failing_row(tmp_path, capsys):
   assert len(curve) == 3 and curve[-1][1:] == [3072, result["final_eval_loss"]]
   assert sorted(result["learners"]) == ["0", "1"]
   assert result["busy_learner_s"] == pytest.approx(result["provisioned_learner_s"])
+  # Signed with the configuration it resolved to, whose text is kept beside the run.
+  text = study.configuration(good, 0, resolve=resolve, gin_root=GIN_ROOT)
+  assert "SyncerConfig.ema_decay = 0.8" in text  # A default no gin file binds.
+  with open(os.path.join(result["workdir"], "configuration.gin")) as f:
+    assert f.read() == text
+  assert result["configuration_sha256"] == study.configuration_digest(
+    good, 0, resolve=resolve, gin_root=GIN_ROOT
+  )
   # A second grid run finds it stored and does not run it again.
   study.run_grid([(good, [0])], store=store, workdir=str(tmp_path / "runs"), **run)
   assert "stored, skipped" in capsys.readouterr().err
+  # Resolved to another configuration (a default changed), it is run again.
+  other = study.ResultStore(
+    store.path, resolve=lambda *a, **k: resolve(*a, **k) + "#", gin_root=GIN_ROOT
+  )
+  assert other.get(good, 0) is None
+  study.run_grid([(good, [0])], store=other, workdir=str(tmp_path / "runs"), **run)
+  assert "stored with another configuration: run again" in capsys.readouterr().err
+  assert other.get(good, 0) is not None
 
 
 def test_publish_writes_the_table_and_the_figure(tmp_path, capsys):

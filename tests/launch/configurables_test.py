@@ -173,6 +173,27 @@ def test_unreferenced_defaults_of_simulate_still_take_their_bindings(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
+def test_resolved_config_holds_defaults_and_bindings_and_trains_nothing():
+  files = [os.path.join(ROOT, "sim_tiny.gin")]
+  text = configurables.resolved_config(files, ["STEPS = 50"], search_paths=[ROOT])
+  assert text == configurables.resolved_config(files, ["STEPS = 50"], search_paths=[ROOT])
+  assert "SyncerConfig.ema_decay = 0.8" in text  # A default that no gin file binds.
+  assert "STEPS = 50" in text and "0x" not in text  # No object's address.
+  # A binding of a configurable built only while training (the inner optimizer) counts too.
+  later = configurables.resolved_config(
+    files, ["STEPS = 50", "optax.lion.b1 = 0.8"], search_paths=[ROOT]
+  )
+  assert "lion.b1 = 0.8" in later and "lion" not in text
+  rda = configurables.resolved_config(
+    files, ["STEPS = 50", "SyncerConfig.merge_rule = @RDA()"], search_paths=[ROOT]
+  )
+  assert "SyncerConfig.merge_rule = @WeightedMean()" in text
+  assert "SyncerConfig.merge_rule = @RDA()" in rda
+  assert gin.config_str() == ""  # Cleared afterwards.
+  with pytest.raises(ValueError, match="min_quorum"):
+    configurables.resolved_config(files, ["SyncerConfig.min_quorum = 0"], search_paths=[ROOT])
+
+
 def _configs() -> list[list[str]]:
   """Every shipped config as an entry point parses it: baselines on sim_tiny.gin, included pieces
   only through the files that include them."""
