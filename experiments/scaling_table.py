@@ -22,7 +22,8 @@ Rows:
    run α = 0 and α = 0.5 with RDA (seed 0); the better α (mean over M = 4 and 8) is the one both
    methods then run. What Decoupled DiLoCo's gap to Streaming is made of (M = 4, seed 0): rows
    without the crash, and with the weighted mean in place of RDA. The weighted mean, which
-   closed the gap, is the shipped rule: the final Decoupled rows merge by it, every seed.
+   closed the gap, is the shipped rule: the final Decoupled rows merge by it, every seed, and
+   the other α runs with it too (M = 4, seed 0), to check that α's choice holds for it.
 5. Seeds 1 and 2 of data-parallel, of each M's DiLoCo row (at its best outer lr, plain or with the
    warm-up of 3, whichever is lower on seed 0), and of the rows of 4.
 
@@ -328,6 +329,8 @@ def plan(store: study.ResultStore, seeds: list[int]) -> Plan:
   lr = best_lr(store, DIAGNOSED_M)
   if lr is not None and alpha is not None:  # What the gap to Streaming is made of.
     jobs += [(decoupled(DIAGNOSED_M, lr, alpha, c, w), first) for c, w in DIAGNOSES]
+    # α was chosen on RDA rows: the other α with the shipped rule, against the chosen one.
+    jobs += [(decoupled(DIAGNOSED_M, lr, a, mean=True), first) for a in ALPHAS if a != alpha]
   for m in STREAMING_MS:
     lr = best_lr(store, m)
     if lr is None or alpha is None:
@@ -561,6 +564,11 @@ def drive(seeds: list[int], plan_of: Callable[[study.ResultStore], Plan] | None 
           f"({(time.time() - t0) / 60:.0f} min)",
           flush=True,
         )
+        if not store.current(system, seed, result):
+          # Its configuration changed while it ran (or an older driver's code started it): kept,
+          # and not run again by this driver; the next one runs it unless it is signed.
+          failed.add((system.name, seed))
+          print(f"[{system.name} seed {seed}] not signed with today's configuration", flush=True)
       else:
         failed.add((system.name, seed))
         print(f"[{system.name} seed {seed}] FAILED (exit {proc.returncode})", flush=True)
@@ -702,6 +710,11 @@ def gap_parts(store: study.ResultStore, seeds: list[int]) -> list[str]:
     ("the crash: with one vs without (RDA)", rda, rda_clean),
     ("the crash: with one vs without (weighted mean)", mean, mean_clean),
     ("Decoupled as shipped (weighted mean, 1 crash) vs Streaming", mean, stream),
+    *(
+      (f"α: {a} vs {alpha} (weighted mean, 1 crash)", decoupled(m, lr, a, mean=True), mean)
+      for a in ALPHAS
+      if a != alpha
+    ),
   ):
     gaps = [_paired_at(store, a, b, seeds, f) for f in (*fractions, None)]
     rows.append([label, *(_fmt(g) for g in gaps)])
