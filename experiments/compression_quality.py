@@ -32,7 +32,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from absl import app, flags
 
-from ddiloco.launch import configurables
+from ddiloco.launch import cli, configurables
 
 from studylib import study
 from studylib.codec_study import (
@@ -63,6 +63,7 @@ _TIER = flags.DEFINE_enum(
 
 def main(argv: list[str]) -> None:
   del argv
+  cli.quiet_logs()  # gin's "Path not found" for each include it then finds on a search path.
   seeds = [int(s) for s in _SEEDS.value]
   specs = list(_CODECS.value)
   for spec in specs:

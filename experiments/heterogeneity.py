@@ -27,7 +27,7 @@ from absl import app, flags
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from ddiloco.launch import configurables
+from ddiloco.launch import cli, configurables
 
 from studylib import study
 
@@ -97,6 +97,7 @@ def learner_goodput(run: dict, learners: tuple[str, ...]) -> float:
 
 def main(argv: list[str]) -> None:
   del argv
+  cli.quiet_logs()  # gin's "Path not found" for each include it then finds on a search path.
   seeds = [int(s) for s in _SEEDS.value]
   study.enable_compilation_cache("workdirs/jax_cache")
   store = study.ResultStore(

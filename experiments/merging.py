@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from ddiloco.fragments.compression import CODECS
-from ddiloco.launch import configurables
+from ddiloco.launch import cli, configurables
 
 from studylib import study
 
@@ -72,6 +72,7 @@ def codec_system(codec: str) -> study.System:
 
 def main(argv: list[str]) -> None:
   del argv
+  cli.quiet_logs()  # gin's "Path not found" for each include it then finds on a search path.
   seeds = [int(s) for s in _SEEDS.value]
   study.enable_compilation_cache("workdirs/jax_cache")
   store = study.ResultStore(

@@ -53,6 +53,8 @@ from collections.abc import Callable, Iterator
 
 from absl import app, flags
 
+from ddiloco.launch import cli
+
 from studylib import study
 
 _OUT = flags.DEFINE_string("out", "docs/results", "folder for the table, plot and JSON")
@@ -1051,6 +1053,7 @@ def report_device(sweeps: study.ResultStore, store: study.ResultStore, seeds: li
 
 def main(argv: list[str]) -> None:
   del argv
+  cli.quiet_logs()  # gin's "Path not found" for each include it then finds on a search path.
   if _RUN.value is not None:
     run_one(_RUN.value, _SEED.value, _RESULT.value)
     return

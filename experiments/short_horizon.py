@@ -18,7 +18,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from absl import app, flags
 
-from ddiloco.launch import configurables
+from ddiloco.launch import cli, configurables
 
 from studylib import study
 
@@ -150,6 +150,7 @@ def report(store: study.ResultStore, seeds: list[int], steps_list: list[int]) ->
 
 def main(argv: list[str]) -> None:
   del argv
+  cli.quiet_logs()  # gin's "Path not found" for each include it then finds on a search path.
   seeds = [int(s) for s in _SEEDS.value]
   steps_list = [int(s) for s in _STEPS.value]
   names = _CANDIDATES.value or list(CANDIDATES)
