@@ -208,7 +208,9 @@ def run_system(
   result["elapsed_s"] = time.time() - t0
   result["config"] = system.signature(seed)
   if text is not None:
-    result["configuration_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+    result["configuration_sha256"] = configuration_digest(
+      system, seed, resolve=resolve, gin_root=gin_root
+    )
     with open(os.path.join(workdir, "configuration.gin"), "w") as f:
       f.write(text)
   result["workdir"] = workdir
