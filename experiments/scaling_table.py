@@ -609,6 +609,7 @@ def drive(seeds: list[int], plan_of: Callable[[study.ResultStore], Plan] | None 
       ]
       proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
       log.close()
+      _share_priority(proc.pid)
       slots[core] = (proc, system, seed, path, time.time())
       print(f"[{system.name} seed {seed}] started on core {core}", flush=True)
     if not slots and not ready:
@@ -616,6 +617,25 @@ def drive(seeds: list[int], plan_of: Callable[[study.ResultStore], Plan] | None 
         print(f"stopping: {len(failed)} runs failed; rows that need them were not run", flush=True)
       return
     time.sleep(10 if not _STOP_AT.value else 1)
+
+
+def _autogroup_nice(pid: int | str = "self", proc: str = "/proc") -> int | None:
+  """The nice value of a process's scheduler autogroup (Linux), or None where there is none."""
+  try:
+    with open(f"{proc}/{pid}/autogroup") as f:
+      return int(f.read().split()[-1])
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+def _share_priority(pid: int, proc: str = "/proc") -> None:
+  """Gives a run the driver's autogroup nice. A run leads a session of its own (so that it outlives
+  the driver), and with it an autogroup of its own at nice 0: without this, a study started at
+  idle priority (`echo 19 > /proc/self/autogroup`) would run its children at the normal one."""
+  nice = _autogroup_nice(proc=proc)
+  if nice:
+    with contextlib.suppress(OSError), open(f"{proc}/{pid}/autogroup", "w") as f:
+      f.write(str(nice))
 
 
 def _kill_session(pid: int) -> None:

@@ -168,3 +168,22 @@ def test_protocol_gap_pairs_decoupled_with_streaming_by_seed_and_fraction(st, st
 
 def test_protocol_gap_is_empty_before_the_sweeps_choose(st, store):
   assert st.protocol_gap(store, [0]) == []
+
+
+def test_a_run_gets_the_drivers_autogroup_nice(st, tmp_path):
+  proc = tmp_path / "proc"
+  for pid, text in (("self", "/autogroup-2 nice 19\n"), ("41", "/autogroup-9 nice 0\n")):
+    (proc / pid).mkdir(parents=True)
+    (proc / pid / "autogroup").write_text(text)
+  assert st._autogroup_nice(proc=str(proc)) == 19
+  assert st._autogroup_nice(41, proc=str(proc)) == 0
+  st._share_priority(41, proc=str(proc))
+  assert (proc / "41" / "autogroup").read_text() == "19"
+  # A driver at nice 0, a run gone, no autogroups (another kernel): nothing changes, nothing fails.
+  (proc / "self" / "autogroup").write_text("/autogroup-2 nice 0\n")
+  (proc / "41" / "autogroup").write_text("/autogroup-9 nice 5\n")
+  st._share_priority(41, proc=str(proc))
+  assert (proc / "41" / "autogroup").read_text() == "/autogroup-9 nice 5\n"
+  (proc / "self" / "autogroup").write_text("/autogroup-2 nice 19\n")
+  st._share_priority(42, proc=str(proc))
+  assert st._autogroup_nice(proc=str(tmp_path / "none")) is None
